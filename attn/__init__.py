@@ -1,0 +1,20 @@
+"""attn: exact, memory-linear scaled-dot-product attention for PyTorch."""
+
+from attn.api import (
+    AttentionCall,
+    BackendChoice,
+    attention,
+    scaled_dot_product_attention,
+    select_backend,
+)
+from attn.merge import merge_attention
+
+__all__ = [
+    "AttentionCall",
+    "BackendChoice",
+    "attention",
+    "merge_attention",
+    "scaled_dot_product_attention",
+    "select_backend",
+]
+__version__ = "0.1.0"

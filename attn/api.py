@@ -1,0 +1,411 @@
+"""Public entry points: validation, then one backend.
+
+``attention`` is attn's own signature (bottom-right causal, every variant);
+``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
+argument for argument so existing code switches by changing one import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attn.masks import Band, make_band
+from attn.reference import reference_attention
+from attn.tiled import tiled_attention
+
+BACKENDS = ("auto", "reference", "tiled", "triton", "sdpa")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What a backend needs to know to say whether it can run a call (no tensors inside)."""
+
+    device: str  # "cpu", "cuda", ...
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    n_q: int
+    n_k: int
+    band: Band = Band()
+    mask: str | None = None  # None, "bool" or "float"
+    mask_grad: bool = False  # a float attn_mask that requires grad
+    softcap: str | None = None  # None, "fixed" or "learned"
+    sinks: bool = False
+    temperature_tensor: bool = False
+    dropout: bool = False
+    return_lse: bool = False
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str
+    reason: str  # why this backend, and why not the preferred one when it fell back
+
+
+def _sdpa_unsupported(call: AttentionCall) -> str | None:
+    if call.softcap is not None:
+        return "softcap (torch's SDPA has no score transform)"
+    if call.sinks:
+        return "sinks (torch's SDPA has no extra softmax denominator term)"
+    if call.return_lse:
+        return "return_lse (torch's SDPA does not return the log-sum-exp)"
+    if call.dtype == torch.float64 and call.device != "cpu":
+        return "float64 off the CPU"
+    return None
+
+
+def _triton_unsupported(call: AttentionCall) -> str | None:
+    try:
+        from attn import flash_triton
+    except ImportError as exc:  # triton missing, or the module not built on this platform
+        return f"triton is not importable ({exc}); install the extra: pip install 'attn[triton]'"
+    return flash_triton.unsupported_reason(call)
+
+
+def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
+    """Why ``backend`` cannot compute ``call`` exactly, or None when it can."""
+    if backend in ("reference", "tiled"):
+        return None
+    if backend == "sdpa":
+        return _sdpa_unsupported(call)
+    if backend == "triton":
+        return _triton_unsupported(call)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoice:
+    """The backend that runs ``call``: pure, cheap, and it explains itself.
+
+    ``auto`` prefers ``triton`` on CUDA and falls back to ``tiled`` (every device, every
+    variant). An explicit request that cannot compute the call raises NotImplementedError.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested != "auto":
+        why = unsupported_reason(requested, call)
+        if why is not None:
+            raise NotImplementedError(
+                f"backend={requested!r} cannot compute this call: {why}. "
+                f"backend='tiled' and backend='reference' support every variant.")
+        return BackendChoice(requested, "requested explicitly")
+    if call.device != "cuda":
+        return BackendChoice("tiled", f"auto: tiled on {call.device} (triton needs CUDA)")
+    why = _triton_unsupported(call)
+    if why is None:
+        return BackendChoice("triton", "auto: triton on CUDA")
+    return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}")
+
+
+# -- validation --------------------------------------------------------------------------------
+
+def _check_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _validate_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (B, H, N, D), got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: {shapes}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head dims differ: {shapes}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must agree in heads and length: {shapes}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads must be a multiple of kv heads (GQA), got H={q.shape[1]}, "
+                         f"Hkv={k.shape[1]}: {shapes}")
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        raise ValueError(f"q, k, v must not be empty: {shapes}")
+
+
+def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...]) -> None:
+    _check_tensor("attn_mask", attn_mask)
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = attend) or floating (added to the "
+                        f"scores), got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
+    ok = attn_mask.dim() <= 4
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(tuple(attn_mask.shape), shape) == shape
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"(B, H, Nq, Nk) = {shape}")
+
+
+def _validate_window(window: object) -> tuple[int, int] | None:
+    if window is None:
+        return None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        raise TypeError(f"window must be a pair of ints (left, right), -1 for unbounded, "
+                        f"got {window!r}")
+    if any(w < -1 for w in window):
+        raise ValueError(f"window sides must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    return int(window[0]), int(window[1])
+
+
+def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
+              ) -> float | Tensor:
+    """A positive float, or a positive floating tensor that broadcasts to ``shape_ok``."""
+    if isinstance(x, Tensor):
+        if not x.is_floating_point():
+            raise TypeError(f"{name} tensor must be floating, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+        try:
+            ok = x.dim() <= len(shape_ok) and torch.broadcast_shapes(x.shape, shape_ok) == shape_ok
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {shape_ok}")
+        if bool((x <= 0).any()):
+            raise ValueError(f"{name} must be positive, got min {x.min().item():g}")
+        return x
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a float or a tensor, got {type(x).__name__}")
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be positive and finite, got {x}")
+    return float(x)
+
+
+# -- torch's SDPA as a backend, for side-by-side comparison ------------------------------------
+
+def _sdpa_forward(q, k, v, *, band, attn_mask, scale, dropout_p, **_unused):
+    Nq, Nk = q.shape[2], k.shape[2]
+    is_causal = False
+    if not band.is_full:
+        if (attn_mask is None and band.left is None and band.right == 0 and band.offset == 0):
+            is_causal = True  # torch's own causal path, top-left == ours when offset is 0
+        else:
+            allowed = band.mask(torch.arange(Nq, device=q.device),
+                                torch.arange(Nk, device=q.device))
+            if attn_mask is None:
+                attn_mask = allowed
+            elif attn_mask.dtype == torch.bool:
+                attn_mask = attn_mask & allowed
+            else:
+                attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
+        attn_mask = attn_mask.to(q.dtype)
+    if isinstance(scale, Tensor):  # per-head temperature: fold into q, autograd does the rest
+        q, scale = q * scale.to(q.dtype), 1.0
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return out, None
+
+
+def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropout_p,
+         dropout_seed) -> tuple[Tensor, Tensor | None]:
+    kw = dict(band=band, attn_mask=attn_mask, softcap=softcap, sinks=sinks,
+              dropout_p=dropout_p, dropout_seed=dropout_seed)
+    if backend == "reference":
+        if isinstance(scale, Tensor):
+            scale = scale.to(q.dtype)  # plain PyTorch in q's dtype, like the rest of the reference
+        return reference_attention(q, k, v, scale=scale, **kw)
+    if backend == "sdpa":
+        return _sdpa_forward(q, k, v, scale=scale, **kw)
+    if isinstance(scale, Tensor):
+        # temperature folded into q in float32: the kernels see a plain q, autograd handles τ
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q, scale = q.to(acc) * scale.to(acc), 1.0
+    if backend == "tiled":
+        out, lse = tiled_attention(q, k, v, scale=scale, **kw)
+    else:
+        from attn.flash_triton import triton_attention
+        out, lse = triton_attention(q, k, v, scale=scale, **kw)
+    return out.to(v.dtype), lse
+
+
+def _draw_seed(dropout_p: float) -> int:
+    if dropout_p == 0.0:
+        return 0
+    # from torch's default generator, so torch.manual_seed makes dropout reproducible
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, sinks,
+               dropout_p, return_lse, backend):
+    """Shared by both public functions once their conventions are resolved into a Band."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if attn_mask is not None:
+        _validate_mask(attn_mask, q, (B, H, Nq, Nk))
+    if scale is None:
+        scale = D ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    temperature = _positive("temperature", temperature, (B, H), q)
+    if softcap is not None:
+        softcap = _positive("softcap", softcap, (H,), q)
+    if sinks is not None:
+        _check_tensor("sinks", sinks)
+        if sinks.shape != (H,):
+            raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
+        if not sinks.is_floating_point() or sinks.device != q.device:
+            raise TypeError(f"sinks must be a floating tensor on {q.device}, got {sinks.dtype} "
+                            f"on {sinks.device}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+
+    if isinstance(temperature, Tensor):
+        eff_scale = (scale / temperature.to(torch.float64 if q.dtype == torch.float64
+                                            else torch.float32)).expand(B, H)[..., None, None]
+    else:
+        eff_scale = scale / temperature
+
+    call = AttentionCall(
+        device=q.device.type, dtype=q.dtype, head_dim=D, head_dim_v=Dv, n_q=Nq, n_k=Nk,
+        band=band,
+        mask=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
+        mask_grad=attn_mask is not None and attn_mask.requires_grad,
+        softcap=None if softcap is None else ("learned" if isinstance(softcap, Tensor) else "fixed"),
+        sinks=sinks is not None, temperature_tensor=isinstance(temperature, Tensor),
+        dropout=dropout_p > 0.0, return_lse=bool(return_lse))
+    choice = select_backend(call, backend)
+    out, lse = _run(choice.name, q, k, v, band=band, attn_mask=attn_mask, scale=eff_scale,
+                    softcap=softcap, sinks=sinks, dropout_p=dropout_p,
+                    dropout_seed=_draw_seed(dropout_p))
+    return (out, lse) if return_lse else out
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    temperature: float | Tensor = 1.0,
+    softcap: float | Tensor | None = None,
+    window: tuple[int, int] | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Exact scaled-dot-product attention with the variants people train with.
+
+    Shapes: q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in
+    q's dtype; with ``return_lse`` also lse (B, H, Nq), float32 (float64 for float64 input).
+    ``H % Hkv == 0``: query head h reads kv head ``h // (H // Hkv)`` (GQA, MQA).
+
+    Score ``s = (q·k) · scale / temperature``, ``scale`` defaulting to ``D ** -0.5``, then:
+
+    * ``softcap=c``: ``s = c·tanh(s / c)`` (Gemma 2); a float, or a tensor broadcastable to
+      (H,) that receives a gradient.
+    * masks, combined with AND: ``attn_mask`` bool (True = attend) or float (added to s),
+      broadcastable to (B, H, Nq, Nk); ``causal`` aligned bottom-right; ``window=(left,
+      right)`` bounds the same diagonal offset (-1 = unbounded)::
+
+          causal, Nq=3, Nk=5       window=(1, 0), Nq=Nk=4
+          q0  x x x . .            x . . .
+          q1  x x x x .            x x . .
+          q2  x x x x x            . x x .
+                                   . . x x
+
+    * ``sinks`` (H,): per-head logits that join only the softmax denominator (attention
+      sinks, Xiao et al. 2023; gpt-oss); learnable.
+    * ``temperature``: a positive float or a tensor broadcastable to (B, H) (learnable).
+    * ``dropout_p``: dropout on the probabilities; its mask is a hash of a seed drawn from
+      torch's generator, so ``torch.manual_seed`` reproduces it on every backend.
+
+    A row that sees no key returns zeros and lse = -inf (or its sink), never NaN.
+    ``backend``: "auto" (triton on CUDA when it can, else tiled), "reference", "tiled",
+    "triton" or "sdpa"; see :func:`select_backend`.
+    """
+    _validate_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    band = make_band(q.shape[2], k.shape[2], causal=causal, window=_validate_window(window))
+    return _attention(q, k, v, band=band, attn_mask=attn_mask, scale=scale,
+                      temperature=temperature, softcap=softcap, sinks=sinks,
+                      dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on attn's backends.
+
+    Same arguments and semantics as torch's: inputs (..., H, L, E) / (..., Hkv, S, E)
+    (3 or more dims), ``is_causal`` aligned top-left (query i sees keys j <= i), bool mask
+    True = attend, float mask added, ``enable_gqa`` required when H != Hkv. Rows that see
+    no key give zeros. Dropout draws its mask from attn's hash RNG, not torch's.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, t)
+        if t.dim() < 3:
+            raise ValueError(f"{name} must have at least 3 dims (..., L, E), got shape "
+                             f"{tuple(t.shape)}")
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError(f"query, key, value must have the same number of dims, got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if query.dim() >= 4 and query.shape[-3] != key.shape[-3] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass "
+                         f"enable_gqa=True for grouped-query attention")
+    lead = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
+    L, S = query.shape[-2], key.shape[-2]
+
+    def to4d(t: Tensor) -> Tensor:
+        if t.dim() == 3:
+            return t.unsqueeze(1)  # (N, L, E) -> (N, 1, L, E)
+        return t.reshape(-1, *t.shape[-3:])  # (..., H, L, E) -> (B, H, L, E)
+
+    q4, k4, v4 = to4d(query), to4d(key), to4d(value)
+    _validate_qkv(q4, k4, v4)
+    mask4 = None
+    if attn_mask is not None:
+        _check_tensor("attn_mask", attn_mask)
+        try:
+            full = torch.broadcast_shapes(attn_mask.shape, (*lead, *query.shape[-3:-2], L, S)
+                                          if query.dim() >= 4 else (*lead, L, S))
+        except RuntimeError:
+            full = None
+        if full is None or attn_mask.dim() > query.dim():
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
+                             f"to the scores' shape {(*query.shape[:-1], S)}")
+        if query.dim() == 3:
+            mask4 = attn_mask.unsqueeze(-3) if attn_mask.dim() == 3 else attn_mask
+        elif query.dim() == 4:
+            mask4 = attn_mask
+        else:  # flatten leading batch dims: (..., H, L, S) -> (B, H, L, S)
+            mask4 = attn_mask.expand(*query.shape[:-1], S).reshape(-1, *query.shape[-3:-1], S)
+    band = make_band(L, S, causal=bool(is_causal), window=None, top_left=True)
+    out = _attention(q4, k4, v4, band=band, attn_mask=mask4, scale=scale, temperature=1.0,
+                     softcap=None, sinks=None, dropout_p=dropout_p, return_lse=False,
+                     backend=backend)
+    return out.reshape(*query.shape[:-1], value.shape[-1])

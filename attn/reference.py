@@ -1,0 +1,75 @@
+"""The oracle: ``softmax(q kᵀ · scale) v`` with every variant, scores materialized (O(N²)).
+
+Readable before fast. Every other backend is tested against this function run in float64;
+run in a low precision it also measures plain PyTorch's own error in that precision. It
+computes in the dtype it is given and lets autograd provide every gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attn.masks import Band, dropout_keep
+
+
+def reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    band: Band = Band(),
+    attn_mask: Tensor | None = None,
+    scale: float | Tensor = 1.0,
+    softcap: float | Tensor | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Attention with materialized scores. Inputs already validated by ``attn.api``.
+
+    q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); ``scale`` is the full multiplier
+    of q·k (``scale / temperature``), a float or a tensor broadcastable to (B, H, 1, 1);
+    ``softcap`` a float or a tensor broadcastable to (H,); ``sinks`` (H,).
+    Returns out (B, H, Nq, Dv) in q's dtype and lse (B, H, Nq) in float32 (float64 for
+    float64 inputs).
+    """
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    group = H // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # (B, H, Nk, D)
+    v = v.repeat_interleave(group, dim=1)
+
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk)
+    if softcap is not None:
+        c = softcap if isinstance(softcap, float) else softcap.to(s.dtype).reshape(-1, 1, 1)
+        s = c * torch.tanh(s / c)
+    allowed = band.mask(torch.arange(Nq, device=q.device), torch.arange(Nk, device=q.device))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = attn_mask if allowed is None else allowed & attn_mask
+        else:
+            s = s + attn_mask.to(s.dtype)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+
+    m = s.amax(dim=-1, keepdim=True)  # (B, H, Nq, 1)
+    if sinks is not None:
+        sink = sinks.to(s.dtype).reshape(1, H, 1, 1)
+        m = torch.maximum(m, sink)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m).detach()  # rows that see nothing
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        l = l + torch.exp(sink - m)
+    l_safe = torch.where(l > 0, l, torch.ones_like(l))
+    p = p / l_safe
+    lse = (m + torch.log(l)).squeeze(-1)  # -inf where the row sees nothing
+    if dropout_p > 0.0:
+        bh = torch.arange(B * H, device=q.device).reshape(B, H)
+        keep = dropout_keep(dropout_seed, bh, torch.arange(Nq, device=q.device),
+                            torch.arange(Nk, device=q.device), dropout_p)
+        p = p * keep / (1.0 - dropout_p)
+    out = p @ v
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out.to(q.dtype), lse.to(lse_dtype)

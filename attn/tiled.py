@@ -1,0 +1,305 @@
+"""Tiled attention in PyTorch: the FlashAttention algorithm, block by block, on any device.
+
+Forward: for each block of ``BLOCK_M`` queries, walk the key blocks the band allows and keep
+the online-softmax state per row — running max ``m_i``, running denominator ``l_i``,
+rescaled accumulator ``acc`` — so the only score tensor alive is one
+``(B, H, BLOCK_M, BLOCK_N)`` tile. Backward (FlashAttention-2): save only q, k, v, out and
+lse; recompute each tile's probabilities from lse and form ``dS = P ∘ (dP − Δ)`` with
+``Δ = rowsum(dO ∘ O)``. Nothing N x N exists at any moment unless the caller passed an
+N x N ``attn_mask``.
+
+GQA without copies: q is viewed as ``(B, Hkv, G·BLOCK_M, D)`` per block, so one matmul
+serves every query head of a group and ``Pᵀ dO`` sums dV over the group for free.
+
+Three layers, as in ``flash_triton.py``: ``_fwd`` / ``_bwd`` launchers, one
+``torch.autograd.Function``, and the public :func:`tiled_attention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attn.masks import Band, dropout_keep
+
+# Chosen by measurement on 2 CPU cores, fp32, B=1, H=8, D=64, N up to 8192
+# (benchmarks/results/tiled_blocks_cpu.md): big enough that the per-tile Python and
+# dispatch overhead is amortised, small enough that a tile stays in cache.
+BLOCK_M = 256
+BLOCK_N = 512
+
+
+@dataclass(frozen=True)
+class _Config:
+    band: Band
+    scale: float  # multiplier of q·k (a tensor temperature is folded into q by the caller)
+    softcap: float | None  # a fixed softcap; a learnable one travels as a tensor input
+    dropout_p: float
+    dropout_seed: int
+    block_m: int
+    block_n: int
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mask4d(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
+    """``mask`` expanded (no copy) to ``shape``."""
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(shape)
+
+
+class _Tile:
+    """Everything one (query block, key block) tile needs to rebuild its scores."""
+
+    def __init__(self, q: Tensor, k: Tensor, cfg: _Config, attn_mask: Tensor | None,
+                 softcap_t: Tensor | None) -> None:
+        B, H, Nq, _ = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        self.B, self.Hkv, self.G, self.Nq, self.Nk = B, Hkv, H // Hkv, Nq, Nk
+        self.cfg = cfg
+        self.device = q.device
+        acc = self.acc_dtype = _acc_dtype(q.dtype)
+        # masks and learnable softcap viewed per (B, Hkv, G, ...) to match the GQA layout
+        self.mask5 = None
+        if attn_mask is not None:
+            self.mask5 = _mask4d(attn_mask, (B, H, Nq, Nk)).view(B, Hkv, self.G, Nq, Nk)
+        self.cap5 = None
+        if softcap_t is not None:
+            self.cap5 = softcap_t.to(acc).expand(H).reshape(1, Hkv, self.G, 1, 1)
+        if cfg.dropout_p > 0.0:
+            self.bh = torch.arange(B * H, device=q.device).view(B, Hkv, self.G)
+
+    def scores(self, q_blk: Tensor, k_blk: Tensor, m0: int, m1: int, n0: int, n1: int
+               ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Masked scores ``(B, Hkv, G, BM, BN)``; with softcap also ``u = s_raw / c`` and
+        ``t = tanh(u)`` (the backward needs both)."""
+        B, Hkv, G, BM, BN = self.B, self.Hkv, self.G, m1 - m0, n1 - n0
+        # -- compute qk (q_blk is (B, Hkv, G*BM, D), already scaled) --
+        s = torch.matmul(q_blk, k_blk.transpose(-1, -2)).view(B, Hkv, G, BM, BN)
+        u = t = None
+        if self.cap5 is not None or self.cfg.softcap is not None:
+            c = self.cap5 if self.cap5 is not None else self.cfg.softcap
+            u = s.div_(c)
+            t = torch.tanh(u)
+            s = t * c
+        # -- masks --
+        band = self.cfg.band
+        if not band.tile_is_full(m0, m1, n0, n1):
+            offs_m = torch.arange(m0, m1, device=self.device)
+            offs_n = torch.arange(n0, n1, device=self.device)
+            s.masked_fill_(~band.mask(offs_m, offs_n), float("-inf"))
+        if self.mask5 is not None:
+            mt = self.mask5[..., m0:m1, n0:n1]
+            if mt.dtype == torch.bool:
+                s.masked_fill_(~mt, float("-inf"))
+            else:
+                s.add_(mt)
+        return s, u, t
+
+    def dropout_scale(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
+        """Kept elements scaled by 1/(1-p), dropped ones 0: ``(B, Hkv, G, BM, BN)``."""
+        p = self.cfg.dropout_p
+        offs_m = torch.arange(m0, m1, device=self.device)
+        offs_n = torch.arange(n0, n1, device=self.device)
+        keep = dropout_keep(self.cfg.dropout_seed, self.bh, offs_m, offs_n, p)
+        return keep.to(self.acc_dtype) / (1.0 - p)
+
+
+def _q_block(q: Tensor, m0: int, m1: int, Hkv: int, scale: float, acc: torch.dtype) -> Tensor:
+    B, H, _, D = q.shape
+    q_blk = q[:, :, m0:m1].to(acc) * scale  # (B, H, BM, D), a fresh copy
+    return q_blk.view(B, Hkv, (H // Hkv) * (m1 - m0), D)  # (B, Hkv, G*BM, D)
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+         softcap_t: Tensor | None, cfg: _Config) -> tuple[Tensor, Tensor]:
+    B, H, Nq, _ = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    acc_dtype = _acc_dtype(q.dtype)
+    tile = _Tile(q, k, cfg, attn_mask, softcap_t)
+    out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
+    out5 = out.view(B, Hkv, G, Nq, Dv)
+    lse4 = lse.view(B, Hkv, G, Nq)
+    sink4 = None if sinks is None else sinks.to(acc_dtype).view(1, Hkv, G, 1)
+
+    for m0 in range(0, Nq, cfg.block_m):
+        m1 = min(m0 + cfg.block_m, Nq)
+        BM = m1 - m0
+        # -- init: the sink, when present, is the first "key" of every row --
+        if sink4 is None:
+            m_i = torch.full((B, Hkv, G, BM), float("-inf"), dtype=acc_dtype, device=q.device)
+            l_i = torch.zeros((B, Hkv, G, BM), dtype=acc_dtype, device=q.device)
+        else:
+            m_i = sink4.expand(B, Hkv, G, BM).clone()
+            l_i = torch.ones((B, Hkv, G, BM), dtype=acc_dtype, device=q.device)
+        acc = torch.zeros((B, Hkv, G, BM, Dv), dtype=acc_dtype, device=q.device)
+        n_lo, n_hi = cfg.band.key_range(m0, m1, Nk)
+        if n_lo < n_hi:
+            q_blk = _q_block(q, m0, m1, Hkv, cfg.scale, acc_dtype)
+        for n0 in range(n_lo, n_hi, cfg.block_n):
+            n1 = min(n0 + cfg.block_n, n_hi)
+            s, _, _ = tile.scores(q_blk, k[:, :, n0:n1].to(acc_dtype), m0, m1, n0, n1)
+            # -- online softmax --
+            m_new = torch.maximum(m_i, s.amax(dim=-1))
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key yet
+            p = s.sub_(m_safe.unsqueeze(-1)).exp_()  # in place: s is dead after this
+            alpha = torch.exp(m_i - m_safe)
+            l_i = l_i * alpha + p.sum(dim=-1)
+            if cfg.dropout_p > 0.0:
+                p.mul_(tile.dropout_scale(m0, m1, n0, n1))
+            # -- update acc --
+            pv = torch.matmul(p.view(B, Hkv, G * BM, n1 - n0), v[:, :, n0:n1].to(acc_dtype))
+            acc.mul_(alpha.unsqueeze(-1)).add_(pv.view(B, Hkv, G, BM, Dv))
+            m_i = m_new
+        # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
+        l_safe = l_i.masked_fill(l_i == 0, 1.0)
+        out5[..., m0:m1, :] = (acc / l_safe.unsqueeze(-1)).to(out.dtype)
+        lse4[..., m0:m1] = m_i + torch.log(l_i)
+    return out, lse
+
+
+def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a broadcast gradient back to ``shape`` (the shape of the tensor that broadcast)."""
+    lead = grad.dim() - len(shape)
+    if lead > 0:
+        grad = grad.sum(dim=tuple(range(lead)))
+    dims = tuple(d for d, n in enumerate(shape) if n == 1 and grad.shape[d] != 1)
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+         lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+         softcap_t: Tensor | None, cfg: _Config, need_dmask: bool):
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    acc_dtype = _acc_dtype(q.dtype)
+    tile = _Tile(q, k, cfg, attn_mask, softcap_t)
+    dq = torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(B, Hkv, Nk, D, dtype=acc_dtype, device=q.device)
+    dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc_dtype, device=q.device)
+    dq5 = dq.view(B, Hkv, G, Nq, D)
+    dsoftcap = None if softcap_t is None else torch.zeros(H, dtype=acc_dtype, device=q.device)
+    dmask = None
+    if need_dmask:
+        mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        dmask = torch.zeros(mask4.shape, dtype=acc_dtype, device=q.device)
+    # Δ = rowsum(dO ∘ O) - dlse: the lse output's gradient joins dS as dlse_i * P_ij
+    delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, H, Nq)
+    if dlse is not None:
+        delta = delta - dlse.to(acc_dtype)
+    delta4 = delta.view(B, Hkv, G, Nq)
+    lse4 = lse.view(B, Hkv, G, Nq)
+    lse4 = lse4.masked_fill(lse4 == float("-inf"), float("inf"))  # P = 0 on empty rows
+    do5 = do.view(B, Hkv, G, Nq, Dv)
+
+    for m0 in range(0, Nq, cfg.block_m):
+        m1 = min(m0 + cfg.block_m, Nq)
+        BM = m1 - m0
+        n_lo, n_hi = cfg.band.key_range(m0, m1, Nk)
+        if n_lo >= n_hi:
+            continue
+        q_blk = _q_block(q, m0, m1, Hkv, cfg.scale, acc_dtype)  # (B, Hkv, G*BM, D)
+        do_blk = do5[..., m0:m1, :].to(acc_dtype).reshape(B, Hkv, G * BM, Dv)
+        lse_blk = lse4[..., m0:m1].unsqueeze(-1)
+        delta_blk = delta4[..., m0:m1].unsqueeze(-1)
+        dq_blk = torch.zeros(B, Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
+        for n0 in range(n_lo, n_hi, cfg.block_n):
+            n1 = min(n0 + cfg.block_n, n_hi)
+            BN = n1 - n0
+            k_blk = k[:, :, n0:n1].to(acc_dtype)
+            v_blk = v[:, :, n0:n1].to(acc_dtype)
+            # -- recompute P from lse --
+            s, u, t = tile.scores(q_blk, k_blk, m0, m1, n0, n1)
+            p = s.sub_(lse_blk).exp_()  # (B, Hkv, G, BM, BN)
+            # -- dV = Pᵈᵀ dO, dP = dO Vᵀ (ᵈ: with the dropout mask) --
+            dp = torch.matmul(do_blk, v_blk.transpose(-1, -2)).view(B, Hkv, G, BM, BN)
+            if cfg.dropout_p > 0.0:
+                z = tile.dropout_scale(m0, m1, n0, n1)
+                pd = p * z
+                dp.mul_(z)
+            else:
+                pd = p
+            dv[:, :, n0:n1] += torch.matmul(pd.view(B, Hkv, G * BM, BN).transpose(-1, -2), do_blk)
+            # -- dS = P ∘ (dP − Δ) --
+            ds = dp.sub_(delta_blk).mul_(p)
+            if dmask is not None:
+                rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
+                cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
+                dmask[:, :, rows, cols] += _reduce_to(ds.reshape(B, H, BM, BN), dmask.shape)
+            if t is not None:
+                # s = c·tanh(u), u = s_raw/c: ds_raw = ds·(1 − t²); dc = Σ ds·(t − u(1 − t²))
+                one_m_t2 = 1.0 - t * t
+                if dsoftcap is not None:
+                    dc = (ds * (t - u * one_m_t2)).sum(dim=(0, 3, 4))  # (Hkv, G)
+                    dsoftcap += dc.reshape(H)
+                ds = ds * one_m_t2
+            ds3 = ds.view(B, Hkv, G * BM, BN)
+            dq_blk += torch.matmul(ds3, k_blk)
+            dk[:, :, n0:n1] += torch.matmul(ds3.transpose(-1, -2), q_blk)
+        dq5[..., m0:m1, :] = dq_blk.view(B, Hkv, G, BM, D) * cfg.scale
+
+    dsinks = None
+    if sinks is not None:
+        # the sink is a key with value 0: dsink_h = −Σ_{b,i} exp(sink_h − lse_i) · Δ_i
+        p_sink = torch.exp(sinks.to(acc_dtype).view(1, H, 1) - lse.to(acc_dtype))
+        dsinks = -(p_sink * delta).sum(dim=(0, 2))
+    return dq, dk, dv, dmask, dsinks, dsoftcap
+
+
+class _TiledAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap_t, cfg: _Config):
+        out, lse = _fwd(q, k, v, attn_mask, sinks, softcap_t, cfg)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap_t)
+        ctx.cfg = cfg
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, attn_mask, sinks, softcap_t = ctx.saved_tensors
+        need_dmask = bool(ctx.needs_input_grad[3])
+        dq, dk, dv, dmask, dsinks, dsoftcap = _bwd(
+            dout.contiguous(), dlse, q, k, v, out, lse, attn_mask, sinks, softcap_t, ctx.cfg,
+            need_dmask)
+        if dmask is not None:
+            dmask = dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
+        if dsinks is not None:
+            dsinks = dsinks.to(sinks.dtype)
+        if dsoftcap is not None:
+            dsoftcap = _reduce_to(dsoftcap, softcap_t.shape).to(softcap_t.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, dsinks, dsoftcap, None
+
+
+def tiled_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    band: Band = Band(),
+    attn_mask: Tensor | None = None,
+    scale: float = 1.0,
+    softcap: float | Tensor | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+) -> tuple[Tensor, Tensor]:
+    """Memory-linear exact attention. Inputs already validated by ``attn.api``.
+
+    q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
+    lse (B, H, Nq) in float32 (float64 for float64 inputs). ``scale`` multiplies q·k; a
+    tensor temperature must already be folded into q. ``softcap`` may be a float or a
+    learnable tensor broadcastable to (H,); ``sinks`` (H,).
+    """
+    cap_t = softcap if isinstance(softcap, Tensor) else None
+    cfg = _Config(band=band, scale=float(scale), softcap=None if cap_t is not None else softcap,
+                  dropout_p=float(dropout_p), dropout_seed=int(dropout_seed),
+                  block_m=int(block_m), block_n=int(block_n))
+    return _TiledAttention.apply(q, k, v, attn_mask, sinks, cap_t, cfg)
