@@ -64,7 +64,8 @@ def reference_attention(
         l = l + torch.exp(sink - m)
     l_safe = torch.where(l > 0, l, torch.ones_like(l))
     p = p / l_safe
-    lse = (m + torch.log(l)).squeeze(-1)  # -inf where the row sees nothing
+    # -inf where the row sees nothing; log of l_safe keeps that row's gradient finite
+    lse = torch.where(l > 0, m + torch.log(l_safe), float("-inf")).squeeze(-1)
     if dropout_p > 0.0:
         bh = torch.arange(B * H, device=q.device).reshape(B, H)
         keep = dropout_keep(dropout_seed, bh, torch.arange(Nq, device=q.device),

@@ -288,18 +288,19 @@ def tiled_attention(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Memory-linear exact attention. Inputs already validated by ``attn.api``.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
     lse (B, H, Nq) in float32 (float64 for float64 inputs). ``scale`` multiplies q·k; a
     tensor temperature must already be folded into q. ``softcap`` may be a float or a
-    learnable tensor broadcastable to (H,); ``sinks`` (H,).
+    learnable tensor broadcastable to (H,); ``sinks`` (H,). Block sizes default to the
+    module's ``BLOCK_M`` / ``BLOCK_N``, read at call time.
     """
     cap_t = softcap if isinstance(softcap, Tensor) else None
     cfg = _Config(band=band, scale=float(scale), softcap=None if cap_t is not None else softcap,
                   dropout_p=float(dropout_p), dropout_seed=int(dropout_seed),
-                  block_m=int(block_m), block_n=int(block_n))
+                  block_m=int(block_m or BLOCK_M), block_n=int(block_n or BLOCK_N))
     return _TiledAttention.apply(q, k, v, attn_mask, sinks, cap_t, cfg)

@@ -1,0 +1,7 @@
+"""``python -m attn report ...``: the same command as the ``attn`` console script."""
+
+import sys
+
+from attn.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,182 @@
+"""The ``attn`` command: ``attn report`` (the main job) and ``attn bench memory|speed``.
+
+    attn report --quick                 # ~1-2 min on 2 CPU cores: checks, sweep, tables, plots
+    attn report --device cuda --out results/h100
+    attn bench memory --n 1024 4096 16384 --backends tiled sdpa --mode fwd+bwd
+    attn bench speed --n 2048 --d 64 128 --causal both --dtype float16 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from attn.bench import plots, report
+from attn.bench.flops import MODES
+from attn.bench.sweep import DTYPES, Row, SweepConfig, default_backends, finish, \
+    measure_matmul_rates, plan, run_sweep
+
+# (N values, causal values) per device for the full and the quick report. The quick one is
+# sized to finish in about a minute on 2 CPU cores; the full CPU one reaches N = 16384, where
+# the reference's N² scores no longer fit and only the O(N) backends run.
+_REPORT_N = {("cpu", False): (512, 1024, 2048, 4096, 8192, 16384),
+             ("cpu", True): (256, 512, 1024, 2048),
+             ("cuda", False): (512, 1024, 2048, 4096, 8192, 16384, 32768),
+             ("cuda", True): (512, 1024, 2048, 4096)}
+
+
+def _causal(value: str) -> tuple[bool, ...]:
+    return {"false": (False,), "true": (True,), "both": (False, True)}[value]
+
+
+def _modes(value: str) -> tuple[str, ...]:
+    return MODES if value == "both" else (value,)
+
+
+def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> None:
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for results.json, results.md and the PNGs")
+    p.add_argument("--n", type=int, nargs="+", default=None, help="sequence lengths N")
+    p.add_argument("--d", type=int, nargs="+", default=[64], help="head dims D")
+    p.add_argument("--batch", "-B", type=int, default=1)
+    p.add_argument("--heads", "-H", type=int, default=8)
+    p.add_argument("--backends", nargs="+", default=list(default_backends()),
+                   choices=default_backends())
+    p.add_argument("--causal", choices=("false", "true", "both"), default="false")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=tuple(DTYPES))
+    p.add_argument("--mode", choices=(*MODES, "both"), default="both")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per point (max)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop repeating a point after this many seconds of timed calls")
+    p.add_argument("--max-mem-gb", type=float, default=None,
+                   help="skip points predicted to need more (default: 60%% of free memory)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    if report_defaults:
+        p.add_argument("--quick", action="store_true",
+                       help="small sizes and few repeats: about 1-2 minutes on 2 CPU cores")
+        p.add_argument("--no-checks", action="store_true",
+                       help="skip the correctness checks against the reference")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attn", description="Measure attention: correctness, memory and speed by N.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("report", help="check every backend, then sweep memory and speed")
+    _add_sweep_args(rep, report_defaults=True)
+    bench = sub.add_parser("bench", help="a custom memory or speed sweep")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    for kind, what in (("memory", "peak bytes above the inputs"), ("speed", "ms and TFLOP/s")):
+        _add_sweep_args(kinds.add_parser(kind, help=what), report_defaults=False)
+    return parser
+
+
+def _config(args: argparse.Namespace) -> SweepConfig:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("attn: --device cuda, but torch sees no CUDA device")
+    quick = getattr(args, "quick", False)
+    kind = torch.device(device).type
+    n = tuple(args.n) if args.n else _REPORT_N[(kind, quick)]
+    return SweepConfig(
+        n=n, backends=tuple(args.backends), d=tuple(args.d), causal=_causal(args.causal),
+        dtypes=tuple(args.dtype), modes=_modes(args.mode), batch=args.batch,
+        heads=args.heads, device=device,
+        measure_memory=args.command == "report" or args.kind == "memory",
+        measure_time=args.command == "report" or args.kind == "speed",
+        warmup=args.warmup, repeats=args.repeats or (3 if quick else 7),
+        min_repeats=1 if quick else 2,
+        budget_s=args.budget_s if args.budget_s is not None else (0.5 if quick else 3.0),
+        max_bytes=None if args.max_mem_gb is None else int(args.max_mem_gb * 2**30),
+        matmul_n=512 if quick and kind == "cpu" else None)
+
+
+def _progress(total: int, enabled: bool):
+    """A tqdm bar when tqdm is installed and wanted, else None (one line per point)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="pt", file=sys.stderr, dynamic_ncols=True)
+
+
+def _label(r: Row) -> str:
+    return (f"{r.backend} {r.mode} N={r.N} D={r.D}{' causal' if r.causal else ''} {r.dtype}")
+
+
+def _sweep(cfg: SweepConfig, show_progress: bool) -> list[Row]:
+    rows = plan(cfg)
+    bar = _progress(len(rows), show_progress)
+    done = []
+    for r in run_sweep(cfg, rows):
+        done.append(r)
+        if bar is not None:
+            bar.set_description(_label(r), refresh=False)
+            bar.update()
+        elif show_progress:
+            ms = f"{r.ms:.2f} ms" if r.ms is not None else r.status
+            print(f"[{len(done)}/{len(rows)}] {_label(r)}: {ms}", file=sys.stderr)
+    if bar is not None:
+        bar.close()
+    return done
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = _config(args)
+    out = args.out or Path("out") / ("report" if args.command == "report" else
+                                     f"bench-{args.kind}")
+    t0 = time.perf_counter()
+    print(f"attn {args.command}{' ' + args.kind if args.command == 'bench' else ''}: "
+          f"{report.device_name(cfg.device)} ({cfg.device}), torch {torch.__version__}",
+          file=sys.stderr)
+
+    checks = []
+    if args.command == "report" and not args.no_checks:
+        print("checking each backend against the float64 reference ...", file=sys.stderr)
+        checks = report.run_checks(cfg.device, cfg.backends)
+    rates = measure_matmul_rates(cfg) if cfg.measure_time else {}
+    rows = finish(_sweep(cfg, not args.no_progress), rates)
+
+    header = report.make_header(cfg, argv, rates)
+    header["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    row_dicts = [r.as_dict() for r in rows]
+    check_dicts = [report.asdict(c) for c in checks]
+    report.write_json(out / "results.json", header, rows, checks)
+    pngs = [] if args.no_plots else plots.write_plots(row_dicts, out, header)
+    report.write_markdown(out / "results.md", header, row_dicts, check_dicts,
+                          [str(p) for p in pngs])
+
+    print()
+    print(report.header_text(header))
+    if checks:
+        print(report.checks_table(check_dicts))
+    print(report.markdown_tables(row_dicts))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}"
+          + "".join(f", {p}" for p in pngs) + f" in {header['elapsed_s']} s")
+    failed = [c for c in checks if c.status == "failed"]
+    for c in failed:
+        print(f"FAILED check: {c.backend} {c.shape} causal={c.causal}\n{c.message}",
+              file=sys.stderr)
+    errors = [r for r in rows if r.status == "error"]
+    for r in errors:
+        print(f"ERROR at {_label(r)}: {r.note}", file=sys.stderr)
+    return 1 if failed or errors else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    return run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

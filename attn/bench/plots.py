@@ -1,0 +1,128 @@
+"""PNG plots of a sweep: peak memory vs N (log–log), time and TFLOP/s vs N.
+
+On log–log axes a power law is a straight line whose slope is its exponent, so the
+reference's N² memory and the tiled backends' N memory are told apart at a glance; the grey
+dashed guides have slopes 1 and 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_COLORS = {"reference": "tab:red", "tiled": "tab:blue", "sdpa": "tab:green",
+           "triton": "tab:purple"}
+_MODES = ("fwd", "fwd+bwd")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(rows: list[dict], backend: str, causal: bool, mode: str, field: str):
+    pts = sorted((r["N"], r[field]) for r in rows if r["backend"] == backend
+                 and r["causal"] == causal and r["mode"] == mode and r["status"] == "ok"
+                 and r[field] is not None)
+    return [n for n, _ in pts], [y for _, y in pts]
+
+
+def _draw(ax, rows, mode, field, scale=1.0):
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        for causal in sorted({r["causal"] for r in rows}):
+            xs, ys = _series(rows, backend, causal, mode, field)
+            if xs:
+                ax.plot(xs, [y * scale for y in ys], marker="o", ms=4,
+                        color=_COLORS.get(backend), ls="--" if causal else "-",
+                        label=backend + (" causal" if causal else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length N")
+    ax.set_title(mode)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _guides(ax, rows, mode, scale):
+    """Lines ∝ N and ∝ N² through the smallest measured point, to read slopes against."""
+    pts = [(r["N"], r["peak_bytes"]) for r in rows
+           if r["mode"] == mode and r["status"] == "ok" and r["peak_bytes"]]
+    if not pts:
+        return
+    ns = sorted({n for n, _ in pts})
+    n0 = ns[0]
+    at_n0 = sorted(y for n, y in pts if n == n0)
+    y0 = at_n0[len(at_n0) // 2] * scale  # the median backend, so guides sit mid-plot
+    for power, label in ((1, "∝ N"), (2, "∝ N²")):
+        ax.plot(ns, [y0 * (n / n0) ** power for n in ns], color="grey", ls=":", lw=1,
+                label=label)
+
+
+def _title(rows: list[dict], header: dict | None) -> str:
+    r = rows[0]
+    dev = (header or {}).get("device_name", r["device"])
+    return f"{dev} — {r['dtype']}, B={r['B']}, H={r['H']}, D={r['D']}"
+
+
+def plot_memory(rows: list[dict], path: str | Path, header: dict | None = None) -> Path:
+    """Peak MiB above the inputs vs N, log–log, one panel per mode."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, mode in zip(axes, _MODES):
+        _draw(ax, rows, mode, "peak_bytes", 1 / 2**20)
+        _guides(ax, rows, mode, 1 / 2**20)
+        ax.set_yscale("log")
+        ax.set_ylabel("peak MiB above inputs")
+        ax.legend(fontsize=8)
+    fig.suptitle("Peak memory — " + _title(rows, header))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_speed(rows: list[dict], path: str | Path, header: dict | None = None) -> Path:
+    """Top: median ms vs N (log–log). Bottom: TFLOP/s vs N with the matmul rate as a ceiling."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+    rate = (header or {}).get("matmul_tflops", {}).get(rows[0]["dtype"])
+    for col, mode in enumerate(_MODES):
+        _draw(axes[0, col], rows, mode, "ms")
+        axes[0, col].set_yscale("log")
+        axes[0, col].set_ylabel("ms (median)")
+        axes[0, col].legend(fontsize=8)
+        _draw(axes[1, col], rows, mode, "tflops")
+        if rate:
+            axes[1, col].axhline(rate, color="black", ls=":", lw=1, label="square matmul")
+        axes[1, col].set_ylabel("TFLOP/s (4·B·H·N²·D fwd, ×3.5 fwd+bwd)")
+        axes[1, col].set_ylim(bottom=0)
+        axes[1, col].legend(fontsize=8)
+    fig.suptitle("Speed — " + _title(rows, header))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_plots(rows: list[dict], out_dir: str | Path, header: dict | None = None) -> list[Path]:
+    """memory-<dtype>-d<D>.png and speed-<dtype>-d<D>.png per (dtype, D) with data to show.
+    Returns [] (with the reason on stderr) when matplotlib is not installed."""
+    try:
+        _pyplot()
+    except ImportError:
+        import sys
+
+        print("attn: matplotlib is not installed, no plots (pip install matplotlib)",
+              file=sys.stderr)
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for dtype, D in dict.fromkeys((r["dtype"], r["D"]) for r in rows):
+        rs = [r for r in rows if r["dtype"] == dtype and r["D"] == D]
+        if any(r["peak_bytes"] for r in rs):
+            paths.append(plot_memory(rs, out_dir / f"memory-{dtype}-d{D}.png", header))
+        if any(r["ms"] for r in rs):
+            paths.append(plot_speed(rs, out_dir / f"speed-{dtype}-d{D}.png", header))
+    return paths

@@ -1,0 +1,234 @@
+"""What a run is: its header (machine, versions, command), the correctness checks against the
+reference, and the writers for JSON and markdown.
+
+JSON layout: ``{"header": {...}, "checks": [...], "rows": [...]}``; each row is a
+:class:`attn.bench.sweep.Row` (backend, device, dtype, B, H, N, D, causal, mode, ms, tflops,
+peak_bytes, ratio_to_sdpa, ...), skipped points included with their reason.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from attn.api import AttentionCall, attention, unsupported_reason
+from attn.bench.memory import CPU_ERROR_BYTES
+from attn.bench.sweep import Row, SweepConfig, device_unsupported
+from attn.masks import make_band
+
+SCHEMA_VERSION = 1
+ROW_KEYS = ("backend", "device", "dtype", "B", "H", "N", "D", "causal", "mode", "ms", "tflops",
+            "peak_bytes", "ratio_to_sdpa")
+
+
+def device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def make_header(cfg: SweepConfig, argv: list[str] | None = None,
+                matmul_tflops: dict[str, float] | None = None) -> dict:
+    """Everything needed to trust or reproduce the numbers: versions, device, date, command."""
+    is_cuda = torch.device(cfg.device).type == "cuda"
+    argv = sys.argv[1:] if argv is None else argv
+    return {
+        "schema": SCHEMA_VERSION,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+        "device": cfg.device,
+        "device_name": device_name(cfg.device),
+        "kind": "gpu" if is_cuda else "cpu",
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        # other processes on the machine slow every backend alike; ratios stay meaningful
+        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "attn " + shlex.join(argv),
+        "memory_method": ("torch.cuda.max_memory_allocated above the inputs" if is_cuda else
+                          "torch.profiler CPU allocator events, peak live bytes above the "
+                          f"inputs (error <= {CPU_ERROR_BYTES} bytes on a known allocation)"),
+        "flops": "4*B*H*Nq*Nk*D forward, /2 causal, x3.5 forward+backward",
+        "matmul_tflops": matmul_tflops or {},
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+    }
+
+
+# -- correctness against the reference ---------------------------------------------------------
+
+# Small awkward shapes (B, H, Hkv, N, D, causal): odd N, a head dim that is not a power of 2,
+# grouped-query attention; enough to catch a broken backend in seconds.
+CHECK_SHAPES = ((1, 2, 2, 97, 64, False), (2, 4, 2, 130, 40, True), (1, 2, 1, 257, 64, True))
+
+
+@dataclass
+class Check:
+    backend: str
+    shape: str
+    causal: bool
+    status: str  # ok | failed | skipped
+    worst: float | None = None  # max over tensors of error / budget (<= 1 passes)
+    message: str = ""
+
+
+def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torch.float32
+               ) -> list[Check]:
+    """Each backend against the float64 reference on :data:`CHECK_SHAPES`, through
+    ``attn.testing.compare_to_reference``: outputs, lse and the gradients of q, k, v."""
+    from attn.testing import compare_to_reference, make_inputs
+
+    checks = []
+    for backend in backends:
+        if backend == "reference":
+            continue  # the oracle itself
+        for B, H, Hkv, N, D, causal in CHECK_SHAPES:
+            shape = f"B={B} H={H} Hkv={Hkv} N={N} D={D}"
+            call = AttentionCall(device=torch.device(device).type, dtype=dtype, head_dim=D,
+                                 head_dim_v=D, n_q=N, n_k=N,
+                                 band=make_band(N, N, causal=causal, window=None))
+            why = device_unsupported(backend, device) or unsupported_reason(backend, call)
+            if why is not None:
+                checks.append(Check(backend, shape, causal, "skipped", message=why))
+                continue
+            lse_ok = unsupported_reason(backend, AttentionCall(**{**asdict(call),
+                                                                   "return_lse": True})) is None
+            q, k, v = make_inputs(B, H, N, D, Hkv=Hkv, dtype=dtype, device=device)
+            try:
+                rep = compare_to_reference(functools.partial(attention, backend=backend), q, k,
+                                           v, causal=causal, check_lse=lse_ok)
+            except Exception as exc:  # a crash is a failed check, reported, not a dead report
+                checks.append(Check(backend, shape, causal, "failed",
+                                    message=f"{type(exc).__name__}: {exc}"))
+                continue
+            worst = max(c.error / c.budget if c.budget > 0 else float(c.error > 0)
+                        for c in rep.comparisons)
+            bad = [c.name for c in rep.comparisons if not c.ok]
+            checks.append(Check(backend, shape, causal, "ok" if rep.ok else "failed", worst,
+                                "" if rep.ok else f"over budget: {', '.join(bad)}\n{rep}"))
+    return checks
+
+
+# -- writers -----------------------------------------------------------------------------------
+
+def write_json(path: str | Path, header: dict, rows: list[Row],
+               checks: list[Check] | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"header": header, "checks": [asdict(c) for c in checks or []],
+           "rows": [r.as_dict() for r in rows]}
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(x):
+    raise TypeError(f"not JSON serialisable: {x!r}")
+
+
+def load_json(path: str | Path) -> tuple[dict, list[dict], list[dict]]:
+    doc = json.loads(Path(path).read_text())
+    return doc["header"], doc["rows"], doc.get("checks", [])
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _mib(b: int | None) -> str:
+    if b is None:
+        return "—"
+    return f"{b / 2**20:,.1f}" if b < 10 * 2**30 else f"{b / 2**30:,.1f} GiB"
+
+
+def group_key(r: dict) -> tuple:
+    return (r["dtype"], r["D"], r["causal"], r["mode"], r["B"], r["H"])
+
+
+def markdown_tables(rows: list[dict]) -> str:
+    """One table per (dtype, D, causal, mode): ms, TFLOP/s, share of the matmul rate, peak
+    memory above the inputs, and sdpa's time over ours (> 1: faster than torch SDPA)."""
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(group_key(r), []).append(r)
+    for (dtype, D, causal, mode, B, H), rs in groups.items():
+        out.append(f"**{mode}, {'causal' if causal else 'non-causal'}, {dtype}, B={B}, H={H}, "
+                   f"D={D}**\n")
+        out.append("| N | backend | ms | TFLOP/s | % of matmul | peak MiB | sdpa ms / ms |")
+        out.append("|--:|:--|--:|--:|--:|--:|--:|")
+        notes = []
+        for r in sorted(rs, key=lambda r: r["N"]):
+            if r["status"] != "ok":
+                notes.append(f"{r['backend']} N={r['N']}: {r['status']} ({r['note']})")
+                ms = r["status"]
+            else:
+                ms = _fmt(r["ms"], ",.1f" if (r["ms"] or 0) >= 10 else ".2f")
+            frac = r.get("matmul_fraction")
+            out.append(f"| {r['N']} | {r['backend']} | {ms} | {_fmt(r['tflops'], '.3f')} | "
+                       f"{_fmt(None if frac is None else 100 * frac, '.0f')} | "
+                       f"{_mib(r['peak_bytes'])} | {_fmt(r['ratio_to_sdpa'], '.2f')} |")
+        out.append("")
+        out.extend(f"- {n}" for n in notes)
+        if notes:
+            out.append("")
+    return "\n".join(out)
+
+
+def checks_table(checks: list[dict]) -> str:
+    if not checks:
+        return ""
+    lines = ["| backend | shape | causal | result | error / budget |", "|:--|:--|:--|:--|--:|"]
+    for c in checks:
+        res = c["status"] if c["status"] != "skipped" else f"skipped ({c['message']})"
+        lines.append(f"| {c['backend']} | {c['shape']} | {c['causal']} | {res} | "
+                     f"{_fmt(c['worst'], '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def header_text(h: dict) -> str:
+    rates = ", ".join(f"{k} {v:.3f}" for k, v in h.get("matmul_tflops", {}).items())
+    return (f"- device: {h['device_name']} ({h['device']}, {h['cpu_count']} CPUs, "
+            f"{h['torch_threads']} torch threads, load {h['loadavg_1min']})\n"
+            f"- torch {h['torch']}, triton {h['triton']}, python {h['python']}, {h['date']}\n"
+            f"- command: `{h['command']}`\n"
+            f"- square matmul TFLOP/s in this run: {rates}\n"
+            f"- memory: {h['memory_method']}\n"
+            f"- FLOPs: {h['flops']}\n")
+
+
+def write_markdown(path: str | Path, header: dict, rows: list[dict],
+                   checks: list[dict] | None = None, plots: list[str] | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    parts = ["# attn report\n", header_text(header)]
+    if checks:
+        parts += ["## Correctness against the float64 reference\n", checks_table(checks)]
+    parts += ["## Memory and speed\n", markdown_tables(rows)]
+    for p in plots or []:
+        parts.append(f"![{Path(p).stem}]({Path(p).name})\n")
+    path.write_text("\n".join(parts))
+    return path

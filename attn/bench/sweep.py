@@ -1,0 +1,272 @@
+"""The sweep runner: backends × N × D × causal × dtype × {fwd, fwd+bwd} on one device.
+
+Each point allocates its inputs (q, k, v and, for fwd+bwd, dO) first, then measures peak
+memory above them (``attn.bench.memory``) with one call, then times the call
+(``attn.bench.timing``). Points are run in order of growing N with every backend of one
+shape back to back, so torch SDPA and ours are timed in the same process, minutes apart at
+most, and ``ratio_to_sdpa = sdpa_ms / ms`` compares like with like. A point is skipped,
+without running it, when its backend cannot compute the call
+(``attn.api.unsupported_reason``), when the device lacks the backend (triton off CUDA without
+``TRITON_INTERPRET=1``), or when its predicted peak memory exceeds the budget.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from attn.api import BACKENDS, AttentionCall, attention, unsupported_reason
+from attn.bench.flops import MODES, attention_flops, matmul_tflops
+from attn.bench.memory import peak_bytes
+from attn.bench.timing import benchmark
+from attn.masks import make_band
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+
+# Predicted peak = QUAD · B·H·Nq·Nk·itemsize + LIN · (one input's bytes) + TILE · B·H·256·512·4,
+# per backend and mode: measured on CPU fp32 (reference: 3.07 and 6.1 N² tensors) and rounded
+# up ~10%, so a point predicted to fit does fit; tests/test_bench.py checks the prediction
+# bounds the measurement. reference keeps s, exp(s - m) and p (3 N² tensors) in the forward
+# and adds their gradients in the backward; the others are linear in N.
+_PREDICT = {  # backend: {mode: (QUAD, LIN, TILE)}
+    "reference": {"fwd": (3.4, 2, 0), "fwd+bwd": (6.7, 6, 0)},
+    "tiled": {"fwd": (0, 3, 6), "fwd+bwd": (0, 8, 12)},
+    "sdpa": {"fwd": (0, 3, 4), "fwd+bwd": (0, 8, 8)},
+    "triton": {"fwd": (0, 3, 1), "fwd+bwd": (0, 8, 2)},
+}
+
+
+def predicted_peak_bytes(backend: str, mode: str, B: int, H: int, N: int, D: int,
+                         dtype: torch.dtype) -> int:
+    """A deliberately generous estimate of ``peak_bytes`` for one point (see ``_PREDICT``)."""
+    quad, lin, tile = _PREDICT.get(backend, _PREDICT["tiled"])[mode]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return int(quad * B * H * N * N * itemsize + lin * B * H * N * D * itemsize
+               + tile * B * H * 256 * 512 * 4)
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory now: CUDA's free bytes, or MemAvailable from /proc/meminfo on CPU."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_unsupported(backend: str, device: str) -> str | None:
+    """Why ``backend`` cannot run on ``device`` at all (before asking the backend itself)."""
+    if backend == "triton" and torch.device(device).type != "cuda" \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton needs CUDA (or TRITON_INTERPRET=1 for the slow interpreter)"
+    return None
+
+
+def default_backends() -> tuple[str, ...]:
+    return tuple(b for b in BACKENDS if b != "auto")
+
+
+@dataclass
+class SweepConfig:
+    n: tuple[int, ...] = (512, 1024, 2048)
+    backends: tuple[str, ...] = field(default_factory=default_backends)
+    d: tuple[int, ...] = (64,)
+    causal: tuple[bool, ...] = (False,)
+    dtypes: tuple[str, ...] = ("float32",)
+    modes: tuple[str, ...] = MODES
+    batch: int = 1
+    heads: int = 8
+    device: str = "cpu"
+    measure_memory: bool = True
+    measure_time: bool = True
+    warmup: int = 1  # untimed calls after the memory call (which also warms up)
+    repeats: int = 5
+    min_repeats: int = 2
+    budget_s: float = 2.0  # per point: stop repeating after this many seconds of timed calls
+    max_bytes: int | None = None  # skip points predicted above this; None: 60% of free memory
+    matmul_n: int | None = None  # size of the square matmul giving the device's rate
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for b in self.backends:
+            if b not in BACKENDS or b == "auto":
+                raise ValueError(f"backends must be among {default_backends()}, got {b!r}")
+        for m in self.modes:
+            if m not in MODES:
+                raise ValueError(f"modes must be among {MODES}, got {m!r}")
+        for dt in self.dtypes:
+            if dt not in DTYPES:
+                raise ValueError(f"dtypes must be among {tuple(DTYPES)}, got {dt!r}")
+        if not (self.measure_memory or self.measure_time):
+            raise ValueError("nothing to measure: measure_memory and measure_time are both off")
+        if self.max_bytes is None:
+            self.max_bytes = int(0.6 * available_memory_bytes(self.device))
+
+
+@dataclass
+class Row:
+    backend: str
+    device: str
+    dtype: str
+    B: int
+    H: int
+    N: int
+    D: int
+    causal: bool
+    mode: str
+    status: str = "ok"  # ok | skipped | oom | error
+    note: str = ""
+    ms: float | None = None  # median
+    ms_min: float | None = None
+    repeats: int = 0
+    flops: float = 0.0
+    tflops: float | None = None
+    matmul_fraction: float | None = None  # tflops / the device's square-matmul TFLOP/s
+    peak_bytes: int | None = None
+    predicted_bytes: int = 0
+    ratio_to_sdpa: float | None = None  # sdpa_ms / ms, both from this run
+
+    def key(self) -> tuple:
+        """The point without its backend: rows with equal keys compare against each other."""
+        return (self.device, self.dtype, self.B, self.H, self.N, self.D, self.causal, self.mode)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(cfg: SweepConfig) -> list[Row]:
+    """Every point of the sweep, in run order, before anything runs."""
+    rows = []
+    for dtype in cfg.dtypes:
+        for D in cfg.d:
+            for causal in cfg.causal:
+                for mode in cfg.modes:
+                    for N in sorted(cfg.n):
+                        for backend in cfg.backends:
+                            rows.append(Row(backend, cfg.device, dtype, cfg.batch, cfg.heads,
+                                            N, D, causal, mode))
+    return rows
+
+
+def _skip_reason(row: Row, cfg: SweepConfig) -> str | None:
+    why = device_unsupported(row.backend, cfg.device)
+    if why is None:
+        call = AttentionCall(device=torch.device(cfg.device).type, dtype=DTYPES[row.dtype],
+                             head_dim=row.D, head_dim_v=row.D, n_q=row.N, n_k=row.N,
+                             band=make_band(row.N, row.N, causal=row.causal, window=None))
+        why = unsupported_reason(row.backend, call)
+    if why is None and row.predicted_bytes > cfg.max_bytes:
+        why = (f"predicted peak {row.predicted_bytes / 2**30:.1f} GiB > budget "
+               f"{cfg.max_bytes / 2**30:.1f} GiB")
+    return why
+
+
+def _inputs(row: Row, cfg: SweepConfig):
+    """q, k, v (and dO for fwd+bwd) allocated before measuring, seeded."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    shape = (row.B, row.H, row.N, row.D)
+    dtype, grad = DTYPES[row.dtype], row.mode == "fwd+bwd"
+    q, k, v = (torch.randn(shape, generator=g).to(device=cfg.device, dtype=dtype)
+               .requires_grad_(grad) for _ in range(3))
+    d_out = torch.randn(shape, generator=g).to(device=cfg.device, dtype=dtype) if grad else None
+    return q, k, v, d_out
+
+
+def make_call(row: Row, cfg: SweepConfig) -> Callable[[], None]:
+    """The measured call: forward (inputs without grad, so no graph is kept), or forward then
+    backward from a fixed dO with the gradients of the previous call dropped first."""
+    q, k, v, d_out = _inputs(row, cfg)
+
+    def fwd() -> None:
+        attention(q, k, v, causal=row.causal, backend=row.backend)
+
+    def fwd_bwd() -> None:
+        q.grad = k.grad = v.grad = None
+        attention(q, k, v, causal=row.causal, backend=row.backend).backward(d_out)
+
+    return fwd if d_out is None else fwd_bwd
+
+
+def _measure(row: Row, cfg: SweepConfig) -> None:
+    fn = make_call(row, cfg)
+    if cfg.measure_memory:
+        row.peak_bytes = peak_bytes(fn, cfg.device)
+    if cfg.measure_time:
+        t = benchmark(fn, device=cfg.device, warmup=cfg.warmup if cfg.measure_memory
+                      else max(cfg.warmup, 1), repeats=cfg.repeats,
+                      min_repeats=cfg.min_repeats, budget_s=cfg.budget_s)
+        row.ms, row.ms_min, row.repeats = t.median_ms, t.min_ms, t.repeats
+        row.tflops = row.flops / (row.ms * 1e-3) / 1e12
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "memory" in str(exc).lower())
+
+
+def run_sweep(cfg: SweepConfig, rows: list[Row] | None = None) -> Iterator[Row]:
+    """Run (or skip) every planned point, yielding each row as soon as it is done.
+
+    A point that runs out of memory marks the larger N of the same series as skipped instead
+    of trying them. ``ratio_to_sdpa`` and ``matmul_fraction`` are filled in by
+    :func:`finish` once the whole sweep (and so every sdpa row) is known.
+    """
+    rows = plan(cfg) if rows is None else rows
+    failed: set[tuple] = set()
+    for row in rows:
+        row.flops = attention_flops(row.B, row.H, row.N, row.N, row.D, causal=row.causal,
+                                    mode=row.mode)
+        row.predicted_bytes = predicted_peak_bytes(row.backend, row.mode, row.B, row.H, row.N,
+                                                   row.D, DTYPES[row.dtype])
+        series = (row.backend, row.dtype, row.D, row.causal, row.mode)
+        why = _skip_reason(row, cfg)
+        if why is None and series in failed:
+            why = "a smaller N of this series ran out of memory"
+        if why is not None:
+            row.status, row.note = "skipped", why
+            yield row
+            continue
+        try:
+            _measure(row, cfg)
+        except Exception as exc:  # one bad point must not end an hour-long sweep
+            row.status = "oom" if _is_oom(exc) else "error"
+            row.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            if row.status == "oom":
+                failed.add(series)
+        finally:
+            if torch.device(cfg.device).type == "cuda":
+                torch.cuda.empty_cache()
+        yield row
+
+
+def finish(rows: list[Row], matmul_rate: dict[str, float] | None = None) -> list[Row]:
+    """Fill the columns that compare rows: ratio to sdpa, and fraction of the matmul rate
+    (``matmul_rate`` maps dtype name to TFLOP/s measured in this run)."""
+    sdpa = {r.key(): r.ms for r in rows if r.backend == "sdpa" and r.ms is not None}
+    for r in rows:
+        if r.ms is not None and sdpa.get(r.key()) is not None:
+            r.ratio_to_sdpa = sdpa[r.key()] / r.ms
+        if r.tflops is not None and matmul_rate and matmul_rate.get(r.dtype):
+            r.matmul_fraction = r.tflops / matmul_rate[r.dtype]
+    return rows
+
+
+def measure_matmul_rates(cfg: SweepConfig) -> dict[str, float]:
+    """The square-matmul TFLOP/s of this device for each dtype of the sweep."""
+    rates = {}
+    for name in cfg.dtypes:
+        try:
+            rates[name] = matmul_tflops(cfg.device, DTYPES[name], cfg.matmul_n)
+        except RuntimeError:  # e.g. a dtype without a matmul kernel on this device
+            rates[name] = math.nan
+    return rates

@@ -1,0 +1,853 @@
+"""Fused attention in Triton: the tiled algorithm of ``tiled.py`` as GPU kernels.
+
+Forward: one program per (query block, batch·head). The q tile stays in registers while the
+program walks the key blocks its band allows, keeping the online-softmax state per row —
+running max ``m_i``, running denominator ``l_i``, rescaled accumulator ``acc`` — and stores
+the log-sum-exp for the backward. Backward (FlashAttention-2): ``Δ = rowsum(dO ∘ O) − dlse``
+(preprocess kernel), then dK/dV with the key block resident, looping over the query blocks
+and over the heads of its GQA group (so dK/dV are summed over the group without atomics),
+and dQ with the query block resident, looping over key blocks. Every program writes its own
+output tile once: the backward is deterministic, there is no ``deterministic`` switch to get
+wrong.
+
+Each band (causal, window) splits a block's walk into at most three stages: masked tiles at
+the start, full tiles in the middle (no mask arithmetic at all), masked tiles at the end;
+tiles outside the band are never visited.
+
+Three layers, as in ``tiled.py``: ``_fwd`` / ``_bwd`` launchers (registered as
+``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces
+through them), one ``torch.autograd.Function``, and the public :func:`triton_attention`.
+
+Runs on CUDA; on CPU only under the Triton interpreter (``TRITON_INTERPRET=1`` set before
+this module is imported), which is how the default test suite checks the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from attn.masks import Band
+
+# Triton decides interpreter vs compiler when a kernel is decorated, i.e. at import.
+_INTERPRET = bool(triton.knobs.runtime.interpret)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+_UNBOUNDED = 1 << 30  # an open band side: farther than any key is from any query
+# The interpreter's tl.dot multiplies bfloat16 tiles as their raw uint16 bits: feed it float32
+# (a product of two 16-bit floats is exact in float32, so only the summation order differs).
+_DOT_UPCAST = tl.constexpr(_INTERPRET)
+
+
+def unsupported_reason(call) -> str | None:
+    """Why the triton backend cannot compute ``call`` (an ``attn.api.AttentionCall``), or None."""
+    if call.device == "cpu":
+        if not _INTERPRET:
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                return ("TRITON_INTERPRET=1 was set after attn.flash_triton was imported; "
+                        "set it before the import to run the kernels on CPU")
+            return "triton needs CUDA (on CPU only in the interpreter, TRITON_INTERPRET=1)"
+    elif call.device != "cuda":
+        return f"triton runs on CUDA, not {call.device}"
+    if call.dtype not in _DTYPES:
+        return f"dtype {call.dtype} (the kernels take float16, bfloat16 and float32)"
+    if max(call.head_dim, call.head_dim_v) > _MAX_HEAD_DIM:
+        return (f"head dim {call.head_dim}/{call.head_dim_v} > {_MAX_HEAD_DIM} "
+                f"(q·k and acc tiles would not fit in registers)")
+    if call.mask_grad:
+        return "a gradient for a float attn_mask (dS would have to be written out N x N)"
+    return None
+
+
+# -- autotuning ----------------------------------------------------------------------------
+
+def _configs(kind: str) -> list[triton.Config]:
+    """BLOCK_M (queries) x BLOCK_N (keys) x warps x stages for one kernel kind."""
+    if _INTERPRET:
+        # one small config: no benchmarking, and several tiles even at the test sizes
+        bm, bn = (16, 32) if kind == "dkdv" else (32, 16)
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
+    if kind == "fwd":
+        blocks = [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
+    elif kind == "dkdv":  # the key block is resident: keep it large, stream small query tiles
+        blocks = [(16, 64), (32, 64), (32, 128), (64, 64), (64, 128)]
+    else:  # dq: the query block is resident
+        blocks = [(64, 16), (64, 32), (128, 32), (64, 64), (128, 64)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn in blocks for w in (4, 8) for s in (2, 3, 4)]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop configs that cannot pay off: tiles longer than the sequence, or tiles x stages
+    that overflow shared memory / registers at large head dims."""
+    args = {**named_args, **kwargs}
+    n, d = args["TUNE_N"], max(args["BLOCK_D"], args["BLOCK_DV"])
+    kept = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if min(bm, bn) > 16 and max(bm, bn) > n:
+            continue
+        if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
+            continue
+        if d >= 128 and bm * bn >= 128 * 128 and c.num_warps < 8:
+            continue
+        if max(bm, bn) <= 32 and c.num_warps > 4:
+            continue
+        kept.append(c)
+    return kept or configs[:1]
+
+
+def _tune_n(n_q: int, n_k: int) -> int:
+    # the autotune key: lengths rounded to a power of two, so varying lengths do not retune
+    return triton.next_power_of_2(max(n_q, n_k))
+
+
+# -- device helpers ------------------------------------------------------------------------
+
+@triton.jit
+def _mix32(x):
+    # "lowbias32" integer mixer on uint32, bit-identical to attn.masks._mix32
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _dropout_scale(h_bh, om, on, drop_threshold, inv_keep):
+    """1/(1-p) where attn.masks.dropout_keep keeps (om, on), else 0."""
+    h_m = _mix32(h_bh ^ om.to(tl.uint32))
+    bits = _mix32(h_m ^ _mix32(on.to(tl.uint32)))
+    return tl.where(bits >= drop_threshold.to(tl.uint32), inv_keep, 0.0)
+
+
+@triton.jit
+def _tanh(x):
+    # libdevice has no interpreter path, and tanh.approx is too coarse for float32 tests:
+    # an odd polynomial near 0 (Cephes tanhf), the exp form where it does not cancel
+    a = tl.abs(x)
+    z = x * x
+    poly = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+             + 1.33314422036e-1) * z - 3.33332819422e-1) * z * x + x
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(x < 0.0, -big, big)
+    return tl.where(a < 0.625, poly, big)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    if _DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _load(ptrs, ok_a, ok_b, CHECK_A: tl.constexpr, CHECK_B: tl.constexpr):
+    """Load a tile, bounds-checking only the axes that may run past the tensor."""
+    if CHECK_A:
+        if CHECK_B:
+            x = tl.load(ptrs, mask=ok_a & ok_b, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=ok_a, other=0.0)
+    else:
+        if CHECK_B:
+            x = tl.load(ptrs, mask=ok_b, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _stages(start, n_own, n_other, offset, left, right,
+            BLOCK_OWN: tl.constexpr, BLOCK: tl.constexpr):
+    """Split the other axis for the own block [start, start + BLOCK_OWN) into tile starts
+    [lo, a) masked, [a, b) full (every pair inside the band and the tensors), [b, hi) masked.
+
+    Written for queries as own axis (keys j with -left <= j - (i + offset) <= right); the
+    key-resident backward calls it with (offset, left, right) -> (-offset, right, left).
+    """
+    lo = tl.maximum(start + offset - left, 0)
+    hi = tl.minimum(start + BLOCK_OWN + offset + right, n_other)
+    full_lo = tl.maximum(start + BLOCK_OWN - 1 + offset - left, lo)
+    full_hi = tl.minimum(start + offset + right + 1, n_other)
+    lo = lo // BLOCK * BLOCK  # tiles are aligned to BLOCK from 0
+    hi = tl.maximum(hi, lo)
+    a = tl.minimum((full_lo + BLOCK - 1) // BLOCK * BLOCK, hi)
+    b = tl.maximum(full_hi, 0) // BLOCK * BLOCK
+    b = tl.minimum(tl.maximum(b, a), hi)
+    # an own block running past its tensor needs the bounds mask on every tile
+    b = tl.where(start + BLOCK_OWN > n_own, a, b)
+    return lo, a, b, hi
+
+
+@triton.jit
+def _scores(qk, om, on, Mask, stride_mm, stride_mn, cap, scale, N_Q, N_K, offset, left, right,
+            MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr):
+    """Scores of a tile from q·k: scale, softcap, band and attn_mask. ``om``/``on`` are the
+    query/key indices broadcast to the tile's layout (either orientation). With softcap
+    also returns u = s_raw / c and t = tanh(u), which the backward needs."""
+    s = qk * scale
+    u = s
+    t = s
+    if HAS_SOFTCAP:
+        u = s / cap
+        t = _tanh(u)
+        s = cap * t
+    if MASKED:
+        keep = (om < N_Q) & (on < N_K)
+        if BANDED:
+            rel = on - (om + offset)
+            keep = keep & (rel >= -left) & (rel <= right)
+        s = tl.where(keep, s, float("-inf"))
+    if MASK_KIND == 1:  # bool, stored as uint8: 0 = masked out
+        mk = tl.load(Mask + om * stride_mm + on * stride_mn, mask=(om < N_Q) & (on < N_K),
+                     other=0)
+        s = tl.where(mk != 0, s, float("-inf"))
+    elif MASK_KIND == 2:  # float, added
+        mv = tl.load(Mask + om * stride_mm + on * stride_mn, mask=(om < N_Q) & (on < N_K),
+                     other=0.0)
+        s = s + mv.to(tl.float32)
+    return s, u, t
+
+
+# -- forward -------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, Mask, lo, hi, offs_m, h_bh, cap,
+               stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+               scale, N_Q, N_K, offset, left, right, drop_threshold, inv_keep,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # -- compute qk --
+        kT = _load(K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                   offs_n[None, :] < N_K, offs_d[:, None] < HEAD_DIM,
+                   MASKED, BLOCK_D != HEAD_DIM)
+        qk = _dot(q, kT, None, DOT_PRECISION)
+        om = offs_m[:, None]
+        on = offs_n[None, :]
+        s, u, t = _scores(qk, om, on, Mask, stride_mm, stride_mn, cap, scale, N_Q, N_K,
+                          offset, left, right, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP)
+        # -- online softmax (m_safe: rows that have seen nothing yet stay at 0) --
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:  # the denominator counts every key, the values only the kept ones
+            p = p * _dropout_scale(h_bh, om, on, drop_threshold, inv_keep)
+        # -- update acc --
+        v = _load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                  offs_n[:, None] < N_K, offs_dv[None, :] < HEAD_DIM_V,
+                  MASKED, BLOCK_DV != HEAD_DIM_V)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_configs("fwd"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap,
+              stride_qb, stride_qh, stride_qm, stride_qd,
+              stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd,
+              stride_ob, stride_oh, stride_om, stride_od,
+              stride_mb, stride_mh, stride_mm, stride_mn,
+              H, GROUP, N_Q, N_K, offset, left, right,
+              scale, drop_seed, drop_threshold, inv_keep, TUNE_N,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SINKS: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    off_hk = off_h // GROUP  # GQA: the kv head this query head reads
+    Q += off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    K += off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    V += off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    Out += off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    Mask += off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    # -- init: the sink, when present, is a first key with value 0 --
+    if HAS_SINKS:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + off_h)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    cap = 1.0
+    if HAS_SOFTCAP:
+        cap = tl.load(Softcap + off_h)
+    h_bh = 0
+    if HAS_DROPOUT:
+        h_bh = _mix32(pid_bh.to(tl.uint32) ^ _mix32(drop_seed.to(tl.uint32)))
+    q = _load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+              offs_m[:, None] < N_Q, offs_d[None, :] < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+
+    # -- loop over key tiles: masked edge, full middle, masked edge --
+    lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, K, V, Mask, lo, a, offs_m, h_bh, cap, stride_kn, stride_kd,
+        stride_vn, stride_vd, stride_mm, stride_mn, scale, N_Q, N_K, offset, left, right,
+        drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+        True, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, K, V, Mask, a, b, offs_m, h_bh, cap, stride_kn, stride_kd,
+        stride_vn, stride_vd, stride_mm, stride_mn, scale, N_Q, N_K, offset, left, right,
+        drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+        False, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, K, V, Mask, b, hi, offs_m, h_bh, cap, stride_kn, stride_kd,
+        stride_vn, stride_vd, stride_mm, stride_mn, scale, N_Q, N_K, offset, left, right,
+        drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+        True, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+
+    # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+    tl.store(Out + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+             out.to(Out.dtype.element_ty),
+             mask=(offs_m[:, None] < N_Q) & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+
+
+# -- backward ------------------------------------------------------------------------------
+
+@triton.jit
+def _attn_bwd_preprocess(Out, DOut, DLse, Delta,
+                         stride_ob, stride_oh, stride_om, stride_od,
+                         stride_dob, stride_doh, stride_dom, stride_dod,
+                         H, N_Q, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ok = (offs_m[:, None] < N_Q) & (offs_dv[None, :] < HEAD_DIM_V)
+    o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, mask=ok, other=0.0)
+    do = tl.load(DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod, mask=ok, other=0.0)
+    # -- Δ = rowsum(dO ∘ O) − dlse: the lse output's gradient joins dS as dlse_i · P_ij --
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = pid_bh.to(tl.int64) * N_Q + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row, mask=offs_m < N_Q, other=0.0)
+    tl.store(Delta + row, delta, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, Mask, lo, hi, offs_n, h_bh, cap,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+                scale, N_Q, N_K, offset, left, right, drop_threshold, inv_keep,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # transposed tiles (keys x queries), so neither P nor dS needs a transpose
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qT = _load(Q + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd,
+                   offs_m[None, :] < N_Q, offs_d[:, None] < HEAD_DIM,
+                   MASKED, BLOCK_D != HEAD_DIM)
+        # lse = -inf marks a row that saw nothing: +inf makes its P exactly 0
+        lse = tl.load(Lse + offs_m, mask=offs_m < N_Q, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        # -- recompute P from lse --
+        qkT = _dot(k, qT, None, DOT_PRECISION)
+        om = offs_m[None, :]
+        on = offs_n[:, None]
+        sT, uT, tT = _scores(qkT, om, on, Mask, stride_mm, stride_mn, cap, scale, N_Q, N_K,
+                             offset, left, right, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP)
+        pT = tl.exp(sT - lse[None, :])
+        # -- dV += Pᵈᵀ dO, dPᵀ = V dOᵀ (ᵈ: with the dropout mask) --
+        do = _load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                   offs_m[:, None] < N_Q, offs_dv[None, :] < HEAD_DIM_V,
+                   MASKED, BLOCK_DV != HEAD_DIM_V)
+        dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)
+        if HAS_DROPOUT:
+            zT = _dropout_scale(h_bh, om, on, drop_threshold, inv_keep)
+            dv = _dot((pT * zT).to(do.dtype), do, dv, DOT_PRECISION)
+            dpT = dpT * zT
+        else:
+            dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)
+        # -- dS = P ∘ (dP − Δ) --
+        delta = tl.load(Delta + offs_m, mask=offs_m < N_Q, other=0.0)
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            # s = c·tanh(u), u = s_raw/c: ds_raw = ds·(1 − t²); dc = Σ ds·(t − u(1 − t²))
+            one_m_t2 = 1.0 - tT * tT
+            dc += tl.sum(tl.sum(dsT * (tT - uT * one_m_t2), 1), 0)
+            dsT = dsT * one_m_t2
+        # -- dK += dSᵀ Q --
+        dk = _dot(dsT.to(qT.dtype), tl.trans(qT), dk, DOT_PRECISION)
+    return dk, dv, dc
+
+
+@triton.autotune(configs=_configs("dkdv"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
+                 prune_configs_by={"early_config_prune": _prune},
+                 reset_to_zero=["DCap"])  # configs differ in how many partial sums they write
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
+                   stride_qb, stride_qh, stride_qm, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_dob, stride_doh, stride_dom, stride_dod,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                   stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                   stride_mb, stride_mh, stride_mm, stride_mn,
+                   H, GROUP, N_Q, N_K, offset, left, right,
+                   scale, drop_seed, drop_threshold, inv_keep, TUNE_N,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    H_KV = H // GROUP
+    off_b = pid_bhk // H_KV
+    off_hk = pid_bhk % H_KV
+    K += off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    V += off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+              offs_n[:, None] < N_K, offs_d[None, :] < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    v = _load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+              offs_n[:, None] < N_K, offs_dv[None, :] < HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # the band seen from a key: queries i with -right <= i - (j - offset) <= left
+    lo, a, b, hi = _stages(start_n, N_K, N_Q, -offset, right, left, BLOCK_N, BLOCK_M)
+
+    # -- every query head of the GQA group adds into the same dK, dV --
+    for g in range(0, GROUP):
+        off_h = off_hk * GROUP + g
+        bh = off_b * H + off_h
+        Qh = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        DOh = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        Maskh = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+        Lseh = Lse + bh.to(tl.int64) * N_Q
+        Deltah = Delta + bh.to(tl.int64) * N_Q
+        cap = 1.0
+        if HAS_SOFTCAP:
+            cap = tl.load(Softcap + off_h)
+        h_bh = 0
+        if HAS_DROPOUT:
+            h_bh = _mix32(bh.to(tl.uint32) ^ _mix32(drop_seed.to(tl.uint32)))
+        dc = 0.0
+        dk, dv, dc = _dkdv_inner(
+            dk, dv, dc, k, v, Qh, DOh, Lseh, Deltah, Maskh, lo, a, offs_n, h_bh, cap,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, scale,
+            N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, BANDED, MASK_KIND, HAS_SOFTCAP,
+            HAS_DROPOUT, DOT_PRECISION)
+        dk, dv, dc = _dkdv_inner(
+            dk, dv, dc, k, v, Qh, DOh, Lseh, Deltah, Maskh, a, b, offs_n, h_bh, cap,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, scale,
+            N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, BANDED, MASK_KIND, HAS_SOFTCAP,
+            HAS_DROPOUT, DOT_PRECISION)
+        dk, dv, dc = _dkdv_inner(
+            dk, dv, dc, k, v, Qh, DOh, Lseh, Deltah, Maskh, b, hi, offs_n, h_bh, cap,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, scale,
+            N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, BANDED, MASK_KIND, HAS_SOFTCAP,
+            HAS_DROPOUT, DOT_PRECISION)
+        if HAS_SOFTCAP:  # one partial sum per (key block, b, h); the launcher adds them up
+            tl.store(DCap + pid_n.to(tl.int64) * tl.num_programs(1) * GROUP + bh, dc)
+
+    # -- epilogue: s = scale · q·k, so dK picks up the scale once here --
+    dk *= scale
+    DK += off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
+    DV += off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
+    tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty),
+             mask=(offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM))
+    tl.store(DV + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty),
+             mask=(offs_n[:, None] < N_K) & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, K, V, Mask, lo, hi, offs_m, h_bh, cap,
+              stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+              scale, N_Q, N_K, offset, left, right, drop_threshold, inv_keep,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT = _load(K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                   offs_n[None, :] < N_K, offs_d[:, None] < HEAD_DIM,
+                   MASKED, BLOCK_D != HEAD_DIM)
+        vT = _load(V + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                   offs_n[None, :] < N_K, offs_dv[:, None] < HEAD_DIM_V,
+                   MASKED, BLOCK_DV != HEAD_DIM_V)
+        # -- recompute P from lse --
+        qk = _dot(q, kT, None, DOT_PRECISION)
+        om = offs_m[:, None]
+        on = offs_n[None, :]
+        s, u, t = _scores(qk, om, on, Mask, stride_mm, stride_mn, cap, scale, N_Q, N_K,
+                          offset, left, right, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP)
+        p = tl.exp(s - lse[:, None])
+        # -- dS = P ∘ (dP − Δ) --
+        dp = _dot(do, vT, None, DOT_PRECISION)
+        if HAS_DROPOUT:
+            dp = dp * _dropout_scale(h_bh, om, on, drop_threshold, inv_keep)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        # -- dQ += dS K --
+        dq = _dot(ds.to(kT.dtype), tl.trans(kT), dq, DOT_PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_configs("dq"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap,
+                 stride_qb, stride_qh, stride_qm, stride_qd,
+                 stride_kb, stride_kh, stride_kn, stride_kd,
+                 stride_vb, stride_vh, stride_vn, stride_vd,
+                 stride_dob, stride_doh, stride_dom, stride_dod,
+                 stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                 stride_mb, stride_mh, stride_mm, stride_mn,
+                 H, GROUP, N_Q, N_K, offset, left, right,
+                 scale, drop_seed, drop_threshold, inv_keep, TUNE_N,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    off_hk = off_h // GROUP
+    Q += off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    K += off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    V += off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    DO += off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    DQ += off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+    Mask += off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+              offs_m[:, None] < N_Q, offs_d[None, :] < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    do = _load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+               offs_m[:, None] < N_Q, offs_dv[None, :] < HEAD_DIM_V, True,
+               BLOCK_DV != HEAD_DIM_V)
+    row = pid_bh.to(tl.int64) * N_Q + offs_m
+    lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)
+    cap = 1.0
+    if HAS_SOFTCAP:
+        cap = tl.load(Softcap + off_h)
+    h_bh = 0
+    if HAS_DROPOUT:
+        h_bh = _mix32(pid_bh.to(tl.uint32) ^ _mix32(drop_seed.to(tl.uint32)))
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, Mask, lo, a, offs_m, h_bh, cap,
+                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, scale,
+                   N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM,
+                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, BANDED, MASK_KIND,
+                   HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, Mask, a, b, offs_m, h_bh, cap,
+                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, scale,
+                   N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM,
+                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, BANDED, MASK_KIND,
+                   HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, Mask, b, hi, offs_m, h_bh, cap,
+                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, scale,
+                   N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM,
+                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, BANDED, MASK_KIND,
+                   HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+
+    dq *= scale
+    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM))
+
+
+# -- launchers -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Launch:
+    """The scalar and constexpr arguments every kernel shares, derived once per call."""
+
+    H: int
+    group: int
+    n_q: int
+    n_k: int
+    offset: int
+    left: int
+    right: int
+    scale: float
+    drop_seed: int
+    drop_threshold: int
+    inv_keep: float
+    tune_n: int
+    head_dim: int
+    head_dim_v: int
+    block_d: int
+    block_dv: int
+    banded: bool
+    mask_kind: int
+    has_softcap: bool
+    has_dropout: bool
+    dot_precision: str
+
+    def scalars(self) -> tuple:
+        return (self.H, self.group, self.n_q, self.n_k, self.offset, self.left, self.right,
+                self.scale, self.drop_seed, self.drop_threshold, self.inv_keep, self.tune_n)
+
+    def constexprs(self) -> dict:
+        # head dims are padded to powers of two inside the kernels (masked loads), not in memory
+        return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
+                    BLOCK_DV=self.block_dv, BANDED=self.banded, MASK_KIND=self.mask_kind,
+                    HAS_SOFTCAP=self.has_softcap, HAS_DROPOUT=self.has_dropout,
+                    DOT_PRECISION=self.dot_precision)
+
+
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
+                 softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+                 scale: float, dropout_p: float, dropout_seed: int) -> _Launch:
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    return _Launch(
+        H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=offset,
+        left=_UNBOUNDED if left is None else left, right=_UNBOUNDED if right is None else right,
+        scale=float(scale), drop_seed=int(dropout_seed) & 0xFFFFFFFF,
+        drop_threshold=int(dropout_p * 2**32), inv_keep=1.0 / (1.0 - dropout_p),
+        tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
+        block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
+        banded=left is not None or right is not None,
+        mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
+        has_softcap=softcap is not None, has_dropout=dropout_p > 0.0,
+        dot_precision="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tuple]:
+    """The mask expanded (stride 0, no copy) to (B, H, Nq, Nk), bool viewed as uint8."""
+    if attn_mask is None:
+        return q, (0, 0, 0, 0)  # never read: MASK_KIND = 0
+    B, H, Nq, _ = q.shape
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    m = m.expand(B, H, Nq, n_k)
+    return m, m.stride()
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+         softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+         scale: float, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor]:
+    B, H, Nq, _ = q.shape
+    Nk, Dv = k.shape[2], v.shape[-1]
+    L = _launch_args(q, k, v, attn_mask, softcap, offset, left, right, scale, dropout_p,
+                     dropout_seed)
+    out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    mask, mask_strides = _mask_arg(attn_mask, q, Nk)
+    grid = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    _attn_fwd[grid](
+        q, k, v, out, lse, mask, q if sinks is None else sinks,
+        q if softcap is None else softcap,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
+        *L.scalars(), HAS_SINKS=sinks is not None, **L.constexprs())
+    return out, lse
+
+
+def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+         lse: Tensor, attn_mask: Tensor | None, softcap: Tensor | None, offset: int,
+         left: int | None, right: int | None, scale: float, dropout_p: float,
+         dropout_seed: int, need_dcap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, Δ (B, H, Nq) and dsoftcap (H,) (empty unless ``need_dcap``)."""
+    B, H, Nq, _ = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    L = _launch_args(q, k, v, attn_mask, softcap, offset, left, right, scale, dropout_p,
+                     dropout_seed)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    delta = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    pre_block = 32 if _INTERPRET else 64
+    _attn_bwd_preprocess[(triton.cdiv(Nq, pre_block), B * H)](
+        out, do, delta if dlse is None else dlse.contiguous(), delta,
+        *out.stride(), *do.stride(), H, Nq, HEAD_DIM_V=Dv, BLOCK_DV=L.block_dv,
+        HAS_DLSE=dlse is not None, BLOCK_M=pre_block)
+
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    mask, mask_strides = _mask_arg(attn_mask, q, Nk)
+    cap = q if softcap is None else softcap
+    # the smallest BLOCK_N any dkdv config may pick bounds the number of partial sums
+    min_bn = min(c.kwargs["BLOCK_N"] for c in _attn_bwd_dkdv.configs)
+    n_part = triton.cdiv(Nk, min_bn) if softcap is not None else 1
+    dcap_part = torch.zeros(n_part, B * H, dtype=torch.float32, device=q.device)
+    grid_kv = lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
+    _attn_bwd_dkdv[grid_kv](
+        q, k, v, do, dk, dv, lse, delta, mask, cap, dcap_part,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        *mask_strides, *L.scalars(), **L.constexprs())
+    grid_q = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    _attn_bwd_dq[grid_q](
+        q, k, v, do, dq, lse, delta, mask, cap,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *mask_strides,
+        *L.scalars(), **L.constexprs())
+    if need_dcap and softcap is not None:
+        dcap = dcap_part.view(-1, B, H).sum(dim=(0, 1))
+    else:
+        dcap = torch.zeros(0, dtype=torch.float32, device=q.device)
+    return dq, dk, dv, delta, dcap
+
+
+# -- torch.library ops: opaque to torch.compile, with shapes it can trace ------------------
+
+@torch.library.custom_op("attn::flash_fwd", mutates_args=())
+def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+            scale: float, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor]:
+    return _fwd(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
+                dropout_seed)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed):
+    B, H, Nq, _ = q.shape
+    return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
+            q.new_empty(B, H, Nq, dtype=torch.float32))
+
+
+@torch.library.custom_op("attn::flash_bwd", mutates_args=())
+def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+            lse: Tensor, attn_mask: Tensor | None, softcap: Tensor | None, offset: int,
+            left: int | None, right: int | None, scale: float, dropout_p: float,
+            dropout_seed: int, need_dcap: bool
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _bwd(do, dlse, q, k, v, out, lse, attn_mask, softcap, offset, left, right, scale,
+                dropout_p, dropout_seed, need_dcap)
+
+
+@_bwd_op.register_fake
+def _(do, dlse, q, k, v, out, lse, attn_mask, softcap, offset, left, right, scale, dropout_p,
+      dropout_seed, need_dcap):
+    B, H, Nq, _ = q.shape
+    n_cap = H if need_dcap and softcap is not None else 0
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(B, H, Nq, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
+
+
+# -- autograd ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Config:
+    band: Band
+    scale: float  # multiplier of q·k (a tensor temperature is folded into q by the caller)
+    dropout_p: float
+    dropout_seed: int
+
+    def op_args(self) -> tuple:
+        b = self.band
+        return (b.offset, b.left, b.right, self.scale, self.dropout_p, self.dropout_seed)
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, cfg: _Config):
+        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, *cfg.op_args())
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap)
+        ctx.cfg = cfg
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, attn_mask, sinks, softcap = ctx.saved_tensors
+        need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
+        dq, dk, dv, delta, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, softcap,
+                                          *ctx.cfg.op_args(), need_dcap)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            # the sink is a key with value 0: dsink_h = −Σ_{b,i} exp(sink_h − lse_i) · Δ_i
+            dsinks = -(torch.exp(sinks.view(1, -1, 1) - lse) * delta).sum(dim=(0, 2))
+        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None
+
+
+def triton_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    band: Band = Band(),
+    attn_mask: Tensor | None = None,
+    scale: float = 1.0,
+    softcap: float | Tensor | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Fused attention kernels. Inputs already validated by ``attn.api``.
+
+    q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
+    lse (B, H, Nq) float32. Same meaning as :func:`attn.tiled.tiled_attention`: ``band``
+    (causal / window), ``scale`` multiplies q·k (a tensor temperature already folded into q),
+    ``softcap`` a float or a learnable tensor broadcastable to (H,), ``sinks`` (H,),
+    ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk), dropout from the
+    ``attn.masks.dropout_keep`` hash (bit-identical to the reference for the same seed).
+    """
+    H = q.shape[1]
+    if q.dtype != k.dtype:  # a temperature folded in float32: the kernels take one dtype
+        q = q.to(k.dtype)
+    # per-head float32 vectors; autograd sums the expand back to the caller's shapes
+    cap = None
+    if softcap is not None:
+        cap = (softcap if isinstance(softcap, Tensor) else torch.tensor(float(softcap)))
+        cap = cap.to(device=q.device, dtype=torch.float32).expand(H).contiguous()
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    cfg = _Config(band=band, scale=float(scale), dropout_p=float(dropout_p),
+                  dropout_seed=int(dropout_seed))
+    return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, cfg)

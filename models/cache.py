@@ -1,0 +1,45 @@
+"""A KV cache: one per attention layer, preallocated buffers and a fill length."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class KVCache(nn.Module):
+    """Keys and values of one layer, ``(B, Hkv, max_len, D)`` each, filled left to right.
+
+    ``append`` writes the new positions and returns views of everything cached so far, which
+    the attention call then reads with bottom-right causal alignment.
+    """
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.max_len = max_len
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, n, D) → all cached keys and values (B, Hkv, length + n, D)."""
+        n = k.shape[2]
+        end = self._length + n
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {self._length} cached + {n} new > "
+                             f"max_len {self.max_len}")
+        if k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
+            raise ValueError(f"k of shape {tuple(k.shape)} does not fit the cache "
+                             f"{tuple(self.k.shape)}")
+        self.k[:, :, self._length:end] = k
+        self.v[:, :, self._length:end] = v
+        self._length = end
+        return self.k[:, :, :end], self.v[:, :, :end]

@@ -1,0 +1,141 @@
+"""Data that needs no download.
+
+* Text: character-level Python source — the standard library's own ``*.py`` files, found
+  wherever Python runs. Files are sorted by name; every 10th goes to validation, so the split
+  is by file (no document straddles it) and deterministic for a given Python.
+* Recall: multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): key–value
+  pairs, then queries of keys seen earlier; the answer is the value paired with the key. The
+  pairs are random per sequence, so only attention to the right earlier position solves it.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+IGNORE = -100  # cross-entropy ignore_index: positions that carry no prediction target
+
+# -- text --------------------------------------------------------------------------------------
+
+# A fixed alphabet rather than one read off the corpus, so token ids mean the same thing on
+# every machine and Python version: printable ASCII, tab and newline, and one unknown symbol.
+CHARS = "\t\n" + "".join(c for c in string.printable if c.isprintable() and c not in "\t\n")
+UNK = len(CHARS)
+VOCAB_SIZE = len(CHARS) + 1
+_TABLE = np.full(128, UNK, dtype=np.int64)
+_TABLE[[ord(c) for c in CHARS]] = np.arange(len(CHARS))
+
+
+def encode(text: str) -> Tensor:
+    """str → int64 token ids; characters outside the alphabet map to ``UNK``."""
+    cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+    ids = np.where(cps < 128, _TABLE[np.minimum(cps, 127)], UNK)
+    return torch.from_numpy(ids)
+
+
+def decode(ids: Tensor | list[int]) -> str:
+    return "".join(CHARS[i] if i < UNK else "\N{REPLACEMENT CHARACTER}" for i in
+                   (ids.tolist() if isinstance(ids, Tensor) else ids))
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's top-level ``*.py`` files, sorted by name."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"), key=lambda p: p.name)
+    if not files:
+        raise FileNotFoundError(f"no *.py files under the standard library at {root}")
+    return files
+
+
+@dataclass
+class TextCorpus:
+    train: Tensor  # (N_train,) int64 token ids
+    val: Tensor  # (N_val,)
+    files: int
+
+    @classmethod
+    def load(cls, val_every: int = 10) -> TextCorpus:
+        files = stdlib_files()
+        train, val = [], []
+        for i, f in enumerate(files):
+            ids = encode(f.read_text(encoding="utf-8", errors="replace"))
+            (val if i % val_every == val_every - 1 else train).append(ids)
+        return cls(torch.cat(train), torch.cat(val), len(files))
+
+    def batch(self, split: str, batch: int, block: int, generator: torch.Generator
+              ) -> tuple[Tensor, Tensor]:
+        """Random windows: x (B, T) and the next-character targets y (B, T)."""
+        data = self.train if split == "train" else self.val
+        starts = torch.randint(0, len(data) - block - 1, (batch,), generator=generator)
+        idx = starts[:, None] + torch.arange(block + 1)  # (B, T + 1)
+        chunk = data[idx]
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+def unigram_entropy(ids: Tensor, vocab_size: int = VOCAB_SIZE) -> float:
+    """Entropy in nats of the character frequencies: the loss of the best model that ignores
+    context, which a model that learned anything must beat."""
+    p = torch.bincount(ids, minlength=vocab_size).double()
+    p = p[p > 0] / p.sum()
+    return float(-(p * p.log()).sum())
+
+
+# -- multi-query associative recall ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RecallTask:
+    """Sequences ``k1 v1 … kP vP  q1 a1 … qQ aQ``; keys are ids ``[0, num_keys)``, values
+    ``[num_keys, num_keys + num_values)``. The target at each query position is its value."""
+
+    num_keys: int = 32
+    num_values: int = 32
+    pairs: int = 8
+    queries: int = 8
+
+    def __post_init__(self) -> None:
+        if self.pairs > self.num_keys:
+            raise ValueError(f"pairs ({self.pairs}) needs distinct keys, but num_keys is "
+                             f"{self.num_keys}")
+        if not 0 < self.queries <= self.pairs:
+            raise ValueError(f"queries must be in [1, pairs={self.pairs}], got {self.queries}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_keys + self.num_values
+
+    @property
+    def seq_len(self) -> int:
+        return 2 * (self.pairs + self.queries)
+
+    @property
+    def chance_loss(self) -> float:
+        return math.log(self.num_values)
+
+    def batch(self, batch: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """x (B, T) token ids and y (B, T) targets, ``IGNORE`` except at query positions."""
+        B, P, Q = batch, self.pairs, self.queries
+        # distinct keys per sequence: the first P of a random permutation
+        keys = torch.rand(B, self.num_keys, generator=generator).argsort(-1)[:, :P]  # (B, P)
+        values = self.num_keys + torch.randint(0, self.num_values, (B, P), generator=generator)
+        which = torch.rand(B, P, generator=generator).argsort(-1)[:, :Q]  # (B, Q) distinct
+        q_keys = keys.gather(1, which)
+        answers = values.gather(1, which)
+        ctx = torch.stack((keys, values), dim=-1).reshape(B, 2 * P)  # k1 v1 k2 v2 …
+        qa = torch.stack((q_keys, answers), dim=-1).reshape(B, 2 * Q)  # q1 a1 q2 a2 …
+        x = torch.cat((ctx, qa), dim=1)  # (B, T)
+        y = torch.full_like(x, IGNORE)
+        y[:, 2 * P::2] = answers  # the model at q_i must predict a_i
+        return x, y
+
+
+def recall_accuracy(logits: Tensor, y: Tensor) -> float:
+    """Fraction of query positions whose argmax is the right value."""
+    mask = y != IGNORE
+    return float((logits.argmax(-1)[mask] == y[mask]).double().mean())

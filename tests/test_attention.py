@@ -1,0 +1,280 @@
+"""tiled (and the reference itself) against the float64 reference, every variant, awkward sizes."""
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn
+from attn.testing import assert_close_to_reference, make_inputs
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+tiled = partial(attn.attention, backend="tiled")
+
+
+def _ids(d):
+    return str(d).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (17, 17), (97, 97), (128, 128), (17, 97), (97, 17),
+                                   (1, 128), (128, 1)])
+def test_lengths(dtype, causal, nq, nk, tiled_blocks):
+    q, k, v = make_inputs(B=2, H=3, N=nq, Nk=nk, D=64, dtype=dtype, seed=nq * 1000 + nk)
+    assert_close_to_reference(tiled, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dv", [(16, 16), (40, 40), (64, 64), (80, 80), (128, 128), (256, 256),
+                                  (64, 40)])
+def test_head_dims(dtype, causal, d, dv):
+    q, k, v = make_inputs(B=1, H=2, N=97, Nk=70, D=d, Dv=dv, dtype=dtype, seed=d)
+    assert_close_to_reference(tiled, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence(dtype, causal):
+    q, k, v = make_inputs(B=1, H=2, N=1025, D=64, dtype=dtype, seed=3)
+    assert_close_to_reference(tiled, q, k, v, causal=causal)
+
+
+def _variant_kwargs(name: str, H: int, nq: int, nk: int, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(7)
+    if name == "plain":
+        return {}
+    if name == "softcap":
+        return {"softcap": 2.0}
+    if name == "softcap_learned":
+        return {"softcap": torch.tensor(3.0, requires_grad=True)}
+    if name == "softcap_per_head":
+        return {"softcap": (torch.rand(H, generator=g) * 4 + 1).requires_grad_()}
+    if name == "sinks":
+        return {"sinks": torch.randn(H, generator=g).requires_grad_()}
+    if name == "window":
+        return {"window": (7, 3)}
+    if name == "window_left":
+        return {"window": (12, -1)}
+    if name == "temperature":
+        return {"temperature": 0.7}
+    if name == "temperature_tensor":
+        return {"temperature": (torch.rand(H, generator=g) + 0.5).requires_grad_()}
+    if name == "temperature_bh":
+        return {"temperature": (torch.rand(2, H, generator=g) + 0.5).requires_grad_()}
+    if name == "scale":
+        return {"scale": 0.3}
+    if name == "bool_mask":
+        return {"attn_mask": torch.rand(2, 1, nq, nk, generator=g) > 0.3}
+    if name == "padding_mask":
+        m = torch.ones(2, 1, 1, nk, dtype=torch.bool)
+        m[1, ..., nk // 2:] = False
+        return {"attn_mask": m}
+    if name == "float_mask":
+        return {"attn_mask": torch.randn(nq, nk, generator=g).to(dtype)}
+    if name == "float_mask_grad":
+        return {"attn_mask": torch.randn(H, 1, nk, generator=g).to(dtype).requires_grad_()}
+    if name == "dropout":
+        return {"dropout_p": 0.25}
+    if name == "everything":
+        return {"softcap": torch.tensor(4.0, requires_grad=True),
+                "sinks": torch.randn(H, generator=g).requires_grad_(),
+                "window": (20, 5),
+                "temperature": (torch.rand(H, generator=g) + 0.5).requires_grad_(),
+                "attn_mask": torch.rand(nq, nk, generator=g) > 0.2,
+                "dropout_p": 0.1}
+    raise KeyError(name)
+
+
+VARIANTS = ["plain", "softcap", "softcap_learned", "softcap_per_head", "sinks", "window",
+            "window_left", "temperature", "temperature_tensor", "temperature_bh", "scale",
+            "bool_mask", "padding_mask", "float_mask", "float_mask_grad", "dropout", "everything"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_variants(dtype, causal, variant, heads, small_blocks):
+    H, Hkv = heads
+    nq, nk = 45, 70
+    q, k, v = make_inputs(B=2, H=H, Hkv=Hkv, N=nq, Nk=nk, D=32, dtype=dtype, seed=11)
+    kwargs = _variant_kwargs(variant, H, nq, nk, dtype)
+    assert_close_to_reference(tiled, q, k, v, causal=causal, **kwargs)
+
+
+# -- the reference itself, against torch's SDPA where SDPA can say the same thing --------------
+
+@pytest.mark.parametrize("case", ["plain", "causal_square", "bool_mask", "float_mask", "gqa",
+                                  "scale", "causal_rect"])
+def test_reference_matches_torch_sdpa(case):
+    nk = 40 if case == "causal_rect" else 33
+    q, k, v = make_inputs(B=2, H=4, Hkv=2 if case == "gqa" else 4, N=33, Nk=nk, D=16,
+                          dtype=torch.float64, seed=5)
+    kw, tkw = {}, {}
+    if case == "causal_square":
+        kw, tkw = {"causal": True}, {"is_causal": True}
+    if case == "causal_rect":  # ours is bottom-right: torch's explicit lower-right bias
+        from torch.nn.attention.bias import causal_lower_right
+        kw, tkw = {"causal": True}, {"attn_mask": causal_lower_right(33, nk)}
+    if case == "bool_mask":
+        m = torch.rand(2, 4, 33, 33, generator=torch.Generator().manual_seed(0)) > 0.4
+        kw = tkw = {"attn_mask": m}
+    if case == "float_mask":
+        m = torch.randn(33, 33, dtype=torch.float64)
+        kw = tkw = {"attn_mask": m}
+    if case == "scale":
+        kw = tkw = {"scale": 0.05}
+    ours = attn.attention(q, k, v, backend="reference", **kw)
+    theirs = F.scaled_dot_product_attention(q, k, v, enable_gqa=case == "gqa", **tkw)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+# -- gradcheck: the hand-written backward against finite differences ---------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2)], ids=["mha", "gqa"])
+def test_gradcheck_all_variants(causal, heads, monkeypatch):
+    import attn.tiled
+    monkeypatch.setattr(attn.tiled, "BLOCK_M", 4)
+    monkeypatch.setattr(attn.tiled, "BLOCK_N", 3)
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (t.requires_grad_() for t in make_inputs(B=1, H=H, Hkv=Hkv, N=7, Nk=9, D=4, Dv=3,
+                                                      dtype=torch.float64, seed=1))
+    temp = (torch.rand(H, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    sinks = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
+    cap = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, H, 7, 9, generator=g, dtype=torch.float64).requires_grad_()
+
+    def fn(q, k, v, temp, sinks, cap, bias):
+        torch.manual_seed(0)  # the same dropout mask on every evaluation
+        out, lse = tiled(q, k, v, causal=causal, temperature=temp, sinks=sinks, softcap=cap,
+                         window=(5, 2), attn_mask=bias, dropout_p=0.2, return_lse=True)
+        return out, torch.where(torch.isfinite(lse), lse, 0.0)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, temp, sinks, cap, bias), eps=1e-6, atol=1e-7)
+
+
+# -- edge cases --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_fully_masked_rows(backend, with_sinks, tiled_blocks):
+    q, k, v = (t.requires_grad_() for t in make_inputs(B=1, H=2, N=20, Nk=12, D=8, seed=2))
+    mask = torch.ones(20, 12, dtype=torch.bool)
+    mask[3] = False  # row 3 sees nothing through the mask
+    sinks = torch.tensor([0.5, -1.0], requires_grad=True) if with_sinks else None
+    # causal bottom-right with Nq > Nk: rows 0..7 see no key either
+    out, lse = attn.attention(q, k, v, causal=True, attn_mask=mask, sinks=sinks,
+                              return_lse=True, backend=backend)
+    dead = torch.zeros(20, dtype=torch.bool)
+    dead[:8] = True
+    dead[3] = True
+    assert torch.isfinite(out).all()
+    assert (out[:, :, dead] == 0).all()
+    expect = sinks.detach().view(2, 1).expand(2, int(dead.sum())) if with_sinks else float("-inf")
+    assert torch.equal(lse[0][:, dead], torch.as_tensor(expect).expand(2, int(dead.sum())))
+    assert torch.isfinite(lse[:, :, ~dead]).all()
+    (out.sum() + torch.where(torch.isfinite(lse), lse, 0).sum()).backward()
+    for t in (q, k, v) + ((sinks,) if with_sinks else ()):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[:, :, dead] == 0).all()
+
+
+@pytest.mark.parametrize("window", [(0, 0), (2, 1), (0, -1)])
+def test_window_matches_explicit_mask(window):
+    q, k, v = make_inputs(B=1, H=2, N=30, Nk=40, D=8, dtype=torch.float64, seed=4)
+    i = torch.arange(30)[:, None]
+    j = torch.arange(40)[None, :]
+    rel = j - (i + 10)  # bottom-right diagonal offset Nk - Nq
+    left, right = window
+    allowed = (rel >= -left) & ((rel <= right) if right >= 0 else True)
+    ours = attn.attention(q, k, v, window=window, backend="tiled")
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_huge_logits(dtype, tiled_blocks):
+    # scores of about 1e4: exp overflows anything that does not subtract the running max
+    q, k, v = make_inputs(B=1, H=2, N=65, D=16, dtype=dtype, seed=9)
+    out = tiled(q, k, v, scale=1e4 / 16)
+    assert torch.isfinite(out).all()
+    assert_close_to_reference(tiled, q, k, v, scale=1e4 / 16, causal=True)
+
+
+def test_single_query_single_key():
+    q, k, v = make_inputs(B=2, H=3, N=1, D=16, seed=1)
+    out, lse = tiled(q, k, v, return_lse=True)
+    torch.testing.assert_close(out, v)  # softmax over one key is 1
+    torch.testing.assert_close(lse, (q * k).sum(-1) * 16 ** -0.5)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "reference"])
+def test_temperature_limits(backend):
+    q, k, v = make_inputs(B=1, H=2, N=17, Nk=23, D=16, dtype=torch.float64, seed=6)
+    # τ → 0: attention becomes the argmax key's value
+    cold = attn.attention(q, k, v, temperature=1e-3, backend=backend)
+    idx = (q @ k.transpose(-1, -2)).argmax(-1)
+    argmax_v = torch.gather(v, 2, idx[..., None].expand(-1, -1, -1, 16))
+    torch.testing.assert_close(cold, argmax_v, rtol=0, atol=1e-6)
+    # τ → ∞: attention becomes the mean of the values
+    hot = attn.attention(q, k, v, temperature=1e3, backend=backend)
+    torch.testing.assert_close(hot, v.mean(2, keepdim=True).expand_as(hot), rtol=0, atol=5e-3)
+    assert_close_to_reference(tiled, q.float(), k.float(), v.float(), temperature=1e-3)
+    assert_close_to_reference(tiled, q.float(), k.float(), v.float(), temperature=1e3)
+
+
+# -- dropout -----------------------------------------------------------------------------------
+
+def test_dropout_reproducible_and_unbiased():
+    q, k, v = make_inputs(B=1, H=2, N=32, D=16, seed=0)
+    torch.manual_seed(123)
+    a = tiled(q, k, v, dropout_p=0.5)
+    torch.manual_seed(123)
+    b = tiled(q, k, v, dropout_p=0.5)
+    c = tiled(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    # averaged over many masks, dropout (scaled by 1/(1-p)) leaves the output unchanged
+    mean = torch.stack([tiled(q, k, v, dropout_p=0.5) for _ in range(200)]).mean(0)
+    exact = tiled(q, k, v)
+    assert (mean - exact).abs().mean() < 0.1 * exact.abs().mean()
+
+
+def test_dropout_keep_rate():
+    from attn.masks import dropout_keep
+    keep = dropout_keep(42, torch.arange(6), torch.arange(300), torch.arange(500), 0.3)
+    rate = keep.float().mean().item()
+    assert abs(rate - 0.7) < 0.005
+    # no structure along rows or columns
+    assert keep.float().mean(-1).std() < 0.05 and keep.float().mean(-2).std() < 0.05
+
+
+# -- merge -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=_ids)
+def test_merge_two_halves_equals_full(dtype):
+    q, k, v = make_inputs(B=2, H=2, N=24, Nk=50, D=16, dtype=dtype, seed=8)
+    mask = torch.ones(24, 50, dtype=torch.bool)
+    mask[5, :30] = False  # row 5 sees nothing in the first part
+    mask[6] = False  # row 6 sees nothing at all
+    full, lse = tiled(q, k, v, attn_mask=mask, return_lse=True)
+    a, lse_a = tiled(q, k[:, :, :30], v[:, :, :30], attn_mask=mask[:, :30], return_lse=True)
+    b, lse_b = tiled(q, k[:, :, 30:], v[:, :, 30:], attn_mask=mask[:, 30:], return_lse=True)
+    out, lse_m = attn.merge_attention(a, lse_a, b, lse_b)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out, full, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse_m, lse.to(lse_m.dtype), rtol=tol, atol=tol)
+    assert (out[:, :, 6] == 0).all() and torch.isinf(lse_m[:, :, 6]).all()
+
+
+def test_merge_rejects_mismatched_shapes():
+    a = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="out_a"):
+        attn.merge_attention(a, torch.zeros(1, 2, 3), torch.zeros(1, 2, 3, 5), torch.zeros(1, 2, 3))
+    with pytest.raises(ValueError, match="lse"):
+        attn.merge_attention(a, torch.zeros(1, 2, 4), a, torch.zeros(1, 2, 3))
