@@ -51,118 +51,6 @@ def _mask4d(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(shape)
 
 
-class _Tile:
-    """Everything one (query block, key block) tile needs to rebuild its scores."""
-
-    def __init__(self, q: Tensor, k: Tensor, cfg: _Config, attn_mask: Tensor | None,
-                 softcap_t: Tensor | None) -> None:
-        B, H, Nq, _ = q.shape
-        Hkv, Nk = k.shape[1], k.shape[2]
-        self.B, self.Hkv, self.G, self.Nq, self.Nk = B, Hkv, H // Hkv, Nq, Nk
-        self.cfg = cfg
-        self.device = q.device
-        acc = self.acc_dtype = _acc_dtype(q.dtype)
-        # masks and learnable softcap viewed per (B, Hkv, G, ...) to match the GQA layout
-        self.mask5 = None
-        if attn_mask is not None:
-            self.mask5 = _mask4d(attn_mask, (B, H, Nq, Nk)).view(B, Hkv, self.G, Nq, Nk)
-        self.cap5 = None
-        if softcap_t is not None:
-            self.cap5 = softcap_t.to(acc).expand(H).reshape(1, Hkv, self.G, 1, 1)
-        if cfg.dropout_p > 0.0:
-            self.bh = torch.arange(B * H, device=q.device).view(B, Hkv, self.G)
-
-    def scores(self, q_blk: Tensor, k_blk: Tensor, m0: int, m1: int, n0: int, n1: int
-               ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Masked scores ``(B, Hkv, G, BM, BN)``; with softcap also ``u = s_raw / c`` and
-        ``t = tanh(u)`` (the backward needs both)."""
-        B, Hkv, G, BM, BN = self.B, self.Hkv, self.G, m1 - m0, n1 - n0
-        # -- compute qk (q_blk is (B, Hkv, G*BM, D), already scaled) --
-        s = torch.matmul(q_blk, k_blk.transpose(-1, -2)).view(B, Hkv, G, BM, BN)
-        u = t = None
-        if self.cap5 is not None or self.cfg.softcap is not None:
-            c = self.cap5 if self.cap5 is not None else self.cfg.softcap
-            u = s.div_(c)
-            t = torch.tanh(u)
-            s = t * c
-        # -- masks --
-        band = self.cfg.band
-        if not band.tile_is_full(m0, m1, n0, n1):
-            offs_m = torch.arange(m0, m1, device=self.device)
-            offs_n = torch.arange(n0, n1, device=self.device)
-            s.masked_fill_(~band.mask(offs_m, offs_n), float("-inf"))
-        if self.mask5 is not None:
-            mt = self.mask5[..., m0:m1, n0:n1]
-            if mt.dtype == torch.bool:
-                s.masked_fill_(~mt, float("-inf"))
-            else:
-                s.add_(mt)
-        return s, u, t
-
-    def dropout_scale(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
-        """Kept elements scaled by 1/(1-p), dropped ones 0: ``(B, Hkv, G, BM, BN)``."""
-        p = self.cfg.dropout_p
-        offs_m = torch.arange(m0, m1, device=self.device)
-        offs_n = torch.arange(n0, n1, device=self.device)
-        keep = dropout_keep(self.cfg.dropout_seed, self.bh, offs_m, offs_n, p)
-        return keep.to(self.acc_dtype) / (1.0 - p)
-
-
-def _q_block(q: Tensor, m0: int, m1: int, Hkv: int, scale: float, acc: torch.dtype) -> Tensor:
-    B, H, _, D = q.shape
-    q_blk = q[:, :, m0:m1].to(acc) * scale  # (B, H, BM, D), a fresh copy
-    return q_blk.view(B, Hkv, (H // Hkv) * (m1 - m0), D)  # (B, Hkv, G*BM, D)
-
-
-def _fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
-         softcap_t: Tensor | None, cfg: _Config) -> tuple[Tensor, Tensor]:
-    B, H, Nq, _ = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = H // Hkv
-    acc_dtype = _acc_dtype(q.dtype)
-    tile = _Tile(q, k, cfg, attn_mask, softcap_t)
-    out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
-    lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
-    out5 = out.view(B, Hkv, G, Nq, Dv)
-    lse4 = lse.view(B, Hkv, G, Nq)
-    sink4 = None if sinks is None else sinks.to(acc_dtype).view(1, Hkv, G, 1)
-
-    for m0 in range(0, Nq, cfg.block_m):
-        m1 = min(m0 + cfg.block_m, Nq)
-        BM = m1 - m0
-        # -- init: the sink, when present, is the first "key" of every row --
-        if sink4 is None:
-            m_i = torch.full((B, Hkv, G, BM), float("-inf"), dtype=acc_dtype, device=q.device)
-            l_i = torch.zeros((B, Hkv, G, BM), dtype=acc_dtype, device=q.device)
-        else:
-            m_i = sink4.expand(B, Hkv, G, BM).clone()
-            l_i = torch.ones((B, Hkv, G, BM), dtype=acc_dtype, device=q.device)
-        acc = torch.zeros((B, Hkv, G, BM, Dv), dtype=acc_dtype, device=q.device)
-        n_lo, n_hi = cfg.band.key_range(m0, m1, Nk)
-        if n_lo < n_hi:
-            q_blk = _q_block(q, m0, m1, Hkv, cfg.scale, acc_dtype)
-        for n0 in range(n_lo, n_hi, cfg.block_n):
-            n1 = min(n0 + cfg.block_n, n_hi)
-            s, _, _ = tile.scores(q_blk, k[:, :, n0:n1].to(acc_dtype), m0, m1, n0, n1)
-            # -- online softmax --
-            m_new = torch.maximum(m_i, s.amax(dim=-1))
-            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key yet
-            p = s.sub_(m_safe.unsqueeze(-1)).exp_()  # in place: s is dead after this
-            alpha = torch.exp(m_i - m_safe)
-            l_i = l_i * alpha + p.sum(dim=-1)
-            if cfg.dropout_p > 0.0:
-                p.mul_(tile.dropout_scale(m0, m1, n0, n1))
-            # -- update acc --
-            pv = torch.matmul(p.view(B, Hkv, G * BM, n1 - n0), v[:, :, n0:n1].to(acc_dtype))
-            acc.mul_(alpha.unsqueeze(-1)).add_(pv.view(B, Hkv, G, BM, Dv))
-            m_i = m_new
-        # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
-        l_safe = l_i.masked_fill(l_i == 0, 1.0)
-        out5[..., m0:m1, :] = (acc / l_safe.unsqueeze(-1)).to(out.dtype)
-        lse4[..., m0:m1] = m_i + torch.log(l_i)
-    return out, lse
-
-
 def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
     """Sum a broadcast gradient back to ``shape`` (the shape of the tensor that broadcast)."""
     lead = grad.dim() - len(shape)
@@ -172,6 +60,139 @@ def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
     return grad.sum(dim=dims, keepdim=True) if dims else grad
 
 
+class _Tile:
+    """What every (query block, key block) tile needs to rebuild its scores.
+
+    Layout: k and v as ``(B·Hkv, N, D)``; a query block as ``(B·Hkv, G·BM, D)`` with the G
+    query heads of a group stacked along rows, so one ``bmm`` serves the whole group.
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, cfg: _Config,
+                 attn_mask: Tensor | None, softcap_t: Tensor | None) -> None:
+        B, H, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        self.B, self.H, self.Hkv, self.G, self.Nq, self.Nk = B, H, Hkv, H // Hkv, Nq, Nk
+        self.cfg = cfg
+        self.device = q.device
+        acc = self.acc_dtype = _acc_dtype(q.dtype)
+        self.q = q
+        self.k3 = k.reshape(B * Hkv, Nk, D)  # (B·Hkv, Nk, D), a view when k is contiguous
+        self.v3 = v.reshape(B * Hkv, Nk, v.shape[-1])
+        self.mask5 = None
+        if attn_mask is not None:
+            self.mask5 = _mask4d(attn_mask, (B, H, Nq, Nk)).view(B, Hkv, self.G, Nq, Nk)
+        self.cap5 = None
+        if softcap_t is not None:
+            self.cap5 = softcap_t.to(acc).expand(H).reshape(1, Hkv, self.G, 1, 1)
+        if cfg.dropout_p > 0.0:
+            self.bh = torch.arange(B * H, device=q.device).view(B, Hkv, self.G)
+        self._band_masks: dict[tuple[int, int, int], Tensor] = {}
+
+    def q_block(self, m0: int, m1: int) -> Tensor:
+        """Scaled queries ``(B·Hkv, G·BM, D)`` in the accumulation dtype (a fresh copy)."""
+        q_blk = self.q[:, :, m0:m1].to(self.acc_dtype) * self.cfg.scale  # (B, H, BM, D)
+        return q_blk.view(self.B * self.Hkv, self.G * (m1 - m0), q_blk.shape[-1])
+
+    def kv_block(self, n0: int, n1: int) -> tuple[Tensor, Tensor]:
+        return self.k3[:, n0:n1].to(self.acc_dtype), self.v3[:, n0:n1].to(self.acc_dtype)
+
+    def _band_mask(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
+        # a tile's band mask depends only on its diagonal offset and size: build each once
+        key = (n0 - m0, m1 - m0, n1 - n0)
+        if key not in self._band_masks:
+            offs_m = torch.arange(m0, m1, device=self.device)
+            offs_n = torch.arange(n0, n1, device=self.device)
+            self._band_masks[key] = ~self.cfg.band.mask(offs_m, offs_n)  # True = masked
+        return self._band_masks[key]
+
+    def scores(self, q_blk: Tensor, k_blk: Tensor, m0: int, m1: int, n0: int, n1: int
+               ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Masked scores ``(B·Hkv, G·BM, BN)``; with softcap also ``u = s_raw / c`` and
+        ``t = tanh(u)`` (the backward needs both)."""
+        B, Hkv, G, BM, BN = self.B, self.Hkv, self.G, m1 - m0, n1 - n0
+        # -- compute qk (q_blk already scaled) --
+        s = torch.bmm(q_blk, k_blk.transpose(1, 2))
+        s5 = s.view(B, Hkv, G, BM, BN)
+        u = t = None
+        if self.cap5 is not None or self.cfg.softcap is not None:
+            c = self.cap5 if self.cap5 is not None else self.cfg.softcap
+            u = s5.div_(c).view(B * Hkv, G * BM, BN)
+            t = torch.tanh(u)
+            s = t * c if self.cap5 is None else (t.view_as(s5) * c).view_as(t)
+            s5 = s.view(B, Hkv, G, BM, BN)
+        # -- masks --
+        if not self.cfg.band.tile_is_full(m0, m1, n0, n1):
+            s5.masked_fill_(self._band_mask(m0, m1, n0, n1), float("-inf"))
+        if self.mask5 is not None:
+            mt = self.mask5[..., m0:m1, n0:n1]
+            if mt.dtype == torch.bool:
+                s5.masked_fill_(~mt, float("-inf"))
+            else:
+                s5.add_(mt)
+        return s, u, t
+
+    def dropout_scale(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
+        """Kept elements scaled by 1/(1-p), dropped ones 0: ``(B·Hkv, G·BM, BN)``."""
+        p = self.cfg.dropout_p
+        offs_m = torch.arange(m0, m1, device=self.device)
+        offs_n = torch.arange(n0, n1, device=self.device)
+        keep = dropout_keep(self.cfg.dropout_seed, self.bh, offs_m, offs_n, p)
+        z = keep.to(self.acc_dtype) / (1.0 - p)  # (B, Hkv, G, BM, BN)
+        return z.view(self.B * self.Hkv, self.G * (m1 - m0), n1 - n0)
+
+    def rows(self, x: Tensor, m0: int, m1: int) -> Tensor:
+        """Per-row values (B, H, Nq) of a query block as a column ``(B·Hkv, G·BM, 1)``."""
+        return x[:, :, m0:m1].reshape(self.B * self.Hkv, self.G * (m1 - m0), 1)
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+         softcap_t: Tensor | None, cfg: _Config) -> tuple[Tensor, Tensor]:
+    B, H, Nq, _ = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    acc_dtype = _acc_dtype(q.dtype)
+    tile = _Tile(q, k, v, cfg, attn_mask, softcap_t)
+    out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
+    sink_rows = None if sinks is None else sinks.to(acc_dtype).view(1, H, 1).expand(B, H, Nq)
+    # a finite "-inf" start keeps exp(m_i - m_new) and exp(s - m_new) free of inf - inf
+    lowest = torch.finfo(acc_dtype).min
+
+    for m0 in range(0, Nq, cfg.block_m):
+        m1 = min(m0 + cfg.block_m, Nq)
+        rows = (B * Hkv, G * (m1 - m0), 1)
+        # -- init: the sink, when present, is the first "key" of every row --
+        if sink_rows is None:
+            m_i = torch.full(rows, lowest, dtype=acc_dtype, device=q.device)
+            l_i = torch.zeros(rows, dtype=acc_dtype, device=q.device)
+        else:
+            m_i = tile.rows(sink_rows, m0, m1).clone()
+            l_i = torch.ones(rows, dtype=acc_dtype, device=q.device)
+        acc = torch.zeros(rows[:2] + (Dv,), dtype=acc_dtype, device=q.device)
+        n_lo, n_hi = cfg.band.key_range(m0, m1, Nk)
+        if n_lo < n_hi:
+            q_blk = tile.q_block(m0, m1)
+        for n0 in range(n_lo, n_hi, cfg.block_n):
+            n1 = min(n0 + cfg.block_n, n_hi)
+            k_blk, v_blk = tile.kv_block(n0, n1)
+            s, _, _ = tile.scores(q_blk, k_blk, m0, m1, n0, n1)
+            # -- online softmax --
+            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
+            p = s.sub_(m_new).exp_()  # in place: s is dead after this
+            alpha = (m_i - m_new).exp_()
+            l_i = l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            if cfg.dropout_p > 0.0:
+                p.mul_(tile.dropout_scale(m0, m1, n0, n1))
+            # -- update acc --
+            acc.mul_(alpha).baddbmm_(p, v_blk)
+            m_i = m_new
+        # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
+        seen = l_i > 0
+        out[:, :, m0:m1] = (acc / torch.where(seen, l_i, 1.0)).view(B, H, m1 - m0, Dv)
+        lse[:, :, m0:m1] = torch.where(seen, m_i + torch.log(l_i), float("-inf")).view(B, H, -1)
+    return out, lse
+
+
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
          softcap_t: Tensor | None, cfg: _Config, need_dmask: bool):
@@ -179,24 +200,20 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    tile = _Tile(q, k, cfg, attn_mask, softcap_t)
+    tile = _Tile(q, k, v, cfg, attn_mask, softcap_t)
     dq = torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(B, Hkv, Nk, D, dtype=acc_dtype, device=q.device)
-    dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc_dtype, device=q.device)
-    dq5 = dq.view(B, Hkv, G, Nq, D)
+    dk3 = torch.zeros(B * Hkv, Nk, D, dtype=acc_dtype, device=q.device)
+    dv3 = torch.zeros(B * Hkv, Nk, Dv, dtype=acc_dtype, device=q.device)
     dsoftcap = None if softcap_t is None else torch.zeros(H, dtype=acc_dtype, device=q.device)
     dmask = None
     if need_dmask:
         mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
         dmask = torch.zeros(mask4.shape, dtype=acc_dtype, device=q.device)
-    # Δ = rowsum(dO ∘ O) - dlse: the lse output's gradient joins dS as dlse_i * P_ij
+    # Δ = rowsum(dO ∘ O) − dlse: the lse output's gradient joins dS as dlse_i · P_ij
     delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, H, Nq)
     if dlse is not None:
         delta = delta - dlse.to(acc_dtype)
-    delta4 = delta.view(B, Hkv, G, Nq)
-    lse4 = lse.view(B, Hkv, G, Nq)
-    lse4 = lse4.masked_fill(lse4 == float("-inf"), float("inf"))  # P = 0 on empty rows
-    do5 = do.view(B, Hkv, G, Nq, Dv)
+    lse_rows = lse.masked_fill(lse == float("-inf"), float("inf"))  # P = 0 on empty rows
 
     for m0 in range(0, Nq, cfg.block_m):
         m1 = min(m0 + cfg.block_m, Nq)
@@ -204,51 +221,50 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         n_lo, n_hi = cfg.band.key_range(m0, m1, Nk)
         if n_lo >= n_hi:
             continue
-        q_blk = _q_block(q, m0, m1, Hkv, cfg.scale, acc_dtype)  # (B, Hkv, G*BM, D)
-        do_blk = do5[..., m0:m1, :].to(acc_dtype).reshape(B, Hkv, G * BM, Dv)
-        lse_blk = lse4[..., m0:m1].unsqueeze(-1)
-        delta_blk = delta4[..., m0:m1].unsqueeze(-1)
-        dq_blk = torch.zeros(B, Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
+        q_blk = tile.q_block(m0, m1)  # (B·Hkv, G·BM, D)
+        do_blk = do[:, :, m0:m1].to(acc_dtype).reshape(B * Hkv, G * BM, Dv)
+        lse_blk = tile.rows(lse_rows, m0, m1)
+        delta_blk = tile.rows(delta, m0, m1)
+        dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
         for n0 in range(n_lo, n_hi, cfg.block_n):
             n1 = min(n0 + cfg.block_n, n_hi)
             BN = n1 - n0
-            k_blk = k[:, :, n0:n1].to(acc_dtype)
-            v_blk = v[:, :, n0:n1].to(acc_dtype)
+            k_blk, v_blk = tile.kv_block(n0, n1)
             # -- recompute P from lse --
             s, u, t = tile.scores(q_blk, k_blk, m0, m1, n0, n1)
-            p = s.sub_(lse_blk).exp_()  # (B, Hkv, G, BM, BN)
-            # -- dV = Pᵈᵀ dO, dP = dO Vᵀ (ᵈ: with the dropout mask) --
-            dp = torch.matmul(do_blk, v_blk.transpose(-1, -2)).view(B, Hkv, G, BM, BN)
+            p = s.sub_(lse_blk).exp_()  # (B·Hkv, G·BM, BN)
+            # -- dV += Pᵈᵀ dO, dP = dO Vᵀ (ᵈ: with the dropout mask); Pᵀ sums over the group --
+            dp = torch.bmm(do_blk, v_blk.transpose(1, 2))
+            pd = p
             if cfg.dropout_p > 0.0:
                 z = tile.dropout_scale(m0, m1, n0, n1)
                 pd = p * z
                 dp.mul_(z)
-            else:
-                pd = p
-            dv[:, :, n0:n1] += torch.matmul(pd.view(B, Hkv, G * BM, BN).transpose(-1, -2), do_blk)
+            dv3[:, n0:n1].baddbmm_(pd.transpose(1, 2), do_blk)
             # -- dS = P ∘ (dP − Δ) --
             ds = dp.sub_(delta_blk).mul_(p)
             if dmask is not None:
                 rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
                 cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
-                dmask[:, :, rows, cols] += _reduce_to(ds.reshape(B, H, BM, BN), dmask.shape)
+                dmask[:, :, rows, cols] += _reduce_to(ds.view(B, H, BM, BN), dmask.shape)
             if t is not None:
                 # s = c·tanh(u), u = s_raw/c: ds_raw = ds·(1 − t²); dc = Σ ds·(t − u(1 − t²))
                 one_m_t2 = 1.0 - t * t
                 if dsoftcap is not None:
-                    dc = (ds * (t - u * one_m_t2)).sum(dim=(0, 3, 4))  # (Hkv, G)
+                    dc = (ds * (t - u * one_m_t2)).view(B, Hkv, G, BM, BN).sum(dim=(0, 3, 4))
                     dsoftcap += dc.reshape(H)
-                ds = ds * one_m_t2
-            ds3 = ds.view(B, Hkv, G * BM, BN)
-            dq_blk += torch.matmul(ds3, k_blk)
-            dk[:, :, n0:n1] += torch.matmul(ds3.transpose(-1, -2), q_blk)
-        dq5[..., m0:m1, :] = dq_blk.view(B, Hkv, G, BM, D) * cfg.scale
+                ds = ds.mul_(one_m_t2)
+            # -- dQ += dS K, dK += dSᵀ Q (q_blk carries the scale; dQ gets it at the end) --
+            dq_blk.baddbmm_(ds, k_blk)
+            dk3[:, n0:n1].baddbmm_(ds.transpose(1, 2), q_blk)
+        dq[:, :, m0:m1] = dq_blk.view(B, H, BM, D) * cfg.scale
 
     dsinks = None
     if sinks is not None:
         # the sink is a key with value 0: dsink_h = −Σ_{b,i} exp(sink_h − lse_i) · Δ_i
         p_sink = torch.exp(sinks.to(acc_dtype).view(1, H, 1) - lse.to(acc_dtype))
         dsinks = -(p_sink * delta).sum(dim=(0, 2))
+    dk, dv = dk3.view(B, Hkv, Nk, D), dv3.view(B, Hkv, Nk, Dv)
     return dq, dk, dv, dmask, dsinks, dsoftcap
 
 

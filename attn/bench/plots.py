@@ -39,6 +39,9 @@ def _draw(ax, rows, mode, field, scale=1.0):
                         color=_COLORS.get(backend), ls="--" if causal else "-",
                         label=backend + (" causal" if causal else ""))
     ax.set_xscale("log", base=2)
+    ns = sorted({r["N"] for r in rows})
+    ax.set_xticks(ns, [str(n) for n in ns])  # the measured N, not powers of two in 2^k form
+    ax.minorticks_off()
     ax.set_xlabel("sequence length N")
     ax.set_title(mode)
     ax.grid(True, which="both", alpha=0.3)
@@ -54,8 +57,8 @@ def _guides(ax, rows, mode, scale):
     n0 = ns[0]
     at_n0 = sorted(y for n, y in pts if n == n0)
     y0 = at_n0[len(at_n0) // 2] * scale  # the median backend, so guides sit mid-plot
-    for power, label in ((1, "∝ N"), (2, "∝ N²")):
-        ax.plot(ns, [y0 * (n / n0) ** power for n in ns], color="grey", ls=":", lw=1,
+    for power, label, ls in ((1, "∝ N", ":"), (2, "∝ N²", "-.")):
+        ax.plot(ns, [y0 * (n / n0) ** power for n in ns], color="grey", ls=ls, lw=1,
                 label=label)
 
 

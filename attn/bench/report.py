@@ -170,7 +170,8 @@ def group_key(r: dict) -> tuple:
 
 def markdown_tables(rows: list[dict]) -> str:
     """One table per (dtype, D, causal, mode): ms, TFLOP/s, share of the matmul rate, peak
-    memory above the inputs, and sdpa's time over ours (> 1: faster than torch SDPA)."""
+    memory above the inputs, and sdpa's time over ours (> 1: faster than torch SDPA).
+    Points that did not run are listed under the table, one line per backend and reason."""
     out = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -180,32 +181,41 @@ def markdown_tables(rows: list[dict]) -> str:
                    f"D={D}**\n")
         out.append("| N | backend | ms | TFLOP/s | % of matmul | peak MiB | sdpa ms / ms |")
         out.append("|--:|:--|--:|--:|--:|--:|--:|")
-        notes = []
+        notes: dict[tuple, list[int]] = {}
         for r in sorted(rs, key=lambda r: r["N"]):
+            if r["status"] == "skipped":
+                notes.setdefault((r["backend"], r["status"], r["note"]), []).append(r["N"])
+                continue
             if r["status"] != "ok":
-                notes.append(f"{r['backend']} N={r['N']}: {r['status']} ({r['note']})")
-                ms = r["status"]
-            else:
-                ms = _fmt(r["ms"], ",.1f" if (r["ms"] or 0) >= 10 else ".2f")
+                notes.setdefault((r["backend"], r["status"], r["note"]), []).append(r["N"])
+            ms = r["ms"]
             frac = r.get("matmul_fraction")
-            out.append(f"| {r['N']} | {r['backend']} | {ms} | {_fmt(r['tflops'], '.3f')} | "
+            out.append(f"| {r['N']} | {r['backend']} | "
+                       f"{r['status'] if r['status'] != 'ok' else _fmt(ms, ',.1f' if (ms or 0) >= 10 else '.2f')} | "
+                       f"{_fmt(r['tflops'], '.3f')} | "
                        f"{_fmt(None if frac is None else 100 * frac, '.0f')} | "
                        f"{_mib(r['peak_bytes'])} | {_fmt(r['ratio_to_sdpa'], '.2f')} |")
         out.append("")
-        out.extend(f"- {n}" for n in notes)
+        for (backend, status, note), ns in notes.items():
+            out.append(f"- {backend} {status} at N={', '.join(map(str, ns))}: {note}")
         if notes:
             out.append("")
     return "\n".join(out)
 
 
 def checks_table(checks: list[dict]) -> str:
+    """Checked shapes one per line; a backend skipped for one reason on every shape, once."""
     if not checks:
         return ""
     lines = ["| backend | shape | causal | result | error / budget |", "|:--|:--|:--|:--|--:|"]
+    skipped: dict[tuple, int] = {}
     for c in checks:
-        res = c["status"] if c["status"] != "skipped" else f"skipped ({c['message']})"
-        lines.append(f"| {c['backend']} | {c['shape']} | {c['causal']} | {res} | "
+        if c["status"] == "skipped":
+            skipped[(c["backend"], c["message"])] = skipped.get((c["backend"], c["message"]), 0) + 1
+            continue
+        lines.append(f"| {c['backend']} | {c['shape']} | {c['causal']} | {c['status']} | "
                      f"{_fmt(c['worst'], '.2f')} |")
+    lines += [f"\n- {b}: {n} check(s) skipped: {m}" for (b, m), n in skipped.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,168 @@
+"""Validation, backend choice, the sdpa backend and the torch-compatible drop-in."""
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn
+from attn.api import AttentionCall, select_backend
+from attn.masks import Band
+from attn.testing import assert_close_to_reference, make_inputs
+
+
+def _qkv(**kw):
+    return make_inputs(**{"B": 2, "H": 4, "N": 8, "D": 16, **kw})
+
+
+# -- validation: bad input raises with the argument and the shapes in the message --------------
+
+@pytest.mark.parametrize("make,kwargs,exc,match", [
+    (lambda: (torch.randn(2, 8, 16),) + _qkv()[1:], {}, ValueError, r"q must have 4 dims.*\(2, 8, 16\)"),
+    (lambda: (_qkv()[0], torch.randn(3, 4, 8, 16), _qkv()[2]), {}, ValueError, r"batch.*\(3, 4, 8, 16\)"),
+    (lambda: (_qkv()[0],) + _qkv(D=8)[1:], {}, ValueError, r"head dims differ.*\(2, 4, 8, 8\)"),
+    (lambda: _qkv(Hkv=3), {}, ValueError, r"multiple of kv heads.*H=4, Hkv=3"),
+    (lambda: (_qkv()[0], _qkv()[1], _qkv(Nk=9)[2]), {}, ValueError, r"k and v must agree"),
+    (lambda: (_qkv()[0].double(),) + _qkv()[1:], {}, TypeError, r"share a dtype.*float64"),
+    (lambda: (_qkv()[0].int(),) + _qkv()[1:], {}, TypeError, r"q must be float16.*int32"),
+    (lambda: ([1.0],) + _qkv()[1:], {}, TypeError, r"q must be a torch.Tensor"),
+    (_qkv, {"temperature": 0.0}, ValueError, r"temperature must be positive"),
+    (_qkv, {"temperature": -1.0}, ValueError, r"temperature must be positive"),
+    (_qkv, {"temperature": torch.tensor([1.0, 1.0, -2.0, 1.0])}, ValueError, r"temperature must be positive"),
+    (_qkv, {"temperature": torch.ones(3)}, ValueError, r"temperature of shape \(3,\) does not broadcast to \(2, 4\)"),
+    (_qkv, {"softcap": 0.0}, ValueError, r"softcap must be positive"),
+    (_qkv, {"softcap": "big"}, TypeError, r"softcap must be a float"),
+    (_qkv, {"attn_mask": torch.ones(8, 9, dtype=torch.bool)}, ValueError, r"attn_mask of shape \(8, 9\) does not broadcast to \(B, H, Nq, Nk\) = \(2, 4, 8, 8\)"),
+    (_qkv, {"attn_mask": torch.ones(1, 2, 3, 8, 8, dtype=torch.bool)}, ValueError, r"attn_mask of shape"),
+    (_qkv, {"attn_mask": torch.ones(8, 8, dtype=torch.int64)}, TypeError, r"attn_mask must be bool"),
+    (_qkv, {"window": 3}, TypeError, r"window must be a pair"),
+    (_qkv, {"window": (3, -2)}, ValueError, r"window sides must be >= 0, or -1"),
+    (_qkv, {"window": (1.5, 2)}, TypeError, r"window must be a pair"),
+    (_qkv, {"sinks": torch.zeros(3)}, ValueError, r"sinks must have shape \(H,\) = \(4,\), got \(3,\)"),
+    (_qkv, {"dropout_p": 1.0}, ValueError, r"dropout_p must be a float in \[0, 1\)"),
+    (_qkv, {"backend": "cudnn"}, ValueError, r"backend must be one of"),
+    (_qkv, {"causal": 1}, TypeError, r"causal must be a bool"),
+])
+def test_bad_input_raises_naming_argument(make, kwargs, exc, match):
+    q, k, v = make()
+    with pytest.raises(exc, match=match):
+        attn.attention(q, k, v, **kwargs)
+
+
+# -- backend choice ----------------------------------------------------------------------------
+
+def _call(**kw):
+    base = dict(device="cpu", dtype=torch.float32, head_dim=64, head_dim_v=64, n_q=128, n_k=128)
+    return AttentionCall(**{**base, **kw})
+
+
+def test_auto_on_cpu_is_tiled_and_says_why():
+    choice = select_backend(_call())
+    assert choice.name == "tiled"
+    assert "cpu" in choice.reason
+
+
+def test_auto_on_cuda_explains_fallback_when_triton_cannot():
+    choice = select_backend(_call(device="cuda", dtype=torch.float64))
+    assert choice.name in ("tiled", "triton")
+    if choice.name == "tiled":
+        assert "triton" in choice.reason
+
+
+@pytest.mark.parametrize("variant,needle", [
+    ({"softcap": "fixed"}, "softcap"), ({"sinks": True}, "sinks"),
+    ({"return_lse": True}, "return_lse"),
+])
+def test_sdpa_refuses_what_it_cannot_compute(variant, needle):
+    with pytest.raises(NotImplementedError, match=needle):
+        select_backend(_call(**variant), "sdpa")
+    q, k, v = _qkv()
+    kwargs = {"softcap": {"softcap": 5.0}, "sinks": {"sinks": torch.zeros(4)},
+              "return_lse": {"return_lse": True}}[needle]
+    with pytest.raises(NotImplementedError, match=f"{needle}.*tiled"):
+        attn.attention(q, k, v, backend="sdpa", **kwargs)
+
+
+def test_triton_on_cpu_is_refused_with_a_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(NotImplementedError, match="triton"):
+        select_backend(_call(), "triton")
+
+
+# -- the sdpa backend computes the same function where it can ---------------------------------
+
+SDPA_CASES = {
+    "plain": {}, "causal": {"causal": True}, "window": {"window": (3, 1)},
+    "temperature": {"temperature": 0.5},
+    "temperature_tensor": {"temperature": (torch.rand(4) + 0.5).requires_grad_()},
+    "bool_mask": {"attn_mask": torch.rand(2, 1, 11, 19) > 0.3},
+    "float_mask": {"attn_mask": torch.randn(11, 19)},
+}
+
+
+@pytest.mark.parametrize("case", list(SDPA_CASES))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_sdpa_backend_matches_reference(case, heads):
+    q, k, v = make_inputs(B=2, H=heads[0], Hkv=heads[1], N=11, Nk=19, D=16, seed=3)
+    sdpa = partial(attn.attention, backend="sdpa")
+    assert_close_to_reference(sdpa, q, k, v, check_lse=False, **SDPA_CASES[case])
+
+
+# -- attn.scaled_dot_product_attention is torch's, argument for argument ----------------------
+
+@pytest.mark.parametrize("case", ["3d", "4d", "5d", "causal_square", "causal_tall", "causal_wide",
+                                  "bool_mask", "float_mask", "gqa", "scale", "causal_and_mask"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sdpa_dropin_matches_torch(case, dtype):
+    g = torch.Generator().manual_seed(0)
+    shape_q, shape_kv = (2, 4, 13, 16), (2, 4, 13, 16)
+    if case == "3d":
+        shape_q, shape_kv = (3, 13, 16), (3, 21, 16)
+    if case == "5d":
+        shape_q, shape_kv = (2, 3, 4, 13, 16), (2, 3, 4, 21, 16)
+    if case == "causal_tall":
+        shape_kv = (2, 4, 7, 16)
+    if case in ("causal_wide", "bool_mask", "float_mask", "causal_and_mask"):
+        shape_kv = (2, 4, 21, 16)
+    if case == "gqa":
+        shape_kv = (2, 2, 13, 16)
+    q = torch.randn(shape_q, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(shape_kv, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(shape_kv, generator=g, dtype=dtype, requires_grad=True)
+    kw = {}
+    if case.startswith("causal"):
+        kw["is_causal"] = True
+    if case in ("bool_mask", "causal_and_mask"):
+        kw["attn_mask"] = torch.rand(2, 1, 13, 21, generator=g) > 0.3
+    if case == "float_mask":
+        kw["attn_mask"] = torch.randn(13, 21, generator=g, dtype=dtype)
+    if case == "gqa":
+        kw["enable_gqa"] = True
+    if case == "scale":
+        kw["scale"] = 0.07
+    if case == "causal_and_mask":  # torch refuses both; compare with the mask ANDed in by hand
+        theirs = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=kw["attn_mask"] & torch.ones(13, 21, dtype=torch.bool).tril())
+    else:
+        theirs = F.scaled_dot_product_attention(q, k, v, **kw)
+    ours = attn.scaled_dot_product_attention(q, k, v, **kw)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+    do = torch.randn_like(ours)
+    g_ours = torch.autograd.grad(ours, (q, k, v), do)
+    g_theirs = torch.autograd.grad(theirs, (q, k, v), do)
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol * 10)
+
+
+def test_sdpa_dropin_requires_enable_gqa():
+    q, k, v = make_inputs(B=1, H=4, Hkv=2, N=5, D=8)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        attn.scaled_dot_product_attention(q, k, v)
+
+
+def test_top_left_band_is_torch_is_causal():
+    band = Band(offset=0, right=0)
+    keep = band.mask(torch.arange(3), torch.arange(5))
+    assert torch.equal(keep, torch.ones(3, 5, dtype=torch.bool).tril())

@@ -1,0 +1,262 @@
+"""attn.bench: FLOP formulas, timing, the CPU peak-memory method, the sweep runner, writers,
+and a smoke run of ``attn report`` (the main job) so it cannot break silently."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import attn
+from attn.bench import CPU_ERROR_BYTES, attention_flops, benchmark, peak_bytes
+from attn.bench import report as report_mod
+from attn.bench import sweep as sweep_mod
+from attn.bench.cli import main
+from attn.bench.sweep import SweepConfig, finish, plan, predicted_peak_bytes, run_sweep
+from attn.testing import make_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 2**20
+
+
+# -- FLOPs -------------------------------------------------------------------------------------
+
+def test_flops_formulas():
+    B, H, N, D = 2, 3, 128, 64
+    fwd = attention_flops(B, H, N, N, D)
+    assert fwd == 4 * B * H * N * N * D
+    assert attention_flops(B, H, N, N, D, causal=True) == fwd / 2
+    assert attention_flops(B, H, N, N, D, mode="fwd+bwd") == fwd * 3.5
+    assert attention_flops(B, H, N, N, D, mode="fwd+bwd", causal=True) == fwd * 3.5 / 2
+    assert attention_flops(1, 1, 10, 20, 8, Dv=24) == 2 * 10 * 20 * (8 + 24)  # QKᵀ + PV
+    with pytest.raises(ValueError, match="mode"):
+        attention_flops(B, H, N, N, D, mode="bwd")
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+def test_benchmark_times_a_known_sleep():
+    t = benchmark(lambda: time.sleep(0.02), warmup=1, repeats=3)
+    assert t.repeats == 3
+    assert 19.0 <= t.median_ms < 60.0  # sleep never returns early; slack for a busy machine
+    assert t.min_ms <= t.median_ms
+
+
+def test_benchmark_budget_stops_early_but_keeps_min_repeats():
+    calls = []
+    t = benchmark(lambda: (calls.append(1), time.sleep(0.01)), warmup=2, repeats=50,
+                  min_repeats=3, budget_s=0.001)
+    assert t.repeats == 3 and len(calls) == 2 + 3
+    with pytest.raises(ValueError):
+        benchmark(lambda: None, repeats=0)
+
+
+# -- peak memory (CPU method) ------------------------------------------------------------------
+
+def test_peak_bytes_finds_known_64mib_allocation():
+    got = peak_bytes(lambda: torch.empty(64 * MiB, dtype=torch.uint8))
+    assert abs(got - 64 * MiB) <= CPU_ERROR_BYTES
+
+
+def test_peak_bytes_is_the_peak_not_the_sum_or_the_end():
+    def fn():
+        a = torch.ones(16 * MiB, dtype=torch.uint8)  # live: 16
+        b = torch.ones(32 * MiB, dtype=torch.uint8)  # live: 48  <- peak
+        del a, b
+        c = torch.ones(40 * MiB, dtype=torch.uint8)  # live: 40
+        return c
+
+    assert abs(peak_bytes(fn) - 48 * MiB) <= CPU_ERROR_BYTES
+
+
+def test_peak_bytes_ignores_frees_of_older_tensors():
+    # the metric is "above what existed before": freeing an input must not hide a later peak
+    box = [torch.ones(64 * MiB, dtype=torch.uint8)]
+
+    def fn():
+        box.clear()
+        return torch.ones(8 * MiB, dtype=torch.uint8)
+
+    assert abs(peak_bytes(fn) - 8 * MiB) <= CPU_ERROR_BYTES
+
+
+def test_peak_bytes_sees_allocations_inside_aten_kernels():
+    x = torch.randn(512, 512)
+    # matmul output 1 MiB, allocated by the kernel in C++, not by Python
+    assert abs(peak_bytes(lambda: x @ x) - MiB) <= CPU_ERROR_BYTES
+
+
+def test_reference_memory_is_its_score_tensors():
+    # the reference holds s, exp(s - m) and p: about 3 tensors of B·H·N² floats
+    B, H, N, D = 1, 4, 512, 32
+    q, k, v = make_inputs(B, H, N, D, seed=1)
+    scores = B * H * N * N * 4
+    got = peak_bytes(lambda: attn.attention(q, k, v, backend="reference"))
+    assert 2.9 * scores <= got <= 3.3 * scores, got / scores
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("backend", ["reference", "tiled", "sdpa"])
+def test_prediction_bounds_measured_peak(backend, mode):
+    # the sweep skips points by this prediction: it must not underestimate
+    for N in (256, 1024):
+        row = sweep_mod.Row(backend, "cpu", "float32", 1, 4, N, 64, False, mode)
+        cfg = SweepConfig(n=(N,), max_bytes=2**40)
+        measured = peak_bytes(sweep_mod.make_call(row, cfg))
+        predicted = predicted_peak_bytes(backend, mode, 1, 4, N, 64, torch.float32)
+        assert measured <= predicted, (N, measured / MiB, predicted / MiB)
+
+
+# -- the sweep runner --------------------------------------------------------------------------
+
+def _tiny(**kw) -> SweepConfig:
+    base = dict(n=(32, 64), backends=("reference", "tiled", "triton", "sdpa"), heads=2, d=(16,),
+                warmup=0, repeats=2, min_repeats=1, budget_s=0.05, max_bytes=2**34)
+    return SweepConfig(**{**base, **kw})
+
+
+def test_sweep_runs_every_point_and_fills_every_column(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = _tiny()
+    rows = finish(list(run_sweep(cfg)), {"float32": 1.0})
+    assert len(rows) == len(plan(cfg)) == 2 * 4 * 2  # N × backends × modes
+    by = {(r.backend, r.N, r.mode): r for r in rows}
+    for r in rows:
+        if r.backend == "triton":
+            assert r.status == "skipped" and "CUDA" in r.note and r.ms is None
+            continue
+        assert r.status == "ok", r.note
+        assert r.ms > 0 and r.peak_bytes > 0 and r.repeats >= 1
+        assert r.tflops == pytest.approx(r.flops / (r.ms * 1e-3) / 1e12)
+        assert r.matmul_fraction == pytest.approx(r.tflops)
+        sdpa = by[("sdpa", r.N, r.mode)]
+        assert r.ratio_to_sdpa == pytest.approx(sdpa.ms / r.ms)
+    assert by[("sdpa", 32, "fwd")].ratio_to_sdpa == 1.0
+    # forward+backward keeps gradients: more memory than the forward alone
+    assert by[("tiled", 64, "fwd+bwd")].peak_bytes > by[("tiled", 64, "fwd")].peak_bytes
+
+
+def test_sweep_skips_points_predicted_over_budget():
+    # a budget that fits tiled at N=1024 but not the reference's N² scores there
+    budget = predicted_peak_bytes("tiled", "fwd", 1, 2, 1024, 16, torch.float32) + MiB
+    assert budget < predicted_peak_bytes("reference", "fwd", 1, 2, 1024, 16, torch.float32)
+    rows = list(run_sweep(_tiny(n=(32, 1024), backends=("reference", "tiled"), modes=("fwd",),
+                                max_bytes=budget)))
+    status = {(r.backend, r.N): r.status for r in rows}
+    assert status == {("reference", 32): "ok", ("tiled", 32): "ok",
+                      ("reference", 1024): "skipped", ("tiled", 1024): "ok"}
+    assert "predicted peak" in next(r.note for r in rows if r.status == "skipped")
+
+
+def test_out_of_memory_skips_the_rest_of_the_series(monkeypatch):
+    real = sweep_mod._measure
+
+    def fake(row, cfg):
+        if row.backend == "reference" and row.N >= 64:
+            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate")
+        real(row, cfg)
+
+    monkeypatch.setattr(sweep_mod, "_measure", fake)
+    rows = list(run_sweep(_tiny(n=(32, 64, 128), backends=("reference", "tiled"),
+                                modes=("fwd",))))
+    got = {(r.backend, r.N): r.status for r in rows}
+    assert got[("reference", 32)] == "ok" and got[("reference", 64)] == "oom"
+    assert got[("reference", 128)] == "skipped" and got[("tiled", 128)] == "ok"
+
+
+def test_sweep_config_rejects_unknown_names():
+    for bad in (dict(backends=("auto",)), dict(modes=("bwd",)), dict(dtypes=("int8",))):
+        with pytest.raises(ValueError):
+            SweepConfig(**bad)
+
+
+# -- writers -----------------------------------------------------------------------------------
+
+def test_json_schema_markdown_and_plots(tmp_path):
+    cfg = _tiny(backends=("tiled", "sdpa"))
+    rows = finish(list(run_sweep(cfg)), {"float32": 0.5})
+    header = report_mod.make_header(cfg, ["bench", "speed"], {"float32": 0.5})
+    path = report_mod.write_json(tmp_path / "r.json", header, rows)
+    doc = json.loads(path.read_text())
+    assert set(doc) >= {"header", "rows"}
+    for key in ("torch", "triton", "device_name", "kind", "date", "command"):
+        assert key in doc["header"]
+    assert doc["header"]["kind"] == "cpu" and doc["header"]["command"] == "attn bench speed"
+    for r in doc["rows"]:
+        assert set(report_mod.ROW_KEYS) <= set(r)
+        assert isinstance(r["peak_bytes"], int) and isinstance(r["ms"], float)
+
+    md = report_mod.markdown_tables(doc["rows"])
+    assert "**fwd, non-causal, float32, B=1, H=2, D=16**" in md
+    assert md.count("| 64 | tiled |") == 2  # one row per mode
+
+    pytest.importorskip("matplotlib")
+    from attn.bench.plots import write_plots
+
+    pngs = write_plots(doc["rows"], tmp_path, doc["header"])
+    assert sorted(p.name for p in pngs) == ["memory-float32-d16.png", "speed-float32-d16.png"]
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checks_catch_a_wrong_backend(monkeypatch):
+    real = attn.api.attention
+
+    def off_by_a_bit(q, k, v, *, backend, **kw):
+        out = real(q, k, v, backend=backend, **kw)
+        if backend == "tiled":
+            out = out * 1.001 if not isinstance(out, tuple) else (out[0] * 1.001, out[1])
+        return out
+
+    monkeypatch.setattr(report_mod, "attention", off_by_a_bit)
+    checks = report_mod.run_checks("cpu", ("reference", "tiled", "sdpa"))
+    status = {(c.backend, c.status) for c in checks}
+    assert status == {("tiled", "failed"), ("sdpa", "ok")}
+    assert "out" in next(c.message for c in checks if c.status == "failed")
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+def test_attn_report_smoke(tmp_path):
+    """The main job end to end in a fresh process, as a user runs it."""
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "attn", "report", "--quick", "--n", "32", "64", "--heads", "2",
+         "--out", str(out), "--no-progress"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header, rows, checks = report_mod.load_json(out / "results.json")
+    assert header["command"].startswith("attn report --quick")
+    assert {c["backend"] for c in checks if c["status"] == "ok"} >= {"tiled", "sdpa"}
+    assert all(c["status"] != "failed" for c in checks)
+    ok = {(r["backend"], r["N"], r["mode"]) for r in rows if r["status"] == "ok"}
+    assert {(b, n, m) for b in ("reference", "tiled", "sdpa") for n in (32, 64)
+            for m in ("fwd", "fwd+bwd")} <= ok
+    assert (out / "results.md").exists() and "sdpa ms / ms" in proc.stdout
+    assert "profiler_start" not in proc.stderr  # the profiler's chatter is filtered
+    pytest.importorskip("matplotlib")
+    assert (out / "memory-float32-d64.png").exists()
+
+
+def test_bench_memory_measures_memory_only(tmp_path, capsys):
+    rc = main(["bench", "memory", "--n", "32", "--backends", "tiled", "--mode", "fwd",
+               "--heads", "2", "--out", str(tmp_path), "--no-plots", "--no-progress"])
+    assert rc == 0
+    _, rows, _ = report_mod.load_json(tmp_path / "results.json")
+    assert rows[0]["peak_bytes"] > 0 and rows[0]["ms"] is None
+
+
+def test_script_wrapper_runs_bench_speed(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_speed.py"), "--n", "32", "--backends",
+         "sdpa", "--mode", "fwd", "--heads", "1", "--out", str(tmp_path), "--no-plots",
+         "--no-progress", "--repeats", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, rows, _ = report_mod.load_json(tmp_path / "results.json")
+    assert rows[0]["ms"] > 0 and rows[0]["peak_bytes"] is None
