@@ -55,6 +55,9 @@ def _sdpa_unsupported(call: AttentionCall) -> str | None:
         return "sinks (torch's SDPA has no extra softmax denominator term)"
     if call.return_lse:
         return "return_lse (torch's SDPA does not return the log-sum-exp)"
+    if call.dropout:
+        return ("dropout (torch's SDPA draws its own mask from its own generator; attn's "
+                "hash-based mask, shared by the other backends, cannot be passed to it)")
     if call.dtype == torch.float64 and call.device != "cpu":
         return "float64 off the CPU"
     return None
@@ -191,7 +194,7 @@ def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
 
 # -- torch's SDPA as a backend, for side-by-side comparison ------------------------------------
 
-def _sdpa_forward(q, k, v, *, band, attn_mask, scale, dropout_p, **_unused):
+def _sdpa_forward(q, k, v, *, band, attn_mask, scale, **_unused):
     Nq, Nk = q.shape[2], k.shape[2]
     is_causal = False
     if not band.is_full:
@@ -211,7 +214,7 @@ def _sdpa_forward(q, k, v, *, band, attn_mask, scale, dropout_p, **_unused):
     if isinstance(scale, Tensor):  # per-head temperature: fold into q, autograd does the rest
         q, scale = q * scale.to(q.dtype), 1.0
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1])
     return out, None
 

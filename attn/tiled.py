@@ -91,7 +91,7 @@ class _Tile:
     def q_block(self, m0: int, m1: int) -> Tensor:
         """Scaled queries ``(B·Hkv, G·BM, D)`` in the accumulation dtype (a fresh copy)."""
         q_blk = self.q[:, :, m0:m1].to(self.acc_dtype) * self.cfg.scale  # (B, H, BM, D)
-        return q_blk.view(self.B * self.Hkv, self.G * (m1 - m0), q_blk.shape[-1])
+        return q_blk.reshape(self.B * self.Hkv, self.G * (m1 - m0), q_blk.shape[-1])
 
     def kv_block(self, n0: int, n1: int) -> tuple[Tensor, Tensor]:
         return self.k3[:, n0:n1].to(self.acc_dtype), self.v3[:, n0:n1].to(self.acc_dtype)
@@ -280,8 +280,9 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, sinks, softcap_t = ctx.saved_tensors
         need_dmask = bool(ctx.needs_input_grad[3])
+        do = torch.zeros_like(out) if dout is None else dout.contiguous()  # only lse was used
         dq, dk, dv, dmask, dsinks, dsoftcap = _bwd(
-            dout.contiguous(), dlse, q, k, v, out, lse, attn_mask, sinks, softcap_t, ctx.cfg,
+            do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap_t, ctx.cfg,
             need_dmask)
         if dmask is not None:
             dmask = dmask.reshape(attn_mask.shape).to(attn_mask.dtype)

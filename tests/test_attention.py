@@ -278,3 +278,48 @@ def test_merge_rejects_mismatched_shapes():
         attn.merge_attention(a, torch.zeros(1, 2, 3), torch.zeros(1, 2, 3, 5), torch.zeros(1, 2, 3))
     with pytest.raises(ValueError, match="lse"):
         attn.merge_attention(a, torch.zeros(1, 2, 4), a, torch.zeros(1, 2, 3))
+
+
+# -- layouts, dtypes and the lse output ---------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_non_contiguous_inputs(backend, small_blocks):
+    # (B, N, H, D) storage viewed as (B, H, N, D), as a fused QKV projection produces
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 50, 3, 4, 16, generator=g, dtype=torch.float64)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    assert not q.is_contiguous()
+    ours = attn.attention(q, k, v, causal=True, backend=backend)
+    theirs = attn.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
+                            backend="reference")
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    assert_close_to_reference(tiled, q.float(), k.float(), v.float(), causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_output_dtypes(dtype, backend):
+    q, k, v = make_inputs(B=1, H=2, N=9, D=8, dtype=dtype)
+    temp = torch.ones(2, requires_grad=True)  # a float32 parameter must not change the output dtype
+    out, lse = attn.attention(q, k, v, temperature=temp, return_lse=True, backend=backend)
+    assert out.dtype == dtype
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == (1, 2, 9)
+
+
+def test_gradient_through_lse_only(small_blocks):
+    q, k, v = make_inputs(B=1, H=2, N=40, Nk=33, D=8, dtype=torch.float64)
+    grads = []
+    for backend in ("tiled", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        _, lse = attn.attention(*leaves, causal=True, return_lse=True, backend=backend)
+        torch.where(torch.isfinite(lse), lse, 0.0).sum().backward()
+        grads.append([torch.zeros_like(t) if t.grad is None else t.grad for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_sdpa_backend_refuses_dropout():
+    q, k, v = make_inputs(B=1, H=2, N=9, D=8)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        attn.attention(q, k, v, dropout_p=0.1, backend="sdpa")

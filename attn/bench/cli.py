@@ -114,7 +114,10 @@ def _label(r: Row) -> str:
     return (f"{r.backend} {r.mode} N={r.N} D={r.D}{' causal' if r.causal else ''} {r.dtype}")
 
 
-def _sweep(cfg: SweepConfig, show_progress: bool) -> list[Row]:
+def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
+           header: dict | None = None) -> list[Row]:
+    """Run the sweep with a progress bar; after each point, rewrite ``partial`` (JSON) so
+    an interrupted hour-long sweep still leaves what it measured."""
     rows = plan(cfg)
     bar = _progress(len(rows), show_progress)
     if bar is not None and rows:
@@ -129,6 +132,8 @@ def _sweep(cfg: SweepConfig, show_progress: bool) -> list[Row]:
         elif show_progress:
             ms = f"{r.ms:.2f} ms" if r.ms is not None else r.status
             print(f"[{len(done)}/{len(rows)}] {_label(r)}: {ms}", file=sys.stderr)
+        if partial is not None:
+            report.write_json(partial, {**(header or {}), "partial": True}, done)
     if bar is not None:
         bar.close()
     return done
@@ -150,7 +155,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print("checking each backend against the float64 reference ...", file=sys.stderr)
         checks = report.run_checks(cfg.device, cfg.backends)
     rates = measure_matmul_rates(cfg) if cfg.measure_time else {}
-    rows = _sweep(cfg, not args.no_progress)
+    partial = out / "results.partial.json"
+    rows = _sweep(cfg, not args.no_progress, partial, report.make_header(cfg, argv, rates))
+    partial.unlink(missing_ok=True)
     if cfg.measure_time:
         # again after the sweep, keeping the faster: on a shared machine one reading can
         # land in a busy moment, and the ceiling should be the device's, not the moment's

@@ -192,7 +192,7 @@ def markdown_tables(rows: list[dict]) -> str:
             frac = r.get("matmul_fraction")
             out.append(f"| {r['N']} | {r['backend']} | "
                        f"{r['status'] if r['status'] != 'ok' else _fmt(ms, ',.1f' if (ms or 0) >= 10 else '.2f')} | "
-                       f"{_fmt(r['tflops'], '.3f')} | "
+                       f"{_fmt(r['tflops'], '.3g')} | "
                        f"{_fmt(None if frac is None else 100 * frac, '.0f')} | "
                        f"{_mib(r['peak_bytes'])} | {_fmt(r['ratio_to_sdpa'], '.2f')} |")
         out.append("")
