@@ -47,11 +47,11 @@ _DOT_UPCAST = tl.constexpr(_INTERPRET)
 def unsupported_reason(call) -> str | None:
     """Why the triton backend cannot compute ``call`` (an ``attn.api.AttentionCall``), or None."""
     if call.device == "cpu":
-        if not _INTERPRET:
-            if os.environ.get("TRITON_INTERPRET") == "1":
-                return ("TRITON_INTERPRET=1 was set after attn.flash_triton was imported; "
-                        "set it before the import to run the kernels on CPU")
+        if os.environ.get("TRITON_INTERPRET") != "1":
             return "triton needs CUDA (on CPU only in the interpreter, TRITON_INTERPRET=1)"
+        if not _INTERPRET:
+            return ("TRITON_INTERPRET=1 was set after attn.flash_triton was imported; "
+                    "set it before the import to run the kernels on CPU")
     elif call.device != "cuda":
         return f"triton runs on CUDA, not {call.device}"
     if call.dtype not in _DTYPES:
