@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in the interpreter. triton reads this when a kernel is
+# decorated, i.e. when attn.flash_triton is first imported: set it before any test module can
+# import attn, so the collection order of test files cannot matter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
