@@ -8,10 +8,15 @@ from attn.api import (
     select_backend,
 )
 from attn.merge import merge_attention
+from attn.nn import MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding
 
 __all__ = [
     "AttentionCall",
     "BackendChoice",
+    "MultiHeadAttention",
+    "QKNorm",
+    "QKNormConfig",
+    "RotaryEmbedding",
     "attention",
     "merge_attention",
     "scaled_dot_product_attention",

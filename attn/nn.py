@@ -128,16 +128,18 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
+        self.head_dim, self.base = head_dim, base
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x (B, H, N, D) → x rotated, same shape and dtype (angles in float32 or float64)."""
         N = x.shape[2]
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        pos = torch.arange(offset, offset + N, device=x.device, dtype=torch.float64)
-        # angles in float64 then cast: position · frequency loses digits in fp32 at large N
-        ang = (pos[:, None] * self.inv_freq.to(x.device)[None, :]).to(acc)  # (N, D/2)
+        # angles in float64, then cast: position · frequency loses digits in fp32 at large N.
+        # Not a buffer: Module.to(dtype) would round a float64 buffer to the model's dtype.
+        f64 = dict(device=x.device, dtype=torch.float64)
+        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, **f64) / self.head_dim)
+        pos = torch.arange(offset, offset + N, **f64)
+        ang = (pos[:, None] * inv_freq[None, :]).to(acc)  # (N, D/2)
         cos, sin = ang.cos(), ang.sin()
         y = x.to(acc)
         y1, y2 = y.chunk(2, dim=-1)  # (B, H, N, D/2) each

@@ -22,6 +22,9 @@ class AttentionConfig:
     learn_temperature: bool = False  # per-head τ, kept positive through log τ
     softcap: float | None = None
     window: int | None = None  # sliding window: keys at most this far back
+    # layers that use the window (None = all). Local layers interleaved with global ones as in
+    # Gemma 2/3 and gpt-oss; a window of 1 on layer 0 hands each position its predecessor.
+    window_layers: list[int] | None = None
     sinks: bool = False
     rope: bool = True  # False = learned absolute position embeddings in the GPT
     dropout: float = 0.0

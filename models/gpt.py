@@ -32,15 +32,16 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int) -> None:
         super().__init__()
         a = cfg.attention
+        local = a.window_layers is None or layer in a.window_layers
         self.norm1 = nn.LayerNorm(cfg.dim, bias=cfg.bias)
         self.attn = MultiHeadAttention(
             cfg.dim, a.heads, kv_heads=a.kv_heads, qk_norm=a.qk_norm_config(cfg.block_size),
             temperature=a.temperature, learn_temperature=a.learn_temperature,
-            softcap=a.softcap, window=a.window, sinks=a.sinks, rope=a.rope, causal=True,
-            dropout=a.dropout, backend=a.backend, bias=cfg.bias)
+            softcap=a.softcap, window=a.window if local else None, sinks=a.sinks,
+            rope=a.rope, causal=True, dropout=a.dropout, backend=a.backend, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.norm2 = nn.LayerNorm(cfg.dim, bias=cfg.bias)
         self.mlp = MLP(cfg.dim, cfg.mlp_ratio, cfg.bias, cfg.dropout)
@@ -58,7 +59,7 @@ class GPT(nn.Module):
         # RoPE carries position inside attention; without it, learned absolute positions
         self.pos_emb = None if cfg.attention.rope else nn.Embedding(cfg.block_size, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = nn.LayerNorm(cfg.dim, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied (Press & Wolf 2017)

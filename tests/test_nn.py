@@ -1,0 +1,229 @@
+"""attn.nn: QK-norm, RoPE, temperature, sinks and the MultiHeadAttention KV-cache path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attn.nn import MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding, default_l2_scale
+from models.cache import KVCache
+
+# Every attention variant the module offers, each alone, plus everything at once.
+VARIANTS = {
+    "plain": dict(),
+    "gqa": dict(kv_heads=2),
+    "mqa": dict(kv_heads=1),
+    "l2-before": dict(qk_norm="l2"),
+    "l2-after": dict(qk_norm=QKNormConfig("l2", position="after", g_init=3.0)),
+    "rms-before": dict(qk_norm="rms"),
+    "rms-after": dict(qk_norm=QKNormConfig("rms", position="after")),
+    "layer-before": dict(qk_norm="layer"),
+    "layer-after": dict(qk_norm=QKNormConfig("layer", position="after")),
+    "temperature": dict(temperature=0.7),
+    "learned-temperature": dict(temperature=1.3, learn_temperature=True),
+    "softcap": dict(softcap=2.0),
+    "window": dict(window=3),
+    "sinks": dict(sinks=True),
+    "no-rope": dict(rope=False),
+    "everything": dict(kv_heads=2, qk_norm="rms", temperature=0.8, learn_temperature=True,
+                       softcap=3.0, window=4, sinks=True),
+}
+
+
+def _mha(seed: int = 0, dim: int = 32, heads: int = 4, **kw) -> MultiHeadAttention:
+    """A float64 module whose every parameter is random, so gains, g, τ and sinks matter."""
+    torch.manual_seed(seed)
+    m = MultiHeadAttention(dim, heads, **kw).double()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("weight") and p.dim() == 1:  # norm gains around 1
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name in ("qk_norm.g", "log_tau", "sinks"):
+                p.add_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    return m.eval()
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_decoding_matches_full_forward(variant: str, backend: str) -> None:
+    m = _mha(backend=backend, **VARIANTS[variant])
+    B, N = 2, 11
+    x = torch.randn(B, N, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = m(x)  # (B, N, C)
+        cache = KVCache(B, m.kv_heads, N, m.head_dim, torch.float64)
+        # prefill 5 tokens, one chunk of 3, then one token at a time
+        pieces = [m(x[:, :5], cache), m(x[:, 5:8], cache)]
+        pieces += [m(x[:, i:i + 1], cache) for i in range(8, N)]
+    cached = torch.cat(pieces, dim=1)
+    assert cache.length == N
+    torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_decoding_window_and_causal_actually_restrict(backend: str) -> None:
+    """The cache test above would pass with a mask that ignores the past; check that the
+    last query's output changes when a key it may see changes, and not otherwise."""
+    m = _mha(backend=backend, window=3)
+    x = torch.randn(1, 10, 32, dtype=torch.float64)
+    with torch.no_grad():
+        base = m(x)[:, -1]
+        for j, visible in ((9, True), (6, True), (5, False), (0, False)):
+            y = x.clone()
+            y[:, j] += 1.0
+            changed = not torch.allclose(m(y)[:, -1], base, rtol=0, atol=1e-12)
+            assert changed == visible, f"key {j}"
+
+
+def _finite_difference(f, p: torch.nn.Parameter, i: int, h: float = 1e-6) -> float:
+    with torch.no_grad():
+        flat = p.view(-1)
+        old = flat[i].item()
+        flat[i] = old + h
+        up = f().item()
+        flat[i] = old - h
+        down = f().item()
+        flat[i] = old
+    return (up - down) / (2 * h)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+@pytest.mark.parametrize("variant,param", [
+    ("l2-before", "qk_norm.g"), ("l2-after", "qk_norm.g"),
+    ("rms-before", "qk_norm.q_weight"), ("rms-after", "qk_norm.k_weight"),
+    ("layer-before", "qk_norm.q_weight"), ("layer-after", "qk_norm.k_weight"),
+    ("learned-temperature", "log_tau"), ("sinks", "sinks"),
+    ("everything", "log_tau"), ("everything", "sinks"), ("everything", "qk_norm.q_weight"),
+])
+def test_gradient_reaches_variant_parameter(variant: str, param: str, backend: str) -> None:
+    """Autograd's gradient of every learnable variant parameter equals a central finite
+    difference of the loss (float64), through attn.attention's backward."""
+    m = _mha(backend=backend, **VARIANTS[variant])
+    x = torch.randn(2, 9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(2, 9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def loss() -> torch.Tensor:
+        return (m(x) * w).sum()
+
+    p = dict(m.named_parameters())[param]
+    loss().backward()
+    assert p.grad is not None and torch.isfinite(p.grad).all()
+    assert p.grad.abs().max() > 1e-6, "gradient is zero: the parameter does not reach the loss"
+    for i in range(min(p.numel(), 4)):
+        fd = _finite_difference(loss, p, i)
+        assert p.grad.view(-1)[i].item() == pytest.approx(fd, rel=1e-5, abs=1e-7), i
+
+
+def test_learned_temperature_is_positive_and_matches_fixed() -> None:
+    """τ = exp(log τ) stays positive for any log τ, and a learned τ equal on all heads gives
+    the same output as the same fixed temperature."""
+    learned = _mha(temperature=0.5, learn_temperature=True)
+    fixed = _mha(temperature=0.5)
+    fixed.load_state_dict({k: v for k, v in learned.state_dict().items() if k != "log_tau"})
+    with torch.no_grad():
+        learned.log_tau.fill_(math.log(0.5))
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    torch.testing.assert_close(learned(x), fixed(x), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        learned.log_tau.fill_(-50.0)  # a huge negative step must not make τ <= 0
+    assert torch.isfinite(learned(x)).all()
+
+
+def test_qk_norm_l2_gives_norm_g_and_default_scale() -> None:
+    norm = QKNorm(QKNormConfig("l2", train_len=128), head_dim=16)
+    assert norm.g.item() == pytest.approx(math.log2(128 * 128 - 128))
+    assert default_l2_scale(128) == pytest.approx(math.log2(16256))
+    q, k = torch.randn(2, 4, 5, 16) * 7, torch.randn(2, 2, 5, 16) * 0.1
+    qn, kn = norm(q, k)
+    torch.testing.assert_close(qn.norm(dim=-1), torch.full((2, 4, 5), norm.g.item()))
+    torch.testing.assert_close(kn.norm(dim=-1), torch.ones(2, 2, 5))
+    assert norm.attention_scale == 1.0
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_qk_norm_rms_and_layer_statistics(kind: str) -> None:
+    torch.manual_seed(0)
+    norm = QKNorm(kind, head_dim=16)
+    with torch.no_grad():
+        norm.q_weight.copy_(torch.rand(16) + 0.5)
+        norm.k_weight.copy_(torch.rand(16) + 0.5)
+    q, k = torch.randn(2, 4, 5, 16) * 3 + 1, torch.randn(2, 2, 5, 16) * 0.2 - 2
+    qn, kn = norm(q, k)
+    for x, w in ((qn, norm.q_weight), (kn, norm.k_weight)):
+        u = x / w  # undo the per-dim gain, shared across heads
+        if kind == "rms":
+            torch.testing.assert_close(u.pow(2).mean(-1), torch.ones(u.shape[:-1]), rtol=1e-4,
+                                       atol=1e-4)
+        else:
+            torch.testing.assert_close(u.mean(-1), torch.zeros(u.shape[:-1]), atol=1e-5,
+                                       rtol=0)
+            torch.testing.assert_close(u.var(-1, unbiased=False), torch.ones(u.shape[:-1]),
+                                       rtol=1e-4, atol=1e-4)
+    assert norm.attention_scale is None
+
+
+def test_qk_norm_computes_in_float32() -> None:
+    """bf16 in, bf16 out, but normalised in float32: closer to the float64 result than
+    normalising in bf16 would be."""
+    torch.manual_seed(0)
+    norm = QKNorm("rms", head_dim=64)
+    q = torch.randn(1, 2, 8, 64) * 100
+    exact, _ = norm(q.double(), q.double())
+    low, _ = norm(q.bfloat16(), q.bfloat16())
+    assert low.dtype == torch.bfloat16
+    qb = q.bfloat16()
+    naive = qb * torch.rsqrt(qb.pow(2).mean(-1, keepdim=True) + 1e-6)  # all in bf16
+    err_ours = (low.double() - exact).abs().max()
+    err_naive = (naive.double() - exact).abs().max()
+    assert err_ours <= err_naive
+
+
+def test_rope_scores_depend_only_on_relative_position() -> None:
+    rope = RotaryEmbedding(16).double()
+    q = torch.randn(1, 1, 1, 16, dtype=torch.float64)
+    k = torch.randn(1, 1, 1, 16, dtype=torch.float64)
+    s = [(rope(q, offset=a + 3) * rope(k, offset=a)).sum().item() for a in (0, 5, 100)]
+    assert s[0] == pytest.approx(s[1], rel=1e-12) and s[0] == pytest.approx(s[2], rel=1e-12)
+    assert s[0] != pytest.approx((q * k).sum().item(), rel=1e-3)  # it does rotate
+
+
+def test_dropout_only_in_training() -> None:
+    m = _mha(dropout=0.5)
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    m.eval()
+    torch.testing.assert_close(m(x), m(x), rtol=0, atol=0)
+    m.train()
+    torch.manual_seed(0)
+    a = m(x)
+    torch.manual_seed(1)
+    assert not torch.allclose(a, m(x))
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: MultiHeadAttention(30, 4), "heads must divide dim"),
+    (lambda: MultiHeadAttention(32, 4, kv_heads=3), "kv_heads must divide heads"),
+    (lambda: MultiHeadAttention(32, 4, qk_norm="cosine"), "qk_norm kind must be one of"),
+    (lambda: MultiHeadAttention(32, 4, qk_norm=QKNormConfig("rms", position="middle")),
+     "position must be one of"),
+    (lambda: MultiHeadAttention(32, 4, temperature=0.0), "temperature must be a positive"),
+    (lambda: MultiHeadAttention(32, 4, backend="flash"), "backend must be one of"),
+], ids=["heads", "kv_heads", "qk_norm", "position", "temperature", "backend"])
+def test_bad_config_fails_at_construction(build, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_cache_rejects_overflow_and_non_causal() -> None:
+    m = _mha()
+    cache = KVCache(1, m.kv_heads, 4, m.head_dim, torch.float64)
+    m(torch.randn(1, 4, 32, dtype=torch.float64), cache)
+    with pytest.raises(ValueError, match="overflow"):
+        m(torch.randn(1, 1, 32, dtype=torch.float64), cache)
+    bidirectional = _mha(causal=False)
+    with pytest.raises(ValueError, match="needs causal"):
+        bidirectional(torch.randn(1, 2, 32, dtype=torch.float64),
+                      KVCache(1, 4, 4, 8, torch.float64))
