@@ -24,11 +24,12 @@ from torch import Tensor
 
 from attn.masks import Band, dropout_keep
 
-# Chosen by measurement on 2 CPU cores, fp32, B=1, H=8, D=64, N up to 8192
-# (benchmarks/results/tiled_blocks_cpu.md): big enough that the per-tile Python and
-# dispatch overhead is amortised, small enough that a tile stays in cache.
+# Chosen by measurement (scripts/tune_tiled_blocks.py; benchmarks/results/tiled_blocks_cpu.md):
+# on 2 CPU cores, fp32, B=1, H=8, D=64, causal, 256 x 256 was fastest or tied at N = 4096
+# and 8192, forward and backward. Smaller tiles pay more per-tile Python and dispatch cost;
+# larger ones (512 x 512: 8 MiB per score tile) fall out of cache and lose 5-25%.
 BLOCK_M = 256
-BLOCK_N = 512
+BLOCK_N = 256
 
 
 @dataclass(frozen=True)
