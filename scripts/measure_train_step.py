@@ -89,8 +89,8 @@ def main() -> None:
         "- peak memory: attn.bench.memory.peak_bytes (torch profiler allocator events, bytes "
         "above the model, optimizer state and batch; misses allocations outside c10, "
         f"documented bound {CPU_ERROR_BYTES / 2**20:.0f} MiB)",
-        f"- time: median of {args.repeats} steps after a warm-up step; other processes shared "
-        "the 2 cores, so times are indicative",
+        f"- time: median of {args.repeats} steps after a warm-up step; absolute times "
+        "depend on the machine and its load: compare rows of one run",
         "", "| N | backend | peak MiB | vs reference | step ms |", "|---|---|---|---|---|",
         *rows, ""])
     if args.out:
