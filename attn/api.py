@@ -252,7 +252,7 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
                dropout_p, return_lse, backend):
     """Shared by both public functions once their conventions are resolved into a Band."""
     B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Nk, Dv = k.shape[2], v.shape[3]
     if attn_mask is not None:
         _validate_mask(attn_mask, q, (B, H, Nq, Nk))
     if scale is None:

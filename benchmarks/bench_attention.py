@@ -8,7 +8,6 @@ fit in memory (the reference's N² scores) are skipped by the sweep's own predic
 """
 
 import pytest
-import torch
 
 from attn.bench.flops import MODES
 from attn.bench.sweep import Row, SweepConfig, make_call, skip_reason
