@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attn.masks import Band
+from attn.masks import Band, as_4d
 
 # Triton decides interpreter vs compiler when a kernel is decorated, i.e. at import.
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -676,7 +676,7 @@ def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tu
     if attn_mask is None:
         return q, (0, 0, 0, 0)  # never read: MASK_KIND = 0
     B, H, Nq, _ = q.shape
-    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    m = as_4d(attn_mask)
     if m.dtype == torch.bool:
         m = m.view(torch.uint8)
     m = m.expand(B, H, Nq, n_k)

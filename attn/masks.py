@@ -57,6 +57,11 @@ class Band:
         return ok_left and ok_right
 
 
+def as_4d(mask: Tensor) -> Tensor:
+    """A mask broadcastable to (B, H, Nq, Nk) viewed with leading 1s up to 4 dims (no copy)."""
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
 def make_band(
     n_q: int, n_k: int, *, causal: bool, window: tuple[int, int] | None, top_left: bool = False
 ) -> Band:

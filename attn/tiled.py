@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attn.masks import Band, dropout_keep
+from attn.masks import Band, as_4d, dropout_keep
 
 # Chosen by measurement (scripts/tune_tiled_blocks.py; benchmarks/results/tiled_blocks_cpu.md):
 # on 2 CPU cores, fp32, B=1, H=8, D=64, causal, 256 x 256 was fastest or tied at N = 4096
@@ -49,7 +49,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _mask4d(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
     """``mask`` expanded (no copy) to ``shape``."""
-    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(shape)
+    return as_4d(mask).expand(shape)
 
 
 def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
@@ -72,7 +72,7 @@ class _Tile:
                  attn_mask: Tensor | None, softcap_t: Tensor | None) -> None:
         B, H, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
-        self.B, self.H, self.Hkv, self.G, self.Nq, self.Nk = B, H, Hkv, H // Hkv, Nq, Nk
+        self.B, self.Hkv, self.G = B, Hkv, H // Hkv
         self.cfg = cfg
         self.device = q.device
         acc = self.acc_dtype = _acc_dtype(q.dtype)
@@ -221,8 +221,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     dsoftcap = None if softcap_t is None else torch.zeros(H, dtype=acc_dtype, device=q.device)
     dmask = None
     if need_dmask:
-        mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-        dmask = torch.zeros(mask4.shape, dtype=acc_dtype, device=q.device)
+        dmask = torch.zeros(as_4d(attn_mask).shape, dtype=acc_dtype, device=q.device)
     # Δ = rowsum(dO ∘ O) − dlse: the lse output's gradient joins dS as dlse_i · P_ij
     delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, H, Nq)
     if dlse is not None:
