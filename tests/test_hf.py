@@ -542,3 +542,37 @@ def test_split_band_padding_rejects_other_masks():
     assert split_band_padding(good, wider) is None
     with pytest.raises(TypeError, match="bool"):
         split_band_padding(good.float(), band)
+
+
+# -- caches: chunked prefill (bottom-right) and a static cache (top-left mask) -----------------
+
+def test_chunked_prefill_through_the_cache_matches_one_shot():
+    """A left-padded prompt fed in three chunks: each chunk's queries are the tail of the
+    cached keys, which attn's bottom-right band and the recognised padding reproduce."""
+    ms = models("mistral")  # the window (5) is narrower than what the later chunks see
+    seqs, ids, mask = prompts()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    m = ms[torch.float32]
+    with torch.no_grad():
+        oracle = per_sequence(ms[torch.float64], "attn_reference", seqs)
+        base = per_sequence(m, "eager", seqs)
+        m.set_attn_implementation("attn")
+        cache = transformers.DynamicCache(config=m.config)
+        parts = [m(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos[:, a:b],
+                   past_key_values=cache, use_cache=True).logits
+                 for a, b in ((0, 8), (8, 11), (11, 14))]
+    got = torch.cat(parts, dim=1)
+    cand = [got[b, -len(s):] for b, s in enumerate(seqs)]
+    assert_within(torch.float32, cand, base, oracle, "chunked prefill")
+
+
+def test_static_cache_generate_matches_eager():
+    m = models("llama")[torch.float64]
+    seqs, ids, mask = prompts()
+    m.set_attn_implementation("eager")
+    want = [m.generate(s[None], max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(s):]
+            for s in seqs]
+    m.set_attn_implementation("attn")
+    got = m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                     pad_token_id=0, cache_implementation="static")[:, ids.shape[1]:]
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
