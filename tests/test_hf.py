@@ -24,7 +24,6 @@ import attn  # noqa: E402
 import attn.tiled  # noqa: E402
 from attn.integrations import hf  # noqa: E402
 from attn.masks import make_band, split_band_padding  # noqa: E402
-from attn.reference import reference_attention  # noqa: E402
 
 V = 97  # vocabulary of the tiny models
 LENGTHS = (14, 9)  # two prompts, left-padded into one batch of 14
