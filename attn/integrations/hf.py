@@ -176,10 +176,10 @@ def _plan_for_mask(mask: Tensor, n_q: int, n_k: int, causal: bool,
 
 def _check_cu_seqlens(name: str, cu: object, n: int) -> Tensor:
     if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.numel() < 2:
-        raise ValueError(f"{name} must be a 1-D integer tensor of cumulative lengths [0, ..., N], "
-                         f"got {cu!r}" if not isinstance(cu, Tensor) else
-                         f"{name} must be a 1-D integer tensor of cumulative lengths [0, ..., N], "
-                         f"got {cu.dtype} of shape {tuple(cu.shape)}")
+        seen = (f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, Tensor)
+                else type(cu).__name__)
+        raise ValueError(f"{name} must be a 1-D integer tensor of cumulative lengths "
+                         f"[0, ..., N], got {seen}")
     cu = cu.to(torch.int64)
     if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu.diff() < 0).any()):
         raise ValueError(f"{name} must rise from 0 to the packed length {n}, got "
