@@ -128,7 +128,7 @@ class _RecentMasks:
     is never served.
     """
 
-    def __init__(self, size: int = 4):
+    def __init__(self, size: int = 8):
         self.size = size
         self._entries: list[tuple[tuple, weakref.ref, _Plan]] = []
 
@@ -221,6 +221,49 @@ def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
     return torch.cat([zero, starts.to(torch.int64), end])
 
 
+def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_seq_lens_k,
+                 position_ids, device: torch.device) -> _Plan:
+    """Padding-free packed batches: a document mask, until attn has a varlen path.
+
+    Explicit ``cu_seq_lens_q/k`` always count; restarting ``position_ids`` only when HF handed
+    no mask (with a mask, HF has already drawn the sequences' borders into it). Cached on the
+    tensor HF passes to every layer, like the masks.
+    """
+    explicit = cu_seq_lens_q is not None or cu_seq_lens_k is not None
+    anchor = (cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k) if explicit \
+        else position_ids
+    cacheable = plan.attn_mask is None and isinstance(anchor, Tensor)
+    key = ("packed", plan.causal, plan.window, n_q, n_k, id(cu_seq_lens_k))
+    if cacheable and (hit := _recent.get(anchor, key)) is not None:
+        return hit
+    if explicit:
+        if batch != 1:
+            raise ValueError(f"cu_seq_lens_q/k describe a packed batch of one row, got batch "
+                             f"size {batch}")
+        cu_q = _check_cu_seqlens("cu_seq_lens_q", cu_seq_lens_q if cu_seq_lens_q is not None
+                                 else cu_seq_lens_k, n_q)
+        cu_k = _check_cu_seqlens("cu_seq_lens_k", cu_seq_lens_k if cu_seq_lens_k is not None
+                                 else cu_seq_lens_q, n_k)
+    else:
+        cu_q = cu_k = _packed_cu_seqlens(position_ids, n_q)
+        if cu_q is None:  # one sequence: nothing to keep apart
+            if cacheable:
+                _recent.put(anchor, key, plan)
+            return plan
+    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
+    if plan.attn_mask is None:  # the band moves onto each sequence's own diagonal
+        band = make_band(n_q, n_k, causal=plan.causal, window=plan.window)
+        packed = _Plan(False, None, _document_mask(cu_q, cu_k, n_q, n_k, band))
+    else:  # a mask from HF decides within sequences; sequences stay apart
+        same = _document_mask(cu_q, cu_k, n_q, n_k, Band())
+        m = plan.attn_mask
+        m = m & same if m.dtype == torch.bool else m.masked_fill(~same, float("-inf"))
+        packed = _Plan(plan.causal, plan.window, m)
+    if cacheable:
+        _recent.put(anchor, key, packed)
+    return packed
+
+
 # -- the attention function HF calls ----------------------------------------------------------
 
 def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -264,28 +307,10 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     else:
         plan = _plan_for_mask(attention_mask, Nq, Nk, causal, window)
 
-    # padding-free packed batches: a document mask until attn has a varlen path
-    cu_q = cu_k = None
-    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
-        if B != 1:
-            raise ValueError(f"cu_seq_lens_q/k describe a packed batch of one row, got query "
-                             f"of shape {tuple(query.shape)}")
-        cu_q = _check_cu_seqlens("cu_seq_lens_q", cu_seq_lens_q if cu_seq_lens_q is not None
-                                 else cu_seq_lens_k, Nq)
-        cu_k = _check_cu_seqlens("cu_seq_lens_k", cu_seq_lens_k if cu_seq_lens_k is not None
-                                 else cu_seq_lens_q, Nk)
-    elif attention_mask is None and B == 1 and Nq == Nk:
-        cu_q = cu_k = _packed_cu_seqlens(position_ids, Nq)
-    if cu_q is not None:
-        cu_q, cu_k = cu_q.to(query.device), cu_k.to(query.device)
-        if plan.attn_mask is None:  # the band moves onto each sequence's own diagonal
-            band = make_band(Nq, Nk, causal=plan.causal, window=plan.window)
-            plan = _Plan(False, None, _document_mask(cu_q, cu_k, Nq, Nk, band))
-        else:  # a mask from HF decides within sequences; sequences stay apart
-            same = _document_mask(cu_q, cu_k, Nq, Nk, Band())
-            m = plan.attn_mask
-            m = m & same if m.dtype == torch.bool else m.masked_fill(~same, float("-inf"))
-            plan = _Plan(plan.causal, plan.window, m)
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None \
+            or (attention_mask is None and B == 1 and Nq == Nk and position_ids is not None):
+        plan = _packed_plan(plan, Nq, Nk, B, cu_seq_lens_q, cu_seq_lens_k, position_ids,
+                            query.device)
 
     mask = plan.attn_mask
     if position_bias is not None:
