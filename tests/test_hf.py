@@ -575,3 +575,15 @@ def test_static_cache_generate_matches_eager():
     got = m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                      pad_token_id=0, cache_implementation="static")[:, ids.shape[1]:]
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+def test_mask_conversion_is_reused_only_for_the_same_unchanged_mask():
+    q, k, v = _qkv()
+    mask = make_band(9, 9, causal=True, window=None).mask(torch.arange(9), torch.arange(9))
+    mask = mask[None, None].repeat(2, 1, 1, 1)
+    first = _run(_Module(), q, k, v, mask)
+    torch.testing.assert_close(_run(_Module(), q, k, v, mask), first)  # served from the cache
+    mask[1, 0, :, :3] = False  # edited in place: key padding on the second row
+    torch.testing.assert_close(_run(_Module(), q, k, v, mask), _ref(q, k, v, attn_mask=mask))
+    mask[1, 0, 4, 6] = True  # no longer causal + padding: the general path
+    torch.testing.assert_close(_run(_Module(), q, k, v, mask), _ref(q, k, v, attn_mask=mask))
