@@ -587,3 +587,21 @@ def test_mask_conversion_is_reused_only_for_the_same_unchanged_mask():
     torch.testing.assert_close(_run(_Module(), q, k, v, mask), _ref(q, k, v, attn_mask=mask))
     mask[1, 0, 4, 6] = True  # no longer causal + padding: the general path
     torch.testing.assert_close(_run(_Module(), q, k, v, mask), _ref(q, k, v, attn_mask=mask))
+
+
+def test_every_keyword_the_families_pass_is_understood(caplog):
+    """attn warns about keywords it does not know; none of the tested families sends one."""
+    with caplog.at_level("WARNING", logger="attn.integrations.hf"):
+        _run(_Module(), *_qkv(), some_new_feature=True)
+        assert "some_new_feature" in caplog.text
+        caplog.clear()
+        seqs, ids, mask = prompts()
+        for family in FAMILIES:
+            m = build(family)
+            m.set_attn_implementation("attn")
+            with torch.no_grad():
+                output(m, ids, mask)
+            if family != "bert":
+                m.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+    assert "ignores the keyword" not in caplog.text
