@@ -336,6 +336,18 @@ def test_keywords_map_to_attn():
     torch.testing.assert_close(got, _ref(q, k, v, window=(2, 2)))
 
 
+def test_a_custom_mask_keeps_its_shape_under_a_sliding_window():
+    """A causal model's mask that is not causal + padding (here a bidirectional block, as
+    multimodal models draw for image tokens) decides on its own, like in eager; the sliding
+    window only cuts its left side, as HF's overlay does."""
+    q, k, v = _qkv()
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    block = (i >= 2) & (i < 6) & (j >= 2) & (j < 6)  # tokens 2..5 see each other
+    mask = ((j <= i) | block)[None, None]
+    got = _run(_Module(), q, k, v, mask, sliding_window=3)
+    torch.testing.assert_close(got, _ref(q, k, v, attn_mask=mask & (j > i - 3)))
+
+
 def test_masks_in_every_form_agree():
     q, k, v = _qkv()
     band = make_band(9, 9, causal=True, window=None)
