@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     kinds = bench.add_subparsers(dest="kind", required=True)
     for kind, what in (("memory", "peak bytes above the inputs"), ("speed", "ms and TFLOP/s")):
         _add_sweep_args(kinds.add_parser(kind, help=what), report_defaults=False)
+    from attn.bench import compile as aot
+
+    aot.add_arguments(kinds.add_parser(
+        "compile", help="build the Triton kernels for sm_90/sm_80 without a GPU: shared "
+                        "memory, registers, spills, tensor cores, pipelining"))
     return parser
 
 
@@ -194,6 +199,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.kind == "compile":
+        from attn.bench import compile as aot
+
+        return aot.run_report(args, argv)
     return run(args, argv)
 
 
