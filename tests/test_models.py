@@ -108,17 +108,20 @@ def test_checkpoint_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(dim=30), "heads must divide dim"),
-    (dict(attention=AttentionConfig(heads=4, kv_heads=3)), "kv_heads must divide heads"),
-])
-def test_gpt_config_rejects_bad_shapes(kw: dict, match: str) -> None:
+@pytest.mark.parametrize("build,match", [
+    (lambda: GPTConfig(vocab_size=10, dim=30), "heads must divide dim"),
+    (lambda: GPTConfig(vocab_size=10, attention=AttentionConfig(heads=4, kv_heads=3)),
+     "kv_heads must divide heads"),
+    (lambda: GPTConfig(vocab_size=10, attention=AttentionConfig(causal=False)),
+     "causal must be True"),
+], ids=["heads", "kv_heads", "causal"])
+def test_gpt_config_rejects_bad_shapes(build, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        GPTConfig(vocab_size=10, **kw)
+        build()
 
 
 def test_attention_config_rejects_unknown_qk_norm() -> None:
-    with pytest.raises(ValueError, match="qk_norm must be None or one of"):
+    with pytest.raises(ValueError, match="qk_norm kind must be one of"):
         AttentionConfig(qk_norm="cosine")
 
 

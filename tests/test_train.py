@@ -65,7 +65,7 @@ def test_cli_train_then_generate(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train.py"), "--task", "text", "--steps", "3",
          "--batch-size", "2", "--block-size", "16", "--n-layer", "1", "--dim", "32",
-         "--qk-norm", "rms", "--temperature", "learned", "--backend", "reference",
+         "--qk-norm", "rms", "--learn-temperature", "--backend", "reference",
          "--out", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
