@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -88,14 +89,17 @@ def _with_message(convert, name: str):
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
-              required: tuple[str, ...] = ()) -> None:
+              required: tuple[str, ...] = (),
+              parse: dict[str, Callable[[str], Any]] | None = None) -> None:
     """One ``--flag`` per field of the dataclass ``cls`` (``qk_norm`` → ``--qk-norm``).
 
     The type decides the flag: bool → ``--x`` / ``--no-x``; int, float, str → a value
     (``none`` for fields that may be None); ``list[int]`` → one or more values; other types
     need a ``parse`` entry in the field's metadata (see :func:`attn.nn.opt_field`), which also
-    supplies ``help`` and ``choices``. Nested dataclasses and ``skip`` get no flag. Defaults
-    stay the dataclass's own: a flag not given is absent from the parsed namespace."""
+    supplies ``help`` and ``choices``; ``parse`` here overrides it per field, for a command
+    line that accepts more spellings than the field. Nested dataclasses and ``skip`` get no
+    flag. Defaults stay the dataclass's own: a flag not given is absent from the parsed
+    namespace."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -122,6 +126,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
         if typing.get_origin(base) is list and typing.get_args(base) in ((int,), (float,),
                                                                          (str,)):
             convert, kw["nargs"] = typing.get_args(base)[0], "+"
+        elif parse and f.name in parse:
+            convert = parse[f.name]
         elif "parse" in f.metadata:
             convert = f.metadata["parse"]
         elif base in (int, float, str):

@@ -21,9 +21,15 @@ from models.train import TrainConfig, train  # noqa: E402
 NOT_FLAGS = ("causal",)
 
 
+def _temperature(s: str) -> float | str:
+    """A float, or "learned": TrainConfig's shorthand for --learn-temperature from 1."""
+    return s if s == "learned" else float(s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_flags(p, TrainConfig, skip=NOT_FLAGS, required=("task",))
+    add_flags(p, TrainConfig, skip=NOT_FLAGS, required=("task",),
+              parse={"temperature": _temperature})
     p.add_argument("--out", type=Path, required=True, help="run directory")
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     p.add_argument("--no-progress", action="store_true")

@@ -143,6 +143,9 @@ def test_cli_attention_options_reach_the_modules() -> None:
         assert m.dropout == 0.25 and m.qk_norm.g.item() == 3.5 and m.kv_heads == 2
         assert m.log_softcap.exp().tolist() == pytest.approx([5.0] * m.heads)
         assert m.window == ((8, 0) if i == 1 else None)
+    learned, _ = _train_script().config_from_args(["--task", "recall", "--out", "unused",
+                                                   "--temperature", "learned"])
+    assert (learned.temperature, learned.learn_temperature) == (1.0, True)
 
 
 # Every other variant on the recall task: slow, run with ``pytest -m slow``.
