@@ -31,9 +31,9 @@ TASKS = ("text", "recall")
 # queried key by content. With two global layers the same model sat on the "guess a value
 # from the context" plateau for thousands of steps before the induction circuit formed.
 _PRESETS: dict[str, dict[str, Any]] = {
-    "text": dict(steps=2000, batch_size=32, block_size=128, n_layer=4, dim=128,
+    "text": dict(steps=2000, batch_size=32, block_size=128, n_layer=4, dim=128, heads=4,
                  lr=3e-3, warmup=100, eval_every=250, eval_batches=20),
-    "recall": dict(steps=1500, batch_size=64, n_layer=2, dim=64,
+    "recall": dict(steps=1500, batch_size=64, n_layer=2, dim=64, heads=4,
                    window=1, window_layers=[0], lr=3e-3, warmup=50, eval_every=100,
                    eval_batches=8, threads=1),
 }
