@@ -34,6 +34,8 @@ import triton.language as tl
 from torch import Tensor
 
 from attn.masks import Band, as_4d
+from attn.spec import LaunchSpec
+from attn.tiled import Grads, sink_grad
 
 # Triton decides interpreter vs compiler when a kernel is decorated, i.e. at import.
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -739,21 +741,23 @@ class _Launch:
                     DOT_PRECISION=self.dot_precision)
 
 
-def _launch_args(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-                 softcap: Tensor | None, offset: int, left: int | None, right: int | None,
-                 scale: float, dropout_p: float, dropout_seed: int) -> _Launch:
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None,
+                 softcap: Tensor | None) -> _Launch:
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    band = spec.local_band()
+    p = spec.dropout_p
     return _Launch(
-        H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=offset,
-        left=_UNBOUNDED if left is None else left, right=_UNBOUNDED if right is None else right,
-        scale=float(scale), drop_seed=int(dropout_seed) & 0xFFFFFFFF,
-        drop_threshold=int(dropout_p * 2**32), inv_keep=1.0 / (1.0 - dropout_p),
+        H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=band.offset,
+        left=_UNBOUNDED if band.left is None else band.left,
+        right=_UNBOUNDED if band.right is None else band.right,
+        scale=float(spec.qk_scale), drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
+        drop_threshold=int(p * 2**32), inv_keep=1.0 / (1.0 - p),
         tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
         block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
-        banded=left is not None or right is not None,
+        banded=not band.is_full,
         mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
-        has_softcap=softcap is not None, has_dropout=dropout_p > 0.0,
+        has_softcap=softcap is not None, has_dropout=p > 0.0,
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32")
 
 
@@ -769,13 +773,11 @@ def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tu
     return m, m.stride()
 
 
-def _fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
-         softcap: Tensor | None, offset: int, left: int | None, right: int | None,
-         scale: float, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor]:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
+         sinks: Tensor | None = None, softcap: Tensor | None = None) -> tuple[Tensor, Tensor]:
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[-1]
-    L = _launch_args(q, k, v, attn_mask, softcap, offset, left, right, scale, dropout_p,
-                     dropout_seed)
+    L = _launch_args(q, k, v, spec, attn_mask, softcap)
     out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
     mask, mask_strides = _mask_arg(attn_mask, q, Nk)
@@ -789,14 +791,12 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tenso
 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-         lse: Tensor, attn_mask: Tensor | None, softcap: Tensor | None, offset: int,
-         left: int | None, right: int | None, scale: float, dropout_p: float,
-         dropout_seed: int, need_dcap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv, Δ (B, H, Nq) and dsoftcap (H,) (empty unless ``need_dcap``)."""
+         lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
+         sinks: Tensor | None = None, softcap: Tensor | None = None,
+         need_dcap: bool = False) -> Grads:
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    L = _launch_args(q, k, v, attn_mask, softcap, offset, left, right, scale, dropout_p,
-                     dropout_seed)
+    L = _launch_args(q, k, v, spec, attn_mask, softcap)
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
@@ -825,21 +825,32 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         q, k, v, do, dq, lse, delta, mask, cap,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *mask_strides,
         *L.scalars(), **L.constexprs())
-    if need_dcap and softcap is not None:
-        dcap = dcap_part.view(-1, B, H).sum(dim=(0, 1))
-    else:
-        dcap = torch.zeros(0, dtype=torch.float32, device=q.device)
-    return dq, dk, dv, delta, dcap
+    dcap = dcap_part.view(-1, B, H).sum(dim=(0, 1)) if need_dcap and softcap is not None else None
+    dsinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    return Grads(dq, dk, dv, None, dsinks, dcap)
 
 
 # -- torch.library ops: opaque to torch.compile, with shapes it can trace ------------------
+# Op schemas take flat values: the spec travels as its fields (band in local positions).
+
+def _op_args(spec: LaunchSpec) -> tuple:
+    b = spec.local_band()
+    return (b.offset, b.left, b.right, float(spec.qk_scale), float(spec.dropout_p),
+            int(spec.dropout_seed))
+
+
+def _spec_of(offset: int, left: int | None, right: int | None, scale: float,
+             dropout_p: float, dropout_seed: int) -> LaunchSpec:
+    return LaunchSpec(qk_scale=scale, band=Band(offset, left, right), dropout_p=dropout_p,
+                      dropout_seed=dropout_seed)
+
 
 @torch.library.custom_op("attn::flash_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, offset: int, left: int | None, right: int | None,
             scale: float, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor]:
-    return _fwd(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
-                dropout_seed)
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed)
+    return _fwd(q, k, v, spec, attn_mask, sinks, softcap)
 
 
 @_fwd_op.register_fake
@@ -851,55 +862,46 @@ def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
 
 @torch.library.custom_op("attn::flash_bwd", mutates_args=())
 def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-            lse: Tensor, attn_mask: Tensor | None, softcap: Tensor | None, offset: int,
-            left: int | None, right: int | None, scale: float, dropout_p: float,
-            dropout_seed: int, need_dcap: bool
+            lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+            scale: float, dropout_p: float, dropout_seed: int, need_dcap: bool
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _bwd(do, dlse, q, k, v, out, lse, attn_mask, softcap, offset, left, right, scale,
-                dropout_p, dropout_seed, need_dcap)
+    """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed)
+    g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap)
+    def or_empty(t: Tensor | None) -> Tensor:  # a fresh tensor each: outputs must not alias
+        return q.new_empty(0, dtype=torch.float32) if t is None else t
+
+    return g.dq, g.dk, g.dv, or_empty(g.dsinks), or_empty(g.dsoftcap)
 
 
 @_bwd_op.register_fake
-def _(do, dlse, q, k, v, out, lse, attn_mask, softcap, offset, left, right, scale, dropout_p,
-      dropout_seed, need_dcap):
-    B, H, Nq, _ = q.shape
+def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, right, scale,
+      dropout_p, dropout_seed, need_dcap):
+    H = q.shape[1]
+    n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty(B, H, Nq, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
+            q.new_empty(n_sinks, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
 
 
 # -- autograd ------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Config:
-    band: Band
-    scale: float  # multiplier of q·k (a tensor temperature is folded into q by the caller)
-    dropout_p: float
-    dropout_seed: int
-
-    def op_args(self) -> tuple:
-        b = self.band
-        return (b.offset, b.left, b.right, self.scale, self.dropout_p, self.dropout_seed)
-
-
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, cfg: _Config):
-        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, *cfg.op_args())
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec):
+        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec))
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap)
-        ctx.cfg = cfg
+        ctx.spec = spec
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, sinks, softcap = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
-        dq, dk, dv, delta, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, softcap,
-                                          *ctx.cfg.op_args(), need_dcap)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[4]:
-            # the sink is a key with value 0: dsink_h = −Σ_{b,i} exp(sink_h − lse_i) · Δ_i
-            dsinks = -(torch.exp(sinks.view(1, -1, 1) - lse) * delta).sum(dim=(0, 2))
+        dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
+                                           softcap, *_op_args(ctx.spec), need_dcap)
+        dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None
 
 
@@ -907,34 +909,34 @@ def triton_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    spec: LaunchSpec,
     *,
-    band: Band = Band(),
     attn_mask: Tensor | None = None,
-    scale: float = 1.0,
-    softcap: float | Tensor | None = None,
+    softcap: Tensor | None = None,
     sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Fused attention kernels. Inputs already validated by ``attn.api``.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
-    lse (B, H, Nq) float32. Same meaning as :func:`attn.tiled.tiled_attention`: ``band``
-    (causal / window), ``scale`` multiplies q·k (a tensor temperature already folded into q),
-    ``softcap`` a float or a learnable tensor broadcastable to (H,), ``sinks`` (H,),
-    ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk), dropout from the
-    ``attn.masks.dropout_keep`` hash (bit-identical to the reference for the same seed).
+    lse (B, H, Nq) float32. Same protocol as :func:`attn.tiled.tiled_attention`: ``spec``
+    holds the static values (q·k scale with any tensor temperature already folded into q,
+    band, a fixed softcap, dropout from the ``attn.masks.dropout_keep`` hash, global
+    positions); ``softcap`` a learnable tensor broadcastable to (H,), ``sinks`` (H,),
+    ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk).
     """
+    if spec.dropout_p > 0.0 and spec.sharded:
+        raise NotImplementedError(
+            "triton: dropout in a sharded call (the kernels hash local positions); "
+            "use backend='tiled', which reads the spec's global positions")
     H = q.shape[1]
     if q.dtype != k.dtype:  # a temperature folded in float32: the kernels take one dtype
         q = q.to(k.dtype)
     # per-head float32 vectors; autograd sums the expand back to the caller's shapes
-    cap = None
-    if softcap is not None:
-        cap = (softcap if isinstance(softcap, Tensor) else torch.tensor(float(softcap)))
+    cap = softcap
+    if cap is None and spec.softcap is not None:
+        cap = torch.tensor(float(spec.softcap))
+    if cap is not None:
         cap = cap.to(device=q.device, dtype=torch.float32).expand(H).contiguous()
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
-    cfg = _Config(band=band, scale=float(scale), dropout_p=float(dropout_p),
-                  dropout_seed=int(dropout_seed))
-    return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, cfg)
+    return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, spec)

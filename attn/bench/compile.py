@@ -113,20 +113,23 @@ class _Recorder:
         return launch
 
 
-def _variant_kwargs(variant: str, H: int, n: int) -> dict:
+def _variant_call(variant: str, H: int, n: int, scale: float) -> tuple[Any, dict]:
+    """The launch spec and tensor arguments of one variant."""
     from attn.masks import make_band
+    from attn.spec import LaunchSpec
 
     if variant == "plain":
-        return {}
+        return LaunchSpec(qk_scale=scale), {}
     if variant == "causal":
-        return {"band": make_band(n, n, causal=True, window=None)}
+        return LaunchSpec(qk_scale=scale, band=make_band(n, n, causal=True, window=None)), {}
     if variant == "all":  # every flag a kernel specializes on, at once
         g = torch.Generator().manual_seed(0)
-        return {"band": make_band(n, n, causal=True, window=(n // 4, 0)),
-                "attn_mask": torch.rand(1, 1, n, n, generator=g) > 0.1,
-                "softcap": torch.full((H,), 30.0, requires_grad=True),
-                "sinks": torch.zeros(H, requires_grad=True),
-                "dropout_p": 0.1, "dropout_seed": 1}
+        # seed 1: the JIT would turn an int argument equal to 1 into a constant
+        spec = LaunchSpec(qk_scale=scale, band=make_band(n, n, causal=True, window=(n // 4, 0)),
+                          dropout_p=0.1, dropout_seed=1)
+        return spec, {"attn_mask": torch.rand(1, 1, n, n, generator=g) > 0.1,
+                      "softcap": torch.full((H,), 30.0, requires_grad=True),
+                      "sinks": torch.zeros(H, requires_grad=True)}
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
@@ -149,8 +152,8 @@ def record_launches(*, head_dim: int, dtype: torch.dtype = torch.bfloat16,
         q = torch.randn(B, H, N, head_dim, generator=g).to(dtype).requires_grad_()
         k = torch.randn(B, H_kv, N, head_dim, generator=g).to(dtype).requires_grad_()
         v = torch.randn(B, H_kv, N, head_dim, generator=g).to(dtype).requires_grad_()
-        out, lse = flash_triton.triton_attention(
-            q, k, v, scale=head_dim ** -0.5, **_variant_kwargs(variant, H, N))
+        spec, tensors = _variant_call(variant, H, N, head_dim ** -0.5)
+        out, lse = flash_triton.triton_attention(q, k, v, spec, **tensors)
         (out.float().sum() + lse.sum()).backward()
     finally:
         for name, kernel in saved.items():
