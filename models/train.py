@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from models.config import AttentionConfig, GPTConfig
-from models.data import RecallTask, TextCorpus, recall_accuracy
-from models.gpt import GPT, load_checkpoint, save_checkpoint
+from attn.models.config import AttentionConfig, GPTConfig
+from attn.models.data import RecallTask, TextCorpus, recall_accuracy
+from attn.models.gpt import GPT, load_checkpoint, save_checkpoint
 
 TASKS = ("text", "recall")
 
@@ -110,7 +110,7 @@ class _Task:
         self.cfg = cfg
         if cfg.task == "text":
             self.corpus = TextCorpus.load()
-            from models.data import VOCAB_SIZE
+            from attn.models.data import VOCAB_SIZE
             self.vocab_size = VOCAB_SIZE
         else:
             self.vocab_size = cfg.recall.vocab_size

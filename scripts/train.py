@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from attn.api import BACKENDS  # noqa: E402
-from models.train import TASKS, TrainConfig, train  # noqa: E402
+from attn.models.train import TASKS, TrainConfig, train  # noqa: E402
 
 
 def _temperature(s: str) -> float | str:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.data import TextCorpus, unigram_entropy
-from models.train import TrainConfig, train
+from attn.models.data import TextCorpus, unigram_entropy
+from attn.models.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
