@@ -86,3 +86,15 @@ def test_editable_install_maps_attn_models_to_the_models_folder(tmp_path):
     mapping = ast.literal_eval(re.search(r"^MAPPING[^=]*=\s*(\{.*?\})$", text, re.M).group(1))
     src = tmp_path / "src"
     assert mapping == {"attn": str(src / "attn"), "attn.models": str(src / "models")}
+
+
+def test_tests_import_this_checkouts_attn_and_models():
+    # conftest pairs them even when an editable install maps attn.models to another tree
+    import attn
+    import attn.models
+    import attn.models.gpt
+
+    assert Path(attn.__file__).resolve().parent == ROOT / "attn"
+    assert Path(attn.models.__file__).resolve().parent == ROOT / "models"
+    assert Path(attn.models.gpt.__file__).resolve().parent == ROOT / "models"
+    assert attn.models.GPT is attn.models.gpt.GPT
