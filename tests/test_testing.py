@@ -93,7 +93,8 @@ def test_flash_attn_layout_output_names_the_shapes():
         return tiled(q, k, v, causal=causal).transpose(1, 2)  # (B, N, H, D)
 
     q, k, v = inputs()
-    with pytest.raises(AssertionError, match=r"shape \(2, 37, 3, 16\), expected .*\(2, 3, 37, 16\)"):
+    expected = r"shape \(2, 37, 3, 16\), expected .*\(2, 3, 37, 16\)"
+    with pytest.raises(AssertionError, match=expected):
         assert_close_to_reference(bnhd_out, q, k, v, causal=True)
 
 
