@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
@@ -36,11 +37,45 @@ from attn.masks import Band, as_4d
 
 # Triton decides interpreter vs compiler when a kernel is decorated, i.e. at import.
 _INTERPRET = bool(triton.knobs.runtime.interpret)
+
+
+def _interpreter_scalars_fix() -> None:
+    """Let the interpreter of triton <= 3.6 use runtime scalars as ``range`` bounds on numpy >= 2.4.
+
+    The interpreter holds every scalar (a kernel argument, ``tl.maximum(a, b)``) as a
+    1-element array and gives ``tl.tensor`` an ``__index__`` of ``int(data)``; numpy 2.4
+    stopped converting 1-element arrays that way, so every ``tl.range(lo, hi)`` with runtime
+    bounds raised TypeError. Newer triton squeezes first; do the same here. No kernel code
+    can avoid it (a kernel argument used directly as a bound fails too), and the compiled
+    path never runs this.
+    """
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    try:
+        int(np.ones(1))
+        return  # this numpy still converts 1-element arrays
+    except TypeError:
+        pass
+    patch = getattr(interp, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_attn_squeezes", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)  # then the same __index__ as newer triton's
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    _patch_lang_tensor._attn_squeezes = True
+    interp._patch_lang_tensor = _patch_lang_tensor
+
+
+if _INTERPRET:
+    _interpreter_scalars_fix()
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 _UNBOUNDED = 1 << 30  # an open band side: farther than any key is from any query
-# The interpreter's tl.dot multiplies bfloat16 tiles as their raw uint16 bits: feed it float32
-# (a product of two 16-bit floats is exact in float32, so only the summation order differs).
+# The interpreter's tl.dot multiplies bfloat16 tiles as their raw uint16 bits: feed it float64
+# (exact products of 16- and 32-bit floats, see _dot).
 _DOT_UPCAST = tl.constexpr(_INTERPRET)
 
 
@@ -83,15 +118,61 @@ def _configs(kind: str) -> list[triton.Config]:
             for bm, bn in blocks for w in (4, 8) for s in (2, 3, 4)]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Drop configs that cannot pay off: tiles longer than the sequence, or tiles x stages
-    that overflow shared memory / registers at large head dims."""
-    args = {**named_args, **kwargs}
+_THIS_DEVICE = object()
+
+
+def _prune(configs: list[triton.Config], named_args: dict, *, kind: str,
+           arch: int | None | object = _THIS_DEVICE, **kwargs) -> list[triton.Config]:
+    """The autotuner's pruning hook; ``arch`` (a compute capability) defaults to the
+    current device's, and is given explicitly by the ahead-of-time compile checks."""
+    if arch is _THIS_DEVICE:
+        arch = _device_arch()
+    return prune_for(configs, {**named_args, **kwargs}, kind=kind, arch=arch)
+
+
+def _device_arch() -> int | None:
+    if _INTERPRET or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
+# opt-in shared memory per block by compute capability (sm_86/89 and unknown archs: 99 KiB)
+_SMEM_BYTES = {80: 163 * 1024, 87: 163 * 1024, 90: 227 * 1024}
+
+
+def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
+    """Bytes of shared memory a config needs: the resident tiles, plus one buffer per stage
+    of every streamed tile (K/V for fwd and dQ; Q/dO, lse and Δ for dK/dV; the mask tile).
+    An upper bound of what triton allocates (checked by tests/test_triton_compile.py against
+    the compiler's own figure): sm_90 keeps every stage in shared memory, sm_80 one fewer."""
+    bm, bn, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
+    d, dv = args["BLOCK_D"], args["BLOCK_DV"]
+    elem = args["Q"].element_size() if hasattr(args.get("Q"), "element_size") else 2
+    mask = {0: 0, 1: 1, 2: 4}[args.get("MASK_KIND", 0)] * bm * bn
+    if kind == "fwd":
+        resident, streamed = bm * d * elem, bn * (d + dv) * elem + mask
+    elif kind == "dkdv":
+        resident, streamed = bn * (d + dv) * elem, bm * (d + dv) * elem + mask + 8 * bm
+    else:  # dq
+        resident, streamed = bm * (d + dv) * elem, bn * (d + dv) * elem + mask
+    return resident + s * streamed + 4096  # + reduction and layout-conversion scratch
+
+
+def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int | None
+              ) -> list[triton.Config]:
+    """The autotune configs worth timing for a ``kind`` ("fwd", "dkdv", "dq") launch with
+    ``args`` on compute capability ``arch`` (90 for sm_90; None when unknown): drop tiles
+    longer than the sequence, configs whose shared memory does not fit the arch, and tiles
+    x warps that spill registers heavily (measured: benchmarks/results/compile-sm90)."""
     n, d = args["TUNE_N"], max(args["BLOCK_D"], args["BLOCK_DV"])
+    smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
     kept = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         if min(bm, bn) > 16 and max(bm, bn) > n:
+            continue
+        if smem is not None and smem_estimate(kind, c, args) > smem:
             continue
         if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
             continue
@@ -145,7 +226,12 @@ def _tanh(x):
 @triton.jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
     if _DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        # float64 products and sums, rounded once: the result no longer depends on the
+        # host BLAS's summation order for each layout, so the backward's transposed k·qᵀ
+        # reproduces the forward's q·kᵀ (at logits of 1e4 an ulp of s moves P by 1e-3;
+        # whether a GPU's two dot layouts round alike is for the CUDA tests to show)
+        d = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee").to(tl.float32)
+        return d if acc is None else acc + d
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
@@ -262,8 +348,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, Mask, lo, hi, offs_m, h_bh, cap,
 
 
 @triton.autotune(configs=_configs("fwd"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
-                 prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+                 prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
+@triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
@@ -416,9 +502,9 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, Mask, lo, hi, offs_n, h_bh,
 
 
 @triton.autotune(configs=_configs("dkdv"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
-                 prune_configs_by={"early_config_prune": _prune},
+                 prune_configs_by={"early_config_prune": partial(_prune, kind="dkdv")},
                  reset_to_zero=["DCap"])  # configs differ in how many partial sums they write
-@triton.jit
+@triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -542,8 +628,8 @@ def _dq_inner(dq, q, do, lse, delta, K, V, Mask, lo, hi, offs_m, h_bh, cap,
 
 
 @triton.autotune(configs=_configs("dq"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
-                 prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+                 prune_configs_by={"early_config_prune": partial(_prune, kind="dq")})
+@triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
