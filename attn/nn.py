@@ -151,7 +151,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class KVCacheLike(Protocol):
-    """What :class:`MultiHeadAttention` needs from a KV cache (``models.KVCache`` is one)."""
+    """What :class:`MultiHeadAttention` needs from a KV cache (``attn.models.KVCache`` is one)."""
 
     @property
     def length(self) -> int: ...  # keys cached so far = position of the next query
@@ -188,7 +188,7 @@ def _parse_window(s: str) -> int | tuple[int, int]:
 
 def opt_field(default: Any, help: str, **meta: Any) -> Any:
     """A dataclass field carrying its own help text; ``choices`` and ``parse`` (str → value)
-    may join it. Command lines derive their flags from these (``models.config.add_flags``)."""
+    may join it. Command lines derive their flags from these (``attn.models.config.add_flags``)."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -197,7 +197,7 @@ class AttentionOptions:
     """Every option of :class:`MultiHeadAttention` except its width ``dim``, declared once.
 
     ``MultiHeadAttention(dim, heads, **kw)`` takes these fields as keywords;
-    ``models.config.AttentionConfig`` extends them for the GPT, and ``scripts/train.py``
+    ``attn.models.config.AttentionConfig`` extends them for the GPT, and ``scripts/train.py``
     derives its flags from them. Plain values only, so a checkpoint stores them as a dict.
     ``qk_norm`` may also be given as a :class:`QKNormConfig`; it is unpacked into the
     ``qk_norm_*`` fields.

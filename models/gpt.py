@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attn.nn import MultiHeadAttention
-from models.cache import KVCache
-from models.config import GPTConfig
+from attn.models.cache import KVCache
+from attn.models.config import GPTConfig
 
 
 class MLP(nn.Module):

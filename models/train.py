@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from attn.nn import opt_field
-from models.config import AttentionConfig, GPTConfig
-from models.data import RecallTask, TextCorpus, recall_accuracy
-from models.gpt import GPT, load_checkpoint, save_checkpoint
+from attn.models.config import AttentionConfig, GPTConfig
+from attn.models.data import RecallTask, TextCorpus, recall_accuracy
+from attn.models.gpt import GPT, load_checkpoint, save_checkpoint
 
 TASKS = ("text", "recall")
 
@@ -42,7 +42,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class TrainConfig(AttentionConfig):
     """A training run. The model's attention options are inherited from
-    :class:`models.config.AttentionConfig` (so from :class:`attn.nn.AttentionOptions`): they
+    :class:`attn.models.config.AttentionConfig` (so from :class:`attn.nn.AttentionOptions`): they
     are fields of this config, flags of ``scripts/train.py`` and entries of the checkpoint
     without being listed here. ``temperature="learned"`` is kept as the older spelling of
     ``learn_temperature=True`` starting at 1."""
@@ -107,7 +107,7 @@ class _Task:
         self.cfg = cfg
         if cfg.task == "text":
             self.corpus = TextCorpus.load()
-            from models.data import VOCAB_SIZE
+            from attn.models.data import VOCAB_SIZE
             self.vocab_size = VOCAB_SIZE
         else:
             self.vocab_size = cfg.recall.vocab_size

@@ -1,7 +1,7 @@
 """Train the toy GPT: ``python scripts/train.py --task recall --out runs/recall``.
 
 Writes DIR/metrics.json and DIR/ckpt.pt; ``--resume`` continues from DIR/ckpt.pt. Every field
-of ``models.train.TrainConfig`` is a flag (attention options included: ``--qk-norm rms``,
+of ``attn.models.train.TrainConfig`` is a flag (attention options included: ``--qk-norm rms``,
 ``--dropout 0.1``, ``--learn-temperature``, ``--window 64`` ...); see ``--help``.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from models.config import add_flags, flag_values  # noqa: E402
-from models.train import TrainConfig, train  # noqa: E402
+from attn.models.config import add_flags, flag_values  # noqa: E402
+from attn.models.train import TrainConfig, train  # noqa: E402
 
 # the GPT is causal by construction: a --no-causal flag could only fail
 NOT_FLAGS = ("causal",)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import GPT, AttentionConfig, GPTConfig, load_checkpoint, save_checkpoint
-from models.data import (CHARS, IGNORE, UNK, VOCAB_SIZE, RecallTask, TextCorpus, decode,
+from attn.models import GPT, AttentionConfig, GPTConfig, load_checkpoint, save_checkpoint
+from attn.models.data import (CHARS, IGNORE, UNK, VOCAB_SIZE, RecallTask, TextCorpus, decode,
                          encode, recall_accuracy, unigram_entropy)
-from models.gpt import model_from_checkpoint, sample_next
+from attn.models.gpt import model_from_checkpoint, sample_next
 
 ATTENTION_VARIANTS = {
     "plain": AttentionConfig(),

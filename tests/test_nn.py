@@ -9,7 +9,7 @@ import torch
 
 from attn.nn import (AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding,
                      default_l2_scale)
-from models.cache import KVCache
+from attn.models.cache import KVCache
 
 # Every attention variant the module offers, each alone, plus everything at once.
 VARIANTS = {

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from attn.nn import AttentionOptions
-from models.config import add_flags, flag_values
-from models.data import TextCorpus, unigram_entropy
-from models.gpt import GPT
-from models.train import TrainConfig, train
+from attn.models.config import add_flags, flag_values
+from attn.models.data import TextCorpus, unigram_entropy
+from attn.models.gpt import GPT
+from attn.models.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
