@@ -183,7 +183,8 @@ def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
             ok = False
         if not ok:
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {shape_ok}")
-        if bool((x <= 0).any()):
+        # a data-dependent check: skipped while torch.compile traces (no graph break)
+        if not torch.compiler.is_compiling() and bool((x <= 0).any()):
             raise ValueError(f"{name} must be positive, got min {x.min().item():g}")
         return x
     if isinstance(x, bool) or not isinstance(x, (int, float)):
