@@ -8,10 +8,11 @@ from attn.api import (
     select_backend,
 )
 from attn.merge import merge_attention
-from attn.nn import MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding
+from attn.nn import AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding
 
 __all__ = [
     "AttentionCall",
+    "AttentionOptions",
     "BackendChoice",
     "MultiHeadAttention",
     "QKNorm",

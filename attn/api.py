@@ -16,6 +16,7 @@ from torch import Tensor
 
 from attn.masks import Band, make_band
 from attn.reference import reference_attention
+from attn.spec import LaunchSpec
 from attn.tiled import tiled_attention
 
 BACKENDS = ("auto", "reference", "tiled", "triton", "sdpa")
@@ -182,7 +183,8 @@ def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
             ok = False
         if not ok:
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {shape_ok}")
-        if bool((x <= 0).any()):
+        # a data-dependent check: skipped while torch.compile traces (no graph break)
+        if not torch.compiler.is_compiling() and bool((x <= 0).any()):
             raise ValueError(f"{name} must be positive, got min {x.min().item():g}")
         return x
     if isinstance(x, bool) or not isinstance(x, (int, float)):
@@ -221,23 +223,29 @@ def _sdpa_forward(q, k, v, *, band, attn_mask, scale, **_unused):
 
 def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropout_p,
          dropout_seed) -> tuple[Tensor, Tensor | None]:
-    kw = dict(band=band, attn_mask=attn_mask, softcap=softcap, sinks=sinks,
-              dropout_p=dropout_p, dropout_seed=dropout_seed)
     if backend == "reference":
         if isinstance(scale, Tensor):
             scale = scale.to(q.dtype)  # plain PyTorch in q's dtype, like the rest of the reference
-        return reference_attention(q, k, v, scale=scale, **kw)
+        return reference_attention(q, k, v, scale=scale, band=band, attn_mask=attn_mask,
+                                   softcap=softcap, sinks=sinks, dropout_p=dropout_p,
+                                   dropout_seed=dropout_seed)
     if backend == "sdpa":
-        return _sdpa_forward(q, k, v, scale=scale, **kw)
+        return _sdpa_forward(q, k, v, scale=scale, band=band, attn_mask=attn_mask)
     if isinstance(scale, Tensor):
         # temperature folded into q in float32: the kernels see a plain q, autograd handles τ
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         q, scale = q.to(acc) * scale.to(acc), 1.0
+    cap_t = softcap if isinstance(softcap, Tensor) else None
+    spec = LaunchSpec(qk_scale=float(scale), band=band,
+                      softcap=None if cap_t is not None else softcap,
+                      dropout_p=float(dropout_p), dropout_seed=int(dropout_seed))
     if backend == "tiled":
-        out, lse = tiled_attention(q, k, v, scale=scale, **kw)
+        out, lse = tiled_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
+                                   sinks=sinks)
     else:
         from attn.flash_triton import triton_attention
-        out, lse = triton_attention(q, k, v, scale=scale, **kw)
+        out, lse = triton_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
+                                    sinks=sinks)
     return out.to(v.dtype), lse
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
@@ -33,14 +34,50 @@ import triton.language as tl
 from torch import Tensor
 
 from attn.masks import Band, as_4d
+from attn.spec import LaunchSpec
+from attn.tiled import Grads, sink_grad
 
 # Triton decides interpreter vs compiler when a kernel is decorated, i.e. at import.
 _INTERPRET = bool(triton.knobs.runtime.interpret)
+
+
+def _interpreter_scalars_fix() -> None:
+    """Let the interpreter of triton <= 3.6 use runtime scalars as ``range`` bounds on numpy >= 2.4.
+
+    The interpreter holds every scalar (a kernel argument, ``tl.maximum(a, b)``) as a
+    1-element array and gives ``tl.tensor`` an ``__index__`` of ``int(data)``; numpy 2.4
+    stopped converting 1-element arrays that way, so every ``tl.range(lo, hi)`` with runtime
+    bounds raised TypeError. Newer triton squeezes first; do the same here. No kernel code
+    can avoid it (a kernel argument used directly as a bound fails too), and the compiled
+    path never runs this.
+    """
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    try:
+        int(np.ones(1))
+        return  # this numpy still converts 1-element arrays
+    except TypeError:
+        pass
+    patch = getattr(interp, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_attn_squeezes", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)  # then the same __index__ as newer triton's
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    _patch_lang_tensor._attn_squeezes = True
+    interp._patch_lang_tensor = _patch_lang_tensor
+
+
+if _INTERPRET:
+    _interpreter_scalars_fix()
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 _UNBOUNDED = 1 << 30  # an open band side: farther than any key is from any query
-# The interpreter's tl.dot multiplies bfloat16 tiles as their raw uint16 bits: feed it float32
-# (a product of two 16-bit floats is exact in float32, so only the summation order differs).
+# The interpreter's tl.dot multiplies bfloat16 tiles as their raw uint16 bits: feed it float64
+# (exact products of 16- and 32-bit floats, see _dot).
 _DOT_UPCAST = tl.constexpr(_INTERPRET)
 
 
@@ -83,15 +120,61 @@ def _configs(kind: str) -> list[triton.Config]:
             for bm, bn in blocks for w in (4, 8) for s in (2, 3, 4)]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Drop configs that cannot pay off: tiles longer than the sequence, or tiles x stages
-    that overflow shared memory / registers at large head dims."""
-    args = {**named_args, **kwargs}
+_THIS_DEVICE = object()
+
+
+def _prune(configs: list[triton.Config], named_args: dict, *, kind: str,
+           arch: int | None | object = _THIS_DEVICE, **kwargs) -> list[triton.Config]:
+    """The autotuner's pruning hook; ``arch`` (a compute capability) defaults to the
+    current device's, and is given explicitly by the ahead-of-time compile checks."""
+    if arch is _THIS_DEVICE:
+        arch = _device_arch()
+    return prune_for(configs, {**named_args, **kwargs}, kind=kind, arch=arch)
+
+
+def _device_arch() -> int | None:
+    if _INTERPRET or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
+# opt-in shared memory per block by compute capability (sm_86/89 and unknown archs: 99 KiB)
+_SMEM_BYTES = {80: 163 * 1024, 87: 163 * 1024, 90: 227 * 1024}
+
+
+def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
+    """Bytes of shared memory a config needs: the resident tiles, plus one buffer per stage
+    of every streamed tile (K/V for fwd and dQ; Q/dO, lse and Δ for dK/dV; the mask tile).
+    An upper bound of what triton allocates (checked by tests/test_triton_compile.py against
+    the compiler's own figure): sm_90 keeps every stage in shared memory, sm_80 one fewer."""
+    bm, bn, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
+    d, dv = args["BLOCK_D"], args["BLOCK_DV"]
+    elem = args["Q"].element_size() if hasattr(args.get("Q"), "element_size") else 2
+    mask = {0: 0, 1: 1, 2: 4}[args.get("MASK_KIND", 0)] * bm * bn
+    if kind == "fwd":
+        resident, streamed = bm * d * elem, bn * (d + dv) * elem + mask
+    elif kind == "dkdv":
+        resident, streamed = bn * (d + dv) * elem, bm * (d + dv) * elem + mask + 8 * bm
+    else:  # dq
+        resident, streamed = bm * (d + dv) * elem, bn * (d + dv) * elem + mask
+    return resident + s * streamed + 4096  # + reduction and layout-conversion scratch
+
+
+def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int | None
+              ) -> list[triton.Config]:
+    """The autotune configs worth timing for a ``kind`` ("fwd", "dkdv", "dq") launch with
+    ``args`` on compute capability ``arch`` (90 for sm_90; None when unknown): drop tiles
+    longer than the sequence, configs whose shared memory does not fit the arch, and tiles
+    x warps that spill registers heavily (measured: benchmarks/results/compile-sm90)."""
     n, d = args["TUNE_N"], max(args["BLOCK_D"], args["BLOCK_DV"])
+    smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
     kept = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         if min(bm, bn) > 16 and max(bm, bn) > n:
+            continue
+        if smem is not None and smem_estimate(kind, c, args) > smem:
             continue
         if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
             continue
@@ -145,7 +228,12 @@ def _tanh(x):
 @triton.jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
     if _DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        # float64 products and sums, rounded once: the result no longer depends on the
+        # host BLAS's summation order for each layout, so the backward's transposed k·qᵀ
+        # reproduces the forward's q·kᵀ (at logits of 1e4 an ulp of s moves P by 1e-3;
+        # whether a GPU's two dot layouts round alike is for the CUDA tests to show)
+        d = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee").to(tl.float32)
+        return d if acc is None else acc + d
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
@@ -262,8 +350,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, Mask, lo, hi, offs_m, h_bh, cap,
 
 
 @triton.autotune(configs=_configs("fwd"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
-                 prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+                 prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
+@triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
@@ -416,9 +504,9 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, Mask, lo, hi, offs_n, h_bh,
 
 
 @triton.autotune(configs=_configs("dkdv"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
-                 prune_configs_by={"early_config_prune": _prune},
+                 prune_configs_by={"early_config_prune": partial(_prune, kind="dkdv")},
                  reset_to_zero=["DCap"])  # configs differ in how many partial sums they write
-@triton.jit
+@triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -542,8 +630,8 @@ def _dq_inner(dq, q, do, lse, delta, K, V, Mask, lo, hi, offs_m, h_bh, cap,
 
 
 @triton.autotune(configs=_configs("dq"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
-                 prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+                 prune_configs_by={"early_config_prune": partial(_prune, kind="dq")})
+@triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -653,21 +741,23 @@ class _Launch:
                     DOT_PRECISION=self.dot_precision)
 
 
-def _launch_args(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-                 softcap: Tensor | None, offset: int, left: int | None, right: int | None,
-                 scale: float, dropout_p: float, dropout_seed: int) -> _Launch:
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None,
+                 softcap: Tensor | None) -> _Launch:
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    band = spec.local_band()
+    p = spec.dropout_p
     return _Launch(
-        H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=offset,
-        left=_UNBOUNDED if left is None else left, right=_UNBOUNDED if right is None else right,
-        scale=float(scale), drop_seed=int(dropout_seed) & 0xFFFFFFFF,
-        drop_threshold=int(dropout_p * 2**32), inv_keep=1.0 / (1.0 - dropout_p),
+        H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=band.offset,
+        left=_UNBOUNDED if band.left is None else band.left,
+        right=_UNBOUNDED if band.right is None else band.right,
+        scale=float(spec.qk_scale), drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
+        drop_threshold=int(p * 2**32), inv_keep=1.0 / (1.0 - p),
         tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
         block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
-        banded=left is not None or right is not None,
+        banded=not band.is_full,
         mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
-        has_softcap=softcap is not None, has_dropout=dropout_p > 0.0,
+        has_softcap=softcap is not None, has_dropout=p > 0.0,
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32")
 
 
@@ -683,13 +773,11 @@ def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tu
     return m, m.stride()
 
 
-def _fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
-         softcap: Tensor | None, offset: int, left: int | None, right: int | None,
-         scale: float, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor]:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
+         sinks: Tensor | None = None, softcap: Tensor | None = None) -> tuple[Tensor, Tensor]:
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[-1]
-    L = _launch_args(q, k, v, attn_mask, softcap, offset, left, right, scale, dropout_p,
-                     dropout_seed)
+    L = _launch_args(q, k, v, spec, attn_mask, softcap)
     out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
     mask, mask_strides = _mask_arg(attn_mask, q, Nk)
@@ -703,14 +791,12 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tenso
 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-         lse: Tensor, attn_mask: Tensor | None, softcap: Tensor | None, offset: int,
-         left: int | None, right: int | None, scale: float, dropout_p: float,
-         dropout_seed: int, need_dcap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv, Δ (B, H, Nq) and dsoftcap (H,) (empty unless ``need_dcap``)."""
+         lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
+         sinks: Tensor | None = None, softcap: Tensor | None = None,
+         need_dcap: bool = False) -> Grads:
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    L = _launch_args(q, k, v, attn_mask, softcap, offset, left, right, scale, dropout_p,
-                     dropout_seed)
+    L = _launch_args(q, k, v, spec, attn_mask, softcap)
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
@@ -739,21 +825,32 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         q, k, v, do, dq, lse, delta, mask, cap,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *mask_strides,
         *L.scalars(), **L.constexprs())
-    if need_dcap and softcap is not None:
-        dcap = dcap_part.view(-1, B, H).sum(dim=(0, 1))
-    else:
-        dcap = torch.zeros(0, dtype=torch.float32, device=q.device)
-    return dq, dk, dv, delta, dcap
+    dcap = dcap_part.view(-1, B, H).sum(dim=(0, 1)) if need_dcap and softcap is not None else None
+    dsinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    return Grads(dq, dk, dv, None, dsinks, dcap)
 
 
 # -- torch.library ops: opaque to torch.compile, with shapes it can trace ------------------
+# Op schemas take flat values: the spec travels as its fields (band in local positions).
+
+def _op_args(spec: LaunchSpec) -> tuple:
+    b = spec.local_band()
+    return (b.offset, b.left, b.right, float(spec.qk_scale), float(spec.dropout_p),
+            int(spec.dropout_seed))
+
+
+def _spec_of(offset: int, left: int | None, right: int | None, scale: float,
+             dropout_p: float, dropout_seed: int) -> LaunchSpec:
+    return LaunchSpec(qk_scale=scale, band=Band(offset, left, right), dropout_p=dropout_p,
+                      dropout_seed=dropout_seed)
+
 
 @torch.library.custom_op("attn::flash_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, offset: int, left: int | None, right: int | None,
             scale: float, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor]:
-    return _fwd(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
-                dropout_seed)
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed)
+    return _fwd(q, k, v, spec, attn_mask, sinks, softcap)
 
 
 @_fwd_op.register_fake
@@ -765,55 +862,46 @@ def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
 
 @torch.library.custom_op("attn::flash_bwd", mutates_args=())
 def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-            lse: Tensor, attn_mask: Tensor | None, softcap: Tensor | None, offset: int,
-            left: int | None, right: int | None, scale: float, dropout_p: float,
-            dropout_seed: int, need_dcap: bool
+            lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+            scale: float, dropout_p: float, dropout_seed: int, need_dcap: bool
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _bwd(do, dlse, q, k, v, out, lse, attn_mask, softcap, offset, left, right, scale,
-                dropout_p, dropout_seed, need_dcap)
+    """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed)
+    g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap)
+    def or_empty(t: Tensor | None) -> Tensor:  # a fresh tensor each: outputs must not alias
+        return q.new_empty(0, dtype=torch.float32) if t is None else t
+
+    return g.dq, g.dk, g.dv, or_empty(g.dsinks), or_empty(g.dsoftcap)
 
 
 @_bwd_op.register_fake
-def _(do, dlse, q, k, v, out, lse, attn_mask, softcap, offset, left, right, scale, dropout_p,
-      dropout_seed, need_dcap):
-    B, H, Nq, _ = q.shape
+def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, right, scale,
+      dropout_p, dropout_seed, need_dcap):
+    H = q.shape[1]
+    n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty(B, H, Nq, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
+            q.new_empty(n_sinks, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
 
 
 # -- autograd ------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Config:
-    band: Band
-    scale: float  # multiplier of q·k (a tensor temperature is folded into q by the caller)
-    dropout_p: float
-    dropout_seed: int
-
-    def op_args(self) -> tuple:
-        b = self.band
-        return (b.offset, b.left, b.right, self.scale, self.dropout_p, self.dropout_seed)
-
-
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, cfg: _Config):
-        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, *cfg.op_args())
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec):
+        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec))
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap)
-        ctx.cfg = cfg
+        ctx.spec = spec
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, sinks, softcap = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
-        dq, dk, dv, delta, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, softcap,
-                                          *ctx.cfg.op_args(), need_dcap)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[4]:
-            # the sink is a key with value 0: dsink_h = −Σ_{b,i} exp(sink_h − lse_i) · Δ_i
-            dsinks = -(torch.exp(sinks.view(1, -1, 1) - lse) * delta).sum(dim=(0, 2))
+        dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
+                                           softcap, *_op_args(ctx.spec), need_dcap)
+        dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None
 
 
@@ -821,34 +909,34 @@ def triton_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    spec: LaunchSpec,
     *,
-    band: Band = Band(),
     attn_mask: Tensor | None = None,
-    scale: float = 1.0,
-    softcap: float | Tensor | None = None,
+    softcap: Tensor | None = None,
     sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Fused attention kernels. Inputs already validated by ``attn.api``.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
-    lse (B, H, Nq) float32. Same meaning as :func:`attn.tiled.tiled_attention`: ``band``
-    (causal / window), ``scale`` multiplies q·k (a tensor temperature already folded into q),
-    ``softcap`` a float or a learnable tensor broadcastable to (H,), ``sinks`` (H,),
-    ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk), dropout from the
-    ``attn.masks.dropout_keep`` hash (bit-identical to the reference for the same seed).
+    lse (B, H, Nq) float32. Same protocol as :func:`attn.tiled.tiled_attention`: ``spec``
+    holds the static values (q·k scale with any tensor temperature already folded into q,
+    band, a fixed softcap, dropout from the ``attn.masks.dropout_keep`` hash, global
+    positions); ``softcap`` a learnable tensor broadcastable to (H,), ``sinks`` (H,),
+    ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk).
     """
+    if spec.dropout_p > 0.0 and spec.sharded:
+        raise NotImplementedError(
+            "triton: dropout in a sharded call (the kernels hash local positions); "
+            "use backend='tiled', which reads the spec's global positions")
     H = q.shape[1]
     if q.dtype != k.dtype:  # a temperature folded in float32: the kernels take one dtype
         q = q.to(k.dtype)
     # per-head float32 vectors; autograd sums the expand back to the caller's shapes
-    cap = None
-    if softcap is not None:
-        cap = (softcap if isinstance(softcap, Tensor) else torch.tensor(float(softcap)))
+    cap = softcap
+    if cap is None and spec.softcap is not None:
+        cap = torch.tensor(float(spec.softcap))
+    if cap is not None:
         cap = cap.to(device=q.device, dtype=torch.float32).expand(H).contiguous()
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
-    cfg = _Config(band=band, scale=float(scale), dropout_p=float(dropout_p),
-                  dropout_seed=int(dropout_seed))
-    return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, cfg)
+    return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, spec)

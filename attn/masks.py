@@ -57,6 +57,166 @@ class Band:
         return ok_left and ok_right
 
 
+# -- window conventions: one meaning each, translated here ---------------------------------
+
+def window_pair(window: object, *, name: str = "window") -> tuple[int, int] | None:
+    """``attention(window=...)``: a pair ``(left, right)``, -1 for an unbounded side; an int
+    is a TypeError there (its meaning depends on causality, see :func:`module_window`)."""
+    if window is None:
+        return None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        raise TypeError(f"{name} must be a pair of ints (left, right), -1 for unbounded, "
+                        f"got {window!r}")
+    if any(w < -1 for w in window):
+        raise ValueError(f"{name} sides must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    return int(window[0]), int(window[1])
+
+
+def module_window(window: object, *, causal: bool) -> tuple[int, int] | None:
+    """``MultiHeadAttention(window=w)``: an int ``w`` means ``(w, 0)`` when causal and
+    ``(w, w)`` when not (w keys on each open side); a pair passes through."""
+    if window is None:
+        return None
+    if isinstance(window, int) and not isinstance(window, bool):
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        return (window, 0 if causal else window)
+    return window_pair(window)
+
+
+def hf_sliding_window(w: int) -> tuple[int, int]:
+    """Hugging Face's ``sliding_window=W`` (key j visible iff ``j > i - W``): ``(W - 1, 0)``."""
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise ValueError(f"sliding_window must be a positive int, got {w!r}")
+    return (w - 1, 0)
+
+
+def key_padding_mask(lengths: Tensor, n_k: int) -> Tensor:
+    """Bool ``(B, 1, 1, n_k)``, True for the first ``lengths[b]`` keys of each batch row (a
+    right-padded batch): the form ``attn_mask`` reads per key block, never N x N."""
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be 1-d (B,), got shape {tuple(lengths.shape)}")
+    return (torch.arange(n_k, device=lengths.device) < lengths[:, None])[:, None, None, :]
+
+
+# -- block classification: which (query block, key block) tiles to visit, and how ----------
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """For each query block ``[m0, m0 + block_m)``: the key tiles a backend visits, each
+    ``(n0, n1, full)``. Tiles not listed are empty (skipped); ``full`` tiles need no mask
+    work at all; the others are partial (the backend applies the mask inside the tile).
+    """
+
+    block_m: int
+    block_n: int
+    n_q: int
+    n_k: int
+    tiles: tuple[tuple[tuple[int, int, bool], ...], ...]
+
+    def query_blocks(self):
+        """``(m0, m1, key_tiles)`` for every query block, in order."""
+        for i, row in enumerate(self.tiles):
+            m0 = i * self.block_m
+            yield m0, min(m0 + self.block_m, self.n_q), row
+
+    def counts(self) -> dict[str, int]:
+        """How many tiles are full, partial and empty (skipped), over the whole grid."""
+        full = sum(f for row in self.tiles for _, _, f in row)
+        visited = sum(len(row) for row in self.tiles)
+        total = sum(-(-(self.n_k) // self.block_n) for _ in self.tiles)
+        return {"full": full, "partial": visited - full, "empty": max(total - visited, 0)}
+
+    def kinds(self) -> Tensor:
+        """int8 ``(query blocks, key blocks)`` grid of EMPTY / PARTIAL / FULL for aligned
+        key blocks (tiles that start off the grid are attributed to the block they start in)."""
+        nb = -(-self.n_k // self.block_n)
+        out = torch.zeros(len(self.tiles), nb, dtype=torch.int8)
+        for i, row in enumerate(self.tiles):
+            for n0, _, full in row:
+                out[i, n0 // self.block_n] = max(int(out[i, n0 // self.block_n]),
+                                                  FULL if full else PARTIAL)
+        return out
+
+
+def classify_band(band: Band, n_q: int, n_k: int, block_m: int, block_n: int) -> Blocks:
+    """Tiles of a band: for each query block, the keys it may see (:meth:`Band.key_range`)
+    cut into ``block_n`` tiles from the first visible key; a tile is full when every pair
+    in it lies inside the band."""
+    rows = []
+    for m0 in range(0, n_q, block_m):
+        m1 = min(m0 + block_m, n_q)
+        n_lo, n_hi = band.key_range(m0, m1, n_k)
+        row = []
+        for n0 in range(n_lo, n_hi, block_n):
+            n1 = min(n0 + block_n, n_hi)
+            row.append((n0, n1, band.tile_is_full(m0, m1, n0, n1)))
+        rows.append(tuple(row))
+    return Blocks(block_m, block_n, n_q, n_k, tuple(rows))
+
+
+def classify_grid(kinds: Tensor, n_q: int, n_k: int, block_m: int, block_n: int) -> Blocks:
+    """Blocks from an EMPTY / PARTIAL / FULL grid over aligned ``block_m x block_n`` tiles."""
+    rows = []
+    for i in range(kinds.shape[0]):
+        row = []
+        for jb in range(kinds.shape[1]):
+            k = int(kinds[i, jb])
+            if k != EMPTY:
+                row.append((jb * block_n, min((jb + 1) * block_n, n_k), k == FULL))
+        rows.append(tuple(row))
+    return Blocks(block_m, block_n, n_q, n_k, tuple(rows))
+
+
+def classify_predicate(keep: Tensor, block_m: int, block_n: int) -> Blocks:
+    """Blocks of a dense bool ``(..., Nq, Nk)`` mask (True = attend), over every leading
+    index: a tile is empty when no pair is kept for any leading index, full when all are."""
+    n_q, n_k = keep.shape[-2:]
+    k2 = keep.reshape(-1, n_q, n_k)
+    pad_q, pad_k = -n_q % block_m, -n_k % block_n
+    any_ = torch.nn.functional.pad(k2, (0, pad_k, 0, pad_q), value=False)
+    all_ = torch.nn.functional.pad(k2, (0, pad_k, 0, pad_q), value=True)
+    qb, kb = (n_q + pad_q) // block_m, (n_k + pad_k) // block_n
+    any_t = any_.view(-1, qb, block_m, kb, block_n).any(dim=(0, 2, 4))
+    all_t = all_.view(-1, qb, block_m, kb, block_n).all(dim=(0, 2, 4))
+    kinds = torch.where(all_t, FULL, torch.where(any_t, PARTIAL, EMPTY)).to(torch.int8)
+    return classify_grid(kinds, n_q, n_k, block_m, block_n)
+
+
+def classify_documents(doc_q: Tensor, doc_k: Tensor, block_m: int, block_n: int) -> Blocks:
+    """Blocks of a document mask (query i sees key j iff ``doc_q[i] == doc_k[j]``), from
+    sorted document ids ``(Nq,)`` / ``(Nk,)`` (packed sequences): a tile is empty when its
+    query and key id ranges do not overlap, full when both hold one and the same document."""
+    if doc_q.dim() != 1 or doc_k.dim() != 1:
+        raise ValueError(f"document ids must be 1-d, got {tuple(doc_q.shape)} and "
+                         f"{tuple(doc_k.shape)}")
+    n_q, n_k = doc_q.numel(), doc_k.numel()
+    q_lo = doc_q[::block_m]
+    q_hi = torch.stack([doc_q[min(m + block_m, n_q) - 1] for m in range(0, n_q, block_m)])
+    k_lo = doc_k[::block_n]
+    k_hi = torch.stack([doc_k[min(n + block_n, n_k) - 1] for n in range(0, n_k, block_n)])
+    overlap = (q_lo[:, None] <= k_hi[None, :]) & (k_lo[None, :] <= q_hi[:, None])
+    one_doc = (q_lo[:, None] == q_hi[:, None]) & (k_lo[None, :] == k_hi[None, :]) \
+        & (q_lo[:, None] == k_lo[None, :])
+    kinds = torch.where(one_doc, FULL, torch.where(overlap, PARTIAL, EMPTY)).to(torch.int8)
+    return classify_grid(kinds.cpu(), n_q, n_k, block_m, block_n)
+
+
+def as_bool_mask(mask: Tensor) -> Tensor | None:
+    """``mask`` as bool (True = attend) when that is exact: a bool mask as is, a float mask
+    holding only 0 and -inf; None for a float mask with any other value (a real bias)."""
+    if mask.dtype == torch.bool:
+        return mask
+    keep = mask == 0
+    if bool((keep | (mask == float("-inf"))).all()):
+        return keep
+    return None
+
+
 def as_4d(mask: Tensor) -> Tensor:
     """A mask broadcastable to (B, H, Nq, Nk) viewed with leading 1s up to 4 dims (no copy)."""
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))

@@ -5,9 +5,11 @@
   Transformers"), "rms" (RMSNorm with a per-dim gain shared across heads, Qwen3 / Gemma 3),
   "layer" (LayerNorm without bias, ViT-22B, Dehghani et al. 2023).
 * :class:`RotaryEmbedding` — RoPE (Su et al. 2021), rotate-half layout, any position offset.
+* :class:`AttentionOptions` — every variant option of the module, declared once (the GPT's
+  config and the training command line derive from it).
 * :class:`MultiHeadAttention` — projections, optional RoPE and QK-norm, a fixed or learnable
-  per-head temperature, softcap, sliding window, attention sinks, GQA, and a KV-cache path for
-  decoding.
+  per-head temperature and softcap, sliding window, attention sinks, GQA, and a KV-cache path
+  for decoding.
 
 Layout is attn's everywhere: ``(B, H, N, D)``; activations entering and leaving
 :class:`MultiHeadAttention` are ``(B, N, C)``.
@@ -16,11 +18,12 @@ Layout is attn's everywhere: ``(B, H, N, D)``; activations entering and leaving
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
@@ -148,7 +151,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class KVCacheLike(Protocol):
-    """What :class:`MultiHeadAttention` needs from a KV cache (``models.KVCache`` is one)."""
+    """What :class:`MultiHeadAttention` needs from a KV cache (``attn.models.KVCache`` is one)."""
 
     @property
     def length(self) -> int: ...  # keys cached so far = position of the next query
@@ -173,85 +176,173 @@ def _as_window(window: int | tuple[int, int] | None, causal: bool) -> tuple[int,
                      f"got {window!r}")
 
 
+def _parse_window(s: str) -> int | tuple[int, int]:
+    """Command-line spelling of a window: ``W`` or ``LEFT,RIGHT``."""
+    parts = [int(p) for p in s.split(",")]
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return (parts[0], parts[1])
+    raise ValueError(f"window must be W or LEFT,RIGHT, got {s!r}")
+
+
+def opt_field(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field carrying its own help text; ``choices`` and ``parse`` (str → value)
+    may join it. Command lines derive their flags from these (``attn.models.config.add_flags``)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class AttentionOptions:
+    """Every option of :class:`MultiHeadAttention` except its width ``dim``, declared once.
+
+    ``MultiHeadAttention(dim, heads, **kw)`` takes these fields as keywords;
+    ``attn.models.config.AttentionConfig`` extends them for the GPT, and ``scripts/train.py``
+    derives its flags from them. Plain values only, so a checkpoint stores them as a dict.
+    ``qk_norm`` may also be given as a :class:`QKNormConfig`; it is unpacked into the
+    ``qk_norm_*`` fields.
+    """
+
+    heads: int = opt_field(4, "query heads H; must divide dim (head_dim = dim / H)")
+    kv_heads: int | None = opt_field(
+        None, "key/value heads Hkv (GQA, Ainslie et al. 2023; MQA when 1); must divide "
+        "heads; none = heads")
+    qk_norm: str | None = opt_field(
+        None, "normalise q and k per head: l2 (cosine, learnable g), rms or layer; none = off",
+        choices=QK_NORM_KINDS)
+    qk_norm_position: str = opt_field("before", "QK-norm relative to RoPE",
+                                      choices=QK_NORM_POSITIONS)
+    qk_norm_g_init: float | None = opt_field(
+        None, "l2 only: initial g; none = log2(L² - L), L = qk_norm_train_len")
+    qk_norm_train_len: int | None = opt_field(
+        None, "l2 only: the training length L behind the default g; none = 1024 "
+        "(the GPT uses its block_size)")
+    qk_norm_eps: float = opt_field(1e-6, "epsilon of the QK-norm")
+    temperature: float = opt_field(
+        1.0, "divides the scores; with learn_temperature, every head's initial value")
+    learn_temperature: bool = opt_field(
+        False, "learn a per-head temperature, kept positive as exp(log tau)")
+    softcap: float | None = opt_field(None, "c*tanh(s/c) on the scores (Gemma 2); none = off")
+    learn_softcap: bool = opt_field(
+        False, "learn a per-head cap starting at softcap, kept positive as exp(log c)")
+    window: int | tuple[int, int] | None = opt_field(
+        None, "sliding window: W means (W, 0) when causal, (W, W) when not; or LEFT,RIGHT "
+        "(-1 = unbounded); none = off", parse=_parse_window)
+    sinks: bool = opt_field(
+        False, "a learnable per-head sink logit joining the softmax denominator "
+        "(Xiao et al. 2023)")
+    rope: bool = opt_field(True, "rotary position embedding on q and k (Su et al. 2021)")
+    causal: bool = opt_field(True, "bottom-right causal mask")
+    dropout: float = opt_field(0.0, "attention-probability dropout, in training mode only")
+    backend: str = opt_field("auto", "the attn.attention backend", choices=BACKENDS)
+    bias: bool = opt_field(False, "biases on the qkv and output projections")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.qk_norm, QKNormConfig):
+            self._unpack_qk_norm(self.qk_norm)
+        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads <= 0:
+            raise ValueError(f"heads must be a positive int, got {self.heads!r}")
+        kv = self.heads if self.kv_heads is None else self.kv_heads
+        if kv <= 0 or self.heads % kv != 0:
+            raise ValueError(f"kv_heads must divide heads, got heads={self.heads}, "
+                             f"kv_heads={self.kv_heads}")
+        self.qk_norm_config()  # QKNormConfig validates kind, position and g_init
+        t = self.temperature
+        if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t)
+                                       and t > 0):
+            raise ValueError(f"temperature must be a positive float, got {t!r}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be positive or None, got {self.softcap!r}")
+        if self.learn_softcap and self.softcap is None:
+            raise ValueError("learn_softcap needs softcap, the cap's initial value")
+        _as_window(self.window, self.causal)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    def _unpack_qk_norm(self, c: QKNormConfig) -> None:
+        unpacked = dict(qk_norm_position=c.position, qk_norm_g_init=c.g_init,
+                        qk_norm_train_len=c.train_len, qk_norm_eps=c.eps)
+        defaults = {f.name: f.default for f in fields(AttentionOptions)}
+        clash = [k for k in unpacked if getattr(self, k) != defaults[k]]
+        if clash:
+            raise TypeError(f"qk_norm is a QKNormConfig, which already sets {', '.join(clash)}:"
+                            f" give qk_norm=<kind> with qk_norm_* fields, or the config alone")
+        self.qk_norm = c.kind
+        for k, v in unpacked.items():
+            setattr(self, k, v)
+
+    @property
+    def window_pair(self) -> tuple[int, int] | None:
+        """``window`` as the ``(left, right)`` pair :func:`attn.attention` takes."""
+        return _as_window(self.window, self.causal)
+
+    def qk_norm_config(self) -> QKNormConfig | None:
+        if self.qk_norm is None:
+            return None
+        train_len = 1024 if self.qk_norm_train_len is None else self.qk_norm_train_len
+        return QKNormConfig(self.qk_norm, self.qk_norm_position, self.qk_norm_g_init,
+                            train_len=train_len, eps=self.qk_norm_eps)
+
+
 class MultiHeadAttention(nn.Module):
     """Self-attention over ``x (B, N, C)`` → ``(B, N, C)`` through :func:`attn.attention`.
 
-    Args:
-        dim: model width C; ``heads`` must divide it (head_dim D = C / heads).
-        heads: query heads H. ``kv_heads``: key/value heads Hkv (GQA, Ainslie et al. 2023;
-            MQA when 1); must divide ``heads``; default ``heads``.
-        qk_norm: None, a kind ("l2", "rms", "layer") or a :class:`QKNormConfig`.
-        temperature: divides the scores. With ``learn_temperature`` it is the initial value of
-            a per-head τ (H,) kept positive as ``exp(log τ)``.
-        softcap: ``c·tanh(s/c)`` on the scores (Gemma 2), or None.
-        window: sliding window: an int w (w keys back; also w ahead when not causal), or
-            ``(left, right)`` as in :func:`attn.attention` (-1 = unbounded).
-        sinks: a learnable per-head sink logit (H,) joining the softmax denominator
-            (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks").
-        rope: rotate q and k (RoPE). causal: bottom-right causal mask.
-        dropout: attention-probability dropout, active only in training mode.
-        backend: passed to :func:`attn.attention`. bias: biases on the projections.
+    ``MultiHeadAttention(dim, heads, **options)``: ``dim`` is the model width C, and every
+    other argument is a field of :class:`AttentionOptions` (its docs and help texts say what
+    each does), given as keywords or as ``options=AttentionOptions(...)`` (keywords then
+    override it). In short: GQA/MQA through ``kv_heads``; QK-norm; a fixed or learnable
+    per-head temperature and softcap; a sliding window (an int w is ``(w, 0)`` when causal and
+    ``(w, w)`` when not); learnable sinks; RoPE; dropout of the attention probabilities in
+    training mode.
 
     ``forward(x, kv_cache)``: with a cache (see :class:`KVCacheLike`) the new keys/values are
     appended and the new queries, at positions ``cache.length …``, attend to everything
     cached; bottom-right causal alignment makes that exact.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        heads: int,
-        kv_heads: int | None = None,
-        qk_norm: QKNormConfig | str | None = None,
-        temperature: float = 1.0,
-        learn_temperature: bool = False,
-        softcap: float | None = None,
-        window: int | tuple[int, int] | None = None,
-        sinks: bool = False,
-        rope: bool = True,
-        causal: bool = True,
-        dropout: float = 0.0,
-        backend: str = "auto",
-        bias: bool = False,
-    ) -> None:
+    def __init__(self, dim: int, heads: int | None = None, *,
+                 options: AttentionOptions | None = None, **kw: Any) -> None:
         super().__init__()
-        kv_heads = heads if kv_heads is None else kv_heads
-        if heads <= 0 or dim % heads != 0:
-            raise ValueError(f"heads must divide dim, got dim={dim}, heads={heads}")
-        if kv_heads <= 0 or heads % kv_heads != 0:
-            raise ValueError(f"kv_heads must divide heads, got heads={heads}, "
-                             f"kv_heads={kv_heads}")
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-                and temperature > 0):
-            raise ValueError(f"temperature must be a positive float, got {temperature!r}")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be positive or None, got {softcap!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.dim, self.heads, self.kv_heads = dim, heads, kv_heads
-        self.head_dim = D = dim // heads
-        self.causal, self.dropout, self.backend = causal, dropout, backend
-        self.softcap = None if softcap is None else float(softcap)
-        self.window = _as_window(window, causal)
+        if heads is not None:
+            kw["heads"] = heads
+        o = AttentionOptions(**kw) if options is None else replace(options, **kw)
+        if o.heads <= 0 or dim % o.heads != 0:
+            raise ValueError(f"heads must divide dim, got dim={dim}, heads={o.heads}")
+        self.options = o
+        self.dim, self.heads = dim, o.heads
+        self.kv_heads = o.heads if o.kv_heads is None else o.kv_heads
+        self.head_dim = D = dim // o.heads
+        self.causal, self.dropout, self.backend = o.causal, o.dropout, o.backend
+        self.window = o.window_pair
 
         # one matmul for q, k and v: (B, N, C) → (B, N, (H + 2·Hkv)·D)
-        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * D, bias=bias)
-        self.proj = nn.Linear(heads * D, dim, bias=bias)
-        self.qk_norm = None if qk_norm is None else QKNorm(qk_norm, D)
-        self.rope = RotaryEmbedding(D) if rope else None
+        self.qkv = nn.Linear(dim, (self.heads + 2 * self.kv_heads) * D, bias=o.bias)
+        self.proj = nn.Linear(self.heads * D, dim, bias=o.bias)
+        qk_cfg = o.qk_norm_config()
+        self.qk_norm = None if qk_cfg is None else QKNorm(qk_cfg, D)
+        self.rope = RotaryEmbedding(D) if o.rope else None
         self.scale = None if self.qk_norm is None else self.qk_norm.attention_scale
-        if learn_temperature:
-            self.log_tau = nn.Parameter(torch.full((heads,), math.log(temperature)))
+        if o.learn_temperature:
+            self.log_tau = nn.Parameter(torch.full((self.heads,), math.log(o.temperature)))
             self.temperature = None
         else:
             self.log_tau = None
-            self.temperature = float(temperature)
-        self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
+            self.temperature = float(o.temperature)
+        if o.learn_softcap:
+            self.log_softcap = nn.Parameter(torch.full((self.heads,), math.log(o.softcap)))
+            self.softcap = None
+        else:
+            self.log_softcap = None
+            self.softcap = None if o.softcap is None else float(o.softcap)
+        self.sinks = nn.Parameter(torch.zeros(self.heads)) if o.sinks else None
 
     def _tau(self) -> float | Tensor:
         return self.temperature if self.log_tau is None else self.log_tau.exp()  # (H,)
+
+    def _cap(self) -> float | Tensor | None:
+        return self.softcap if self.log_softcap is None else self.log_softcap.exp()  # (H,)
 
     def forward(self, x: Tensor, kv_cache: KVCacheLike | None = None) -> Tensor:
         B, N, C = x.shape
@@ -262,7 +353,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("a KV cache needs causal attention: without it earlier "
                                  "queries would have to see later keys")
             offset = kv_cache.length
-        qkv = self.qkv(x).view(B, N, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2Hkv, N, D)
+        qkv = rearrange(self.qkv(x), "b n (h d) -> b h n d", d=D)  # (B, H + 2Hkv, N, D)
         q, k, v = qkv.split((H, Hkv, Hkv), dim=1)  # (B, H, N, D), (B, Hkv, N, D) × 2
 
         norm_first = self.qk_norm is not None and self.qk_norm.config.position == "before"
@@ -277,9 +368,9 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.append(k, v)  # (B, Hkv, offset + N, D)
         y = attention(
             q, k, v, causal=self.causal, scale=self.scale, temperature=self._tau(),
-            softcap=self.softcap, window=self.window, sinks=self.sinks,
+            softcap=self._cap(), window=self.window, sinks=self.sinks,
             dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
-        y = y.transpose(1, 2).reshape(B, N, H * D)  # (B, H, N, D) → (B, N, H·D)
+        y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
         return self.proj(y)
 
     def extra_repr(self) -> str:
@@ -289,7 +380,9 @@ class MultiHeadAttention(nn.Module):
             parts.append("temperature=learned")
         elif self.temperature != 1.0:
             parts.append(f"temperature={self.temperature}")
-        if self.softcap is not None:
+        if self.log_softcap is not None:
+            parts.append("softcap=learned")
+        elif self.softcap is not None:
             parts.append(f"softcap={self.softcap}")
         if self.window is not None:
             parts.append(f"window={self.window}")

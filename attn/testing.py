@@ -7,21 +7,29 @@ scale (or at the tensor's largest entry, if larger). So a bf16 kernel is held to
 
 Use it in your own tests::
 
-    from functools import partial
-    import attn, attn.testing
+    import torch
+    from attn.testing import assert_close_to_reference, make_inputs
 
-    q, k, v = attn.testing.make_inputs(B=2, H=4, N=97, D=64, dtype=torch.bfloat16)
-    report = attn.testing.assert_close_to_reference(my_attention, q, k, v, causal=True)
+    def my_attention(q, k, v, causal=False):      # yours; here torch's, for the example
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    q, k, v = make_inputs(B=2, H=4, N=97, D=64, dtype=torch.bfloat16)
+    report = assert_close_to_reference(my_attention, q, k, v, causal=True)
     print(report)   # one line per checked tensor: error, plain PyTorch's error, budget
 
-``fn`` must accept attn.attention's keywords that you pass (and ``return_lse`` when
-``check_lse``); it is called as ``fn(q, k, v, **kwargs)``.
+``fn`` is called as ``fn(q, k, v, **kwargs)`` with the attn.attention keywords you pass, in
+attn's layout: q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), out (B, H, Nq, Dv).
+It may return the output alone or ``(out, lse)``. By default (``check_lse=None``) it is also
+given ``return_lse=True`` when its signature takes that keyword (or ``**kwargs``); the lse is
+checked if it comes back, and the report says so when it does not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
+
+import inspect
 
 import torch
 from torch import Tensor
@@ -51,19 +59,25 @@ class Comparison:
 class Report:
     dtype: torch.dtype
     comparisons: list[Comparison] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was not checked, and why
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.comparisons)
 
     def __getitem__(self, name: str) -> Comparison:
-        return next(c for c in self.comparisons if c.name == name)
+        for c in self.comparisons:
+            if c.name == name:
+                return c
+        raise KeyError(f"{name!r} was not compared; compared: {[c.name for c in self.comparisons]}"
+                       + "".join(f"; {n}" for n in self.notes))
 
     def __str__(self) -> str:
         lines = [f"{'tensor':<14}{'error':>12}{'plain ' + str(self.dtype)[6:]:>16}{'budget':>12}"]
         for c in self.comparisons:
             flag = "" if c.ok else "   <-- over budget"
             lines.append(f"{c.name:<14}{c.error:>12.3e}{c.plain_error:>16.3e}{c.budget:>12.3e}{flag}")
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -85,10 +99,45 @@ def _leaf(t: Tensor, dtype: torch.dtype | None, grad: bool) -> Tensor:
     return t.clone().requires_grad_(grad)
 
 
+def _takes_return_lse(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no readable signature (some builtins): try the keyword
+        return True
+    return any(p.name == "return_lse" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _split(res, asked_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """``fn``'s return value as (out, lse or None): a bare tensor, or a pair of tensors."""
+    if isinstance(res, Tensor):
+        return res, None
+    if isinstance(res, (tuple, list)) and len(res) == 2 and all(isinstance(t, Tensor) for t in res):
+        return res[0], res[1]
+    kind = (f"a {type(res).__name__} of {len(res)}: "
+            f"{[type(t).__name__ for t in res]}" if isinstance(res, (tuple, list))
+            else type(res).__name__)
+    raise TypeError(f"fn must return the output tensor or (out, lse); it returned {kind}"
+                    + (" (it was called with return_lse=True)" if asked_lse else ""))
+
+
+def _check_shape(name: str, got: Tensor, want: tuple[int, ...], letters: str,
+                 q: Tensor, k: Tensor, v: Tensor) -> None:
+    if tuple(got.shape) != want:
+        raise AssertionError(
+            f"fn returned {name} of shape {tuple(got.shape)}, expected {letters} = {want} for "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}. attn's layout is "
+            f"(B, H, N, D), as torch's scaled_dot_product_attention; a function written for "
+            f"flash-attn's (B, N, H, D) needs q, k, v and out transposed (x.transpose(1, 2))")
+
+
 def _run(fn: Callable, q: Tensor, k: Tensor, v: Tensor, kwargs: dict, dtype: torch.dtype | None,
-         grad: bool, check_lse: bool, seed: int, d_out: Tensor | None, d_lse: Tensor | None
+         grad: bool, lse: bool | None, seed: int, d_out: Tensor | None, d_lse: Tensor | None
          ) -> dict[str, Tensor]:
-    """One call on fresh leaves (cast to ``dtype`` unless None); returns outputs and grads."""
+    """One call on fresh leaves (cast to ``dtype`` unless None); returns outputs and grads.
+
+    ``lse``: True asks ``fn`` for it and requires it, False neither asks nor keeps it, None
+    asks when ``fn``'s signature takes ``return_lse`` and keeps whatever comes back.
+    """
     leaves = {n: _leaf(t, dtype, grad) for n, t in (("q", q), ("k", k), ("v", v))}
     kw = {}
     for name, val in kwargs.items():
@@ -98,17 +147,27 @@ def _run(fn: Callable, q: Tensor, k: Tensor, v: Tensor, kwargs: dict, dtype: tor
             if learn:
                 leaves[name] = val
         kw[name] = val
+    ask = lse if lse is not None else _takes_return_lse(fn)
     torch.manual_seed(seed)  # dropout masks come from the default generator
-    res = fn(leaves["q"], leaves["k"], leaves["v"], **kw, **({"return_lse": True} if check_lse else {}))
-    out, lse = res if check_lse else (res, None)
+    res = fn(leaves["q"], leaves["k"], leaves["v"], **kw, **({"return_lse": True} if ask else {}))
+    out, got_lse = _split(res, ask)
+    if lse and got_lse is None:
+        raise TypeError("check_lse=True, but fn returned only the output when called with "
+                        "return_lse=True: return (out, lse), or leave check_lse unset")
+    if lse is False:
+        got_lse = None
+    B, H, Nq = q.shape[:3]
+    _check_shape("out", out, (B, H, Nq, v.shape[-1]), "(B, H, Nq, Dv)", q, k, v)
+    if got_lse is not None:
+        _check_shape("lse", got_lse, (B, H, Nq), "(B, H, Nq)", q, k, v)
     got = {"out": out.detach().to(torch.float64)}
-    if lse is not None:
-        got["lse"] = lse.detach().to(torch.float64)
+    if got_lse is not None:
+        got["lse"] = got_lse.detach().to(torch.float64)
     if grad:
         loss = (out.to(torch.float64) * d_out).sum()
-        if lse is not None and d_lse is not None:
-            finite = torch.isfinite(lse)
-            loss = loss + torch.where(finite, lse.to(torch.float64), 0.0).mul(d_lse).sum()
+        if got_lse is not None and d_lse is not None:
+            finite = torch.isfinite(got_lse)
+            loss = loss + torch.where(finite, got_lse.to(torch.float64), 0.0).mul(d_lse).sum()
         names = list(leaves)
         grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
         for n, g in zip(names, grads):
@@ -131,37 +190,62 @@ def _max_err(a: Tensor, exact: Tensor, name: str) -> float:
 
 
 def compare_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, grad: bool = True,
-                         check_lse: bool = True, out_factor: float = 2.0,
+                         check_lse: bool | None = None, out_factor: float = 2.0,
                          grad_factor: float = 3.0, seed: int = 0, **kwargs) -> Report:
     """Errors of ``fn`` and of plain PyTorch (the reference in q's dtype) against float64.
 
-    Checks out, lse (when ``check_lse``) and, when ``grad``, the gradients of q, k, v and of
-    every tensor keyword that requires grad (temperature, sinks, softcap, attn_mask), from
-    a random upstream gradient on out (and lse). Budgets: ``out_factor`` × plain error for
-    out and lse, ``grad_factor`` × for gradients, each plus a rounding floor of a few ulps
-    at max(1, the exact tensor's largest entry) (``_FLOOR``); gradients of variant
-    parameters, each a sum over many scores, also get a random-walk term
-    ``2·eps·sqrt(terms summed per entry)`` at that scale.
+    Checks out, lse and, when ``grad``, the gradients of q, k, v and of every tensor keyword
+    that requires grad (temperature, sinks, softcap, attn_mask), from a random upstream
+    gradient on out (and lse). ``check_lse``: None (default) checks the lse when ``fn``
+    returns one (see the module docstring) and notes in the report when it does not; True
+    requires it (TypeError if ``fn`` returns only the output); False never asks for it.
+    Budgets: ``out_factor`` × plain error for out and lse, ``grad_factor`` × for gradients,
+    each plus a rounding floor of a few ulps at max(1, the exact tensor's largest entry)
+    (``_FLOOR``); gradients of variant parameters, each a sum over many scores, also get a
+    random-walk term ``2·eps·sqrt(terms summed per entry)`` at that scale.
+
+    An output of the wrong shape (a (B, N, H, D) layout, say) raises AssertionError naming
+    the shapes; q, k, v that attn.attention would refuse raise its ValueError.
     """
     from attn.api import attention  # here, not at import: attn.api may import this module
 
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-d tensor (B, H, N, D), got {got}")
     dtype = q.dtype
     g = torch.Generator().manual_seed(seed + 1)
     B, H, Nq = q.shape[0], q.shape[1], q.shape[2]
     d_out = torch.randn(B, H, Nq, v.shape[-1], generator=g, dtype=torch.float64) if grad else None
-    d_lse = torch.randn(B, H, Nq, generator=g, dtype=torch.float64) if grad and check_lse else None
+    d_lse = (torch.randn(B, H, Nq, generator=g, dtype=torch.float64)
+             if grad and check_lse is not False else None)
     if d_out is not None:
         d_out, d_lse = d_out.to(q.device), None if d_lse is None else d_lse.to(q.device)
 
     def reference(*a, **kw):
         return attention(*a, **kw, backend="reference")
 
-    common = dict(grad=grad, check_lse=check_lse, seed=seed, d_out=d_out, d_lse=d_lse)
-    exact = _run(reference, q, k, v, kwargs, torch.float64, **common)
-    plain = _run(reference, q, k, v, kwargs, None, **common)
-    tested = _run(fn, q, k, v, kwargs, None, **common)
+    def run_reference(dtype_, lse: bool):
+        return _run(reference, q, k, v, kwargs, dtype_, grad=grad, lse=lse, seed=seed,
+                    d_out=d_out, d_lse=d_lse if lse else None)
 
-    report = Report(dtype)
+    # the reference runs first, so inputs attn.attention refuses raise its clear ValueError
+    # before fn sees them
+    exact = run_reference(torch.float64, check_lse is not False)
+    tested = _run(fn, q, k, v, kwargs, None, grad=grad, lse=check_lse, seed=seed, d_out=d_out,
+                  d_lse=d_lse)
+    notes = []
+    if check_lse is False:
+        notes.append("lse not checked (check_lse=False)")
+    elif "lse" not in tested:
+        # fn gave no lse, so its gradients came from out alone: redo the exact ones likewise
+        notes.append("lse not checked: fn returned only the output (out and the gradients "
+                     "through out were checked)")
+        exact = run_reference(torch.float64, False) if grad else {
+            n: t for n, t in exact.items() if n != "lse"}
+    plain = run_reference(None, "lse" in exact)
+
+    report = Report(dtype, notes=notes)
     for name, ex in exact.items():
         factor = out_factor if name in ("out", "lse") else grad_factor
         plain_err = _max_err(plain[name], ex, name)

@@ -3,34 +3,27 @@
 One benchmark group per (D, causal, mode, N) holds every competitor, so the table puts them
 side by side and ``--benchmark-compare`` matches each case with an earlier run.
 ``extra_info`` carries the FLOP count (4·B·H·N²·D forward, /2 causal, ×3.5 fwd+bwd) and the
-resulting TFLOP/s. CUDA only: every case skips without a GPU. The competitors are built by
-scripts/bench_triton.py (the standalone sweep with JSON/markdown/PNG reports), so both
-measure exactly the same calls.
+resulting TFLOP/s. CUDA only: every case skips without a GPU. The calls are attn.bench's
+sweep points (``attn bench speed``, scripts/bench_triton.py), so both measure exactly the
+same calls.
 
     pytest benchmarks/bench_triton.py --benchmark-autosave
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from attn.bench.flops import attention_flops
+from attn.bench.competitors import COMPETITORS
+from attn.bench.flops import MODES, attention_flops
+from attn.bench.sweep import Row, SweepConfig, make_call
 from attn.bench.timing import synchronize
-
-_spec = importlib.util.spec_from_file_location(
-    "bench_triton_script", Path(__file__).resolve().parents[1] / "scripts" / "bench_triton.py")
-_script = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses need it
-_spec.loader.exec_module(_script)
 
 TOKENS, WIDTH = 16384, 2048  # B = TOKENS // N, H = WIDTH // D
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", _script.BACKENDS)
-@pytest.mark.parametrize("mode", _script.MODES)
+@pytest.mark.parametrize("backend", ("triton", "sdpa", *COMPETITORS))
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("N", [1024, 2048, 4096, 8192, 16384])
 @pytest.mark.parametrize("D", [64, 128])
@@ -38,7 +31,8 @@ def bench_triton_vs_torch(benchmark, D, N, causal, mode, backend):
     pytest.importorskip("triton")
     B, H = max(1, TOKENS // N), WIDTH // D
     try:
-        call = _script.make_call(backend, mode, B, H, N, D, causal, torch.bfloat16)
+        row = Row(backend, "cuda", "bfloat16", B, H, N, D, causal, mode)
+        call = make_call(row, SweepConfig(device="cuda", dtypes=("bfloat16",)))
         call()  # compile / autotune / check the backend accepts the shape, untimed
     except Exception as exc:  # e.g. cuDNN or flash not available on this GPU or build
         pytest.skip(f"{backend} cannot run this case: {type(exc).__name__}: {exc}")

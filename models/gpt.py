@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attn.nn import MultiHeadAttention
-from models.cache import KVCache
-from models.config import GPTConfig
+from attn.models.cache import KVCache
+from attn.models.config import GPTConfig
 
 
 class MLP(nn.Module):
@@ -37,11 +37,9 @@ class Block(nn.Module):
         a = cfg.attention
         local = a.window_layers is None or layer in a.window_layers
         self.norm1 = nn.LayerNorm(cfg.dim, bias=cfg.bias)
-        self.attn = MultiHeadAttention(
-            cfg.dim, a.heads, kv_heads=a.kv_heads, qk_norm=a.qk_norm_config(cfg.block_size),
-            temperature=a.temperature, learn_temperature=a.learn_temperature,
-            softcap=a.softcap, window=a.window if local else None, sinks=a.sinks,
-            rope=a.rope, causal=True, dropout=a.dropout, backend=a.backend, bias=cfg.bias)
+        train_len = cfg.block_size if a.qk_norm_train_len is None else a.qk_norm_train_len
+        self.attn = MultiHeadAttention(cfg.dim, options=a, window=a.window if local else None,
+                                       qk_norm_train_len=train_len)
         self.drop = nn.Dropout(cfg.dropout)
         self.norm2 = nn.LayerNorm(cfg.dim, bias=cfg.bias)
         self.mlp = MLP(cfg.dim, cfg.mlp_ratio, cfg.bias, cfg.dropout)

@@ -11,15 +11,16 @@ import math
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from models.config import AttentionConfig, GPTConfig
-from models.data import RecallTask, TextCorpus, recall_accuracy
-from models.gpt import GPT, load_checkpoint, save_checkpoint
+from attn.nn import opt_field
+from attn.models.config import AttentionConfig, GPTConfig
+from attn.models.data import RecallTask, TextCorpus, recall_accuracy
+from attn.models.gpt import GPT, load_checkpoint, save_checkpoint
 
 TASKS = ("text", "recall")
 
@@ -39,36 +40,35 @@ _PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
-class TrainConfig:
-    task: str = "recall"
-    steps: int | None = None  # total optimizer steps (None = the task's preset)
+class TrainConfig(AttentionConfig):
+    """A training run. The model's attention options are inherited from
+    :class:`attn.models.config.AttentionConfig` (so from :class:`attn.nn.AttentionOptions`): they
+    are fields of this config, flags of ``scripts/train.py`` and entries of the checkpoint
+    without being listed here. ``temperature="learned"`` is kept as the older spelling of
+    ``learn_temperature=True`` starting at 1."""
+
+    task: str = opt_field("recall", "recall (associative recall) or text (character LM)",
+                          choices=TASKS)
+    steps: int | None = opt_field(None, "total optimizer steps (none = the task's preset)")
     batch_size: int | None = None
-    block_size: int | None = None  # text: context length; recall: set by the task
+    block_size: int | None = opt_field(None, "text: context length; recall: set by the task")
     n_layer: int | None = None
-    dim: int | None = None
-    heads: int | None = None
-    kv_heads: int | None = None
-    qk_norm: str | None = None
-    qk_norm_position: str = "before"
-    temperature: float | str = 1.0  # a float, or "learned" (per head, starting at 1)
-    softcap: float | None = None
-    window: int | None = None
-    window_layers: list[int] | None = None  # which layers the window applies to (None = all)
-    sinks: bool = False
-    rope: bool = True
-    backend: str = "auto"
+    dim: int | None = opt_field(None, "model width")
     lr: float | None = None
-    min_lr_ratio: float = 0.1  # cosine decay ends at lr · min_lr_ratio
-    warmup: int | None = None
+    min_lr_ratio: float = opt_field(0.1, "cosine decay ends at lr * min_lr_ratio")
+    warmup: int | None = opt_field(None, "linear warm-up steps")
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_every: int | None = None
     eval_batches: int | None = None
     save_every: int = 500
-    stop_accuracy: float | None = None  # recall: stop at the first evaluation reaching this
-    threads: int | None = None  # torch intra-op threads for the run (None = torch's default)
+    stop_accuracy: float | None = opt_field(
+        None, "recall: stop at the first evaluation reaching this accuracy")
+    threads: int | None = opt_field(
+        None, "torch intra-op threads for the run (none = the task's preset, else torch's)")
     seed: int = 0
-    dtype: str = "float32"
+    dtype: str = opt_field("float32", "parameter dtype", choices=("float32", "float64",
+                                                                  "bfloat16", "float16"))
     recall: RecallTask = field(default_factory=RecallTask)
 
     def __post_init__(self) -> None:
@@ -81,18 +81,15 @@ class TrainConfig:
                 setattr(self, name, value)
         if self.task == "recall":
             self.block_size = self.recall.seq_len
-        if isinstance(self.temperature, str) and self.temperature != "learned":
-            raise ValueError(f"temperature must be a float or 'learned', got {self.temperature!r}")
+        if isinstance(self.temperature, str):
+            if self.temperature != "learned":
+                raise ValueError(f"temperature must be a float or 'learned', "
+                                 f"got {self.temperature!r}")
+            self.temperature, self.learn_temperature = 1.0, True
+        super().__post_init__()  # the attention options' checks, presets applied
 
     def model_config(self, vocab_size: int) -> GPTConfig:
-        learned = self.temperature == "learned"
-        att = AttentionConfig(
-            heads=self.heads, kv_heads=self.kv_heads, qk_norm=self.qk_norm,
-            qk_norm_position=self.qk_norm_position,
-            temperature=1.0 if learned else float(self.temperature), learn_temperature=learned,
-            softcap=self.softcap, window=self.window,
-            window_layers=self.window_layers, sinks=self.sinks, rope=self.rope,
-            backend=self.backend)
+        att = AttentionConfig(**{f.name: getattr(self, f.name) for f in fields(AttentionConfig)})
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size,
                          n_layer=self.n_layer, dim=self.dim, attention=att)
 
@@ -110,7 +107,7 @@ class _Task:
         self.cfg = cfg
         if cfg.task == "text":
             self.corpus = TextCorpus.load()
-            from models.data import VOCAB_SIZE
+            from attn.models.data import VOCAB_SIZE
             self.vocab_size = VOCAB_SIZE
         else:
             self.vocab_size = cfg.recall.vocab_size

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
-from models.data import RecallTask, decode, encode  # noqa: E402
-from models.gpt import model_from_checkpoint  # noqa: E402
+from attn.models.data import RecallTask, decode, encode  # noqa: E402
+from attn.models.gpt import model_from_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> str:

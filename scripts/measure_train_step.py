@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from attn.bench.memory import CPU_ERROR_BYTES, peak_bytes  # noqa: E402
-from models import GPT, AttentionConfig, GPTConfig  # noqa: E402
-from models.data import VOCAB_SIZE  # noqa: E402
+from attn.models import GPT, AttentionConfig, GPTConfig  # noqa: E402
+from attn.models.data import VOCAB_SIZE  # noqa: E402
 
 
 def measure(n: int, backend: str, args: argparse.Namespace) -> tuple[int, float]:

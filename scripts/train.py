@@ -1,6 +1,8 @@
 """Train the toy GPT: ``python scripts/train.py --task recall --out runs/recall``.
 
-Writes DIR/metrics.json and DIR/ckpt.pt; ``--resume`` continues from DIR/ckpt.pt.
+Writes DIR/metrics.json and DIR/ckpt.pt; ``--resume`` continues from DIR/ckpt.pt. Every field
+of ``attn.models.train.TrainConfig`` is a flag (attention options included: ``--qk-norm rms``,
+``--dropout 0.1``, ``--learn-temperature``, ``--window 64`` ...); see ``--help``.
 """
 
 from __future__ import annotations
@@ -12,54 +14,35 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from attn.api import BACKENDS  # noqa: E402
-from models.train import TASKS, TrainConfig, train  # noqa: E402
+from attn.models.config import add_flags, flag_values  # noqa: E402
+from attn.models.train import TrainConfig, train  # noqa: E402
+
+# the GPT is causal by construction: a --no-causal flag could only fail
+NOT_FLAGS = ("causal",)
 
 
 def _temperature(s: str) -> float | str:
-    if s == "learned":
-        return s
-    try:
-        t = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive float or 'learned', got {s!r}")
-    if not t > 0:
-        raise argparse.ArgumentTypeError(f"temperature must be positive, got {t}")
-    return t
+    """A float, or "learned": TrainConfig's shorthand for --learn-temperature from 1."""
+    return s if s == "learned" else float(s)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", choices=TASKS, required=True)
-    p.add_argument("--steps", type=int, help="total optimizer steps (default: per task)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--qk-norm", choices=("none", "l2", "rms", "layer"), default="none")
-    p.add_argument("--qk-norm-position", choices=("before", "after"), default="before")
-    p.add_argument("--temperature", type=_temperature, default=1.0,
-                   help="attention temperature: a float, or 'learned' (per head)")
-    p.add_argument("--softcap", type=float)
-    p.add_argument("--window", type=int, help="sliding window: keys at most this far back")
-    p.add_argument("--sinks", action="store_true")
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--block-size", type=int, help="text: context length")
-    p.add_argument("--n-layer", type=int)
-    p.add_argument("--dim", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: per task)")
-    p.add_argument("--seed", type=int, default=0)
+    add_flags(p, TrainConfig, skip=NOT_FLAGS, required=("task",),
+              parse={"temperature": _temperature})
     p.add_argument("--out", type=Path, required=True, help="run directory")
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
-    cfg = TrainConfig(
-        task=a.task, steps=a.steps, backend=a.backend,
-        qk_norm=None if a.qk_norm == "none" else a.qk_norm,
-        qk_norm_position=a.qk_norm_position, temperature=a.temperature, softcap=a.softcap,
-        window=a.window, sinks=a.sinks, kv_heads=a.kv_heads, batch_size=a.batch_size,
-        block_size=a.block_size, n_layer=a.n_layer, dim=a.dim, heads=a.heads, lr=a.lr,
-        threads=a.threads, seed=a.seed)
+    return p
+
+
+def config_from_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    a = build_parser().parse_args(argv)
+    return TrainConfig(**flag_values(a, TrainConfig)), a
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg, a = config_from_args(argv)
     m = train(cfg, a.out, resume=a.resume, progress=not a.no_progress)
     summary = {k: m[k] for k in ("task", "steps", "final_train_loss", "val_loss", "accuracy",
                                  "tokens_per_s", "peak_memory_bytes", "train_time_s")}

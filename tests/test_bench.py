@@ -3,6 +3,7 @@ and a smoke run of ``attn report`` (the main job) so it cannot break silently.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -14,9 +15,10 @@ import torch
 
 import attn
 from attn.bench import CPU_ERROR_BYTES, attention_flops, benchmark, peak_bytes
+from attn.bench import competitors
 from attn.bench import report as report_mod
 from attn.bench import sweep as sweep_mod
-from attn.bench.cli import main
+from attn.bench.cli import build_parser, main
 from attn.bench.sweep import SweepConfig, finish, plan, predicted_peak_bytes, run_sweep
 from attn.testing import make_inputs
 
@@ -260,3 +262,116 @@ def test_script_wrapper_runs_bench_speed(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     _, rows, _ = report_mod.load_json(tmp_path / "results.json")
     assert rows[0]["ms"] > 0 and rows[0]["peak_bytes"] is None
+
+
+# -- torch's kernels as competitors ------------------------------------------------------------
+
+def test_competitor_rows_run_or_say_why_not(tmp_path):
+    """On CPU torch has its flash kernel but neither the efficient nor the cuDNN one: the
+    first is timed beside sdpa with a ratio, the others are skipped rows with the reason."""
+    rc = main(["bench", "speed", "--device", "cpu", "--n", "32", "--d", "16", "--heads", "2",
+               "--backends", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn",
+               "--mode", "fwd", "--repeats", "1", "--out", str(tmp_path), "--no-plots",
+               "--no-progress"])
+    assert rc == 0
+    _, rows, _ = report_mod.load_json(tmp_path / "results.json")
+    by = {r["backend"]: r for r in rows}
+    assert by["sdpa-flash"]["status"] == "ok" and by["sdpa-flash"]["ms"] > 0
+    assert by["sdpa-flash"]["ratio_to_sdpa"] == pytest.approx(by["sdpa"]["ms"]
+                                                              / by["sdpa-flash"]["ms"])
+    for name in ("sdpa-efficient", "sdpa-cudnn"):
+        assert by[name]["status"] == "skipped" and "CUDA only" in by[name]["note"]
+    md = (tmp_path / "results.md").read_text()
+    assert "| 32 | sdpa-flash |" in md and "sdpa-cudnn skipped at N=32" in md
+
+
+def test_sdpa_probe_reports_a_kernel_that_refuses():
+    # asked directly (past the CUDA-only shortcut), torch's CPU build refuses the kernel
+    why = competitors._probe_sdpa("sdpa-efficient", "cpu", torch.float32, 16, True, "fwd")
+    assert why is not None and "EFFICIENT_ATTENTION" in why and "D=16" in why
+    assert competitors._probe_sdpa("sdpa-flash", "cpu", torch.float32, 16, True,
+                                   "fwd+bwd") is None
+    with pytest.raises(ValueError, match="competitor must be one of"):
+        competitors.competitor_unsupported("xformers", "cpu", torch.float32, 16, False, "fwd")
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("causal", [False, True])
+def test_competitor_forwards_compute_attention(causal, monkeypatch):
+    """The competitors compute the same attention as attn's reference. FlexAttention runs
+    eager here (compiling it on CPU takes tens of seconds; that path is under -m slow)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    q, k, v = make_inputs(1, 2, 40, 16, seed=3)
+    want = attn.attention(q, k, v, causal=causal, backend="reference")
+    for name in ("sdpa-flash", "flex"):
+        got = competitors.make_forward(name, causal, 40, "cpu")(q, k, v)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_competitor_failing_at_run_time_is_skipped_not_an_error(monkeypatch):
+    def refuse(name, causal, N, device):
+        raise RuntimeError(f"{name} cannot do N={N} on this build")
+
+    monkeypatch.setattr(sweep_mod, "make_forward", refuse)
+    rows = list(run_sweep(_tiny(n=(32,), backends=("sdpa-flash", "tiled"), modes=("fwd",))))
+    by = {r.backend: r for r in rows}
+    assert by["sdpa-flash"].status == "skipped" and "N=32" in by["sdpa-flash"].note
+    assert by["tiled"].status == "ok"
+
+
+def test_flex_backward_is_skipped_off_cuda():
+    rows = list(run_sweep(_tiny(n=(32,), backends=("flex",), modes=("fwd+bwd",))))
+    assert rows[0].status == "skipped" and "backward" in rows[0].note
+
+
+@pytest.mark.slow
+def test_compiled_flex_runs_in_a_cpu_sweep():
+    rows = finish(list(run_sweep(_tiny(n=(32,), backends=("sdpa", "flex"), modes=("fwd",),
+                                       causal=(True,)))))
+    flex = next(r for r in rows if r.backend == "flex")
+    assert flex.status == "ok", flex.note
+    assert flex.ms > 0 and flex.ratio_to_sdpa is not None
+
+
+def test_checks_leave_competitors_to_torch():
+    assert report_mod.run_checks("cpu", ("sdpa-flash", "flex")) == []
+
+
+def test_fixed_work_per_point_sets_batch_and_heads_per_n(tmp_path):
+    cfg = _tiny(n=(32, 64, 256), d=(16, 32), tokens=128, width=64, backends=("tiled",),
+                modes=("fwd",))
+    rows = plan(cfg)
+    assert {(r.N, r.D, r.B, r.H) for r in rows} == {
+        (n, d, max(1, 128 // n), 64 // d) for n in (32, 64, 256) for d in (16, 32)}
+    for r in rows:
+        r.ms, r.tflops = 1.0, 1.0
+    md = report_mod.markdown_tables([r.as_dict() for r in rows])
+    assert "| N | B×H | backend |" in md and "| 64 | 2×4 | tiled |" in md
+    assert "**fwd, non-causal, float32, D=16**" in md  # no single B, H in the title
+
+
+def test_bench_triton_is_attn_bench_speed():
+    """The script's flags map onto an ``attn bench speed`` command line with its defaults:
+    every competitor, fixed tokens and width, the 8192² matmul, CUDA."""
+    spec = importlib.util.spec_from_file_location("bench_triton_script",
+                                                  REPO / "scripts" / "bench_triton.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = script.attn_argv(script.build_parser().parse_args([]), "Some GPU")
+    a = build_parser().parse_args(argv)
+    assert (a.command, a.kind, a.device) == ("bench", "speed", "cuda")
+    assert set(a.backends) == {"triton", "sdpa", *competitors.COMPETITORS}
+    assert (a.tokens, a.width, a.batch, a.heads, a.matmul_n) == (16384, 2048, None, None, 8192)
+    assert a.out == REPO / "benchmarks" / "results" / "triton" / "Some_GPU"
+    b = build_parser().parse_args(script.attn_argv(script.build_parser().parse_args(
+        ["--n", "4096", "--d", "128", "--causal", "true", "--mode", "fwd", "-B", "2", "-H", "4",
+         "--backends", "triton", "flex"]), "x"))
+    assert (b.n, b.d, b.causal, b.mode, b.batch, b.heads, b.tokens, b.width, b.backends) == (
+        [4096], [128], "true", "fwd", 2, 4, None, None, ["triton", "flex"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_bench_triton_without_cuda_exits_2_and_says_why():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_triton.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr

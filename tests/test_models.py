@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import GPT, AttentionConfig, GPTConfig, load_checkpoint, save_checkpoint
-from models.data import (CHARS, IGNORE, UNK, VOCAB_SIZE, RecallTask, TextCorpus, decode,
+from attn.models import GPT, AttentionConfig, GPTConfig, load_checkpoint, save_checkpoint
+from attn.models.data import (CHARS, IGNORE, UNK, VOCAB_SIZE, RecallTask, TextCorpus, decode,
                          encode, recall_accuracy, unigram_entropy)
-from models.gpt import model_from_checkpoint, sample_next
+from attn.models.gpt import model_from_checkpoint, sample_next
 
 ATTENTION_VARIANTS = {
     "plain": AttentionConfig(),
@@ -108,17 +108,20 @@ def test_checkpoint_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(dim=30), "heads must divide dim"),
-    (dict(attention=AttentionConfig(heads=4, kv_heads=3)), "kv_heads must divide heads"),
-])
-def test_gpt_config_rejects_bad_shapes(kw: dict, match: str) -> None:
+@pytest.mark.parametrize("build,match", [
+    (lambda: GPTConfig(vocab_size=10, dim=30), "heads must divide dim"),
+    (lambda: GPTConfig(vocab_size=10, attention=AttentionConfig(heads=4, kv_heads=3)),
+     "kv_heads must divide heads"),
+    (lambda: GPTConfig(vocab_size=10, attention=AttentionConfig(causal=False)),
+     "causal must be True"),
+], ids=["heads", "kv_heads", "causal"])
+def test_gpt_config_rejects_bad_shapes(build, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        GPTConfig(vocab_size=10, **kw)
+        build()
 
 
 def test_attention_config_rejects_unknown_qk_norm() -> None:
-    with pytest.raises(ValueError, match="qk_norm must be None or one of"):
+    with pytest.raises(ValueError, match="qk_norm kind must be one of"):
         AttentionConfig(qk_norm="cosine")
 
 
@@ -182,3 +185,45 @@ def test_window_layers_make_only_those_layers_local() -> None:
     model = _gpt(AttentionConfig(window=1, window_layers=[0]))
     assert model.blocks[0].attn.window == (1, 0)
     assert model.blocks[1].attn.window is None
+
+
+def test_config_reaches_every_block_and_survives_a_checkpoint_dict() -> None:
+    """Each attention field of the GPT's config is the option its modules are built with,
+    the window only on the listed layers; a config dict round-trips to an equal config."""
+    att = AttentionConfig(heads=4, kv_heads=2, qk_norm="l2", qk_norm_g_init=2.5,
+                          temperature=0.7, learn_temperature=True, softcap=3.0,
+                          learn_softcap=True, window=(2, 0), window_layers=[1], sinks=True,
+                          rope=False, dropout=0.2, backend="reference", bias=True)
+    cfg = GPTConfig(vocab_size=11, block_size=16, n_layer=2, dim=32, attention=att)
+    assert GPTConfig.from_dict(cfg.to_dict()) == cfg
+    model = GPT(cfg)
+    for i, block in enumerate(model.blocks):
+        o = block.attn.options
+        for name in ("heads", "kv_heads", "qk_norm", "qk_norm_g_init", "temperature",
+                     "learn_temperature", "softcap", "learn_softcap", "sinks", "rope",
+                     "dropout", "backend", "bias"):
+            assert getattr(o, name) == getattr(att, name), name
+        assert block.attn.window == ((2, 0) if i == 1 else None)
+        assert block.attn.dropout == 0.2 and block.attn.qk_norm.g.item() == 2.5
+        assert block.attn.log_softcap is not None and block.attn.qkv.bias is not None
+
+
+def test_l2_default_g_uses_block_size() -> None:
+    model = GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=1, dim=32,
+                          attention=AttentionConfig(qk_norm="l2")))
+    assert model.blocks[0].attn.qk_norm.g.item() == pytest.approx(math.log2(16 * 16 - 16))
+
+
+def test_checkpoint_config_from_before_attention_options_loads() -> None:
+    """A model_config saved before attention had its own bias, causal, eps, train_len and
+    learned-softcap fields: the GPT's bias still reaches the attention projections."""
+    old = {"vocab_size": 11, "block_size": 16, "n_layer": 1, "dim": 32, "mlp_ratio": 4,
+           "dropout": 0.0, "bias": True,
+           "attention": {"heads": 4, "kv_heads": None, "qk_norm": "rms",
+                         "qk_norm_position": "before", "qk_norm_g_init": None,
+                         "temperature": 1.0, "learn_temperature": False, "softcap": None,
+                         "window": None, "window_layers": None, "sinks": False, "rope": True,
+                         "dropout": 0.0, "backend": "auto"}}
+    cfg = GPTConfig.from_dict(old)
+    assert cfg.attention.bias is True and cfg.attention.causal is True
+    assert GPT(cfg).blocks[0].attn.qkv.bias is not None

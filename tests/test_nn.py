@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from attn.nn import MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding, default_l2_scale
-from models.cache import KVCache
+from attn.nn import (AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding,
+                     default_l2_scale)
+from attn.models.cache import KVCache
 
 # Every attention variant the module offers, each alone, plus everything at once.
 VARIANTS = {
@@ -24,6 +25,7 @@ VARIANTS = {
     "temperature": dict(temperature=0.7),
     "learned-temperature": dict(temperature=1.3, learn_temperature=True),
     "softcap": dict(softcap=2.0),
+    "learned-softcap": dict(softcap=2.0, learn_softcap=True),
     "window": dict(window=3),
     "sinks": dict(sinks=True),
     "no-rope": dict(rope=False),
@@ -40,7 +42,7 @@ def _mha(seed: int = 0, dim: int = 32, heads: int = 4, **kw) -> MultiHeadAttenti
         for name, p in m.named_parameters():
             if name.endswith("weight") and p.dim() == 1:  # norm gains around 1
                 p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name in ("qk_norm.g", "log_tau", "sinks"):
+            elif name in ("qk_norm.g", "log_tau", "log_softcap", "sinks"):
                 p.add_(0.3 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
@@ -96,7 +98,7 @@ def _finite_difference(f, p: torch.nn.Parameter, i: int, h: float = 1e-6) -> flo
     ("l2-before", "qk_norm.g"), ("l2-after", "qk_norm.g"),
     ("rms-before", "qk_norm.q_weight"), ("rms-after", "qk_norm.k_weight"),
     ("layer-before", "qk_norm.q_weight"), ("layer-after", "qk_norm.k_weight"),
-    ("learned-temperature", "log_tau"), ("sinks", "sinks"),
+    ("learned-temperature", "log_tau"), ("learned-softcap", "log_softcap"), ("sinks", "sinks"),
     ("everything", "log_tau"), ("everything", "sinks"), ("everything", "qk_norm.q_weight"),
 ])
 def test_gradient_reaches_variant_parameter(variant: str, param: str, backend: str) -> None:
@@ -211,7 +213,11 @@ def test_dropout_only_in_training() -> None:
      "position must be one of"),
     (lambda: MultiHeadAttention(32, 4, temperature=0.0), "temperature must be a positive"),
     (lambda: MultiHeadAttention(32, 4, backend="flash"), "backend must be one of"),
-], ids=["heads", "kv_heads", "qk_norm", "position", "temperature", "backend"])
+    (lambda: MultiHeadAttention(32, 4, learn_softcap=True), "learn_softcap needs softcap"),
+    (lambda: MultiHeadAttention(32, 4, window=(2, -3)), "window must be an int or a pair"),
+    (lambda: MultiHeadAttention(32, 4, dropout=1.0), "dropout must be in"),
+], ids=["heads", "kv_heads", "qk_norm", "position", "temperature", "backend", "softcap",
+        "window", "dropout"])
 def test_bad_config_fails_at_construction(build, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build()
@@ -227,3 +233,40 @@ def test_cache_rejects_overflow_and_non_causal() -> None:
     with pytest.raises(ValueError, match="needs causal"):
         bidirectional(torch.randn(1, 2, 32, dtype=torch.float64),
                       KVCache(1, 4, 4, 8, torch.float64))
+
+
+def test_learned_softcap_starts_at_softcap_and_matches_fixed() -> None:
+    fresh = MultiHeadAttention(32, 4, softcap=2.0, learn_softcap=True)
+    torch.testing.assert_close(fresh.log_softcap.exp(), torch.full((4,), 2.0))
+    learned = _mha(softcap=2.0, learn_softcap=True)
+    fixed = _mha(softcap=2.0)
+    fixed.load_state_dict({k: v for k, v in learned.state_dict().items() if k != "log_softcap"})
+    with torch.no_grad():
+        learned.log_softcap.fill_(math.log(2.0))
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    torch.testing.assert_close(learned(x), fixed(x), rtol=1e-12, atol=1e-12)
+
+
+def test_options_object_and_keywords_build_the_same_module() -> None:
+    """``options=`` and keywords are two spellings of one thing; keywords override options;
+    a QKNormConfig is unpacked into the qk_norm_* fields."""
+    opts = AttentionOptions(heads=4, kv_heads=2, qk_norm="l2", qk_norm_g_init=3.0,
+                            learn_temperature=True, temperature=0.5, softcap=4.0,
+                            learn_softcap=True, window=3, sinks=True, dropout=0.1,
+                            backend="tiled", bias=True)
+    a = MultiHeadAttention(32, options=opts)
+    b = MultiHeadAttention(32, **{f: getattr(opts, f) for f in opts.__dataclass_fields__})
+    assert a.options == b.options == opts
+    assert {k: v.shape for k, v in a.state_dict().items()} == \
+        {k: v.shape for k, v in b.state_dict().items()}
+    assert a.qk_norm.g.item() == 3.0 and a.window == (3, 0) and a.qkv.bias is not None
+    c = MultiHeadAttention(32, options=opts, causal=False, heads=8)
+    assert c.window == (3, 3) and c.heads == 8 and opts.heads == 4
+    d = MultiHeadAttention(32, 4, qk_norm=QKNormConfig("rms", position="after", eps=1e-5))
+    assert (d.options.qk_norm, d.options.qk_norm_position, d.options.qk_norm_eps) == \
+        ("rms", "after", 1e-5)
+    assert d.qk_norm.config == QKNormConfig("rms", position="after", eps=1e-5)
+    with pytest.raises(TypeError, match="qk_norm_position"):
+        MultiHeadAttention(32, 4, qk_norm=QKNormConfig("rms"), qk_norm_position="after")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        MultiHeadAttention(32, 4, window_size=3)

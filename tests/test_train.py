@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,8 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.data import TextCorpus, unigram_entropy
-from models.train import TrainConfig, train
+from attn.nn import AttentionOptions
+from attn.models.config import add_flags, flag_values
+from attn.models.data import TextCorpus, unigram_entropy
+from attn.models.gpt import GPT
+from attn.models.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +71,7 @@ def test_cli_train_then_generate(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train.py"), "--task", "text", "--steps", "3",
          "--batch-size", "2", "--block-size", "16", "--n-layer", "1", "--dim", "32",
-         "--qk-norm", "rms", "--temperature", "learned", "--backend", "reference",
+         "--qk-norm", "rms", "--learn-temperature", "--backend", "reference",
          "--out", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -77,6 +83,69 @@ def test_cli_train_then_generate(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("import ") and len(gen.stdout.rstrip("\n")) == 12
+
+
+def _train_script():
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_flags_are_the_config_fields() -> None:
+    """Every TrainConfig field, attention options included, is a flag of scripts/train.py
+    (except the nested recall task and the documented exclusions), and nothing else is."""
+    script = _train_script()
+    parser = script.build_parser()
+    flags = {a.dest for a in parser._actions if a.option_strings} - {"help"}
+    expected = {f.name for f in dataclasses.fields(TrainConfig)} - {"recall"}
+    expected -= set(script.NOT_FLAGS)
+    assert {f.name for f in dataclasses.fields(AttentionOptions)} - set(script.NOT_FLAGS) \
+        <= expected
+    assert flags - {"out", "resume", "no_progress"} == expected
+
+
+def test_a_new_option_field_becomes_a_flag() -> None:
+    @dataclasses.dataclass
+    class Extended(AttentionOptions):
+        mix: float | None = None
+        layers: list[int] | None = None
+
+    p = argparse.ArgumentParser()
+    add_flags(p, Extended)
+    a = p.parse_args(["--mix", "0.5", "--layers", "1", "3", "--no-rope", "--qk-norm", "none",
+                      "--window", "4,2"])
+    got = Extended(**flag_values(a, Extended))
+    assert (got.mix, got.layers, got.rope, got.qk_norm, got.window) == (0.5, [1, 3], False,
+                                                                         None, (4, 2))
+    assert got.heads == AttentionOptions().heads  # flags not given keep the field's default
+    with pytest.raises(SystemExit):
+        p.parse_args(["--qk-norm", "cosine"])
+
+    @dataclasses.dataclass
+    class Unspellable(AttentionOptions):
+        table: dict | None = None
+
+    with pytest.raises(TypeError, match="table"):
+        add_flags(argparse.ArgumentParser(), Unspellable)
+
+
+def test_cli_attention_options_reach_the_modules() -> None:
+    """Attention dropout and the l2 g's initial value, which training once lacked, go from
+    the command line through TrainConfig and GPTConfig into every MultiHeadAttention."""
+    cfg, _ = _train_script().config_from_args(
+        ["--task", "text", "--out", "unused", "--dropout", "0.25", "--qk-norm", "l2",
+         "--qk-norm-g-init", "3.5", "--softcap", "5", "--learn-softcap", "--kv-heads", "2",
+         "--window", "8", "--window-layers", "1", "--n-layer", "2"])
+    model = GPT(cfg.model_config(vocab_size=13))
+    for i, block in enumerate(model.blocks):
+        m = block.attn
+        assert m.dropout == 0.25 and m.qk_norm.g.item() == 3.5 and m.kv_heads == 2
+        assert m.log_softcap.exp().tolist() == pytest.approx([5.0] * m.heads)
+        assert m.window == ((8, 0) if i == 1 else None)
+    learned, _ = _train_script().config_from_args(["--task", "recall", "--out", "unused",
+                                                   "--temperature", "learned"])
+    assert (learned.temperature, learned.learn_temperature) == (1.0, True)
 
 
 # Every other variant on the recall task: slow, run with ``pytest -m slow``.

@@ -261,8 +261,12 @@ def test_opcheck_forward_and_backward():
     out, lse = torch.ops.attn.flash_fwd(*_op_args(q, k, v))
     do = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
-                          (do, None, q, k, v, out, lse, None, None, k.shape[2] - q.shape[2],
-                           None, 0, 0.25, 0.0, 0, False))
+                          (do, None, q, k, v, out, lse, None, None, None,
+                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, False))
+    sinks = torch.randn(q.shape[1], device=DEVICE)
+    torch.library.opcheck(torch.ops.attn.flash_bwd.default,
+                          (do, None, q, k, v, out, lse, None, sinks, None,
+                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, False))
 
 
 def test_fake_tensor_shapes():

@@ -17,8 +17,8 @@ import torch
 
 from attn.bench import plots, report
 from attn.bench.flops import MODES
-from attn.bench.sweep import DTYPES, Row, SweepConfig, default_backends, finish, \
-    measure_matmul_rates, plan, run_sweep
+from attn.bench.sweep import DTYPES, Row, SweepConfig, all_backends, default_backends, \
+    finish, measure_matmul_rates, plan, run_sweep
 
 # (N values, causal values) per device for the full and the quick report. The quick one is
 # sized to finish in about a minute on 2 CPU cores; the full CPU one reaches N = 16384, where
@@ -43,10 +43,18 @@ def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> Non
                    help="directory for results.json, results.md and the PNGs")
     p.add_argument("--n", type=int, nargs="+", default=None, help="sequence lengths N")
     p.add_argument("--d", type=int, nargs="+", default=[64], help="head dims D")
-    p.add_argument("--batch", "-B", type=int, default=1)
-    p.add_argument("--heads", "-H", type=int, default=8)
-    p.add_argument("--backends", nargs="+", default=list(default_backends()),
-                   choices=default_backends())
+    p.add_argument("--batch", "-B", type=int, default=None, help="batch B (default 1)")
+    p.add_argument("--heads", "-H", type=int, default=None, help="heads H (default 8)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="B = tokens // N per point instead of --batch (fixed work per point)")
+    p.add_argument("--width", type=int, default=None,
+                   help="H = width // D per point instead of --heads")
+    p.add_argument("--backends", nargs="+", default=None, choices=all_backends(),
+                   help="attn's backends and torch's kernels (sdpa-flash, sdpa-efficient, "
+                        "sdpa-cudnn, flex); default: attn's, plus torch's on CUDA")
+    p.add_argument("--matmul-n", type=int, default=None,
+                   help="side of the square matmul giving the device's TFLOP/s ceiling "
+                        "(default 4096 on CUDA, 1024 on CPU)")
     p.add_argument("--causal", choices=("false", "true", "both"), default="false")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=tuple(DTYPES))
     p.add_argument("--mode", choices=(*MODES, "both"), default="both")
@@ -77,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     kinds = bench.add_subparsers(dest="kind", required=True)
     for kind, what in (("memory", "peak bytes above the inputs"), ("speed", "ms and TFLOP/s")):
         _add_sweep_args(kinds.add_parser(kind, help=what), report_defaults=False)
+    from attn.bench import compile as aot
+
+    aot.add_arguments(kinds.add_parser(
+        "compile", help="build the Triton kernels for sm_90/sm_80 without a GPU: shared "
+                        "memory, registers, spills, tensor cores, pipelining"))
     return parser
 
 
@@ -87,10 +100,16 @@ def _config(args: argparse.Namespace) -> SweepConfig:
     quick = getattr(args, "quick", False)
     kind = torch.device(device).type
     n = tuple(args.n) if args.n else _REPORT_N[(kind, quick)]
+    for fixed, per_point in (("batch", "tokens"), ("heads", "width")):
+        if getattr(args, fixed) is not None and getattr(args, per_point) is not None:
+            raise SystemExit(f"attn: --{fixed} and --{per_point} both set the {fixed}; "
+                             "give one")
     return SweepConfig(
-        n=n, backends=tuple(args.backends), d=tuple(args.d), causal=_causal(args.causal),
-        dtypes=tuple(args.dtype), modes=_modes(args.mode), batch=args.batch,
-        heads=args.heads, device=device,
+        n=n, backends=tuple(args.backends or default_backends(device)), d=tuple(args.d),
+        causal=_causal(args.causal), dtypes=tuple(args.dtype), modes=_modes(args.mode),
+        batch=1 if args.batch is None else args.batch,
+        heads=8 if args.heads is None else args.heads, tokens=args.tokens, width=args.width,
+        matmul_n=args.matmul_n, device=device,
         measure_memory=args.command == "report" or args.kind == "memory",
         measure_time=args.command == "report" or args.kind == "speed",
         warmup=args.warmup, repeats=args.repeats or (3 if quick else 7),
@@ -194,6 +213,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.kind == "compile":
+        from attn.bench import compile as aot
+
+        return aot.run_report(args, argv)
     return run(args, argv)
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 _COLORS = {"reference": "tab:red", "tiled": "tab:blue", "sdpa": "tab:green",
-           "triton": "tab:purple"}
+           "triton": "tab:purple", "sdpa-flash": "tab:olive", "sdpa-efficient": "tab:cyan",
+           "sdpa-cudnn": "tab:brown", "flex": "tab:orange"}
 _MODES = ("fwd", "fwd+bwd")
 
 
@@ -65,7 +66,9 @@ def _guides(ax, rows, mode, scale):
 def _title(rows: list[dict], header: dict | None) -> str:
     r = rows[0]
     dev = (header or {}).get("device_name", r["device"])
-    return f"{dev} — {r['dtype']}, B={r['B']}, H={r['H']}, D={r['D']}"
+    if len({(x["B"], x["H"]) for x in rows}) == 1:
+        return f"{dev} — {r['dtype']}, B={r['B']}, H={r['H']}, D={r['D']}"
+    return f"{dev} — {r['dtype']}, B and H per N (fixed work per point), D={r['D']}"
 
 
 def plot_memory(rows: list[dict], path: str | Path, header: dict | None = None) -> Path:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from attn.api import AttentionCall, attention, unsupported_reason
+from attn.bench.competitors import COMPETITORS
 from attn.bench.memory import CPU_ERROR_BYTES
 from attn.bench.sweep import Row, SweepConfig, device_unsupported
 from attn.masks import make_band
@@ -104,8 +105,8 @@ def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torc
 
     checks = []
     for backend in backends:
-        if backend == "reference":
-            continue  # the oracle itself
+        if backend == "reference" or backend in COMPETITORS:
+            continue  # the oracle itself, and torch's kernels (not attn's to check)
         for B, H, Hkv, N, D, causal in CHECK_SHAPES:
             shape = f"B={B} H={H} Hkv={Hkv} N={N} D={D}"
             call = AttentionCall(device=torch.device(device).type, dtype=dtype, head_dim=D,
@@ -165,22 +166,27 @@ def _mib(b: int | None) -> str:
 
 
 def group_key(r: dict) -> tuple:
-    return (r["dtype"], r["D"], r["causal"], r["mode"], r["B"], r["H"])
+    return (r["dtype"], r["D"], r["causal"], r["mode"])
 
 
 def markdown_tables(rows: list[dict]) -> str:
     """One table per (dtype, D, causal, mode): ms, TFLOP/s, share of the matmul rate, peak
-    memory above the inputs, and sdpa's time over ours (> 1: faster than torch SDPA).
-    Points that did not run are listed under the table, one line per backend and reason."""
+    memory above the inputs, and sdpa's time over ours (> 1: faster than torch SDPA). B and H
+    go in the title when one value holds for the table, else in a column (a sweep at fixed
+    work per point). Points that did not run are listed under the table, one line per
+    backend and reason."""
     out = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault(group_key(r), []).append(r)
-    for (dtype, D, causal, mode, B, H), rs in groups.items():
-        out.append(f"**{mode}, {'causal' if causal else 'non-causal'}, {dtype}, B={B}, H={H}, "
-                   f"D={D}**\n")
-        out.append("| N | backend | ms | TFLOP/s | % of matmul | peak MiB | sdpa ms / ms |")
-        out.append("|--:|:--|--:|--:|--:|--:|--:|")
+    for (dtype, D, causal, mode), rs in groups.items():
+        shapes = {(r["B"], r["H"]) for r in rs}
+        fixed = len(shapes) == 1
+        bh = f"B={rs[0]['B']}, H={rs[0]['H']}, " if fixed else ""
+        out.append(f"**{mode}, {'causal' if causal else 'non-causal'}, {dtype}, {bh}D={D}**\n")
+        out.append(f"| N |{'' if fixed else ' B×H |'} backend | ms | TFLOP/s | % of matmul | "
+                   "peak MiB | sdpa ms / ms |")
+        out.append(f"|--:|{'' if fixed else '--:|'}:--|--:|--:|--:|--:|--:|")
         notes: dict[tuple, list[int]] = {}
         for r in sorted(rs, key=lambda r: r["N"]):
             if r["status"] == "skipped":
@@ -190,7 +196,8 @@ def markdown_tables(rows: list[dict]) -> str:
                 notes.setdefault((r["backend"], r["status"], r["note"]), []).append(r["N"])
             ms = r["ms"]
             frac = r.get("matmul_fraction")
-            out.append(f"| {r['N']} | {r['backend']} | "
+            shape = "" if fixed else f" {r['B']}×{r['H']} |"
+            out.append(f"| {r['N']} |{shape} {r['backend']} | "
                        f"{r['status'] if r['status'] != 'ok' else _fmt(ms, ',.1f' if (ms or 0) >= 10 else '.2f')} | "
                        f"{_fmt(r['tflops'], '.3g')} | "
                        f"{_fmt(None if frac is None else 100 * frac, '.0f')} | "

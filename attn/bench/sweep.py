@@ -4,10 +4,12 @@ Each point allocates its inputs (q, k, v and, for fwd+bwd, dO) first, then measu
 memory above them (``attn.bench.memory``) with one call, then times the call
 (``attn.bench.timing``). Points are run in order of growing N with every backend of one
 shape back to back, so torch SDPA and ours are timed in the same process, minutes apart at
-most, and ``ratio_to_sdpa = sdpa_ms / ms`` compares like with like. A point is skipped,
-without running it, when its backend cannot compute the call
-(``attn.api.unsupported_reason``), when the device lacks the backend (triton off CUDA without
-``TRITON_INTERPRET=1``), or when its predicted peak memory exceeds the budget.
+most, and ``ratio_to_sdpa = sdpa_ms / ms`` compares like with like. Besides attn's backends a
+sweep can time torch's own kernels by name (``attn.bench.competitors``: SDPA with flash,
+efficient or cuDNN forced, compiled FlexAttention). A point is skipped, without running it,
+when its backend cannot compute the call (``attn.api.unsupported_reason``, or a competitor's
+refusal), when the device lacks the backend (triton off CUDA without ``TRITON_INTERPRET=1``),
+or when its predicted peak memory exceeds the budget.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from attn.api import BACKENDS, AttentionCall, attention, unsupported_reason
+from attn.bench.competitors import COMPETITORS, competitor_unsupported, make_forward, \
+    needs_compile
 from attn.bench.flops import MODES, attention_flops, matmul_tflops
 from attn.bench.memory import peak_bytes
 from attn.bench.timing import benchmark
@@ -75,8 +79,19 @@ def device_unsupported(backend: str, device: str) -> str | None:
     return None
 
 
-def default_backends() -> tuple[str, ...]:
+def attn_backends() -> tuple[str, ...]:
     return tuple(b for b in BACKENDS if b != "auto")
+
+
+def all_backends() -> tuple[str, ...]:
+    """attn's backends, then torch's kernels timed beside them."""
+    return (*attn_backends(), *COMPETITORS)
+
+
+def default_backends(device: str = "cpu") -> tuple[str, ...]:
+    """attn's backends; on CUDA torch's forced SDPA kernels and compiled Flex join them (on
+    CPU they are the same kernel as sdpa, or compile for tens of seconds per point)."""
+    return all_backends() if torch.device(device).type == "cuda" else attn_backends()
 
 
 @dataclass
@@ -89,6 +104,10 @@ class SweepConfig:
     modes: tuple[str, ...] = MODES
     batch: int = 1
     heads: int = 8
+    # fixed work per point, FlashAttention's benchmark convention: B = tokens // N and
+    # H = width // D for each point (None: batch and heads as given)
+    tokens: int | None = None
+    width: int | None = None
     device: str = "cpu"
     measure_memory: bool = True
     measure_time: bool = True
@@ -102,8 +121,8 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         for b in self.backends:
-            if b not in BACKENDS or b == "auto":
-                raise ValueError(f"backends must be among {default_backends()}, got {b!r}")
+            if b not in all_backends():
+                raise ValueError(f"backends must be among {all_backends()}, got {b!r}")
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"modes must be among {MODES}, got {m!r}")
@@ -155,9 +174,11 @@ def plan(cfg: SweepConfig) -> list[Row]:
             for causal in cfg.causal:
                 for mode in cfg.modes:
                     for N in sorted(cfg.n):
+                        B = cfg.batch if cfg.tokens is None else max(1, cfg.tokens // N)
+                        H = cfg.heads if cfg.width is None else max(1, cfg.width // D)
                         for backend in cfg.backends:
-                            rows.append(Row(backend, cfg.device, dtype, cfg.batch, cfg.heads,
-                                            N, D, causal, mode))
+                            rows.append(Row(backend, cfg.device, dtype, B, H, N, D, causal,
+                                            mode))
     return rows
 
 
@@ -168,8 +189,12 @@ def skip_reason(row: Row, cfg: SweepConfig) -> str | None:
                                 mode=row.mode)
     row.predicted_bytes = predicted_peak_bytes(row.backend, row.mode, row.B, row.H, row.N,
                                                row.D, DTYPES[row.dtype])
-    why = device_unsupported(row.backend, cfg.device)
-    if why is None:
+    if row.backend in COMPETITORS:
+        why = competitor_unsupported(row.backend, cfg.device, DTYPES[row.dtype], row.D,
+                                     row.causal, row.mode)
+    else:
+        why = device_unsupported(row.backend, cfg.device)
+    if why is None and row.backend not in COMPETITORS:
         call = AttentionCall(device=torch.device(cfg.device).type, dtype=DTYPES[row.dtype],
                              head_dim=row.D, head_dim_v=row.D, n_q=row.N, n_k=row.N,
                              band=make_band(row.N, row.N, causal=row.causal, window=None))
@@ -195,19 +220,26 @@ def make_call(row: Row, cfg: SweepConfig) -> Callable[[], None]:
     """The measured call: forward (inputs without grad, so no graph is kept), or forward then
     backward from a fixed dO with the gradients of the previous call dropped first."""
     q, k, v, d_out = _inputs(row, cfg)
+    if row.backend in COMPETITORS:
+        forward = make_forward(row.backend, row.causal, row.N, cfg.device)
+    else:
+        def forward(q, k, v):
+            return attention(q, k, v, causal=row.causal, backend=row.backend)
 
     def fwd() -> None:
-        attention(q, k, v, causal=row.causal, backend=row.backend)
+        forward(q, k, v)
 
     def fwd_bwd() -> None:
         q.grad = k.grad = v.grad = None
-        attention(q, k, v, causal=row.causal, backend=row.backend).backward(d_out)
+        forward(q, k, v).backward(d_out)
 
     return fwd if d_out is None else fwd_bwd
 
 
 def _measure(row: Row, cfg: SweepConfig) -> None:
     fn = make_call(row, cfg)
+    if needs_compile(row.backend):
+        fn()  # compiling allocates and takes seconds: neither belongs to the point
     if cfg.measure_memory:
         row.peak_bytes = peak_bytes(fn, cfg.device)
     if cfg.measure_time:
@@ -246,6 +278,8 @@ def run_sweep(cfg: SweepConfig, rows: list[Row] | None = None) -> Iterator[Row]:
             _measure(row, cfg)
         except Exception as exc:  # one bad point must not end an hour-long sweep
             row.status = "oom" if _is_oom(exc) else "error"
+            if row.status == "error" and row.backend in COMPETITORS:
+                row.status = "skipped"  # torch's kernel refusing a shape is not attn's error
             row.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             if row.status == "oom":
                 failed.add(series)

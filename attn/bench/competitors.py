@@ -1,0 +1,111 @@
+"""torch's own attention kernels as extra backends of a sweep, timed beside attn's.
+
+* ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` with
+  one kernel forced through ``torch.nn.attention.sdpa_kernel`` (plain ``sdpa`` is attn's
+  backend of that name: torch's own choice, the baseline of ``ratio_to_sdpa``).
+* ``flex``: ``torch.nn.attention.flex_attention`` compiled with ``torch.compile``, causal
+  through a block mask.
+
+Whether a forced kernel runs depends on the GPU, the build, dtype and head dim, so it is
+asked, not assumed: :func:`competitor_unsupported` runs the kernel once on a tiny input of
+the point's dtype, head dim and mode, and a refusal becomes the point's skip reason (with
+the warnings torch gave for it).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# competitor name → the torch.nn.attention.SDPBackend member it forces
+SDPA_KERNELS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
+                "sdpa-cudnn": "CUDNN_ATTENTION"}
+COMPETITORS = (*SDPA_KERNELS, "flex")
+# torch has these kernels on CUDA only; asking elsewhere says nothing new
+_CUDA_ONLY = ("sdpa-efficient", "sdpa-cudnn")
+
+
+def _check_name(name: str) -> None:
+    if name not in COMPETITORS:
+        raise ValueError(f"competitor must be one of {COMPETITORS}, got {name!r}")
+
+
+def _sdpa_forward(name: str, causal: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = getattr(SDPBackend, SDPA_KERNELS[name])
+
+    def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with sdpa_kernel(kernel):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return forward
+
+
+def _flex_forward(causal: bool, N: int, device: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if causal:  # Nq == Nk in a sweep: top-left and bottom-right alignment agree
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+                                       B=None, H=None, Q_LEN=N, KV_LEN=N, device=device)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def make_forward(name: str, causal: bool, N: int, device: str
+                 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """``forward(q, k, v) → out`` for q, k, v of shape (B, H, N, D) on ``device``."""
+    _check_name(name)
+    if name == "flex":
+        return _flex_forward(causal, N, device)
+    return _sdpa_forward(name, causal)
+
+
+def needs_compile(name: str) -> bool:
+    """Whether the first call compiles (the sweep makes it outside any measurement)."""
+    return name == "flex"
+
+
+def competitor_unsupported(name: str, device: str, dtype: torch.dtype, D: int, causal: bool,
+                           mode: str) -> str | None:
+    """Why competitor ``name`` cannot run a point with this device, dtype, head dim, causal
+    flag and mode ("fwd" or "fwd+bwd"), or None when it can."""
+    _check_name(name)
+    kind = torch.device(device).type
+    if name in _CUDA_ONLY and kind != "cuda":
+        return f"{name}: torch has this kernel on CUDA only"
+    if name == "flex":
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except ImportError:
+            return f"flex: torch {torch.__version__} has no torch.nn.attention.flex_attention"
+        if mode == "fwd+bwd" and kind != "cuda":
+            return "flex: FlexAttention has no backward off CUDA"
+        return None  # probing would mean compiling: a failure shows up in the point itself
+    return _probe_sdpa(name, str(device), dtype, D, causal, mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_sdpa(name: str, device: str, dtype: torch.dtype, D: int, causal: bool,
+                mode: str) -> str | None:
+    """Run the forced kernel once on (1, 1, 16, D) inputs; its refusal is the reason."""
+    grad = mode == "fwd+bwd"
+    q, k, v = (torch.randn(1, 1, 16, D, device=device, dtype=dtype).requires_grad_(grad)
+               for _ in range(3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = _sdpa_forward(name, causal)(q, k, v)
+            if grad:
+                out.sum().backward()
+        except RuntimeError as exc:
+            why = "; ".join(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
+            return (f"{name}: torch's {SDPA_KERNELS[name]} kernel refuses {dtype} D={D}"
+                    f"{' causal' if causal else ''} {mode} here: "
+                    f"{why or str(exc).splitlines()[0]}")[:300]
+    return None

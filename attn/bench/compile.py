@@ -1,0 +1,359 @@
+"""Ahead-of-time compiles of the Triton kernels for named GPU archs, on a machine without a GPU.
+
+The interpreter runs the kernels' Python, never the compiler: a ``tl.dot`` shape the compiler
+refuses, a loop it cannot software-pipeline, or a tile that outgrows shared memory would pass
+every interpreter test. Here each kernel the triton backend launches is compiled for a
+target (``GPUTarget("cuda", 90 | 80, 32)``) exactly as the JIT would compile it at run time:
+
+1. the public ``triton_attention`` runs forward and backward on CPU tensors with every
+   kernel replaced by a recorder, so the arguments are the launchers' real ones (no list of
+   parameter names to keep in sync with the kernels);
+2. triton's own binder specializes them as a launch does (16-divisible pointers and ints get
+   ``tt.divisibility``, ints equal to 1 become constants, e.g. unit last-dim strides);
+3. ``triton.compile`` lowers them to TTGIR, PTX and a cubin with the wheel's bundled ptxas.
+
+What a :class:`Build` reports: shared memory, tensor-core instructions (``wgmma`` on sm_90,
+``mma.sync`` on sm_80), whether loads became asynchronous copies or TMA in the TTGIR
+(software pipelining), and, with ``ptxas_verbose``, registers and spills.
+
+Must run in a process where the triton backend is *not* in interpreter mode
+(``TRITON_INTERPRET`` unset before ``attn.flash_triton`` is imported).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+ARCHS = (90, 80)
+# opt-in shared memory per block: H100 227 KiB, A100 163 KiB
+SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+KERNELS = ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")
+# the variant flags a kernel can be specialized on; "all" turns every one on at once
+VARIANTS = ("plain", "causal", "all")
+
+
+@dataclass
+class Launch:
+    """One kernel launch as the triton backend's launcher made it (grid left out)."""
+
+    name: str
+    kernel: Any  # the Autotuner or JITFunction
+    args: tuple
+    kwargs: dict
+
+    @property
+    def autotuned(self) -> bool:
+        from triton.runtime.autotuner import Autotuner
+
+        return isinstance(self.kernel, Autotuner)
+
+    @property
+    def jit_fn(self):
+        return self.kernel.fn if self.autotuned else self.kernel
+
+    def named_args(self) -> dict:
+        return {**dict(zip(self.jit_fn.arg_names, self.args)), **self.kwargs}
+
+    def configs(self, *, arch: int | None = None, pruned: bool = True) -> list:
+        """The autotune configs this launch would try (after ``_prune`` for ``arch``), or one
+        empty config for a kernel without autotuning."""
+        import triton
+
+        if not self.autotuned:
+            return [triton.Config({}, num_warps=4, num_stages=3)]
+        if not pruned:
+            return list(self.kernel.configs)
+        prune = self.kernel.early_config_prune  # partial(_prune, kind=...)
+        return prune.func(list(self.kernel.configs), self.named_args(), **prune.keywords, arch=arch)
+
+
+@dataclass
+class Build:
+    """One compiled (kernel, config, arch): what the compiler made of it."""
+
+    kernel: str
+    arch: int
+    variant: str
+    head_dim: int
+    dtype: str
+    config: str  # "BLOCK_M=64 BLOCK_N=64 w4 s3"
+    num_stages: int
+    shared: int  # bytes of shared memory per block
+    tensor_cores: bool  # the dots lowered to wgmma (sm_90) / mma.sync (sm_80)
+    pipelined: bool  # async copies or TMA loads in the TTGIR
+    registers: int | None = None
+    spill_bytes: int | None = None  # ptxas spill stores + loads, bytes
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.shared <= SMEM_LIMIT[self.arch]
+
+
+class _Recorder:
+    """Stands in for a kernel object: ``kernel[grid](*args, **kwargs)`` is recorded, not run."""
+
+    def __init__(self, name: str, kernel: Any, sink: list[Launch]) -> None:
+        self._name, self._kernel, self._sink = name, kernel, sink
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._kernel, attr)
+
+    def __getitem__(self, grid: Any):
+        def launch(*args, **kwargs):
+            self._sink.append(Launch(self._name, self._kernel, args, kwargs))
+        return launch
+
+
+def _variant_call(variant: str, H: int, n: int, scale: float) -> tuple[Any, dict]:
+    """The launch spec and tensor arguments of one variant."""
+    from attn.masks import make_band
+    from attn.spec import LaunchSpec
+
+    if variant == "plain":
+        return LaunchSpec(qk_scale=scale), {}
+    if variant == "causal":
+        return LaunchSpec(qk_scale=scale, band=make_band(n, n, causal=True, window=None)), {}
+    if variant == "all":  # every flag a kernel specializes on, at once
+        g = torch.Generator().manual_seed(0)
+        # seed 1: the JIT would turn an int argument equal to 1 into a constant
+        spec = LaunchSpec(qk_scale=scale, band=make_band(n, n, causal=True, window=(n // 4, 0)),
+                          dropout_p=0.1, dropout_seed=1)
+        return spec, {"attn_mask": torch.rand(1, 1, n, n, generator=g) > 0.1,
+                      "softcap": torch.full((H,), 30.0, requires_grad=True),
+                      "sinks": torch.zeros(H, requires_grad=True)}
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def record_launches(*, head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                    variant: str = "plain", B: int = 2, H: int = 8, H_kv: int = 2,
+                    N: int = 1024) -> list[Launch]:
+    """Every kernel launch of one forward + backward of ``triton_attention`` on CPU tensors
+    (contiguous, as a typical call passes them), recorded instead of run."""
+    from attn import flash_triton
+
+    if flash_triton._INTERPRET:
+        raise RuntimeError("attn.flash_triton was imported in interpreter mode "
+                           "(TRITON_INTERPRET=1): compile checks need the compiler")
+    sink: list[Launch] = []
+    saved = {name: getattr(flash_triton, name) for name in KERNELS}
+    try:
+        for name, kernel in saved.items():
+            setattr(flash_triton, name, _Recorder(name, kernel, sink))
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(B, H, N, head_dim, generator=g).to(dtype).requires_grad_()
+        k = torch.randn(B, H_kv, N, head_dim, generator=g).to(dtype).requires_grad_()
+        v = torch.randn(B, H_kv, N, head_dim, generator=g).to(dtype).requires_grad_()
+        spec, tensors = _variant_call(variant, H, N, head_dim ** -0.5)
+        out, lse = flash_triton.triton_attention(q, k, v, spec, **tensors)
+        (out.float().sum() + lse.sum()).backward()
+    finally:
+        for name, kernel in saved.items():
+            setattr(flash_triton, name, kernel)
+    return sink
+
+
+def _specialize(launch: Launch, cfg, target):
+    """What the JIT hands to ``triton.compile`` for this launch and config (triton's binder)."""
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.jit_fn
+    kwargs = dict(launch.kwargs)
+    kwargs.update(cfg.kwargs)
+    kwargs["num_warps"] = cfg.num_warps
+    kwargs["num_stages"] = cfg.num_stages
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
+                                                           specialization, options)
+    return ASTSource(fn, signature, constexprs, attrs), options
+
+
+def _ptxas_verbose(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """Registers and spill bytes from the bundled ptxas's ``-v`` report."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
+    sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, "-v", f"--gpu-name={sm}", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True, timeout=300)
+    text = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    stores = re.search(r"(\d+) bytes spill stores", text)
+    loads = re.search(r"(\d+) bytes spill loads", text)
+    spills = None if stores is None else int(stores.group(1)) + int(loads.group(1))
+    return (None if regs is None else int(regs.group(1))), spills
+
+
+def _pipelined(ttgir: str) -> bool:
+    # cp.async copies into shared memory, or TMA loads (ops renamed across triton versions)
+    return bool(re.search(r"async_copy_global_to_local|async_tma_copy|tma_load|"
+                          r"async_load|ttng\.async_tma", ttgir))
+
+
+def _uses_tensor_cores(ptx: str, arch: int) -> bool:
+    return ("wgmma" in ptx or "mma.sync" in ptx) if arch >= 90 else "mma.sync" in ptx
+
+
+def _config_name(cfg) -> str:
+    blocks = " ".join(f"{k}={v}" for k, v in sorted(cfg.kwargs.items()))
+    return f"{blocks} w{cfg.num_warps} s{cfg.num_stages}".strip()
+
+
+def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
+                   ptxas_verbose: bool = False) -> Build:
+    """Compile one launch with one config for ``arch``; errors are reported, not raised."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    named = launch.named_args()
+    q = next(a for a in launch.args if isinstance(a, torch.Tensor))
+    head_dim = int(named.get("HEAD_DIM", named.get("HEAD_DIM_V", 0)))
+    build = Build(kernel=launch.name, arch=arch, variant=variant, head_dim=head_dim,
+                  dtype=str(q.dtype).removeprefix("torch."), config=_config_name(cfg),
+                  num_stages=cfg.num_stages, shared=0, tensor_cores=False, pipelined=False)
+    target = GPUTarget("cuda", arch, 32)
+    try:
+        src, options = _specialize(launch, cfg, target)
+        compiled = triton.compile(src, target=target, options=options.__dict__)
+    except Exception as exc:  # noqa: BLE001 - a compile error is the finding, not a crash
+        build.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        return build
+    build.shared = int(compiled.metadata.shared)
+    build.tensor_cores = _uses_tensor_cores(compiled.asm["ptx"], arch)
+    build.pipelined = _pipelined(compiled.asm["ttgir"])
+    if ptxas_verbose:
+        build.registers, build.spill_bytes = _ptxas_verbose(compiled.asm["ptx"], arch)
+    return build
+
+
+def has_dot(launch: Launch) -> bool:
+    """Kernels whose work is matrix products (the preprocess kernel is a row reduction)."""
+    return launch.name != "_attn_bwd_preprocess"
+
+
+def largest(configs: list) -> Any:
+    """The config with the largest tiles, then the most stages and warps: the one most
+    likely to outgrow shared memory or registers."""
+    def size(c):
+        return (c.kwargs.get("BLOCK_M", 0) * c.kwargs.get("BLOCK_N", 0), c.num_stages,
+                c.num_warps)
+    return max(configs, key=size)
+
+
+def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,
+          dtypes=(torch.bfloat16,), all_configs: bool = False, pruned: bool = True,
+          ptxas_verbose: bool = False, mark_kept: bool = False) -> Iterator[Build]:
+    """Compile every kernel x (largest or every) config x D x variant x dtype x arch;
+    ``mark_kept`` notes on each build whether ``_prune`` keeps its config on that arch."""
+    for dtype in dtypes:
+        for d in head_dims:
+            for variant in variants:
+                launches = record_launches(head_dim=d, dtype=dtype, variant=variant)
+                for launch in launches:
+                    if launch.name == "_attn_bwd_preprocess" and variant != "plain":
+                        continue  # no variant flags: one build per D is enough
+                    for arch in archs:
+                        cfgs = launch.configs(arch=arch, pruned=pruned)
+                        kept = launch.configs(arch=arch, pruned=True) if mark_kept else []
+                        for cfg in (cfgs if all_configs else [largest(cfgs)]):
+                            build = compile_launch(launch, cfg, arch=arch, variant=variant,
+                                                   ptxas_verbose=ptxas_verbose)
+                            if mark_kept and launch.autotuned:
+                                build.notes.append("kept" if cfg in kept else "pruned")
+                            yield build
+
+
+# -- the report: `attn bench compile` ----------------------------------------------------------
+
+def add_arguments(p) -> None:
+    p.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), choices=list(ARCHS),
+                   help="compute capabilities to build for (default: 90 80)")
+    p.add_argument("--d", type=int, nargs="+", default=[64, 128, 256], help="head dims")
+    p.add_argument("--variant", nargs="+", default=["plain", "all"], choices=list(VARIANTS),
+                   help="variant flags: plain, causal (banded), all (every flag on)")
+    p.add_argument("--dtype", nargs="+", default=["bfloat16"],
+                   choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--configs", choices=["all", "pruned", "largest"], default="all",
+                   help="every autotune config (default), those _prune keeps, or the largest kept")
+    p.add_argument("--no-ptxas", action="store_true", help="skip registers/spills (ptxas -v)")
+    p.add_argument("--out", type=str, default="out/compile", help="folder for results.{json,md}")
+
+
+def _header(argv: list[str]) -> dict:
+    import datetime
+    import platform
+
+    import triton
+
+    return {"what": "ahead-of-time Triton compiles of attn's kernels (no GPU used)",
+            "command": "attn " + " ".join(argv), "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "smem_limit_bytes": {f"sm_{a}": SMEM_LIMIT[a] for a in ARCHS}}
+
+
+def markdown(header: dict, builds: list[Build]) -> str:
+    lines = [f"# {header['what']}", "",
+             f"`{header['command']}` — {header['date']}, triton {header['triton']}, "
+             f"torch {header['torch']}. Shared memory limit per block: sm_90 227 KiB, "
+             f"sm_80 163 KiB. `kept` = `_prune` keeps the config on that arch. "
+             f"Spills = ptxas spill stores + loads (bytes).", ""]
+    cols = ("kernel", "arch", "D", "dtype", "variant", "config", "kept", "smem KiB", "fits",
+            "regs", "spills", "tensor cores", "pipelined", "error")
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for b in builds:
+        kept = "yes" if "kept" in b.notes else ("no" if "pruned" in b.notes else "")
+        cells = (b.kernel, f"sm_{b.arch}", b.head_dim, b.dtype, b.variant, b.config, kept,
+                 f"{b.shared / 1024:.0f}", "yes" if b.fits else "**no**",
+                 "" if b.registers is None else b.registers,
+                 "" if b.spill_bytes is None else b.spill_bytes,
+                 "yes" if b.tensor_cores else "no", "yes" if b.pipelined else "no",
+                 b.error or "")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_report(args, argv: list[str]) -> int:
+    import json
+    import sys
+    from dataclasses import asdict
+    from pathlib import Path
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        if "attn.flash_triton" in sys.modules:
+            raise SystemExit("attn bench compile: run it without TRITON_INTERPRET=1")
+        os.environ.pop("TRITON_INTERPRET")
+    dtypes = [getattr(torch, d) for d in args.dtype]
+    builds: list[Build] = []
+    for b in sweep(archs=tuple(args.arch), head_dims=tuple(args.d), variants=tuple(args.variant),
+                   dtypes=dtypes, all_configs=args.configs != "largest",
+                   pruned=args.configs != "all", ptxas_verbose=not args.no_ptxas,
+                   mark_kept=True):
+        builds.append(b)
+        print(f"{b.kernel} sm_{b.arch} D={b.head_dim} {b.variant} {b.config}: "
+              f"{b.error or f'{b.shared // 1024} KiB, regs {b.registers}, spills {b.spill_bytes}'}",
+              file=sys.stderr)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = _header(argv)
+    (out / "results.json").write_text(json.dumps(
+        {"header": header, "builds": [asdict(b) for b in builds]}, indent=1))
+    (out / "results.md").write_text(markdown(header, builds))
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'} ({len(builds)} builds)")
+    bad = [b for b in builds if b.error or ("kept" in b.notes and not b.fits)]
+    return 1 if bad else 0

@@ -1,0 +1,56 @@
+"""The launcher spec: everything static a backend's launchers need for one call.
+
+Both fast backends take the same protocol::
+
+    out, lse = _fwd(q, k, v, spec, attn_mask=None, sinks=None, softcap=None)
+    grads = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask=None, sinks=None, softcap=None)
+
+``spec`` holds static values only (pinned: tensors that can need a gradient — a learnable
+softcap, sinks, a float mask — stay explicit arguments of the autograd.Function). Positions
+are *global*: a call may be one shard of a longer computation (a ring step, a split-KV chunk,
+a Ulysses head group), and the band, the dropout hash and future score/mask mods read
+``q_start + i``, ``k_start + j`` and ``head_start + h`` against the total lengths, so every
+shard reproduces the unsharded computation bit for bit, dropout mask included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from attn.masks import Band, Blocks, classify_band
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    qk_scale: float  # multiplies q·k: the public ``scale`` over a float temperature
+    band: Band = Band()  # causal / window in global positions
+    softcap: float | None = None  # a fixed cap; a learnable one is a tensor argument
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    q_start: int = 0  # global position of this call's first query
+    k_start: int = 0  # global position of this call's first key
+    head_start: int = 0  # global index of this call's first query head
+    heads_total: int | None = None  # query heads of the whole computation (None: this call's)
+    block_m: int | None = None  # tile sizes where a backend takes them (None: its default)
+    block_n: int | None = None
+
+    def local_band(self) -> Band:
+        """The band in this call's own positions: query i is global ``q_start + i``."""
+        b = self.band
+        return Band(b.offset + self.q_start - self.k_start, b.left, b.right)
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.q_start or self.k_start or self.head_start
+                    or self.heads_total is not None)
+
+    def blocks(self, n_q: int, n_k: int, block_m: int, block_n: int) -> Blocks:
+        """Which tiles this call visits (:func:`attn.masks.classify_band` of the local band)."""
+        return classify_band(self.local_band(), n_q, n_k, block_m, block_n)
+
+    def shard(self, *, q_start: int = 0, k_start: int = 0, head_start: int = 0,
+              heads_total: int | None = None) -> "LaunchSpec":
+        """The same computation restricted to a shard starting at these global positions."""
+        return replace(self, q_start=self.q_start + q_start, k_start=self.k_start + k_start,
+                       head_start=self.head_start + head_start,
+                       heads_total=heads_total if heads_total is not None else self.heads_total)

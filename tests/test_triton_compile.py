@@ -1,0 +1,106 @@
+"""The Triton kernels, compiled for real GPUs (sm_90, sm_80) on this CPU-only machine.
+
+The interpreter tests check what the kernels compute; these check what the compiler makes of
+them: that every kernel the backend launches builds for both archs, that its bf16 dots run
+on tensor cores (``wgmma`` on sm_90, ``mma.sync`` on sm_80), that with ``num_stages >= 2``
+its K/V (or Q/dO) loads are software-pipelined (asynchronous copies or TMA in the TTGIR),
+and that its shared memory fits the arch. Launch arguments come from the backend's own
+launchers, specialized by triton's own binder (see :mod:`attn.bench.compile`).
+
+The builds run in a child process: this pytest process imported the kernels in interpreter
+mode (``tests/conftest.py``), and the compiler needs them decorated without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+# A covering set for the default suite: every D with the variant flags off and on, each arch
+# at every D; `-m slow` builds the full product and every config _prune keeps.
+DEFAULT_CASES = [(90, 64, "all"), (90, 128, "plain"), (90, 128, "all"), (90, 256, "plain"),
+                 (80, 64, "plain"), (80, 128, "all"), (80, 256, "all")]
+FULL_CASES = [(a, d, v) for a in (90, 80) for d in (64, 128, 256)
+              for v in ("plain", "causal", "all")]
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import asdict
+
+    def build(case):
+        import torch
+        from attn.bench import compile as aot
+        arch, d, variant, every = case
+        out = []
+        for launch in aot.record_launches(head_dim=d, variant=variant, dtype=torch.bfloat16):
+            cfgs = launch.configs(arch=arch)
+            for cfg in (cfgs if every else [aot.largest(cfgs)]):
+                out.append(asdict(aot.compile_launch(launch, cfg, arch=arch, variant=variant)))
+        return out
+
+    if __name__ == "__main__":
+        cases = [tuple(c) for c in json.loads(sys.argv[1])]
+        with ProcessPoolExecutor(max_workers=2) as pool:
+            builds = [b for bs in pool.map(build, cases) for b in bs]
+        print(json.dumps(builds))
+""")
+
+
+def _compile(cases: list[tuple], every_config: bool, timeout: int) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, without its warning
+    arg = json.dumps([[a, d, v, every_config] for a, d, v in cases])
+    try:
+        res = subprocess.run([sys.executable, "-c", _CHILD, arg], capture_output=True,
+                             text=True, env=env, timeout=timeout,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"compiling the kernels took more than {timeout} s")
+    if res.returncode != 0:
+        pytest.fail(f"the compile process failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _label(b: dict) -> str:
+    return f"{b['kernel']} sm_{b['arch']} D={b['head_dim']} {b['variant']} [{b['config']}]"
+
+
+def _check(builds: list[dict]) -> None:
+    from attn.bench.compile import SMEM_LIMIT
+
+    problems = []
+    for b in builds:
+        if b["error"]:
+            problems.append(f"{_label(b)} does not compile: {b['error']}")
+            continue
+        if b["shared"] > SMEM_LIMIT[b["arch"]]:
+            problems.append(f"{_label(b)} needs {b['shared'] // 1024} KiB of shared memory, "
+                            f"sm_{b['arch']} has {SMEM_LIMIT[b['arch']] // 1024} KiB")
+        if b["kernel"] == "_attn_bwd_preprocess":
+            continue  # a row reduction: no dots, nothing to pipeline
+        if not b["tensor_cores"]:
+            problems.append(f"{_label(b)}: bf16 dots did not lower to tensor-core instructions")
+        if b["num_stages"] >= 2 and not b["pipelined"]:
+            problems.append(f"{_label(b)}: num_stages={b['num_stages']} but no asynchronous "
+                            f"copies or TMA loads in the TTGIR (loads not pipelined)")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_kernel_builds_for_sm90_and_sm80():
+    builds = _compile(DEFAULT_CASES, every_config=False, timeout=600)
+    kernels = {b["kernel"] for b in builds}
+    assert kernels == {"_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+    _check(builds)
+
+
+@pytest.mark.slow
+def test_every_pruned_config_builds_everywhere():
+    _check(_compile(FULL_CASES, every_config=True, timeout=7200))
