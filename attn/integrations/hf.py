@@ -67,7 +67,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 import attn
 from attn.api import BACKENDS
-from attn.masks import Band, make_band, split_band_padding
+from attn.masks import Band, hf_sliding_window, make_band, split_band_padding
 
 _log = logging.getLogger(__name__)
 
@@ -296,11 +296,9 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = None
     if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
-                or sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
-        w = sliding_window - 1
-        window = (w, 0) if causal else (w, w)
+        window = hf_sliding_window(sliding_window)  # (W - 1, 0)
+        if not causal:  # encoders (ModernBERT): HF's bidirectional windows are symmetric
+            window = (window[0], window[0])
 
     if attention_mask is None:
         plan = _Plan(causal, window, None)
