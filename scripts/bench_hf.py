@@ -96,7 +96,8 @@ class Row:
     prefill_s: float | None = None
     prefill_repeats: int = 0
     predicted_bytes: int | None = None
-    decode_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None  # from the median step
+    decode_best_tokens_per_s: float | None = None  # from the fastest step (least disturbed)
     decode_steps: int = 0
     decode_cache_from: str | None = None  # which implementation filled the decoding cache
     note: str = ""
@@ -112,8 +113,9 @@ def prefill(model, ids):
     return cache, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def decode_rate(model, cache, first, steps: int) -> float:
-    """Tokens/s of greedy single-token steps (median step), then the cache is cut back."""
+def decode_rate(model, cache, first, steps: int) -> tuple[float, float]:
+    """Tokens/s of greedy single-token steps, from the median and from the fastest step;
+    then the cache is cut back to the prompt."""
     tok = first
     times = []
     with torch.no_grad():
@@ -124,7 +126,7 @@ def decode_rate(model, cache, first, steps: int) -> float:
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
     cache.crop(-(steps + 1))  # back to the prompt, for the next implementation
     times = sorted(times[1:])
-    return 1.0 / times[len(times) // 2]
+    return 1.0 / times[len(times) // 2], 1.0 / times[0]
 
 
 def run(args) -> tuple[dict, list[Row]]:
@@ -189,7 +191,8 @@ def run(args) -> tuple[dict, list[Row]]:
             elif cache is not None:
                 row.decode_cache_from = impl
             if cache is not None and args.decode_steps > 0:
-                row.decode_tokens_per_s = decode_rate(model, cache, first, args.decode_steps)
+                row.decode_tokens_per_s, row.decode_best_tokens_per_s = decode_rate(
+                    model, cache, first, args.decode_steps)
                 row.decode_steps = args.decode_steps
             print(_line(row), flush=True)
             del cache
@@ -207,6 +210,10 @@ def _git_commit() -> str | None:
 
 def _mib(b: int | None) -> str:
     return "—" if b is None else f"{b / 2**20:,.0f}"
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
 
 
 def _line(r: Row) -> str:
@@ -235,8 +242,8 @@ def markdown(header: dict, rows: list[Row]) -> str:
         f"- memory: {header['memory_method']}; {header['budget']}",
         "",
         "| context | impl | prefill peak MiB above weights | prefill s | sdpa s / s "
-        "| decode tok/s | decode cache from |",
-        "|--:|:--|--:|--:|--:|--:|:--|",
+        "| decode tok/s, median step | best step | decode cache from |",
+        "|--:|:--|--:|--:|--:|--:|--:|:--|",
     ]
     by = {(r.impl, r.context): r for r in rows}
     for r in rows:
@@ -246,10 +253,10 @@ def markdown(header: dict, rows: list[Row]) -> str:
         peak = _mib(r.prefill_peak_bytes) if r.status == "ok" else (
             f"skipped (predicted {r.predicted_bytes / 2**30:,.1f} GiB)" if r.status == "skipped"
             else r.status)
-        out.append(f"| {r.context} | {r.impl} | {peak} | "
-                   f"{'—' if r.prefill_s is None else f'{r.prefill_s:.2f}'} | {ratio} | "
-                   f"{'—' if r.decode_tokens_per_s is None else f'{r.decode_tokens_per_s:.1f}'}"
-                   f" | {r.decode_cache_from or '—'} |")
+        out.append(f"| {r.context} | {r.impl} | {peak} | {_num(r.prefill_s, '.2f')} | {ratio} "
+                   f"| {_num(r.decode_tokens_per_s, '.1f')} "
+                   f"| {_num(r.decode_best_tokens_per_s, '.1f')} "
+                   f"| {r.decode_cache_from or '—'} |")
     notes = [f"- {r.impl} at {r.context}: {r.note}" for r in rows if r.note]
     return "\n".join(out + ([""] + notes if notes else [])) + "\n"
 
@@ -264,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=60.0,
                    help="stop repeating a prefill after this many seconds of timed runs")
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's, one per core)")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     header, rows = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
