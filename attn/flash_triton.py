@@ -773,8 +773,29 @@ def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tu
     return m, m.stride()
 
 
+def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
+                   softcap: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """q in k's dtype, sinks and the softcap (learnable, else the spec's fixed one) as
+    contiguous float32 (H,) vectors: what the kernels read."""
+    if spec.dropout_p > 0.0 and spec.sharded:
+        raise NotImplementedError(
+            "triton: dropout in a sharded call (the kernels hash local positions); "
+            "use backend='tiled', which reads the spec's global positions")
+    H = q.shape[1]
+    if q.dtype != k.dtype:  # a temperature folded in float32: the kernels take one dtype
+        q = q.to(k.dtype)
+    if softcap is None and spec.softcap is not None:
+        softcap = torch.tensor(float(spec.softcap), device=q.device)
+    if softcap is not None:
+        softcap = softcap.to(device=q.device, dtype=torch.float32).expand(H).contiguous()
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    return q, sinks, softcap
+
+
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
          sinks: Tensor | None = None, softcap: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    q, sinks, softcap = _kernel_inputs(q, k, spec, sinks, softcap)
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[-1]
     L = _launch_args(q, k, v, spec, attn_mask, softcap)
@@ -792,8 +813,13 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
-         sinks: Tensor | None = None, softcap: Tensor | None = None,
-         need_dcap: bool = False) -> Grads:
+         sinks: Tensor | None = None, softcap: Tensor | None = None, *,
+         need_dmask: bool = False, need_dcap: bool = True) -> Grads:
+    """Gradients of one call, as :func:`attn.tiled._bwd`; a float mask's gradient is refused
+    (``unsupported_reason``), so ``need_dmask`` must be False."""
+    if need_dmask:
+        raise NotImplementedError("triton: the gradient of a float attn_mask (use tiled)")
+    q, sinks, softcap = _kernel_inputs(q, k, spec, sinks, softcap)
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     L = _launch_args(q, k, v, spec, attn_mask, softcap)
@@ -868,7 +894,7 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
     spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed)
-    g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap)
+    g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap=need_dcap)
     def or_empty(t: Tensor | None) -> Tensor:  # a fresh tensor each: outputs must not alias
         return q.new_empty(0, dtype=torch.float32) if t is None else t
 
@@ -924,19 +950,6 @@ def triton_attention(
     positions); ``softcap`` a learnable tensor broadcastable to (H,), ``sinks`` (H,),
     ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk).
     """
-    if spec.dropout_p > 0.0 and spec.sharded:
-        raise NotImplementedError(
-            "triton: dropout in a sharded call (the kernels hash local positions); "
-            "use backend='tiled', which reads the spec's global positions")
-    H = q.shape[1]
-    if q.dtype != k.dtype:  # a temperature folded in float32: the kernels take one dtype
-        q = q.to(k.dtype)
-    # per-head float32 vectors; autograd sums the expand back to the caller's shapes
-    cap = softcap
-    if cap is None and spec.softcap is not None:
-        cap = torch.tensor(float(spec.softcap))
-    if cap is not None:
-        cap = cap.to(device=q.device, dtype=torch.float32).expand(H).contiguous()
-    if sinks is not None:
-        sinks = sinks.to(torch.float32).contiguous()
+    # the conversions under autograd: it sums the per-head expand back to the caller's shapes
+    q, sinks, cap = _kernel_inputs(q, k, spec, sinks, softcap)
     return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, spec)
