@@ -252,7 +252,7 @@ def test_cpu_needs_the_interpreter(monkeypatch):
 # -- torch.library registration: fake tensors and torch.compile ------------------------------------
 
 def _op_args(q, k, v):
-    return (q, k, v, None, None, None, k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0)
+    return (q, k, v, None, None, None, k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1])
 
 
 def test_opcheck_forward_and_backward():
@@ -262,11 +262,11 @@ def test_opcheck_forward_and_backward():
     do = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, None, None,
-                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, False))
+                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False))
     sinks = torch.randn(q.shape[1], device=DEVICE)
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, sinks, None,
-                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, False))
+                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False))
 
 
 def test_fake_tensor_shapes():
