@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attn.masks import Band, make_band
+from attn.masks import Band, make_band, window_pair
 from attn.reference import reference_attention
 from attn.spec import LaunchSpec
 from attn.tiled import tiled_attention
@@ -155,18 +155,6 @@ def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...]) -> None
     if not ok:
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"(B, H, Nq, Nk) = {shape}")
-
-
-def _validate_window(window: object) -> tuple[int, int] | None:
-    if window is None:
-        return None
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
-        raise TypeError(f"window must be a pair of ints (left, right), -1 for unbounded, "
-                        f"got {window!r}")
-    if any(w < -1 for w in window):
-        raise ValueError(f"window sides must be >= 0, or -1 for unbounded, got {tuple(window)}")
-    return int(window[0]), int(window[1])
 
 
 def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
@@ -352,7 +340,7 @@ def attention(
     _validate_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    band = make_band(q.shape[2], k.shape[2], causal=causal, window=_validate_window(window))
+    band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))
     return _attention(q, k, v, band=band, attn_mask=attn_mask, scale=scale,
                       temperature=temperature, softcap=softcap, sinks=sinks,
                       dropout_p=dropout_p, return_lse=return_lse, backend=backend)
