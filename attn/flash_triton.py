@@ -158,7 +158,21 @@ def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
         resident, streamed = bn * (d + dv) * elem, bm * (d + dv) * elem + mask + 8 * bm
     else:  # dq
         resident, streamed = bm * (d + dv) * elem, bn * (d + dv) * elem + mask
-    return resident + s * streamed + 4096  # + reduction and layout-conversion scratch
+    return resident + s * streamed + 1024  # + reduction and layout-conversion scratch
+
+
+def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
+    """Configs that ptxas spills more than ~1 KiB of registers per thread for, on sm_90 and
+    sm_80 alike (255 registers each): 4 warps holding a 128 x D (>= 128) accumulator in the
+    query-resident kernels or a 64 x 128 one in dK/dV, and dK/dV tiles with
+    BLOCK_M·BLOCK_N·D past 64·64·128 (at that size, deep pipelines). Measured with
+    ``attn bench compile`` (benchmarks/results/compile-sm90); the slow compile test builds
+    every config this keeps."""
+    bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+    if kind in ("fwd", "dq"):
+        return w == 4 and bm * d >= 128 * 128
+    tile = bm * bn * d / (64 * 64 * 128)
+    return (w == 4 and bn * d >= 64 * 128) or tile > 1 or (tile == 1 and s > (2 if d >= 256 else 3))
 
 
 def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int | None
@@ -175,6 +189,8 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
         if min(bm, bn) > 16 and max(bm, bn) > n:
             continue
         if smem is not None and smem_estimate(kind, c, args) > smem:
+            continue
+        if _spills_heavily(kind, c, d):
             continue
         if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
             continue
