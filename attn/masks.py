@@ -278,3 +278,35 @@ def dropout_keep(
     bits = _mix32(h_m ^ _mix32(offs_n.to(torch.int64) & _M32))  # (..., M, N)
     threshold = int(p * 2**32)
     return bits >= threshold
+
+
+# -- recognising "band AND key padding" in a materialized mask --------------------------------
+
+def split_band_padding(mask: Tensor, band: Band) -> Tensor | None:
+    """Key padding ``(B, 1, 1, Nk)`` such that ``mask == band & key_padding``, or None.
+
+    ``mask`` is a bool mask (True = attend) broadcastable to ``(B, H, Nq, Nk)``; its own last
+    two dims are the query and key grid the band is laid on (expand a broadcast query dim
+    first, ``expand`` is a view). Frameworks hand over masks such as Hugging Face's
+    ``(B, 1, Nq, Nk)`` causal-plus-padding mask; when one is exactly a band (causal, window)
+    AND a per-key padding vector, a backend can apply the band from indices and read only the
+    ``(B, 1, 1, Nk)`` vector per tile instead of ``Nq x Nk`` mask entries.
+
+    A key that no query of the band may see can take either padding value; it is reported as
+    masked. One vectorized pass over the mask, no loop over rows.
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got "
+                        f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
+    if not 1 <= mask.dim() <= 4:
+        raise ValueError(f"mask must have 1 to 4 dims, broadcastable to (B, H, Nq, Nk), got "
+                         f"shape {tuple(mask.shape)}")
+    m = as_4d(mask)  # (B, H, Nq, Nk), any of them possibly 1
+    n_q, n_k = m.shape[-2:]
+    allowed = band.mask(torch.arange(n_q, device=m.device), torch.arange(n_k, device=m.device))
+    if allowed is None:  # no band: the mask must not vary over heads or queries
+        key_padding = m[:, :1, :1, :]
+        return key_padding if bool((m == key_padding).all()) else None
+    # A key counts as present when some allowed (query, key) pair of it attends.
+    key_padding = (m & allowed).any(dim=2, keepdim=True).any(dim=1, keepdim=True)
+    return key_padding if bool((m == (allowed & key_padding)).all()) else None
