@@ -310,3 +310,26 @@ def split_band_padding(mask: Tensor, band: Band) -> Tensor | None:
     # A key counts as present when some allowed (query, key) pair of it attends.
     key_padding = (m & allowed).any(dim=2, keepdim=True).any(dim=1, keepdim=True)
     return key_padding if bool((m == (allowed & key_padding)).all()) else None
+
+
+def simplify_mask(mask: Tensor, band: Band) -> tuple[Band, Tensor | None] | None:
+    """An N x N mask that is only "causal (or the call's own band) + key padding", as a band
+    and a ``(B, 1, 1, Nk)`` padding mask (None when no key is padded), or None.
+
+    ``mask`` is bool, or float holding only 0 and -inf (a bias with other values is not a
+    mask); ``band`` is the call's own band, and the causal band on its diagonal is tried
+    too. Backends then skip the tiles the band rules out and read Nk entries per key tile
+    instead of Nq x Nk: what Hugging Face's (B, 1, Nq, Nk) causal-plus-padding masks need.
+    """
+    n_q, n_k = mask.shape[-2:] if mask.dim() >= 2 else (1, mask.shape[-1])
+    if mask.dim() < 2 or n_q < 2 or n_k < 2 or mask.requires_grad:
+        return None
+    keep = as_bool_mask(mask)
+    if keep is None:
+        return None
+    causal = Band(band.offset, band.left, 0 if band.right is None else min(band.right, 0))
+    for candidate in (band, causal):
+        padding = split_band_padding(keep, candidate)
+        if padding is not None:
+            return candidate, None if bool(padding.all()) else padding
+    return None
