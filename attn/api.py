@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attn.masks import Band, make_band
+from attn.masks import Band, make_band, simplify_mask, window_pair
 from attn.reference import reference_attention
 from attn.spec import LaunchSpec
 from attn.tiled import tiled_attention
@@ -157,18 +157,6 @@ def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...]) -> None
                          f"(B, H, Nq, Nk) = {shape}")
 
 
-def _validate_window(window: object) -> tuple[int, int] | None:
-    if window is None:
-        return None
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
-        raise TypeError(f"window must be a pair of ints (left, right), -1 for unbounded, "
-                        f"got {window!r}")
-    if any(w < -1 for w in window):
-        raise ValueError(f"window sides must be >= 0, or -1 for unbounded, got {tuple(window)}")
-    return int(window[0]), int(window[1])
-
-
 def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
               ) -> float | Tensor:
     """A positive float, or a positive floating tensor that broadcasts to ``shape_ok``."""
@@ -222,7 +210,7 @@ def _sdpa_forward(q, k, v, *, band, attn_mask, scale, **_unused):
 
 
 def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropout_p,
-         dropout_seed) -> tuple[Tensor, Tensor | None]:
+         dropout_seed, block_m=None, block_n=None) -> tuple[Tensor, Tensor | None]:
     if backend == "reference":
         if isinstance(scale, Tensor):
             scale = scale.to(q.dtype)  # plain PyTorch in q's dtype, like the rest of the reference
@@ -238,7 +226,8 @@ def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropo
     cap_t = softcap if isinstance(softcap, Tensor) else None
     spec = LaunchSpec(qk_scale=float(scale), band=band,
                       softcap=None if cap_t is not None else softcap,
-                      dropout_p=float(dropout_p), dropout_seed=int(dropout_seed))
+                      dropout_p=float(dropout_p), dropout_seed=int(dropout_seed),
+                      block_m=block_m, block_n=block_n)
     if backend == "tiled":
         out, lse = tiled_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
                                    sinks=sinks)
@@ -257,12 +246,19 @@ def _draw_seed(dropout_p: float) -> int:
 
 
 def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, sinks,
-               dropout_p, return_lse, backend):
+               dropout_p, return_lse, backend, block_m=None, block_n=None):
     """Shared by both public functions once their conventions are resolved into a Band."""
     B, H, Nq, D = q.shape
+    for name, b in (("block_m", block_m), ("block_n", block_n)):
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {b!r}")
     Nk, Dv = k.shape[2], v.shape[3]
     if attn_mask is not None:
         _validate_mask(attn_mask, q, (B, H, Nq, Nk))
+        if not torch.compiler.is_compiling():  # a data-dependent check: eager only
+            simpler = simplify_mask(attn_mask, band)
+            if simpler is not None:  # causal/band + key padding: no N x N reads per tile
+                band, attn_mask = simpler
     if scale is None:
         scale = D ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -299,7 +295,7 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
     choice = select_backend(call, backend)
     out, lse = _run(choice.name, q, k, v, band=band, attn_mask=attn_mask, scale=eff_scale,
                     softcap=softcap, sinks=sinks, dropout_p=dropout_p,
-                    dropout_seed=_draw_seed(dropout_p))
+                    dropout_seed=_draw_seed(dropout_p), block_m=block_m, block_n=block_n)
     return (out, lse) if return_lse else out
 
 
@@ -318,6 +314,8 @@ def attention(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact scaled-dot-product attention with the variants people train with.
 
@@ -347,15 +345,18 @@ def attention(
 
     A row that sees no key returns zeros and lse = -inf (or its sink), never NaN.
     ``backend``: "auto" (triton on CUDA when it can, else tiled), "reference", "tiled",
-    "triton" or "sdpa"; see :func:`select_backend`.
+    "triton" or "sdpa"; see :func:`select_backend`. ``block_m`` / ``block_n``: the tiled
+    backend's tile sizes (queries x keys; default ``attn.tiled.BLOCK_M`` / ``BLOCK_N``,
+    chosen by measurement); the other backends ignore them (triton autotunes its own).
     """
     _validate_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    band = make_band(q.shape[2], k.shape[2], causal=causal, window=_validate_window(window))
+    band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))
     return _attention(q, k, v, band=band, attn_mask=attn_mask, scale=scale,
                       temperature=temperature, softcap=softcap, sinks=sinks,
-                      dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+                      dropout_p=dropout_p, return_lse=return_lse, backend=backend,
+                      block_m=block_m, block_n=block_n)
 
 
 def scaled_dot_product_attention(

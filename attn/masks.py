@@ -75,14 +75,19 @@ def window_pair(window: object, *, name: str = "window") -> tuple[int, int] | No
 
 def module_window(window: object, *, causal: bool) -> tuple[int, int] | None:
     """``MultiHeadAttention(window=w)``: an int ``w`` means ``(w, 0)`` when causal and
-    ``(w, w)`` when not (w keys on each open side); a pair passes through."""
+    ``(w, w)`` when not — the query itself plus w neighbours on each open side; a pair
+    ``(left, right)`` passes through (-1 = unbounded). A config error is a ValueError."""
     if window is None:
         return None
     if isinstance(window, int) and not isinstance(window, bool):
         if window < 0:
             raise ValueError(f"window must be >= 0, got {window}")
         return (window, 0 if causal else window)
-    return window_pair(window)
+    if (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
+        return int(window[0]), int(window[1])
+    raise ValueError(f"window must be an int or a pair (left, right) of ints >= -1, "
+                     f"got {window!r}")
 
 
 def hf_sliding_window(w: int) -> tuple[int, int]:
@@ -305,3 +310,26 @@ def split_band_padding(mask: Tensor, band: Band) -> Tensor | None:
     # A key counts as present when some allowed (query, key) pair of it attends.
     key_padding = (m & allowed).any(dim=2, keepdim=True).any(dim=1, keepdim=True)
     return key_padding if bool((m == (allowed & key_padding)).all()) else None
+
+
+def simplify_mask(mask: Tensor, band: Band) -> tuple[Band, Tensor | None] | None:
+    """An N x N mask that is only "causal (or the call's own band) + key padding", as a band
+    and a ``(B, 1, 1, Nk)`` padding mask (None when no key is padded), or None.
+
+    ``mask`` is bool, or float holding only 0 and -inf (a bias with other values is not a
+    mask); ``band`` is the call's own band, and the causal band on its diagonal is tried
+    too. Backends then skip the tiles the band rules out and read Nk entries per key tile
+    instead of Nq x Nk: what Hugging Face's (B, 1, Nq, Nk) causal-plus-padding masks need.
+    """
+    n_q, n_k = mask.shape[-2:] if mask.dim() >= 2 else (1, mask.shape[-1])
+    if mask.dim() < 2 or n_q < 2 or n_k < 2 or mask.requires_grad:
+        return None
+    keep = as_bool_mask(mask)
+    if keep is None:
+        return None
+    causal = Band(band.offset, band.left, 0 if band.right is None else min(band.right, 0))
+    for candidate in (band, causal):
+        padding = split_band_padding(keep, candidate)
+        if padding is not None:
+            return candidate, None if bool(padding.all()) else padding
+    return None

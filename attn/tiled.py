@@ -255,8 +255,11 @@ def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
-         sinks: Tensor | None = None, softcap: Tensor | None = None,
-         need_dmask: bool = False) -> Grads:
+         sinks: Tensor | None = None, softcap: Tensor | None = None, *,
+         need_dmask: bool = False, need_dcap: bool = True) -> Grads:
+    """Gradients of one call: dq, dk, dv always; the float mask's only with ``need_dmask``
+    (an N x N tensor when the mask is), sinks' when given, the learnable softcap's when
+    given and ``need_dcap``."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -265,7 +268,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     dq = torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device)
     dk3 = torch.zeros(B * Hkv, Nk, D, dtype=acc_dtype, device=q.device)
     dv3 = torch.zeros(B * Hkv, Nk, Dv, dtype=acc_dtype, device=q.device)
-    dsoftcap = None if softcap is None else torch.zeros(H, dtype=acc_dtype, device=q.device)
+    dsoftcap = None
+    if softcap is not None and need_dcap:
+        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
     dmask = None
     if need_dmask:
         dmask = torch.zeros(as_4d(attn_mask).shape, dtype=acc_dtype, device=q.device)
@@ -323,7 +328,8 @@ class _TiledAttention(torch.autograd.Function):
         q, k, v, out, lse, attn_mask, sinks, softcap = ctx.saved_tensors
         need_dmask = bool(ctx.needs_input_grad[3])
         do = torch.zeros_like(out) if dout is None else dout.contiguous()  # only lse was used
-        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, attn_mask, sinks, softcap, need_dmask)
+        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, attn_mask, sinks, softcap,
+                 need_dmask=need_dmask, need_dcap=bool(ctx.needs_input_grad[5]))
         dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
         dsoftcap = None
