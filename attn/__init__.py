@@ -7,6 +7,7 @@ from attn.api import (
     scaled_dot_product_attention,
     select_backend,
 )
+from attn.flex import create_block_mask, flex_attention
 from attn.merge import merge_attention
 from attn.nn import AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding
 
@@ -19,6 +20,8 @@ __all__ = [
     "QKNormConfig",
     "RotaryEmbedding",
     "attention",
+    "create_block_mask",
+    "flex_attention",
     "merge_attention",
     "scaled_dot_product_attention",
     "select_backend",

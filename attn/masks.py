@@ -172,6 +172,29 @@ def classify_grid(kinds: Tensor, n_q: int, n_k: int, block_m: int, block_n: int)
     return Blocks(block_m, block_n, n_q, n_k, tuple(rows))
 
 
+def band_kinds(band: Band, n_q: int, n_k: int, block_m: int, block_n: int) -> Tensor:
+    """EMPTY / PARTIAL / FULL grid of a band over aligned ``block_m x block_n`` tiles (the
+    form a block mask is combined with: a tile is visited when both visit it)."""
+    m0 = torch.arange(0, n_q, block_m)[:, None]
+    n0 = torch.arange(0, n_k, block_n)[None, :]
+    m1, n1 = (m0 + block_m).clamp(max=n_q), (n0 + block_n).clamp(max=n_k)
+    rel_lo = n0 - (m1 - 1 + band.offset)  # the smallest j - (i + offset) in the tile
+    rel_hi = (n1 - 1) - (m0 + band.offset)  # the largest
+    left = n_k + n_q if band.left is None else band.left
+    right = n_k + n_q if band.right is None else band.right
+    empty = (rel_hi < -left) | (rel_lo > right)
+    full = (rel_lo >= -left) & (rel_hi <= right)
+    return torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.int8)
+
+
+def combine_kinds(*grids: Tensor) -> Tensor:
+    """Tiles visited by every grid (AND of masks): EMPTY < PARTIAL < FULL, so the minimum."""
+    out = grids[0]
+    for g in grids[1:]:
+        out = torch.minimum(out, g)
+    return out
+
+
 def classify_predicate(keep: Tensor, block_m: int, block_n: int) -> Blocks:
     """Blocks of a dense bool ``(..., Nq, Nk)`` mask (True = attend), over every leading
     index: a tile is empty when no pair is kept for any leading index, full when all are."""

@@ -25,6 +25,8 @@ def reference_attention(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    score_mod=None,
+    mask_mod=None,
 ) -> tuple[Tensor, Tensor]:
     """Attention with materialized scores. Inputs already validated by ``attn.api``.
 
@@ -32,7 +34,9 @@ def reference_attention(
     of q·k (``scale / temperature``), a float or a tensor broadcastable to (B, H, 1, 1);
     ``softcap`` a float or a tensor broadcastable to (H,); ``sinks`` (H,).
     Returns out (B, H, Nq, Dv) in q's dtype and lse (B, H, Nq) in float32 (float64 for
-    float64 inputs).
+    float64 inputs). ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx,
+    kv_idx)`` (FlexAttention's signatures) run once on the whole (B, H, Nq, Nk) grid of
+    broadcast index tensors. Order: scale → score_mod → softcap → masks → sinks.
     """
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -41,10 +45,19 @@ def reference_attention(
     v = v.repeat_interleave(group, dim=1)
 
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk)
+    idx = (torch.arange(B, device=q.device).view(B, 1, 1, 1),
+           torch.arange(H, device=q.device).view(1, H, 1, 1),
+           torch.arange(Nq, device=q.device).view(1, 1, Nq, 1),
+           torch.arange(Nk, device=q.device).view(1, 1, 1, Nk))
+    if score_mod is not None:
+        s = torch.broadcast_to(score_mod(s, *idx), s.shape).to(s.dtype)
     if softcap is not None:
         c = softcap if isinstance(softcap, float) else softcap.to(s.dtype).reshape(-1, 1, 1)
         s = c * torch.tanh(s / c)
     allowed = band.mask(torch.arange(Nq, device=q.device), torch.arange(Nk, device=q.device))
+    if mask_mod is not None:
+        keep = torch.broadcast_to(mask_mod(*idx), s.shape)
+        allowed = keep if allowed is None else allowed & keep
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = attn_mask if allowed is None else allowed & attn_mask
