@@ -9,6 +9,7 @@ from attn.api import (
 )
 from attn.flex import create_block_mask, flex_attention
 from attn.merge import merge_attention
+from attn.varlen import varlen_attention
 from attn.nn import AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding
 
 __all__ = [
@@ -25,5 +26,6 @@ __all__ = [
     "merge_attention",
     "scaled_dot_product_attention",
     "select_backend",
+    "varlen_attention",
 ]
 __version__ = "0.1.0"
