@@ -1,0 +1,218 @@
+"""attn.varlen: packed sequences equal attention run sequence by sequence, forward and
+backward, for every variant; tiles between sequences are skipped; converters; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attn
+import attn.testing
+import attn.tiled
+from attn import varlen
+from attn.varlen import cu_seqlens_from_lengths, varlen_attention
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(attn.tiled, "BLOCK_M", 8)
+    monkeypatch.setattr(attn.tiled, "BLOCK_N", 8)
+
+
+def packed_inputs(lq, lk, H=4, Hkv=2, D=8, Dv=None, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = int(sum(lq)), int(sum(lk))
+    q = torch.randn(tq, H, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    k = torch.randn(tk, Hkv, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(tk, Hkv, Dv or D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    return q, k, v, cu_seqlens_from_lengths(torch.tensor(lq)), cu_seqlens_from_lengths(
+        torch.tensor(lk))
+
+
+def random_lengths(n, seed, hi=30):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, hi, (n,), generator=g)
+    lengths[0], lengths[1] = 0, 1  # always one empty and one single-token sequence
+    return lengths[torch.randperm(n, generator=g)].tolist()
+
+
+VARIANTS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window": {"window": (4, 2)},
+    "causal_window": {"causal": True, "window": (3, -1)},
+    "softcap": {"softcap": 1.5, "causal": True},
+    "learned": {"softcap": "tensor", "sinks": "tensor", "temperature": "tensor"},
+    "scale": {"scale": 0.7},
+}
+
+
+def variant_kwargs(name, H, dtype):
+    g = torch.Generator().manual_seed(3)
+    kw = dict(VARIANTS[name])
+    for key, shape in (("softcap", (H,)), ("sinks", (H,)), ("temperature", (H,))):
+        if kw.get(key) == "tensor":
+            t = torch.rand(shape, generator=g, dtype=torch.float64) + 0.5
+            kw[key] = t.to(dtype).requires_grad_()
+    return kw
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_equals_attention_per_sequence(variant, small_tiles):
+    """Forward, lse and every gradient (q, k, v, learnable variant tensors) of the packed
+    call equal the per-sequence calls; lengths random, Nq != Nk per sequence, 0 and 1
+    included (a query sequence whose keys are empty gives zeros and lse -inf)."""
+    n = 6
+    lq, lk = random_lengths(n, seed=1), random_lengths(n, seed=2)
+    q, k, v, cu_q, cu_k = packed_inputs(lq, lk)
+    kw = variant_kwargs(variant, 4, torch.float64)
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), return_lse=True, **kw)
+    assert out.shape == (sum(lq), 4, 8) and lse.shape == (4, sum(lq))
+    g = torch.Generator().manual_seed(4)
+    d_out, d_lse = torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(
+        lse.shape, generator=g, dtype=torch.float64)
+    learn = [q, k, v] + [t for t in kw.values() if isinstance(t, torch.Tensor)]
+    loss = (out * d_out).sum() + torch.where(torch.isfinite(lse), lse * d_lse, 0.0).sum()
+    grads = torch.autograd.grad(loss, learn)
+
+    # the same, one sequence at a time, through attn.attention
+    outs, lses = [], []
+    for b in range(n):
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        if lq[b] == 0:
+            continue
+        if lk[b] == 0:  # no key: attn.attention refuses empty k, the answer is zeros / -inf
+            sink = kw.get("sinks")
+            outs.append(torch.zeros(lq[b], 4, 8, dtype=torch.float64))
+            lses.append(torch.full((4, lq[b]), float("-inf"), dtype=torch.float64)
+                        if sink is None else sink[:, None].expand(4, lq[b]))
+            continue
+        o, l_ = attn.attention(*(t.transpose(0, 1)[None] for t in (qs, ks, vs)),
+                               return_lse=True, **kw)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l_[0])
+    out_ref, lse_ref = torch.cat(outs), torch.cat(lses, dim=1)
+    loss_ref = (out_ref * d_out).sum() + torch.where(
+        torch.isfinite(lse_ref), lse_ref * d_lse, 0.0).sum()
+    grads_ref = torch.autograd.grad(loss_ref, learn)
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-12, atol=1e-12)
+    for name, got, want in zip(["q", "k", "v", *kw], grads, grads_ref):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_within_budget(dtype, small_tiles):
+    """In fp32 / bf16 the packed output is within 2x plain PyTorch's error (the reference
+    on the same document mask in that dtype) of the float64 answer."""
+    lq = random_lengths(5, seed=5)
+    q, k, v, cu_q, _ = packed_inputs(lq, lq, dtype=torch.float64, seed=6)
+    doc_mask = varlen._DocMask(cu_q, cu_q, sum(lq), sum(lq), attn.masks.make_band(
+        0, 0, causal=True, window=None))
+
+    def dense(dt, backend):
+        q4, k4, v4 = (t.detach().to(dt).transpose(0, 1)[None] for t in (q, k, v))
+        return attn.attention(q4, k4, v4, mask_mod=doc_mask, backend=backend)[0].double()
+    exact = dense(torch.float64, "reference")
+    plain = (dense(dtype, "reference") - exact).abs().max().item()
+    got = varlen_attention(q.detach().to(dtype), k.detach().to(dtype), v.detach().to(dtype),
+                           cu_q, cu_q, causal=True).double().transpose(0, 1)
+    err = (got - exact).abs().max().item()
+    assert err <= 2 * plain + attn.testing._FLOOR[dtype] * max(1.0, exact.abs().max().item())
+
+
+def test_dropout_reproduces_the_reference(small_tiles):
+    """Dropout's hash reads the packed positions: the same seed gives the reference's mask."""
+    lq = random_lengths(4, seed=7)
+    q, k, v, cu_q, _ = packed_inputs(lq, lq, seed=8)
+    torch.manual_seed(0)
+    out = varlen_attention(q, k, v, cu_q, cu_q, causal=True, dropout_p=0.3)
+    torch.manual_seed(0)
+    ref = varlen_attention(q, k, v, cu_q, cu_q, causal=True, dropout_p=0.3, backend="reference")
+    torch.testing.assert_close(out, ref)
+    gq, = torch.autograd.grad(out.sum(), q)
+    gq_ref, = torch.autograd.grad(ref.sum(), q)
+    torch.testing.assert_close(gq, gq_ref)
+
+
+def test_gradcheck(monkeypatch):
+    monkeypatch.setattr(attn.tiled, "BLOCK_M", 3)
+    monkeypatch.setattr(attn.tiled, "BLOCK_N", 4)
+    q, k, v, cu_q, cu_k = packed_inputs([3, 0, 5, 1], [4, 2, 3, 1], H=2, Hkv=1, D=3)
+    sinks = torch.randn(2, dtype=torch.float64).requires_grad_()
+
+    def fn(q, k, v, sinks):
+        return varlen_attention(q, k, v, cu_q, cu_k, causal=True, softcap=2.0, sinks=sinks,
+                                return_lse=True)
+    assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
+
+
+def test_tiles_between_sequences_are_skipped(small_tiles, monkeypatch):
+    """Eight sequences of two tiles each: only the 8 x 2 x 2 tiles inside a sequence run,
+    all on the plain path (no mask work); causal drops the upper tile of each square."""
+    tiles, masks = [], []
+    step = attn.tiled._fwd_tile
+    monkeypatch.setattr(attn.tiled, "_fwd_tile", lambda *a: tiles.append(1) or step(*a))
+    keep = attn.tiled._Tile.mask_mod_keep
+    monkeypatch.setattr(attn.tiled._Tile, "mask_mod_keep",
+                        lambda self, *a: masks.append(1) or keep(self, *a))
+    q, k, v, cu, _ = packed_inputs([16] * 8, [16] * 8, H=2, Hkv=2, seed=9)
+    varlen_attention(q, k, v, cu, cu)
+    assert (len(tiles), len(masks)) == (8 * 4, 0)
+    tiles.clear()
+    varlen_attention(q, k, v, cu, cu, causal=True)
+    assert (len(tiles), len(masks)) == (8 * 3, 8 * 2)  # diagonal tiles are partial
+
+
+def test_converters():
+    lengths = torch.tensor([3, 0, 2, 4])
+    cu = cu_seqlens_from_lengths(lengths)
+    assert cu.tolist() == [0, 3, 3, 5, 9] and cu.dtype == torch.int32
+    assert varlen.document_ids(cu).tolist() == [0, 0, 0, 2, 2, 3, 3, 3, 3]
+    assert varlen.position_ids(cu).tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
+    assert torch.equal(varlen.cu_seqlens_from_document_ids(varlen.document_ids(cu), 4), cu)
+    no_empty = cu_seqlens_from_lengths(torch.tensor([3, 2, 4]))
+    assert torch.equal(varlen.cu_seqlens_from_position_ids(varlen.position_ids(cu)), no_empty)
+
+    mask = torch.tensor([[True, True, False], [False, False, False], [True, True, True]])
+    x = torch.randn(3, 3, 5)
+    packed, cu2, max_len = varlen.pack(x, mask)
+    assert cu2.tolist() == [0, 2, 2, 5] and max_len == 3 and packed.shape == (5, 5)
+    back = varlen.unpack(packed, mask)
+    assert torch.equal(back[mask], x[mask]) and bool((back[~mask] == 0).all())
+
+
+def test_packed_equals_padded_with_key_padding():
+    """varlen through pack() equals attention on the right-padded batch with a key mask."""
+    lengths = torch.tensor([5, 9, 1])
+    mask = torch.arange(9)[None, :] < lengths[:, None]
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(3, 9, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    padded = attn.attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                            attn_mask=attn.masks.key_padding_mask(lengths, 9), causal=True)
+    (pq, cu, m), pk, pv = varlen.pack(q, mask), varlen.pack(k, mask)[0], varlen.pack(v, mask)[0]
+    out = varlen.unpack(varlen_attention(pq, pk, pv, cu, cu, m, m, causal=True), mask)
+    torch.testing.assert_close(out[mask], padded.transpose(1, 2)[mask])
+
+
+def test_bad_input():
+    q, k, v, cu, _ = packed_inputs([3, 4], [3, 4])
+    good = torch.tensor([0, 3, 7])
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        varlen_attention(q, k, v, torch.tensor([1, 3, 7]), good)
+    with pytest.raises(ValueError, match="cu_seqlens_k must not decrease"):
+        varlen_attention(q, k, v, good, torch.tensor([0, 5, 3, 7]))
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at the total length 7"):
+        varlen_attention(q, k, v, torch.tensor([0, 3, 6]), good)
+    with pytest.raises(ValueError, match="same number of sequences"):
+        varlen_attention(q, k, v, good, torch.tensor([0, 3, 3, 7]))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        varlen_attention(q, k, v, good.float(), good)
+    with pytest.raises(ValueError, match="max_seqlen_q=3 is shorter"):
+        varlen_attention(q, k, v, good, good, 3, 4)
+    with pytest.raises(ValueError, match=r"3 dims \(total, H, D\)"):
+        varlen_attention(q[None], k, v, good, good)
+    with pytest.raises(ValueError, match="temperature of shape"):
+        varlen_attention(q, k, v, good, good, temperature=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="heads"):
+        varlen_attention(q[:, :3], k, v, good, good)
