@@ -216,3 +216,39 @@ def test_bad_input():
         varlen_attention(q, k, v, good, good, temperature=torch.ones(2, 4))
     with pytest.raises(ValueError, match="heads"):
         varlen_attention(q[:, :3], k, v, good, good)
+
+
+# -- the toy GPT trains on packed documents (--pack) ---------------------------------------
+
+def test_packed_gpt_equals_each_document_alone():
+    """GPT(x, doc_ids=...) gives every document the logits it gets alone (RoPE is relative,
+    so a document's offset inside its row changes nothing), in every layer's attention
+    variant (GQA, softcap, sinks, window)."""
+    from attn.models import GPT, AttentionConfig, GPTConfig
+    torch.manual_seed(0)
+    att = AttentionConfig(kv_heads=1, softcap=4.0, sinks=True, window=6, backend="tiled")
+    model = GPT(GPTConfig(vocab_size=23, block_size=32, n_layer=2, dim=32,
+                          attention=att)).double().eval()
+    lengths = [[5, 1, 14, 12], [32]]
+    x = torch.randint(0, 23, (2, 32))
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(sum(lengths, []))]).view(2, 32)
+    packed, _ = model(x, doc_ids=doc)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for n in row_lengths:
+            alone, _ = model(x[row:row + 1, start:start + n])
+            torch.testing.assert_close(packed[row, start:start + n], alone[0])
+            start += n
+
+
+def test_packed_text_batches():
+    from attn.models.data import TextCorpus
+    corpus = TextCorpus.load()
+    x, y, doc = corpus.packed_batch("train", 3, 128, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == doc.shape == (3, 128)
+    flat_doc = doc.flatten()
+    assert bool((flat_doc[1:] >= flat_doc[:-1]).all())  # sorted: packed offsets directly
+    assert bool((doc[1:, 0] > doc[:-1, -1]).all())  # no document spans two rows
+    same = flat_doc[1:] == flat_doc[:-1]
+    assert torch.equal(x.flatten()[1:][same], y.flatten()[:-1][same])  # next char, same doc
+    assert int(doc.max() - doc.min()) + 1 > 3  # several documents per row on average
