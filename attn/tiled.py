@@ -103,7 +103,7 @@ class _Tile:
         if not isinstance(out, Tensor):
             raise TypeError(f"score_mod must return a tensor, got {type(out).__name__}")
         out = torch.broadcast_to(out.to(self.acc_dtype), shape)
-        return out.reshape(s.shape)
+        return out.reshape(s.shape).contiguous()  # the steps after it work in place
 
     def mask_mod_keep(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
         """``mask_mod`` on one tile: bool broadcastable to (B, H, BM, BN), True = attend."""

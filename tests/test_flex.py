@@ -356,3 +356,14 @@ def test_create_block_mask_device_follows_captured_tensors():
 
         bm = attn.create_block_mask(causal, None, None, 32, 32, device="cuda", BLOCK_SIZE=16)
         assert bm.kv_num_blocks.is_cuda
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GYM)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Nq,Nk,D", [(1, 17, 16), (17, 1, 40), (128, 97, 64), (1025, 1025, 80)])
+def test_gym_examples_wide(name, dtype, Nq, Nk, D):
+    """The default tiles (256 x 256) over awkward lengths, every dtype, q/k/v gradients."""
+    q, k, v = make_inputs(B=2, H=4, N=Nq, Nk=Nk, D=D, Hkv=1, dtype=dtype, seed=13)
+    kw, _ = gym_case(name, 2, 4, Nq, Nk, dtype=torch.float32, grad=False)
+    assert_close_to_reference(tiled, q, k, v, **kw)
