@@ -231,7 +231,7 @@ def _sdpa_forward(q, k, v, *, band, attn_mask, scale, **_unused):
 
 
 def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropout_p,
-         dropout_seed, score_mod=None, mask_mod=None, mask_blocks=None
+         dropout_seed, score_mod=None, mask_mod=None, mask_blocks=None, dropout_rows=None
          ) -> tuple[Tensor, Tensor | None]:
     if backend == "reference":
         if isinstance(scale, Tensor):
@@ -239,7 +239,7 @@ def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropo
         return reference_attention(q, k, v, scale=scale, band=band, attn_mask=attn_mask,
                                    softcap=softcap, sinks=sinks, dropout_p=dropout_p,
                                    dropout_seed=dropout_seed, score_mod=score_mod,
-                                   mask_mod=mask_mod)
+                                   mask_mod=mask_mod, dropout_rows=dropout_rows)
     if backend == "sdpa":
         return _sdpa_forward(q, k, v, scale=scale, band=band, attn_mask=attn_mask)
     if isinstance(scale, Tensor):
@@ -249,7 +249,8 @@ def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropo
     cap_t = softcap if isinstance(softcap, Tensor) else None
     spec = LaunchSpec(qk_scale=float(scale), band=band,
                       softcap=None if cap_t is not None else softcap,
-                      dropout_p=float(dropout_p), dropout_seed=int(dropout_seed))
+                      dropout_p=float(dropout_p), dropout_seed=int(dropout_seed),
+                      dropout_rows=dropout_rows)
     if backend == "tiled":
         captured = ()
         if score_mod is not None or mask_mod is not None:
@@ -309,7 +310,7 @@ def _draw_seed(dropout_p: float) -> int:
 
 def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, sinks,
                dropout_p, return_lse, backend, score_mod=None, mask_mod=None,
-               mask_blocks=None):
+               mask_blocks=None, dropout_rows=None):
     """Shared by both public functions once their conventions are resolved into a Band.
     ``score_mod`` / ``mask_mod`` / ``mask_blocks``: see :func:`_mod_spec` (attn.flex)."""
     B, H, Nq, D = q.shape
@@ -356,7 +357,7 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
     out, lse = _run(choice.name, q, k, v, band=band, attn_mask=attn_mask, scale=eff_scale,
                     softcap=softcap, sinks=sinks, dropout_p=dropout_p,
                     dropout_seed=_draw_seed(dropout_p), score_mod=score_mod,
-                    mask_mod=mask_mod, mask_blocks=mask_blocks)
+                    mask_mod=mask_mod, mask_blocks=mask_blocks, dropout_rows=dropout_rows)
     return (out, lse) if return_lse else out
 
 

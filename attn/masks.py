@@ -290,8 +290,17 @@ def dropout_keep(
     only on ``(seed, bh, i, j)``, so any tile regenerates exactly: forward, backward and
     the reference see the same mask.
     """
-    s = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=bh.device))
-    h_bh = _mix32((bh.to(torch.int64) ^ s) & _M32)[..., None]  # (..., 1)
+    return dropout_keep_rows(seed, bh[..., None], offs_m, offs_n, p)
+
+
+def dropout_keep_rows(
+    seed: int, bh_rows: Tensor, offs_m: Tensor, offs_n: Tensor, p: float
+) -> Tensor:
+    """:func:`dropout_keep` with the flat ``b * H + h`` index given per row, ``bh_rows``
+    ``(..., M)`` (or ``(..., 1)``): packed sequences draw, row by row, the mask their padded
+    batch would (b = the row's sequence, positions inside it). Shape ``(..., M, N)``."""
+    s = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=bh_rows.device))
+    h_bh = _mix32((bh_rows.to(torch.int64) ^ s) & _M32)  # (..., M or 1)
     h_m = _mix32(h_bh ^ (offs_m.to(torch.int64) & _M32))[..., None]  # (..., M, 1)
     bits = _mix32(h_m ^ _mix32(offs_n.to(torch.int64) & _M32))  # (..., M, N)
     threshold = int(p * 2**32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attn.masks import Band, dropout_keep
+from attn.masks import Band, dropout_keep, dropout_keep_rows
 
 
 def reference_attention(
@@ -27,6 +27,7 @@ def reference_attention(
     dropout_seed: int = 0,
     score_mod=None,
     mask_mod=None,
+    dropout_rows=None,
 ) -> tuple[Tensor, Tensor]:
     """Attention with materialized scores. Inputs already validated by ``attn.api``.
 
@@ -37,6 +38,7 @@ def reference_attention(
     float64 inputs). ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx,
     kv_idx)`` (FlexAttention's signatures) run once on the whole (B, H, Nq, Nk) grid of
     broadcast index tensors. Order: scale → score_mod → softcap → masks → sinks.
+    ``dropout_rows``: see :class:`attn.spec.LaunchSpec` (packed sequences, B == 1).
     """
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -79,7 +81,13 @@ def reference_attention(
     p = p / l_safe
     # -inf where the row sees nothing; log of l_safe keeps that row's gradient finite
     lse = torch.where(l > 0, m + torch.log(l_safe), float("-inf")).squeeze(-1)
-    if dropout_p > 0.0:
+    if dropout_p > 0.0 and dropout_rows is not None:
+        b_rows, offs_m, offs_n = dropout_rows(torch.arange(Nq, device=q.device),
+                                              torch.arange(Nk, device=q.device))
+        bh = b_rows.view(1, 1, Nq) * H + torch.arange(H, device=q.device).view(1, H, 1)
+        keep = dropout_keep_rows(dropout_seed, bh, offs_m, offs_n, dropout_p)
+        p = p * keep / (1.0 - dropout_p)
+    elif dropout_p > 0.0:
         bh = torch.arange(B * H, device=q.device).reshape(B, H)
         keep = dropout_keep(dropout_seed, bh, torch.arange(Nq, device=q.device),
                             torch.arange(Nk, device=q.device), dropout_p)

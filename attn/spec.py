@@ -40,6 +40,9 @@ class LaunchSpec:
     score_mod: Callable | None = None  # score_mod(score, b, h, q_idx, kv_idx) -> score
     mask_mod: Callable | None = None  # mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend
     mask_blocks: Blocks | None = None  # the mask's tile classification (local positions)
+    # packed sequences: (offs_m, offs_n) -> (sequence per row, position per row, position
+    # per key) for the dropout hash, so a packed call draws its padded batch's mask
+    dropout_rows: Callable | None = None
 
     def local_band(self) -> Band:
         """The band in this call's own positions: query i is global ``q_start + i``."""

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attn.masks import Blocks, as_4d, dropout_keep
+from attn.masks import Blocks, as_4d, dropout_keep, dropout_keep_rows
 from attn.spec import LaunchSpec
 
 # Chosen by measurement (scripts/tune_tiled_blocks.py; benchmarks/results/tiled_blocks_cpu.md):
@@ -83,6 +83,7 @@ class _Tile:
             heads = spec.heads_total or H
             h = torch.arange(H, device=q.device) + spec.head_start
             self.bh = (torch.arange(B, device=q.device)[:, None] * heads + h).view(B, Hkv, self.G)
+            self.heads, self.h_glob = heads, h.view(1, Hkv, self.G, 1)
         self._band_masks: dict[tuple[int, int, int], Tensor] = {}
         # -- score_mod / mask_mod: index tensors broadcast to (B, H, BM, BN), global positions
         self.score_mod, self.mask_mod = spec.score_mod, spec.mask_mod
@@ -199,7 +200,12 @@ class _Tile:
         spec = self.spec
         offs_m = torch.arange(m0, m1, device=self.device) + spec.q_start
         offs_n = torch.arange(n0, n1, device=self.device) + spec.k_start
-        keep = dropout_keep(spec.dropout_seed, self.bh, offs_m, offs_n, spec.dropout_p)
+        if spec.dropout_rows is None:
+            keep = dropout_keep(spec.dropout_seed, self.bh, offs_m, offs_n, spec.dropout_p)
+        else:  # packed: one batch row holding many sequences (B == 1)
+            b_rows, offs_m, offs_n = spec.dropout_rows(offs_m, offs_n)
+            bh = b_rows.view(1, 1, 1, -1) * self.heads + self.h_glob  # (1, Hkv, G, BM)
+            keep = dropout_keep_rows(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
         z = keep.to(self.acc_dtype) / (1.0 - spec.dropout_p)  # (B, Hkv, G, BM, BN)
         return z.view(self.B * self.Hkv, self.G * (m1 - m0), n1 - n0)
 

@@ -136,6 +136,7 @@ class _DocMask:
 
     def __init__(self, cu_q: Tensor, cu_k: Tensor, n_q: int, n_k: int, band: Band) -> None:
         self.doc_q, self.doc_k = document_ids(cu_q, n_q), document_ids(cu_k, n_k)
+        self.start_q, self.start_k = cu_q.long()[:-1], cu_k.long()[:-1]
         self.band = band
         if not band.is_full:
             self.pos_q = torch.arange(n_q, device=cu_q.device) - cu_q.long()[1:][self.doc_q]
@@ -150,6 +151,12 @@ class _DocMask:
             if self.band.right is not None:
                 keep = keep & (rel <= self.band.right)
         return keep
+
+    def dropout_rows(self, offs_m: Tensor, offs_n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Dropout's hash coordinates: each row's sequence and the positions inside their
+        own sequences, i.e. the padded batch's ``(b, i, j)``."""
+        doc_q, doc_k = self.doc_q[offs_m], self.doc_k[offs_n]
+        return doc_q, offs_m - self.start_q[doc_q], offs_n - self.start_k[doc_k]
 
     def blocks(self, block_m: int, block_n: int) -> Blocks:
         """Documents first (cheap: id ranges per tile); with a band, each visited tile is
@@ -200,7 +207,8 @@ def varlen_attention(
     and ``window=(left, right)`` are aligned bottom-right per sequence, as in FlashAttention
     (query i sees key j iff ``j <= i + Lk_b - Lq_b``). The other keywords mean what they
     mean in :func:`attn.attention`; ``temperature`` is a float or a tensor broadcastable to
-    (H,); dropout's hash reads the packed positions. ``max_seqlen_*`` are optional and only
+    (H,); dropout draws the mask of the padded batch (sequence b as batch row b, positions
+    inside it), whatever the packing. ``max_seqlen_*`` are optional and only
     checked: the tiled backend plans its tiles on the host from ``cu_seqlens`` (one small
     copy). Triton refuses (no varlen kernel), so "auto" runs tiled.
     """
@@ -238,7 +246,8 @@ def varlen_attention(
     out, lse = api._attention(q4, k4, v4, band=Band(), attn_mask=None, scale=scale,
                               temperature=temperature, softcap=softcap, sinks=sinks,
                               dropout_p=dropout_p, return_lse=True, backend=backend,
-                              mask_mod=doc, mask_blocks=doc.blocks)
+                              mask_mod=doc, mask_blocks=doc.blocks,
+                              dropout_rows=doc.dropout_rows)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out
 

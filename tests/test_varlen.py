@@ -121,18 +121,36 @@ def test_low_precision_within_budget(dtype, small_tiles):
     assert err <= 2 * plain + attn.testing._FLOOR[dtype] * max(1.0, exact.abs().max().item())
 
 
-def test_dropout_reproduces_the_reference(small_tiles):
-    """Dropout's hash reads the packed positions: the same seed gives the reference's mask."""
-    lq = random_lengths(4, seed=7)
-    q, k, v, cu_q, _ = packed_inputs(lq, lq, seed=8)
-    torch.manual_seed(0)
-    out = varlen_attention(q, k, v, cu_q, cu_q, causal=True, dropout_p=0.3)
-    torch.manual_seed(0)
-    ref = varlen_attention(q, k, v, cu_q, cu_q, causal=True, dropout_p=0.3, backend="reference")
-    torch.testing.assert_close(out, ref)
-    gq, = torch.autograd.grad(out.sum(), q)
-    gq_ref, = torch.autograd.grad(ref.sum(), q)
-    torch.testing.assert_close(gq, gq_ref)
+def test_dropout_draws_the_padded_batchs_mask(small_tiles):
+    """With one seed, packed dropout equals dropout on the padded batch (sequence b as row
+    b, positions inside it; lengths 0 and 1 included), forward and backward, and the
+    reference backend draws the same mask."""
+    lengths = torch.tensor(random_lengths(5, seed=7, hi=20))
+    N = int(lengths.max())
+    q, k, v, cu, _ = packed_inputs(lengths.tolist(), lengths.tolist(), seed=8)
+    mask = torch.arange(N)[None, :] < lengths[:, None]
+    g = torch.Generator().manual_seed(9)
+    d_out = torch.randn(q.shape, generator=g, dtype=torch.float64)
+
+    def run(packed: bool, backend: str = "auto"):
+        torch.manual_seed(0)  # the seed is drawn from torch's generator
+        if packed:
+            out = varlen_attention(q, k, v, cu, cu, causal=True, dropout_p=0.3,
+                                   backend=backend)
+        else:
+            qp, kp, vp = (varlen.unpack(t, mask).transpose(1, 2) for t in (q, k, v))
+            out = attn.attention(qp, kp, vp, causal=True, dropout_p=0.3,
+                                 attn_mask=attn.masks.key_padding_mask(lengths, N))
+            out = out.transpose(1, 2)[mask]
+        return out, torch.autograd.grad((out * d_out).sum(), (q, k, v))
+    out, grads = run(True)
+    for other, other_grads in (run(False), run(True, "reference")):
+        torch.testing.assert_close(out, other, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads, other_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.manual_seed(1)
+    other_seed = varlen_attention(q, k, v, cu, cu, causal=True, dropout_p=0.3)
+    assert (other_seed - out).abs().max() > 0.1  # the mask follows the seed
 
 
 def test_gradcheck(monkeypatch):
