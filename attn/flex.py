@@ -110,7 +110,8 @@ def mask_mod_kinds(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block
     h = torch.arange(H, device=device).view(1, H, 1, 1)
     visit = torch.zeros(B, H, qb, kb, dtype=torch.bool, device=device)
     full = torch.zeros(B, H, qb, kb, dtype=torch.bool, device=device)
-    # key blocks per chunk, so that B·H·block_m·(keys of the chunk) stays bounded
+    # key blocks per chunk, so that B·H·block_m·(keys of the chunk) stays bounded (the
+    # bound for a mask that depends on b and h; one that does not costs B·H times less)
     kb_step = max(1, _CLASSIFY_CHUNK // max(1, B * H * block_m * block_n))
     for i in range(qb):
         m0, m1 = i * block_m, min((i + 1) * block_m, n_q)
@@ -120,12 +121,16 @@ def mask_mod_kinds(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block
             n0, n1 = j0 * block_n, min(j1 * block_n, n_k)
             kv_idx = torch.arange(n0, n1, device=device).view(1, 1, 1, -1)
             keep = _checked(mask_mod(b, h, q_idx, kv_idx))
-            keep = torch.broadcast_to(keep, (B, H, m1 - m0, n1 - n0))
+            # reduce on the mask's own batch / head extent (1 when it ignores b or h), then
+            # broadcast the per-tile answer: no (B, H, BM, keys) copy of a shared mask
+            kb_ = keep.shape[-4] if keep.dim() >= 4 else 1
+            kh_ = keep.shape[-3] if keep.dim() >= 3 else 1
+            keep = torch.broadcast_to(keep, (kb_, kh_, m1 - m0, n1 - n0))
             pad = (j1 - j0) * block_n - (n1 - n0)  # the last key block may be short
             any_ = torch.nn.functional.pad(keep, (0, pad), value=False)
             all_ = torch.nn.functional.pad(keep, (0, pad), value=True)
-            any_ = any_.view(B, H, m1 - m0, j1 - j0, block_n).any(dim=4).any(dim=2)
-            all_ = all_.view(B, H, m1 - m0, j1 - j0, block_n).all(dim=4).all(dim=2)
+            any_ = any_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).any(dim=4).any(dim=2)
+            all_ = all_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).all(dim=4).all(dim=2)
             visit[:, :, i, j0:j1] = any_
             full[:, :, i, j0:j1] = all_
     return visit, full
