@@ -128,11 +128,13 @@ def mask_mod_kinds(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block
             keep = torch.broadcast_to(keep, (kb_, kh_, m1 - m0, n1 - n0))
             pad = (j1 - j0) * block_n - (n1 - n0)  # the last key block may be short
             any_ = torch.nn.functional.pad(keep, (0, pad), value=False)
-            all_ = torch.nn.functional.pad(keep, (0, pad), value=True)
+            # a ragged edge tile is never full, as in torch's create_block_mask (whose
+            # kernels rely on it to mask the positions past the end)
+            all_ = torch.nn.functional.pad(keep, (0, pad), value=False)
             any_ = any_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).any(dim=4).any(dim=2)
             all_ = all_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).all(dim=4).all(dim=2)
             visit[:, :, i, j0:j1] = any_
-            full[:, :, i, j0:j1] = all_
+            full[:, :, i, j0:j1] = all_ & (m1 - m0 == block_m)
     return visit, full
 
 

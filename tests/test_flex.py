@@ -213,19 +213,23 @@ def test_matches_torch_flex_attention_eager(name):
     torch.testing.assert_close(got_lse[finite], want_aux.lse[finite], rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("N", [256, 200])
-def test_create_block_mask_is_torchs(N):
-    """attn.create_block_mask returns torch's BlockMask with torch's classification, and
-    torch's flex_attention accepts it."""
-    doc = torch.arange(N) // 50
-    mask_mod = document(doc)
-    ours = attn.create_block_mask(mask_mod, 2, None, N, N, BLOCK_SIZE=64)
-    theirs = torch_create_block_mask(mask_mod, 2, None, N, N, device="cpu", BLOCK_SIZE=64)
+def per_head_window(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= torch.tensor([4, 30, 70])[h]
+
+
+@pytest.mark.parametrize("N,M,H,mask", [(256, 256, None, "document"), (200, 200, None, "document"),
+                                        (200, 173, 3, "per_head_window")])
+def test_create_block_mask_is_torchs(N, M, H, mask):
+    """attn.create_block_mask returns torch's BlockMask with torch's classification (ragged
+    edge tiles partial, per-head masks per head), and torch's flex_attention accepts it."""
+    mask_mod = document(torch.arange(max(N, M)) // 50) if mask == "document" else per_head_window
+    ours = attn.create_block_mask(mask_mod, 2, H, N, M, BLOCK_SIZE=64)
+    theirs = torch_create_block_mask(mask_mod, 2, H, N, M, device="cpu", BLOCK_SIZE=64)
     assert isinstance(ours, BlockMask)
     assert ours.shape == theirs.shape and ours.BLOCK_SIZE == theirs.BLOCK_SIZE
     assert torch.equal(ours.to_dense(), theirs.to_dense())  # every block visited
     assert torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)
-    q, k, v = make_inputs(B=2, H=2, N=N, D=8, seed=8)
+    q, k, v = make_inputs(B=2, H=H or 2, N=N, Nk=M, D=8, seed=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = torch_flex_attention(q, k, v, block_mask=ours)
