@@ -16,8 +16,9 @@ Rows, same q, k, v (B=1, fp32), one process:
   flex kernel), forward only; the compile happens in the warm-up call, outside the timing.
 
 With D documents of equal length the visited tiles are 1/D of dense, so the ideal time
-ratio is 1/D. Time: median of ``--repeats`` runs after one warm-up; forward, and forward +
-backward (a random upstream gradient on the output).
+ratio is 1/D. Time: median of ``--repeats`` runs after one warm-up, the repeats taken
+round-robin over the rows (a shared machine's load changes then hit every row alike);
+forward, and forward + backward (a random upstream gradient on the output).
 FLOPs counted as dense (4·B·H·N²·Dh forward, 2.5x that backward) so TFLOP/s columns show
 the effective rate; the ratio column is time over dense's.
 """
@@ -40,16 +41,6 @@ import torch  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention as torch_flex  # noqa: E402
 
 import attn  # noqa: E402
-
-
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -87,7 +78,7 @@ def main() -> None:
         "torch flex (compiled)": lambda q, k, v: compiled_flex(q, k, v, block_mask=block_mask),
     }
     compiled_flex = torch.compile(torch_flex, dynamic=False)
-    results = []
+    calls = []  # (name, forward, forward + backward or None)
     for name, fn in rows.items():
         if name == "varlen":
             def fwd():
@@ -95,7 +86,7 @@ def main() -> None:
             leaves = [t.clone().requires_grad_() for t in packed]
             d_packed = d_out[0].transpose(0, 1).contiguous()
 
-            def fwd_bwd():
+            def fwd_bwd(leaves=leaves):
                 out = attn.varlen_attention(*leaves, cu, cu)
                 torch.autograd.grad(out, leaves, d_packed)
         else:
@@ -108,12 +99,29 @@ def main() -> None:
             def fwd_bwd(fn=fn, leaves=leaves):
                 out = fn(*leaves)
                 torch.autograd.grad(out, leaves, d_out)
+        calls.append((name, fwd, None if name.startswith("torch") else fwd_bwd))
+    # warm-up (compiles), then the repeats round-robin over the rows: the machine is shared,
+    # and a load change then hits every row alike instead of a few rows
+    for _, fwd, fwd_bwd in calls:
         with torch.no_grad():
-            t_f = timed(fwd, args.repeats)
-        t_fb = None if name.startswith("torch") else timed(fwd_bwd, args.repeats)
-        results.append((name, t_f, t_fb))
-        print(name, f"{t_f * 1e3:.1f} ms", "" if t_fb is None else f"{t_fb * 1e3:.1f} ms",
-              flush=True)
+            fwd()
+        if fwd_bwd is not None:
+            fwd_bwd()
+    times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n, _, _ in calls}
+    for _ in range(args.repeats):
+        for name, fwd, fwd_bwd in calls:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                fwd()
+            times[name][0].append(time.perf_counter() - t0)
+            if fwd_bwd is not None:
+                t0 = time.perf_counter()
+                fwd_bwd()
+                times[name][1].append(time.perf_counter() - t0)
+    results = [(n, statistics.median(f), statistics.median(fb) if fb else None)
+               for n, (f, fb) in times.items()]
+    for name, t_f, t_fb in results:
+        print(name, f"{t_f * 1e3:.1f} ms", "" if t_fb is None else f"{t_fb * 1e3:.1f} ms")
 
     flops_f = 4 * H * N * N * Dh
     dense_f, dense_fb = results[0][1], results[0][2]
@@ -130,7 +138,7 @@ def main() -> None:
         f"- shape: B=1, H={H}, N={N}, head dim {Dh}, fp32; {docs} equal documents; block mask "
         f"BLOCK_SIZE={args.block}: {c[1]} full + {c[0]} partial tiles of "
         f"{(-(-N // args.block)) ** 2} (create_block_mask took {build_s * 1e3:.0f} ms, once)",
-        f"- time: median of {args.repeats} runs after a warm-up; ideal ratio 1/{docs} = "
+        f"- time: median of {args.repeats} runs after a warm-up, round-robin over the rows; ideal ratio 1/{docs} = "
         f"{1 / docs:.3f}; TFLOP/s counted as dense (4·B·H·N²·D forward, 2.5x backward)",
         "",
         "| row | fwd ms | fwd vs dense | fwd TFLOP/s (dense-equiv.) | fwd+bwd ms | fwd+bwd vs dense |",
