@@ -103,7 +103,11 @@ class _Tile:
         out = self.score_mod(s.view(shape), *self._idx(m0, m1, n0, n1))
         if not isinstance(out, Tensor):
             raise TypeError(f"score_mod must return a tensor, got {type(out).__name__}")
-        out = torch.broadcast_to(out.to(self.acc_dtype), shape)
+        try:
+            out = torch.broadcast_to(out.to(self.acc_dtype), shape)
+        except RuntimeError:
+            raise ValueError(f"score_mod returned shape {tuple(out.shape)}, which does not "
+                             f"broadcast to the tile's scores (B, H, BM, BN) = {shape}") from None
         return out.reshape(s.shape).contiguous()  # the steps after it work in place
 
     def mask_mod_keep(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
@@ -112,6 +116,12 @@ class _Tile:
         if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
             what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
             raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
+        shape = (self.B, self.H, m1 - m0, n1 - n0)
+        try:
+            torch.broadcast_shapes(keep.shape, shape)
+        except RuntimeError:
+            raise ValueError(f"mask_mod returned shape {tuple(keep.shape)}, which does not "
+                             f"broadcast to the tile (B, H, BM, BN) = {shape}") from None
         return keep
 
     def q_block(self, m0: int, m1: int) -> Tensor:

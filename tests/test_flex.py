@@ -334,6 +334,8 @@ def test_bad_input():
         attn.attention(q, k, v, mask_mod=lambda b, h, i, j: (i >= j).float())
     with pytest.raises(TypeError, match="mask_mod must return a bool"):
         attn.create_block_mask(lambda b, h, i, j: i - j, None, None, 64, 64)
+    with pytest.raises(ValueError, match="score_mod returned shape"):
+        attn.attention(q, k, v, score_mod=lambda s, b, h, i, j: s[..., :1, :1, None])
     with pytest.raises(TypeError, match="score_mod must be callable"):
         attn.flex_attention(q, k, v, score_mod=3)
     bm = attn.create_block_mask(causal, None, None, 64, 64, BLOCK_SIZE=32)
