@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attn.masks import Band, make_band
+from attn.masks import Band, make_band, window_pair
 from attn.reference import reference_attention
 from attn.spec import LaunchSpec
 from attn.tiled import tiled_attention
@@ -166,18 +166,6 @@ def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...]) -> None
                          f"(B, H, Nq, Nk) = {shape}")
 
 
-def _validate_window(window: object) -> tuple[int, int] | None:
-    if window is None:
-        return None
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
-        raise TypeError(f"window must be a pair of ints (left, right), -1 for unbounded, "
-                        f"got {window!r}")
-    if any(w < -1 for w in window):
-        raise ValueError(f"window sides must be >= 0, or -1 for unbounded, got {tuple(window)}")
-    return int(window[0]), int(window[1])
-
-
 def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
               ) -> float | Tensor:
     """A positive float, or a positive floating tensor that broadcasts to ``shape_ok``."""
@@ -231,8 +219,8 @@ def _sdpa_forward(q, k, v, *, band, attn_mask, scale, **_unused):
 
 
 def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropout_p,
-         dropout_seed, score_mod=None, mask_mod=None, mask_blocks=None, dropout_rows=None
-         ) -> tuple[Tensor, Tensor | None]:
+         dropout_seed, block_m=None, block_n=None, score_mod=None, mask_mod=None,
+         mask_blocks=None, dropout_rows=None) -> tuple[Tensor, Tensor | None]:
     if backend == "reference":
         if isinstance(scale, Tensor):
             scale = scale.to(q.dtype)  # plain PyTorch in q's dtype, like the rest of the reference
@@ -250,7 +238,7 @@ def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropo
     spec = LaunchSpec(qk_scale=float(scale), band=band,
                       softcap=None if cap_t is not None else softcap,
                       dropout_p=float(dropout_p), dropout_seed=int(dropout_seed),
-                      dropout_rows=dropout_rows)
+                      block_m=block_m, block_n=block_n, dropout_rows=dropout_rows)
     if backend == "tiled":
         captured = ()
         if score_mod is not None or mask_mod is not None:
@@ -271,18 +259,18 @@ def _mod_spec(spec: LaunchSpec, q: Tensor, k: Tensor, score_mod, mask_mod, mask_
     callable ``(block_m, block_n) -> Blocks``), and the tensors the score_mod captures
     that need a gradient."""
     from attn import flex, tiled
+    bm, bn = spec.block_m or tiled.BLOCK_M, spec.block_n or tiled.BLOCK_N
     if mask_mod is not None and mask_blocks is None:
         B, H, Nq, _ = q.shape
-        mask_blocks = flex.mask_mod_blocks(mask_mod, B, H, Nq, k.shape[2], tiled.BLOCK_M,
-                                           tiled.BLOCK_N, q.device)
+        mask_blocks = flex.mask_mod_blocks(mask_mod, B, H, Nq, k.shape[2], bm, bn, q.device)
     elif callable(mask_blocks):
-        mask_blocks = mask_blocks(tiled.BLOCK_M, tiled.BLOCK_N)
+        mask_blocks = mask_blocks(bm, bn)
     captured = ()
     if score_mod is not None and torch.is_grad_enabled():
         captured = flex.captured_tensors(score_mod)
-    spec = replace(spec, score_mod=score_mod, mask_mod=mask_mod, mask_blocks=mask_blocks,
-                   block_m=None if mask_blocks is None else mask_blocks.block_m,
-                   block_n=None if mask_blocks is None else mask_blocks.block_n)
+    if mask_blocks is not None:  # the mask's tiles are the tiles (a BlockMask's own size)
+        spec = replace(spec, block_m=mask_blocks.block_m, block_n=mask_blocks.block_n)
+    spec = replace(spec, score_mod=score_mod, mask_mod=mask_mod, mask_blocks=mask_blocks)
     return spec, captured
 
 
@@ -309,11 +297,14 @@ def _draw_seed(dropout_p: float) -> int:
 
 
 def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, sinks,
-               dropout_p, return_lse, backend, score_mod=None, mask_mod=None,
-               mask_blocks=None, dropout_rows=None):
+               dropout_p, return_lse, backend, block_m=None, block_n=None, score_mod=None,
+               mask_mod=None, mask_blocks=None, dropout_rows=None):
     """Shared by both public functions once their conventions are resolved into a Band.
     ``score_mod`` / ``mask_mod`` / ``mask_blocks``: see :func:`_mod_spec` (attn.flex)."""
     B, H, Nq, D = q.shape
+    for name, b in (("block_m", block_m), ("block_n", block_n)):
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {b!r}")
     Nk, Dv = k.shape[2], v.shape[3]
     _check_mods(score_mod, mask_mod, q)
     if attn_mask is not None:
@@ -356,8 +347,9 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
     choice = select_backend(call, backend)
     out, lse = _run(choice.name, q, k, v, band=band, attn_mask=attn_mask, scale=eff_scale,
                     softcap=softcap, sinks=sinks, dropout_p=dropout_p,
-                    dropout_seed=_draw_seed(dropout_p), score_mod=score_mod,
-                    mask_mod=mask_mod, mask_blocks=mask_blocks, dropout_rows=dropout_rows)
+                    dropout_seed=_draw_seed(dropout_p), block_m=block_m, block_n=block_n,
+                    score_mod=score_mod, mask_mod=mask_mod, mask_blocks=mask_blocks,
+                    dropout_rows=dropout_rows)
     return (out, lse) if return_lse else out
 
 
@@ -376,6 +368,8 @@ def attention(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
+    block_m: int | None = None,
+    block_n: int | None = None,
     score_mod=None,
     mask_mod=None,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -412,16 +406,19 @@ def attention(
 
     A row that sees no key returns zeros and lse = -inf (or its sink), never NaN.
     ``backend``: "auto" (triton on CUDA when it can, else tiled), "reference", "tiled",
-    "triton" or "sdpa"; see :func:`select_backend`.
+    "triton" or "sdpa"; see :func:`select_backend`. ``block_m`` / ``block_n``: the tiled
+    backend's tile sizes (queries x keys; default ``attn.tiled.BLOCK_M`` / ``BLOCK_N``,
+    chosen by measurement); the other backends ignore them (triton autotunes its own).
     """
     _validate_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    band = make_band(q.shape[2], k.shape[2], causal=causal, window=_validate_window(window))
+    band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))
     return _attention(q, k, v, band=band, attn_mask=attn_mask, scale=scale,
                       temperature=temperature, softcap=softcap, sinks=sinks,
                       dropout_p=dropout_p, return_lse=return_lse, backend=backend,
-                      score_mod=score_mod, mask_mod=mask_mod)
+                      block_m=block_m, block_n=block_n, score_mod=score_mod,
+                      mask_mod=mask_mod)
 
 
 def scaled_dot_product_attention(

@@ -75,14 +75,19 @@ def window_pair(window: object, *, name: str = "window") -> tuple[int, int] | No
 
 def module_window(window: object, *, causal: bool) -> tuple[int, int] | None:
     """``MultiHeadAttention(window=w)``: an int ``w`` means ``(w, 0)`` when causal and
-    ``(w, w)`` when not (w keys on each open side); a pair passes through."""
+    ``(w, w)`` when not — the query itself plus w neighbours on each open side; a pair
+    ``(left, right)`` passes through (-1 = unbounded). A config error is a ValueError."""
     if window is None:
         return None
     if isinstance(window, int) and not isinstance(window, bool):
         if window < 0:
             raise ValueError(f"window must be >= 0, got {window}")
         return (window, 0 if causal else window)
-    return window_pair(window)
+    if (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
+        return int(window[0]), int(window[1])
+    raise ValueError(f"window must be an int or a pair (left, right) of ints >= -1, "
+                     f"got {window!r}")
 
 
 def hf_sliding_window(w: int) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
+from attn.masks import module_window
 from attn.varlen import varlen_attention
 
 QK_NORM_KINDS = ("l2", "rms", "layer")
@@ -160,23 +161,6 @@ class KVCacheLike(Protocol):
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...  # → all keys, values
 
 
-def _as_window(window: int | tuple[int, int] | None, causal: bool) -> tuple[int, int] | None:
-    if window is None:
-        return None
-    if isinstance(window, bool):
-        raise TypeError(f"window must be an int or a pair of ints, got {window!r}")
-    if isinstance(window, int):
-        if window < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
-        # w keys back (and, without causal, w ahead): the query itself plus w neighbours a side
-        return (window, 0 if causal else window)
-    if (isinstance(window, (tuple, list)) and len(window) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
-        return (int(window[0]), int(window[1]))
-    raise ValueError(f"window must be an int or a pair (left, right) of ints >= -1, "
-                     f"got {window!r}")
-
-
 def _parse_window(s: str) -> int | tuple[int, int]:
     """Command-line spelling of a window: ``W`` or ``LEFT,RIGHT``."""
     parts = [int(p) for p in s.split(",")]
@@ -256,7 +240,7 @@ class AttentionOptions:
             raise ValueError(f"softcap must be positive or None, got {self.softcap!r}")
         if self.learn_softcap and self.softcap is None:
             raise ValueError("learn_softcap needs softcap, the cap's initial value")
-        _as_window(self.window, self.causal)
+        module_window(self.window, causal=self.causal)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.backend not in BACKENDS:
@@ -277,7 +261,7 @@ class AttentionOptions:
     @property
     def window_pair(self) -> tuple[int, int] | None:
         """``window`` as the ``(left, right)`` pair :func:`attn.attention` takes."""
-        return _as_window(self.window, self.causal)
+        return module_window(self.window, causal=self.causal)
 
     def qk_norm_config(self) -> QKNormConfig | None:
         if self.qk_norm is None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attn.masks import EMPTY, FULL, PARTIAL, Band, Blocks, classify_documents, classify_grid
+from attn.masks import (EMPTY, FULL, PARTIAL, Band, Blocks, classify_documents, classify_grid,
+                        make_band, window_pair)
 
 __all__ = ["cu_seqlens_from_document_ids", "cu_seqlens_from_lengths",
            "cu_seqlens_from_padding_mask", "cu_seqlens_from_position_ids", "document_ids",
@@ -237,7 +238,7 @@ def varlen_attention(
         if not ok:
             raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
                              f"broadcast to (H,) = ({H},) in the packed layout")
-    band = make_band_pair(causal, api._validate_window(window))
+    band = make_band_pair(causal, window_pair(window))
 
     # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
@@ -255,5 +256,4 @@ def varlen_attention(
 def make_band_pair(causal: bool, window: tuple[int, int] | None) -> Band:
     """The per-sequence band in end-relative positions (offset 0: both counted from the
     sequence's end, which is the bottom-right alignment)."""
-    from attn.masks import make_band
     return make_band(0, 0, causal=causal, window=window)

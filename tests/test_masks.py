@@ -112,34 +112,46 @@ def _spec(n_q, n_k, **kw):
                       dropout_p=0.2, dropout_seed=1234, block_m=16, block_n=16, **kw)
 
 
-def test_query_and_key_shards_reproduce_the_whole_dropout_included():
+def _launcher(backend: str):
+    """(attention launcher, dtype, tolerance): tiled in float64, triton (interpreter) in float32."""
+    if backend == "tiled":
+        return tiled_attention, torch.float64, 1e-12
+    pytest.importorskip("triton")
+    from attn.flash_triton import triton_attention
+
+    return triton_attention, torch.float32, 2e-5
+
+
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+def test_query_and_key_shards_reproduce_the_whole_dropout_included(backend):
+    run, dtype, tol = _launcher(backend)
     B, H, Nq, Nk = 2, 4, 50, 70
-    q, k, v = make_inputs(B=B, H=H, Hkv=2, N=Nq, Nk=Nk, D=16, dtype=torch.float64, seed=3)
+    q, k, v = make_inputs(B=B, H=H, Hkv=2, N=Nq, Nk=Nk, D=16, dtype=dtype, seed=3)
     spec = _spec(Nq, Nk)
-    out, lse = tiled_attention(q, k, v, spec)
+    out, lse = run(q, k, v, spec)
     # query shards
-    parts = [tiled_attention(q[:, :, a:b], k, v, spec.shard(q_start=a))
-             for a, b in [(0, 13), (13, 31), (31, 50)]]
-    torch.testing.assert_close(torch.cat([o for o, _ in parts], 2), out, rtol=1e-12, atol=1e-12)
+    parts = [run(q[:, :, a:b], k, v, spec.shard(q_start=a)) for a, b in [(0, 13), (13, 31), (31, 50)]]
+    torch.testing.assert_close(torch.cat([o for o, _ in parts], 2), out, rtol=tol, atol=tol)
     # key shards, merged through their lse
     cuts = [(0, 20), (20, 21), (21, 70)]
-    parts = [tiled_attention(q, k[:, :, a:b], v[:, :, a:b], spec.shard(k_start=a))
-             for a, b in cuts]
+    parts = [run(q, k[:, :, a:b], v[:, :, a:b], spec.shard(k_start=a)) for a, b in cuts]
     merged, merged_lse = attn.merge_attention([o for o, _ in parts], [l for _, l in parts])
-    torch.testing.assert_close(merged, out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(merged_lse, lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(merged, out, rtol=tol, atol=tol)
+    torch.testing.assert_close(merged_lse, lse, rtol=tol, atol=tol)
 
 
-def test_head_shards_reproduce_the_whole_dropout_included():
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+def test_head_shards_reproduce_the_whole_dropout_included(backend):
+    run, dtype, tol = _launcher(backend)
     B, H, N = 2, 4, 40
-    q, k, v = make_inputs(B=B, H=H, N=N, D=16, dtype=torch.float64, seed=4)
+    q, k, v = make_inputs(B=B, H=H, N=N, D=16, dtype=dtype, seed=4)
     spec = _spec(N, N)
-    out, _ = tiled_attention(q, k, v, spec)
-    halves = [tiled_attention(q[:, h:h + 2], k[:, h:h + 2], v[:, h:h + 2],
-                              spec.shard(head_start=h, heads_total=H)) for h in (0, 2)]
-    torch.testing.assert_close(torch.cat([o for o, _ in halves], 1), out, rtol=1e-12, atol=1e-12)
+    out, _ = run(q, k, v, spec)
+    halves = [run(q[:, h:h + 2], k[:, h:h + 2], v[:, h:h + 2],
+                  spec.shard(head_start=h, heads_total=H)) for h in (0, 2)]
+    torch.testing.assert_close(torch.cat([o for o, _ in halves], 1), out, rtol=tol, atol=tol)
     # without the global head index the shard draws another mask: the test can fail
-    wrong, _ = tiled_attention(q[:, 2:], k[:, 2:], v[:, 2:], spec)
+    wrong, _ = run(q[:, 2:], k[:, 2:], v[:, 2:], spec)
     assert not torch.allclose(wrong, out[:, 2:])
 
 
