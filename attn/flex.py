@@ -345,19 +345,14 @@ def flex_attention(
         mask_blocks = block_mask_blocks(block_mask, B, H, Nq, Nk, kernel_options)
         if block_mask.mask_mod is not noop_mask:
             mask_mod = block_mask.mask_mod
-    elif kernel_options and ("BLOCK_M" in kernel_options or "BLOCK_N" in kernel_options):
-        from attn import tiled
-        bm = int(kernel_options.get("BLOCK_M", tiled.BLOCK_M))
-        bn = int(kernel_options.get("BLOCK_N", tiled.BLOCK_N))
-        if bm <= 0 or bn <= 0:
-            raise ValueError(f"kernel_options BLOCK_M / BLOCK_N must be positive, got {bm}, "
-                             f"{bn}")
-        mask_blocks = classify_grid(torch.full((-(-Nq // bm), -(-Nk // bn)), FULL,
-                                               dtype=torch.int8), Nq, Nk, bm, bn)
+    block_m = block_n = None
+    if block_mask is None and kernel_options:  # tile sizes of the tiled backend
+        block_m, block_n = kernel_options.get("BLOCK_M"), kernel_options.get("BLOCK_N")
     out, lse = api._attention(query, key, value, band=Band(), attn_mask=None, scale=scale,
                               temperature=1.0, softcap=None, sinks=None, dropout_p=0.0,
-                              return_lse=True, backend=backend, score_mod=score_mod,
-                              mask_mod=mask_mod, mask_blocks=mask_blocks)
+                              return_lse=True, backend=backend, block_m=block_m,
+                              block_n=block_n, score_mod=score_mod, mask_mod=mask_mod,
+                              mask_blocks=mask_blocks)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None)
     return (out, lse) if want_lse else out

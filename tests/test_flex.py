@@ -373,3 +373,17 @@ def test_gym_examples_wide(name, dtype, Nq, Nk, D):
     q, k, v = make_inputs(B=2, H=4, N=Nq, Nk=Nk, D=D, Hkv=1, dtype=dtype, seed=13)
     kw, _ = gym_case(name, 2, 4, Nq, Nk, dtype=torch.float32, grad=False)
     assert_close_to_reference(tiled, q, k, v, **kw)
+
+
+def test_kernel_options_set_the_tiles_without_a_block_mask(monkeypatch):
+    seen = []
+    step = attn.tiled._fwd_tile
+    monkeypatch.setattr(attn.tiled, "_fwd_tile", lambda *a: seen.append(1) or step(*a))
+    q, k, v = make_inputs(B=1, H=2, N=64, D=8, dtype=torch.float64, seed=14)
+    out = attn.flex_attention(q, k, v, score_mod=tanh_softcap(2.0),
+                              kernel_options={"BLOCK_M": 32, "BLOCK_N": 16})
+    assert len(seen) == 2 * 4
+    torch.testing.assert_close(out, attn.attention(q, k, v, score_mod=tanh_softcap(2.0),
+                                                   backend="reference"))
+    with pytest.raises(ValueError, match="block_m must be a positive int"):
+        attn.flex_attention(q, k, v, kernel_options={"BLOCK_M": 0})
