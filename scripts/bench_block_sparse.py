@@ -138,10 +138,11 @@ def main() -> None:
         f"- shape: B=1, H={H}, N={N}, head dim {Dh}, fp32; {docs} equal documents; block mask "
         f"BLOCK_SIZE={args.block}: {c[1]} full + {c[0]} partial tiles of "
         f"{(-(-N // args.block)) ** 2} (create_block_mask took {build_s * 1e3:.0f} ms, once)",
-        f"- time: median of {args.repeats} runs after a warm-up, round-robin over the rows; ideal ratio 1/{docs} = "
-        f"{1 / docs:.3f}; TFLOP/s counted as dense (4·B·H·N²·D forward, 2.5x backward)",
+        f"- time: median of {args.repeats} runs after a warm-up, round-robin over the rows; "
+        f"ideal ratio 1/{docs} = {1 / docs:.3f}; TFLOP/s counted as dense (4·B·H·N²·D forward, 2.5x backward)",
         "",
-        "| row | fwd ms | fwd vs dense | fwd TFLOP/s (dense-equiv.) | fwd+bwd ms | fwd+bwd vs dense |",
+        "| row | fwd ms | fwd vs dense | fwd TFLOP/s (dense-equiv.) | fwd+bwd ms "
+        "| fwd+bwd vs dense |",
         "|---|---|---|---|---|---|",
     ]
     for name, t_f, t_fb in results:

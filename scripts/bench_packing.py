@@ -71,7 +71,7 @@ def padded_batches(lengths: list[int], batch: int, g: torch.Generator):
 
 
 def packed_batches(lengths: list[int], batch: int, block: int, g: torch.Generator):
-    ids, row_fill = [], 0
+    row_fill = 0
     rows: list[list[int]] = [[]]
     for n in lengths:  # first fit in order: a document that does not fit starts a new row
         if row_fill + n > block:
@@ -173,7 +173,8 @@ def main() -> None:
         "after a warm-up step, alternating between the modes. Published packing gains are "
         "1.4-2x tokens/s.",
         "",
-        "| documents | count | mean len | median len | padded tok/s (steps) | packed tok/s (steps) | packed / padded |",
+        "| documents | count | mean len | median len | padded tok/s (steps) "
+        "| packed tok/s (steps) | packed / padded |",
         "|---|---|---|---|---|---|---|",
     ]
     for dist, count, mean, median, r in rows:
