@@ -42,7 +42,8 @@ class AttentionCall:
     dropout: bool = False
     return_lse: bool = False
     score_mod: bool = False  # a FlexAttention score_mod (attn.flex)
-    mask_mod: bool = False  # a mask_mod or block mask (attn.flex; varlen's document mask)
+    mask_mod: bool = False  # a mask_mod or block mask (attn.flex)
+    varlen: bool = False  # packed sequences (attn.varlen; n_q / n_k are the longest ones)
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,12 @@ class BackendChoice:
     reason: str  # why this backend, and why not the preferred one when it fell back
 
 
-def _mods_unsupported(call: AttentionCall) -> str | None:
+def _mods_unsupported(call: AttentionCall, native_varlen: bool = False) -> str | None:
     if call.score_mod or call.mask_mod:
-        return ("score_mod / mask_mod / block masks / varlen (run by the tiled backend, which "
-                "applies them per tile)")
+        return ("score_mod / mask_mod / block masks (run by the tiled backend, which applies "
+                "them per tile)")
+    if call.varlen and not native_varlen:
+        return "packed varlen sequences (tiled and triton run them)"
     return None
 
 
@@ -88,7 +91,7 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
     if backend == "sdpa":
         return _mods_unsupported(call) or _sdpa_unsupported(call)
     if backend == "triton":
-        return _mods_unsupported(call) or _triton_unsupported(call)
+        return _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -109,7 +112,7 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
         return BackendChoice(requested, "requested explicitly")
     if call.device != "cuda":
         return BackendChoice("tiled", f"auto: tiled on {call.device} (triton needs CUDA)")
-    why = _mods_unsupported(call) or _triton_unsupported(call)
+    why = _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
     if why is None:
         return BackendChoice("triton", "auto: triton on CUDA")
     return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}")

@@ -14,6 +14,8 @@ between two different sequences are skipped, tiles inside one sequence take the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -98,7 +100,8 @@ def cu_seqlens_from_document_ids(doc: Tensor, num_docs: int | None = None) -> Te
 
 # -- validation -------------------------------------------------------------------------------
 
-def _check_cu(name: str, cu: object, total: int, device: torch.device) -> Tensor:
+def _check_cu_form(name: str, cu: object, device: torch.device) -> Tensor:
+    """Type, dtype, shape and device: checks that read nothing from the device."""
     if not isinstance(cu, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
@@ -107,7 +110,13 @@ def _check_cu(name: str, cu: object, total: int, device: torch.device) -> Tensor
         raise ValueError(f"{name} must be 1-d (B + 1,) with B >= 1, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, q on {device}")
-    host = cu.cpu()  # the tile plan is made on the host: one small copy
+    return cu
+
+
+def _check_cu_values(name: str, cu: Tensor, total: int) -> Tensor:
+    """The offsets themselves, on the host (one small copy): start 0, never decrease, end
+    at the total."""
+    host = cu.cpu()
     if int(host[0]) != 0:
         raise ValueError(f"{name} must start at 0, got {int(host[0])}")
     if bool((host[1:] < host[:-1]).any()):
@@ -116,16 +125,6 @@ def _check_cu(name: str, cu: object, total: int, device: torch.device) -> Tensor
     if int(host[-1]) != total:
         raise ValueError(f"{name} must end at the total length {total}, got {int(host[-1])}")
     return host
-
-
-def _check_max(name: str, given: object, lengths: Tensor) -> None:
-    if given is None:
-        return
-    if isinstance(given, bool) or not isinstance(given, int):
-        raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
-    longest = int(lengths.max())
-    if given < longest:
-        raise ValueError(f"{name}={given} is shorter than the longest sequence ({longest})")
 
 
 # -- the tile plan -----------------------------------------------------------------------------
@@ -209,9 +208,13 @@ def varlen_attention(
     (query i sees key j iff ``j <= i + Lk_b - Lq_b``). The other keywords mean what they
     mean in :func:`attn.attention`; ``temperature`` is a float or a tensor broadcastable to
     (H,); dropout draws the mask of the padded batch (sequence b as batch row b, positions
-    inside it), whatever the packing. ``max_seqlen_*`` are optional and only
-    checked: the tiled backend plans its tiles on the host from ``cu_seqlens`` (one small
-    copy). Triton refuses (no varlen kernel), so "auto" runs tiled.
+    inside it), whatever the packing. Backends: triton (CUDA) runs its own varlen kernels,
+    one program grid over (sequence, block), FlashAttention-2 style; tiled (every device)
+    runs a document mask and plans its tiles on the host from ``cu_seqlens`` (one small
+    copy). ``max_seqlen_*`` are optional: given both, the triton path reads ``cu_seqlens``
+    only on the device (no host sync, the offsets trusted as flash-attn trusts them);
+    otherwise the offsets are checked on the host (start at 0, never decrease, end at the
+    total) and a given max_seqlen must cover the longest sequence.
     """
     from attn import api
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -221,15 +224,16 @@ def varlen_attention(
                              f"shape {tuple(t.shape)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    total_q, H = q.shape[0], q.shape[1]
+    total_q, H, D = q.shape
     total_k = k.shape[0]
-    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, total_q, q.device)
-    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, total_k, q.device)
+    cu_q = _check_cu_form("cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = _check_cu_form("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of "
                          f"sequences, got shapes {tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
-    _check_max("max_seqlen_q", max_seqlen_q, cu_q[1:] - cu_q[:-1])
-    _check_max("max_seqlen_k", max_seqlen_k, cu_k[1:] - cu_k[:-1])
+    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
+            raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
     if isinstance(temperature, Tensor):
         try:
             ok = torch.broadcast_shapes(temperature.shape, (H,)) == (H,)
@@ -238,19 +242,83 @@ def varlen_attention(
         if not ok:
             raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
                              f"broadcast to (H,) = ({H},) in the packed layout")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     band = make_band_pair(causal, window_pair(window))
-
     # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     api._validate_qkv(q4, k4, v4)
-    doc = _DocMask(cu_q.to(q.device), cu_k.to(q.device), total_q, total_k, band)
+
+    # -- the backend: triton runs packed sequences natively; with both max_seqlen given it
+    # reads cu_seqlens on the device only (trusting them, as flash-attn does) --
+    host_q = host_k = None
+    if max_seqlen_q is None or max_seqlen_k is None:
+        host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q)
+        host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k)
+    max_q = max_seqlen_q if max_seqlen_q is not None else int((host_q[1:] - host_q[:-1]).max())
+    max_k = max_seqlen_k if max_seqlen_k is not None else int((host_k[1:] - host_k[:-1]).max())
+    call = api.AttentionCall(
+        device=q.device.type, dtype=q.dtype, head_dim=D, head_dim_v=v.shape[2], n_q=max_q,
+        n_k=max_k, band=band,
+        softcap=None if softcap is None else ("learned" if isinstance(softcap, Tensor)
+                                              else "fixed"),
+        sinks=sinks is not None, temperature_tensor=isinstance(temperature, Tensor),
+        dropout=dropout_p > 0.0, return_lse=bool(return_lse), varlen=True)
+    choice = api.select_backend(call, backend)
+    if choice.name != "triton" or host_q is not None:
+        if host_q is None:
+            host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q)
+            host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k)
+        for name, given, host in (("max_seqlen_q", max_seqlen_q, host_q),
+                                  ("max_seqlen_k", max_seqlen_k, host_k)):
+            longest = int((host[1:] - host[:-1]).max())
+            if given is not None and given < longest:
+                raise ValueError(f"{name}={given} is shorter than the longest sequence "
+                                 f"({longest})")
+    if choice.name == "triton":
+        out, lse = _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, scale=scale,
+                           temperature=temperature, softcap=softcap, sinks=sinks,
+                           dropout_p=float(dropout_p))
+        return (out, lse) if return_lse else out
+
+    doc = _DocMask(cu_q, cu_k, total_q, total_k, band)
     out, lse = api._attention(q4, k4, v4, band=Band(), attn_mask=None, scale=scale,
                               temperature=temperature, softcap=softcap, sinks=sinks,
-                              dropout_p=dropout_p, return_lse=True, backend=backend,
+                              dropout_p=dropout_p, return_lse=True, backend=choice.name,
                               mask_mod=doc, mask_blocks=doc.blocks,
                               dropout_rows=doc.dropout_rows)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out
+
+
+def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
+            dropout_p) -> tuple[Tensor, Tensor]:
+    """The triton path: the variant keywords validated as attn.attention validates them,
+    a tensor temperature folded into q, then attn.varlen_triton's kernels."""
+    from attn import api
+    from attn.varlen_triton import VarlenParams, varlen_triton
+    H, D = q.shape[1], q.shape[2]
+    if scale is None:
+        scale = D ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    temperature = api._positive("temperature", temperature, (H,), q)
+    if softcap is not None:
+        softcap = api._positive("softcap", softcap, (H,), q)
+    if sinks is not None:
+        api._check_tensor("sinks", sinks)
+        if sinks.shape != (H,):
+            raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
+    qk_scale = float(scale)
+    if isinstance(temperature, Tensor):  # folded into q in float32; autograd handles τ
+        q = q.float() * (1.0 / temperature.float()).expand(H).view(1, H, 1)
+    else:
+        qk_scale = qk_scale / temperature
+    P = VarlenParams(qk_scale=qk_scale, band=band, max_q=max_q, max_k=max_k,
+                     dropout_p=dropout_p, dropout_seed=api._draw_seed(dropout_p))
+    out, lse = varlen_triton(q, k, v, cu_q, cu_k, P, sinks=sinks, softcap=softcap)
+    return out.to(v.dtype), lse
 
 
 def make_band_pair(causal: bool, window: tuple[int, int] | None) -> Band:

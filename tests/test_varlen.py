@@ -219,7 +219,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
         varlen_attention(q, k, v, torch.tensor([1, 3, 7]), good)
     with pytest.raises(ValueError, match="cu_seqlens_k must not decrease"):
-        varlen_attention(q, k, v, good, torch.tensor([0, 5, 3, 7]))
+        varlen_attention(q, k, v, good, torch.tensor([0, 8, 7]))
     with pytest.raises(ValueError, match="cu_seqlens_q must end at the total length 7"):
         varlen_attention(q, k, v, torch.tensor([0, 3, 6]), good)
     with pytest.raises(ValueError, match="same number of sequences"):
