@@ -270,3 +270,77 @@ def test_packed_text_batches():
     same = flat_doc[1:] == flat_doc[:-1]
     assert torch.equal(x.flatten()[1:][same], y.flatten()[:-1][same])  # next char, same doc
     assert int(doc.max() - doc.min()) + 1 > 3  # several documents per row on average
+
+
+# -- the triton backend's own varlen kernels (the interpreter on CPU) -----------------------
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _need_triton():
+    pytest.importorskip("triton")
+    from attn import flash_triton
+    if DEVICE == "cpu" and not flash_triton._INTERPRET:
+        pytest.skip("attn.flash_triton was imported without TRITON_INTERPRET=1")
+
+
+TRITON_VARIANTS = {
+    "plain": {},
+    "causal_gqa_sinks": {"causal": True, "sinks": "tensor"},
+    "window_softcap": {"window": (5, 3), "softcap": "tensor", "temperature": "tensor"},
+    "dropout": {"causal": True, "dropout_p": 0.25},
+}
+
+
+@pytest.mark.parametrize("variant", list(TRITON_VARIANTS))
+def test_triton_varlen_equals_tiled(variant):
+    """triton's varlen kernels against the tiled varlen path in fp32: out, lse and every
+    gradient within 2x / 3x plain fp32's error of the float64 answer (dropout: the same
+    padded-batch mask on both); lengths random with 0 and 1, Nq != Nk per sequence."""
+    _need_triton()
+    lq, lk = random_lengths(5, seed=11, hi=70), random_lengths(5, seed=12, hi=70)
+    q, k, v, cu_q, cu_k = packed_inputs(lq, lk, H=4, Hkv=2, D=16, seed=13)
+    kw = {key: (torch.rand(4, generator=torch.Generator().manual_seed(14),
+                           dtype=torch.float64) + 0.5 if val == "tensor" else val)
+          for key, val in TRITON_VARIANTS[variant].items()}
+    g = torch.Generator().manual_seed(15)
+    d_out = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    d_lse = torch.randn(4, q.shape[0], generator=g, dtype=torch.float64)
+
+    def run(dtype, backend):
+        leaves = [t.detach().to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+        extra = {key: (val.detach().to(DEVICE, dtype).requires_grad_()
+                       if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
+        torch.manual_seed(0)
+        out, lse = varlen_attention(*leaves, cu_q.to(DEVICE), cu_k.to(DEVICE), max(lq),
+                                    max(lk), return_lse=True, backend=backend, **extra)
+        lse_term = torch.where(torch.isfinite(lse), lse, 0.0).double() * d_lse.to(DEVICE)
+        loss = (out.double() * d_out.to(DEVICE)).sum() + lse_term.sum()
+        learn = leaves + [t for t in extra.values() if isinstance(t, torch.Tensor)]
+        grads = torch.autograd.grad(loss, learn)
+        return [out.double().cpu(), lse.double().cpu()] + [x.double().cpu() for x in grads]
+    exact = run(torch.float64, "tiled")
+    plain = run(torch.float32, "reference")
+    got = run(torch.float32, "triton")
+    names = ["out", "lse", "dq", "dk", "dv", *kw]
+    for name, e, p_, t in zip(names, exact, plain, got):
+        finite = torch.isfinite(e)
+        assert torch.equal(finite, torch.isfinite(t)), name
+        err = (t[finite] - e[finite]).abs().max().item() if finite.any() else 0.0
+        plain_err = (p_[finite] - e[finite]).abs().max().item() if finite.any() else 0.0
+        factor = 2 if name in ("out", "lse") else 3
+        scale = max(1.0, e[finite].abs().max().item() if finite.any() else 0.0)
+        floor = 2e-6 * scale * (1 if name in ("out", "lse", "dq", "dk", "dv")
+                                else sum(lq) ** 0.5)
+        assert err <= factor * plain_err + floor, (name, err, plain_err)
+
+
+def test_triton_varlen_is_chosen_and_refuses_what_it_cannot():
+    call = attn.AttentionCall(device="cuda", dtype=torch.bfloat16, head_dim=64, head_dim_v=64,
+                              n_q=512, n_k=512, varlen=True)
+    assert attn.select_backend(call).name == "triton"
+    with pytest.raises(NotImplementedError, match="varlen"):
+        attn.select_backend(call, "sdpa")
+    q, k, v, cu, _ = packed_inputs([3, 4], [3, 4])
+    with pytest.raises(NotImplementedError, match="float64"):
+        varlen_attention(q, k, v, cu, cu, backend="triton")  # float64: tiled or reference
