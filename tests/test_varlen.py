@@ -344,3 +344,50 @@ def test_triton_varlen_is_chosen_and_refuses_what_it_cannot():
     q, k, v, cu, _ = packed_inputs([3, 4], [3, 4])
     with pytest.raises(NotImplementedError, match="float64"):
         varlen_attention(q, k, v, cu, cu, backend="triton")  # float64: tiled or reference
+
+
+_AOT_CHILD = r'''
+import sys
+import torch
+from attn import varlen_triton as vt
+from attn.bench.compile import _Recorder, compile_launch, largest
+from attn.masks import make_band
+
+sink = []
+names = ("_varlen_fwd", "_varlen_dkdv", "_varlen_dq")
+for n in names:
+    setattr(vt, n, _Recorder(n, getattr(vt, n), sink))
+cu = torch.tensor([0, 300, 300, 1300, 1317], dtype=torch.int32)
+T, H, Hkv, D = 1317, 8, 2, 128
+q = torch.randn(T, H, D).bfloat16().requires_grad_()
+k, v = (torch.randn(T, Hkv, D).bfloat16().requires_grad_() for _ in range(2))
+P = vt.VarlenParams(D ** -0.5, make_band(0, 0, causal=True, window=(256, 0)), 1000, 1000,
+                    dropout_p=0.1, dropout_seed=1)
+out, lse = vt.varlen_triton(q, k, v, cu, cu, P, sinks=torch.zeros(H, requires_grad=True),
+                            softcap=torch.full((H,), 30.0, requires_grad=True))
+(out.float().sum() + lse.sum()).backward()
+assert sorted(l.name for l in sink) == sorted(names), [l.name for l in sink]
+for launch in sink:
+    for arch in (90, 80):
+        b = compile_launch(launch, largest(launch.configs(arch=arch)), arch=arch)
+        print(launch.name, arch, b.config, b.shared, b.fits, b.tensor_cores, b.error)
+        assert b.error is None and b.fits and b.tensor_cores, b
+'''
+
+
+@pytest.mark.slow
+def test_triton_varlen_kernels_compile_for_sm90_and_sm80():
+    """The interpreter never runs the compiler: build the three varlen kernels (every
+    variant flag on, bf16, D=128, the largest pruned config) for sm_90 and sm_80 with
+    triton's own compiler, in a child process without TRITON_INTERPRET."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    res = subprocess.run([sys.executable, "-c", _AOT_CHILD], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
