@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attn.masks import Band, make_band, window_pair
+from attn.masks import Band, make_band, simplify_mask, window_pair
 from attn.reference import reference_attention
 from attn.spec import LaunchSpec
 from attn.tiled import tiled_attention
@@ -312,6 +312,10 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
     _check_mods(score_mod, mask_mod, q)
     if attn_mask is not None:
         _validate_mask(attn_mask, q, (B, H, Nq, Nk))
+        if not torch.compiler.is_compiling():  # a data-dependent check: eager only
+            simpler = simplify_mask(attn_mask, band)
+            if simpler is not None:  # causal/band + key padding: no N x N reads per tile
+                band, attn_mask = simpler
     if scale is None:
         scale = D ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):

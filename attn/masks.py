@@ -310,3 +310,58 @@ def dropout_keep_rows(
     bits = _mix32(h_m ^ _mix32(offs_n.to(torch.int64) & _M32))  # (..., M, N)
     threshold = int(p * 2**32)
     return bits >= threshold
+
+
+# -- recognising "band AND key padding" in a materialized mask --------------------------------
+
+def split_band_padding(mask: Tensor, band: Band) -> Tensor | None:
+    """Key padding ``(B, 1, 1, Nk)`` such that ``mask == band & key_padding``, or None.
+
+    ``mask`` is a bool mask (True = attend) broadcastable to ``(B, H, Nq, Nk)``; its own last
+    two dims are the query and key grid the band is laid on (expand a broadcast query dim
+    first, ``expand`` is a view). Frameworks hand over masks such as Hugging Face's
+    ``(B, 1, Nq, Nk)`` causal-plus-padding mask; when one is exactly a band (causal, window)
+    AND a per-key padding vector, a backend can apply the band from indices and read only the
+    ``(B, 1, 1, Nk)`` vector per tile instead of ``Nq x Nk`` mask entries.
+
+    A key that no query of the band may see can take either padding value; it is reported as
+    masked. One vectorized pass over the mask, no loop over rows.
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got "
+                        f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
+    if not 1 <= mask.dim() <= 4:
+        raise ValueError(f"mask must have 1 to 4 dims, broadcastable to (B, H, Nq, Nk), got "
+                         f"shape {tuple(mask.shape)}")
+    m = as_4d(mask)  # (B, H, Nq, Nk), any of them possibly 1
+    n_q, n_k = m.shape[-2:]
+    allowed = band.mask(torch.arange(n_q, device=m.device), torch.arange(n_k, device=m.device))
+    if allowed is None:  # no band: the mask must not vary over heads or queries
+        key_padding = m[:, :1, :1, :]
+        return key_padding if bool((m == key_padding).all()) else None
+    # A key counts as present when some allowed (query, key) pair of it attends.
+    key_padding = (m & allowed).any(dim=2, keepdim=True).any(dim=1, keepdim=True)
+    return key_padding if bool((m == (allowed & key_padding)).all()) else None
+
+
+def simplify_mask(mask: Tensor, band: Band) -> tuple[Band, Tensor | None] | None:
+    """An N x N mask that is only "causal (or the call's own band) + key padding", as a band
+    and a ``(B, 1, 1, Nk)`` padding mask (None when no key is padded), or None.
+
+    ``mask`` is bool, or float holding only 0 and -inf (a bias with other values is not a
+    mask); ``band`` is the call's own band, and the causal band on its diagonal is tried
+    too. Backends then skip the tiles the band rules out and read Nk entries per key tile
+    instead of Nq x Nk: what Hugging Face's (B, 1, Nq, Nk) causal-plus-padding masks need.
+    """
+    n_q, n_k = mask.shape[-2:] if mask.dim() >= 2 else (1, mask.shape[-1])
+    if mask.dim() < 2 or n_q < 2 or n_k < 2 or mask.requires_grad:
+        return None
+    keep = as_bool_mask(mask)
+    if keep is None:
+        return None
+    causal = Band(band.offset, band.left, 0 if band.right is None else min(band.right, 0))
+    for candidate in (band, causal):
+        padding = split_band_padding(keep, candidate)
+        if padding is not None:
+            return candidate, None if bool(padding.all()) else padding
+    return None

@@ -196,3 +196,54 @@ def test_triton_stage_split_agrees_with_the_band():
             assert not keep[m0:m1, :lo].any() and not keep[m0:m1, hi:].any()
             for n0 in range(a, b, bn):  # the unmasked middle: every pair inside the band
                 assert keep[m0:m1, n0:n0 + bn].all() and n0 + bn <= n_k and m0 + bm <= n_q
+
+
+# -- recognising "causal + key padding" in an N x N mask -----------------------------------------
+
+def _causal_padding_mask(B: int, n_q: int, n_k: int, lengths: list[int]) -> torch.Tensor:
+    causal = _dense(make_band(n_q, n_k, causal=True, window=None), n_q, n_k)
+    left_pad = torch.arange(n_k)[None, :] >= (n_k - torch.tensor(lengths))[:, None]  # (B, Nk)
+    return causal[None, None] & left_pad[:, None, None, :]  # (B, 1, Nq, Nk)
+
+
+def test_causal_plus_padding_masks_become_a_band_and_a_vector():
+    mask = _causal_padding_mask(3, 40, 40, [40, 25, 3])
+    band, padding = masks.simplify_mask(mask, Band())
+    assert band == make_band(40, 40, causal=True, window=None)
+    assert padding.shape == (3, 1, 1, 40)
+    torch.testing.assert_close(padding & _dense(band, 40, 40), mask, rtol=0, atol=0)
+    # the float form HF-style code builds with -inf is the same mask
+    f = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    assert masks.simplify_mask(f, Band())[0] == band
+    # a mask that is not of that form, or a real bias, is left alone
+    noisy = mask.clone()
+    noisy[1, 0, 30, 20] = ~noisy[1, 0, 30, 20]
+    assert masks.simplify_mask(noisy, Band()) is None
+    assert masks.simplify_mask(f.masked_fill(mask, 0.5), Band()) is None
+    # no padding at all: just the band
+    assert masks.simplify_mask(_causal_padding_mask(2, 9, 9, [9, 9]), Band()) == (
+        make_band(9, 9, causal=True, window=None), None)
+
+
+def test_attention_with_a_recognised_mask_skips_tiles_and_matches(monkeypatch):
+    import attn.tiled as tiled
+
+    q, k, v = make_inputs(B=3, H=4, Hkv=2, N=96, D=16, dtype=torch.float64, seed=5)
+    mask = _causal_padding_mask(3, 96, 96, [96, 50, 7])
+    seen = []
+    scores = tiled._Tile.scores
+
+    def counting(self, *args):
+        seen.append(args[1:])
+        return scores(self, *args)
+
+    monkeypatch.setattr(tiled._Tile, "scores", counting)
+    out = attn.attention(q, k, v, attn_mask=mask, backend="tiled", block_m=16, block_n=16)
+    n_recognised, seen[:] = len(seen), []
+    ref = attn.attention(q, k, v, attn_mask=mask, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    # the same mask with one extra hole is not recognised: every tile is visited
+    odd = mask.clone()
+    odd[0, 0, 50, 3] = False
+    attn.attention(q, k, v, attn_mask=odd, backend="tiled", block_m=16, block_n=16)
+    assert n_recognised == 21 and len(seen) == 36  # 6x6 tiles: the causal half vs all
