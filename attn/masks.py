@@ -177,6 +177,29 @@ def classify_grid(kinds: Tensor, n_q: int, n_k: int, block_m: int, block_n: int)
     return Blocks(block_m, block_n, n_q, n_k, tuple(rows))
 
 
+def band_kinds(band: Band, n_q: int, n_k: int, block_m: int, block_n: int) -> Tensor:
+    """EMPTY / PARTIAL / FULL grid of a band over aligned ``block_m x block_n`` tiles (the
+    form a block mask is combined with: a tile is visited when both visit it)."""
+    m0 = torch.arange(0, n_q, block_m)[:, None]
+    n0 = torch.arange(0, n_k, block_n)[None, :]
+    m1, n1 = (m0 + block_m).clamp(max=n_q), (n0 + block_n).clamp(max=n_k)
+    rel_lo = n0 - (m1 - 1 + band.offset)  # the smallest j - (i + offset) in the tile
+    rel_hi = (n1 - 1) - (m0 + band.offset)  # the largest
+    left = n_k + n_q if band.left is None else band.left
+    right = n_k + n_q if band.right is None else band.right
+    empty = (rel_hi < -left) | (rel_lo > right)
+    full = (rel_lo >= -left) & (rel_hi <= right)
+    return torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.int8)
+
+
+def combine_kinds(*grids: Tensor) -> Tensor:
+    """Tiles visited by every grid (AND of masks): EMPTY < PARTIAL < FULL, so the minimum."""
+    out = grids[0]
+    for g in grids[1:]:
+        out = torch.minimum(out, g)
+    return out
+
+
 def classify_predicate(keep: Tensor, block_m: int, block_n: int) -> Blocks:
     """Blocks of a dense bool ``(..., Nq, Nk)`` mask (True = attend), over every leading
     index: a tile is empty when no pair is kept for any leading index, full when all are."""
@@ -272,8 +295,17 @@ def dropout_keep(
     only on ``(seed, bh, i, j)``, so any tile regenerates exactly: forward, backward and
     the reference see the same mask.
     """
-    s = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=bh.device))
-    h_bh = _mix32((bh.to(torch.int64) ^ s) & _M32)[..., None]  # (..., 1)
+    return dropout_keep_rows(seed, bh[..., None], offs_m, offs_n, p)
+
+
+def dropout_keep_rows(
+    seed: int, bh_rows: Tensor, offs_m: Tensor, offs_n: Tensor, p: float
+) -> Tensor:
+    """:func:`dropout_keep` with the flat ``b * H + h`` index given per row, ``bh_rows``
+    ``(..., M)`` (or ``(..., 1)``): packed sequences draw, row by row, the mask their padded
+    batch would (b = the row's sequence, positions inside it). Shape ``(..., M, N)``."""
+    s = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=bh_rows.device))
+    h_bh = _mix32((bh_rows.to(torch.int64) ^ s) & _M32)  # (..., M or 1)
     h_m = _mix32(h_bh ^ (offs_m.to(torch.int64) & _M32))[..., None]  # (..., M, 1)
     bits = _mix32(h_m ^ _mix32(offs_n.to(torch.int64) & _M32))  # (..., M, N)
     threshold = int(p * 2**32)

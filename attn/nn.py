@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
 from attn.masks import module_window
+from attn.varlen import varlen_attention
 
 QK_NORM_KINDS = ("l2", "rms", "layer")
 QK_NORM_POSITIONS = ("before", "after")
@@ -328,7 +329,11 @@ class MultiHeadAttention(nn.Module):
     def _cap(self) -> float | Tensor | None:
         return self.softcap if self.log_softcap is None else self.log_softcap.exp()  # (H,)
 
-    def forward(self, x: Tensor, kv_cache: KVCacheLike | None = None) -> Tensor:
+    def forward(self, x: Tensor, kv_cache: KVCacheLike | None = None, *,
+                cu_seqlens: Tensor | None = None) -> Tensor:
+        """x (B, N, C) → (B, N, C). ``cu_seqlens`` (S + 1,): the B·N tokens hold S packed
+        documents (row boundaries among the offsets) that never see one another
+        (:func:`attn.varlen_attention`; causal and window per document)."""
         B, N, C = x.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         offset = 0
@@ -350,11 +355,19 @@ class MultiHeadAttention(nn.Module):
 
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, offset + N, D)
-        y = attention(
-            q, k, v, causal=self.causal, scale=self.scale, temperature=self._tau(),
-            softcap=self._cap(), window=self.window, sinks=self.sinks,
-            dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
-        y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
+        opts = dict(causal=self.causal, scale=self.scale, temperature=self._tau(),
+                    softcap=self._cap(), window=self.window, sinks=self.sinks,
+                    dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
+        if cu_seqlens is not None:
+            if kv_cache is not None:
+                raise ValueError("cu_seqlens (packed documents) and a KV cache do not mix")
+            # (B, H, N, D) -> packed (B·N, H, D): rows laid end to end
+            qp, kp, vp = (rearrange(t, "b h n d -> (b n) h d") for t in (q, k, v))
+            y = varlen_attention(qp, kp, vp, cu_seqlens, cu_seqlens, **opts)
+            y = rearrange(y, "(b n) h d -> b n (h d)", b=B)  # (B, N, H·D)
+        else:
+            y = attention(q, k, v, **opts)
+            y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
         return self.proj(y)
 
     def extra_repr(self) -> str:

@@ -66,6 +66,10 @@ class TrainConfig(AttentionConfig):
         None, "recall: stop at the first evaluation reaching this accuracy")
     threads: int | None = opt_field(
         None, "torch intra-op threads for the run (none = the task's preset, else torch's)")
+    pack: bool = opt_field(
+        False, "text: rows of whole documents (top-level defs of the stdlib files) laid end "
+        "to end, each attending only to itself (attn.varlen_attention), instead of random "
+        "windows")
     seed: int = 0
     dtype: str = opt_field("float32", "parameter dtype", choices=("float32", "float64",
                                                                   "bfloat16", "float16"))
@@ -81,6 +85,9 @@ class TrainConfig(AttentionConfig):
                 setattr(self, name, value)
         if self.task == "recall":
             self.block_size = self.recall.seq_len
+            if self.pack:
+                raise ValueError("pack applies to the text task (recall sequences have a "
+                                 "fixed length)")
         if isinstance(self.temperature, str):
             if self.temperature != "learned":
                 raise ValueError(f"temperature must be a float or 'learned', "
@@ -112,12 +119,16 @@ class _Task:
         else:
             self.vocab_size = cfg.recall.vocab_size
 
-    def batch(self, split: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, split: str, step: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x (B, T), y (B, T), and document ids (B, T) when packing (else None)."""
         cfg = self.cfg
         g = _generator(cfg.seed, 0 if split == "train" else 1, step)
+        if cfg.task == "text" and cfg.pack:
+            return self.corpus.packed_batch(split, cfg.batch_size, cfg.block_size, g)
         if cfg.task == "text":
-            return self.corpus.batch(split, cfg.batch_size, cfg.block_size, g)
-        return cfg.recall.batch(cfg.batch_size, g)
+            return (*self.corpus.batch(split, cfg.batch_size, cfg.block_size, g), None)
+        return (*cfg.recall.batch(cfg.batch_size, g), None)
 
     @torch.no_grad()
     def evaluate(self, model: GPT) -> tuple[float, float | None]:
@@ -126,8 +137,8 @@ class _Task:
         model.eval()
         losses, accs = [], []
         for i in range(self.cfg.eval_batches):
-            x, y = self.batch("val", i)
-            logits, loss = model(x, y)
+            x, y, doc = self.batch("val", i)
+            logits, loss = model(x, y, doc_ids=doc)
             losses.append(loss.item())
             if self.cfg.task == "recall":
                 accs.append(recall_accuracy(logits, y))
@@ -222,8 +233,8 @@ def _train(cfg: TrainConfig, out_dir: Path, resume: bool, stop_at: int | None,
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
-        x, y = task.batch("train", step)
-        _, loss = model(x, y)
+        x, y, doc = task.batch("train", step)
+        _, loss = model(x, y, doc_ids=doc)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
