@@ -15,14 +15,17 @@ reference reproduces the exact same mask without any backend storing N x N bits)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 
-@dataclass(frozen=True)
-class Band:
-    """Allowed region ``-left <= j - (i + offset) <= right``; ``None`` leaves a side open."""
+class Band(NamedTuple):
+    """Allowed region ``-left <= j - (i + offset) <= right``; ``None`` leaves a side open.
+
+    A NamedTuple (immutable, hashable) rather than a dataclass: torch.compile traces a
+    default ``Band()`` on every torch version the project supports."""
 
     offset: int = 0
     left: int | None = None
