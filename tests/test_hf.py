@@ -617,3 +617,24 @@ def test_every_keyword_the_families_pass_is_understood(caplog):
                 m.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
                            pad_token_id=0)
     assert "ignores the keyword" not in caplog.text
+
+
+def test_packed_batches_run_through_varlen_and_keep_a_bias_apart(monkeypatch):
+    """Without a mask from HF, a packed batch is attn's packed path (varlen_attention); a
+    position bias over the packed grid keeps the sequences apart through a document mask."""
+    q, k, v = _qkv(B=1, Nq=12, Nk=12)
+    cu = torch.tensor([0, 5, 7, 12])
+    calls = []
+    real = attn.varlen_attention
+    monkeypatch.setattr(attn, "varlen_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    want = torch.cat([_ref(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True)
+                      for a, b in zip(cu[:-1], cu[1:])], dim=2)
+    torch.testing.assert_close(_run(_Module(), q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu),
+                               want)
+    assert calls == [1]
+    bias = torch.randn(1, 4, 12, 12, dtype=q.dtype)
+    want_b = torch.cat([_ref(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True,
+                             attn_mask=bias[..., a:b, a:b]) for a, b in zip(cu[:-1], cu[1:])],
+                       dim=2)
+    torch.testing.assert_close(
+        _run(_Module(), q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu, position_bias=bias), want_b)

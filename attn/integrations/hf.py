@@ -28,7 +28,7 @@ attention_mask None             causal / window from the two rows above
 bool or float 4-D mask          the mask decides, as in eager; float entries at or below
                                 finfo.min / 2 mean "masked", so HF's finfo.min masks become bool
 position_bias (T5-style)        float attn_mask (bias, -inf where masked)
-cu_seq_lens_q / cu_seq_lens_k,  document mask: a token never sees another packed sequence
+cu_seq_lens_q / cu_seq_lens_k,  attn.varlen_attention: a token never sees another packed sequence
 restarting position_ids (B=1)
 output (B, H, Nq, Dv)           returned as (B, Nq, H, Dv) with no attention weights
 ==============================  ==============================================================
@@ -117,6 +117,7 @@ class _Plan:
     causal: bool
     window: tuple[int, int] | None
     attn_mask: Tensor | None
+    cu_seqlens: tuple[Tensor, Tensor] | None = None  # a packed batch: attn.varlen_attention
 
 
 class _RecentMasks:
@@ -223,7 +224,9 @@ def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
 
 def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_seq_lens_k,
                  position_ids, device: torch.device) -> _Plan:
-    """Padding-free packed batches: a document mask, until attn has a varlen path.
+    """Padding-free packed batches: attn's packed path (``varlen_attention``) when HF handed
+    no mask; with a mask (HF has drawn something within the sequences), that mask AND a
+    document mask.
 
     Explicit ``cu_seq_lens_q/k`` always count; restarting ``position_ids`` only when HF handed
     no mask (with a mask, HF has already drawn the sequences' borders into it). Cached on the
@@ -251,9 +254,8 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
                 _recent.put(anchor, key, plan)
             return plan
     cu_q, cu_k = cu_q.to(device), cu_k.to(device)
-    if plan.attn_mask is None:  # the band moves onto each sequence's own diagonal
-        band = make_band(n_q, n_k, causal=plan.causal, window=plan.window)
-        packed = _Plan(False, None, _document_mask(cu_q, cu_k, n_q, n_k, band))
+    if plan.attn_mask is None:  # varlen: the band sits on each sequence's own diagonal
+        packed = _Plan(plan.causal, plan.window, None, (cu_q, cu_k))
     else:  # a mask from HF decides within sequences; sequences stay apart
         same = _document_mask(cu_q, cu_k, n_q, n_k, Band())
         m = plan.attn_mask
@@ -310,6 +312,10 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         plan = _packed_plan(plan, Nq, Nk, B, cu_seq_lens_q, cu_seq_lens_k, position_ids,
                             query.device)
 
+    if plan.cu_seqlens is not None and position_bias is not None:
+        # a bias over the packed grid: the sequences stay apart through a document mask
+        band = make_band(Nq, Nk, causal=plan.causal, window=plan.window)
+        plan = _Plan(False, None, _document_mask(*plan.cu_seqlens, Nq, Nk, band))
     mask = plan.attn_mask
     if position_bias is not None:
         bias = position_bias.to(query.dtype)
@@ -322,10 +328,17 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     elif mask is not None and mask.is_floating_point():
         mask = mask.to(query.dtype)
 
+    dropout_p = float(dropout) if module.training else 0.0
+    if plan.cu_seqlens is not None and mask is None:
+        # (1, H, total, D) -> the packed layout (total, H, D), and back
+        out = attn.varlen_attention(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+            *plan.cu_seqlens, causal=plan.causal, window=plan.window, scale=scaling,
+            softcap=softcap, sinks=s_aux, dropout_p=dropout_p, backend=backend)
+        return out[None].contiguous(), None
     out = attn.attention(
         query, key, value, causal=plan.causal, attn_mask=mask, scale=scaling, softcap=softcap,
-        window=plan.window, sinks=s_aux,
-        dropout_p=float(dropout) if module.training else 0.0, backend=backend)
+        window=plan.window, sinks=s_aux, dropout_p=dropout_p, backend=backend)
     return out.transpose(1, 2).contiguous(), None  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
 
 
