@@ -846,6 +846,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     L = _launch_args(q, k, v, spec, attn_mask, softcap)
+    lse = lse.contiguous()  # the kernels index it as a packed (B, H, Nq): a row slice is not
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)

@@ -67,6 +67,10 @@ def alibi(slopes):  # (H,) learnable
 
 
 def tanh_softcap(cap):
+    # the cap as a 0-d tensor: torch 2.15's flex_attention traces a captured Python float as a
+    # SymFloat and then refuses it (attn's flex takes either)
+    cap = torch.tensor(float(cap))
+
     def score_mod(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
     return score_mod

@@ -247,3 +247,24 @@ def test_attention_with_a_recognised_mask_skips_tiles_and_matches(monkeypatch):
     odd[0, 0, 50, 3] = False
     attn.attention(q, k, v, attn_mask=odd, backend="tiled", block_m=16, block_n=16)
     assert n_recognised == 21 and len(seen) == 36  # 6x6 tiles: the causal half vs all
+
+
+def test_launchers_take_row_slices_of_out_and_lse():
+    """A ring step passes views (rows of the global out and lse) to the backward launchers."""
+    pytest.importorskip("triton")
+    from attn import flash_triton, tiled
+
+    q, k, v = make_inputs(B=2, H=3, N=40, Nk=30, D=16, seed=8)
+    spec = LaunchSpec(qk_scale=0.25)
+    for mod in (tiled, flash_triton):
+        if mod is flash_triton and not flash_triton._INTERPRET:
+            continue
+        out, lse = mod._fwd(q, k, v, spec)
+        do = torch.randn_like(out)
+        rows = slice(10, 30)
+        part = mod._bwd(do[:, :, rows], None, q[:, :, rows], k, v, out[:, :, rows],
+                        lse[:, :, rows], spec.shard(q_start=0))
+        whole = mod._bwd(do[:, :, rows].contiguous(), None, q[:, :, rows].contiguous(), k, v,
+                         out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), spec)
+        for a, b in zip(part[:3], whole[:3]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-6, atol=1e-6)
