@@ -316,9 +316,11 @@ def _agree(strategy: str, group, local: dict | Exception) -> list[dict]:
         lens = [rec[name][2] for rec in records]
         want = _local_lengths(sum(lens), P, ref["layout"])
         if lens != want:
+            bad = ", ".join(f"rank {r} has {a}, expected {b}"
+                            for r, (a, b) in enumerate(zip(lens, want)) if a != b)
             raise ValueError(
                 f"{strategy}: {name} shard lengths {lens} are not the {ref['layout']!r} split "
-                f"of N = {sum(lens)} over {P} ranks ({want}); use shard_sequence")
+                f"of N = {sum(lens)} over {P} ranks ({want}): {bad}; use shard_sequence")
     return records
 
 
