@@ -54,7 +54,9 @@ before the first call as torchrun scripts do.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -395,8 +397,9 @@ def _launchers(backend: str):
 
 @dataclass
 class RingStats:
-    """What the last :func:`ring_attention` forward/backward on this rank did (for tests and
-    benchmarks): K/V transfers, and (query chunk, key chunk) launches run and skipped."""
+    """What the last call on this rank did (for tests and benchmarks): K/V transfers,
+    (query chunk, key chunk) launches run and skipped, and the seconds spent waiting on
+    communication (ring: waits after the overlapped compute; Ulysses: the all-to-alls)."""
 
     kv_exchanges: int = 0
     dkv_exchanges: int = 0
@@ -407,6 +410,7 @@ class RingStats:
 
 last_ring_stats = RingStats()  # forward of the last call
 last_ring_backward_stats = RingStats()
+last_ulysses_stats = RingStats()  # comm_wait_s: time in the all-to-alls, forward + backward
 
 
 def _pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -459,8 +463,6 @@ class _Transfer:
         self.stats = stats
 
     def wait(self) -> Tensor:
-        import time
-
         t0 = time.perf_counter()
         for r in self.reqs:
             r.wait()
@@ -663,6 +665,14 @@ def _ulysses_heads(H: int, Hkv: int, P: int) -> int:
                      f"ranks (Hkv % P == 0) nor replicate evenly onto them (P % Hkv == 0)")
 
 
+@contextlib.contextmanager
+def _timed(c: _Call):
+    """Add the time spent in a blocking collective to the call's stats."""
+    t0 = time.perf_counter()
+    yield
+    c.extra["stats"].comm_wait_s += time.perf_counter() - t0
+
+
 def _seq_to_head(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]], n: int) -> Tensor:
     """(B, Hx, N_r, D) sequence shard → (B, Hx/P, N, D) head shard, global order."""
     B, Hx, n_l, D = x.shape
@@ -670,8 +680,9 @@ def _seq_to_head(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]], n: in
     lens = [sum(b - a for a, b in rs) for rs in ranges]
     send = x.reshape(B, c.P, hp, n_l, D).transpose(0, 1).contiguous()  # (P, B, hp, N_r, D)
     recv = torch.empty(B * hp * n * D, dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(recv, send.reshape(-1), [B * hp * m * D for m in lens],
-                           [B * hp * n_l * D] * c.P, group=c.group)
+    with _timed(c):
+        dist.all_to_all_single(recv, send.reshape(-1), [B * hp * m * D for m in lens],
+                               [B * hp * n_l * D] * c.P, group=c.group)
     out = x.new_empty(B, hp, n, D)
     off = 0
     for r, rs in enumerate(ranges):
@@ -691,8 +702,9 @@ def _head_to_seq(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]]) -> Te
     send = torch.cat([_take(x, rs, 2).reshape(-1) for rs in ranges])
     n_l = lens[c.rank]
     recv = torch.empty(c.P * B * hp * n_l * D, dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(recv, send, [B * hp * n_l * D] * c.P,
-                           [B * hp * m * D for m in lens], group=c.group)
+    with _timed(c):
+        dist.all_to_all_single(recv, send, [B * hp * n_l * D] * c.P,
+                               [B * hp * m * D for m in lens], group=c.group)
     # (P, B, hp, N_r, D) → (B, P·hp, N_r, D)
     return recv.view(c.P, B, hp, n_l, D).transpose(0, 1).reshape(B, c.P * hp, n_l, D)
 
@@ -747,6 +759,8 @@ def ulysses_attention(
         "ulysses_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
         temperature=temperature, softcap=softcap, window=window, sinks=sinks,
         dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
+    global last_ulysses_stats
+    c.extra["stats"] = last_ulysses_stats = RingStats()
     B, H, _, _ = q.shape
     P, hp = c.P, H // c.P
     h0 = c.rank * hp
