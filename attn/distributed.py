@@ -785,3 +785,53 @@ def ulysses_attention(
         return out
     lse = _HeadToSeq.apply(lse_h.unsqueeze(-1), c, c.q_ranges).squeeze(-1)  # (B, H, Nq_r)
     return out, lse
+
+
+# -- models ------------------------------------------------------------------------------------
+
+@dataclass
+class ContextParallel:
+    """Run a model's attention across ``group`` with each rank holding a shard of the
+    sequence: :meth:`apply_to` hooks every module with a ``context_parallel`` attribute
+    (:class:`attn.nn.MultiHeadAttention`, the toy GPT), whose RoPE / position embeddings then
+    read :meth:`positions` and whose attention runs through :meth:`attention`.
+
+    ``shard`` cuts a full batch (any tensor, along ``dim``) and records the sequence length
+    the positions refer to::
+
+        cp = ContextParallel(layout="zigzag")
+        cp.apply_to(model)
+        logits_l, _ = model(cp.shard(idx, dim=1))      # (B, N_r, V): this rank's positions
+    """
+
+    group: Any = None
+    layout: str = "zigzag"
+    strategy: str = "ring"  # or "ulysses"
+    seq_len: int | None = None  # the full N, set by shard()
+
+    def __post_init__(self) -> None:
+        _check_layout(self.layout)
+        if self.strategy not in ("ring", "ulysses"):
+            raise ValueError(f"strategy must be 'ring' or 'ulysses', got {self.strategy!r}")
+
+    def shard(self, x: Tensor, dim: int = 2) -> Tensor:
+        self.seq_len = x.shape[dim]
+        return shard_sequence(x, self.layout, self.group, dim=dim)
+
+    def gather(self, x_l: Tensor, dim: int = 2) -> Tensor:
+        return gather_sequence(x_l, self.layout, self.group, dim=dim)
+
+    def positions(self, device: torch.device | str | None = None) -> Tensor:
+        if self.seq_len is None:
+            raise RuntimeError("ContextParallel.positions: call shard() on the batch first")
+        return shard_positions(self.seq_len, self.layout, self.group, device=device)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
+        run = ring_attention if self.strategy == "ring" else ulysses_attention
+        return run(q, k, v, layout=self.layout, group=self.group, **kw)
+
+    def apply_to(self, model: torch.nn.Module) -> torch.nn.Module:
+        for m in model.modules():
+            if hasattr(m, "context_parallel"):
+                m.context_parallel = self
+        return model

@@ -133,15 +133,20 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.head_dim, self.base = head_dim, base
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (B, H, N, D) → x rotated, same shape and dtype (angles in float32 or float64)."""
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """x (B, H, N, D) → x rotated, same shape and dtype (angles in float32 or float64).
+        ``offset``: the position of the first token, or every token's position (N,) (a
+        context-parallel shard holds positions that are not contiguous)."""
         N = x.shape[2]
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         # angles in float64, then cast: position · frequency loses digits in fp32 at large N.
         # Not a buffer: Module.to(dtype) would round a float64 buffer to the model's dtype.
         f64 = dict(device=x.device, dtype=torch.float64)
         inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, **f64) / self.head_dim)
-        pos = torch.arange(offset, offset + N, **f64)
+        if isinstance(offset, Tensor):
+            pos = offset.to(**f64)
+        else:
+            pos = torch.arange(offset, offset + N, **f64)
         ang = (pos[:, None] * inv_freq[None, :]).to(acc)  # (N, D/2)
         cos, sin = ang.cos(), ang.sin()
         y = x.to(acc)
@@ -337,6 +342,9 @@ class MultiHeadAttention(nn.Module):
             self.log_softcap = None
             self.softcap = None if o.softcap is None else float(o.softcap)
         self.sinks = nn.Parameter(torch.zeros(self.heads)) if o.sinks else None
+        # set by attn.distributed.ContextParallel.apply_to: x is then this rank's shard of
+        # the sequence, RoPE reads its global positions and attention runs across the group
+        self.context_parallel = None
 
     def _tau(self) -> float | Tensor:
         return self.temperature if self.log_tau is None else self.log_tau.exp()  # (H,)
@@ -347,7 +355,12 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: Tensor, kv_cache: KVCacheLike | None = None) -> Tensor:
         B, N, C = x.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        offset = 0
+        offset: int | Tensor = 0
+        cp = self.context_parallel
+        if cp is not None:
+            if kv_cache is not None:
+                raise ValueError("a KV cache and context parallelism do not combine")
+            offset = cp.positions(x.device)  # (N,) global positions of this shard
         if kv_cache is not None:
             if not self.causal:
                 raise ValueError("a KV cache needs causal attention: without it earlier "
@@ -366,7 +379,7 @@ class MultiHeadAttention(nn.Module):
 
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, offset + N, D)
-        y = attention(
+        y = (attention if cp is None else cp.attention)(
             q, k, v, causal=self.causal, scale=self.scale, temperature=self._tau(),
             softcap=self._cap(), window=self.window, sinks=self.sinks,
             dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
