@@ -221,8 +221,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     in_group = dist.is_available() and dist.is_initialized()
-    if cfg.context_parallel is not None and not in_group and (
-            cfg.context_parallel > 1 or "WORLD_SIZE" in os.environ):
+    if cfg.context_parallel is not None and not in_group:
         return _launch_context_parallel(cfg, out_dir, resume, stop_at, progress)
     threads = torch.get_num_threads()
     if cfg.threads is not None:
@@ -238,6 +237,8 @@ def _launch_context_parallel(cfg: TrainConfig, out_dir: Path, resume: bool,
     """Join torchrun's group (WORLD_SIZE set), or spawn ``cfg.context_parallel`` processes
     on 127.0.0.1; every rank trains, rank 0 writes the checkpoint and the metrics."""
     P = cfg.context_parallel
+    if not isinstance(P, int) or P < 1:
+        raise ValueError(f"context_parallel must be a positive int, got {P!r}")
     if "WORLD_SIZE" in os.environ:  # torchrun: MASTER_ADDR/PORT, RANK, WORLD_SIZE are set
         dist.init_process_group("gloo")  # the toy trains on CPU
         try:
