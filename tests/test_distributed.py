@@ -572,3 +572,23 @@ def test_train_script_spawns_its_ranks(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
         losses[P] = json.loads((out / "metrics.json").read_text())["losses"]
     assert losses[2] == pytest.approx(losses[None], rel=1e-5, abs=0)
+
+
+@pytest.mark.slow
+def test_bench_context_parallel_runs(tmp_path):
+    """``attn bench context-parallel`` at tiny sizes: every point measured, memory above the
+    inputs positive, errors against float64 within float32 rounding, files written."""
+    import json
+
+    from attn.bench.cli import main
+
+    rc = main(["bench", "context-parallel", "--world-sizes", "1", "2", "--n", "64", "128",
+               "--repeat", "1", "--error-n", "32", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = res["rows"]
+    assert {(r["strategy"], r["P"]) for r in rows} == {(s, P) for s in STRATEGIES
+                                                      for P in (1, 2)}
+    assert all(r["status"] == "ok" and r["peak_bytes"] > 0 and r["ms"] > 0 for r in rows)
+    assert all(e[t] < 1e-4 for e in res["errors"] for t in ("out", "dq", "dk", "dv"))
+    assert (tmp_path / "results.md").exists() and (tmp_path / "context_parallel.png").exists()
