@@ -430,24 +430,40 @@ def _visible(spec: LaunchSpec, n_q: int, n_k: int) -> bool:
 
 
 def _step_pairs(c: _Call, src: int):
-    """(q piece, k piece, spec) of every launch of the step that holds rank ``src``'s K/V."""
-    for ql0, ql1, qg in _pieces(c.q_ranges[c.rank]):
-        for kl0, kl1, kg in _pieces(c.k_ranges[src]):
+    """``(qi, rows, ki, spec, visible)`` for each (local query piece, piece of rank ``src``'s
+    keys) of the step that holds ``src``'s K/V: the pieces' indices, the query rows, and the
+    spec with both pieces' global positions."""
+    for qi, (ql0, ql1, qg) in enumerate(_pieces(c.q_ranges[c.rank])):
+        for ki, (kl0, kl1, kg) in enumerate(_pieces(c.k_ranges[src])):
             spec = c.spec.shard(q_start=qg, k_start=kg)
-            yield (ql0, ql1), (kl0, kl1), spec, _visible(spec, ql1 - ql0, kl1 - kl0)
+            yield qi, slice(ql0, ql1), ki, spec, _visible(spec, ql1 - ql0, kl1 - kl0)
 
 
-def _pack(*ts: Tensor) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in ts])
+def _pack(c: _Call, src: int, *ts: Tensor) -> Tensor:
+    """K and V (or dK and dV) of rank ``src`` as one flat buffer, piece by piece, so that a
+    visiting piece unpacks to a contiguous view (no copy per step) and one message moves all."""
+    pieces = _pieces(c.k_ranges[src])
+    return torch.cat([t[:, :, a:b].reshape(-1) for t in ts for a, b, _ in pieces])
 
 
-def _unpack(flat: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
+def _unpack(c: _Call, flat: Tensor, src: int, widths: tuple[int, ...], like: Tensor
+            ) -> list[list[Tensor]]:
+    """The inverse of :func:`_pack`: for each packed tensor, its pieces (B, Hkv, n, width)."""
+    B, Hkv = like.shape[:2]
     out, off = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        out.append(flat[off:off + n].view(s))
-        off += n
+    for w in widths:
+        views = []
+        for a, b, _ in _pieces(c.k_ranges[src]):
+            n = B * Hkv * (b - a) * w
+            views.append(flat[off:off + n].view(B, Hkv, b - a, w))
+            off += n
+        out.append(views)
     return out
+
+
+def _kv_numel(c: _Call, k: Tensor, v: Tensor, src: int) -> int:
+    B, Hkv = k.shape[:2]
+    return B * Hkv * c.k_lens[src] * (k.shape[-1] + v.shape[-1])
 
 
 class _Transfer:
@@ -455,6 +471,7 @@ class _Transfer:
     posted at once (``batch_isend_irecv``) and waited for later, so compute runs meanwhile."""
 
     def __init__(self, c: _Call, flat: Tensor, n: int, tag: int, stats: RingStats) -> None:
+        self.sent = flat  # alive until waited: the send reads it asynchronously
         self.buf = torch.empty(n, dtype=flat.dtype, device=flat.device)
         nxt, prv = _peer(c.group, (c.rank + 1) % c.P), _peer(c.group, (c.rank - 1) % c.P)
         ops = [dist.P2POp(dist.isend, flat, nxt, c.group, tag),
@@ -468,12 +485,6 @@ class _Transfer:
             r.wait()
         self.stats.comm_wait_s += time.perf_counter() - t0
         return self.buf
-
-
-def _kv_shapes(c: _Call, k: Tensor, v: Tensor, src: int) -> list[tuple[int, ...]]:
-    B, Hkv, _, D = k.shape
-    n = c.k_lens[src]
-    return [(B, Hkv, n, D), (B, Hkv, n, v.shape[-1])]
 
 
 def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
@@ -492,26 +503,22 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
             lse0 = sinks.detach().to(acc).view(1, H, 1).expand_as(lse0).clone()
         state.append((torch.zeros(B, H, ql1 - ql0, v.shape[-1], dtype=acc, device=q.device),
                       lse0))
-    kv = _pack(k, v)
+    widths = (k.shape[-1], v.shape[-1])
+    kv = _pack(c, c.rank, k, v)
     for step in range(c.P):
         src = (c.rank - step) % c.P
         hop = None
         if step < c.P - 1:  # post the next K/V before computing on this one
-            nxt_src = (src - 1) % c.P
-            n = sum(math.prod(s) for s in _kv_shapes(c, k, v, nxt_src))
-            hop = _Transfer(c, kv, n, _TAG_KV, stats)
+            hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
             stats.kv_exchanges += 1
-        k_s, v_s = _unpack(kv, _kv_shapes(c, k, v, src))
+        k_s, v_s = _unpack(c, kv, src, widths, k)
         partials: list[list[tuple[Tensor, Tensor]]] = [[] for _ in q_pieces]
-        for i, ((ql0, ql1), (kl0, kl1), spec, visible) in enumerate(_step_pairs(c, src)):
+        for qi, rows, ki, spec, visible in _step_pairs(c, src):
             if not visible:
                 stats.skipped += 1
                 continue
             stats.launches += 1
-            qi = [p[0] for p in q_pieces].index(ql0)
-            o, l = fwd(q[:, :, ql0:ql1], k_s[:, :, kl0:kl1].contiguous(),
-                       v_s[:, :, kl0:kl1].contiguous(), spec, softcap=cap_t)
-            partials[qi].append((o, l))
+            partials[qi].append(fwd(q[:, :, rows], k_s[ki], v_s[ki], spec, softcap=cap_t))
         for qi, parts in enumerate(partials):
             if parts:  # the running state first: the merge keeps its (accumulation) dtype
                 state[qi] = merge_attention([state[qi][0]] + [p[0] for p in parts],
@@ -535,47 +542,44 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
     dcap = None
     if cap_t is not None and need_dcap:
         dcap = torch.zeros(q.shape[1], dtype=acc, device=q.device)
-    kv = _pack(k, v)
+    widths = (k.shape[-1], v.shape[-1])
+    kv = _pack(c, c.rank, k, v)
     dkv_hop = None
     for step in range(c.P):
         src = (c.rank - step) % c.P
         kv_hop = None
         if step < c.P - 1:
-            n = sum(math.prod(s) for s in _kv_shapes(c, k, v, (src - 1) % c.P))
-            kv_hop = _Transfer(c, kv, n, _TAG_KV, stats)
+            kv_hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
             stats.kv_exchanges += 1
-        shapes = _kv_shapes(c, k, v, src)
-        k_s, v_s = _unpack(kv, shapes)
-        dk_s = torch.zeros(shapes[0], dtype=acc, device=q.device)
-        dv_s = torch.zeros(shapes[1], dtype=acc, device=q.device)
-        for (ql0, ql1), (kl0, kl1), spec, visible in _step_pairs(c, src):
+        k_s, v_s = _unpack(c, kv, src, widths, k)
+        # dK/dV of the visiting pieces, packed like them, in the accumulation dtype
+        dkv = torch.zeros(_kv_numel(c, k, v, src), dtype=acc, device=q.device)
+        dk_s, dv_s = _unpack(c, dkv, src, widths, k)
+        for qi, rows, ki, spec, visible in _step_pairs(c, src):
             if not visible:
                 stats.skipped += 1
                 continue
             stats.launches += 1
-            rows = slice(ql0, ql1)
             # the global out and lse: P = exp(s − lse) and Δ are those of the unsharded call
             g = bwd(do[:, :, rows], None if dlse is None else dlse[:, :, rows], q[:, :, rows],
-                    k_s[:, :, kl0:kl1].contiguous(), v_s[:, :, kl0:kl1].contiguous(),
-                    out[:, :, rows], lse[:, :, rows], spec, softcap=cap_t,
+                    k_s[ki], v_s[ki], out[:, :, rows], lse[:, :, rows], spec, softcap=cap_t,
                     need_dcap=dcap is not None)
             dq[:, :, rows] += g.dq
-            dk_s[:, :, kl0:kl1] += g.dk
-            dv_s[:, :, kl0:kl1] += g.dv
+            dk_s[ki] += g.dk
+            dv_s[ki] += g.dv
             if dcap is not None:
                 dcap += g.dsoftcap
-        dkv = _pack(dk_s, dv_s)
         if dkv_hop is not None:  # what earlier ranks added for these K/V, sent last step
-            dkv = dkv + dkv_hop.wait()
+            dkv += dkv_hop.wait()
         if c.P > 1:  # dK/dV follow their K/V; after the last step they reach the owner
-            n = sum(math.prod(s) for s in _kv_shapes(c, k, v, (src - 1) % c.P))
-            dkv_hop = _Transfer(c, dkv, n, _TAG_DKV, stats)
+            dkv_hop = _Transfer(c, dkv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_DKV, stats)
             stats.dkv_exchanges += 1
         if kv_hop is not None:
             kv = kv_hop.wait()
     if dkv_hop is not None:
         dkv = dkv_hop.wait()
-    dk, dv = _unpack(dkv, _kv_shapes(c, k, v, c.rank))
+    dk_p, dv_p = _unpack(c, dkv, c.rank, widths, k)
+    dk, dv = torch.cat(dk_p, dim=2), torch.cat(dv_p, dim=2)
     dsinks = None
     if sinks is not None:
         from attn.tiled import sink_grad
