@@ -385,6 +385,15 @@ def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperatur
     return c, eff_scale, cap_t
 
 
+def _rows(c: _Call, t: Tensor | None, rows: slice) -> Tensor | None:
+    """Query rows of a per-query tensor for a launch: a view for tiled; a contiguous copy
+    for triton, whose backward indexes lse and Δ as if (B, H, Nq) were contiguous."""
+    if t is None:
+        return None
+    t = t[:, :, rows]
+    return t.contiguous() if c.backend == "triton" else t
+
+
 def _launchers(backend: str):
     if backend == "triton":
         from attn import flash_triton as mod
@@ -518,7 +527,7 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
                 stats.skipped += 1
                 continue
             stats.launches += 1
-            partials[qi].append(fwd(q[:, :, rows], k_s[ki], v_s[ki], spec, softcap=cap_t))
+            partials[qi].append(fwd(_rows(c, q, rows), k_s[ki], v_s[ki], spec, softcap=cap_t))
         for qi, parts in enumerate(partials):
             if parts:  # the running state first: the merge keeps its (accumulation) dtype
                 state[qi] = merge_attention([state[qi][0]] + [p[0] for p in parts],
@@ -561,8 +570,8 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
                 continue
             stats.launches += 1
             # the global out and lse: P = exp(s − lse) and Δ are those of the unsharded call
-            g = bwd(do[:, :, rows], None if dlse is None else dlse[:, :, rows], q[:, :, rows],
-                    k_s[ki], v_s[ki], out[:, :, rows], lse[:, :, rows], spec, softcap=cap_t,
+            g = bwd(_rows(c, do, rows), _rows(c, dlse, rows), _rows(c, q, rows), k_s[ki],
+                    v_s[ki], _rows(c, out, rows), _rows(c, lse, rows), spec, softcap=cap_t,
                     need_dcap=dcap is not None)
             dq[:, :, rows] += g.dq
             dk_s[ki] += g.dk

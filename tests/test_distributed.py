@@ -88,6 +88,10 @@ def _variant(name: str, P: int) -> tuple[dict, dict]:
         kw["window"] = (6, 0)
     elif name == "bfloat16":
         shape["dtype"] = torch.bfloat16
+    elif name == "triton":  # the kernels in the Triton interpreter (conftest sets it on CPU)
+        shape.update(dtype=torch.float32, D=16, Hkv=P)
+        kw.update(backend="triton", window=(9, 0), softcap=2.0,
+                  sinks=param(H, lo=-1.0, hi=1.0))
     else:
         raise KeyError(name)
     return shape, kw
@@ -95,7 +99,8 @@ def _variant(name: str, P: int) -> tuple[dict, dict]:
 
 VARIANTS = ("causal", "full", "window", "window_both", "gqa", "mqa", "gqa_replicated",
             "scale_temperature", "temperature_tensor", "softcap", "softcap_learned", "sinks",
-            "dropout", "rows_unseen", "cross_window", "everything", "float32", "bfloat16")
+            "dropout", "rows_unseen", "cross_window", "everything", "float32", "bfloat16",
+            "triton")
 BAD_INPUTS = ("k_length_on_rank1", "head_dim_on_rank1", "dtype_on_rank1", "ulysses_heads",
               "ulysses_kv_heads", "attn_mask")
 
@@ -105,8 +110,8 @@ def _case_list(P: int) -> list[tuple[str, str, dict]]:
     then the collective counts, balance, bad inputs, error and training checks."""
     cases = []
     for v in VARIANTS:
-        if v == "gqa_replicated" and P % 2:
-            continue  # Hkv = 2 must divide P
+        if (v == "gqa_replicated" and P % 2) or (v == "triton" and P != 2):
+            continue  # Hkv = 2 must divide P; the interpreter is slow: one world size
         for s in STRATEGIES:
             for lay in LAYOUTS:
                 cases.append((f"{s}-{lay}-{v}", "compare", dict(strategy=s, layout=lay,
@@ -162,12 +167,13 @@ class _SumGrad(torch.autograd.Function):
         return g
 
 
-def _sharded_fn(strategy: str, layout: str):
+def _sharded_fn(strategy: str, layout: str, backend: str = "auto"):
     import attn.distributed as cp
 
     run = cp.ring_attention if strategy == "ring" else cp.ulysses_attention
 
     def fn(q, k, v, return_lse=False, **kw):
+        kw["backend"] = backend  # not a keyword of compare_to_reference: its oracle is fixed
         kw = {n: _SumGrad.apply(t) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
         g = _GROUP
         out, lse = run(cp.shard_sequence(q, layout, g), cp.shard_sequence(k, layout, g),
@@ -190,7 +196,8 @@ def _compare(rank, P, strategy, layout, variant):
 
     shape, kw = _variant(variant, P)
     q, k, v = _inputs(shape)
-    report = compare_to_reference(_sharded_fn(strategy, layout), q, k, v, **kw)
+    fn = _sharded_fn(strategy, layout, kw.pop("backend", "auto"))
+    report = compare_to_reference(fn, q, k, v, **kw)
     return {"ok": report.ok, "report": str(report),
             "errors": {c.name: (c.error, c.budget) for c in report.comparisons}}
 
