@@ -7,7 +7,9 @@ from attn.api import (
     scaled_dot_product_attention,
     select_backend,
 )
+from attn.flex import create_block_mask, flex_attention
 from attn.merge import merge_attention
+from attn.varlen import varlen_attention
 from attn.nn import AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding
 
 __all__ = [
@@ -19,8 +21,11 @@ __all__ = [
     "QKNormConfig",
     "RotaryEmbedding",
     "attention",
+    "create_block_mask",
+    "flex_attention",
     "merge_attention",
     "scaled_dot_product_attention",
     "select_backend",
+    "varlen_attention",
 ]
 __version__ = "0.1.0"

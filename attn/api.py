@@ -8,13 +8,13 @@ argument for argument so existing code switches by changing one import.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attn.masks import Band, make_band
+from attn.masks import Band, make_band, simplify_mask, window_pair
 from attn.reference import reference_attention
 from attn.spec import LaunchSpec
 from attn.tiled import tiled_attention
@@ -41,12 +41,24 @@ class AttentionCall:
     temperature_tensor: bool = False
     dropout: bool = False
     return_lse: bool = False
+    score_mod: bool = False  # a FlexAttention score_mod (attn.flex)
+    mask_mod: bool = False  # a mask_mod or block mask (attn.flex)
+    varlen: bool = False  # packed sequences (attn.varlen; n_q / n_k are the longest ones)
 
 
 @dataclass(frozen=True)
 class BackendChoice:
     name: str
     reason: str  # why this backend, and why not the preferred one when it fell back
+
+
+def _mods_unsupported(call: AttentionCall, native_varlen: bool = False) -> str | None:
+    if call.score_mod or call.mask_mod:
+        return ("score_mod / mask_mod / block masks (run by the tiled backend, which applies "
+                "them per tile)")
+    if call.varlen and not native_varlen:
+        return "packed varlen sequences (tiled and triton run them)"
+    return None
 
 
 def _sdpa_unsupported(call: AttentionCall) -> str | None:
@@ -77,9 +89,9 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
     if backend in ("reference", "tiled"):
         return None
     if backend == "sdpa":
-        return _sdpa_unsupported(call)
+        return _mods_unsupported(call) or _sdpa_unsupported(call)
     if backend == "triton":
-        return _triton_unsupported(call)
+        return _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -100,7 +112,7 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
         return BackendChoice(requested, "requested explicitly")
     if call.device != "cuda":
         return BackendChoice("tiled", f"auto: tiled on {call.device} (triton needs CUDA)")
-    why = _triton_unsupported(call)
+    why = _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
     if why is None:
         return BackendChoice("triton", "auto: triton on CUDA")
     return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}")
@@ -157,18 +169,6 @@ def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...]) -> None
                          f"(B, H, Nq, Nk) = {shape}")
 
 
-def _validate_window(window: object) -> tuple[int, int] | None:
-    if window is None:
-        return None
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
-        raise TypeError(f"window must be a pair of ints (left, right), -1 for unbounded, "
-                        f"got {window!r}")
-    if any(w < -1 for w in window):
-        raise ValueError(f"window sides must be >= 0, or -1 for unbounded, got {tuple(window)}")
-    return int(window[0]), int(window[1])
-
-
 def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
               ) -> float | Tensor:
     """A positive float, or a positive floating tensor that broadcasts to ``shape_ok``."""
@@ -222,13 +222,15 @@ def _sdpa_forward(q, k, v, *, band, attn_mask, scale, **_unused):
 
 
 def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropout_p,
-         dropout_seed) -> tuple[Tensor, Tensor | None]:
+         dropout_seed, block_m=None, block_n=None, score_mod=None, mask_mod=None,
+         mask_blocks=None, dropout_rows=None) -> tuple[Tensor, Tensor | None]:
     if backend == "reference":
         if isinstance(scale, Tensor):
             scale = scale.to(q.dtype)  # plain PyTorch in q's dtype, like the rest of the reference
         return reference_attention(q, k, v, scale=scale, band=band, attn_mask=attn_mask,
                                    softcap=softcap, sinks=sinks, dropout_p=dropout_p,
-                                   dropout_seed=dropout_seed)
+                                   dropout_seed=dropout_seed, score_mod=score_mod,
+                                   mask_mod=mask_mod, dropout_rows=dropout_rows)
     if backend == "sdpa":
         return _sdpa_forward(q, k, v, scale=scale, band=band, attn_mask=attn_mask)
     if isinstance(scale, Tensor):
@@ -238,15 +240,56 @@ def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropo
     cap_t = softcap if isinstance(softcap, Tensor) else None
     spec = LaunchSpec(qk_scale=float(scale), band=band,
                       softcap=None if cap_t is not None else softcap,
-                      dropout_p=float(dropout_p), dropout_seed=int(dropout_seed))
+                      dropout_p=float(dropout_p), dropout_seed=int(dropout_seed),
+                      block_m=block_m, block_n=block_n, dropout_rows=dropout_rows)
     if backend == "tiled":
+        captured = ()
+        if score_mod is not None or mask_mod is not None:
+            spec, captured = _mod_spec(spec, q, k, score_mod, mask_mod, mask_blocks)
         out, lse = tiled_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
-                                   sinks=sinks)
+                                   sinks=sinks, captured=captured)
     else:
         from attn.flash_triton import triton_attention
         out, lse = triton_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
                                     sinks=sinks)
     return out.to(v.dtype), lse
+
+
+def _mod_spec(spec: LaunchSpec, q: Tensor, k: Tensor, score_mod, mask_mod, mask_blocks
+              ) -> tuple[LaunchSpec, tuple[Tensor, ...]]:
+    """The spec of a call with mods: the callables, the mask's tile plan (given as Blocks,
+    or made here by evaluating the mask_mod at the tiled backend's block sizes, or by a
+    callable ``(block_m, block_n) -> Blocks``), and the tensors the score_mod captures
+    that need a gradient."""
+    from attn import flex, tiled
+    bm, bn = spec.block_m or tiled.BLOCK_M, spec.block_n or tiled.BLOCK_N
+    if mask_mod is not None and mask_blocks is None:
+        B, H, Nq, _ = q.shape
+        mask_blocks = flex.mask_mod_blocks(mask_mod, B, H, Nq, k.shape[2], bm, bn, q.device)
+    elif callable(mask_blocks):
+        mask_blocks = mask_blocks(bm, bn)
+    captured = ()
+    if score_mod is not None and torch.is_grad_enabled():
+        captured = flex.captured_tensors(score_mod)
+    if mask_blocks is not None:  # the mask's tiles are the tiles (a BlockMask's own size)
+        spec = replace(spec, block_m=mask_blocks.block_m, block_n=mask_blocks.block_n)
+    spec = replace(spec, score_mod=score_mod, mask_mod=mask_mod, mask_blocks=mask_blocks)
+    return spec, captured
+
+
+def _check_mods(score_mod, mask_mod, q: Tensor) -> None:
+    """Callables, and a mask_mod that returns bool: one probe on a single (0, 0, 0, 0)
+    element so a wrong dtype fails before any backend runs (the codebase's rule: TypeError)."""
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be callable, got {type(score_mod).__name__}")
+    if mask_mod is not None:
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
+        keep = mask_mod(zero, zero, zero, zero)
+        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+            what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
+            raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
 
 
 def _draw_seed(dropout_p: float) -> int:
@@ -257,12 +300,22 @@ def _draw_seed(dropout_p: float) -> int:
 
 
 def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, sinks,
-               dropout_p, return_lse, backend):
-    """Shared by both public functions once their conventions are resolved into a Band."""
+               dropout_p, return_lse, backend, block_m=None, block_n=None, score_mod=None,
+               mask_mod=None, mask_blocks=None, dropout_rows=None):
+    """Shared by both public functions once their conventions are resolved into a Band.
+    ``score_mod`` / ``mask_mod`` / ``mask_blocks``: see :func:`_mod_spec` (attn.flex)."""
     B, H, Nq, D = q.shape
+    for name, b in (("block_m", block_m), ("block_n", block_n)):
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {b!r}")
     Nk, Dv = k.shape[2], v.shape[3]
+    _check_mods(score_mod, mask_mod, q)
     if attn_mask is not None:
         _validate_mask(attn_mask, q, (B, H, Nq, Nk))
+        if not torch.compiler.is_compiling():  # a data-dependent check: eager only
+            simpler = simplify_mask(attn_mask, band)
+            if simpler is not None:  # causal/band + key padding: no N x N reads per tile
+                band, attn_mask = simpler
     if scale is None:
         scale = D ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -295,11 +348,15 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
         mask_grad=attn_mask is not None and attn_mask.requires_grad,
         softcap=None if softcap is None else ("learned" if isinstance(softcap, Tensor) else "fixed"),
         sinks=sinks is not None, temperature_tensor=isinstance(temperature, Tensor),
-        dropout=dropout_p > 0.0, return_lse=bool(return_lse))
+        dropout=dropout_p > 0.0, return_lse=bool(return_lse),
+        score_mod=score_mod is not None,
+        mask_mod=mask_mod is not None or mask_blocks is not None)
     choice = select_backend(call, backend)
     out, lse = _run(choice.name, q, k, v, band=band, attn_mask=attn_mask, scale=eff_scale,
                     softcap=softcap, sinks=sinks, dropout_p=dropout_p,
-                    dropout_seed=_draw_seed(dropout_p))
+                    dropout_seed=_draw_seed(dropout_p), block_m=block_m, block_n=block_n,
+                    score_mod=score_mod, mask_mod=mask_mod, mask_blocks=mask_blocks,
+                    dropout_rows=dropout_rows)
     return (out, lse) if return_lse else out
 
 
@@ -318,6 +375,10 @@ def attention(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
+    block_m: int | None = None,
+    block_n: int | None = None,
+    score_mod=None,
+    mask_mod=None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact scaled-dot-product attention with the variants people train with.
 
@@ -344,18 +405,27 @@ def attention(
     * ``temperature``: a positive float or a tensor broadcastable to (B, H) (learnable).
     * ``dropout_p``: dropout on the probabilities; its mask is a hash of a seed drawn from
       torch's generator, so ``torch.manual_seed`` reproduces it on every backend.
+    * ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx) -> bool``:
+      FlexAttention's programmable score and mask (see :mod:`attn.flex`); tensors a
+      score_mod captures receive gradients. Order of operations: scale/temperature →
+      score_mod → softcap → masks (causal, window, attn_mask AND mask_mod) → sinks.
+      Run by the tiled (or reference) backend.
 
     A row that sees no key returns zeros and lse = -inf (or its sink), never NaN.
     ``backend``: "auto" (triton on CUDA when it can, else tiled), "reference", "tiled",
-    "triton" or "sdpa"; see :func:`select_backend`.
+    "triton" or "sdpa"; see :func:`select_backend`. ``block_m`` / ``block_n``: the tiled
+    backend's tile sizes (queries x keys; default ``attn.tiled.BLOCK_M`` / ``BLOCK_N``,
+    chosen by measurement); the other backends ignore them (triton autotunes its own).
     """
     _validate_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    band = make_band(q.shape[2], k.shape[2], causal=causal, window=_validate_window(window))
+    band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))
     return _attention(q, k, v, band=band, attn_mask=attn_mask, scale=scale,
                       temperature=temperature, softcap=softcap, sinks=sinks,
-                      dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+                      dropout_p=dropout_p, return_lse=return_lse, backend=backend,
+                      block_m=block_m, block_n=block_n, score_mod=score_mod,
+                      mask_mod=mask_mod)
 
 
 def scaled_dot_product_attention(

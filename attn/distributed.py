@@ -64,8 +64,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attn.api import AttentionCall, _positive, _validate_qkv, _validate_window, select_backend
-from attn.masks import Band, make_band
+from attn.api import AttentionCall, _positive, _validate_qkv, select_backend
+from attn.masks import make_band, window_pair
 from attn.merge import merge_attention
 from attn.spec import LaunchSpec
 
@@ -247,7 +247,7 @@ def _check_local(strategy: str, q, k, v, *, causal, layout, scale, temperature, 
     _validate_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    window = _validate_window(window)
+    window = window_pair(window)
     if attn_mask is not None:
         raise NotImplementedError(
             f"{strategy}: attn_mask is not supported: a mask over the global (Nq, Nk) would "
@@ -356,7 +356,7 @@ def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperatur
     B, H, _, D = q.shape
     n_q = sum(r["q"][2] for r in records)
     n_k = sum(r["k"][2] for r in records)
-    band = make_band(n_q, n_k, causal=causal, window=_validate_window(window))
+    band = make_band(n_q, n_k, causal=causal, window=window_pair(window))
     if scale is None:
         scale = D ** -0.5
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32

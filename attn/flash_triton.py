@@ -158,7 +158,21 @@ def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
         resident, streamed = bn * (d + dv) * elem, bm * (d + dv) * elem + mask + 8 * bm
     else:  # dq
         resident, streamed = bm * (d + dv) * elem, bn * (d + dv) * elem + mask
-    return resident + s * streamed + 4096  # + reduction and layout-conversion scratch
+    return resident + s * streamed + 1024  # + reduction and layout-conversion scratch
+
+
+def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
+    """Configs that ptxas spills more than ~1 KiB of registers per thread for, on sm_90 and
+    sm_80 alike (255 registers each): 4 warps holding a 128 x D (>= 128) accumulator in the
+    query-resident kernels or a 64 x 128 one in dK/dV, and dK/dV tiles with
+    BLOCK_M·BLOCK_N·D past 64·64·128 (at that size, deep pipelines). Measured with
+    ``attn bench compile`` (benchmarks/results/compile-sm90); the slow compile test builds
+    every config this keeps."""
+    bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+    if kind in ("fwd", "dq"):
+        return w == 4 and bm * d >= 128 * 128
+    tile = bm * bn * d / (64 * 64 * 128)
+    return (w == 4 and bn * d >= 64 * 128) or tile > 1 or (tile == 1 and s > (2 if d >= 256 else 3))
 
 
 def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int | None
@@ -175,6 +189,8 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
         if min(bm, bn) > 16 and max(bm, bn) > n:
             continue
         if smem is not None and smem_estimate(kind, c, args) > smem:
+            continue
+        if _spills_heavily(kind, c, d):
             continue
         if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
             continue
@@ -201,14 +217,6 @@ def _mix32(x):
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
     return x ^ (x >> 16)
-
-
-@triton.jit
-def _dropout_scale(h_bh, om, on, drop_threshold, inv_keep):
-    """1/(1-p) where attn.masks.dropout_keep keeps (om, on), else 0."""
-    h_m = _mix32(h_bh ^ om.to(tl.uint32))
-    bits = _mix32(h_m ^ _mix32(on.to(tl.uint32)))
-    return tl.where(bits >= drop_threshold.to(tl.uint32), inv_keep, 0.0)
 
 
 @triton.jit
@@ -277,12 +285,58 @@ def _stages(start, n_own, n_other, offset, left, right,
 
 
 @triton.jit
-def _scores(qk, om, on, Mask, stride_mm, stride_mn, cap, scale, N_Q, N_K, offset, left, right,
+def _dropout_scale(DROP, om, on):
+    """1/(1-p) where attn.masks.dropout_keep keeps the global position (row0 + om, col0 + on),
+    else 0. ``DROP = (h_bh, threshold, inv_keep, row0, col0)`` from :func:`_drop_ctx`."""
+    h_bh, drop_threshold, inv_keep, row0, col0 = DROP
+    h_m = _mix32(h_bh ^ (om + row0).to(tl.uint32))
+    bits = _mix32(h_m ^ _mix32((on + col0).to(tl.uint32)))
+    return tl.where(bits >= drop_threshold.to(tl.uint32), inv_keep, 0.0)
+
+
+@triton.jit
+def _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0,
+              drop_heads, drop_head0, HAS_DROPOUT: tl.constexpr):
+    """One (batch, head)'s dropout context: the hash of its *global* index b·H + h (H and h
+    of the whole computation: a head shard draws the unsharded mask), threshold, scale,
+    and the global position of this call's first query and key."""
+    h_bh = 0
+    if HAS_DROPOUT:
+        bh = off_b * drop_heads + drop_head0 + off_h
+        h_bh = _mix32(bh.to(tl.uint32) ^ _mix32(drop_seed.to(tl.uint32)))
+    return (h_bh, drop_threshold, inv_keep, drop_row0, drop_col0)
+
+
+@triton.jit
+def _load_rows(P, offs, STRIDES, N, DIM: tl.constexpr, BLOCK: tl.constexpr,
+               MASKED: tl.constexpr):
+    """A (len(offs), BLOCK) tile of rows ``offs`` of a (N, DIM) matrix."""
+    stride_n, stride_d = STRIDES
+    offs_d = tl.arange(0, BLOCK)
+    return _load(P + offs[:, None] * stride_n + offs_d[None, :] * stride_d,
+                 offs[:, None] < N, offs_d[None, :] < DIM, MASKED, BLOCK != DIM)
+
+
+@triton.jit
+def _load_cols(P, offs, STRIDES, N, DIM: tl.constexpr, BLOCK: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The same rows transposed: a (BLOCK, len(offs)) tile, ready as a dot's right operand."""
+    stride_n, stride_d = STRIDES
+    offs_d = tl.arange(0, BLOCK)
+    return _load(P + offs[None, :] * stride_n + offs_d[:, None] * stride_d,
+                 offs[None, :] < N, offs_d[:, None] < DIM, MASKED, BLOCK != DIM)
+
+
+@triton.jit
+def _scores(qk, om, on, MASK, cap, scale, BAND,
             MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
             HAS_SOFTCAP: tl.constexpr):
     """Scores of a tile from q·k: scale, softcap, band and attn_mask. ``om``/``on`` are the
-    query/key indices broadcast to the tile's layout (either orientation). With softcap
-    also returns u = s_raw / c and t = tanh(u), which the backward needs."""
+    query/key indices broadcast to the tile's layout (either orientation); ``MASK = (Mask,
+    stride_mm, stride_mn)``, ``BAND = (N_Q, N_K, offset, left, right)`` in local positions.
+    With softcap also returns u = s_raw / c and t = tanh(u), which the backward needs."""
+    Mask, stride_mm, stride_mn = MASK
+    N_Q, N_K, offset, left, right = BAND
     s = qk * scale
     u = s
     t = s
@@ -307,30 +361,50 @@ def _scores(qk, om, on, Mask, stride_mm, stride_mn, cap, scale, N_Q, N_K, offset
     return s, u, t
 
 
+@triton.jit
+def _qk_scores(q, K, offs_m, offs_n, cap, scale, KSTR, MASK, BAND,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """The query-resident tile step shared by the forward and dQ: load Kᵀ, s = q·kᵀ, scores."""
+    N_K = BAND[1]
+    kT = _load_cols(K, offs_n, KSTR, N_K, HEAD_DIM, BLOCK_D, MASKED)
+    qk = _dot(q, kT, None, DOT_PRECISION)
+    s, u, t = _scores(qk, offs_m[:, None], offs_n[None, :], MASK, cap, scale, BAND,
+                      MASKED, BANDED, MASK_KIND, HAS_SOFTCAP)
+    return kT, s, u, t
+
+
+@triton.jit
+def _stage_range(STAGE: tl.constexpr, lo, a, b, hi):
+    """Tile starts of stage 0 (masked edge), 1 (full middle) or 2 (masked edge)."""
+    s_lo = lo
+    s_hi = a
+    if STAGE == 1:
+        s_lo = a
+        s_hi = b
+    if STAGE == 2:
+        s_lo = b
+        s_hi = hi
+    return s_lo, s_hi
+
+
 # -- forward -------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, Mask, lo, hi, offs_m, h_bh, cap,
-               stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-               scale, N_Q, N_K, offset, left, right, drop_threshold, inv_keep,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, scale, KSTR, VSTR, MASK, BAND,
+               DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    N_K = BAND[1]
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- compute qk --
-        kT = _load(K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                   offs_n[None, :] < N_K, offs_d[:, None] < HEAD_DIM,
-                   MASKED, BLOCK_D != HEAD_DIM)
-        qk = _dot(q, kT, None, DOT_PRECISION)
-        om = offs_m[:, None]
-        on = offs_n[None, :]
-        s, u, t = _scores(qk, om, on, Mask, stride_mm, stride_mn, cap, scale, N_Q, N_K,
-                          offset, left, right, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP)
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, scale, KSTR, MASK, BAND,
+                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
+                                 DOT_PRECISION)
         # -- online softmax (m_safe: rows that have seen nothing yet stay at 0) --
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -338,11 +412,9 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, Mask, lo, hi, offs_m, h_bh, cap,
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:  # the denominator counts every key, the values only the kept ones
-            p = p * _dropout_scale(h_bh, om, on, drop_threshold, inv_keep)
+            p = p * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
         # -- update acc --
-        v = _load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                  offs_n[:, None] < N_K, offs_dv[None, :] < HEAD_DIM_V,
-                  MASKED, BLOCK_DV != HEAD_DIM_V)
+        v = _load_rows(V, offs_n, VSTR, N_K, HEAD_DIM_V, BLOCK_DV, MASKED)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
@@ -358,8 +430,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
               stride_mb, stride_mh, stride_mm, stride_mn,
-              H, GROUP, N_Q, N_K, offset, left, right,
-              scale, drop_seed, drop_threshold, inv_keep, TUNE_N,
+              H, GROUP, N_Q, N_K, offset, left, right, scale,
+              drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0, drop_heads, drop_head0,
+              TUNE_N,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -377,8 +450,11 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap,
     Mask += off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    BAND = (N_Q, N_K, offset, left, right)
+    MASK = (Mask, stride_mm, stride_mn)
+    DROP = _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0,
+                     drop_heads, drop_head0, HAS_DROPOUT)
 
     # -- init: the sink, when present, is a first key with value 0 --
     if HAS_SINKS:
@@ -391,29 +467,16 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap,
     cap = 1.0
     if HAS_SOFTCAP:
         cap = tl.load(Softcap + off_h)
-    h_bh = 0
-    if HAS_DROPOUT:
-        h_bh = _mix32(pid_bh.to(tl.uint32) ^ _mix32(drop_seed.to(tl.uint32)))
-    q = _load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-              offs_m[:, None] < N_Q, offs_d[None, :] < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    q = _load_rows(Q, offs_m, (stride_qm, stride_qd), N_Q, HEAD_DIM, BLOCK_D, True)
 
     # -- loop over key tiles: masked edge, full middle, masked edge --
     lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, Mask, lo, a, offs_m, h_bh, cap, stride_kn, stride_kd,
-        stride_vn, stride_vd, stride_mm, stride_mn, scale, N_Q, N_K, offset, left, right,
-        drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-        True, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, Mask, a, b, offs_m, h_bh, cap, stride_kn, stride_kd,
-        stride_vn, stride_vd, stride_mm, stride_mn, scale, N_Q, N_K, offset, left, right,
-        drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-        False, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K, V, Mask, b, hi, offs_m, h_bh, cap, stride_kn, stride_kd,
-        stride_vn, stride_vd, stride_mm, stride_mn, scale, N_Q, N_K, offset, left, right,
-        drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-        True, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    for stage in tl.static_range(3):
+        s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, scale, (stride_kn, stride_kd),
+            (stride_vn, stride_vd), MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+            BLOCK_N, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
 
     # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -438,12 +501,10 @@ def _attn_bwd_preprocess(Out, DOut, DLse, Delta,
     off_b = pid_bh // H
     off_h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    ok = (offs_m[:, None] < N_Q) & (offs_dv[None, :] < HEAD_DIM_V)
-    o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-                + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, mask=ok, other=0.0)
-    do = tl.load(DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                 + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod, mask=ok, other=0.0)
+    o = _load_rows(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh,
+                   offs_m, (stride_om, stride_od), N_Q, HEAD_DIM_V, BLOCK_DV, True)
+    do = _load_rows(DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh,
+                    offs_m, (stride_dom, stride_dod), N_Q, HEAD_DIM_V, BLOCK_DV, True)
     # -- Δ = rowsum(dO ∘ O) − dlse: the lse output's gradient joins dS as dlse_i · P_ij --
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     row = pid_bh.to(tl.int64) * N_Q + offs_m
@@ -453,22 +514,17 @@ def _attn_bwd_preprocess(Out, DOut, DLse, Delta,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, Mask, lo, hi, offs_n, h_bh, cap,
-                stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-                scale, N_Q, N_K, offset, left, right, drop_threshold, inv_keep,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, scale, QSTR, DOSTR,
+                MASK, BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     # transposed tiles (keys x queries), so neither P nor dS needs a transpose
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    N_Q = BAND[0]
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT = _load(Q + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd,
-                   offs_m[None, :] < N_Q, offs_d[:, None] < HEAD_DIM,
-                   MASKED, BLOCK_D != HEAD_DIM)
+        qT = _load_cols(Q, offs_m, QSTR, N_Q, HEAD_DIM, BLOCK_D, MASKED)
         # lse = -inf marks a row that saw nothing: +inf makes its P exactly 0
         lse = tl.load(Lse + offs_m, mask=offs_m < N_Q, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -476,16 +532,14 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, Mask, lo, hi, offs_n, h_bh,
         qkT = _dot(k, qT, None, DOT_PRECISION)
         om = offs_m[None, :]
         on = offs_n[:, None]
-        sT, uT, tT = _scores(qkT, om, on, Mask, stride_mm, stride_mn, cap, scale, N_Q, N_K,
-                             offset, left, right, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP)
+        sT, uT, tT = _scores(qkT, om, on, MASK, cap, scale, BAND, MASKED, BANDED, MASK_KIND,
+                             HAS_SOFTCAP)
         pT = tl.exp(sT - lse[None, :])
         # -- dV += Pᵈᵀ dO, dPᵀ = V dOᵀ (ᵈ: with the dropout mask) --
-        do = _load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                   offs_m[:, None] < N_Q, offs_dv[None, :] < HEAD_DIM_V,
-                   MASKED, BLOCK_DV != HEAD_DIM_V)
+        do = _load_rows(DO, offs_m, DOSTR, N_Q, HEAD_DIM_V, BLOCK_DV, MASKED)
         dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)
         if HAS_DROPOUT:
-            zT = _dropout_scale(h_bh, om, on, drop_threshold, inv_keep)
+            zT = _dropout_scale(DROP, om, on)
             dv = _dot((pT * zT).to(do.dtype), do, dv, DOT_PRECISION)
             dpT = dpT * zT
         else:
@@ -515,8 +569,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    stride_mb, stride_mh, stride_mm, stride_mn,
-                   H, GROUP, N_Q, N_K, offset, left, right,
-                   scale, drop_seed, drop_threshold, inv_keep, TUNE_N,
+                   H, GROUP, N_Q, N_K, offset, left, right, scale,
+                   drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0, drop_heads,
+                   drop_head0, TUNE_N,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -533,12 +588,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-              offs_n[:, None] < N_K, offs_d[None, :] < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
-    v = _load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-              offs_n[:, None] < N_K, offs_dv[None, :] < HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
+    k = _load_rows(K, offs_n, (stride_kn, stride_kd), N_K, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V, offs_n, (stride_vn, stride_vd), N_K, HEAD_DIM_V, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    BAND = (N_Q, N_K, offset, left, right)
     # the band seen from a key: queries i with -right <= i - (j - offset) <= left
     lo, a, b, hi = _stages(start_n, N_K, N_Q, -offset, right, left, BLOCK_N, BLOCK_M)
 
@@ -548,34 +602,22 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
         bh = off_b * H + off_h
         Qh = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         DOh = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        Maskh = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
-        Lseh = Lse + bh.to(tl.int64) * N_Q
-        Deltah = Delta + bh.to(tl.int64) * N_Q
+        MASK = (Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh,
+                stride_mm, stride_mn)
+        DROP = _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0,
+                         drop_col0, drop_heads, drop_head0, HAS_DROPOUT)
         cap = 1.0
         if HAS_SOFTCAP:
             cap = tl.load(Softcap + off_h)
-        h_bh = 0
-        if HAS_DROPOUT:
-            h_bh = _mix32(bh.to(tl.uint32) ^ _mix32(drop_seed.to(tl.uint32)))
         dc = 0.0
-        dk, dv, dc = _dkdv_inner(
-            dk, dv, dc, k, v, Qh, DOh, Lseh, Deltah, Maskh, lo, a, offs_n, h_bh, cap,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, scale,
-            N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, BANDED, MASK_KIND, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION)
-        dk, dv, dc = _dkdv_inner(
-            dk, dv, dc, k, v, Qh, DOh, Lseh, Deltah, Maskh, a, b, offs_n, h_bh, cap,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, scale,
-            N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, BANDED, MASK_KIND, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION)
-        dk, dv, dc = _dkdv_inner(
-            dk, dv, dc, k, v, Qh, DOh, Lseh, Deltah, Maskh, b, hi, offs_n, h_bh, cap,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, scale,
-            N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, BANDED, MASK_KIND, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION)
+        for stage in tl.static_range(3):
+            s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
+            dk, dv, dc = _dkdv_inner(
+                dk, dv, dc, k, v, Qh, DOh, Lse + bh.to(tl.int64) * N_Q,
+                Delta + bh.to(tl.int64) * N_Q, s_lo, s_hi, offs_n, cap, scale,
+                (stride_qm, stride_qd), (stride_dom, stride_dod), MASK, BAND, DROP, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, BANDED, MASK_KIND,
+                HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
         if HAS_SOFTCAP:  # one partial sum per (key block, b, h); the launcher adds them up
             tl.store(DCap + pid_n.to(tl.int64) * tl.num_programs(1) * GROUP + bh, dc)
 
@@ -592,35 +634,25 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, K, V, Mask, lo, hi, offs_m, h_bh, cap,
-              stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-              scale, N_Q, N_K, offset, left, right, drop_threshold, inv_keep,
-              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, scale, KSTR, VSTR, MASK,
+              BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    N_K = BAND[1]
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = _load(K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                   offs_n[None, :] < N_K, offs_d[:, None] < HEAD_DIM,
-                   MASKED, BLOCK_D != HEAD_DIM)
-        vT = _load(V + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-                   offs_n[None, :] < N_K, offs_dv[:, None] < HEAD_DIM_V,
-                   MASKED, BLOCK_DV != HEAD_DIM_V)
         # -- recompute P from lse --
-        qk = _dot(q, kT, None, DOT_PRECISION)
-        om = offs_m[:, None]
-        on = offs_n[None, :]
-        s, u, t = _scores(qk, om, on, Mask, stride_mm, stride_mn, cap, scale, N_Q, N_K,
-                          offset, left, right, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP)
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, scale, KSTR, MASK, BAND,
+                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
+                                 DOT_PRECISION)
         p = tl.exp(s - lse[:, None])
         # -- dS = P ∘ (dP − Δ) --
+        vT = _load_cols(V, offs_n, VSTR, N_K, HEAD_DIM_V, BLOCK_DV, MASKED)
         dp = _dot(do, vT, None, DOT_PRECISION)
         if HAS_DROPOUT:
-            dp = dp * _dropout_scale(h_bh, om, on, drop_threshold, inv_keep)
+            dp = dp * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -639,8 +671,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap,
                  stride_dob, stride_doh, stride_dom, stride_dod,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  stride_mb, stride_mh, stride_mm, stride_mn,
-                 H, GROUP, N_Q, N_K, offset, left, right,
-                 scale, drop_seed, drop_threshold, inv_keep, TUNE_N,
+                 H, GROUP, N_Q, N_K, offset, left, right, scale,
+                 drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0, drop_heads,
+                 drop_head0, TUNE_N,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -660,12 +693,12 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap,
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-              offs_m[:, None] < N_Q, offs_d[None, :] < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
-    do = _load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-               offs_m[:, None] < N_Q, offs_dv[None, :] < HEAD_DIM_V, True,
-               BLOCK_DV != HEAD_DIM_V)
+    BAND = (N_Q, N_K, offset, left, right)
+    MASK = (Mask, stride_mm, stride_mn)
+    DROP = _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0,
+                     drop_heads, drop_head0, HAS_DROPOUT)
+    q = _load_rows(Q, offs_m, (stride_qm, stride_qd), N_Q, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO, offs_m, (stride_dom, stride_dod), N_Q, HEAD_DIM_V, BLOCK_DV, True)
     row = pid_bh.to(tl.int64) * N_Q + offs_m
     lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -673,27 +706,15 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap,
     cap = 1.0
     if HAS_SOFTCAP:
         cap = tl.load(Softcap + off_h)
-    h_bh = 0
-    if HAS_DROPOUT:
-        h_bh = _mix32(pid_bh.to(tl.uint32) ^ _mix32(drop_seed.to(tl.uint32)))
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, Mask, lo, a, offs_m, h_bh, cap,
-                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, scale,
-                   N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM,
-                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, BANDED, MASK_KIND,
-                   HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, Mask, a, b, offs_m, h_bh, cap,
-                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, scale,
-                   N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM,
-                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, BANDED, MASK_KIND,
-                   HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, Mask, b, hi, offs_m, h_bh, cap,
-                   stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, scale,
-                   N_Q, N_K, offset, left, right, drop_threshold, inv_keep, HEAD_DIM,
-                   HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, BANDED, MASK_KIND,
-                   HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    for stage in tl.static_range(3):
+        s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, s_lo, s_hi, offs_m, cap, scale,
+                       (stride_kn, stride_kd), (stride_vn, stride_vd), MASK, BAND, DROP,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
+                       MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
 
     dq *= scale
     tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -718,6 +739,10 @@ class _Launch:
     drop_seed: int
     drop_threshold: int
     inv_keep: float
+    drop_row0: int  # global position of the first query (the spec's q_start)
+    drop_col0: int  # ... and of the first key
+    drop_heads: int  # query heads of the whole computation
+    drop_head0: int  # global index of this call's first query head
     tune_n: int
     head_dim: int
     head_dim_v: int
@@ -731,7 +756,8 @@ class _Launch:
 
     def scalars(self) -> tuple:
         return (self.H, self.group, self.n_q, self.n_k, self.offset, self.left, self.right,
-                self.scale, self.drop_seed, self.drop_threshold, self.inv_keep, self.tune_n)
+                self.scale, self.drop_seed, self.drop_threshold, self.inv_keep, self.drop_row0,
+                self.drop_col0, self.drop_heads, self.drop_head0, self.tune_n)
 
     def constexprs(self) -> dict:
         # head dims are padded to powers of two inside the kernels (masked loads), not in memory
@@ -753,7 +779,8 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: T
         right=_UNBOUNDED if band.right is None else band.right,
         scale=float(spec.qk_scale), drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
         drop_threshold=int(p * 2**32), inv_keep=1.0 / (1.0 - p),
-        tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
+        drop_row0=spec.q_start, drop_col0=spec.k_start, drop_heads=spec.heads_total or H,
+        drop_head0=spec.head_start, tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
         block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
         banded=not band.is_full,
         mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
@@ -777,10 +804,6 @@ def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
                    softcap: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """q in k's dtype, sinks and the softcap (learnable, else the spec's fixed one) as
     contiguous float32 (H,) vectors: what the kernels read."""
-    if spec.dropout_p > 0.0 and spec.sharded:
-        raise NotImplementedError(
-            "triton: dropout in a sharded call (the kernels hash local positions); "
-            "use backend='tiled', which reads the spec's global positions")
     H = q.shape[1]
     if q.dtype != k.dtype:  # a temperature folded in float32: the kernels take one dtype
         q = q.to(k.dtype)
@@ -857,30 +880,35 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 
 
 # -- torch.library ops: opaque to torch.compile, with shapes it can trace ------------------
-# Op schemas take flat values: the spec travels as its fields (band in local positions).
+# Op schemas take flat values: the spec travels as its fields.
 
 def _op_args(spec: LaunchSpec) -> tuple:
-    b = spec.local_band()
+    b = spec.band
     return (b.offset, b.left, b.right, float(spec.qk_scale), float(spec.dropout_p),
-            int(spec.dropout_seed))
+            int(spec.dropout_seed), [spec.q_start, spec.k_start, spec.head_start,
+                                     -1 if spec.heads_total is None else spec.heads_total])
 
 
 def _spec_of(offset: int, left: int | None, right: int | None, scale: float,
-             dropout_p: float, dropout_seed: int) -> LaunchSpec:
+             dropout_p: float, dropout_seed: int, shard: list[int]) -> LaunchSpec:
+    q_start, k_start, head_start, heads_total = shard
     return LaunchSpec(qk_scale=scale, band=Band(offset, left, right), dropout_p=dropout_p,
-                      dropout_seed=dropout_seed)
+                      dropout_seed=dropout_seed, q_start=q_start, k_start=k_start,
+                      head_start=head_start, heads_total=None if heads_total < 0 else heads_total)
 
 
 @torch.library.custom_op("attn::flash_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, offset: int, left: int | None, right: int | None,
-            scale: float, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor]:
-    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed)
+            scale: float, dropout_p: float, dropout_seed: int, shard: list[int]
+            ) -> tuple[Tensor, Tensor]:
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
     return _fwd(q, k, v, spec, attn_mask, sinks, softcap)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed):
+def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed,
+      shard):
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
             q.new_empty(B, H, Nq, dtype=torch.float32))
@@ -890,10 +918,10 @@ def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
 def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, offset: int, left: int | None, right: int | None,
-            scale: float, dropout_p: float, dropout_seed: int, need_dcap: bool
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            need_dcap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
-    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed)
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
     g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap=need_dcap)
     def or_empty(t: Tensor | None) -> Tensor:  # a fresh tensor each: outputs must not alias
         return q.new_empty(0, dtype=torch.float32) if t is None else t
@@ -903,7 +931,7 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
 
 @_bwd_op.register_fake
 def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, right, scale,
-      dropout_p, dropout_seed, need_dcap):
+      dropout_p, dropout_seed, shard, need_dcap):
     H = q.shape[1]
     n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0

@@ -15,14 +15,17 @@ reference reproduces the exact same mask without any backend storing N x N bits)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 
-@dataclass(frozen=True)
-class Band:
-    """Allowed region ``-left <= j - (i + offset) <= right``; ``None`` leaves a side open."""
+class Band(NamedTuple):
+    """Allowed region ``-left <= j - (i + offset) <= right``; ``None`` leaves a side open.
+
+    A NamedTuple (immutable, hashable) rather than a dataclass: torch.compile traces a
+    default ``Band()`` on every torch version the project supports."""
 
     offset: int = 0
     left: int | None = None
@@ -75,14 +78,19 @@ def window_pair(window: object, *, name: str = "window") -> tuple[int, int] | No
 
 def module_window(window: object, *, causal: bool) -> tuple[int, int] | None:
     """``MultiHeadAttention(window=w)``: an int ``w`` means ``(w, 0)`` when causal and
-    ``(w, w)`` when not (w keys on each open side); a pair passes through."""
+    ``(w, w)`` when not — the query itself plus w neighbours on each open side; a pair
+    ``(left, right)`` passes through (-1 = unbounded). A config error is a ValueError."""
     if window is None:
         return None
     if isinstance(window, int) and not isinstance(window, bool):
         if window < 0:
             raise ValueError(f"window must be >= 0, got {window}")
         return (window, 0 if causal else window)
-    return window_pair(window)
+    if (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
+        return int(window[0]), int(window[1])
+    raise ValueError(f"window must be an int or a pair (left, right) of ints >= -1, "
+                     f"got {window!r}")
 
 
 def hf_sliding_window(w: int) -> tuple[int, int]:
@@ -170,6 +178,29 @@ def classify_grid(kinds: Tensor, n_q: int, n_k: int, block_m: int, block_n: int)
                 row.append((jb * block_n, min((jb + 1) * block_n, n_k), k == FULL))
         rows.append(tuple(row))
     return Blocks(block_m, block_n, n_q, n_k, tuple(rows))
+
+
+def band_kinds(band: Band, n_q: int, n_k: int, block_m: int, block_n: int) -> Tensor:
+    """EMPTY / PARTIAL / FULL grid of a band over aligned ``block_m x block_n`` tiles (the
+    form a block mask is combined with: a tile is visited when both visit it)."""
+    m0 = torch.arange(0, n_q, block_m)[:, None]
+    n0 = torch.arange(0, n_k, block_n)[None, :]
+    m1, n1 = (m0 + block_m).clamp(max=n_q), (n0 + block_n).clamp(max=n_k)
+    rel_lo = n0 - (m1 - 1 + band.offset)  # the smallest j - (i + offset) in the tile
+    rel_hi = (n1 - 1) - (m0 + band.offset)  # the largest
+    left = n_k + n_q if band.left is None else band.left
+    right = n_k + n_q if band.right is None else band.right
+    empty = (rel_hi < -left) | (rel_lo > right)
+    full = (rel_lo >= -left) & (rel_hi <= right)
+    return torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.int8)
+
+
+def combine_kinds(*grids: Tensor) -> Tensor:
+    """Tiles visited by every grid (AND of masks): EMPTY < PARTIAL < FULL, so the minimum."""
+    out = grids[0]
+    for g in grids[1:]:
+        out = torch.minimum(out, g)
+    return out
 
 
 def classify_predicate(keep: Tensor, block_m: int, block_n: int) -> Blocks:
@@ -267,9 +298,73 @@ def dropout_keep(
     only on ``(seed, bh, i, j)``, so any tile regenerates exactly: forward, backward and
     the reference see the same mask.
     """
-    s = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=bh.device))
-    h_bh = _mix32((bh.to(torch.int64) ^ s) & _M32)[..., None]  # (..., 1)
+    return dropout_keep_rows(seed, bh[..., None], offs_m, offs_n, p)
+
+
+def dropout_keep_rows(
+    seed: int, bh_rows: Tensor, offs_m: Tensor, offs_n: Tensor, p: float
+) -> Tensor:
+    """:func:`dropout_keep` with the flat ``b * H + h`` index given per row, ``bh_rows``
+    ``(..., M)`` (or ``(..., 1)``): packed sequences draw, row by row, the mask their padded
+    batch would (b = the row's sequence, positions inside it). Shape ``(..., M, N)``."""
+    s = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=bh_rows.device))
+    h_bh = _mix32((bh_rows.to(torch.int64) ^ s) & _M32)  # (..., M or 1)
     h_m = _mix32(h_bh ^ (offs_m.to(torch.int64) & _M32))[..., None]  # (..., M, 1)
     bits = _mix32(h_m ^ _mix32(offs_n.to(torch.int64) & _M32))  # (..., M, N)
     threshold = int(p * 2**32)
     return bits >= threshold
+
+
+# -- recognising "band AND key padding" in a materialized mask --------------------------------
+
+def split_band_padding(mask: Tensor, band: Band) -> Tensor | None:
+    """Key padding ``(B, 1, 1, Nk)`` such that ``mask == band & key_padding``, or None.
+
+    ``mask`` is a bool mask (True = attend) broadcastable to ``(B, H, Nq, Nk)``; its own last
+    two dims are the query and key grid the band is laid on (expand a broadcast query dim
+    first, ``expand`` is a view). Frameworks hand over masks such as Hugging Face's
+    ``(B, 1, Nq, Nk)`` causal-plus-padding mask; when one is exactly a band (causal, window)
+    AND a per-key padding vector, a backend can apply the band from indices and read only the
+    ``(B, 1, 1, Nk)`` vector per tile instead of ``Nq x Nk`` mask entries.
+
+    A key that no query of the band may see can take either padding value; it is reported as
+    masked. One vectorized pass over the mask, no loop over rows.
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got "
+                        f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
+    if not 1 <= mask.dim() <= 4:
+        raise ValueError(f"mask must have 1 to 4 dims, broadcastable to (B, H, Nq, Nk), got "
+                         f"shape {tuple(mask.shape)}")
+    m = as_4d(mask)  # (B, H, Nq, Nk), any of them possibly 1
+    n_q, n_k = m.shape[-2:]
+    allowed = band.mask(torch.arange(n_q, device=m.device), torch.arange(n_k, device=m.device))
+    if allowed is None:  # no band: the mask must not vary over heads or queries
+        key_padding = m[:, :1, :1, :]
+        return key_padding if bool((m == key_padding).all()) else None
+    # A key counts as present when some allowed (query, key) pair of it attends.
+    key_padding = (m & allowed).any(dim=2, keepdim=True).any(dim=1, keepdim=True)
+    return key_padding if bool((m == (allowed & key_padding)).all()) else None
+
+
+def simplify_mask(mask: Tensor, band: Band) -> tuple[Band, Tensor | None] | None:
+    """An N x N mask that is only "causal (or the call's own band) + key padding", as a band
+    and a ``(B, 1, 1, Nk)`` padding mask (None when no key is padded), or None.
+
+    ``mask`` is bool, or float holding only 0 and -inf (a bias with other values is not a
+    mask); ``band`` is the call's own band, and the causal band on its diagonal is tried
+    too. Backends then skip the tiles the band rules out and read Nk entries per key tile
+    instead of Nq x Nk: what Hugging Face's (B, 1, Nq, Nk) causal-plus-padding masks need.
+    """
+    n_q, n_k = mask.shape[-2:] if mask.dim() >= 2 else (1, mask.shape[-1])
+    if mask.dim() < 2 or n_q < 2 or n_k < 2 or mask.requires_grad:
+        return None
+    keep = as_bool_mask(mask)
+    if keep is None:
+        return None
+    causal = Band(band.offset, band.left, 0 if band.right is None else min(band.right, 0))
+    for candidate in (band, causal):
+        padding = split_band_padding(keep, candidate)
+        if padding is not None:
+            return candidate, None if bool(padding.all()) else padding
+    return None

@@ -27,6 +27,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
+from attn.masks import module_window
+from attn.varlen import varlen_attention
 
 QK_NORM_KINDS = ("l2", "rms", "layer")
 QK_NORM_POSITIONS = ("before", "after")
@@ -164,23 +166,6 @@ class KVCacheLike(Protocol):
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...  # → all keys, values
 
 
-def _as_window(window: int | tuple[int, int] | None, causal: bool) -> tuple[int, int] | None:
-    if window is None:
-        return None
-    if isinstance(window, bool):
-        raise TypeError(f"window must be an int or a pair of ints, got {window!r}")
-    if isinstance(window, int):
-        if window < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
-        # w keys back (and, without causal, w ahead): the query itself plus w neighbours a side
-        return (window, 0 if causal else window)
-    if (isinstance(window, (tuple, list)) and len(window) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
-        return (int(window[0]), int(window[1]))
-    raise ValueError(f"window must be an int or a pair (left, right) of ints >= -1, "
-                     f"got {window!r}")
-
-
 def _parse_window(s: str) -> int | tuple[int, int]:
     """Command-line spelling of a window: ``W`` or ``LEFT,RIGHT``."""
     parts = [int(p) for p in s.split(",")]
@@ -260,7 +245,7 @@ class AttentionOptions:
             raise ValueError(f"softcap must be positive or None, got {self.softcap!r}")
         if self.learn_softcap and self.softcap is None:
             raise ValueError("learn_softcap needs softcap, the cap's initial value")
-        _as_window(self.window, self.causal)
+        module_window(self.window, causal=self.causal)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.backend not in BACKENDS:
@@ -281,7 +266,7 @@ class AttentionOptions:
     @property
     def window_pair(self) -> tuple[int, int] | None:
         """``window`` as the ``(left, right)`` pair :func:`attn.attention` takes."""
-        return _as_window(self.window, self.causal)
+        return module_window(self.window, causal=self.causal)
 
     def qk_norm_config(self) -> QKNormConfig | None:
         if self.qk_norm is None:
@@ -352,7 +337,11 @@ class MultiHeadAttention(nn.Module):
     def _cap(self) -> float | Tensor | None:
         return self.softcap if self.log_softcap is None else self.log_softcap.exp()  # (H,)
 
-    def forward(self, x: Tensor, kv_cache: KVCacheLike | None = None) -> Tensor:
+    def forward(self, x: Tensor, kv_cache: KVCacheLike | None = None, *,
+                cu_seqlens: Tensor | None = None) -> Tensor:
+        """x (B, N, C) → (B, N, C). ``cu_seqlens`` (S + 1,): the B·N tokens hold S packed
+        documents (row boundaries among the offsets) that never see one another
+        (:func:`attn.varlen_attention`; causal and window per document)."""
         B, N, C = x.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         offset: int | Tensor = 0
@@ -379,11 +368,22 @@ class MultiHeadAttention(nn.Module):
 
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, offset + N, D)
-        y = (attention if cp is None else cp.attention)(
-            q, k, v, causal=self.causal, scale=self.scale, temperature=self._tau(),
-            softcap=self._cap(), window=self.window, sinks=self.sinks,
-            dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
-        y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
+        opts = dict(causal=self.causal, scale=self.scale, temperature=self._tau(),
+                    softcap=self._cap(), window=self.window, sinks=self.sinks,
+                    dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
+        if cu_seqlens is not None:
+            if kv_cache is not None:
+                raise ValueError("cu_seqlens (packed documents) and a KV cache do not mix")
+            if cp is not None:
+                raise ValueError("cu_seqlens (packed documents) and context parallelism do "
+                                 "not combine")
+            # (B, H, N, D) -> packed (B·N, H, D): rows laid end to end
+            qp, kp, vp = (rearrange(t, "b h n d -> (b n) h d") for t in (q, k, v))
+            y = varlen_attention(qp, kp, vp, cu_seqlens, cu_seqlens, **opts)
+            y = rearrange(y, "(b n) h d -> b n (h d)", b=B)  # (B, N, H·D)
+        else:
+            y = (attention if cp is None else cp.attention)(q, k, v, **opts)
+            y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
         return self.proj(y)
 
     def extra_repr(self) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attn.masks import Band, dropout_keep
+from attn.masks import Band, dropout_keep, dropout_keep_rows
 
 
 def reference_attention(
@@ -25,6 +25,9 @@ def reference_attention(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    score_mod=None,
+    mask_mod=None,
+    dropout_rows=None,
 ) -> tuple[Tensor, Tensor]:
     """Attention with materialized scores. Inputs already validated by ``attn.api``.
 
@@ -32,7 +35,10 @@ def reference_attention(
     of q·k (``scale / temperature``), a float or a tensor broadcastable to (B, H, 1, 1);
     ``softcap`` a float or a tensor broadcastable to (H,); ``sinks`` (H,).
     Returns out (B, H, Nq, Dv) in q's dtype and lse (B, H, Nq) in float32 (float64 for
-    float64 inputs).
+    float64 inputs). ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx,
+    kv_idx)`` (FlexAttention's signatures) run once on the whole (B, H, Nq, Nk) grid of
+    broadcast index tensors. Order: scale → score_mod → softcap → masks → sinks.
+    ``dropout_rows``: see :class:`attn.spec.LaunchSpec` (packed sequences, B == 1).
     """
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -41,10 +47,19 @@ def reference_attention(
     v = v.repeat_interleave(group, dim=1)
 
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk)
+    idx = (torch.arange(B, device=q.device).view(B, 1, 1, 1),
+           torch.arange(H, device=q.device).view(1, H, 1, 1),
+           torch.arange(Nq, device=q.device).view(1, 1, Nq, 1),
+           torch.arange(Nk, device=q.device).view(1, 1, 1, Nk))
+    if score_mod is not None:
+        s = torch.broadcast_to(score_mod(s, *idx), s.shape).to(s.dtype)
     if softcap is not None:
         c = softcap if isinstance(softcap, float) else softcap.to(s.dtype).reshape(-1, 1, 1)
         s = c * torch.tanh(s / c)
     allowed = band.mask(torch.arange(Nq, device=q.device), torch.arange(Nk, device=q.device))
+    if mask_mod is not None:
+        keep = torch.broadcast_to(mask_mod(*idx), s.shape)
+        allowed = keep if allowed is None else allowed & keep
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = attn_mask if allowed is None else allowed & attn_mask
@@ -66,7 +81,13 @@ def reference_attention(
     p = p / l_safe
     # -inf where the row sees nothing; log of l_safe keeps that row's gradient finite
     lse = torch.where(l > 0, m + torch.log(l_safe), float("-inf")).squeeze(-1)
-    if dropout_p > 0.0:
+    if dropout_p > 0.0 and dropout_rows is not None:
+        b_rows, offs_m, offs_n = dropout_rows(torch.arange(Nq, device=q.device),
+                                              torch.arange(Nk, device=q.device))
+        bh = b_rows.view(1, 1, Nq) * H + torch.arange(H, device=q.device).view(1, H, 1)
+        keep = dropout_keep_rows(dropout_seed, bh, offs_m, offs_n, dropout_p)
+        p = p * keep / (1.0 - dropout_p)
+    elif dropout_p > 0.0:
         bh = torch.arange(B * H, device=q.device).reshape(B, H)
         keep = dropout_keep(dropout_seed, bh, torch.arange(Nq, device=q.device),
                             torch.arange(Nk, device=q.device), dropout_p)

@@ -16,8 +16,10 @@ shard reproduces the unsharded computation bit for bit, dropout mask included.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
-from attn.masks import Band, Blocks, classify_band
+from attn.masks import (PARTIAL, Band, Blocks, band_kinds, classify_band, classify_grid,
+                        combine_kinds)
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,14 @@ class LaunchSpec:
     heads_total: int | None = None  # query heads of the whole computation (None: this call's)
     block_m: int | None = None  # tile sizes where a backend takes them (None: its default)
     block_n: int | None = None
+    # programmable attention (attn.flex): callables, static like the rest; tensors they
+    # capture that need a gradient are passed to the autograd.Function explicitly
+    score_mod: Callable | None = None  # score_mod(score, b, h, q_idx, kv_idx) -> score
+    mask_mod: Callable | None = None  # mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend
+    mask_blocks: Blocks | None = None  # the mask's tile classification (local positions)
+    # packed sequences: (offs_m, offs_n) -> (sequence per row, position per row, position
+    # per key) for the dropout hash, so a packed call draws its padded batch's mask
+    dropout_rows: Callable | None = None
 
     def local_band(self) -> Band:
         """The band in this call's own positions: query i is global ``q_start + i``."""
@@ -45,12 +55,28 @@ class LaunchSpec:
                     or self.heads_total is not None)
 
     def blocks(self, n_q: int, n_k: int, block_m: int, block_n: int) -> Blocks:
-        """Which tiles this call visits (:func:`attn.masks.classify_band` of the local band)."""
-        return classify_band(self.local_band(), n_q, n_k, block_m, block_n)
+        """Which tiles this call visits (:func:`attn.masks.classify_band` of the local band),
+        AND the mask's own classification when there is one (its tile sizes win: the
+        mask_mod is evaluated only in the tiles it marks partial)."""
+        if self.mask_blocks is None and self.mask_mod is None:
+            return classify_band(self.local_band(), n_q, n_k, block_m, block_n)
+        if self.mask_blocks is None:  # an unclassified mask_mod: every visited tile partial
+            kinds = band_kinds(self.local_band(), n_q, n_k, block_m, block_n).clamp(max=PARTIAL)
+            return classify_grid(kinds, n_q, n_k, block_m, block_n)
+        mb = self.mask_blocks
+        if (mb.n_q, mb.n_k) != (n_q, n_k):
+            raise ValueError(f"the block mask covers {mb.n_q} x {mb.n_k} (Nq x Nk), the call "
+                             f"{n_q} x {n_k}")
+        kinds = combine_kinds(mb.kinds(), band_kinds(self.local_band(), n_q, n_k,
+                                                     mb.block_m, mb.block_n))
+        return classify_grid(kinds, n_q, n_k, mb.block_m, mb.block_n)
 
     def shard(self, *, q_start: int = 0, k_start: int = 0, head_start: int = 0,
               heads_total: int | None = None) -> "LaunchSpec":
         """The same computation restricted to a shard starting at these global positions."""
+        if self.mask_blocks is not None:
+            raise NotImplementedError("a block mask is classified in one call's own positions "
+                                      "and cannot be sharded")
         return replace(self, q_start=self.q_start + q_start, k_start=self.k_start + k_start,
                        head_start=self.head_start + head_start,
                        heads_total=heads_total if heads_total is not None else self.heads_total)

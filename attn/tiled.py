@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attn.masks import Blocks, as_4d, dropout_keep
+from attn.masks import Blocks, as_4d, dropout_keep, dropout_keep_rows
 from attn.spec import LaunchSpec
 
 # Chosen by measurement (scripts/tune_tiled_blocks.py; benchmarks/results/tiled_blocks_cpu.md):
@@ -83,7 +83,46 @@ class _Tile:
             heads = spec.heads_total or H
             h = torch.arange(H, device=q.device) + spec.head_start
             self.bh = (torch.arange(B, device=q.device)[:, None] * heads + h).view(B, Hkv, self.G)
+            self.heads, self.h_glob = heads, h.view(1, Hkv, self.G, 1)
         self._band_masks: dict[tuple[int, int, int], Tensor] = {}
+        # -- score_mod / mask_mod: index tensors broadcast to (B, H, BM, BN), global positions
+        self.score_mod, self.mask_mod = spec.score_mod, spec.mask_mod
+        if self.score_mod is not None or self.mask_mod is not None:
+            self.H = H
+            self.b_idx = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+            self.h_idx = (torch.arange(H, device=q.device) + spec.head_start).view(1, H, 1, 1)
+
+    def _idx(self, m0: int, m1: int, n0: int, n1: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        q_idx = (torch.arange(m0, m1, device=self.device) + self.spec.q_start).view(1, 1, -1, 1)
+        kv_idx = (torch.arange(n0, n1, device=self.device) + self.spec.k_start).view(1, 1, 1, -1)
+        return self.b_idx, self.h_idx, q_idx, kv_idx
+
+    def _score_mod(self, s: Tensor, m0: int, m1: int, n0: int, n1: int) -> Tensor:
+        """``score_mod`` on a tile viewed as (B, H, BM, BN); back in the tile layout."""
+        shape = (self.B, self.H, m1 - m0, n1 - n0)
+        out = self.score_mod(s.view(shape), *self._idx(m0, m1, n0, n1))
+        if not isinstance(out, Tensor):
+            raise TypeError(f"score_mod must return a tensor, got {type(out).__name__}")
+        try:
+            out = torch.broadcast_to(out.to(self.acc_dtype), shape)
+        except RuntimeError:
+            raise ValueError(f"score_mod returned shape {tuple(out.shape)}, which does not "
+                             f"broadcast to the tile's scores (B, H, BM, BN) = {shape}") from None
+        return out.reshape(s.shape).contiguous()  # the steps after it work in place
+
+    def mask_mod_keep(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
+        """``mask_mod`` on one tile: bool broadcastable to (B, H, BM, BN), True = attend."""
+        keep = self.mask_mod(*self._idx(m0, m1, n0, n1))
+        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+            what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
+            raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
+        shape = (self.B, self.H, m1 - m0, n1 - n0)
+        try:
+            torch.broadcast_shapes(keep.shape, shape)
+        except RuntimeError:
+            raise ValueError(f"mask_mod returned shape {tuple(keep.shape)}, which does not "
+                             f"broadcast to the tile (B, H, BM, BN) = {shape}") from None
+        return keep
 
     def q_block(self, m0: int, m1: int) -> Tensor:
         """Scaled queries ``(B·Hkv, G·BM, D)`` in the accumulation dtype (a fresh copy)."""
@@ -112,15 +151,26 @@ class _Tile:
             self._buffers[key] = torch.empty(shape, dtype=self.acc_dtype, device=self.device)
         return self._buffers[key]
 
-    def scores(self, q_blk: Tensor, m0: int, m1: int, n0: int, n1: int, full: bool
-               ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def scores(self, q_blk: Tensor, m0: int, m1: int, n0: int, n1: int, full: bool,
+               track: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Masked scores ``(B·Hkv, G·BM, BN)``; with softcap also ``u = s_raw / c`` and
         ``t = tanh(u)`` (the backward needs both). ``full``: the block classification says
-        the band masks nothing in this tile."""
+        no mask (band, mask_mod) masks anything in this tile. Order: scale → score_mod →
+        softcap → masks. ``track`` (backward): the score_mod runs under autograd and
+        ``self.mod_graph`` keeps ``(scores in, scores out)`` for :meth:`score_mod_vjp`."""
         B, Hkv, G, BM, BN = self.B, self.Hkv, self.G, m1 - m0, n1 - n0
         # -- compute qk (q_blk already scaled) --
         k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
         s = torch.bmm(q_blk, k_blkT, out=self.buffer("s", (B * Hkv, G * BM, BN)))
+        if self.score_mod is not None:
+            if track:
+                s_in = s.detach().requires_grad_()
+                with torch.enable_grad():
+                    s_out = self._score_mod(s_in, m0, m1, n0, n1)
+                self.mod_graph = (s_in, s_out)
+                s = s_out.detach().clone()  # the steps below work in place: keep the graph's
+            else:
+                s = self._score_mod(s, m0, m1, n0, n1)
         s5 = s.view(B, Hkv, G, BM, BN)
         u = t = None
         if self.cap5 is not None or self.spec.softcap is not None:
@@ -131,7 +181,11 @@ class _Tile:
             s5 = s.view(B, Hkv, G, BM, BN)
         # -- masks --
         if not full:
-            s5.masked_fill_(self._band_mask(m0, m1, n0, n1), float("-inf"))
+            if not self.band.is_full:
+                s5.masked_fill_(self._band_mask(m0, m1, n0, n1), float("-inf"))
+            if self.mask_mod is not None:
+                keep = self.mask_mod_keep(m0, m1, n0, n1)
+                s.view(B, self.H, BM, BN).masked_fill_(~keep, float("-inf"))
         if self.mask5 is not None:
             mt = self.mask5[..., m0:m1, n0:n1]
             if mt.dtype == torch.bool:
@@ -140,12 +194,28 @@ class _Tile:
                 s5.add_(mt)
         return s, u, t
 
+    def score_mod_vjp(self, ds: Tensor, captured: tuple[Tensor, ...]
+                      ) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+        """The score_mod's backward on the last tracked tile, by autograd: dS before the mod
+        and this tile's share of each captured tensor's gradient (None where unused)."""
+        s_in, s_out = self.mod_graph
+        self.mod_graph = None
+        grads = torch.autograd.grad(s_out, (s_in, *captured), grad_outputs=ds.view_as(s_out),
+                                    allow_unused=True)
+        ds_in = grads[0] if grads[0] is not None else torch.zeros_like(s_in)
+        return ds_in, grads[1:]
+
     def dropout_scale(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
         """Kept elements scaled by 1/(1-p), dropped ones 0: ``(B·Hkv, G·BM, BN)``."""
         spec = self.spec
         offs_m = torch.arange(m0, m1, device=self.device) + spec.q_start
         offs_n = torch.arange(n0, n1, device=self.device) + spec.k_start
-        keep = dropout_keep(spec.dropout_seed, self.bh, offs_m, offs_n, spec.dropout_p)
+        if spec.dropout_rows is None:
+            keep = dropout_keep(spec.dropout_seed, self.bh, offs_m, offs_n, spec.dropout_p)
+        else:  # packed: one batch row holding many sequences (B == 1)
+            b_rows, offs_m, offs_n = spec.dropout_rows(offs_m, offs_n)
+            bh = b_rows.view(1, 1, 1, -1) * self.heads + self.h_glob  # (1, Hkv, G, BM)
+            keep = dropout_keep_rows(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
         z = keep.to(self.acc_dtype) / (1.0 - spec.dropout_p)  # (B, Hkv, G, BM, BN)
         return z.view(self.B * self.Hkv, self.G * (m1 - m0), n1 - n0)
 
@@ -204,6 +274,7 @@ class Grads(NamedTuple):
     dmask: Tensor | None
     dsinks: Tensor | None
     dsoftcap: Tensor | None
+    dcaptured: tuple[Tensor | None, ...] = ()  # the score_mod's captured tensors
 
 
 def _blocks(spec: LaunchSpec, n_q: int, n_k: int) -> Blocks:
@@ -256,10 +327,12 @@ def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
          sinks: Tensor | None = None, softcap: Tensor | None = None, *,
-         need_dmask: bool = False, need_dcap: bool = True) -> Grads:
+         need_dmask: bool = False, need_dcap: bool = True,
+         captured: tuple[Tensor, ...] = ()) -> Grads:
     """Gradients of one call: dq, dk, dv always; the float mask's only with ``need_dmask``
     (an N x N tensor when the mask is), sinks' when given, the learnable softcap's when
-    given and ``need_dcap``."""
+    given and ``need_dcap``, and those of the tensors ``captured`` by ``spec.score_mod``
+    (summed tile by tile in a fixed order: deterministic, no atomics)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -279,6 +352,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     if dlse is not None:
         delta = delta - dlse.to(acc_dtype)
     lse_rows = lse.masked_fill(lse == float("-inf"), float("inf"))  # P = 0 on empty rows
+    track = spec.score_mod is not None
+    dcaptured: list[Tensor | None] = [None] * len(captured)
 
     for m0, m1, key_tiles in _blocks(spec, Nq, Nk).query_blocks():
         if not key_tiles:
@@ -292,7 +367,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         for n0, n1, full in key_tiles:
             BN = n1 - n0
             k_blk, v_blk = tile.k_block(n0, n1), tile.v_block(n0, n1)
-            s, u, t = tile.scores(q_blk, m0, m1, n0, n1, full)
+            s, u, t = tile.scores(q_blk, m0, m1, n0, n1, full, track=track)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
             pd, ds, ds_raw, dc_terms = _bwd_tile(s, u, t, lse_blk, delta_blk, do_blk, v_blk,
                                                  z, tile.buffer("dp", s.shape),
@@ -305,6 +380,11 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
                 dmask[:, :, rows, cols] += _reduce_to(ds.view(B, H, BM, BN), dmask.shape)
             if dsoftcap is not None:
                 dsoftcap += dc_terms.view(B, Hkv, G, BM, BN).sum(dim=(0, 3, 4)).reshape(H)
+            if track:  # -- the score_mod's backward, by autograd on this tile's graph --
+                ds_raw, dcap_t = tile.score_mod_vjp(ds_raw, captured)
+                for i, g in enumerate(dcap_t):
+                    if g is not None:
+                        dcaptured[i] = g if dcaptured[i] is None else dcaptured[i] + g
             # -- dQ += dS K, dK += dSᵀ Q (q_blk carries the scale; dQ gets it at the end) --
             dq_blk.baddbmm_(ds_raw, k_blk)
             dk3[:, n0:n1].baddbmm_(ds_raw.transpose(1, 2), q_blk)
@@ -312,15 +392,16 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 
     dsinks = None if sinks is None else sink_grad(sinks, lse.to(acc_dtype), delta)
     return Grads(dq, dk3.view(B, Hkv, Nk, D), dv3.view(B, Hkv, Nk, Dv), dmask, dsinks,
-                 dsoftcap)
+                 dsoftcap, tuple(dcaptured))
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec):
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec, *captured):
         out, lse = _fwd(q, k, v, spec, attn_mask, sinks, softcap)
+        # the captured tensors are not saved: the score_mod reads them itself in backward
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap)
-        ctx.spec = spec
+        ctx.spec, ctx.captured = spec, captured
         return out, lse
 
     @staticmethod
@@ -329,14 +410,17 @@ class _TiledAttention(torch.autograd.Function):
         need_dmask = bool(ctx.needs_input_grad[3])
         do = torch.zeros_like(out) if dout is None else dout.contiguous()  # only lse was used
         g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, attn_mask, sinks, softcap,
-                 need_dmask=need_dmask, need_dcap=bool(ctx.needs_input_grad[5]))
+                 need_dmask=need_dmask, need_dcap=bool(ctx.needs_input_grad[5]),
+                 captured=ctx.captured)
         dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
         dsoftcap = None
         if g.dsoftcap is not None:
             dsoftcap = _reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype)
+        dcaptured = tuple(None if d is None else d.to(c.dtype)
+                          for d, c in zip(g.dcaptured, ctx.captured))
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), dmask, dsinks, dsoftcap,
-                None)
+                None, *dcaptured)
 
 
 def tiled_attention(
@@ -348,6 +432,7 @@ def tiled_attention(
     attn_mask: Tensor | None = None,
     softcap: Tensor | None = None,
     sinks: Tensor | None = None,
+    captured: tuple[Tensor, ...] = (),
 ) -> tuple[Tensor, Tensor]:
     """Memory-linear exact attention. Inputs already validated by ``attn.api``.
 
@@ -356,6 +441,7 @@ def tiled_attention(
     values (q·k scale, band, fixed softcap, dropout, global positions, block sizes; a tensor
     temperature must already be folded into q); ``softcap`` a learnable tensor
     broadcastable to (H,), ``sinks`` (H,). Block sizes default to the module's
-    ``BLOCK_M`` / ``BLOCK_N``, read at call time.
+    ``BLOCK_M`` / ``BLOCK_N``, read at call time. ``captured``: the tensors
+    ``spec.score_mod`` reads that need a gradient (see :func:`attn.flex.captured_tensors`).
     """
-    return _TiledAttention.apply(q, k, v, attn_mask, sinks, softcap, spec)
+    return _TiledAttention.apply(q, k, v, attn_mask, sinks, softcap, spec, *captured)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import re
 import string
 import sysconfig
 from dataclasses import dataclass
@@ -54,20 +55,69 @@ def stdlib_files() -> list[Path]:
     return files
 
 
+# a document starts at every top-level ``def`` / ``class`` / decorator: function- and
+# class-sized pieces of a file, from a few lines to a few thousand characters
+_DOC_START = re.compile(r"\n(?=(?:def |class |@|async def ))")
+
+
+def split_documents(text: str) -> list[str]:
+    """A source file cut into documents at its top-level definitions (the module header
+    before the first is one more)."""
+    return [d for d in _DOC_START.split(text) if d]
+
+
 @dataclass
 class TextCorpus:
     train: Tensor  # (N_train,) int64 token ids
     val: Tensor  # (N_val,)
     files: int
+    train_docs: Tensor | None = None  # (D_train + 1,) offsets where documents start
+    val_docs: Tensor | None = None
 
     @classmethod
     def load(cls, val_every: int = 10) -> TextCorpus:
         files = stdlib_files()
-        train, val = [], []
+        train, val, train_len, val_len = [], [], [], []
         for i, f in enumerate(files):
-            ids = encode(f.read_text(encoding="utf-8", errors="replace"))
-            (val if i % val_every == val_every - 1 else train).append(ids)
-        return cls(torch.cat(train), torch.cat(val), len(files))
+            docs = split_documents(f.read_text(encoding="utf-8", errors="replace"))
+            is_val = i % val_every == val_every - 1
+            for d in docs:
+                ids = encode(d)
+                (val if is_val else train).append(ids)
+                (val_len if is_val else train_len).append(len(ids))
+
+        def offsets(lengths: list[int]) -> Tensor:
+            return torch.cat([torch.zeros(1, dtype=torch.int64),
+                              torch.tensor(lengths, dtype=torch.int64).cumsum(0)])
+        return cls(torch.cat(train), torch.cat(val), len(files), offsets(train_len),
+                   offsets(val_len))
+
+    def packed_batch(self, split: str, batch: int, block: int, generator: torch.Generator
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+        """Rows of whole documents laid end to end (random documents; the last one of a
+        row cut at the row's end): x (B, T), y (B, T) and document ids (B, T), increasing
+        along the flattened batch so that they give packed offsets directly. Every target
+        lies inside its input's document (a document's last character is a target only)."""
+        data, docs = (self.train, self.train_docs) if split == "train" else (self.val,
+                                                                            self.val_docs)
+        n_docs = len(docs) - 1
+        xs, ys, ids, next_id = [], [], [], 0
+        for _ in range(batch):
+            row_x, row_y, row_id, filled = [], [], [], 0
+            while filled < block:
+                d = int(torch.randint(0, n_docs, (1,), generator=generator))
+                a, b = int(docs[d]), int(docs[d + 1])
+                take = min(b - a - 1, block - filled)  # x and its next-char target y
+                if take <= 0:
+                    continue
+                row_x.append(data[a:a + take])
+                row_y.append(data[a + 1:a + 1 + take])
+                row_id.append(torch.full((take,), next_id))
+                filled, next_id = filled + take, next_id + 1
+            xs.append(torch.cat(row_x))
+            ys.append(torch.cat(row_y))
+            ids.append(torch.cat(row_id))
+        return torch.stack(xs), torch.stack(ys), torch.stack(ids)
 
     def batch(self, split: str, batch: int, block: int, generator: torch.Generator
               ) -> tuple[Tensor, Tensor]:

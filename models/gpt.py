@@ -44,8 +44,9 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.dim, bias=cfg.bias)
         self.mlp = MLP(cfg.dim, cfg.mlp_ratio, cfg.bias, cfg.dropout)
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), kv_cache))
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None,
+                cu_seqlens: Tensor | None = None) -> Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), kv_cache, cu_seqlens=cu_seqlens))
         return x + self.mlp(self.norm2(x))
 
 
@@ -88,11 +89,18 @@ class GPT(nn.Module):
                 for _ in self.blocks]
 
     def forward(self, idx: Tensor, targets: Tensor | None = None,
-                caches: list[KVCache] | None = None) -> tuple[Tensor, Tensor | None]:
+                caches: list[KVCache] | None = None, doc_ids: Tensor | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) token ids → logits (B, T, V), and the mean cross-entropy over targets
         (B, T) that are not -100 when targets are given. With ``caches`` the tokens continue
-        the cached sequence."""
+        the cached sequence. ``doc_ids`` (B, T), non-decreasing over the flattened batch:
+        packed documents, each attending only to itself (attn.varlen_attention)."""
         B, T = idx.shape
+        cu_seqlens = None
+        if doc_ids is not None:
+            from attn.varlen import cu_seqlens_from_document_ids
+            flat = doc_ids.flatten()
+            cu_seqlens = cu_seqlens_from_document_ids(flat - flat[0])
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
             start = 0 if caches is None else caches[0].length
@@ -105,7 +113,7 @@ class GPT(nn.Module):
                 x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if caches is None else caches[i])
+            x = block(x, None if caches is None else caches[i], cu_seqlens)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if targets is not None:

@@ -71,6 +71,10 @@ class TrainConfig(AttentionConfig):
         None, "recall: stop at the first evaluation reaching this accuracy")
     threads: int | None = opt_field(
         None, "torch intra-op threads for the run (none = the task's preset, else torch's)")
+    pack: bool = opt_field(
+        False, "text: rows of whole documents (top-level defs of the stdlib files) laid end "
+        "to end, each attending only to itself (attn.varlen_attention), instead of random "
+        "windows")
     seed: int = 0
     context_parallel: int | None = opt_field(
         None, "shard every sequence across P processes (ring attention, zigzag layout); "
@@ -89,6 +93,12 @@ class TrainConfig(AttentionConfig):
                 setattr(self, name, value)
         if self.task == "recall":
             self.block_size = self.recall.seq_len
+            if self.pack:
+                raise ValueError("pack applies to the text task (recall sequences have a "
+                                 "fixed length)")
+        if self.pack and self.context_parallel is not None:
+            raise ValueError("pack and context_parallel do not combine: packed documents "
+                             "run through varlen attention, which is not sharded")
         if isinstance(self.temperature, str):
             if self.temperature != "learned":
                 raise ValueError(f"temperature must be a float or 'learned', "
@@ -120,12 +130,16 @@ class _Task:
         else:
             self.vocab_size = cfg.recall.vocab_size
 
-    def batch(self, split: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, split: str, step: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x (B, T), y (B, T), and document ids (B, T) when packing (else None)."""
         cfg = self.cfg
         g = _generator(cfg.seed, 0 if split == "train" else 1, step)
+        if cfg.task == "text" and cfg.pack:
+            return self.corpus.packed_batch(split, cfg.batch_size, cfg.block_size, g)
         if cfg.task == "text":
-            return self.corpus.batch(split, cfg.batch_size, cfg.block_size, g)
-        return cfg.recall.batch(cfg.batch_size, g)
+            return (*self.corpus.batch(split, cfg.batch_size, cfg.block_size, g), None)
+        return (*cfg.recall.batch(cfg.batch_size, g), None)
 
     @torch.no_grad()
     def evaluate(self, model: GPT, cp: ContextParallel | None = None
@@ -135,9 +149,9 @@ class _Task:
         model.eval()
         losses, accs = [], []
         for i in range(self.cfg.eval_batches):
-            x, y = self.batch("val", i)
+            x, y, doc = self.batch("val", i)
             if cp is None:
-                logits, loss = model(x, y)
+                logits, loss = model(x, y, doc_ids=doc)
             else:  # every rank its shard, then the full logits everywhere: the same numbers
                 logits = cp.gather(model(cp.shard(x, dim=1))[0], dim=1)
                 loss = _cross_entropy(logits, y, "mean")
@@ -313,10 +327,10 @@ def _train(cfg: TrainConfig, out_dir: Path, resume: bool, stop_at: int | None,
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
-        x, y = task.batch("train", step)
+        x, y, doc = task.batch("train", step)
         opt.zero_grad(set_to_none=True)
         if cp is None:
-            _, loss = model(x, y)
+            _, loss = model(x, y, doc_ids=doc)
             loss.backward()
         else:
             def fwd_bwd() -> None:

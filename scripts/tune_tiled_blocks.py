@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 import attn
-import attn.tiled
 from attn.bench.memory import peak_bytes
 from attn.bench.timing import benchmark
 
@@ -65,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
             return run
 
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-        tiled = lambda: attn.attention(q, k, v, causal=True, backend="tiled")  # noqa: E731
         ref_f = benchmark(fwd(sdpa), repeats=args.repeats).median_ms
         ref_b = benchmark(fwd_bwd(sdpa), repeats=args.repeats).median_ms
         mem_sdpa = peak_bytes(fwd_bwd(sdpa))
@@ -73,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(row)
         print(row, flush=True)
         for bm, bn in blocks:
-            attn.tiled.BLOCK_M, attn.tiled.BLOCK_N = bm, bn
+            tiled = lambda: attn.attention(q, k, v, causal=True, backend="tiled",  # noqa: E731
+                                           block_m=bm, block_n=bn)
             t_f = benchmark(fwd(tiled), repeats=args.repeats).median_ms
             t_b = benchmark(fwd_bwd(tiled), repeats=args.repeats).median_ms
             mem = peak_bytes(fwd_bwd(tiled))

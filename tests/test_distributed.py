@@ -5,10 +5,10 @@ spawned once and every world size runs on them (``_results``): P = 4 on the defa
 P = 2 and 3 on subgroups of the *last* ranks (global ranks 2-3 and 1-3), so ``group=`` and
 the mapping of group ranks to global ranks in the ring's send/recv are exercised too; each
 test then checks its case's record. A launch that does not finish within ``_TIMEOUT_S`` is
-killed and its tests fail: a hang can never stall the suite. Inputs are the same on every rank (seeded generators), every rank
-compares its gathered result with ``attn.attention`` on the unsharded tensors through
-``attn.testing.compare_to_reference`` (float64 unless the case names another dtype), and
-every rank's record is checked.
+killed and its tests fail: a hang can never stall the suite. Inputs are the same on every
+rank (seeded generators), every rank compares its gathered result with ``attn.attention``
+on the unsharded tensors through ``attn.testing.compare_to_reference`` (float64 unless the
+case names another dtype), and every rank's record is checked.
 
 Sizes are awkward on purpose: N = 23 and 29 divide neither P nor 2P, Nq != Nk both ways,
 and Nq > Nk with causal=True leaves the first rows with no key at all (lse = -inf), so
@@ -290,8 +290,8 @@ def _train(rank, P):
     return {k: m[k] for k in ("losses", "val_loss", "step_peak_bytes_per_rank")}
 
 
-_CASES = {"train": _train, "compare": _compare, "count": _count, "balance": _balance, "bad_input": _bad_input,
-          "error_vs_p": _error_vs_p}
+_CASES = {"train": _train, "compare": _compare, "count": _count, "balance": _balance,
+          "bad_input": _bad_input, "error_vs_p": _error_vs_p}
 
 
 def _worker(rank: int, port: int, plan: list, out_q) -> None:
@@ -408,7 +408,7 @@ def _case(P: int, case_id: str) -> dict[int, dict]:
     return recs
 
 
-# -- tests -------------------------------------------------------------------------------------------
+# -- tests -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("P, case_id", [
     pytest.param(P, cid, id=f"P{P}-{cid}")
@@ -522,7 +522,7 @@ def test_context_parallel_training_matches_one_process(tmp_path):
     torch.manual_seed(cfg.seed)
     task = _Task(cfg)
     model = GPT(cfg.model_config(task.vocab_size)).to(torch.float64)
-    x, y = task.batch("train", 0)
+    x, y, _ = task.batch("train", 0)
     whole = peak_bytes(lambda: model(x, y)[1].backward())
     per_rank = recs[0]["step_peak_bytes_per_rank"]
     assert max(per_rank) < whole, (per_rank, whole)
@@ -535,7 +535,6 @@ def test_nccl_world_size_one(strategy):
     triton chosen by "auto", forward and backward against attn.attention."""
     import torch.distributed as dist
 
-    import attn.distributed as cp
     from attn.testing import compare_to_reference, make_inputs
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,

@@ -112,34 +112,46 @@ def _spec(n_q, n_k, **kw):
                       dropout_p=0.2, dropout_seed=1234, block_m=16, block_n=16, **kw)
 
 
-def test_query_and_key_shards_reproduce_the_whole_dropout_included():
+def _launcher(backend: str):
+    """(attention launcher, dtype, tolerance): tiled in float64, triton (interpreter) in float32."""
+    if backend == "tiled":
+        return tiled_attention, torch.float64, 1e-12
+    pytest.importorskip("triton")
+    from attn.flash_triton import triton_attention
+
+    return triton_attention, torch.float32, 2e-5
+
+
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+def test_query_and_key_shards_reproduce_the_whole_dropout_included(backend):
+    run, dtype, tol = _launcher(backend)
     B, H, Nq, Nk = 2, 4, 50, 70
-    q, k, v = make_inputs(B=B, H=H, Hkv=2, N=Nq, Nk=Nk, D=16, dtype=torch.float64, seed=3)
+    q, k, v = make_inputs(B=B, H=H, Hkv=2, N=Nq, Nk=Nk, D=16, dtype=dtype, seed=3)
     spec = _spec(Nq, Nk)
-    out, lse = tiled_attention(q, k, v, spec)
+    out, lse = run(q, k, v, spec)
     # query shards
-    parts = [tiled_attention(q[:, :, a:b], k, v, spec.shard(q_start=a))
-             for a, b in [(0, 13), (13, 31), (31, 50)]]
-    torch.testing.assert_close(torch.cat([o for o, _ in parts], 2), out, rtol=1e-12, atol=1e-12)
+    parts = [run(q[:, :, a:b], k, v, spec.shard(q_start=a)) for a, b in [(0, 13), (13, 31), (31, 50)]]
+    torch.testing.assert_close(torch.cat([o for o, _ in parts], 2), out, rtol=tol, atol=tol)
     # key shards, merged through their lse
     cuts = [(0, 20), (20, 21), (21, 70)]
-    parts = [tiled_attention(q, k[:, :, a:b], v[:, :, a:b], spec.shard(k_start=a))
-             for a, b in cuts]
+    parts = [run(q, k[:, :, a:b], v[:, :, a:b], spec.shard(k_start=a)) for a, b in cuts]
     merged, merged_lse = attn.merge_attention([o for o, _ in parts], [l for _, l in parts])
-    torch.testing.assert_close(merged, out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(merged_lse, lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(merged, out, rtol=tol, atol=tol)
+    torch.testing.assert_close(merged_lse, lse, rtol=tol, atol=tol)
 
 
-def test_head_shards_reproduce_the_whole_dropout_included():
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+def test_head_shards_reproduce_the_whole_dropout_included(backend):
+    run, dtype, tol = _launcher(backend)
     B, H, N = 2, 4, 40
-    q, k, v = make_inputs(B=B, H=H, N=N, D=16, dtype=torch.float64, seed=4)
+    q, k, v = make_inputs(B=B, H=H, N=N, D=16, dtype=dtype, seed=4)
     spec = _spec(N, N)
-    out, _ = tiled_attention(q, k, v, spec)
-    halves = [tiled_attention(q[:, h:h + 2], k[:, h:h + 2], v[:, h:h + 2],
-                              spec.shard(head_start=h, heads_total=H)) for h in (0, 2)]
-    torch.testing.assert_close(torch.cat([o for o, _ in halves], 1), out, rtol=1e-12, atol=1e-12)
+    out, _ = run(q, k, v, spec)
+    halves = [run(q[:, h:h + 2], k[:, h:h + 2], v[:, h:h + 2],
+                  spec.shard(head_start=h, heads_total=H)) for h in (0, 2)]
+    torch.testing.assert_close(torch.cat([o for o, _ in halves], 1), out, rtol=tol, atol=tol)
     # without the global head index the shard draws another mask: the test can fail
-    wrong, _ = tiled_attention(q[:, 2:], k[:, 2:], v[:, 2:], spec)
+    wrong, _ = run(q[:, 2:], k[:, 2:], v[:, 2:], spec)
     assert not torch.allclose(wrong, out[:, 2:])
 
 
@@ -184,3 +196,54 @@ def test_triton_stage_split_agrees_with_the_band():
             assert not keep[m0:m1, :lo].any() and not keep[m0:m1, hi:].any()
             for n0 in range(a, b, bn):  # the unmasked middle: every pair inside the band
                 assert keep[m0:m1, n0:n0 + bn].all() and n0 + bn <= n_k and m0 + bm <= n_q
+
+
+# -- recognising "causal + key padding" in an N x N mask -----------------------------------------
+
+def _causal_padding_mask(B: int, n_q: int, n_k: int, lengths: list[int]) -> torch.Tensor:
+    causal = _dense(make_band(n_q, n_k, causal=True, window=None), n_q, n_k)
+    left_pad = torch.arange(n_k)[None, :] >= (n_k - torch.tensor(lengths))[:, None]  # (B, Nk)
+    return causal[None, None] & left_pad[:, None, None, :]  # (B, 1, Nq, Nk)
+
+
+def test_causal_plus_padding_masks_become_a_band_and_a_vector():
+    mask = _causal_padding_mask(3, 40, 40, [40, 25, 3])
+    band, padding = masks.simplify_mask(mask, Band())
+    assert band == make_band(40, 40, causal=True, window=None)
+    assert padding.shape == (3, 1, 1, 40)
+    torch.testing.assert_close(padding & _dense(band, 40, 40), mask, rtol=0, atol=0)
+    # the float form HF-style code builds with -inf is the same mask
+    f = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    assert masks.simplify_mask(f, Band())[0] == band
+    # a mask that is not of that form, or a real bias, is left alone
+    noisy = mask.clone()
+    noisy[1, 0, 30, 20] = ~noisy[1, 0, 30, 20]
+    assert masks.simplify_mask(noisy, Band()) is None
+    assert masks.simplify_mask(f.masked_fill(mask, 0.5), Band()) is None
+    # no padding at all: just the band
+    assert masks.simplify_mask(_causal_padding_mask(2, 9, 9, [9, 9]), Band()) == (
+        make_band(9, 9, causal=True, window=None), None)
+
+
+def test_attention_with_a_recognised_mask_skips_tiles_and_matches(monkeypatch):
+    import attn.tiled as tiled
+
+    q, k, v = make_inputs(B=3, H=4, Hkv=2, N=96, D=16, dtype=torch.float64, seed=5)
+    mask = _causal_padding_mask(3, 96, 96, [96, 50, 7])
+    seen = []
+    scores = tiled._Tile.scores
+
+    def counting(self, *args):
+        seen.append(args[1:])
+        return scores(self, *args)
+
+    monkeypatch.setattr(tiled._Tile, "scores", counting)
+    out = attn.attention(q, k, v, attn_mask=mask, backend="tiled", block_m=16, block_n=16)
+    n_recognised, seen[:] = len(seen), []
+    ref = attn.attention(q, k, v, attn_mask=mask, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    # the same mask with one extra hole is not recognised: every tile is visited
+    odd = mask.clone()
+    odd[0, 0, 50, 3] = False
+    attn.attention(q, k, v, attn_mask=odd, backend="tiled", block_m=16, block_n=16)
+    assert n_recognised == 21 and len(seen) == 36  # 6x6 tiles: the causal half vs all

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attn
-import attn.tiled
 from attn.testing import assert_close_to_reference, make_inputs
 
 
@@ -46,12 +45,8 @@ def attention_cases(draw):
 def test_tiled_matches_reference_on_random_cases(case):
     shapes, kw, (block_m, block_n) = case
     q, k, v = make_inputs(**shapes)
-    old = attn.tiled.BLOCK_M, attn.tiled.BLOCK_N
-    attn.tiled.BLOCK_M, attn.tiled.BLOCK_N = block_m, block_n
-    try:
-        assert_close_to_reference(partial(attn.attention, backend="tiled"), q, k, v, **kw)
-    finally:
-        attn.tiled.BLOCK_M, attn.tiled.BLOCK_N = old
+    fn = partial(attn.attention, backend="tiled", block_m=block_m, block_n=block_n)
+    assert_close_to_reference(fn, q, k, v, **kw)
 
 
 class LargestTensor(TorchDispatchMode):
@@ -82,14 +77,10 @@ def test_tiled_memory_is_linear_in_n(causal, variant):
     if kw.get("temperature") == "learned":
         kw["temperature"] = torch.ones(H, requires_grad=True)
     block_m, block_n = 64, 128
-    old = attn.tiled.BLOCK_M, attn.tiled.BLOCK_N
-    attn.tiled.BLOCK_M, attn.tiled.BLOCK_N = block_m, block_n
-    try:
-        with LargestTensor() as seen:
-            out = attn.attention(q, k, v, causal=causal, backend="tiled", **kw)
-            out.backward(torch.ones_like(out))
-    finally:
-        attn.tiled.BLOCK_M, attn.tiled.BLOCK_N = old
+    with LargestTensor() as seen:
+        out = attn.attention(q, k, v, causal=causal, backend="tiled", block_m=block_m,
+                             block_n=block_n, **kw)
+        out.backward(torch.ones_like(out))
     linear = B * H * max(N * D, block_m * block_n)  # an input, or one score tile
     assert seen.numel <= linear, f"{seen.op} made a tensor of {seen.numel} elements"
     assert seen.numel * 8 < B * H * N * N  # far from anything N x N

@@ -25,8 +25,8 @@ pytest.importorskip("triton")
 
 # A covering set for the default suite: every D with the variant flags off and on, each arch
 # at every D; `-m slow` builds the full product and every config _prune keeps.
-DEFAULT_CASES = [(90, 64, "all"), (90, 128, "plain"), (90, 128, "all"), (90, 256, "plain"),
-                 (80, 64, "plain"), (80, 128, "all"), (80, 256, "all")]
+DEFAULT_CASES = [(90, 64, "all"), (90, 128, "plain"), (90, 256, "all"),
+                 (80, 64, "plain"), (80, 128, "all"), (80, 256, "plain")]
 FULL_CASES = [(a, d, v) for a in (90, 80) for d in (64, 128, 256)
               for v in ("plain", "causal", "all")]
 

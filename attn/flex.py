@@ -1,0 +1,358 @@
+"""Programmable attention: FlexAttention's ``score_mod`` / ``mask_mod`` / block masks on attn.
+
+``flex_attention`` and ``create_block_mask`` take the arguments of
+``torch.nn.attention.flex_attention`` and return torch's own ``BlockMask``, so code and masks
+move between the two. What differs is where it runs: on attn's tiled backend, eagerly, on
+every device, forward and backward, for any length without a recompile.
+
+How a mod reaches the tiles (no second online softmax):
+
+* ``score_mod(score, b, h, q_idx, kv_idx)`` runs once per visited tile on the tile's scores
+  viewed ``(B, H, BM, BN)``, with broadcast index tensors ``b (B,1,1,1)``, ``h (1,H,1,1)``,
+  ``q_idx (1,1,BM,1)``, ``kv_idx (1,1,1,BN)`` (FlexAttention calls it per element through
+  vmap; an elementwise mod written for it works on these). Its backward is autograd's: the
+  tiled backward rebuilds the tile's scores under ``torch.enable_grad`` and asks
+  ``torch.autograd.grad`` for dS and the captured tensors' gradients, summed tile by tile in
+  a fixed order (deterministic, no atomics).
+* ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend) runs only in the tiles the block
+  classification marks partial; empty tiles are never visited, full ones do no mask work.
+* Order with ``attention``'s keywords: scale/temperature → score_mod → softcap → masks
+  (causal, window, attn_mask AND mask_mod) → sinks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, noop_mask
+
+from attn.masks import EMPTY, FULL, PARTIAL, Band, Blocks, classify_grid
+
+__all__ = ["BlockMask", "captured_tensors", "create_block_mask", "flex_attention",
+           "mask_mod_kinds"]
+
+# mask_mod is evaluated on at most this many (b, h, i, j) elements at once while classifying
+_CLASSIFY_CHUNK = 1 << 22
+
+
+# -- the tensors a mod captures -------------------------------------------------------------
+
+def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
+    """Tensors that need a gradient and that ``fn`` can read: its closure, the globals it
+    names, its defaults, a ``functools.partial``'s arguments, a module's parameters, nested
+    callables found there. They become explicit inputs of the autograd.Function, which is
+    how their gradients reach autograd."""
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(obj: object, depth: int) -> None:
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                found.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for t in obj.parameters():
+                visit(t, depth + 1)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for x in obj:
+                visit(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x, depth + 1)
+        elif isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            visit(obj.args, depth + 1)
+            visit(obj.keywords, depth + 1)
+        elif inspect.ismethod(obj):
+            visit(obj.__self__, depth + 1)
+            visit(obj.__func__, depth + 1)
+        elif inspect.isfunction(obj):
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+            names = obj.__code__.co_names
+            visit([obj.__globals__[n] for n in names if n in obj.__globals__
+                   and not inspect.ismodule(obj.__globals__[n])], depth + 1)
+            visit(obj.__defaults__ or (), depth + 1)
+            visit(obj.__kwdefaults__ or {}, depth + 1)
+        elif callable(obj) and hasattr(type(obj), "__call__") and not isinstance(obj, type):
+            visit(getattr(obj, "__dict__", {}), depth + 1)
+
+    visit(fn, 0)
+    return tuple(found.values())
+
+
+# -- block classification of a mask_mod -------------------------------------------------------
+
+def _checked(keep: object, name: str = "mask_mod") -> Tensor:
+    if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+        what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
+        raise TypeError(f"{name} must return a bool tensor (True = attend), got {what}")
+    return keep
+
+
+def mask_mod_kinds(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block_m: int,
+                   block_n: int, device: torch.device | str | None = None
+                   ) -> tuple[Tensor, Tensor]:
+    """Evaluate ``mask_mod`` over the whole grid, a chunk of tiles at a time, and return
+    bool ``(B, H, QB, KB)`` grids ``(visit, full)``: a tile is visited when any pair is
+    kept, full when all are. No compile, any length; memory is one chunk."""
+    qb, kb = -(-n_q // block_m), -(-n_k // block_n)
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    visit = torch.zeros(B, H, qb, kb, dtype=torch.bool, device=device)
+    full = torch.zeros(B, H, qb, kb, dtype=torch.bool, device=device)
+    # key blocks per chunk, so that B·H·block_m·(keys of the chunk) stays bounded (the
+    # bound for a mask that depends on b and h; one that does not costs B·H times less)
+    kb_step = max(1, _CLASSIFY_CHUNK // max(1, B * H * block_m * block_n))
+    for i in range(qb):
+        m0, m1 = i * block_m, min((i + 1) * block_m, n_q)
+        q_idx = torch.arange(m0, m1, device=device).view(1, 1, -1, 1)
+        for j0 in range(0, kb, kb_step):
+            j1 = min(j0 + kb_step, kb)
+            n0, n1 = j0 * block_n, min(j1 * block_n, n_k)
+            kv_idx = torch.arange(n0, n1, device=device).view(1, 1, 1, -1)
+            keep = _checked(mask_mod(b, h, q_idx, kv_idx))
+            # reduce on the mask's own batch / head extent (1 when it ignores b or h), then
+            # broadcast the per-tile answer: no (B, H, BM, keys) copy of a shared mask
+            kb_ = keep.shape[-4] if keep.dim() >= 4 else 1
+            kh_ = keep.shape[-3] if keep.dim() >= 3 else 1
+            keep = torch.broadcast_to(keep, (kb_, kh_, m1 - m0, n1 - n0))
+            pad = (j1 - j0) * block_n - (n1 - n0)  # the last key block may be short
+            any_ = torch.nn.functional.pad(keep, (0, pad), value=False)
+            # a ragged edge tile is never full, as in torch's create_block_mask (whose
+            # kernels rely on it to mask the positions past the end)
+            all_ = torch.nn.functional.pad(keep, (0, pad), value=False)
+            any_ = any_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).any(dim=4).any(dim=2)
+            all_ = all_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).all(dim=4).all(dim=2)
+            visit[:, :, i, j0:j1] = any_
+            full[:, :, i, j0:j1] = all_ & (m1 - m0 == block_m)
+    return visit, full
+
+
+def _union_blocks(visit: Tensor, full: Tensor, n_q: int, n_k: int, block_m: int,
+                  block_n: int) -> Blocks:
+    """One tile plan for every (b, h): visited when any (b, h) visits, full when all are."""
+    v = visit.reshape(-1, *visit.shape[-2:]).any(dim=0)
+    f = full.reshape(-1, *full.shape[-2:]).all(dim=0)
+    kinds = torch.where(f, FULL, torch.where(v, PARTIAL, EMPTY)).to(torch.int8).cpu()
+    return classify_grid(kinds, n_q, n_k, block_m, block_n)
+
+
+def mask_mod_blocks(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block_m: int,
+                    block_n: int, device=None) -> Blocks:
+    """:class:`attn.masks.Blocks` of a mask_mod (what ``attention(mask_mod=...)`` visits)."""
+    visit, full = mask_mod_kinds(mask_mod, B, H, n_q, n_k, block_m, block_n, device)
+    return _union_blocks(visit, full, n_q, n_k, block_m, block_n)
+
+
+def _dense_from_indices(num: Tensor, idx: Tensor, kb: int) -> Tensor:
+    """(B, H, QB, KB) bool from a BlockMask's (num_blocks, indices) pair."""
+    valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    dense = torch.zeros(*idx.shape[:-1], kb + 1, dtype=torch.bool, device=idx.device)
+    # invalid slots write into the spare last column, which is dropped
+    dense.scatter_(-1, torch.where(valid, idx.long(), kb), True)
+    return dense[..., :kb]
+
+
+def block_mask_blocks(block_mask: BlockMask, B: int, H: int, n_q: int, n_k: int,
+                      kernel_options: dict | None = None) -> Blocks:
+    """The tiles a torch ``BlockMask`` visits, as :class:`attn.masks.Blocks`: its own block
+    size, or ``kernel_options``' ``BLOCK_M`` / ``BLOCK_N`` when they divide it."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a torch BlockMask (attn.create_block_mask or "
+                        f"torch's), got {type(block_mask).__name__}")
+    q_len, kv_len = block_mask.seq_lengths
+    if (q_len, kv_len) != (n_q, n_k):
+        raise ValueError(f"block_mask was built for Q_LEN={q_len}, KV_LEN={kv_len}, the "
+                         f"inputs have Nq={n_q}, Nk={n_k}")
+    mb, mh = block_mask.kv_num_blocks.shape[:2]
+    if mb not in (1, B) or mh not in (1, H):
+        raise ValueError(f"block_mask of shape {tuple(block_mask.shape)} does not broadcast "
+                         f"to (B, H) = ({B}, {H})")
+    bs_m, bs_n = block_mask.BLOCK_SIZE
+    qb, kb = -(-n_q // bs_m), -(-n_k // bs_n)
+    visit = _dense_from_indices(block_mask.kv_num_blocks, block_mask.kv_indices, kb)
+    full = torch.zeros_like(visit)
+    if block_mask.full_kv_num_blocks is not None:
+        full = _dense_from_indices(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kb)
+    visit, full = (visit | full)[:, :, :qb], full[:, :, :qb]
+    block_m, block_n = bs_m, bs_n
+    opts = kernel_options or {}
+    if "BLOCK_M" in opts or "BLOCK_N" in opts:
+        block_m, block_n = int(opts.get("BLOCK_M", bs_m)), int(opts.get("BLOCK_N", bs_n))
+        if block_m <= 0 or block_n <= 0 or bs_m % block_m or bs_n % block_n:
+            raise ValueError(f"kernel_options BLOCK_M={block_m}, BLOCK_N={block_n} must divide "
+                             f"the block mask's BLOCK_SIZE {(bs_m, bs_n)}")
+        # sub-tiles inherit their block's kind; the grid is then trimmed to the lengths
+        rm, rn = bs_m // block_m, bs_n // block_n
+        visit = visit.repeat_interleave(rm, 2).repeat_interleave(rn, 3)
+        full = full.repeat_interleave(rm, 2).repeat_interleave(rn, 3)
+        visit = visit[:, :, :-(-n_q // block_m), :-(-n_k // block_n)]
+        full = full[:, :, :-(-n_q // block_m), :-(-n_k // block_n)]
+    return _union_blocks(visit, full, n_q, n_k, block_m, block_n)
+
+
+# -- public API -----------------------------------------------------------------------------------
+
+def _block_size(BLOCK_SIZE: object) -> tuple[int, int]:
+    pair = BLOCK_SIZE if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
+    if (len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                  for x in pair)):
+        raise ValueError(f"BLOCK_SIZE must be a positive int or a pair of them, got "
+                         f"{BLOCK_SIZE!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _mod_device(fn: Callable) -> torch.device | None:
+    """The device of the first tensor ``fn`` captures (document ids, a table), if any."""
+    seen: set[int] = set()
+
+    def first(obj: object, depth: int):
+        if id(obj) in seen or depth > 3:
+            return None
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            return obj.device
+        if isinstance(obj, functools.partial):
+            return first(obj.func, depth + 1) or first(list(obj.args), depth + 1)
+        if isinstance(obj, (list, tuple)):
+            for x in obj:
+                d = first(x, depth + 1)
+                if d is not None:
+                    return d
+        if inspect.isfunction(obj):
+            cells = []
+            for c in obj.__closure__ or ():
+                try:
+                    cells.append(c.cell_contents)
+                except ValueError:
+                    pass
+            return first(cells, depth + 1)
+        return None
+
+    return first(fn, 0)
+
+
+def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int,
+                      KV_LEN: int, device=None, BLOCK_SIZE: int | tuple[int, int] = 128
+                      ) -> BlockMask:
+    """torch's ``create_block_mask``, eager: evaluate ``mask_mod(b, h, q_idx, kv_idx)`` (bool,
+    True = attend) a chunk of tiles at a time and classify every ``BLOCK_SIZE`` tile as
+    empty (skipped), full (no mask work) or partial (mask_mod evaluated inside).
+
+    Returns torch's own ``BlockMask`` (usable by ``torch.nn.attention.flex_attention`` too),
+    with shape (B, H, Q blocks, KV blocks); ``B`` / ``H`` = None broadcast over batch /
+    heads (the mask_mod then sees b = 0 / h = 0 while classifying). No compile; any
+    length. ``device``: where the mask lives; by default the device of a tensor the
+    mask_mod captures, else torch's default device. Build it once and reuse it, as with
+    torch's: it does not depend on q, k or v.
+    """
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    for name, n in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    for name, n in (("B", B), ("H", H)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {n!r}")
+    bm, bn = _block_size(BLOCK_SIZE)
+    if device is None:
+        device = _mod_device(mask_mod) or torch.get_default_device()
+    device = torch.device(device)
+    visit, full = mask_mod_kinds(mask_mod, B or 1, H or 1, Q_LEN, KV_LEN, bm, bn, device)
+    partial = visit & ~full
+
+    def as_indices(dense: Tensor) -> tuple[Tensor, Tensor]:
+        num = dense.sum(-1, dtype=torch.int32)
+        # listed blocks first, in increasing order (a stable sort of "not listed")
+        idx = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return num, idx
+
+    kv_num, kv_idx = as_indices(partial)
+    full_num, full_idx = as_indices(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bm, bn),
+                                    mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
+
+
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    score_mod: Callable | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict | None = None,
+    *,
+    return_aux: AuxRequest | None = None,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, AuxOutput]:
+    """Drop-in for ``torch.nn.attention.flex_attention.flex_attention``, eager, on attn's
+    backends, forward and backward on every device.
+
+    query (B, H, Nq, D), key (B, Hkv, Nk, D), value (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv);
+    with ``return_lse`` also lse (B, H, Nq), float32 (float64 for float64 input), natural
+    log. ``score_mod(score, b, h, q_idx, kv_idx)`` edits the scaled scores (``scale``
+    defaults to ``D ** -0.5``); ``block_mask`` (torch's BlockMask, from
+    :func:`create_block_mask` or torch's) skips its empty tiles and evaluates its mask_mod
+    in partial ones. Tensors a score_mod captures receive exact, deterministic gradients.
+    ``H != Hkv`` needs ``enable_gqa=True``. A row that sees no key gives zeros, lse -inf.
+
+    ``kernel_options``: only ``BLOCK_M`` / ``BLOCK_N`` are read, as the tiled backend's tile
+    sizes (they must divide the block mask's BLOCK_SIZE); other keys are accepted and
+    ignored. ``return_aux=AuxRequest(lse=True)`` returns ``(out, AuxOutput(lse=...))``;
+    ``max_scores`` is not provided. ``backend``: as in :func:`attn.attention` (triton
+    refuses mods, so "auto" runs tiled).
+    """
+    from attn import api
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        api._check_tensor(name, t)
+    api._validate_qkv(query, key, value)
+    B, H, Nq, _ = query.shape
+    Hkv, Nk = key.shape[1], key.shape[2]
+    if H != Hkv and not enable_gqa:
+        raise ValueError(f"query has {H} heads and key {Hkv}: pass enable_gqa=True for "
+                         f"grouped-query attention (query {tuple(query.shape)}, key "
+                         f"{tuple(key.shape)})")
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be callable, got {type(score_mod).__name__}")
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict, got {type(kernel_options).__name__}")
+    if return_aux is not None and not isinstance(return_aux, AuxRequest):
+        raise TypeError(f"return_aux must be an AuxRequest, got {type(return_aux).__name__}")
+    if return_aux is not None and return_aux.max_scores:
+        raise NotImplementedError("return_aux=AuxRequest(max_scores=True) is not provided by "
+                                  "attn.flex_attention; lse is")
+    want_lse = bool(return_lse) or (return_aux is not None and return_aux.lse)
+
+    mask_mod, mask_blocks = None, None
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a torch BlockMask, got "
+                            f"{type(block_mask).__name__}")
+        if block_mask.kv_num_blocks.device != query.device:
+            block_mask = block_mask.to(query.device)
+        mask_blocks = block_mask_blocks(block_mask, B, H, Nq, Nk, kernel_options)
+        if block_mask.mask_mod is not noop_mask:
+            mask_mod = block_mask.mask_mod
+    block_m = block_n = None
+    if block_mask is None and kernel_options:  # tile sizes of the tiled backend
+        block_m, block_n = kernel_options.get("BLOCK_M"), kernel_options.get("BLOCK_N")
+    out, lse = api._attention(query, key, value, band=Band(), attn_mask=None, scale=scale,
+                              temperature=1.0, softcap=None, sinks=None, dropout_p=0.0,
+                              return_lse=True, backend=backend, block_m=block_m,
+                              block_n=block_n, score_mod=score_mod, mask_mod=mask_mod,
+                              mask_blocks=mask_blocks)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None)
+    return (out, lse) if want_lse else out

@@ -1,0 +1,403 @@
+"""attn as a Hugging Face transformers attention implementation.
+
+    import attn.integrations.hf
+    attn.integrations.hf.register()                      # once, before building models
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
+
+``register`` adds two functions under one name: an attention function to
+``transformers.AttentionInterface`` (every attention layer of a model calls it) and a mask
+function to ``transformers.AttentionMaskInterface`` (the model calls it once per forward to
+build the mask it hands to every layer). This module only translates HF's keywords, layouts
+and mask conventions into one ``attn.attention`` call; the attention math lives in attn's
+backends.
+
+What each keyword HF passes becomes:
+
+==============================  ==============================================================
+HF                              attn.attention
+==============================  ==============================================================
+query, key, value (B, H, N, D)  q, k, v as they are (GQA native, K/V not repeated)
+scaling                         scale
+softcap (Gemma 2)               softcap
+s_aux (GPT-OSS sinks, (H,))     sinks
+sliding_window=W                window=(W - 1, 0) when causal (key j visible iff j > i - W);
+                                (W - 1, W - 1) when not (HF's bidirectional convention)
+dropout                         dropout_p, only while ``module.training``
+is_causal / module.is_causal    causal (bottom-right; used when the mask is None)
+attention_mask None             causal / window from the two rows above
+bool or float 4-D mask          the mask decides, as in eager; float entries at or below
+                                finfo.min / 2 mean "masked", so HF's finfo.min masks become bool
+position_bias (T5-style)        float attn_mask (bias, -inf where masked)
+cu_seq_lens_q / cu_seq_lens_k,  document mask: a token never sees another packed sequence
+restarting position_ids (B=1)
+output (B, H, Nq, Dv)           returned as (B, Nq, H, Dv) with no attention weights
+==============================  ==============================================================
+
+HF's causal-plus-padding masks are recognised (``attn.masks.split_band_padding``): attn then
+applies the band from indices and reads only a (B, 1, 1, Nk) key-padding vector per tile.
+The mask function returns no mask at all when attn's bottom-right causal (plus the sliding
+window keyword) already says everything, so a single unpadded prompt never materializes an
+Nq x Nk mask.
+
+Difference to eager: a query row that may see no key (the padding rows of a left-padded
+batch) returns zeros here; eager spreads it uniformly over the masked keys. Those rows are
+padding: no loss or generated token reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        prepare_padding_mask,
+        sdpa_mask,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "attn.integrations.hf needs Hugging Face transformers: pip install 'attn[hf]'"
+    ) from exc
+
+import attn
+from attn.api import BACKENDS
+from attn.masks import Band, hf_sliding_window, make_band, split_band_padding
+
+_log = logging.getLogger(__name__)
+
+# HF's own implementations: registering over one would change every model that asks for it.
+_RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+             "flash_attention_4", "paged|eager")
+
+# Keywords HF threads through every attention call that carry no attention semantics
+# (bookkeeping for caches, outputs and losses). Anything else unknown earns one warning.
+_INERT = frozenset({
+    "use_cache", "cache_position", "output_attentions", "output_hidden_states",
+    "output_router_logits", "num_items_in_batch", "max_length_q", "max_length_k",
+    "past_key_values", "past_key_value", "position_embeddings", "layer_idx", "deterministic",
+})
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        _log.warning(message)
+
+
+# -- masks: HF's conventions -> attn's --------------------------------------------------------
+
+def _as_attn_mask(mask: Tensor) -> Tensor:
+    """HF's 4-D mask as attn reads it: bool stays; a float mask whose only non-zero entries are
+    "masked" (at or below finfo.min / 2, -inf included) becomes bool; any other float mask
+    keeps its finite biases, with -inf where it masks."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise TypeError(f"attention_mask must be bool or floating, got {mask.dtype} of shape "
+                        f"{tuple(mask.shape)}")
+    # HF fills masked entries with finfo(dtype).min, not -inf; sums of two such masks reach
+    # -inf. Anything that low is exp(.) == 0 next to any attended score, i.e. masked.
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool(mask.masked_fill(blocked, 0).any()):
+        return ~blocked
+    return mask.masked_fill(blocked, float("-inf"))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one layer call runs: the band attn applies and the mask it reads per tile."""
+
+    causal: bool
+    window: tuple[int, int] | None
+    attn_mask: Tensor | None
+
+
+class _RecentMasks:
+    """The last few masks seen, with what they turned into.
+
+    A model builds its mask once per forward and hands the same tensor to every layer, so the
+    O(B * Nq * Nk) conversion and band check run once per forward, not once per layer. Held
+    by weak reference and keyed on the tensor's version counter, so a freed or modified mask
+    is never served.
+    """
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._entries: list[tuple[tuple, weakref.ref, _Plan]] = []
+
+    def get(self, mask: Tensor, key: tuple) -> _Plan | None:
+        for k, ref, plan in self._entries:
+            if k == (id(mask), mask._version, *key) and ref() is mask:
+                return plan
+        return None
+
+    def put(self, mask: Tensor, key: tuple, plan: _Plan) -> None:
+        self._entries = [e for e in self._entries if e[1]() is not None][-(self.size - 1):]
+        self._entries.append(((id(mask), mask._version, *key), weakref.ref(mask), plan))
+
+
+_recent = _RecentMasks()
+
+
+def _plan_for_mask(mask: Tensor, n_q: int, n_k: int, causal: bool,
+                   window: tuple[int, int] | None) -> _Plan:
+    """A 4-D mask from HF: run it as band + key padding when it is one, else as it is."""
+    if mask.dim() != 4:
+        raise ValueError(f"attention_mask must be 4-D (B, 1 or H, Nq, Nk), got shape "
+                         f"{tuple(mask.shape)} for Nq={n_q}, Nk={n_k}")
+    cacheable = not mask.requires_grad
+    key = (causal, window, n_q, n_k)
+    if cacheable and (plan := _recent.get(mask, key)) is not None:
+        return plan
+    m = _as_attn_mask(mask)
+    plan = None
+    if m.dtype == torch.bool and m.shape[-1] == n_k and m.shape[-2] in (1, n_q):
+        band = make_band(n_q, n_k, causal=causal, window=window)
+        padding = split_band_padding(m.expand(*m.shape[:2], n_q, n_k), band)
+        if padding is not None:
+            plan = _Plan(causal, window, None if bool(padding.all()) else padding)
+    if plan is None:
+        # Not causal + padding: the mask alone decides, as in HF's eager and SDPA paths. A
+        # causal model's sliding window still applies on its left side (HF's own overlay).
+        if window is not None and causal:
+            window = (window[0], -1)
+        plan = _Plan(False, window, m)
+    if cacheable:
+        _recent.put(mask, key, plan)
+    return plan
+
+
+def _check_cu_seqlens(name: str, cu: object, n: int) -> Tensor:
+    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.numel() < 2:
+        seen = (f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, Tensor)
+                else type(cu).__name__)
+        raise ValueError(f"{name} must be a 1-D integer tensor of cumulative lengths "
+                         f"[0, ..., N], got {seen}")
+    cu = cu.to(torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu.diff() < 0).any()):
+        raise ValueError(f"{name} must rise from 0 to the packed length {n}, got "
+                         f"{cu.tolist() if cu.numel() <= 16 else tuple(cu.shape)}")
+    return cu
+
+
+def _document_mask(cu_q: Tensor, cu_k: Tensor, n_q: int, n_k: int, band: Band) -> Tensor:
+    """(1, 1, Nq, Nk) bool: query and key in the same packed sequence, and inside ``band`` laid
+    on that sequence's own bottom-right diagonal."""
+    dev = cu_q.device
+    i, j = torch.arange(n_q, device=dev), torch.arange(n_k, device=dev)
+    doc_q = torch.searchsorted(cu_q[1:], i, right=True)  # which sequence each query is in
+    doc_k = torch.searchsorted(cu_k[1:], j, right=True)
+    len_q, len_k = cu_q.diff(), cu_k.diff()
+    # query i's row on its sequence's diagonal, keys' positions inside their sequence
+    diag_q = i - cu_q[doc_q] + (len_k - len_q)[doc_q]
+    pos_k = j - cu_k[doc_k]
+    keep = doc_q[:, None] == doc_k[None, :]
+    within = Band(0, band.left, band.right).mask(diag_q, pos_k)
+    if within is not None:
+        keep &= within
+    return keep[None, None]
+
+
+def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
+    """Sequence boundaries of a padding-free batch (B = 1) whose position_ids restart, else None.
+
+    A new sequence starts wherever the position does not go up by one (HF's own rule)."""
+    if not isinstance(position_ids, Tensor) or position_ids.numel() != n or n < 2:
+        return None
+    if position_ids.dim() == 2 and position_ids.shape[0] != 1:
+        return None
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos.diff() != 1).reshape(-1) + 1
+    if starts.numel() == 0:
+        return None
+    zero, end = pos.new_zeros(1, dtype=torch.int64), torch.full((1,), n, device=pos.device)
+    return torch.cat([zero, starts.to(torch.int64), end])
+
+
+def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_seq_lens_k,
+                 position_ids, device: torch.device) -> _Plan:
+    """Padding-free packed batches: a document mask, until attn has a varlen path.
+
+    Explicit ``cu_seq_lens_q/k`` always count; restarting ``position_ids`` only when HF handed
+    no mask (with a mask, HF has already drawn the sequences' borders into it). Cached on the
+    tensor HF passes to every layer, like the masks.
+    """
+    explicit = cu_seq_lens_q is not None or cu_seq_lens_k is not None
+    anchor = (cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k) if explicit \
+        else position_ids
+    cacheable = plan.attn_mask is None and isinstance(anchor, Tensor)
+    key = ("packed", plan.causal, plan.window, n_q, n_k, id(cu_seq_lens_k))
+    if cacheable and (hit := _recent.get(anchor, key)) is not None:
+        return hit
+    if explicit:
+        if batch != 1:
+            raise ValueError(f"cu_seq_lens_q/k describe a packed batch of one row, got batch "
+                             f"size {batch}")
+        cu_q = _check_cu_seqlens("cu_seq_lens_q", cu_seq_lens_q if cu_seq_lens_q is not None
+                                 else cu_seq_lens_k, n_q)
+        cu_k = _check_cu_seqlens("cu_seq_lens_k", cu_seq_lens_k if cu_seq_lens_k is not None
+                                 else cu_seq_lens_q, n_k)
+    else:
+        cu_q = cu_k = _packed_cu_seqlens(position_ids, n_q)
+        if cu_q is None:  # one sequence: nothing to keep apart
+            if cacheable:
+                _recent.put(anchor, key, plan)
+            return plan
+    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
+    if plan.attn_mask is None:  # the band moves onto each sequence's own diagonal
+        band = make_band(n_q, n_k, causal=plan.causal, window=plan.window)
+        packed = _Plan(False, None, _document_mask(cu_q, cu_k, n_q, n_k, band))
+    else:  # a mask from HF decides within sequences; sequences stay apart
+        same = _document_mask(cu_q, cu_k, n_q, n_k, Band())
+        m = plan.attn_mask
+        m = m & same if m.dtype == torch.bool else m.masked_fill(~same, float("-inf"))
+        packed = _Plan(plan.causal, plan.window, m)
+    if cacheable:
+        _recent.put(anchor, key, packed)
+    return packed
+
+
+# -- the attention function HF calls ----------------------------------------------------------
+
+def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                       attention_mask: Tensor | None, *, backend: str, dropout: float = 0.0,
+                       scaling: float | None = None, is_causal: bool | None = None,
+                       sliding_window: int | None = None, softcap: float | None = None,
+                       s_aux: Tensor | None = None, position_bias: Tensor | None = None,
+                       cu_seq_lens_q: Tensor | None = None, cu_seq_lens_k: Tensor | None = None,
+                       position_ids: Tensor | None = None, cache: object = None,
+                       **kwargs) -> tuple[Tensor, None]:
+    """HF's attention-function signature on top of ``attn.attention``.
+
+    query (B, H, Nq, D), key/value (B, Hkv, Nk, D[v]) → ((B, Nq, H, Dv), None).
+    """
+    if cache is not None:
+        raise NotImplementedError(
+            "attn's HF integration does not drive HF's paged cache (continuous batching); use "
+            "generate() with the default cache, or attn_implementation='sdpa' for paged serving")
+    if kwargs.get("output_attentions"):
+        _warn_once("output_attentions", "attn never materializes attention weights: "
+                   "output_attentions=True returns None for them (use attn_implementation="
+                   "'eager' to inspect weights)")
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _INERT)
+    for k in unknown:
+        _warn_once(f"kw:{k}", f"attn's HF integration ignores the keyword {k!r} passed by "
+                   f"{type(module).__name__}; check that this model does not need it")
+
+    B, H, Nq, _ = query.shape
+    Nk = key.shape[2]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = None
+    if sliding_window is not None:
+        window = hf_sliding_window(sliding_window)  # (W - 1, 0)
+        if not causal:  # encoders (ModernBERT): HF's bidirectional windows are symmetric
+            window = (window[0], window[0])
+
+    if attention_mask is None:
+        plan = _Plan(causal, window, None)
+    else:
+        plan = _plan_for_mask(attention_mask, Nq, Nk, causal, window)
+
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None \
+            or (attention_mask is None and B == 1 and Nq == Nk and position_ids is not None):
+        plan = _packed_plan(plan, Nq, Nk, B, cu_seq_lens_q, cu_seq_lens_k, position_ids,
+                            query.device)
+
+    mask = plan.attn_mask
+    if position_bias is not None:
+        bias = position_bias.to(query.dtype)
+        if mask is None:
+            mask = bias
+        elif mask.dtype == torch.bool:
+            mask = bias.masked_fill(~mask, float("-inf"))
+        else:
+            mask = bias + mask.to(query.dtype)
+    elif mask is not None and mask.is_floating_point():
+        mask = mask.to(query.dtype)
+
+    out = attn.attention(
+        query, key, value, causal=plan.causal, attn_mask=mask, scale=scaling, softcap=softcap,
+        window=plan.window, sinks=s_aux,
+        dropout_p=float(dropout) if module.training else 0.0, backend=backend)
+    return out.transpose(1, 2).contiguous(), None  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
+
+
+# -- the mask function HF calls once per forward ----------------------------------------------
+
+def _bottom_right_suffices(q_length: int, kv_length: int, q_offset: object, kv_offset: object,
+                           padding: Tensor | None, local_size: int | None) -> bool:
+    """True when attn's own bottom-right causal (plus the sliding_window keyword) is exactly
+    the mask HF asks for, so none need exist."""
+    if isinstance(q_offset, Tensor) or isinstance(kv_offset, Tensor):
+        return False  # a static cache's offsets: reading them would sync or break tracing
+    # Queries must be the last kv_length positions' tail; a static cache's empty slots and a
+    # sliding cache's ring break that alignment.
+    if q_offset + q_length != kv_offset + kv_length:
+        return False
+    # HF's own rule for local patterns (windows, chunks): only when they cannot bite yet.
+    if local_size is not None and kv_length >= local_size:
+        return False
+    if padding is None:
+        return True
+    if padding.shape[-1] > kv_length:
+        padding = padding[:, kv_offset:kv_offset + kv_length]
+    return bool(padding.all())
+
+
+def _mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+                   kv_offset: int = 0, mask_function=None, attention_mask: Tensor | None = None,
+                   local_size: int | None = None, allow_is_causal_skip: bool = True,
+                   allow_is_bidirectional_skip: bool = False, use_vmap: bool = False,
+                   device: torch.device | str = "cpu", **kwargs) -> Tensor | None:
+    """HF's mask-interface signature: None when attn's causal suffices, else HF's bool mask.
+
+    HF sets ``allow_is_causal_skip`` only when the mask is plain causal or sliding-causal
+    (no packing, no custom overlays); attn's causal is bottom-right, so it may stand in only
+    when the queries are the keys' tail, a stricter test than HF's top-left SDPA skip.
+    """
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if allow_is_causal_skip and _bottom_right_suffices(q_length, kv_length, q_offset, kv_offset,
+                                                       padding, local_size):
+        return None
+    if mask_function is not None:
+        kwargs["mask_function"] = mask_function
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=False,
+                     allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap,
+                     device=device, **kwargs)
+
+
+def register(name: str = "attn", backend: str = "auto") -> str:
+    """Register attn with transformers under ``name``; returns ``name``.
+
+    Afterwards ``from_pretrained(..., attn_implementation=name)`` (or ``from_config``, or
+    ``model.set_attn_implementation(name)``) runs every attention layer through
+    ``attn.attention(..., backend=backend)``. Registering several names with different
+    backends is fine (e.g. "attn" and "attn_tiled"); registering a name again replaces it.
+    """
+    if not isinstance(name, str) or not name or name in _RESERVED or "/" in name:
+        raise ValueError(f"name must be a new implementation name (not one of HF's own "
+                         f"{_RESERVED}, no '/'), got {name!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+    def attention_forward(module, query, key, value, attention_mask, **kwargs):
+        return _attention_forward(module, query, key, value, attention_mask, backend=backend,
+                                  **kwargs)
+
+    attention_forward.__name__ = f"attn_{backend}_attention_forward"
+    attention_forward.__doc__ = _attention_forward.__doc__
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, _mask_function)
+    return name
+
+
+__all__ = ["register"]

@@ -1,0 +1,327 @@
+"""Packed sequences (``cu_seqlens``) without padding, and converters between the layouts.
+
+The packed layout is one of the two documented exceptions to ``(B, H, N, D)``: q is
+``(total_q, H, D)``, k and v ``(total_k, Hkv, D)``, the sequences laid end to end;
+``cu_seqlens`` holds the ``B + 1`` offsets where they start (``[0, n0, n0 + n1, ...]``).
+
+:func:`varlen_attention` is a document mask on the tiled backend: the packed tensors are one
+batch row, ``doc[i]`` is the sequence of token ``i``, and query i sees key j only when both
+belong to the same sequence (and, with causal / window, when the per-sequence bottom-right
+band allows it). The tile plan comes from :func:`attn.masks.classify_documents`: tiles
+between two different sequences are skipped, tiles inside one sequence take the plain path
+(no mask work at all), only tiles across a boundary evaluate the mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from attn.masks import (EMPTY, FULL, PARTIAL, Band, Blocks, classify_documents, classify_grid,
+                        make_band, window_pair)
+
+__all__ = ["cu_seqlens_from_document_ids", "cu_seqlens_from_lengths",
+           "cu_seqlens_from_padding_mask", "cu_seqlens_from_position_ids", "document_ids",
+           "pack", "position_ids", "unpack", "varlen_attention"]
+
+
+# -- converters ------------------------------------------------------------------------------
+
+def cu_seqlens_from_lengths(lengths: Tensor) -> Tensor:
+    """Offsets ``(B + 1,)`` int32 from sequence lengths ``(B,)``."""
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be 1-d (B,), got shape {tuple(lengths.shape)}")
+    zero = torch.zeros(1, dtype=torch.int32, device=lengths.device)
+    return torch.cat([zero, lengths.cumsum(0).to(torch.int32)])
+
+
+def cu_seqlens_from_padding_mask(mask: Tensor) -> tuple[Tensor, int]:
+    """``(cu_seqlens, max_seqlen)`` of a bool padding mask ``(B, N)``, True = a real token
+    (each row's tokens are packed in order, wherever the padding is)."""
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool (B, N), got {mask.dtype} {tuple(mask.shape)}")
+    lengths = mask.sum(1)
+    return cu_seqlens_from_lengths(lengths), int(lengths.max()) if lengths.numel() else 0
+
+
+def pack(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Padded ``x (B, N, ...)`` → ``(packed (total, ...), cu_seqlens, max_seqlen)``, keeping
+    the tokens where ``mask (B, N)`` is True."""
+    if x.shape[:2] != mask.shape:
+        raise ValueError(f"x {tuple(x.shape)} and mask {tuple(mask.shape)} must agree in "
+                         f"(B, N)")
+    cu, max_len = cu_seqlens_from_padding_mask(mask)
+    return x[mask], cu, max_len
+
+
+def unpack(packed: Tensor, mask: Tensor) -> Tensor:
+    """The inverse of :func:`pack`: ``(total, ...)`` → ``(B, N, ...)``, zeros at padding."""
+    if packed.shape[0] != int(mask.sum()):
+        raise ValueError(f"packed has {packed.shape[0]} tokens, mask {int(mask.sum())}")
+    out = packed.new_zeros(*mask.shape, *packed.shape[1:])
+    out[mask] = packed
+    return out
+
+
+def document_ids(cu_seqlens: Tensor, total: int | None = None) -> Tensor:
+    """``(total,)`` int64: the sequence index of every packed token (empty sequences own
+    no token)."""
+    total = int(cu_seqlens[-1]) if total is None else total
+    tokens = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(torch.int64), tokens, right=True)
+
+
+def position_ids(cu_seqlens: Tensor, total: int | None = None) -> Tensor:
+    """``(total,)`` int64: every token's position inside its own sequence (RoPE's input)."""
+    doc = document_ids(cu_seqlens, total)
+    return torch.arange(doc.numel(), device=doc.device) - cu_seqlens.to(torch.int64)[doc]
+
+
+def cu_seqlens_from_position_ids(pos: Tensor) -> Tensor:
+    """Offsets from packed position ids ``(total,)``: a sequence starts where ``pos == 0``."""
+    if pos.dim() != 1 or pos.numel() == 0 or int(pos[0]) != 0:
+        raise ValueError(f"position ids must be 1-d, non-empty and start at 0, got shape "
+                         f"{tuple(pos.shape)}")
+    starts = torch.nonzero(pos == 0).flatten()
+    end = torch.tensor([pos.numel()], device=pos.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def cu_seqlens_from_document_ids(doc: Tensor, num_docs: int | None = None) -> Tensor:
+    """Offsets from sorted document ids ``(total,)`` in ``[0, num_docs)`` (an id with no
+    token is an empty sequence)."""
+    if doc.dim() != 1 or (doc.numel() > 1 and bool((doc[1:] < doc[:-1]).any())):
+        raise ValueError("document ids must be 1-d and non-decreasing")
+    n = int(doc.max()) + 1 if num_docs is None else num_docs
+    return cu_seqlens_from_lengths(torch.bincount(doc.long(), minlength=n))
+
+
+# -- validation -------------------------------------------------------------------------------
+
+def _check_cu_form(name: str, cu: object, device: torch.device) -> Tensor:
+    """Type, dtype, shape and device: checks that read nothing from the device."""
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-d (B + 1,) with B >= 1, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device}, q on {device}")
+    return cu
+
+
+def _check_cu_values(name: str, cu: Tensor, total: int) -> Tensor:
+    """The offsets themselves, on the host (one small copy): start 0, never decrease, end
+    at the total."""
+    host = cu.cpu()
+    if int(host[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(host[0])}")
+    if bool((host[1:] < host[:-1]).any()):
+        raise ValueError(f"{name} must not decrease (a sequence may be empty), got "
+                         f"{host.tolist()[:16]}")
+    if int(host[-1]) != total:
+        raise ValueError(f"{name} must end at the total length {total}, got {int(host[-1])}")
+    return host
+
+
+# -- the tile plan -----------------------------------------------------------------------------
+
+class _DocMask:
+    """mask_mod of packed sequences: same sequence, and the per-sequence bottom-right band
+    ``-left <= (j - end_k) - (i - end_q) <= right`` (positions counted from each sequence's
+    end, which is FlashAttention's bottom-right alignment: ``j <= i + Lk - Lq``)."""
+
+    def __init__(self, cu_q: Tensor, cu_k: Tensor, n_q: int, n_k: int, band: Band) -> None:
+        self.doc_q, self.doc_k = document_ids(cu_q, n_q), document_ids(cu_k, n_k)
+        self.start_q, self.start_k = cu_q.long()[:-1], cu_k.long()[:-1]
+        self.band = band
+        if not band.is_full:
+            self.pos_q = torch.arange(n_q, device=cu_q.device) - cu_q.long()[1:][self.doc_q]
+            self.pos_k = torch.arange(n_k, device=cu_k.device) - cu_k.long()[1:][self.doc_k]
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        keep = self.doc_q[q_idx] == self.doc_k[kv_idx]
+        if not self.band.is_full:
+            rel = self.pos_k[kv_idx] - self.pos_q[q_idx]
+            if self.band.left is not None:
+                keep = keep & (rel >= -self.band.left)
+            if self.band.right is not None:
+                keep = keep & (rel <= self.band.right)
+        return keep
+
+    def dropout_rows(self, offs_m: Tensor, offs_n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Dropout's hash coordinates: each row's sequence and the positions inside their
+        own sequences, i.e. the padded batch's ``(b, i, j)``."""
+        doc_q, doc_k = self.doc_q[offs_m], self.doc_k[offs_n]
+        return doc_q, offs_m - self.start_q[doc_q], offs_n - self.start_k[doc_k]
+
+    def blocks(self, block_m: int, block_n: int) -> Blocks:
+        """Documents first (cheap: id ranges per tile); with a band, each visited tile is
+        then re-classified by evaluating the mask on it (only tiles inside the documents'
+        squares, so the cost follows the work)."""
+        n_q, n_k = self.doc_q.numel(), self.doc_k.numel()
+        blocks = classify_documents(self.doc_q, self.doc_k, block_m, block_n)
+        if self.band.is_full:
+            return blocks
+        kinds = blocks.kinds()
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.doc_q.device)
+        for i, j in torch.nonzero(kinds).tolist():
+            m0, n0 = i * block_m, j * block_n
+            q_idx = torch.arange(m0, min(m0 + block_m, n_q), device=zero.device).view(-1, 1)
+            kv_idx = torch.arange(n0, min(n0 + block_n, n_k), device=zero.device).view(1, -1)
+            keep = self(zero, zero, q_idx, kv_idx)
+            kinds[i, j] = FULL if bool(keep.all()) else PARTIAL if bool(keep.any()) else EMPTY
+        return classify_grid(kinds, n_q, n_k, block_m, block_n)
+
+
+# -- the function ---------------------------------------------------------------------------------
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    scale: float | None = None,
+    temperature: float | Tensor = 1.0,
+    softcap: float | Tensor | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over packed sequences (``flash_attn_varlen_func``'s layout), every device.
+
+    q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); ``cu_seqlens_q`` /
+    ``cu_seqlens_k`` int32 or int64 ``(B + 1,)`` offsets from 0 to total (sequences may be
+    empty) → out (total_q, H, Dv); with ``return_lse`` also lse (H, total_q), float32
+    (float64 for float64 input). Sequence b's queries see only sequence b's keys; ``causal``
+    and ``window=(left, right)`` are aligned bottom-right per sequence, as in FlashAttention
+    (query i sees key j iff ``j <= i + Lk_b - Lq_b``). The other keywords mean what they
+    mean in :func:`attn.attention`; ``temperature`` is a float or a tensor broadcastable to
+    (H,); dropout draws the mask of the padded batch (sequence b as batch row b, positions
+    inside it), whatever the packing. Backends: triton (CUDA) runs its own varlen kernels,
+    one program grid over (sequence, block), FlashAttention-2 style; tiled (every device)
+    runs a document mask and plans its tiles on the host from ``cu_seqlens`` (one small
+    copy). ``max_seqlen_*`` are optional: given both, the triton path reads ``cu_seqlens``
+    only on the device (no host sync, the offsets trusted as flash-attn trusts them);
+    otherwise the offsets are checked on the host (start at 0, never decrease, end at the
+    total) and a given max_seqlen must cover the longest sequence.
+    """
+    from attn import api
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        api._check_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (total, H, D) in the packed layout, got "
+                             f"shape {tuple(t.shape)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    total_q, H, D = q.shape
+    total_k = k.shape[0]
+    cu_q = _check_cu_form("cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = _check_cu_form("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of "
+                         f"sequences, got shapes {tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
+    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
+            raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
+    if isinstance(temperature, Tensor):
+        try:
+            ok = torch.broadcast_shapes(temperature.shape, (H,)) == (H,)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
+                             f"broadcast to (H,) = ({H},) in the packed layout")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    band = make_band_pair(causal, window_pair(window))
+    # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    api._validate_qkv(q4, k4, v4)
+
+    # -- the backend: triton runs packed sequences natively; with both max_seqlen given it
+    # reads cu_seqlens on the device only (trusting them, as flash-attn does) --
+    host_q = host_k = None
+    if max_seqlen_q is None or max_seqlen_k is None:
+        host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q)
+        host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k)
+    max_q = max_seqlen_q if max_seqlen_q is not None else int((host_q[1:] - host_q[:-1]).max())
+    max_k = max_seqlen_k if max_seqlen_k is not None else int((host_k[1:] - host_k[:-1]).max())
+    call = api.AttentionCall(
+        device=q.device.type, dtype=q.dtype, head_dim=D, head_dim_v=v.shape[2], n_q=max_q,
+        n_k=max_k, band=band,
+        softcap=None if softcap is None else ("learned" if isinstance(softcap, Tensor)
+                                              else "fixed"),
+        sinks=sinks is not None, temperature_tensor=isinstance(temperature, Tensor),
+        dropout=dropout_p > 0.0, return_lse=bool(return_lse), varlen=True)
+    choice = api.select_backend(call, backend)
+    if choice.name != "triton" or host_q is not None:
+        if host_q is None:
+            host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q)
+            host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k)
+        for name, given, host in (("max_seqlen_q", max_seqlen_q, host_q),
+                                  ("max_seqlen_k", max_seqlen_k, host_k)):
+            longest = int((host[1:] - host[:-1]).max())
+            if given is not None and given < longest:
+                raise ValueError(f"{name}={given} is shorter than the longest sequence "
+                                 f"({longest})")
+    if choice.name == "triton":
+        out, lse = _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, scale=scale,
+                           temperature=temperature, softcap=softcap, sinks=sinks,
+                           dropout_p=float(dropout_p))
+        return (out, lse) if return_lse else out
+
+    doc = _DocMask(cu_q, cu_k, total_q, total_k, band)
+    out, lse = api._attention(q4, k4, v4, band=Band(), attn_mask=None, scale=scale,
+                              temperature=temperature, softcap=softcap, sinks=sinks,
+                              dropout_p=dropout_p, return_lse=True, backend=choice.name,
+                              mask_mod=doc, mask_blocks=doc.blocks,
+                              dropout_rows=doc.dropout_rows)
+    out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
+    return (out, lse[0]) if return_lse else out
+
+
+def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
+            dropout_p) -> tuple[Tensor, Tensor]:
+    """The triton path: the variant keywords validated as attn.attention validates them,
+    a tensor temperature folded into q, then attn.varlen_triton's kernels."""
+    from attn import api
+    from attn.varlen_triton import VarlenParams, varlen_triton
+    H, D = q.shape[1], q.shape[2]
+    if scale is None:
+        scale = D ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    temperature = api._positive("temperature", temperature, (H,), q)
+    if softcap is not None:
+        softcap = api._positive("softcap", softcap, (H,), q)
+    if sinks is not None:
+        api._check_tensor("sinks", sinks)
+        if sinks.shape != (H,):
+            raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
+    qk_scale = float(scale)
+    if isinstance(temperature, Tensor):  # folded into q in float32; autograd handles τ
+        q = q.float() * (1.0 / temperature.float()).expand(H).view(1, H, 1)
+    else:
+        qk_scale = qk_scale / temperature
+    P = VarlenParams(qk_scale=qk_scale, band=band, max_q=max_q, max_k=max_k,
+                     dropout_p=dropout_p, dropout_seed=api._draw_seed(dropout_p))
+    out, lse = varlen_triton(q, k, v, cu_q, cu_k, P, sinks=sinks, softcap=softcap)
+    return out.to(v.dtype), lse
+
+
+def make_band_pair(causal: bool, window: tuple[int, int] | None) -> Band:
+    """The per-sequence band in end-relative positions (offset 0: both counted from the
+    sequence's end, which is the bottom-right alignment)."""
+    return make_band(0, 0, causal=causal, window=window)
