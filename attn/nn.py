@@ -135,15 +135,20 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.head_dim, self.base = head_dim, base
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (B, H, N, D) → x rotated, same shape and dtype (angles in float32 or float64)."""
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """x (B, H, N, D) → x rotated, same shape and dtype (angles in float32 or float64).
+        ``offset``: the position of the first token, or every token's position (N,) (a
+        context-parallel shard holds positions that are not contiguous)."""
         N = x.shape[2]
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         # angles in float64, then cast: position · frequency loses digits in fp32 at large N.
         # Not a buffer: Module.to(dtype) would round a float64 buffer to the model's dtype.
         f64 = dict(device=x.device, dtype=torch.float64)
         inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, **f64) / self.head_dim)
-        pos = torch.arange(offset, offset + N, **f64)
+        if isinstance(offset, Tensor):
+            pos = offset.to(**f64)
+        else:
+            pos = torch.arange(offset, offset + N, **f64)
         ang = (pos[:, None] * inv_freq[None, :]).to(acc)  # (N, D/2)
         cos, sin = ang.cos(), ang.sin()
         y = x.to(acc)
@@ -322,6 +327,9 @@ class MultiHeadAttention(nn.Module):
             self.log_softcap = None
             self.softcap = None if o.softcap is None else float(o.softcap)
         self.sinks = nn.Parameter(torch.zeros(self.heads)) if o.sinks else None
+        # set by attn.distributed.ContextParallel.apply_to: x is then this rank's shard of
+        # the sequence, RoPE reads its global positions and attention runs across the group
+        self.context_parallel = None
 
     def _tau(self) -> float | Tensor:
         return self.temperature if self.log_tau is None else self.log_tau.exp()  # (H,)
@@ -336,7 +344,12 @@ class MultiHeadAttention(nn.Module):
         (:func:`attn.varlen_attention`; causal and window per document)."""
         B, N, C = x.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        offset = 0
+        offset: int | Tensor = 0
+        cp = self.context_parallel
+        if cp is not None:
+            if kv_cache is not None:
+                raise ValueError("a KV cache and context parallelism do not combine")
+            offset = cp.positions(x.device)  # (N,) global positions of this shard
         if kv_cache is not None:
             if not self.causal:
                 raise ValueError("a KV cache needs causal attention: without it earlier "
@@ -361,12 +374,15 @@ class MultiHeadAttention(nn.Module):
         if cu_seqlens is not None:
             if kv_cache is not None:
                 raise ValueError("cu_seqlens (packed documents) and a KV cache do not mix")
+            if cp is not None:
+                raise ValueError("cu_seqlens (packed documents) and context parallelism do "
+                                 "not combine")
             # (B, H, N, D) -> packed (B·N, H, D): rows laid end to end
             qp, kp, vp = (rearrange(t, "b h n d -> (b n) h d") for t in (q, k, v))
             y = varlen_attention(qp, kp, vp, cu_seqlens, cu_seqlens, **opts)
             y = rearrange(y, "(b n) h d -> b n (h d)", b=B)  # (B, N, H·D)
         else:
-            y = attention(q, k, v, **opts)
+            y = (attention if cp is None else cp.attention)(q, k, v, **opts)
             y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
         return self.proj(y)
 

@@ -62,6 +62,7 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied (Press & Wolf 2017)
+        self.context_parallel = None  # see attn.distributed.ContextParallel.apply_to
         self.apply(self._init)
         # residual branches scaled down with depth so the stream's variance stays O(1) (GPT-2)
         for name, p in self.named_parameters():
@@ -106,7 +107,10 @@ class GPT(nn.Module):
             if start + T > self.cfg.block_size:
                 raise ValueError(f"positions up to {start + T} exceed block_size "
                                  f"{self.cfg.block_size} (learned position embeddings)")
-            x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))
+            if self.context_parallel is not None:  # this rank's shard: its global positions
+                x = x + self.pos_emb(self.context_parallel.positions(idx.device))
+            else:
+                x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i], cu_seqlens)

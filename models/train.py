@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -16,7 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
+from attn.bench.memory import peak_bytes
+from attn.distributed import ContextParallel
 from attn.nn import opt_field
 from attn.models.config import AttentionConfig, GPTConfig
 from attn.models.data import RecallTask, TextCorpus, recall_accuracy
@@ -71,6 +76,9 @@ class TrainConfig(AttentionConfig):
         "to end, each attending only to itself (attn.varlen_attention), instead of random "
         "windows")
     seed: int = 0
+    context_parallel: int | None = opt_field(
+        None, "shard every sequence across P processes (ring attention, zigzag layout); "
+              "spawns P gloo processes on this machine unless started by torchrun")
     dtype: str = opt_field("float32", "parameter dtype", choices=("float32", "float64",
                                                                   "bfloat16", "float16"))
     recall: RecallTask = field(default_factory=RecallTask)
@@ -88,6 +96,9 @@ class TrainConfig(AttentionConfig):
             if self.pack:
                 raise ValueError("pack applies to the text task (recall sequences have a "
                                  "fixed length)")
+        if self.pack and self.context_parallel is not None:
+            raise ValueError("pack and context_parallel do not combine: packed documents "
+                             "run through varlen attention, which is not sharded")
         if isinstance(self.temperature, str):
             if self.temperature != "learned":
                 raise ValueError(f"temperature must be a float or 'learned', "
@@ -131,19 +142,52 @@ class _Task:
         return (*cfg.recall.batch(cfg.batch_size, g), None)
 
     @torch.no_grad()
-    def evaluate(self, model: GPT) -> tuple[float, float | None]:
+    def evaluate(self, model: GPT, cp: ContextParallel | None = None
+                 ) -> tuple[float, float | None]:
         """Mean validation loss over a fixed set of batches; recall also its accuracy."""
         was_training = model.training
         model.eval()
         losses, accs = [], []
         for i in range(self.cfg.eval_batches):
             x, y, doc = self.batch("val", i)
-            logits, loss = model(x, y, doc_ids=doc)
+            if cp is None:
+                logits, loss = model(x, y, doc_ids=doc)
+            else:  # every rank its shard, then the full logits everywhere: the same numbers
+                logits = cp.gather(model(cp.shard(x, dim=1))[0], dim=1)
+                loss = _cross_entropy(logits, y, "mean")
             losses.append(loss.item())
             if self.cfg.task == "recall":
                 accs.append(recall_accuracy(logits, y))
         model.train(was_training)
         return sum(losses) / len(losses), (sum(accs) / len(accs) if accs else None)
+
+
+def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
+    """GPT.forward's loss (float32 logits, -100 ignored) with a choice of reduction."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100,
+                           reduction=reduction)
+
+
+def _sharded_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, cp: ContextParallel
+                  ) -> torch.Tensor:
+    """This rank's share of the mean loss: its tokens' summed loss over all ranks' target
+    count (y is the full batch on every rank), so the group's sum is the unsharded mean."""
+    logits, _ = model(cp.shard(x, dim=1))
+    return _cross_entropy(logits, cp.shard(y, dim=1), "sum") / (y != -100).sum().clamp(min=1)
+
+
+def _sum_over_group(model: GPT, loss: torch.Tensor) -> torch.Tensor:
+    """All-reduce every gradient and the loss in one buffer: each rank's gradient is its
+    tokens' contribution (as DDP's all-reduce assumes), the sum is the full gradient."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads]
+                     + [loss.detach().reshape(1).to(torch.float64)])
+    dist.all_reduce(flat)
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()
+    return flat[-1]
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -190,6 +234,9 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    in_group = dist.is_available() and dist.is_initialized()
+    if cfg.context_parallel is not None and not in_group:
+        return _launch_context_parallel(cfg, out_dir, resume, stop_at, progress)
     threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -199,12 +246,56 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         torch.set_num_threads(threads)
 
 
+def _launch_context_parallel(cfg: TrainConfig, out_dir: Path, resume: bool,
+                             stop_at: int | None, progress: bool) -> dict[str, Any]:
+    """Join torchrun's group (WORLD_SIZE set), or spawn ``cfg.context_parallel`` processes
+    on 127.0.0.1; every rank trains, rank 0 writes the checkpoint and the metrics."""
+    P = cfg.context_parallel
+    if not isinstance(P, int) or P < 1:
+        raise ValueError(f"context_parallel must be a positive int, got {P!r}")
+    if "WORLD_SIZE" in os.environ:  # torchrun: MASTER_ADDR/PORT, RANK, WORLD_SIZE are set
+        dist.init_process_group("gloo")  # the toy trains on CPU
+        try:
+            if dist.get_world_size() != P:
+                raise ValueError(f"--context-parallel {P}, but torchrun started "
+                                 f"{dist.get_world_size()} processes (--nproc-per-node x nodes)")
+            return train(cfg, out_dir, resume=resume, stop_at=stop_at,
+                         progress=progress and dist.get_rank() == 0)
+        finally:
+            dist.destroy_process_group()
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_context_parallel_worker, args=(P, port, cfg, out_dir, resume, stop_at, progress),
+             nprocs=P, join=True)
+    return json.loads((out_dir / "metrics.json").read_text())
+
+
+def _context_parallel_worker(rank: int, P: int, port: int, cfg: TrainConfig, out_dir: Path,
+                             resume: bool, stop_at: int | None, progress: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=P)
+    try:
+        train(cfg, out_dir, resume=resume, stop_at=stop_at, progress=progress and rank == 0)
+    finally:
+        dist.destroy_process_group()
+
+
 def _train(cfg: TrainConfig, out_dir: Path, resume: bool, stop_at: int | None,
            progress: bool) -> dict[str, Any]:
     ckpt_path = out_dir / "ckpt.pt"
     torch.manual_seed(cfg.seed)
     task = _Task(cfg)
     model = GPT(cfg.model_config(task.vocab_size)).to(getattr(torch, cfg.dtype))
+    cp, rank = None, 0
+    if cfg.context_parallel is not None and dist.is_available() and dist.is_initialized():
+        cp = ContextParallel(layout="zigzag")
+        cp.apply_to(model)
+        rank = dist.get_rank()
     opt = make_optimizer(model, cfg)
     start, losses, elapsed, tokens = 0, [], 0.0, 0
     if resume and ckpt_path.exists():
@@ -219,6 +310,8 @@ def _train(cfg: TrainConfig, out_dir: Path, resume: bool, stop_at: int | None,
         elapsed, tokens = state["elapsed_s"], state["tokens"]
 
     def checkpoint(step: int) -> None:
+        if rank != 0:  # every rank holds the same model and optimizer state
+            return
         save_checkpoint(ckpt_path, {
             "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
             "losses": losses, "torch_rng": torch.get_rng_state(), "elapsed_s": elapsed,
@@ -228,15 +321,29 @@ def _train(cfg: TrainConfig, out_dir: Path, resume: bool, stop_at: int | None,
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     bar = _progress(cfg.steps, start, progress)
     val_loss, acc, evaluated_at = float("nan"), None, -1
+    step_peak = None
     model.train()
     for step in range(start, end):
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         x, y, doc = task.batch("train", step)
-        _, loss = model(x, y, doc_ids=doc)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if cp is None:
+            _, loss = model(x, y, doc_ids=doc)
+            loss.backward()
+        else:
+            def fwd_bwd() -> None:
+                nonlocal loss
+                loss = _sharded_loss(model, x, y, cp)
+                loss.backward()
+
+            loss = None
+            if step == start:  # this rank's peak bytes above the model, one whole step
+                step_peak = peak_bytes(fwd_bwd)
+            else:
+                fwd_bwd()
+            loss = _sum_over_group(model, loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         losses.append(loss.item())
@@ -244,7 +351,7 @@ def _train(cfg: TrainConfig, out_dir: Path, resume: bool, stop_at: int | None,
         tokens += x.numel()
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            val_loss, acc = task.evaluate(model)
+            val_loss, acc = task.evaluate(model, cp)
             evaluated_at = done
             if cfg.stop_accuracy is not None and acc is not None and acc >= cfg.stop_accuracy:
                 end = done
@@ -261,7 +368,7 @@ def _train(cfg: TrainConfig, out_dir: Path, resume: bool, stop_at: int | None,
         bar.close()
     done = max(start, end)
     if evaluated_at != done:
-        val_loss, acc = task.evaluate(model)
+        val_loss, acc = task.evaluate(model, cp)
     checkpoint(done)
 
     tail = losses[-min(20, len(losses)):] if losses else [float("nan")]
@@ -276,5 +383,15 @@ def _train(cfg: TrainConfig, out_dir: Path, resume: bool, stop_at: int | None,
         "train_time_s": elapsed, "num_params": model.num_params(),
         "backend": cfg.backend, "losses": losses, "config": asdict(cfg),
     }
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    if cp is not None:
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (step_peak,
+                                          metrics["peak_memory_bytes"]))
+        metrics.update(context_parallel=dist.get_world_size(),
+                       step_peak_bytes_per_rank=[r[0] for r in per_rank],
+                       step_peak_method="attn.bench.memory.peak_bytes of the first step "
+                                        "(forward + backward) on each rank",
+                       peak_memory_bytes_per_rank=[r[1] for r in per_rank])
+    if rank == 0:
+        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics

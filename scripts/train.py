@@ -3,12 +3,15 @@
 Writes DIR/metrics.json and DIR/ckpt.pt; ``--resume`` continues from DIR/ckpt.pt. Every field
 of ``attn.models.train.TrainConfig`` is a flag (attention options included: ``--qk-norm rms``,
 ``--dropout 0.1``, ``--learn-temperature``, ``--window 64`` ...); see ``--help``.
+``--context-parallel P`` shards every sequence across P processes (ring attention): it spawns
+them on this machine, or joins the group when started by ``torchrun --nproc-per-node P``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     m = train(cfg, a.out, resume=a.resume, progress=not a.no_progress)
     summary = {k: m[k] for k in ("task", "steps", "final_train_loss", "val_loss", "accuracy",
                                  "tokens_per_s", "peak_memory_bytes", "train_time_s")}
-    print(json.dumps(summary, indent=2))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, every rank returns here
+        print(json.dumps(summary, indent=2))
     return m
 
 

@@ -4,6 +4,7 @@
     attn report --device cuda --out results/h100
     attn bench memory --n 1024 4096 16384 --backends tiled sdpa --mode fwd+bwd
     attn bench speed --n 2048 --d 64 128 --causal both --dtype float16 --device cuda
+    attn bench context-parallel --world-sizes 1 2 4 --n 2048 8192 32768
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     aot.add_arguments(kinds.add_parser(
         "compile", help="build the Triton kernels for sm_90/sm_80 without a GPU: shared "
                         "memory, registers, spills, tensor cores, pipelining"))
+    from attn.bench import context_parallel as cp_bench
+
+    cp_bench.add_arguments(kinds.add_parser(
+        "context-parallel", help="ring and Ulysses attention over P gloo processes: memory "
+                                 "per rank, time per step, communication share"))
     return parser
 
 
@@ -217,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         from attn.bench import compile as aot
 
         return aot.run_report(args, argv)
+    if args.command == "bench" and args.kind == "context-parallel":
+        from attn.bench import context_parallel as cp_bench
+
+        return cp_bench.run(args, argv[2:])
     return run(args, argv)
 
 

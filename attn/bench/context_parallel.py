@@ -1,0 +1,345 @@
+"""``attn bench context-parallel``: ring and Ulysses attention over P gloo processes on CPU.
+
+For each world size P (a fresh group of P processes on 127.0.0.1, one torch thread per rank)
+and each sequence length N, every rank measures, for its own shard:
+
+* ``peak_bytes``: peak memory above its inputs (q, k, v shards, and dO for forward+backward)
+  with :func:`attn.bench.memory.peak_bytes` (the CPU allocator's events under the profiler;
+  exact for tensors, see its docs). The expectation is ∝ N / P.
+* ``ms``: wall time of one call (forward, or forward+backward), the max over ranks, and
+  ``ms_per_step = ms / P`` (a ring call is P steps).
+* ``comm_share``: the share of that time spent waiting on communication — ring: waits after
+  the compute each K/V transfer overlaps; Ulysses: the all-to-alls (blocking).
+
+Then ``errors``: float32 ring and Ulysses against a float64 ``attn.attention`` on the same
+inputs (out, dq, dk, dv, max abs error) for each P, to show that the error does not grow with P.
+
+Times on a shared 2-core machine depend on the load (recorded in the header, start and
+end): P processes share the same cores, so P = 4 on 2 cores cannot be faster than P = 1.
+Memory does not depend on the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import queue as queue_mod
+import shlex
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from attn.bench.memory import CPU_ERROR_BYTES, peak_bytes
+
+STRATEGIES = ("ring", "ulysses")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--n", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
+    p.add_argument("--heads", "-H", type=int, default=4)
+    p.add_argument("--d", type=int, default=16, help="head dim D")
+    p.add_argument("--batch", "-B", type=int, default=1)
+    p.add_argument("--no-causal", action="store_true")
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=("fwd", "fwd+bwd"))
+    p.add_argument("--repeat", type=int, default=2, help="timed runs per point (median)")
+    p.add_argument("--error-n", type=int, default=1024, help="N of the error-against-P check")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/context_parallel_cpu"))
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per world size")
+
+
+# -- one rank -------------------------------------------------------------------------------------
+
+def _call(strategy: str):
+    import attn.distributed as cp
+
+    return cp.ring_attention if strategy == "ring" else cp.ulysses_attention
+
+
+def _comm_s(strategy: str, bwd: bool) -> float:
+    import attn.distributed as cp
+
+    if strategy == "ulysses":
+        return cp.last_ulysses_stats.comm_wait_s  # forward and backward all-to-alls
+    return cp.last_ring_stats.comm_wait_s + (cp.last_ring_backward_stats.comm_wait_s
+                                             if bwd else 0.0)
+
+
+def _point(cfg: dict, strategy: str, N: int, mode: str, rank: int, P: int) -> dict:
+    import torch.distributed as dist
+
+    import attn.distributed as cp
+
+    B, H, D, layout = cfg["batch"], cfg["heads"], cfg["d"], cfg["layout"]
+    row = dict(strategy=strategy, P=P, N=N, mode=mode, B=B, H=H, D=D, layout=layout,
+               causal=cfg["causal"], status="ok", note="")
+    if strategy == "ulysses" and H % P:
+        return {**row, "status": "skipped", "note": f"H={H} does not divide over P={P}"}
+    g = torch.Generator().manual_seed(0)
+    n_l = cp.shard_ranges(N, P, layout)[rank]
+    n_l = sum(b - a for a, b in n_l)
+    bwd = mode == "fwd+bwd"
+    q, k, v = (torch.randn(B, H, n_l, D, generator=g).requires_grad_(bwd) for _ in range(3))
+    do = torch.randn(B, H, n_l, D, generator=g) if bwd else None
+    fn = _call(strategy)
+
+    def run():
+        out = fn(q, k, v, causal=cfg["causal"], layout=layout)
+        if bwd:
+            out.backward(do)
+            q.grad = k.grad = v.grad = None
+
+    dist.barrier()
+    peak = peak_bytes(run)  # also the warm-up of the timed runs
+    times, comm = [], []
+    for _ in range(cfg["repeat"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+        comm.append(_comm_s(strategy, bwd))
+    t = sorted(times)[len(times) // 2]
+    c = sorted(comm)[len(comm) // 2]
+    # the slowest rank sets the pace; memory: every rank's, and the max
+    gathered = [None] * P
+    dist.all_gather_object(gathered, (peak, t, c), group=None)
+    peaks = [x[0] for x in gathered]
+    slow = max(range(P), key=lambda r: gathered[r][1])
+    ms = gathered[slow][1] * 1e3
+    return {**row, "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
+            "input_bytes_per_rank": 3 * B * H * n_l * D * 4 + (B * H * n_l * D * 4 if bwd else 0),
+            "ms": ms, "ms_per_step": ms / P if strategy == "ring" else ms,
+            "comm_share": gathered[slow][2] / gathered[slow][1]}
+
+
+def _errors(cfg: dict, rank: int, P: int) -> list[dict]:
+    """float32 sharded attention against float64 attn.attention, fwd and bwd, per strategy."""
+    import attn
+    import attn.distributed as cp
+
+    N, H, D, layout = cfg["error_n"], cfg["heads"], cfg["d"], cfg["layout"]
+    g = torch.Generator().manual_seed(1)
+    full = [torch.randn(1, H, N, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    do = torch.randn(1, H, N, D, generator=g, dtype=torch.float64)
+    exact = [t.clone().requires_grad_() for t in full]
+    out64 = attn.attention(*exact, causal=cfg["causal"])
+    out64.backward(do)
+    rows = []
+    for strategy in cfg["strategies"]:
+        if strategy == "ulysses" and H % P:
+            continue
+        leaves = [t.float().requires_grad_() for t in full]
+        shards = [cp.shard_sequence(t, layout) for t in leaves]
+        out = cp.gather_sequence(_call(strategy)(*shards, causal=cfg["causal"], layout=layout),
+                                 layout)
+        out.backward(do.float())  # the same loss on every rank: shard's backward gathers
+        err = {"out": (out.double() - out64).abs().max().item()}
+        for name, a, b in zip(("dq", "dk", "dv"), leaves, exact):
+            err[name] = (a.grad.double() - b.grad).abs().max().item()
+        rows.append(dict(strategy=strategy, P=P, N=N, dtype="float32", **err))
+    return rows
+
+
+def _worker(rank: int, P: int, port: int, cfg: dict, out_q) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=P, timeout=timedelta(seconds=cfg["timeout"]))
+    try:
+        for strategy in cfg["strategies"]:
+            for N in cfg["n"]:
+                for mode in cfg["modes"]:
+                    try:
+                        row = _point(cfg, strategy, N, mode, rank, P)
+                    except Exception as exc:  # recorded in the results; the sweep goes on
+                        row = dict(strategy=strategy, P=P, N=N, mode=mode, status="error",
+                                   note=f"{type(exc).__name__}: {exc}")
+                    if rank == 0:
+                        out_q.put(("row", row))
+                        print(f"  P={P} {strategy} N={N} {mode}: "
+                              + (f"{row['ms']:.0f} ms, peak {row['peak_bytes'] / 2**20:.1f} "
+                                 f"MiB/rank, comm {100 * row['comm_share']:.0f}%"
+                                 if row["status"] == "ok" else row["status"] + " " + row["note"]),
+                              flush=True)
+        errs = _errors(cfg, rank, P)
+        if rank == 0:
+            for e in errs:
+                out_q.put(("error", e))
+    finally:
+        if rank == 0:
+            out_q.put(("done", None))
+        dist.destroy_process_group()
+
+
+# -- the parent -----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_world(P: int, cfg: dict) -> tuple[list[dict], list[dict]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, P, port, cfg, out_q)) for r in range(P)]
+    for p in procs:
+        p.start()
+    rows, errors = [], []
+    deadline = time.monotonic() + cfg["timeout"]
+    try:
+        while True:
+            try:
+                kind, item = out_q.get(timeout=5.0)
+            except queue_mod.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"P={P}: no result within {cfg['timeout']} s")
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"P={P}: a process died ({[p.exitcode for p in procs]})")
+                continue
+            if kind == "done":
+                break
+            (rows if kind == "row" else errors).append(item)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return rows, errors
+
+
+def _header(cfg: dict, argv: list[str], load_start: float) -> dict:
+    from attn.bench.report import device_name
+
+    return {
+        "torch": torch.__version__, "python": platform.python_version(),
+        "device": "cpu", "device_name": device_name("cpu"), "cpu_count": os.cpu_count(),
+        "backend": "gloo on 127.0.0.1, one process per rank, torch threads per rank: 1",
+        "loadavg_1min_start": load_start, "loadavg_1min_end": os.getloadavg()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "attn bench context-parallel " + shlex.join(argv),
+        "memory_method": ("per rank: torch.profiler CPU allocator events, peak live bytes "
+                          f"above the inputs (error <= {CPU_ERROR_BYTES} bytes on a known "
+                          "allocation); the max over ranks"),
+        "time_method": "wall time of one call, median of --repeat runs after a warm-up, the "
+                       "slowest rank; ms_per_step = ms / P for the ring",
+        "config": {k: v for k, v in cfg.items()},
+    }
+
+
+def _mib(b) -> str:
+    return "" if b is None else f"{b / 2**20:.2f}"
+
+
+def markdown(header: dict, rows: list[dict], errors: list[dict]) -> str:
+    lines = ["# Context parallelism on CPU (gloo)", "",
+             f"{header['date']}, {header['device_name']} ({header['cpu_count']} cores), torch "
+             f"{header['torch']}; {header['backend']}. Load average (1 min): "
+             f"{header['loadavg_1min_start']:.2f} at the start, {header['loadavg_1min_end']:.2f} "
+             f"at the end: times are those of a shared machine, memory is not affected.", "",
+             f"Command: `{header['command']}`", "",
+             f"Memory: {header['memory_method']}.", f"Time: {header['time_method']}.", "",
+             "| strategy | mode | N | P | peak MiB / rank | × (N/P) ref | ms | ms / step | "
+             "comm wait |", "|---|---|---|---|---|---|---|---|---|"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    for r in sorted(ok, key=lambda r: (r["strategy"], r["mode"], r["N"], r["P"])):
+        base = [b for b in ok if b["strategy"] == r["strategy"] and b["mode"] == r["mode"]
+                and b["N"] == r["N"] and b["P"] == min(x["P"] for x in ok)]
+        ratio = ""
+        if base:  # measured / (P=1 figure scaled by 1/P): 1.0 means exactly ∝ N/P
+            ratio = f"{r['peak_bytes'] / (base[0]['peak_bytes'] * base[0]['P'] / r['P']):.2f}"
+        lines.append(f"| {r['strategy']} | {r['mode']} | {r['N']} | {r['P']} | "
+                     f"{_mib(r['peak_bytes'])} | {ratio} | {r['ms']:.0f} | "
+                     f"{r['ms_per_step']:.0f} | {100 * r['comm_share']:.0f}% |")
+    skipped = [r for r in rows if r["status"] != "ok"]
+    if skipped:
+        lines += ["", "Not measured:"] + [f"- {r['strategy']} P={r['P']} N={r['N']} "
+                                          f"{r['mode']}: {r['status']} {r['note']}"
+                                          for r in skipped]
+    lines += ["", f"## Error against P (float32 vs float64 `attn.attention`, N = "
+              f"{errors[0]['N'] if errors else '?'}, max abs)", "",
+              "| strategy | P | out | dq | dk | dv |", "|---|---|---|---|---|---|"]
+    for e in sorted(errors, key=lambda e: (e["strategy"], e["P"])):
+        lines.append(f"| {e['strategy']} | {e['P']} | {e['out']:.2e} | {e['dq']:.2e} | "
+                     f"{e['dk']:.2e} | {e['dv']:.2e} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    from attn.bench.plots import _pyplot
+
+    plt = _pyplot()
+    ok = [r for r in rows if r["status"] == "ok"]
+    modes = sorted({r["mode"] for r in ok}, key=len)
+    fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 8), squeeze=False)
+    for j, mode in enumerate(modes):
+        for strategy, ls in (("ring", "-"), ("ulysses", "--")):
+            for P in sorted({r["P"] for r in ok}):
+                pts = sorted((r["N"], r["peak_bytes"], r["ms"]) for r in ok
+                             if r["mode"] == mode and r["strategy"] == strategy and r["P"] == P)
+                if not pts:
+                    continue
+                ns = [p[0] for p in pts]
+                label = f"{strategy} P={P}"
+                axes[0][j].plot(ns, [p[1] / 2**20 for p in pts], ls, marker="o", label=label)
+                axes[1][j].plot(ns, [p[2] for p in pts], ls, marker="o", label=label)
+        for i, (ylabel, title) in enumerate((("peak MiB per rank (above inputs)", "memory"),
+                                             ("ms per call (slowest rank)", "time"))):
+            ax = axes[i][j]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length N")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{title}, {mode}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = dict(n=list(args.n), strategies=list(args.strategies), layout=args.layout,
+               heads=args.heads, d=args.d, batch=args.batch, causal=not args.no_causal,
+               modes=list(args.modes), repeat=args.repeat, error_n=args.error_n,
+               timeout=args.timeout)
+    load_start = os.getloadavg()[0]
+    rows, errors = [], []
+    for P in args.world_sizes:
+        print(f"world size {P}", flush=True)
+        r, e = _run_world(P, cfg)
+        rows += r
+        errors += e
+    header = _header(cfg, argv, load_start)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(
+        {"header": header, "rows": rows, "errors": errors}, indent=2) + "\n")
+    md = markdown(header, rows, errors)
+    (out / "results.md").write_text(md)
+    png = plot(rows, out / "context_parallel.png")
+    print(md)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {png}")
+    return 1 if any(r["status"] == "error" for r in rows) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="attn bench context-parallel", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv), argv)

@@ -1,0 +1,850 @@
+"""Context parallelism on torch.distributed: ring attention (zigzag-balanced) and Ulysses.
+
+One sequence is sharded along N across the P processes of a group (gloo on CPU, NCCL on
+GPU; launch with ``torchrun`` as usual)::
+
+    import attn.distributed as cp
+
+    q_l = cp.shard_sequence(q)                          # this rank's part of dim 2
+    out_l = cp.ring_attention(q_l, k_l, v_l, causal=True)
+    out = cp.gather_sequence(out_l)                     # the full sequence on every rank
+    out_l = cp.ulysses_attention(q_l, k_l, v_l, causal=True)
+
+**Layouts** (every function defaults to ``layout="zigzag"``). ``"contiguous"``: the chunks
+of ``torch.tensor_split(x, P, dim)``, rank r holds chunk r. ``"zigzag"``: the chunks of
+``torch.tensor_split(x, 2P, dim)``, rank r holds chunks r and 2P−1−r, so causal work is even
+across ranks (the late, expensive queries are paired with the early, cheap ones). Lengths
+need not divide: chunk sizes differ by at most one and every function agrees on the split
+(:func:`shard_ranges`); the only requirement is N >= P, so that no rank is empty::
+
+    N = 10, P = 2, zigzag:  chunks  [0 1 2][3 4 5][6 7][8 9]
+                            rank 0:  0 1 2         8 9        (chunks 0 and 3)
+                            rank 1:        3 4 5 6 7          (chunks 1 and 2)
+
+**Ring** (:func:`ring_attention`): K/V blocks travel around the ring, one
+``batch_isend_irecv`` per step that overlaps the step's compute, P − 1 exchanges forward.
+Each step runs attn's own launcher (``tiled`` or ``triton``) on the local queries and the
+visiting keys with a :class:`~attn.spec.LaunchSpec` carrying their global positions, so
+causal masks, windows and the dropout hash are those of the unsharded sequence; a (query
+chunk, key chunk) pair the band masks entirely is skipped without computing. Partials merge
+through their lse (:func:`attn.merge_attention`, −inf-safe). The backward is a second ring:
+dK/dV travel with their K/V back to the owner, and each step recomputes P from the saved
+*global* lse. GQA K/V travel with Hkv heads. Per-rank memory is O(N/P).
+
+**Ulysses** (:func:`ulysses_attention`): an all-to-all turns sequence shards into head
+shards (H/P heads over the full sequence), attention runs locally with every variant, and an
+all-to-all turns the result back. Needs ``H % P == 0`` and either ``Hkv % P == 0`` or
+``P % Hkv == 0`` (then each KV head is replicated to the P / Hkv ranks that read it).
+
+**Gradients and replicated tensors.** q, k, v shards get their exact gradients. A tensor
+every rank holds the same copy of — ``sinks``, a tensor ``temperature`` or ``softcap``, and
+the input of :func:`shard_sequence` — gets *this rank's contribution*: the sum over the group
+is the full gradient, which is what DDP/FSDP's gradient all-reduce computes. Every rank must
+call every function of this module in the same order (they are collectives), backward too.
+
+**Validation.** Each call first all-gathers a small record of every rank's shapes, dtypes,
+devices and keyword values (one collective, before any K/V moves), then every rank raises
+the same ValueError / TypeError when any rank's input is bad: bad input on one rank never
+leaves the others waiting on a transfer.
+
+NCCL: the collectives used (all_gather_object, broadcast, batch_isend_irecv,
+all_to_all_single, all_gather) all run on NCCL; set ``torch.cuda.set_device(local_rank)``
+before the first call as torchrun scripts do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from attn.api import AttentionCall, _positive, _validate_qkv, select_backend
+from attn.masks import make_band, window_pair
+from attn.merge import merge_attention
+from attn.spec import LaunchSpec
+
+LAYOUTS = ("zigzag", "contiguous")
+_TAG_KV, _TAG_DKV = 11, 12  # distinct tags: a K/V and a dK/dV message may be in flight at once
+
+
+# -- layouts -----------------------------------------------------------------------------------
+
+def _split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``torch.tensor_split(x, parts)`` along a dim of length n."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def shard_ranges(n: int, world_size: int, layout: str = "zigzag") -> list[list[tuple[int, int]]]:
+    """Global ``[start, end)`` ranges each rank holds, in its local order (empty ones kept)."""
+    _check_layout(layout)
+    P = world_size
+    parts = 2 * P if layout == "zigzag" else P
+    bounds, s = [], 0
+    for size in _split_sizes(n, parts):
+        bounds.append((s, s + size))
+        s += size
+    if layout == "contiguous":
+        return [[bounds[r]] for r in range(P)]
+    return [[bounds[r], bounds[2 * P - 1 - r]] for r in range(P)]
+
+
+def shard_positions(n: int, layout: str = "zigzag", group=None,
+                    device: torch.device | str | None = None) -> Tensor:
+    """Global positions (int64) of this rank's shard of a length-n sequence (e.g. for RoPE)."""
+    rank, P = _world(group)
+    return torch.cat([torch.arange(a, b, device=device) for a, b in
+                      shard_ranges(n, P, layout)[rank]])
+
+
+def _check_layout(layout: object) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _world(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("attn.distributed needs torch.distributed initialised: call "
+                           "torch.distributed.init_process_group (torchrun sets the env)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _peer(group, rank: int) -> int:
+    """The global rank P2P ops expect for ``rank`` of ``group``."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _local_lengths(n: int, P: int, layout: str) -> list[int]:
+    return [sum(b - a for a, b in rs) for rs in shard_ranges(n, P, layout)]
+
+
+# -- shard / gather ----------------------------------------------------------------------------
+
+def _take(x: Tensor, ranges: list[tuple[int, int]], dim: int) -> Tensor:
+    return torch.cat([x.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
+    """Every rank's shard (sizes may differ by one chunk) assembled in global order."""
+    rank, P = _world(group)
+    n_l = torch.tensor([x_l.shape[dim]], dtype=torch.int64, device=x_l.device)
+    lens = [torch.empty_like(n_l) for _ in range(P)]
+    dist.all_gather(lens, n_l, group=group)
+    lens = [int(t) for t in lens]
+    n = sum(lens)
+    want = _local_lengths(n, P, layout)
+    if lens != want:
+        raise ValueError(f"gather_sequence: shard lengths {lens} along dim {dim} are not the "
+                         f"{layout!r} split of N = {n} over {P} ranks ({want})")
+    width = max(lens)
+    pad = list(x_l.shape)
+    pad[dim] = width - x_l.shape[dim]
+    # gloo's all_gather needs equal shapes: pad the short shards (by at most 2 positions)
+    x_p = torch.cat([x_l, x_l.new_zeros(pad)], dim=dim).contiguous()
+    parts = [torch.empty_like(x_p) for _ in range(P)]
+    dist.all_gather(parts, x_p, group=group)
+    shape = list(x_l.shape)
+    shape[dim] = n
+    out = x_l.new_empty(shape)
+    for r, ranges in enumerate(shard_ranges(n, P, layout)):
+        off = 0
+        for a, b in ranges:
+            out.narrow(dim, a, b - a).copy_(parts[r].narrow(dim, off, b - a))
+            off += b - a
+    return out
+
+
+class _Shard(torch.autograd.Function):
+    """Forward: this rank's part. Backward: every rank's part of the gradient gathered, i.e.
+    the gradient of a replicated input under a replicated loss (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, layout, group, dim):
+        rank, P = _world(group)
+        ctx.layout, ctx.group, ctx.dim = layout, group, dim
+        return _take(x, shard_ranges(x.shape[dim], P, layout)[rank], dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_seq(g.contiguous(), ctx.layout, ctx.group, ctx.dim), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: the full sequence on every rank. Backward: this rank's part of the gradient
+    (each rank computes the same loss from the gathered tensor, so no sum is needed)."""
+
+    @staticmethod
+    def forward(ctx, x_l, layout, group, dim):
+        ctx.layout, ctx.group, ctx.dim = layout, group, dim
+        return _all_gather_seq(x_l.contiguous(), layout, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        rank, P = _world(ctx.group)
+        ranges = shard_ranges(g.shape[ctx.dim], P, ctx.layout)[rank]
+        return _take(g, ranges, ctx.dim), None, None, None
+
+
+def shard_sequence(x: Tensor, layout: str = "zigzag", group=None, *, dim: int = 2) -> Tensor:
+    """This rank's part of ``x`` along ``dim`` (2: the N of (B, H, N, D)).
+
+    ``x`` is the full tensor, the same on every rank. Differentiable: the gradient of ``x``
+    is gathered from every rank, so it is complete when the loss is computed identically on
+    every rank (e.g. from :func:`gather_sequence`'s output).
+    """
+    _check_layout(layout)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    rank, P = _world(group)
+    if x.dim() <= dim or x.shape[dim] < P:
+        raise ValueError(f"shard_sequence: x of shape {tuple(x.shape)} needs a dim {dim} of "
+                         f"length >= {P} (the world size) so that no rank is empty")
+    return _Shard.apply(x, layout, group, dim)
+
+
+def gather_sequence(x_l: Tensor, layout: str = "zigzag", group=None, *, dim: int = 2) -> Tensor:
+    """The full tensor on every rank from each rank's shard along ``dim`` (2: the N of
+    (B, H, N, D), and of an lse (B, H, N)). Differentiable: the gradient of the shard is
+    its part of the gradient of the output (the loss must be computed the same on every
+    rank, as it then is)."""
+    _check_layout(layout)
+    if not isinstance(x_l, Tensor):
+        raise TypeError(f"x_l must be a torch.Tensor, got {type(x_l).__name__}")
+    if x_l.dim() <= dim:
+        raise ValueError(f"gather_sequence: x_l of shape {tuple(x_l.shape)} has no dim {dim}")
+    return _Gather.apply(x_l, layout, group, dim)
+
+
+# -- validation: locally, then one all-gather so that every rank raises together ---------------
+
+@dataclass
+class _Call:
+    """One context-parallel call, resolved: what every rank agreed on."""
+
+    rank: int
+    P: int
+    group: Any
+    layout: str
+    q_ranges: list[list[tuple[int, int]]]  # per rank, global query ranges
+    k_ranges: list[list[tuple[int, int]]]
+    k_lens: list[int]  # keys per rank
+    spec: LaunchSpec
+    backend: str
+    n_q: int = 0
+    n_k: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _check_local(strategy: str, q, k, v, *, causal, layout, scale, temperature, softcap,
+                 window, sinks, dropout_p, backend, attn_mask) -> dict:
+    """This rank's checks; returns its record (everything the others must agree with)."""
+    _check_layout(layout)
+    _validate_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    window = window_pair(window)
+    if attn_mask is not None:
+        raise NotImplementedError(
+            f"{strategy}: attn_mask is not supported: a mask over the global (Nq, Nk) would "
+            f"have to be sharded along both queries and keys and travel with the keys; "
+            f"express causal/sliding masks with causal= and window=")
+    B, H, _, D = q.shape
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    _positive("temperature", temperature, (B, H), q)
+    if softcap is not None:
+        _positive("softcap", softcap, (H,), q)
+    if sinks is not None:
+        if not isinstance(sinks, Tensor):
+            raise TypeError(f"sinks must be a torch.Tensor, got {type(sinks).__name__}")
+        if sinks.shape != (H,):
+            raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
+        if not sinks.is_floating_point() or sinks.device != q.device:
+            raise TypeError(f"sinks must be a floating tensor on {q.device}, got {sinks.dtype} "
+                            f"on {sinks.device}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if backend not in ("auto", "tiled", "triton"):
+        raise NotImplementedError(
+            f"{strategy}: backend={backend!r}: context parallelism runs attn's launchers with "
+            f"global positions; use 'auto', 'tiled' or 'triton'")
+    if dropout_p > 0 and backend == "triton":
+        raise NotImplementedError(f"{strategy}: backend='triton' cannot draw dropout on a "
+                                  f"shard (its hash has no global offsets); use 'tiled'")
+    return dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
+                device=q.device.type, causal=causal, window=window, layout=layout,
+                scale=scale, dropout_p=float(dropout_p), backend=backend,
+                temperature=_kind(temperature), softcap=_kind(softcap),
+                sinks=None if sinks is None else tuple(sinks.shape))
+
+
+def _kind(x) -> Any:
+    return ("tensor", tuple(x.shape)) if isinstance(x, Tensor) else x
+
+
+def _agree(strategy: str, group, local: dict | Exception) -> list[dict]:
+    """All-gather every rank's record (or error); raise the same error on every rank."""
+    _, P = _world(group)
+    mine = (type(local).__name__, str(local)) if isinstance(local, Exception) else local
+    records: list[Any] = [None] * P
+    dist.all_gather_object(records, mine, group=group)
+    if isinstance(local, Exception):
+        raise local
+    for r, rec in enumerate(records):
+        if isinstance(rec, tuple):
+            kind = {"TypeError": TypeError, "NotImplementedError": NotImplementedError}.get(
+                rec[0], ValueError)
+            raise kind(f"{strategy}: rank {r} refused its input: {rec[1]}")
+    ref = records[0]
+    for r, rec in enumerate(records[1:], start=1):
+        for key in ("dtype", "device", "causal", "window", "layout", "scale", "dropout_p",
+                    "backend", "temperature", "softcap", "sinks"):
+            if rec[key] != ref[key]:
+                raise ValueError(f"{strategy}: ranks disagree on {key}: rank 0 has "
+                                 f"{ref[key]!r}, rank {r} has {rec[key]!r}")
+        for name in ("q", "k", "v"):
+            a, b = ref[name], rec[name]
+            if a[:2] != b[:2] or a[3] != b[3]:
+                raise ValueError(f"{strategy}: {name} shapes disagree outside the sequence "
+                                 f"dim: rank 0 {a}, rank {r} {b}")
+    for name in ("q", "k"):
+        lens = [rec[name][2] for rec in records]
+        want = _local_lengths(sum(lens), P, ref["layout"])
+        if lens != want:
+            bad = ", ".join(f"rank {r} has {a}, expected {b}"
+                            for r, (a, b) in enumerate(zip(lens, want)) if a != b)
+            raise ValueError(
+                f"{strategy}: {name} shard lengths {lens} are not the {ref['layout']!r} split "
+                f"of N = {sum(lens)} over {P} ranks ({want}): {bad}; use shard_sequence")
+    return records
+
+
+def _draw_seed(dropout_p: float, group) -> int:
+    """attention's seed draw on every rank (generators stay in step), rank 0's value wins."""
+    if dropout_p == 0.0:
+        return 0
+    from attn.api import _draw_seed as draw
+
+    seed = torch.tensor([draw(dropout_p)], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        seed = seed.cuda()
+    dist.broadcast(seed, src=_peer(group, 0), group=group)
+    return int(seed.item())
+
+
+def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperature, softcap,
+             window, sinks, dropout_p, return_lse, backend, attn_mask):
+    """Validate on every rank, then resolve scale/temperature/softcap into a spec."""
+    rank, P = _world(group)
+    try:
+        local = _check_local(strategy, q, k, v, causal=causal, layout=layout, scale=scale,
+                             temperature=temperature, softcap=softcap, window=window,
+                             sinks=sinks, dropout_p=dropout_p, backend=backend,
+                             attn_mask=attn_mask)
+        if strategy == "ulysses_attention":
+            _ulysses_heads(q.shape[1], k.shape[1], P)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        local = exc
+    records = _agree(strategy, group, local)
+    B, H, _, D = q.shape
+    n_q = sum(r["q"][2] for r in records)
+    n_k = sum(r["k"][2] for r in records)
+    band = make_band(n_q, n_k, causal=causal, window=window_pair(window))
+    if scale is None:
+        scale = D ** -0.5
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qk_scale, eff_scale = float(scale), None
+    if isinstance(temperature, Tensor):
+        # folded into q in the accumulation dtype, as attn.api does: autograd carries τ's grad
+        eff_scale = (scale / temperature.to(acc)).expand(B, H)  # (B, H)
+        qk_scale = 1.0
+    else:
+        qk_scale = float(scale) / float(temperature)
+    cap_t = softcap if isinstance(softcap, Tensor) else None
+    seed = _draw_seed(float(dropout_p), group)
+    spec = LaunchSpec(qk_scale=qk_scale, band=band,
+                      softcap=None if cap_t is not None or softcap is None else float(softcap),
+                      dropout_p=float(dropout_p), dropout_seed=seed)
+    call = AttentionCall(
+        device=q.device.type, dtype=q.dtype, head_dim=D, head_dim_v=v.shape[-1],
+        n_q=q.shape[2], n_k=k.shape[2], band=band,
+        softcap=None if softcap is None else ("learned" if cap_t is not None else "fixed"),
+        sinks=sinks is not None, temperature_tensor=eff_scale is not None,
+        dropout=dropout_p > 0, return_lse=True)
+    name = "tiled" if dropout_p > 0 else select_backend(call, backend).name
+    c = _Call(rank=rank, P=P, group=group, layout=layout,
+              q_ranges=shard_ranges(n_q, P, layout), k_ranges=shard_ranges(n_k, P, layout),
+              k_lens=[r["k"][2] for r in records], spec=spec, backend=name, n_q=n_q, n_k=n_k)
+    return c, eff_scale, cap_t
+
+
+def _rows(c: _Call, t: Tensor | None, rows: slice) -> Tensor | None:
+    """Query rows of a per-query tensor for a launch: a view for tiled; a contiguous copy
+    for triton, whose backward indexes lse and Δ as if (B, H, Nq) were contiguous."""
+    if t is None:
+        return None
+    t = t[:, :, rows]
+    return t.contiguous() if c.backend == "triton" else t
+
+
+def _launchers(backend: str):
+    if backend == "triton":
+        from attn import flash_triton as mod
+    else:
+        from attn import tiled as mod
+    return mod._fwd, mod._bwd
+
+
+# -- ring attention ----------------------------------------------------------------------------
+
+@dataclass
+class RingStats:
+    """What the last call on this rank did (for tests and benchmarks): K/V transfers,
+    (query chunk, key chunk) launches run and skipped, and the seconds spent waiting on
+    communication (ring: waits after the overlapped compute; Ulysses: the all-to-alls)."""
+
+    kv_exchanges: int = 0
+    dkv_exchanges: int = 0
+    launches: int = 0
+    skipped: int = 0
+    comm_wait_s: float = 0.0
+
+
+last_ring_stats = RingStats()  # forward of the last call
+last_ring_backward_stats = RingStats()
+last_ulysses_stats = RingStats()  # comm_wait_s: time in the all-to-alls, forward + backward
+
+
+def _pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Non-empty ``(local_start, local_end, global_start)`` pieces of one rank's ranges."""
+    out, off = [], 0
+    for a, b in ranges:
+        if b > a:
+            out.append((off, off + b - a, a))
+        off += b - a
+    return out
+
+
+def _visible(spec: LaunchSpec, n_q: int, n_k: int) -> bool:
+    """Does the band leave any (query, key) pair of this shard? (one tile covering it all)"""
+    blocks = spec.blocks(n_q, n_k, n_q, n_k)
+    return not all(not row for row in blocks.tiles)
+
+
+def _step_pairs(c: _Call, src: int):
+    """``(qi, rows, ki, spec, visible)`` for each (local query piece, piece of rank ``src``'s
+    keys) of the step that holds ``src``'s K/V: the pieces' indices, the query rows, and the
+    spec with both pieces' global positions."""
+    for qi, (ql0, ql1, qg) in enumerate(_pieces(c.q_ranges[c.rank])):
+        for ki, (kl0, kl1, kg) in enumerate(_pieces(c.k_ranges[src])):
+            spec = c.spec.shard(q_start=qg, k_start=kg)
+            yield qi, slice(ql0, ql1), ki, spec, _visible(spec, ql1 - ql0, kl1 - kl0)
+
+
+def _pack(c: _Call, src: int, *ts: Tensor) -> Tensor:
+    """K and V (or dK and dV) of rank ``src`` as one flat buffer, piece by piece, so that a
+    visiting piece unpacks to a contiguous view (no copy per step) and one message moves all."""
+    pieces = _pieces(c.k_ranges[src])
+    return torch.cat([t[:, :, a:b].reshape(-1) for t in ts for a, b, _ in pieces])
+
+
+def _unpack(c: _Call, flat: Tensor, src: int, widths: tuple[int, ...], like: Tensor
+            ) -> list[list[Tensor]]:
+    """The inverse of :func:`_pack`: for each packed tensor, its pieces (B, Hkv, n, width)."""
+    B, Hkv = like.shape[:2]
+    out, off = [], 0
+    for w in widths:
+        views = []
+        for a, b, _ in _pieces(c.k_ranges[src]):
+            n = B * Hkv * (b - a) * w
+            views.append(flat[off:off + n].view(B, Hkv, b - a, w))
+            off += n
+        out.append(views)
+    return out
+
+
+def _kv_numel(c: _Call, k: Tensor, v: Tensor, src: int) -> int:
+    B, Hkv = k.shape[:2]
+    return B * Hkv * c.k_lens[src] * (k.shape[-1] + v.shape[-1])
+
+
+class _Transfer:
+    """One ring hop: send ``flat`` to the next rank, receive ``n`` elements from the previous,
+    posted at once (``batch_isend_irecv``) and waited for later, so compute runs meanwhile."""
+
+    def __init__(self, c: _Call, flat: Tensor, n: int, tag: int, stats: RingStats) -> None:
+        self.sent = flat  # alive until waited: the send reads it asynchronously
+        self.buf = torch.empty(n, dtype=flat.dtype, device=flat.device)
+        nxt, prv = _peer(c.group, (c.rank + 1) % c.P), _peer(c.group, (c.rank - 1) % c.P)
+        ops = [dist.P2POp(dist.isend, flat, nxt, c.group, tag),
+               dist.P2POp(dist.irecv, self.buf, prv, c.group, tag)]
+        self.reqs = dist.batch_isend_irecv(ops)
+        self.stats = stats
+
+    def wait(self) -> Tensor:
+        t0 = time.perf_counter()
+        for r in self.reqs:
+            r.wait()
+        self.stats.comm_wait_s += time.perf_counter() - t0
+        return self.buf
+
+
+def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
+              cap_t: Tensor | None) -> tuple[Tensor, Tensor]:
+    global last_ring_stats
+    stats = last_ring_stats = RingStats()
+    fwd, _ = _launchers(c.backend)
+    B, H, n_l, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_pieces = _pieces(c.q_ranges[c.rank])
+    # running state per query piece; the sinks are one more partial, with zero values
+    state = []
+    for ql0, ql1, _ in q_pieces:
+        lse0 = torch.full((B, H, ql1 - ql0), float("-inf"), dtype=acc, device=q.device)
+        if sinks is not None:
+            lse0 = sinks.detach().to(acc).view(1, H, 1).expand_as(lse0).clone()
+        state.append((torch.zeros(B, H, ql1 - ql0, v.shape[-1], dtype=acc, device=q.device),
+                      lse0))
+    widths = (k.shape[-1], v.shape[-1])
+    kv = _pack(c, c.rank, k, v)
+    for step in range(c.P):
+        src = (c.rank - step) % c.P
+        hop = None
+        if step < c.P - 1:  # post the next K/V before computing on this one
+            hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
+            stats.kv_exchanges += 1
+        k_s, v_s = _unpack(c, kv, src, widths, k)
+        partials: list[list[tuple[Tensor, Tensor]]] = [[] for _ in q_pieces]
+        for qi, rows, ki, spec, visible in _step_pairs(c, src):
+            if not visible:
+                stats.skipped += 1
+                continue
+            stats.launches += 1
+            partials[qi].append(fwd(_rows(c, q, rows), k_s[ki], v_s[ki], spec, softcap=cap_t))
+        for qi, parts in enumerate(partials):
+            if parts:  # the running state first: the merge keeps its (accumulation) dtype
+                state[qi] = merge_attention([state[qi][0]] + [p[0] for p in parts],
+                                            [state[qi][1]] + [p[1] for p in parts])
+        if hop is not None:
+            kv = hop.wait()
+    out = torch.empty(B, H, n_l, v.shape[-1], dtype=v.dtype, device=q.device)
+    lse = torch.full((B, H, n_l), float("-inf"), dtype=acc, device=q.device)
+    for (ql0, ql1, _), (o, l) in zip(q_pieces, state):
+        out[:, :, ql0:ql1] = o
+        lse[:, :, ql0:ql1] = l
+    return out, lse
+
+
+def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bool):
+    global last_ring_backward_stats
+    stats = last_ring_backward_stats = RingStats()
+    _, bwd = _launchers(c.backend)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dcap = None
+    if cap_t is not None and need_dcap:
+        dcap = torch.zeros(q.shape[1], dtype=acc, device=q.device)
+    widths = (k.shape[-1], v.shape[-1])
+    kv = _pack(c, c.rank, k, v)
+    dkv_hop = None
+    for step in range(c.P):
+        src = (c.rank - step) % c.P
+        kv_hop = None
+        if step < c.P - 1:
+            kv_hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
+            stats.kv_exchanges += 1
+        k_s, v_s = _unpack(c, kv, src, widths, k)
+        # dK/dV of the visiting pieces, packed like them, in the accumulation dtype
+        dkv = torch.zeros(_kv_numel(c, k, v, src), dtype=acc, device=q.device)
+        dk_s, dv_s = _unpack(c, dkv, src, widths, k)
+        for qi, rows, ki, spec, visible in _step_pairs(c, src):
+            if not visible:
+                stats.skipped += 1
+                continue
+            stats.launches += 1
+            # the global out and lse: P = exp(s − lse) and Δ are those of the unsharded call
+            g = bwd(_rows(c, do, rows), _rows(c, dlse, rows), _rows(c, q, rows), k_s[ki],
+                    v_s[ki], _rows(c, out, rows), _rows(c, lse, rows), spec, softcap=cap_t,
+                    need_dcap=dcap is not None)
+            dq[:, :, rows] += g.dq
+            dk_s[ki] += g.dk
+            dv_s[ki] += g.dv
+            if dcap is not None:
+                dcap += g.dsoftcap
+        if dkv_hop is not None:  # what earlier ranks added for these K/V, sent last step
+            dkv += dkv_hop.wait()
+        if c.P > 1:  # dK/dV follow their K/V; after the last step they reach the owner
+            dkv_hop = _Transfer(c, dkv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_DKV, stats)
+            stats.dkv_exchanges += 1
+        if kv_hop is not None:
+            kv = kv_hop.wait()
+    if dkv_hop is not None:
+        dkv = dkv_hop.wait()
+    dk_p, dv_p = _unpack(c, dkv, c.rank, widths, k)
+    dk, dv = torch.cat(dk_p, dim=2), torch.cat(dv_p, dim=2)
+    dsinks = None
+    if sinks is not None:
+        from attn.tiled import sink_grad
+
+        delta = (do.to(acc) * out.to(acc)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(acc)
+        dsinks = sink_grad(sinks, lse.to(acc), delta)
+    return dq, dk, dv, dsinks, dcap
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cap_t, c: _Call):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = _ring_fwd(c, q, k, v, sinks, cap_t)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, cap_t)
+        ctx.c = c
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks, cap_t = ctx.saved_tensors
+        do = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv, dsinks, dcap = _ring_bwd(ctx.c, do, dlse, q, k, v, out, lse, sinks, cap_t,
+                                             bool(ctx.needs_input_grad[4]))
+        if dcap is not None:
+            from attn.tiled import _reduce_to
+
+            dcap = _reduce_to(dcap, cap_t.shape).to(cap_t.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                None if dsinks is None else dsinks.to(sinks.dtype), dcap, None)
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    layout: str = "zigzag",
+    group=None,
+    scale: float | None = None,
+    temperature: float | Tensor = 1.0,
+    softcap: float | Tensor | None = None,
+    window: tuple[int, int] | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    attn_mask: None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Ring attention over the sequence shards of ``group`` (see the module docstring).
+
+    q (B, H, Nq_r, D), k (B, Hkv, Nk_r, D), v (B, Hkv, Nk_r, Dv): this rank's shards in
+    ``layout`` (as :func:`shard_sequence` cuts them) → out (B, H, Nq_r, Dv), and with
+    ``return_lse`` the lse (B, H, Nq_r), float32 (float64 for float64 input). Every keyword
+    means what it means in :func:`attn.attention` on the full sequence: ``causal`` aligned
+    bottom-right in the *global* (Nq, Nk), ``window=(left, right)`` likewise, ``scale``,
+    ``temperature`` (float or per-head tensor), ``softcap`` (float or learnable tensor),
+    ``sinks`` (H,), ``dropout_p`` (the same mask as the unsharded call under the same
+    ``torch.manual_seed``; runs on tiled). ``attn_mask`` raises NotImplementedError.
+    Gradients of sinks / tensor temperature / tensor softcap are this rank's contribution.
+    """
+    c, eff_scale, cap_t = _prepare(
+        "ring_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
+        temperature=temperature, softcap=softcap, window=window, sinks=sinks,
+        dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
+    q_in = q if eff_scale is None else q.to(eff_scale.dtype) * eff_scale[..., None, None]
+    out, lse = _RingAttention.apply(q_in, k, v, sinks, cap_t, c)
+    return (out, lse) if return_lse else out
+
+
+# -- Ulysses -----------------------------------------------------------------------------------
+
+def _ulysses_heads(H: int, Hkv: int, P: int) -> int:
+    """How many times each KV head is replicated (1: none); raises when heads do not split."""
+    if H % P != 0:
+        raise ValueError(f"ulysses_attention splits heads over the group: H = {H} query heads "
+                         f"do not divide over P = {P} ranks (H % P must be 0; use "
+                         f"ring_attention for any head count)")
+    if Hkv % P == 0:
+        return 1
+    if P % Hkv == 0:
+        return P // Hkv
+    raise ValueError(f"ulysses_attention: Hkv = {Hkv} KV heads neither divide over P = {P} "
+                     f"ranks (Hkv % P == 0) nor replicate evenly onto them (P % Hkv == 0)")
+
+
+@contextlib.contextmanager
+def _timed(c: _Call):
+    """Add the time spent in a blocking collective to the call's stats."""
+    t0 = time.perf_counter()
+    yield
+    c.extra["stats"].comm_wait_s += time.perf_counter() - t0
+
+
+def _seq_to_head(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]], n: int) -> Tensor:
+    """(B, Hx, N_r, D) sequence shard → (B, Hx/P, N, D) head shard, global order."""
+    B, Hx, n_l, D = x.shape
+    hp = Hx // c.P
+    lens = [sum(b - a for a, b in rs) for rs in ranges]
+    send = x.reshape(B, c.P, hp, n_l, D).transpose(0, 1).contiguous()  # (P, B, hp, N_r, D)
+    recv = torch.empty(B * hp * n * D, dtype=x.dtype, device=x.device)
+    with _timed(c):
+        dist.all_to_all_single(recv, send.reshape(-1), [B * hp * m * D for m in lens],
+                               [B * hp * n_l * D] * c.P, group=c.group)
+    out = x.new_empty(B, hp, n, D)
+    off = 0
+    for r, rs in enumerate(ranges):
+        part = recv[off:off + B * hp * lens[r] * D].view(B, hp, lens[r], D)
+        off += part.numel()
+        loc = 0
+        for a, b in rs:
+            out[:, :, a:b] = part[:, :, loc:loc + b - a]
+            loc += b - a
+    return out
+
+
+def _head_to_seq(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]]) -> Tensor:
+    """(B, Hx/P, N, D) head shard → (B, Hx, N_r, D) sequence shard: the inverse."""
+    B, hp, n, D = x.shape
+    lens = [sum(b - a for a, b in rs) for rs in ranges]
+    send = torch.cat([_take(x, rs, 2).reshape(-1) for rs in ranges])
+    n_l = lens[c.rank]
+    recv = torch.empty(c.P * B * hp * n_l * D, dtype=x.dtype, device=x.device)
+    with _timed(c):
+        dist.all_to_all_single(recv, send, [B * hp * n_l * D] * c.P,
+                               [B * hp * m * D for m in lens], group=c.group)
+    # (P, B, hp, N_r, D) → (B, P·hp, N_r, D)
+    return recv.view(c.P, B, hp, n_l, D).transpose(0, 1).reshape(B, c.P * hp, n_l, D)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, c, ranges, n):
+        ctx.c, ctx.ranges = c, ranges
+        return _seq_to_head(c, x.contiguous(), ranges, n)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _head_to_seq(ctx.c, g.contiguous(), ctx.ranges), None, None, None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, c, ranges):
+        ctx.c, ctx.ranges, ctx.n = c, ranges, x.shape[2]
+        return _head_to_seq(c, x.contiguous(), ranges)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _seq_to_head(ctx.c, g.contiguous(), ctx.ranges, ctx.n), None, None
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    layout: str = "zigzag",
+    group=None,
+    scale: float | None = None,
+    temperature: float | Tensor = 1.0,
+    softcap: float | Tensor | None = None,
+    window: tuple[int, int] | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    attn_mask: None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """DeepSpeed-Ulysses attention (Jacobs et al. 2023): all-to-all to head shards, full-length
+    attention on H/P heads, all-to-all back. Same shapes and keywords as
+    :func:`ring_attention`. Needs ``H % P == 0``, and ``Hkv % P == 0`` or ``P % Hkv == 0``
+    (then each KV head is sent to the P / Hkv ranks whose query heads read it); otherwise a
+    ValueError on every rank. Memory per rank: the full sequence for H/P heads, O(N/P).
+    """
+    c, eff_scale, cap_t = _prepare(
+        "ulysses_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
+        temperature=temperature, softcap=softcap, window=window, sinks=sinks,
+        dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
+    global last_ulysses_stats
+    c.extra["stats"] = last_ulysses_stats = RingStats()
+    B, H, _, _ = q.shape
+    P, hp = c.P, H // c.P
+    h0 = c.rank * hp
+    rep = _ulysses_heads(H, k.shape[1], P)
+    if rep > 1:  # (B, Hkv, N_r, D) → (B, P, N_r, D): KV head i on the ranks that read it
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    q_h = _SeqToHead.apply(q, c, c.q_ranges, c.n_q)  # (B, H/P, Nq, D)
+    k_h = _SeqToHead.apply(k, c, c.k_ranges, c.n_k)  # (B, Hkv/P or 1, Nk, D)
+    v_h = _SeqToHead.apply(v, c, c.k_ranges, c.n_k)
+    if eff_scale is not None:
+        q_h = q_h.to(eff_scale.dtype) * eff_scale[:, h0:h0 + hp, None, None]
+    spec = c.spec.shard(head_start=h0, heads_total=H)  # the dropout hash reads global heads
+    cap_h = None if cap_t is None else cap_t.expand(H)[h0:h0 + hp]
+    sinks_h = None if sinks is None else sinks[h0:h0 + hp]
+    if c.backend == "triton":
+        from attn.flash_triton import triton_attention as run
+    else:
+        from attn.tiled import tiled_attention as run
+    out_h, lse_h = run(q_h, k_h, v_h, spec, softcap=cap_h, sinks=sinks_h)
+    out = _HeadToSeq.apply(out_h.to(v.dtype), c, c.q_ranges)  # (B, H, Nq_r, Dv)
+    if not return_lse:
+        return out
+    lse = _HeadToSeq.apply(lse_h.unsqueeze(-1), c, c.q_ranges).squeeze(-1)  # (B, H, Nq_r)
+    return out, lse
+
+
+# -- models ------------------------------------------------------------------------------------
+
+@dataclass
+class ContextParallel:
+    """Run a model's attention across ``group`` with each rank holding a shard of the
+    sequence: :meth:`apply_to` hooks every module with a ``context_parallel`` attribute
+    (:class:`attn.nn.MultiHeadAttention`, the toy GPT), whose RoPE / position embeddings then
+    read :meth:`positions` and whose attention runs through :meth:`attention`.
+
+    ``shard`` cuts a full batch (any tensor, along ``dim``) and records the sequence length
+    the positions refer to::
+
+        cp = ContextParallel(layout="zigzag")
+        cp.apply_to(model)
+        logits_l, _ = model(cp.shard(idx, dim=1))      # (B, N_r, V): this rank's positions
+    """
+
+    group: Any = None
+    layout: str = "zigzag"
+    strategy: str = "ring"  # or "ulysses"
+    seq_len: int | None = None  # the full N, set by shard()
+
+    def __post_init__(self) -> None:
+        _check_layout(self.layout)
+        if self.strategy not in ("ring", "ulysses"):
+            raise ValueError(f"strategy must be 'ring' or 'ulysses', got {self.strategy!r}")
+
+    def shard(self, x: Tensor, dim: int = 2) -> Tensor:
+        self.seq_len = x.shape[dim]
+        return shard_sequence(x, self.layout, self.group, dim=dim)
+
+    def gather(self, x_l: Tensor, dim: int = 2) -> Tensor:
+        return gather_sequence(x_l, self.layout, self.group, dim=dim)
+
+    def positions(self, device: torch.device | str | None = None) -> Tensor:
+        if self.seq_len is None:
+            raise RuntimeError("ContextParallel.positions: call shard() on the batch first")
+        return shard_positions(self.seq_len, self.layout, self.group, device=device)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
+        run = ring_attention if self.strategy == "ring" else ulysses_attention
+        return run(q, k, v, layout=self.layout, group=self.group, **kw)
+
+    def apply_to(self, model: torch.nn.Module) -> torch.nn.Module:
+        for m in model.modules():
+            if hasattr(m, "context_parallel"):
+                m.context_parallel = self
+        return model
