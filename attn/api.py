@@ -169,6 +169,22 @@ def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...]) -> None
                          f"(B, H, Nq, Nk) = {shape}")
 
 
+def _validate_sinks(sinks: object, H: int, q: Tensor) -> None:
+    _check_tensor("sinks", sinks)
+    if sinks.shape != (H,):
+        raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
+    if not sinks.is_floating_point() or sinks.device != q.device:
+        raise TypeError(f"sinks must be a floating tensor on {q.device}, got {sinks.dtype} "
+                        f"on {sinks.device}")
+
+
+def _validate_dropout(dropout_p: object) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
 def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
               ) -> float | Tensor:
     """A positive float, or a positive floating tensor that broadcasts to ``shape_ok``."""
@@ -324,16 +340,8 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
     if softcap is not None:
         softcap = _positive("softcap", softcap, (H,), q)
     if sinks is not None:
-        _check_tensor("sinks", sinks)
-        if sinks.shape != (H,):
-            raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
-        if not sinks.is_floating_point() or sinks.device != q.device:
-            raise TypeError(f"sinks must be a floating tensor on {q.device}, got {sinks.dtype} "
-                            f"on {sinks.device}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
-            or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    dropout_p = float(dropout_p)
+        _validate_sinks(sinks, H, q)
+    dropout_p = _validate_dropout(dropout_p)
 
     if isinstance(temperature, Tensor):
         eff_scale = (scale / temperature.to(torch.float64 if q.dtype == torch.float64

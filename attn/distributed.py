@@ -64,7 +64,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attn.api import AttentionCall, _positive, _validate_qkv, select_backend
+from attn.api import (AttentionCall, _positive, _validate_dropout, _validate_qkv,
+                      _validate_sinks, select_backend)
 from attn.masks import make_band, window_pair
 from attn.merge import merge_attention
 from attn.spec import LaunchSpec
@@ -261,16 +262,8 @@ def _check_local(strategy: str, q, k, v, *, causal, layout, scale, temperature, 
     if softcap is not None:
         _positive("softcap", softcap, (H,), q)
     if sinks is not None:
-        if not isinstance(sinks, Tensor):
-            raise TypeError(f"sinks must be a torch.Tensor, got {type(sinks).__name__}")
-        if sinks.shape != (H,):
-            raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
-        if not sinks.is_floating_point() or sinks.device != q.device:
-            raise TypeError(f"sinks must be a floating tensor on {q.device}, got {sinks.dtype} "
-                            f"on {sinks.device}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
-            or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+        _validate_sinks(sinks, H, q)
+    _validate_dropout(dropout_p)
     if backend not in ("auto", "tiled", "triton"):
         raise NotImplementedError(
             f"{strategy}: backend={backend!r}: context parallelism runs attn's launchers with "

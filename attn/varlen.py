@@ -242,9 +242,7 @@ def varlen_attention(
         if not ok:
             raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
                              f"broadcast to (H,) = ({H},) in the packed layout")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
-            or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    api._validate_dropout(dropout_p)
     band = make_band_pair(causal, window_pair(window))
     # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
@@ -307,9 +305,7 @@ def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, soft
     if softcap is not None:
         softcap = api._positive("softcap", softcap, (H,), q)
     if sinks is not None:
-        api._check_tensor("sinks", sinks)
-        if sinks.shape != (H,):
-            raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
+        api._validate_sinks(sinks, H, q)
     qk_scale = float(scale)
     if isinstance(temperature, Tensor):  # folded into q in float32; autograd handles τ
         q = q.float() * (1.0 / temperature.float()).expand(H).view(1, H, 1)
