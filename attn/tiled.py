@@ -184,8 +184,9 @@ class _Tile:
         ``t = tanh(u)`` (the backward needs both). ``full``: the block classification says
         no mask (band, mask_mod) masks anything in this tile. Order: scale → score_mod →
         softcap → ALiBi → masks (the bias is a constant: dS flows through it unchanged, so
-        the backward needs nothing more). ``track`` (backward): the score_mod runs under autograd and
-        ``self.mod_graph`` keeps ``(scores in, scores out)`` for :meth:`score_mod_vjp`."""
+        the backward needs nothing more). ``track`` (backward): the score_mod runs under
+        autograd and ``self.mod_graph`` keeps ``(scores in, scores out)`` for
+        :meth:`score_mod_vjp`."""
         B, Hkv, G, BM, BN = self.B, self.Hkv, self.G, m1 - m0, n1 - n0
         # -- compute qk (q_blk already scaled) --
         k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64

@@ -287,7 +287,7 @@ def varlen_attention(
     if choice.name == "triton":
         out, lse = _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, scale=scale,
                            temperature=temperature, softcap=softcap, sinks=sinks,
-                           dropout_p=float(dropout_p))
+                           dropout_p=float(dropout_p), alibi=alibi_slopes)
         return (out, lse) if return_lse else out
 
     doc = _DocMask(cu_q, cu_k, total_q, total_k, band)
@@ -302,7 +302,7 @@ def varlen_attention(
 
 
 def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
-            dropout_p) -> tuple[Tensor, Tensor]:
+            dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
     """The triton path: the variant keywords validated as attn.attention validates them,
     a tensor temperature folded into q, then attn.varlen_triton's kernels."""
     from attn import api
@@ -324,7 +324,7 @@ def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, soft
         qk_scale = qk_scale / temperature
     P = VarlenParams(qk_scale=qk_scale, band=band, max_q=max_q, max_k=max_k,
                      dropout_p=dropout_p, dropout_seed=api._draw_seed(dropout_p))
-    out, lse = varlen_triton(q, k, v, cu_q, cu_k, P, sinks=sinks, softcap=softcap)
+    out, lse = varlen_triton(q, k, v, cu_q, cu_k, P, sinks=sinks, softcap=softcap, alibi=alibi)
     return out.to(v.dtype), lse
 
 

@@ -205,8 +205,7 @@ VARIANTS = ["plain", "softcap", "softcap_learned", "softcap_per_head", "sinks", 
             "alibi_bh", "alibi_softcap", "alibi_window", "everything"]
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 # what a backend refuses (and must say so) instead of computing
-REFUSED = {("triton", "float_mask_grad")} | {
-    ("triton", v) for v in ("alibi", "alibi_bh", "alibi_softcap", "alibi_window")}
+REFUSED = {("triton", "float_mask_grad")}
 
 
 def _variant_cases(full: bool):
@@ -375,8 +374,6 @@ def test_alibi_reference_equals_naive_loops(causal, nq, nk):
 def test_alibi_lengths(backend, causal, nq, nk):
     """Nq ≠ Nk both ways: the bias is aligned bottom-right, like the causal band."""
     backend.skip_unless_available()
-    if backend.name == "triton":
-        pytest.skip("triton: alibi_slopes not in the kernels yet")
     q, k, v = _inputs(B=2, H=4, Hkv=2, N=nq, Nk=nk, D=16, dtype=torch.float32, seed=nq)
     assert_close_to_reference(backend.fn(), q, k, v, causal=causal,
                               alibi_slopes=alibi_slopes(4).to(DEVICE))

@@ -327,6 +327,8 @@ TRITON_VARIANTS = {
     "causal_gqa_sinks": {"causal": True, "sinks": "tensor"},
     "window_softcap": {"window": (5, 3), "softcap": "tensor", "temperature": "tensor"},
     "dropout": {"causal": True, "dropout_p": 0.25},
+    # per-sequence slopes (constants: "slopes" never requires grad), with a learned softcap
+    "alibi_softcap": {"causal": True, "alibi_slopes": "slopes", "softcap": "tensor"},
 }
 
 
@@ -341,6 +343,8 @@ def test_triton_varlen_equals_tiled(variant):
     kw = {key: (torch.rand(4, generator=torch.Generator().manual_seed(14),
                            dtype=torch.float64) + 0.5 if val == "tensor" else val)
           for key, val in TRITON_VARIANTS[variant].items()}
+    if kw.get("alibi_slopes") == "slopes":  # (num_seqs, H), float32 on every run
+        kw["alibi_slopes"] = torch.rand(5, 4, generator=torch.Generator().manual_seed(16))
     g = torch.Generator().manual_seed(15)
     d_out = torch.randn(q.shape, generator=g, dtype=torch.float64)
     d_lse = torch.randn(4, q.shape[0], generator=g, dtype=torch.float64)
@@ -348,19 +352,22 @@ def test_triton_varlen_equals_tiled(variant):
     def run(dtype, backend):
         leaves = [t.detach().to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
         extra = {key: (val.detach().to(DEVICE, dtype).requires_grad_()
-                       if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
+                       if isinstance(val, torch.Tensor) and key != "alibi_slopes"
+                       else val.to(DEVICE) if isinstance(val, torch.Tensor) else val)
+                 for key, val in kw.items()}
         torch.manual_seed(0)
         out, lse = varlen_attention(*leaves, cu_q.to(DEVICE), cu_k.to(DEVICE), max(lq),
                                     max(lk), return_lse=True, backend=backend, **extra)
         lse_term = torch.where(torch.isfinite(lse), lse, 0.0).double() * d_lse.to(DEVICE)
         loss = (out.double() * d_out.to(DEVICE)).sum() + lse_term.sum()
-        learn = leaves + [t for t in extra.values() if isinstance(t, torch.Tensor)]
+        learn = leaves + [t for t in extra.values() if isinstance(t, torch.Tensor)
+                          and t.requires_grad]
         grads = torch.autograd.grad(loss, learn)
         return [out.double().cpu(), lse.double().cpu()] + [x.double().cpu() for x in grads]
     exact = run(torch.float64, "tiled")
     plain = run(torch.float32, "reference")
     got = run(torch.float32, "triton")
-    names = ["out", "lse", "dq", "dk", "dv", *kw]
+    names = ["out", "lse", "dq", "dk", "dv", *(n for n in kw if n != "alibi_slopes")]
     for name, e, p_, t in zip(names, exact, plain, got):
         finite = torch.isfinite(e)
         assert torch.equal(finite, torch.isfinite(t)), name
