@@ -935,16 +935,16 @@ def _spec_of(offset: int, left: int | None, right: int | None, scale: float,
 
 @torch.library.custom_op("attn::flash_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
-            softcap: Tensor | None, alibi: Tensor | None, offset: int, left: int | None,
-            right: int | None, scale: float, dropout_p: float, dropout_seed: int,
-            shard: list[int]) -> tuple[Tensor, Tensor]:
+            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            alibi: Tensor | None = None) -> tuple[Tensor, Tensor]:
     spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
     return _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, attn_mask, sinks, softcap, alibi, offset, left, right, scale, dropout_p,
-      dropout_seed, shard):
+def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed,
+      shard, alibi=None):
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
             q.new_empty(B, H, Nq, dtype=torch.float32))
@@ -953,9 +953,10 @@ def _(q, k, v, attn_mask, sinks, softcap, alibi, offset, left, right, scale, dro
 @torch.library.custom_op("attn::flash_bwd", mutates_args=())
 def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
-            softcap: Tensor | None, alibi: Tensor | None, offset: int, left: int | None,
-            right: int | None, scale: float, dropout_p: float, dropout_seed: int,
-            shard: list[int], need_dcap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            need_dcap: bool, alibi: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
     spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
     g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap=need_dcap,
@@ -967,8 +968,8 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
 
 
 @_bwd_op.register_fake
-def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, alibi, offset, left, right,
-      scale, dropout_p, dropout_seed, shard, need_dcap):
+def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, right, scale,
+      dropout_p, dropout_seed, shard, need_dcap, alibi=None):
     H = q.shape[1]
     n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0
@@ -981,7 +982,7 @@ def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, alibi, offset, lef
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec):
-        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, alibi, *_op_args(spec))
+        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec), alibi)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap, alibi)
         ctx.spec = spec
         return out, lse
@@ -991,7 +992,7 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, out, lse, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
         dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
-                                           softcap, alibi, *_op_args(ctx.spec), need_dcap)
+                                           softcap, *_op_args(ctx.spec), need_dcap, alibi)
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None
 
