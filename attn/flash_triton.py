@@ -328,13 +328,14 @@ def _load_cols(P, offs, STRIDES, N, DIM: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _scores(qk, om, on, MASK, cap, scale, BAND,
+def _scores(qk, om, on, MASK, cap, slope, scale, BAND,
             MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
-            HAS_SOFTCAP: tl.constexpr):
-    """Scores of a tile from q·k: scale, softcap, band and attn_mask. ``om``/``on`` are the
-    query/key indices broadcast to the tile's layout (either orientation); ``MASK = (Mask,
-    stride_mm, stride_mn)``, ``BAND = (N_Q, N_K, offset, left, right)`` in local positions.
-    With softcap also returns u = s_raw / c and t = tanh(u), which the backward needs."""
+            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Scores of a tile from q·k: scale, softcap, ALiBi, band and attn_mask. ``om``/``on``
+    are the query/key indices broadcast to the tile's layout (either orientation); ``MASK =
+    (Mask, stride_mm, stride_mn)``, ``BAND = (N_Q, N_K, offset, left, right)`` in local
+    positions; ``slope`` this head's ALiBi slope. With softcap also returns u = s_raw / c
+    and t = tanh(u), which the backward needs (the bias, a constant, needs nothing)."""
     Mask, stride_mm, stride_mn = MASK
     N_Q, N_K, offset, left, right = BAND
     s = qk * scale
@@ -344,6 +345,8 @@ def _scores(qk, om, on, MASK, cap, scale, BAND,
         u = s / cap
         t = _tanh(u)
         s = cap * t
+    if HAS_ALIBI:  # −slope·|distance from the band's diagonal|, after the cap
+        s = s - slope * tl.abs(on - (om + offset)).to(tl.float32)
     if MASKED:
         keep = (om < N_Q) & (on < N_K)
         if BANDED:
@@ -362,16 +365,17 @@ def _scores(qk, om, on, MASK, cap, scale, BAND,
 
 
 @triton.jit
-def _qk_scores(q, K, offs_m, offs_n, cap, scale, KSTR, MASK, BAND,
+def _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     """The query-resident tile step shared by the forward and dQ: load Kᵀ, s = q·kᵀ, scores."""
     N_K = BAND[1]
     kT = _load_cols(K, offs_n, KSTR, N_K, HEAD_DIM, BLOCK_D, MASKED)
     qk = _dot(q, kT, None, DOT_PRECISION)
-    s, u, t = _scores(qk, offs_m[:, None], offs_n[None, :], MASK, cap, scale, BAND,
-                      MASKED, BANDED, MASK_KIND, HAS_SOFTCAP)
+    s, u, t = _scores(qk, offs_m[:, None], offs_n[None, :], MASK, cap, slope, scale, BAND,
+                      MASKED, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI)
     return kT, s, u, t
 
 
@@ -392,19 +396,19 @@ def _stage_range(STAGE: tl.constexpr, lo, a, b, hi):
 # -- forward -------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, scale, KSTR, VSTR, MASK, BAND,
+def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK, BAND,
                DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     N_K = BAND[1]
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- compute qk --
-        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, scale, KSTR, MASK, BAND,
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
                                  HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
-                                 DOT_PRECISION)
+                                 HAS_ALIBI, DOT_PRECISION)
         # -- online softmax (m_safe: rows that have seen nothing yet stay at 0) --
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -424,19 +428,20 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, scale, KSTR, VSTR, M
 @triton.autotune(configs=_configs("fwd"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
                  prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
-def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap,
+def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap, Alibi,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
               stride_mb, stride_mh, stride_mm, stride_mn,
+              stride_ab, stride_ah,
               H, GROUP, N_Q, N_K, offset, left, right, scale,
               drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0, drop_heads, drop_head0,
               TUNE_N,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SINKS: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -467,6 +472,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap,
     cap = 1.0
     if HAS_SOFTCAP:
         cap = tl.load(Softcap + off_h)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
     q = _load_rows(Q, offs_m, (stride_qm, stride_qd), N_Q, HEAD_DIM, BLOCK_D, True)
 
     # -- loop over key tiles: masked edge, full middle, masked edge --
@@ -474,9 +482,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap,
     for stage in tl.static_range(3):
         s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, scale, (stride_kn, stride_kd),
+            acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, scale, (stride_kn, stride_kd),
             (stride_vn, stride_vd), MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-            BLOCK_N, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+            BLOCK_N, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_PRECISION)
 
     # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -514,11 +523,11 @@ def _attn_bwd_preprocess(Out, DOut, DLse, Delta,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, scale, QSTR, DOSTR,
+def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope, scale, QSTR, DOSTR,
                 MASK, BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     # transposed tiles (keys x queries), so neither P nor dS needs a transpose
     N_Q = BAND[0]
@@ -532,8 +541,8 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, scale,
         qkT = _dot(k, qT, None, DOT_PRECISION)
         om = offs_m[None, :]
         on = offs_n[:, None]
-        sT, uT, tT = _scores(qkT, om, on, MASK, cap, scale, BAND, MASKED, BANDED, MASK_KIND,
-                             HAS_SOFTCAP)
+        sT, uT, tT = _scores(qkT, om, on, MASK, cap, slope, scale, BAND, MASKED, BANDED, MASK_KIND,
+                             HAS_SOFTCAP, HAS_ALIBI)
         pT = tl.exp(sT - lse[None, :])
         # -- dV += Pᵈᵀ dO, dPᵀ = V dOᵀ (ᵈ: with the dropout mask) --
         do = _load_rows(DO, offs_m, DOSTR, N_Q, HEAD_DIM_V, BLOCK_DV, MASKED)
@@ -561,7 +570,7 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, scale,
                  prune_configs_by={"early_config_prune": partial(_prune, kind="dkdv")},
                  reset_to_zero=["DCap"])  # configs differ in how many partial sums they write
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, Alibi, DCap,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -569,12 +578,14 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    stride_mb, stride_mh, stride_mm, stride_mn,
+                   stride_ab, stride_ah,
                    H, GROUP, N_Q, N_K, offset, left, right, scale,
                    drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0, drop_heads,
                    drop_head0, TUNE_N,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_ALIBI: tl.constexpr,
                    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -609,15 +620,18 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
         cap = 1.0
         if HAS_SOFTCAP:
             cap = tl.load(Softcap + off_h)
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
         dc = 0.0
         for stage in tl.static_range(3):
             s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
             dk, dv, dc = _dkdv_inner(
                 dk, dv, dc, k, v, Qh, DOh, Lse + bh.to(tl.int64) * N_Q,
-                Delta + bh.to(tl.int64) * N_Q, s_lo, s_hi, offs_n, cap, scale,
+                Delta + bh.to(tl.int64) * N_Q, s_lo, s_hi, offs_n, cap, slope, scale,
                 (stride_qm, stride_qd), (stride_dom, stride_dod), MASK, BAND, DROP, HEAD_DIM,
                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, BANDED, MASK_KIND,
-                HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
         if HAS_SOFTCAP:  # one partial sum per (key block, b, h); the launcher adds them up
             tl.store(DCap + pid_n.to(tl.int64) * tl.num_programs(1) * GROUP + bh, dc)
 
@@ -634,19 +648,19 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, DCap,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, scale, KSTR, VSTR, MASK,
+def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK,
               BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
     N_K = BAND[1]
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- recompute P from lse --
-        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, scale, KSTR, MASK, BAND,
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
                                  HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
-                                 DOT_PRECISION)
+                                 HAS_ALIBI, DOT_PRECISION)
         p = tl.exp(s - lse[:, None])
         # -- dS = P ∘ (dP − Δ) --
         vT = _load_cols(V, offs_n, VSTR, N_K, HEAD_DIM_V, BLOCK_DV, MASKED)
@@ -664,19 +678,21 @@ def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, scale, KSTR, VST
 @triton.autotune(configs=_configs("dq"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
                  prune_configs_by={"early_config_prune": partial(_prune, kind="dq")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
-def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap,
+def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
                  stride_dob, stride_doh, stride_dom, stride_dod,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  stride_mb, stride_mh, stride_mm, stride_mn,
+                 stride_ab, stride_ah,
                  H, GROUP, N_Q, N_K, offset, left, right, scale,
                  drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0, drop_heads,
                  drop_head0, TUNE_N,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -706,15 +722,18 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap,
     cap = 1.0
     if HAS_SOFTCAP:
         cap = tl.load(Softcap + off_h)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
     for stage in tl.static_range(3):
         s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
-        dq = _dq_inner(dq, q, do, lse, delta, K, V, s_lo, s_hi, offs_m, cap, scale,
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
                        (stride_kn, stride_kd), (stride_vn, stride_vd), MASK, BAND, DROP,
                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
-                       MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+                       MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
 
     dq *= scale
     tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -751,6 +770,7 @@ class _Launch:
     banded: bool
     mask_kind: int
     has_softcap: bool
+    has_alibi: bool
     has_dropout: bool
     dot_precision: str
 
@@ -763,12 +783,13 @@ class _Launch:
         # head dims are padded to powers of two inside the kernels (masked loads), not in memory
         return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                     BLOCK_DV=self.block_dv, BANDED=self.banded, MASK_KIND=self.mask_kind,
-                    HAS_SOFTCAP=self.has_softcap, HAS_DROPOUT=self.has_dropout,
+                    HAS_SOFTCAP=self.has_softcap, HAS_ALIBI=self.has_alibi,
+                    HAS_DROPOUT=self.has_dropout,
                     DOT_PRECISION=self.dot_precision)
 
 
 def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None,
-                 softcap: Tensor | None) -> _Launch:
+                 softcap: Tensor | None, alibi: Tensor | None = None) -> _Launch:
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     band = spec.local_band()
@@ -784,7 +805,7 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: T
         block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
         banded=not band.is_full,
         mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
-        has_softcap=softcap is not None, has_dropout=p > 0.0,
+        has_softcap=softcap is not None, has_alibi=alibi is not None, has_dropout=p > 0.0,
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32")
 
 
@@ -798,6 +819,15 @@ def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tu
         m = m.view(torch.uint8)
     m = m.expand(B, H, Nq, n_k)
     return m, m.stride()
+
+
+def _alibi_arg(alibi: Tensor | None, q: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    """The slopes as float32 (B, H) (an expanded view keeps its stride 0), or q and zero
+    strides when there are none (never read: HAS_ALIBI = False)."""
+    if alibi is None:
+        return q, (0, 0)
+    a = alibi.to(torch.float32).expand(q.shape[0], q.shape[1])
+    return a, a.stride()
 
 
 def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
@@ -817,19 +847,21 @@ def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
-         sinks: Tensor | None = None, softcap: Tensor | None = None) -> tuple[Tensor, Tensor]:
+         sinks: Tensor | None = None, softcap: Tensor | None = None,
+         alibi: Tensor | None = None) -> tuple[Tensor, Tensor]:
     q, sinks, softcap = _kernel_inputs(q, k, spec, sinks, softcap)
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[-1]
-    L = _launch_args(q, k, v, spec, attn_mask, softcap)
+    L = _launch_args(q, k, v, spec, attn_mask, softcap, alibi)
+    slopes, slope_strides = _alibi_arg(alibi, q)
     out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
     mask, mask_strides = _mask_arg(attn_mask, q, Nk)
     grid = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd[grid](
         q, k, v, out, lse, mask, q if sinks is None else sinks,
-        q if softcap is None else softcap,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
+        q if softcap is None else softcap, slopes,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides, *slope_strides,
         *L.scalars(), HAS_SINKS=sinks is not None, **L.constexprs())
     return out, lse
 
@@ -837,15 +869,18 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
          sinks: Tensor | None = None, softcap: Tensor | None = None, *,
-         need_dmask: bool = False, need_dcap: bool = True) -> Grads:
+         need_dmask: bool = False, need_dcap: bool = True, alibi: Tensor | None = None
+         ) -> Grads:
     """Gradients of one call, as :func:`attn.tiled._bwd`; a float mask's gradient is refused
-    (``unsupported_reason``), so ``need_dmask`` must be False."""
+    (``unsupported_reason``), so ``need_dmask`` must be False. ``alibi``: the slopes,
+    constants."""
     if need_dmask:
         raise NotImplementedError("triton: the gradient of a float attn_mask (use tiled)")
     q, sinks, softcap = _kernel_inputs(q, k, spec, sinks, softcap)
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    L = _launch_args(q, k, v, spec, attn_mask, softcap)
+    L = _launch_args(q, k, v, spec, attn_mask, softcap, alibi)
+    slopes, slope_strides = _alibi_arg(alibi, q)
     lse = lse.contiguous()  # the kernels index it as a packed (B, H, Nq): a row slice is not
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -867,14 +902,14 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     dcap_part = torch.zeros(n_part, B * H, dtype=torch.float32, device=q.device)
     grid_kv = lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
     _attn_bwd_dkdv[grid_kv](
-        q, k, v, do, dk, dv, lse, delta, mask, cap, dcap_part,
+        q, k, v, do, dk, dv, lse, delta, mask, cap, slopes, dcap_part,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        *mask_strides, *L.scalars(), **L.constexprs())
+        *mask_strides, *slope_strides, *L.scalars(), **L.constexprs())
     grid_q = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_bwd_dq[grid_q](
-        q, k, v, do, dq, lse, delta, mask, cap,
+        q, k, v, do, dq, lse, delta, mask, cap, slopes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *mask_strides,
-        *L.scalars(), **L.constexprs())
+        *slope_strides, *L.scalars(), **L.constexprs())
     dcap = dcap_part.view(-1, B, H).sum(dim=(0, 1)) if need_dcap and softcap is not None else None
     dsinks = None if sinks is None else sink_grad(sinks, lse, delta)
     return Grads(dq, dk, dv, None, dsinks, dcap)
@@ -901,15 +936,15 @@ def _spec_of(offset: int, left: int | None, right: int | None, scale: float,
 @torch.library.custom_op("attn::flash_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, offset: int, left: int | None, right: int | None,
-            scale: float, dropout_p: float, dropout_seed: int, shard: list[int]
-            ) -> tuple[Tensor, Tensor]:
+            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            alibi: Tensor | None = None) -> tuple[Tensor, Tensor]:
     spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
-    return _fwd(q, k, v, spec, attn_mask, sinks, softcap)
+    return _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed,
-      shard):
+      shard, alibi=None):
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
             q.new_empty(B, H, Nq, dtype=torch.float32))
@@ -920,10 +955,12 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
             lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, offset: int, left: int | None, right: int | None,
             scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
-            need_dcap: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            need_dcap: bool, alibi: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
     spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
-    g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap=need_dcap)
+    g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap=need_dcap,
+             alibi=alibi)
     def or_empty(t: Tensor | None) -> Tensor:  # a fresh tensor each: outputs must not alias
         return q.new_empty(0, dtype=torch.float32) if t is None else t
 
@@ -932,7 +969,7 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
 
 @_bwd_op.register_fake
 def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, right, scale,
-      dropout_p, dropout_seed, shard, need_dcap):
+      dropout_p, dropout_seed, shard, need_dcap, alibi=None):
     H = q.shape[1]
     n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0
@@ -944,20 +981,20 @@ def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, righ
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec):
-        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec))
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap)
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec):
+        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec), alibi)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap, alibi)
         ctx.spec = spec
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, attn_mask, sinks, softcap = ctx.saved_tensors
+        q, k, v, out, lse, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
         dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
-                                           softcap, *_op_args(ctx.spec), need_dcap)
+                                           softcap, *_op_args(ctx.spec), need_dcap, alibi)
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
-        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None
+        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None
 
 
 def triton_attention(
@@ -969,6 +1006,7 @@ def triton_attention(
     attn_mask: Tensor | None = None,
     softcap: Tensor | None = None,
     sinks: Tensor | None = None,
+    alibi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused attention kernels. Inputs already validated by ``attn.api``.
 
@@ -977,8 +1015,9 @@ def triton_attention(
     holds the static values (q·k scale with any tensor temperature already folded into q,
     band, a fixed softcap, dropout from the ``attn.masks.dropout_keep`` hash, global
     positions); ``softcap`` a learnable tensor broadcastable to (H,), ``sinks`` (H,),
-    ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk).
+    ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk), ``alibi`` ALiBi slopes
+    broadcastable to (B, H), constants (the bias is measured from the band's diagonal).
     """
     # the conversions under autograd: it sums the per-head expand back to the caller's shapes
     q, sinks, cap = _kernel_inputs(q, k, spec, sinks, softcap)
-    return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, spec)
+    return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, alibi, spec)

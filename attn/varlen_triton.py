@@ -38,15 +38,16 @@ def _seq(CuQ, CuK, seq):
 @triton.autotune(configs=_configs("fwd"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
                  prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
 @triton.jit(do_not_specialize=["drop_seed"])
-def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, CuQ, CuK,
+def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, Alibi, CuQ, CuK,
                 stride_qm, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
                 stride_vn, stride_vh, stride_vd, stride_om, stride_oh, stride_od,
+                stride_ab, stride_ah,
                 H, GROUP, TOTAL_Q, left, right, scale,
                 drop_seed, drop_threshold, inv_keep, TUNE_N,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SINKS: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_sh = tl.program_id(1)
@@ -78,16 +79,19 @@ def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, CuQ, CuK,
         cap = 1.0
         if HAS_SOFTCAP:
             cap = tl.load(Softcap + off_h)
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Alibi + seq * stride_ab + off_h * stride_ah)
         q = _load_rows(Q, offs_m, (stride_qm, stride_qd), N_Q, HEAD_DIM, BLOCK_D, True)
         # -- loop over key tiles: masked edge, full middle, masked edge --
         lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
         for stage in tl.static_range(3):
             s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
             acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, scale,
+                acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
                 (stride_kn, stride_kd), (stride_vn, stride_vd), MASK, BAND, DROP, HEAD_DIM,
                 HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED, MASK_KIND,
-                HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -102,15 +106,17 @@ def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, CuQ, CuK,
                  prune_configs_by={"early_config_prune": partial(_prune, kind="dkdv")},
                  reset_to_zero=["DCap"])
 @triton.jit(do_not_specialize=["drop_seed"])
-def _varlen_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Softcap, DCap, CuQ, CuK,
+def _varlen_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Softcap, Alibi, DCap, CuQ, CuK,
                  stride_qm, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
                  stride_vn, stride_vh, stride_vd, stride_dom, stride_doh, stride_dod,
                  stride_dkn, stride_dkh, stride_dkd, stride_dvn, stride_dvh, stride_dvd,
+                 stride_ab, stride_ah,
                  H, GROUP, TOTAL_Q, left, right, scale,
                  drop_seed, drop_threshold, inv_keep, TUNE_N,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -145,14 +151,18 @@ def _varlen_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Softcap, DCap, CuQ, CuK,
             cap = 1.0
             if HAS_SOFTCAP:
                 cap = tl.load(Softcap + off_h)
+            slope = 0.0
+            if HAS_ALIBI:
+                slope = tl.load(Alibi + seq * stride_ab + off_h * stride_ah)
             dc = 0.0
             for stage in tl.static_range(3):
                 s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
                 dk, dv, dc = _dkdv_inner(
                     dk, dv, dc, k, v, Qh, DOh, Lse + rows, Delta + rows, s_lo, s_hi, offs_n,
-                    cap, scale, (stride_qm, stride_qd), (stride_dom, stride_dod),
+                    cap, slope, scale, (stride_qm, stride_qd), (stride_dom, stride_dod),
                     (Q, 0, 0), BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                    stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+                    stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                    DOT_PRECISION)
             if HAS_SOFTCAP:  # one partial sum per (key block, sequence, head)
                 tl.store(DCap + pid_n.to(tl.int64) * tl.num_programs(1) * GROUP
                          + seq * H + off_h, dc)
@@ -171,15 +181,17 @@ def _varlen_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Softcap, DCap, CuQ, CuK,
 @triton.autotune(configs=_configs("dq"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
                  prune_configs_by={"early_config_prune": partial(_prune, kind="dq")})
 @triton.jit(do_not_specialize=["drop_seed"])
-def _varlen_dq(Q, K, V, DO, DQ, Lse, Delta, Softcap, CuQ, CuK,
+def _varlen_dq(Q, K, V, DO, DQ, Lse, Delta, Softcap, Alibi, CuQ, CuK,
                stride_qm, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
                stride_vn, stride_vh, stride_vd, stride_dom, stride_doh, stride_dod,
                stride_dqm, stride_dqh, stride_dqd,
+               stride_ab, stride_ah,
                H, GROUP, TOTAL_Q, left, right, scale,
                drop_seed, drop_threshold, inv_keep, TUNE_N,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -210,14 +222,17 @@ def _varlen_dq(Q, K, V, DO, DQ, Lse, Delta, Softcap, CuQ, CuK,
         cap = 1.0
         if HAS_SOFTCAP:
             cap = tl.load(Softcap + off_h)
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Alibi + seq * stride_ab + off_h * stride_ah)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
         for stage in tl.static_range(3):
             s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
-            dq = _dq_inner(dq, q, do, lse, delta, K, V, s_lo, s_hi, offs_m, cap, scale,
+            dq = _dq_inner(dq, q, do, lse, delta, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
                            (stride_kn, stride_kd), (stride_vn, stride_vd), (Q, 0, 0), BAND,
                            DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                           stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_DROPOUT,
+                           stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                            DOT_PRECISION)
         dq *= scale
         tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -239,7 +254,10 @@ class VarlenParams:
     dropout_seed: int = 0
 
 
-def _common(q: Tensor, k: Tensor, v: Tensor, P: VarlenParams, has_softcap: bool) -> tuple:
+def _common(q: Tensor, k: Tensor, v: Tensor, P: VarlenParams, has_softcap: bool,
+            alibi: Tensor | None) -> tuple:
+    """The scalars, the ALiBi pointer and strides (q and zeros when there are none: never
+    read), and the constexprs every kernel shares."""
     H, D = q.shape[1], q.shape[2]
     Dv = v.shape[2]
     left = _UNBOUNDED if P.band.left is None else P.band.left
@@ -248,28 +266,34 @@ def _common(q: Tensor, k: Tensor, v: Tensor, P: VarlenParams, has_softcap: bool)
     scalars = (H, H // k.shape[1], q.shape[0], left, right, float(P.qk_scale),
                int(P.dropout_seed) & 0xFFFFFFFF, int(p * 2**32), 1.0 / (1.0 - p),
                _tune_n(P.max_q, P.max_k))
+    slopes = (q, 0, 0) if alibi is None else (alibi, *alibi.stride())
     constexprs = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=max(16, triton.next_power_of_2(D)),
                       BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BANDED=not P.band.is_full,
-                      MASK_KIND=0, HAS_SOFTCAP=has_softcap, HAS_DROPOUT=p > 0.0,
+                      MASK_KIND=0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
+                      HAS_DROPOUT=p > 0.0,
                       DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    return scalars, constexprs
+    return scalars, slopes, constexprs
 
 
-def _fwd(q, k, v, cu_q, cu_k, P: VarlenParams, sinks, softcap) -> tuple[Tensor, Tensor]:
+def _fwd(q, k, v, cu_q, cu_k, P: VarlenParams, sinks, softcap, alibi=None
+         ) -> tuple[Tensor, Tensor]:
     total_q, H, _ = q.shape
     n_seq = cu_q.numel() - 1
     out = torch.empty(total_q, H, v.shape[2], dtype=v.dtype, device=q.device)
     lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device)
-    scalars, constexprs = _common(q, k, v, P, softcap is not None)
+    scalars, (slopes, *slope_strides), constexprs = _common(q, k, v, P, softcap is not None,
+                                                            alibi)
     grid = lambda meta: (triton.cdiv(P.max_q, meta["BLOCK_M"]), n_seq * H)  # noqa: E731
     _varlen_fwd[grid](q, k, v, out, lse, q if sinks is None else sinks,
-                      q if softcap is None else softcap, cu_q, cu_k,
-                      *q.stride(), *k.stride(), *v.stride(), *out.stride(), *scalars,
+                      q if softcap is None else softcap, slopes, cu_q, cu_k,
+                      *q.stride(), *k.stride(), *v.stride(), *out.stride(), *slope_strides,
+                      *scalars,
                       HAS_SINKS=sinks is not None, **constexprs)
     return out, lse
 
 
-def _bwd(do, dlse, q, k, v, out, lse, cu_q, cu_k, P: VarlenParams, sinks, softcap):
+def _bwd(do, dlse, q, k, v, out, lse, cu_q, cu_k, P: VarlenParams, sinks, softcap,
+         alibi=None):
     total_q, H, _ = q.shape
     Hkv = k.shape[1]
     n_seq = cu_q.numel() - 1
@@ -279,20 +303,21 @@ def _bwd(do, dlse, q, k, v, out, lse, cu_q, cu_k, P: VarlenParams, sinks, softca
     delta = (do.float() * out.float()).sum(-1).t().contiguous()
     if dlse is not None:
         delta = delta - dlse.float()
-    scalars, constexprs = _common(q, k, v, P, softcap is not None)
+    scalars, (slopes, *slope_strides), constexprs = _common(q, k, v, P, softcap is not None,
+                                                            alibi)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cap = q if softcap is None else softcap
     min_bn = min(c.kwargs["BLOCK_N"] for c in _varlen_dkdv.configs)
     n_part = triton.cdiv(P.max_k, min_bn) if softcap is not None else 1
     dcap_part = torch.zeros(n_part, n_seq * H, dtype=torch.float32, device=q.device)
     grid_kv = lambda meta: (triton.cdiv(P.max_k, meta["BLOCK_N"]), n_seq * Hkv)  # noqa: E731
-    _varlen_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, cap, dcap_part, cu_q, cu_k,
+    _varlen_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, cap, slopes, dcap_part, cu_q, cu_k,
                           *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-                          *dv.stride(), *scalars, **constexprs)
+                          *dv.stride(), *slope_strides, *scalars, **constexprs)
     grid_q = lambda meta: (triton.cdiv(P.max_q, meta["BLOCK_M"]), n_seq * H)  # noqa: E731
-    _varlen_dq[grid_q](q, k, v, do, dq, lse, delta, cap, cu_q, cu_k,
+    _varlen_dq[grid_q](q, k, v, do, dq, lse, delta, cap, slopes, cu_q, cu_k,
                        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-                       *scalars, **constexprs)
+                       *slope_strides, *scalars, **constexprs)
     dcap = None if softcap is None else dcap_part.view(-1, n_seq, H).sum(dim=(0, 1))
     dsinks = None if sinks is None else sink_grad(sinks, lse[None], delta[None])
     return dq, dk, dv, dsinks, dcap
@@ -300,43 +325,46 @@ def _bwd(do, dlse, q, k, v, out, lse, cu_q, cu_k, P: VarlenParams, sinks, softca
 
 class _VarlenFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, softcap, cu_q, cu_k, P: VarlenParams):
+    def forward(ctx, q, k, v, sinks, softcap, alibi, cu_q, cu_k, P: VarlenParams):
         H = q.shape[1]
         qk = q.to(k.dtype) if q.dtype != k.dtype else q  # a temperature folded in float32
         sinks_f = None if sinks is None else sinks.to(torch.float32).contiguous()
         cap_f = None
         if softcap is not None:
             cap_f = softcap.to(device=q.device, dtype=torch.float32).expand(H).contiguous()
-        out, lse = _fwd(qk, k, v, cu_q, cu_k, P, sinks_f, cap_f)
-        ctx.save_for_backward(qk, k, v, out, lse, sinks_f, cap_f, cu_q, cu_k)
+        alibi_f = None if alibi is None else alibi.to(torch.float32)  # (sequences, H)
+        out, lse = _fwd(qk, k, v, cu_q, cu_k, P, sinks_f, cap_f, alibi_f)
+        ctx.save_for_backward(qk, k, v, out, lse, sinks_f, cap_f, alibi_f, cu_q, cu_k)
         ctx.P, ctx.q_dtype, ctx.shapes = P, q.dtype, (sinks, softcap)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        qk, k, v, out, lse, sinks_f, cap_f, cu_q, cu_k = ctx.saved_tensors
+        qk, k, v, out, lse, sinks_f, cap_f, alibi_f, cu_q, cu_k = ctx.saved_tensors
         sinks, softcap = ctx.shapes
         do = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv, dsinks, dcap = _bwd(do, dlse, qk, k, v, out, lse, cu_q, cu_k, ctx.P,
-                                        sinks_f, cap_f)
+                                        sinks_f, cap_f, alibi_f)
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
         if dcap is not None and isinstance(softcap, Tensor) and softcap.requires_grad:
             dcap = _reduce_to(dcap, softcap.shape).to(softcap.dtype)
         else:
             dcap = None
-        return dq.to(ctx.q_dtype), dk, dv, dsinks, dcap, None, None, None
+        return dq.to(ctx.q_dtype), dk, dv, dsinks, dcap, None, None, None, None
 
 
 def varlen_triton(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
                   P: VarlenParams, *, sinks: Tensor | None = None,
-                  softcap: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
+                  softcap: Tensor | float | None = None, alibi: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor]:
     """Inputs already validated by :func:`attn.varlen.varlen_attention`: q (total_q, H, D),
-    k, v (total_k, Hkv, D / Dv) with a unit last stride, cu offsets on q's device →
-    out (total_q, H, Dv), lse (H, total_q) float32."""
+    k, v (total_k, Hkv, D / Dv) with a unit last stride, cu offsets on q's device, ALiBi
+    slopes (sequences, H) (constants) → out (total_q, H, Dv), lse (H, total_q) float32."""
     if isinstance(softcap, float):
         softcap = torch.tensor(softcap, device=q.device)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _VarlenFlash.apply(q, k, v, sinks, softcap, cu_q.contiguous(), cu_k.contiguous(), P)
+    return _VarlenFlash.apply(q, k, v, sinks, softcap, alibi, cu_q.contiguous(),
+                              cu_k.contiguous(), P)
 
 
 __all__ = ["VarlenParams", "varlen_triton"]

@@ -119,6 +119,12 @@ def test_opcheck_forward_and_backward():
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, sinks, None,
                            k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False))
+    alibi = torch.rand(1, q.shape[1], device=DEVICE)  # ALiBi slopes: the last, optional argument
+    torch.library.opcheck(torch.ops.attn.flash_fwd.default, (*_op_args(q, k, v), alibi))
+    torch.library.opcheck(torch.ops.attn.flash_bwd.default,
+                          (do, None, q, k, v, out, lse, None, None, None,
+                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False,
+                           alibi))
 
 
 def test_fake_tensor_shapes():

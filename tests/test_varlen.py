@@ -101,6 +101,44 @@ def test_equals_attention_per_sequence(variant, small_tiles):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("per_seq", [False, True], ids=["slopes_h", "slopes_seq_h"])
+@pytest.mark.parametrize("kw", [{}, {"causal": True, "softcap": 1.5}, {"window": (4, 2)}],
+                         ids=["plain", "causal_softcap", "window"])
+def test_alibi_equals_attention_per_sequence(kw, per_seq, small_tiles):
+    """ALiBi in each sequence's own positions (bottom-right per sequence, Nq != Nk) with
+    each sequence's slopes: out, lse and dq, dk, dv equal attn.attention per sequence."""
+    n = 5
+    lq, lk = random_lengths(n, seed=7), random_lengths(n, seed=8)
+    q, k, v, cu_q, cu_k = packed_inputs(lq, lk)
+    g = torch.Generator().manual_seed(9)
+    slopes = torch.rand(n, 4, generator=g) if per_seq else torch.rand(4, generator=g)
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, alibi_slopes=slopes, **kw)
+    d_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * d_out).sum(), (q, k, v))
+    for b in range(n):
+        if lq[b] == 0 or lk[b] == 0:
+            continue
+        qs, ks, vs = (t[cu[b]:cu[b + 1]].transpose(0, 1)[None]
+                      for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        o, l_ = attn.attention(qs, ks, vs, return_lse=True,
+                               alibi_slopes=slopes[b] if per_seq else slopes, **kw)
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], o[0].transpose(0, 1))
+        torch.testing.assert_close(lse[:, cu_q[b]:cu_q[b + 1]], l_[0])
+        want = torch.autograd.grad((o[0].transpose(0, 1) * d_out[cu_q[b]:cu_q[b + 1]]).sum(),
+                                   (qs, ks, vs))
+        for name, got, w, cu in zip("qkv", grads, want, (cu_q, cu_k, cu_k)):
+            torch.testing.assert_close(got[cu[b]:cu[b + 1]], w[0].transpose(0, 1), msg=name)
+
+
+def test_alibi_bad_slopes():
+    q, k, v, cu, _ = packed_inputs([3, 4], [3, 4])
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(H,\) = \(4,\) or "
+                                         r"\(num_seqs, H\) = \(2, 4\), got \(3, 4\)"):
+        varlen_attention(q, k, v, cu, cu, alibi_slopes=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="no gradient flows"):
+        varlen_attention(q, k, v, cu, cu, alibi_slopes=torch.ones(4, requires_grad=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_within_budget(dtype, small_tiles):
     """In fp32 / bf16 the packed output is within 2x plain PyTorch's error (the reference
@@ -289,6 +327,8 @@ TRITON_VARIANTS = {
     "causal_gqa_sinks": {"causal": True, "sinks": "tensor"},
     "window_softcap": {"window": (5, 3), "softcap": "tensor", "temperature": "tensor"},
     "dropout": {"causal": True, "dropout_p": 0.25},
+    # per-sequence slopes (constants: "slopes" never requires grad), with a learned softcap
+    "alibi_softcap": {"causal": True, "alibi_slopes": "slopes", "softcap": "tensor"},
 }
 
 
@@ -303,6 +343,8 @@ def test_triton_varlen_equals_tiled(variant):
     kw = {key: (torch.rand(4, generator=torch.Generator().manual_seed(14),
                            dtype=torch.float64) + 0.5 if val == "tensor" else val)
           for key, val in TRITON_VARIANTS[variant].items()}
+    if kw.get("alibi_slopes") == "slopes":  # (num_seqs, H), float32 on every run
+        kw["alibi_slopes"] = torch.rand(5, 4, generator=torch.Generator().manual_seed(16))
     g = torch.Generator().manual_seed(15)
     d_out = torch.randn(q.shape, generator=g, dtype=torch.float64)
     d_lse = torch.randn(4, q.shape[0], generator=g, dtype=torch.float64)
@@ -310,19 +352,22 @@ def test_triton_varlen_equals_tiled(variant):
     def run(dtype, backend):
         leaves = [t.detach().to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
         extra = {key: (val.detach().to(DEVICE, dtype).requires_grad_()
-                       if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
+                       if isinstance(val, torch.Tensor) and key != "alibi_slopes"
+                       else val.to(DEVICE) if isinstance(val, torch.Tensor) else val)
+                 for key, val in kw.items()}
         torch.manual_seed(0)
         out, lse = varlen_attention(*leaves, cu_q.to(DEVICE), cu_k.to(DEVICE), max(lq),
                                     max(lk), return_lse=True, backend=backend, **extra)
         lse_term = torch.where(torch.isfinite(lse), lse, 0.0).double() * d_lse.to(DEVICE)
         loss = (out.double() * d_out.to(DEVICE)).sum() + lse_term.sum()
-        learn = leaves + [t for t in extra.values() if isinstance(t, torch.Tensor)]
+        learn = leaves + [t for t in extra.values() if isinstance(t, torch.Tensor)
+                          and t.requires_grad]
         grads = torch.autograd.grad(loss, learn)
         return [out.double().cpu(), lse.double().cpu()] + [x.double().cpu() for x in grads]
     exact = run(torch.float64, "tiled")
     plain = run(torch.float32, "reference")
     got = run(torch.float32, "triton")
-    names = ["out", "lse", "dq", "dk", "dv", *kw]
+    names = ["out", "lse", "dq", "dk", "dv", *(n for n in kw if n != "alibi_slopes")]
     for name, e, p_, t in zip(names, exact, plain, got):
         finite = torch.isfinite(e)
         assert torch.equal(finite, torch.isfinite(t)), name

@@ -129,7 +129,8 @@ def _variant_call(variant: str, H: int, n: int, scale: float) -> tuple[Any, dict
                           dropout_p=0.1, dropout_seed=1)
         return spec, {"attn_mask": torch.rand(1, 1, n, n, generator=g) > 0.1,
                       "softcap": torch.full((H,), 30.0, requires_grad=True),
-                      "sinks": torch.zeros(H, requires_grad=True)}
+                      "sinks": torch.zeros(H, requires_grad=True),
+                      "alibi": 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)}
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
