@@ -44,6 +44,7 @@ class AttentionCall:
     score_mod: bool = False  # a FlexAttention score_mod (attn.flex)
     mask_mod: bool = False  # a mask_mod or block mask (attn.flex)
     varlen: bool = False  # packed sequences (attn.varlen; n_q / n_k are the longest ones)
+    alibi: bool = False  # ALiBi slopes
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ def _sdpa_unsupported(call: AttentionCall) -> str | None:
         return "softcap (torch's SDPA has no score transform)"
     if call.sinks:
         return "sinks (torch's SDPA has no extra softmax denominator term)"
+    if call.alibi:
+        return ("alibi_slopes (torch's SDPA would need the (Nq, Nk) bias materialized as a "
+                "float mask)")
     if call.return_lse:
         return "return_lse (torch's SDPA does not return the log-sum-exp)"
     if call.dropout:
@@ -178,6 +182,24 @@ def _validate_sinks(sinks: object, H: int, q: Tensor) -> None:
                         f"on {sinks.device}")
 
 
+def _validate_alibi(slopes: object, lead: int, lead_name: str, H: int, q: Tensor) -> Tensor:
+    """ALiBi slopes ``(H,)`` or ``(lead, H)`` → ``(lead, H)`` (a view): floating, on q's
+    device, and constants (no gradient flows to them, as in flash-attn)."""
+    _check_tensor("alibi_slopes", slopes)
+    if slopes.shape not in ((H,), (lead, H)):
+        raise ValueError(f"alibi_slopes must have shape (H,) = ({H},) or ({lead_name}, H) = "
+                         f"({lead}, {H}), got {tuple(slopes.shape)}")
+    if not slopes.is_floating_point():
+        raise TypeError(f"alibi_slopes must be floating (float32 recommended), got "
+                        f"{slopes.dtype}")
+    if slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {slopes.device}, q on {q.device}")
+    if slopes.requires_grad:
+        raise ValueError("alibi_slopes requires grad, but no gradient flows to the slopes "
+                         "(they are constants, as in flash-attn): pass alibi_slopes.detach()")
+    return slopes.expand(lead, H)
+
+
 def _validate_dropout(dropout_p: object) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
             or not 0.0 <= dropout_p < 1.0:
@@ -239,14 +261,16 @@ def _sdpa_forward(q, k, v, *, band, attn_mask, scale, **_unused):
 
 def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropout_p,
          dropout_seed, block_m=None, block_n=None, score_mod=None, mask_mod=None,
-         mask_blocks=None, dropout_rows=None) -> tuple[Tensor, Tensor | None]:
+         mask_blocks=None, dropout_rows=None, alibi=None, alibi_rows=None
+         ) -> tuple[Tensor, Tensor | None]:
     if backend == "reference":
         if isinstance(scale, Tensor):
             scale = scale.to(q.dtype)  # plain PyTorch in q's dtype, like the rest of the reference
         return reference_attention(q, k, v, scale=scale, band=band, attn_mask=attn_mask,
                                    softcap=softcap, sinks=sinks, dropout_p=dropout_p,
                                    dropout_seed=dropout_seed, score_mod=score_mod,
-                                   mask_mod=mask_mod, dropout_rows=dropout_rows)
+                                   mask_mod=mask_mod, dropout_rows=dropout_rows,
+                                   alibi_slopes=alibi, alibi_rows=alibi_rows)
     if backend == "sdpa":
         return _sdpa_forward(q, k, v, scale=scale, band=band, attn_mask=attn_mask)
     if isinstance(scale, Tensor):
@@ -257,17 +281,18 @@ def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropo
     spec = LaunchSpec(qk_scale=float(scale), band=band,
                       softcap=None if cap_t is not None else softcap,
                       dropout_p=float(dropout_p), dropout_seed=int(dropout_seed),
-                      block_m=block_m, block_n=block_n, dropout_rows=dropout_rows)
+                      block_m=block_m, block_n=block_n, dropout_rows=dropout_rows,
+                      alibi_rows=alibi_rows)
     if backend == "tiled":
         captured = ()
         if score_mod is not None or mask_mod is not None:
             spec, captured = _mod_spec(spec, q, k, score_mod, mask_mod, mask_blocks)
         out, lse = tiled_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
-                                   sinks=sinks, captured=captured)
+                                   sinks=sinks, captured=captured, alibi=alibi)
     else:
         from attn.flash_triton import triton_attention
         out, lse = triton_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
-                                    sinks=sinks)
+                                    sinks=sinks, alibi=alibi)
     return out.to(v.dtype), lse
 
 
@@ -317,9 +342,11 @@ def _draw_seed(dropout_p: float) -> int:
 
 def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, sinks,
                dropout_p, return_lse, backend, block_m=None, block_n=None, score_mod=None,
-               mask_mod=None, mask_blocks=None, dropout_rows=None):
+               mask_mod=None, mask_blocks=None, dropout_rows=None, alibi_slopes=None,
+               alibi_rows=None):
     """Shared by both public functions once their conventions are resolved into a Band.
-    ``score_mod`` / ``mask_mod`` / ``mask_blocks``: see :func:`_mod_spec` (attn.flex)."""
+    ``score_mod`` / ``mask_mod`` / ``mask_blocks``: see :func:`_mod_spec` (attn.flex).
+    ``alibi_rows`` (packed sequences): ``alibi_slopes`` already validated as (sequences, H)."""
     B, H, Nq, D = q.shape
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
@@ -342,6 +369,8 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
     if sinks is not None:
         _validate_sinks(sinks, H, q)
     dropout_p = _validate_dropout(dropout_p)
+    if alibi_slopes is not None and alibi_rows is None:
+        alibi_slopes = _validate_alibi(alibi_slopes, B, "B", H, q)
 
     if isinstance(temperature, Tensor):
         eff_scale = (scale / temperature.to(torch.float64 if q.dtype == torch.float64
@@ -358,13 +387,14 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
         sinks=sinks is not None, temperature_tensor=isinstance(temperature, Tensor),
         dropout=dropout_p > 0.0, return_lse=bool(return_lse),
         score_mod=score_mod is not None,
-        mask_mod=mask_mod is not None or mask_blocks is not None)
+        mask_mod=mask_mod is not None or mask_blocks is not None,
+        alibi=alibi_slopes is not None)
     choice = select_backend(call, backend)
     out, lse = _run(choice.name, q, k, v, band=band, attn_mask=attn_mask, scale=eff_scale,
                     softcap=softcap, sinks=sinks, dropout_p=dropout_p,
                     dropout_seed=_draw_seed(dropout_p), block_m=block_m, block_n=block_n,
                     score_mod=score_mod, mask_mod=mask_mod, mask_blocks=mask_blocks,
-                    dropout_rows=dropout_rows)
+                    dropout_rows=dropout_rows, alibi=alibi_slopes, alibi_rows=alibi_rows)
     return (out, lse) if return_lse else out
 
 
@@ -383,6 +413,7 @@ def attention(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
+    alibi_slopes: Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     score_mod=None,
@@ -411,12 +442,16 @@ def attention(
     * ``sinks`` (H,): per-head logits that join only the softmax denominator (attention
       sinks, Xiao et al. 2023; gpt-oss); learnable.
     * ``temperature``: a positive float or a tensor broadcastable to (B, H) (learnable).
+    * ``alibi_slopes`` (H,) or (B, H), float32 (ALiBi, Press et al. 2022): the bias
+      ``−slope_h · |i + Nk − Nq − j|`` (distance from the bottom-right diagonal) is added to
+      the scores after softcap, tile by tile (never an (Nq, Nk) tensor). Constants, as in
+      flash-attn: slopes that require grad raise ValueError. Not on ``sdpa``.
     * ``dropout_p``: dropout on the probabilities; its mask is a hash of a seed drawn from
       torch's generator, so ``torch.manual_seed`` reproduces it on every backend.
     * ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx) -> bool``:
       FlexAttention's programmable score and mask (see :mod:`attn.flex`); tensors a
       score_mod captures receive gradients. Order of operations: scale/temperature →
-      score_mod → softcap → masks (causal, window, attn_mask AND mask_mod) → sinks.
+      score_mod → softcap → ALiBi → masks (causal, window, attn_mask AND mask_mod) → sinks.
       Run by the tiled (or reference) backend.
 
     A row that sees no key returns zeros and lse = -inf (or its sink), never NaN.
@@ -433,7 +468,7 @@ def attention(
                       temperature=temperature, softcap=softcap, sinks=sinks,
                       dropout_p=dropout_p, return_lse=return_lse, backend=backend,
                       block_m=block_m, block_n=block_n, score_mod=score_mod,
-                      mask_mod=mask_mod)
+                      mask_mod=mask_mod, alibi_slopes=alibi_slopes)
 
 
 def scaled_dot_product_attention(

@@ -98,6 +98,8 @@ def unsupported_reason(call) -> str | None:
                 f"(q·k and acc tiles would not fit in registers)")
     if call.mask_grad:
         return "a gradient for a float attn_mask (dS would have to be written out N x N)"
+    if call.alibi:
+        return "alibi_slopes (not in the kernels yet)"
     return None
 
 
@@ -969,6 +971,7 @@ def triton_attention(
     attn_mask: Tensor | None = None,
     softcap: Tensor | None = None,
     sinks: Tensor | None = None,
+    alibi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused attention kernels. Inputs already validated by ``attn.api``.
 
@@ -980,5 +983,7 @@ def triton_attention(
     ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk).
     """
     # the conversions under autograd: it sums the per-head expand back to the caller's shapes
+    if alibi is not None:
+        raise NotImplementedError("triton: alibi_slopes (use backend='tiled')")
     q, sinks, cap = _kernel_inputs(q, k, spec, sinks, softcap)
     return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, spec)

@@ -28,6 +28,8 @@ def reference_attention(
     score_mod=None,
     mask_mod=None,
     dropout_rows=None,
+    alibi_slopes: Tensor | None = None,
+    alibi_rows=None,
 ) -> tuple[Tensor, Tensor]:
     """Attention with materialized scores. Inputs already validated by ``attn.api``.
 
@@ -37,8 +39,10 @@ def reference_attention(
     Returns out (B, H, Nq, Dv) in q's dtype and lse (B, H, Nq) in float32 (float64 for
     float64 inputs). ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx,
     kv_idx)`` (FlexAttention's signatures) run once on the whole (B, H, Nq, Nk) grid of
-    broadcast index tensors. Order: scale → score_mod → softcap → masks → sinks.
-    ``dropout_rows``: see :class:`attn.spec.LaunchSpec` (packed sequences, B == 1).
+    broadcast index tensors. Order: scale → score_mod → softcap → ALiBi → masks → sinks.
+    ``alibi_slopes`` (B, H): the bias ``−slope_h · |j − (i + band.offset)|``, distances from
+    the band's diagonal (bottom-right in attn.attention). ``dropout_rows`` / ``alibi_rows``:
+    see :class:`attn.spec.LaunchSpec` (packed sequences, B == 1; alibi_slopes (sequences, H)).
     """
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -56,6 +60,16 @@ def reference_attention(
     if softcap is not None:
         c = softcap if isinstance(softcap, float) else softcap.to(s.dtype).reshape(-1, 1, 1)
         s = c * torch.tanh(s / c)
+    if alibi_slopes is not None:  # ALiBi (Press et al. 2022), the bias built whole
+        offs_m, offs_n = torch.arange(Nq, device=q.device), torch.arange(Nk, device=q.device)
+        if alibi_rows is None:
+            dist = (offs_n[None, :] - (offs_m[:, None] + band.offset)).abs()  # (Nq, Nk)
+            slope = alibi_slopes.reshape(B, H, 1, 1)
+        else:  # packed: positions inside each sequence, each row its sequence's slopes
+            seq, pos_m, pos_n = alibi_rows(offs_m, offs_n)
+            dist = (pos_n[None, :] - pos_m[:, None]).abs()
+            slope = alibi_slopes[seq].t().reshape(1, H, Nq, 1)
+        s = s - slope.to(s.dtype) * dist.to(s.dtype)
     allowed = band.mask(torch.arange(Nq, device=q.device), torch.arange(Nk, device=q.device))
     if mask_mod is not None:
         keep = torch.broadcast_to(mask_mod(*idx), s.shape)

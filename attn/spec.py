@@ -2,13 +2,15 @@
 
 Both fast backends take the same protocol::
 
-    out, lse = _fwd(q, k, v, spec, attn_mask=None, sinks=None, softcap=None)
-    grads = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask=None, sinks=None, softcap=None)
+    out, lse = _fwd(q, k, v, spec, attn_mask=None, sinks=None, softcap=None, alibi=None)
+    grads = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask=None, sinks=None, softcap=None,
+                 ..., alibi=None)
 
 ``spec`` holds static values only (pinned: tensors that can need a gradient — a learnable
-softcap, sinks, a float mask — stay explicit arguments of the autograd.Function). Positions
-are *global*: a call may be one shard of a longer computation (a ring step, a split-KV chunk,
-a Ulysses head group), and the band, the dropout hash and future score/mask mods read
+softcap, sinks, a float mask — and ALiBi's slopes stay explicit arguments of the
+autograd.Function). Positions are *global*: a call may be one shard of a longer computation
+(a ring step, a split-KV chunk, a Ulysses head group), and the band, ALiBi's distances, the
+dropout hash and the score/mask mods read
 ``q_start + i``, ``k_start + j`` and ``head_start + h`` against the total lengths, so every
 shard reproduces the unsharded computation bit for bit, dropout mask included.
 """
@@ -43,6 +45,11 @@ class LaunchSpec:
     # packed sequences: (offs_m, offs_n) -> (sequence per row, position per row, position
     # per key) for the dropout hash, so a packed call draws its padded batch's mask
     dropout_rows: Callable | None = None
+    # ALiBi's distances (the slopes are a tensor argument of _fwd / _bwd): None measures
+    # |j - (i + offset)| from the band's global diagonal; packed sequences pass
+    # (offs_m, offs_n) -> (sequence per row, query positions, key positions), both counted
+    # from their own sequence's end, and each row takes its sequence's slopes
+    alibi_rows: Callable | None = None
 
     def local_band(self) -> Band:
         """The band in this call's own positions: query i is global ``q_start + i``."""

@@ -59,7 +59,8 @@ class _Tile:
     """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
-                 attn_mask: Tensor | None, softcap_t: Tensor | None) -> None:
+                 attn_mask: Tensor | None, softcap_t: Tensor | None,
+                 alibi: Tensor | None = None) -> None:
         B, H, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         self.B, self.Hkv, self.G = B, Hkv, H // Hkv
@@ -78,6 +79,13 @@ class _Tile:
         self.cap5 = None
         if softcap_t is not None:
             self.cap5 = softcap_t.to(acc).expand(H).reshape(1, Hkv, self.G, 1, 1)
+        # -- ALiBi: minus the slopes, per (batch, head), or per (head, sequence) when packed
+        self.alibi5 = self.alibi_seq = None
+        if alibi is not None and spec.alibi_rows is None:
+            self.alibi5 = -alibi.to(acc).expand(B, H).reshape(B, Hkv, self.G, 1, 1)
+        elif alibi is not None:
+            self.alibi_seq = -alibi.to(acc).t().reshape(Hkv, self.G, -1)  # (Hkv, G, seqs)
+        self._alibi_dist: dict[tuple[int, int, int], Tensor] = {}
         if spec.dropout_p > 0.0:
             # the hash reads global (b·H + h, i, j): a shard draws the unsharded mask
             heads = spec.heads_total or H
@@ -144,6 +152,25 @@ class _Tile:
             self._band_masks[key] = ~self.band.mask(offs_m, offs_n)  # True = masked
         return self._band_masks[key]
 
+    def _add_alibi(self, s5: Tensor, m0: int, m1: int, n0: int, n1: int) -> None:
+        """``s5 += −slope · |distance|`` in place: distances from the band's diagonal, global
+        (a tile's depend only on its diagonal offset and size: built once), or, packed,
+        inside each row's own sequence with that sequence's slopes."""
+        if self.alibi5 is not None:
+            key = (n0 - m0, m1 - m0, n1 - n0)
+            if key not in self._alibi_dist:
+                offs_m = torch.arange(m0, m1, device=self.device)
+                offs_n = torch.arange(n0, n1, device=self.device)
+                rel = offs_n[None, :] - (offs_m[:, None] + self.band.offset)
+                self._alibi_dist[key] = rel.abs().to(self.acc_dtype)  # (BM, BN)
+            s5.addcmul_(self.alibi5, self._alibi_dist[key])
+            return
+        offs_m = torch.arange(m0, m1, device=self.device) + self.spec.q_start
+        offs_n = torch.arange(n0, n1, device=self.device) + self.spec.k_start
+        seq, pos_m, pos_n = self.spec.alibi_rows(offs_m, offs_n)
+        dist = (pos_n[None, :] - pos_m[:, None]).abs().to(self.acc_dtype)  # (BM, BN)
+        s5.addcmul_(self.alibi_seq[:, :, seq].unsqueeze(-1), dist)  # (Hkv, G, BM, 1)
+
     def buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
         """A tile-sized scratch tensor reused across tiles: no allocator churn per tile."""
         key = (name, shape)
@@ -156,7 +183,8 @@ class _Tile:
         """Masked scores ``(B·Hkv, G·BM, BN)``; with softcap also ``u = s_raw / c`` and
         ``t = tanh(u)`` (the backward needs both). ``full``: the block classification says
         no mask (band, mask_mod) masks anything in this tile. Order: scale → score_mod →
-        softcap → masks. ``track`` (backward): the score_mod runs under autograd and
+        softcap → ALiBi → masks (the bias is a constant: dS flows through it unchanged, so
+        the backward needs nothing more). ``track`` (backward): the score_mod runs under autograd and
         ``self.mod_graph`` keeps ``(scores in, scores out)`` for :meth:`score_mod_vjp`."""
         B, Hkv, G, BM, BN = self.B, self.Hkv, self.G, m1 - m0, n1 - n0
         # -- compute qk (q_blk already scaled) --
@@ -179,6 +207,8 @@ class _Tile:
             t = torch.tanh(u)
             s = t * c if self.cap5 is None else (t.view_as(s5) * c).view_as(t)
             s5 = s.view(B, Hkv, G, BM, BN)
+        if self.alibi5 is not None or self.alibi_seq is not None:
+            self._add_alibi(s5, m0, m1, n0, n1)
         # -- masks --
         if not full:
             if not self.band.is_full:
@@ -282,12 +312,13 @@ def _blocks(spec: LaunchSpec, n_q: int, n_k: int) -> Blocks:
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
-         sinks: Tensor | None = None, softcap: Tensor | None = None) -> tuple[Tensor, Tensor]:
+         sinks: Tensor | None = None, softcap: Tensor | None = None,
+         alibi: Tensor | None = None) -> tuple[Tensor, Tensor]:
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    tile = _Tile(q, k, v, spec, attn_mask, softcap)
+    tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi)
     out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
     sink_rows = None if sinks is None else sinks.to(acc_dtype).view(1, H, 1).expand(B, H, Nq)
@@ -328,16 +359,17 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
          lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
          sinks: Tensor | None = None, softcap: Tensor | None = None, *,
          need_dmask: bool = False, need_dcap: bool = True,
-         captured: tuple[Tensor, ...] = ()) -> Grads:
+         captured: tuple[Tensor, ...] = (), alibi: Tensor | None = None) -> Grads:
     """Gradients of one call: dq, dk, dv always; the float mask's only with ``need_dmask``
     (an N x N tensor when the mask is), sinks' when given, the learnable softcap's when
     given and ``need_dcap``, and those of the tensors ``captured`` by ``spec.score_mod``
-    (summed tile by tile in a fixed order: deterministic, no atomics)."""
+    (summed tile by tile in a fixed order: deterministic, no atomics). ``alibi``: the
+    slopes, constants (none of their own gradient)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    tile = _Tile(q, k, v, spec, attn_mask, softcap)
+    tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi)
     dq = torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device)
     dk3 = torch.zeros(B * Hkv, Nk, D, dtype=acc_dtype, device=q.device)
     dv3 = torch.zeros(B * Hkv, Nk, Dv, dtype=acc_dtype, device=q.device)
@@ -397,21 +429,21 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec, *captured):
-        out, lse = _fwd(q, k, v, spec, attn_mask, sinks, softcap)
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec, *captured):
+        out, lse = _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi)
         # the captured tensors are not saved: the score_mod reads them itself in backward
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap, alibi)
         ctx.spec, ctx.captured = spec, captured
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, attn_mask, sinks, softcap = ctx.saved_tensors
+        q, k, v, out, lse, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
         need_dmask = bool(ctx.needs_input_grad[3])
         do = torch.zeros_like(out) if dout is None else dout.contiguous()  # only lse was used
         g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, attn_mask, sinks, softcap,
                  need_dmask=need_dmask, need_dcap=bool(ctx.needs_input_grad[5]),
-                 captured=ctx.captured)
+                 captured=ctx.captured, alibi=alibi)
         dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
         dsoftcap = None
@@ -420,7 +452,7 @@ class _TiledAttention(torch.autograd.Function):
         dcaptured = tuple(None if d is None else d.to(c.dtype)
                           for d, c in zip(g.dcaptured, ctx.captured))
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), dmask, dsinks, dsoftcap,
-                None, *dcaptured)
+                None, None, *dcaptured)
 
 
 def tiled_attention(
@@ -433,6 +465,7 @@ def tiled_attention(
     softcap: Tensor | None = None,
     sinks: Tensor | None = None,
     captured: tuple[Tensor, ...] = (),
+    alibi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Memory-linear exact attention. Inputs already validated by ``attn.api``.
 
@@ -440,8 +473,9 @@ def tiled_attention(
     lse (B, H, Nq) in float32 (float64 for float64 inputs). ``spec`` holds the static
     values (q·k scale, band, fixed softcap, dropout, global positions, block sizes; a tensor
     temperature must already be folded into q); ``softcap`` a learnable tensor
-    broadcastable to (H,), ``sinks`` (H,). Block sizes default to the module's
+    broadcastable to (H,), ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed:
+    (sequences, H) with ``spec.alibi_rows``), constants. Block sizes default to the module's
     ``BLOCK_M`` / ``BLOCK_N``, read at call time. ``captured``: the tensors
     ``spec.score_mod`` reads that need a gradient (see :func:`attn.flex.captured_tensors`).
     """
-    return _TiledAttention.apply(q, k, v, attn_mask, sinks, softcap, spec, *captured)
+    return _TiledAttention.apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, *captured)

@@ -138,9 +138,9 @@ class _DocMask:
         self.doc_q, self.doc_k = document_ids(cu_q, n_q), document_ids(cu_k, n_k)
         self.start_q, self.start_k = cu_q.long()[:-1], cu_k.long()[:-1]
         self.band = band
-        if not band.is_full:
-            self.pos_q = torch.arange(n_q, device=cu_q.device) - cu_q.long()[1:][self.doc_q]
-            self.pos_k = torch.arange(n_k, device=cu_k.device) - cu_k.long()[1:][self.doc_k]
+        # positions counted from each sequence's end (the band's and ALiBi's coordinates)
+        self.pos_q = torch.arange(n_q, device=cu_q.device) - cu_q.long()[1:][self.doc_q]
+        self.pos_k = torch.arange(n_k, device=cu_k.device) - cu_k.long()[1:][self.doc_k]
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         keep = self.doc_q[q_idx] == self.doc_k[kv_idx]
@@ -157,6 +157,11 @@ class _DocMask:
         own sequences, i.e. the padded batch's ``(b, i, j)``."""
         doc_q, doc_k = self.doc_q[offs_m], self.doc_k[offs_n]
         return doc_q, offs_m - self.start_q[doc_q], offs_n - self.start_k[doc_k]
+
+    def alibi_rows(self, offs_m: Tensor, offs_n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """ALiBi's coordinates: each row's sequence and the end-relative positions, so
+        ``|pos_k - pos_q| = |i + Lk_b - Lq_b - j|`` inside sequence b."""
+        return self.doc_q[offs_m], self.pos_q[offs_m], self.pos_k[offs_n]
 
     def blocks(self, block_m: int, block_n: int) -> Blocks:
         """Documents first (cheap: id ranges per tile); with a band, each visited tile is
@@ -197,6 +202,7 @@ def varlen_attention(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed sequences (``flash_attn_varlen_func``'s layout), every device.
 
@@ -208,7 +214,8 @@ def varlen_attention(
     (query i sees key j iff ``j <= i + Lk_b - Lq_b``). The other keywords mean what they
     mean in :func:`attn.attention`; ``temperature`` is a float or a tensor broadcastable to
     (H,); dropout draws the mask of the padded batch (sequence b as batch row b, positions
-    inside it), whatever the packing. Backends: triton (CUDA) runs its own varlen kernels,
+    inside it), whatever the packing; ``alibi_slopes`` (H,) or (B, H) (one row per
+    sequence) adds ``−slope · |i + Lk_b − Lq_b − j|`` in each sequence's own positions. Backends: triton (CUDA) runs its own varlen kernels,
     one program grid over (sequence, block), FlashAttention-2 style; tiled (every device)
     runs a document mask and plans its tiles on the host from ``cu_seqlens`` (one small
     copy). ``max_seqlen_*`` are optional: given both, the triton path reads ``cu_seqlens``
@@ -243,6 +250,8 @@ def varlen_attention(
             raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
                              f"broadcast to (H,) = ({H},) in the packed layout")
     api._validate_dropout(dropout_p)
+    if alibi_slopes is not None:
+        alibi_slopes = api._validate_alibi(alibi_slopes, cu_q.numel() - 1, "num_seqs", H, q)
     band = make_band_pair(causal, window_pair(window))
     # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
@@ -262,7 +271,8 @@ def varlen_attention(
         softcap=None if softcap is None else ("learned" if isinstance(softcap, Tensor)
                                               else "fixed"),
         sinks=sinks is not None, temperature_tensor=isinstance(temperature, Tensor),
-        dropout=dropout_p > 0.0, return_lse=bool(return_lse), varlen=True)
+        dropout=dropout_p > 0.0, return_lse=bool(return_lse), varlen=True,
+        alibi=alibi_slopes is not None)
     choice = api.select_backend(call, backend)
     if choice.name != "triton" or host_q is not None:
         if host_q is None:
@@ -285,7 +295,8 @@ def varlen_attention(
                               temperature=temperature, softcap=softcap, sinks=sinks,
                               dropout_p=dropout_p, return_lse=True, backend=choice.name,
                               mask_mod=doc, mask_blocks=doc.blocks,
-                              dropout_rows=doc.dropout_rows)
+                              dropout_rows=doc.dropout_rows, alibi_slopes=alibi_slopes,
+                              alibi_rows=None if alibi_slopes is None else doc.alibi_rows)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out
 

@@ -41,6 +41,13 @@ def _qkv(**kw):
     (_qkv, {"window": (1.5, 2)}, TypeError, r"window must be a pair"),
     (_qkv, {"sinks": torch.zeros(3)}, ValueError, r"sinks must have shape \(H,\) = \(4,\), got \(3,\)"),
     (_qkv, {"dropout_p": 1.0}, ValueError, r"dropout_p must be a float in \[0, 1\)"),
+    (_qkv, {"alibi_slopes": torch.ones(3)}, ValueError, r"alibi_slopes must have shape \(H,\) = \(4,\) or \(B, H\) = \(2, 4\), got \(3,\)"),
+    (_qkv, {"alibi_slopes": torch.ones(4, 2)}, ValueError, r"alibi_slopes must have shape .* got \(4, 2\)"),
+    (_qkv, {"alibi_slopes": torch.ones(1, 2, 4)}, ValueError, r"alibi_slopes must have shape .* got \(1, 2, 4\)"),
+    (_qkv, {"alibi_slopes": torch.ones(4, dtype=torch.int32)}, TypeError, r"alibi_slopes must be floating.*int32"),
+    (_qkv, {"alibi_slopes": torch.ones(4, requires_grad=True)}, ValueError, r"alibi_slopes requires grad, but no gradient flows"),
+    (_qkv, {"alibi_slopes": [0.5] * 4}, TypeError, r"alibi_slopes must be a torch.Tensor"),
+    (_qkv, {"alibi_slopes": torch.ones(4, device="meta")}, ValueError, r"alibi_slopes is on meta"),
     (_qkv, {"backend": "cudnn"}, ValueError, r"backend must be one of"),
     (_qkv, {"causal": 1}, TypeError, r"causal must be a bool"),
 ])
@@ -72,14 +79,15 @@ def test_auto_on_cuda_explains_fallback_when_triton_cannot():
 
 @pytest.mark.parametrize("variant,needle", [
     ({"softcap": "fixed"}, "softcap"), ({"sinks": True}, "sinks"),
-    ({"return_lse": True}, "return_lse"),
+    ({"return_lse": True}, "return_lse"), ({"alibi": True}, "alibi_slopes"),
 ])
 def test_sdpa_refuses_what_it_cannot_compute(variant, needle):
     with pytest.raises(NotImplementedError, match=needle):
         select_backend(_call(**variant), "sdpa")
     q, k, v = _qkv()
     kwargs = {"softcap": {"softcap": 5.0}, "sinks": {"sinks": torch.zeros(4)},
-              "return_lse": {"return_lse": True}}[needle]
+              "return_lse": {"return_lse": True},
+              "alibi_slopes": {"alibi_slopes": torch.ones(4)}}[needle]
     with pytest.raises(NotImplementedError, match=f"{needle}.*tiled"):
         attn.attention(q, k, v, backend="sdpa", **kwargs)
 

@@ -13,6 +13,7 @@ full product (both causal values for every variant, every dtype and head layout)
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -134,6 +135,11 @@ def test_long_sequence(backend, dtype, causal):
 
 # -- variants ---------------------------------------------------------------------------------------
 
+def alibi_slopes(H: int) -> torch.Tensor:
+    """ALiBi's geometric slopes 2^(-8h/H), h = 1..H (Press et al. 2022), float32."""
+    return 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+
+
 def _variant_kwargs(name: str, H: int, nq: int, nk: int, dtype: torch.dtype) -> dict:
     g = torch.Generator().manual_seed(7)
 
@@ -174,6 +180,15 @@ def _variant_kwargs(name: str, H: int, nq: int, nk: int, dtype: torch.dtype) -> 
         return {"attn_mask": dev(torch.randn(H, 1, nk, generator=g).to(dtype)).requires_grad_()}
     if name == "dropout":
         return {"dropout_p": 0.25}
+    if name == "alibi":
+        return {"alibi_slopes": dev(alibi_slopes(H))}
+    if name == "alibi_bh":  # per (batch, head); powers of two, exact in every dtype
+        return {"alibi_slopes": dev(2.0 ** -torch.randint(0, 9, (2, H), generator=g).float())}
+    if name == "alibi_softcap":  # the bias after the cap: a cap of 2 would clip it
+        return {"alibi_slopes": dev(alibi_slopes(H)),
+                "softcap": dev(torch.rand(H, generator=g) + 1.5).requires_grad_()}
+    if name == "alibi_window":
+        return {"alibi_slopes": dev(alibi_slopes(H)), "window": (9, 4)}
     if name == "everything":
         return {"softcap": dev(torch.tensor(4.0)).requires_grad_(),
                 "sinks": dev(torch.randn(H, generator=g)).requires_grad_(),
@@ -186,10 +201,12 @@ def _variant_kwargs(name: str, H: int, nq: int, nk: int, dtype: torch.dtype) -> 
 
 VARIANTS = ["plain", "softcap", "softcap_learned", "softcap_per_head", "sinks", "window",
             "window_left", "temperature", "temperature_tensor", "temperature_bh", "scale",
-            "bool_mask", "padding_mask", "float_mask", "float_mask_grad", "dropout", "everything"]
+            "bool_mask", "padding_mask", "float_mask", "float_mask_grad", "dropout", "alibi",
+            "alibi_bh", "alibi_softcap", "alibi_window", "everything"]
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 # what a backend refuses (and must say so) instead of computing
-REFUSED = {("triton", "float_mask_grad")}
+REFUSED = {("triton", "float_mask_grad")} | {
+    ("triton", v) for v in ("alibi", "alibi_bh", "alibi_softcap", "alibi_window")}
 
 
 def _variant_cases(full: bool):
@@ -314,3 +331,84 @@ def test_non_contiguous_inputs(backend):
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     mask = torch.rand(37, 1, generator=g).to(DEVICE).expand(37, 45) > 0.1
     assert_close_to_reference(backend.fn(), q, k, v, causal=True, attn_mask=mask)
+
+
+# -- ALiBi --------------------------------------------------------------------------------------
+
+def _naive_alibi(q, k, v, slopes, *, causal, softcap=None):
+    """ALiBi by explicit loops over (b, h, i), float64: the bias −slope·|i + Nk − Nq − j|
+    written out key by key, independent of attn.reference's broadcast form."""
+    B, H, Nq, D = q.shape
+    Nk, G = k.shape[2], H // k.shape[1]
+    out = torch.zeros(B, H, Nq, v.shape[-1], dtype=torch.float64)
+    for b, h, i in itertools.product(range(B), range(H), range(Nq)):
+        slope = float(slopes[b, h] if slopes.dim() == 2 else slopes[h])
+        s = []
+        for j in range(Nk):
+            x = float(q[b, h, i] @ k[b, h // G, j]) / D ** 0.5
+            if softcap is not None:
+                x = softcap * math.tanh(x / softcap)
+            x -= slope * abs(i + Nk - Nq - j)
+            s.append(x if not causal or j <= i + Nk - Nq else float("-inf"))
+        p = torch.softmax(torch.tensor(s, dtype=torch.float64), 0)
+        out[b, h, i] = p @ v[b, h // G].double()
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(3, 5), (5, 3), (4, 4)])
+def test_alibi_reference_equals_naive_loops(causal, nq, nk):
+    q, k, v = make_inputs(B=2, H=4, Hkv=2, N=nq, Nk=nk, D=8, dtype=torch.float64, seed=nq)
+    slopes = torch.tensor([[0.5, 0.25, 1.0, 0.125], [2.0, 0.3, 0.0, 0.7]])
+    for sl, cap in ((slopes, None), (slopes[1], 1.5)):
+        out = attn.attention(q, k, v, causal=causal, alibi_slopes=sl, softcap=cap,
+                             backend="reference")
+        want = _naive_alibi(q, k, v, sl, causal=causal, softcap=cap)
+        if causal and nq > nk:  # rows above the bottom-right diagonal see nothing: zeros
+            want[:, :, :nq - nk] = 0.0
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=_ids)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(45, 70), (70, 45)])
+def test_alibi_lengths(backend, causal, nq, nk):
+    """Nq ≠ Nk both ways: the bias is aligned bottom-right, like the causal band."""
+    backend.skip_unless_available()
+    if backend.name == "triton":
+        pytest.skip("triton: alibi_slopes not in the kernels yet")
+    q, k, v = _inputs(B=2, H=4, Hkv=2, N=nq, Nk=nk, D=16, dtype=torch.float32, seed=nq)
+    assert_close_to_reference(backend.fn(), q, k, v, causal=causal,
+                              alibi_slopes=alibi_slopes(4).to(DEVICE))
+
+
+def test_alibi_changes_the_output():
+    """The check above can fail: the bias moves the output well past any budget."""
+    q, k, v = _inputs(B=1, H=4, N=40, D=16, dtype=torch.float32, seed=4)
+    plain = attn.attention(q, k, v, backend="tiled")
+    with_alibi = attn.attention(q, k, v, alibi_slopes=alibi_slopes(4).to(DEVICE),
+                                backend="tiled")
+    assert (plain - with_alibi).abs().max() > 0.1
+
+
+def test_alibi_tiled_shards_reproduce_the_whole():
+    """The tiled launcher measures distances in global positions: query and key shards
+    (spec.shard) merged by their lse equal one call."""
+    from attn import tiled
+    from attn.masks import make_band
+    from attn.merge import merge_attention
+    from attn.spec import LaunchSpec
+
+    q, k, v = _inputs(B=2, H=4, Hkv=2, N=37, Nk=50, D=16, dtype=torch.float64, seed=8)
+    slopes = alibi_slopes(4).to(DEVICE).expand(2, 4)
+    spec = LaunchSpec(qk_scale=0.25, band=make_band(37, 50, causal=True, window=None),
+                      block_m=8, block_n=16)
+    whole, whole_lse = tiled._fwd(q, k, v, spec, alibi=slopes)
+    rows = []
+    for q0, q1 in ((0, 20), (20, 37)):
+        parts = [tiled._fwd(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
+                            spec.shard(q_start=q0, k_start=k0), alibi=slopes)
+                 for k0, k1 in ((0, 30), (30, 50))]
+        rows.append(merge_attention(parts[0][0], parts[0][1], parts[1][0], parts[1][1]))
+    torch.testing.assert_close(torch.cat([r[0] for r in rows], 2), whole)
+    torch.testing.assert_close(torch.cat([r[1] for r in rows], 2), whole_lse)

@@ -101,6 +101,44 @@ def test_equals_attention_per_sequence(variant, small_tiles):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("per_seq", [False, True], ids=["slopes_h", "slopes_seq_h"])
+@pytest.mark.parametrize("kw", [{}, {"causal": True, "softcap": 1.5}, {"window": (4, 2)}],
+                         ids=["plain", "causal_softcap", "window"])
+def test_alibi_equals_attention_per_sequence(kw, per_seq, small_tiles):
+    """ALiBi in each sequence's own positions (bottom-right per sequence, Nq != Nk) with
+    each sequence's slopes: out, lse and dq, dk, dv equal attn.attention per sequence."""
+    n = 5
+    lq, lk = random_lengths(n, seed=7), random_lengths(n, seed=8)
+    q, k, v, cu_q, cu_k = packed_inputs(lq, lk)
+    g = torch.Generator().manual_seed(9)
+    slopes = torch.rand(n, 4, generator=g) if per_seq else torch.rand(4, generator=g)
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, alibi_slopes=slopes, **kw)
+    d_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * d_out).sum(), (q, k, v))
+    for b in range(n):
+        if lq[b] == 0 or lk[b] == 0:
+            continue
+        qs, ks, vs = (t[cu[b]:cu[b + 1]].transpose(0, 1)[None]
+                      for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        o, l_ = attn.attention(qs, ks, vs, return_lse=True,
+                               alibi_slopes=slopes[b] if per_seq else slopes, **kw)
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], o[0].transpose(0, 1))
+        torch.testing.assert_close(lse[:, cu_q[b]:cu_q[b + 1]], l_[0])
+        want = torch.autograd.grad((o[0].transpose(0, 1) * d_out[cu_q[b]:cu_q[b + 1]]).sum(),
+                                   (qs, ks, vs))
+        for name, got, w, cu in zip("qkv", grads, want, (cu_q, cu_k, cu_k)):
+            torch.testing.assert_close(got[cu[b]:cu[b + 1]], w[0].transpose(0, 1), msg=name)
+
+
+def test_alibi_bad_slopes():
+    q, k, v, cu, _ = packed_inputs([3, 4], [3, 4])
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(H,\) = \(4,\) or "
+                                         r"\(num_seqs, H\) = \(2, 4\), got \(3, 4\)"):
+        varlen_attention(q, k, v, cu, cu, alibi_slopes=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="no gradient flows"):
+        varlen_attention(q, k, v, cu, cu, alibi_slopes=torch.ones(4, requires_grad=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_within_budget(dtype, small_tiles):
     """In fp32 / bf16 the packed output is within 2x plain PyTorch's error (the reference
