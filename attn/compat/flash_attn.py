@@ -169,15 +169,19 @@ def _probs(q: Tensor) -> Tensor:
 # -- (B, N, H, D) --------------------------------------------------------------------------
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal, window_size,
-           softcap, alibi_slopes, seqlen_k: int | None = None) -> tuple[Tensor, Tensor]:
-    """out (B, Nq, H, Dv) and flash-attn's lse (B, H, Nq) of (B, N, H, D) inputs."""
+           softcap, alibi_slopes, seqlen_k: int | None = None,
+           kv_heads_first: bool = False) -> tuple[Tensor, Tensor]:
+    """out (B, Nq, H, Dv) and flash-attn's lse (B, H, Nq) of (B, N, H, D) inputs (k and v
+    already ``(B, Hkv, Nk, D)`` when ``kv_heads_first``)."""
     B, Nq, H, _ = q.shape
-    Nk = k.shape[1]
+    if not kv_heads_first:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, N, Hkv, D) -> (B, Hkv, N, D) views
+    Nk = k.shape[2]
     _check_alibi(alibi_slopes, B, H)
     window, pure_causal, _ = _band(causal, window_size, Nk if seqlen_k is None else seqlen_k)
     with _translating():
         # (B, N, H, D) -> (B, H, N, D): views; attn's backends take any strides
-        out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out, lse = attention(q.transpose(1, 2), k, v,
                              causal=False, window=window, dropout_p=dropout_p,
                              return_lse=True, **_variants(softmax_scale, softcap, alibi_slopes))
     row_offset = torch.arange(Nq, device=q.device) + (Nk - Nq)  # i + Nk - Nq
@@ -301,12 +305,20 @@ def _cu_host(name: str, cu: object, total: int) -> Tensor:
     return host
 
 
+def _gather(cache: Tensor, idx0: Tensor, idx1) -> Tensor:
+    """``cache[idx0, idx1]`` of a ``(rows, L, Hkv, D)`` cache as ``(n, Hkv, D)``, copied
+    head-major: the result is a transposed view of a contiguous ``(Hkv, n, D)``, so attn,
+    which reads ``(Hkv, n, D)`` slabs, gets contiguous keys (on CPU the tiled backend reads
+    strided keys several times slower)."""
+    return cache.permute(2, 0, 1, 3)[:, idx0, idx1].transpose(0, 1)
+
+
 def _paged_keys(k_cache: Tensor, block_table: Tensor, rows: Tensor, pos: Tensor) -> Tensor:
     """Keys at logical positions ``pos`` of sequences ``rows`` of a paged cache
     ``(num_blocks, page, Hkv, D)``: ``(len(pos), Hkv, D)``, a gather (copy)."""
     page = k_cache.shape[1]
     blk = block_table[rows, pos // page].long()
-    return k_cache[blk, pos % page]
+    return _gather(k_cache, blk, pos % page)
 
 
 def _check_block_table(block_table: object, B: int, k_cache: Tensor) -> Tensor:
@@ -631,16 +643,20 @@ def flash_attn_with_kvcache(
                 page = k_cache.shape[1]
                 p0, p1 = s0 // page, -(-s1 // page)
                 blocks = block_table[:, p0:p1].long()  # (B, pages): only the pages in use
-                kk = k_cache[blocks].flatten(1, 2)[:, s0 - p0 * page:s1 - p0 * page]
-                vv = v_cache[blocks].flatten(1, 2)[:, s0 - p0 * page:s1 - p0 * page]
+                # (Hkv, B, pages, page, D) -> (B, Hkv, pages·page, D), copied head-major
+                kk, vv = (c.permute(2, 0, 1, 3)[:, blocks].transpose(0, 1).flatten(2, 3)
+                          [:, :, s0 - p0 * page:s1 - p0 * page] for c in (k_cache, v_cache))
             elif cache_batch_idx is None:
-                kk, vv = k_cache[:B, s0:s1], v_cache[:B, s0:s1]  # views, no copy
+                # views, no copy: (B, L, Hkv, D) -> (B, Hkv, L, D)
+                kk, vv = (c[:B, s0:s1].transpose(1, 2) for c in (k_cache, v_cache))
             else:
                 idx = rows.to(dev)
-                kk, vv = k_cache[idx, s0:s1], v_cache[idx, s0:s1]
+                kk, vv = (c.permute(2, 0, 1, 3)[:, idx, s0:s1].transpose(0, 1)
+                          for c in (k_cache, v_cache))  # (Hkv, B, L, D) -> (B, Hkv, L, D)
             out, lse = _dense(q, kk, vv, dropout_p=0.0, softmax_scale=softmax_scale,
                               causal=causal, window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes, seqlen_k=capacity)
+                              alibi_slopes=alibi_slopes, seqlen_k=capacity,
+                              kv_heads_first=True)
         else:
             # per-row lengths: the used keys packed end to end, one sequence per row
             total = int(lengths.sum())
@@ -651,7 +667,7 @@ def flash_attn_with_kvcache(
                 kk = _paged_keys(k_cache, block_table, seq.to(dev), pos)
                 vv = _paged_keys(v_cache, block_table, seq.to(dev), pos)
             else:
-                kk, vv = k_cache[rows[seq].to(dev), pos], v_cache[rows[seq].to(dev), pos]
+                kk, vv = (_gather(c, rows[seq].to(dev), pos) for c in (k_cache, v_cache))
             cu_q = torch.arange(B + 1, dtype=torch.int64) * Nq
             out, lse = _varlen(q.reshape(B * Nq, H, D), kk, vv, cu_q.to(dev), cu_k.to(dev),
                                Nq, int(lengths.max()), dropout_p=0.0,
