@@ -6,14 +6,15 @@ One decode step: q (B, 1, H, D), one new key/value per sequence appended to a ca
 ``--cache`` positions (holding ``--cache - 1`` keys before the step, so the step attends to
 the full cache), causal, fp32. Paths timed, each a full step (append + attention):
 
-* ``compat contiguous``: ``flash_attn_with_kvcache`` on a ``(B, L, Hkv, D)`` cache. Equal
-  lengths and no left pad, so attn reads the cache as a view (no copy); the attention is
-  ``attn.attention`` (tiled backend on CPU).
+* ``compat contiguous``: ``flash_attn_with_kvcache`` on a ``(B, L, Hkv, D)`` cache. On CPU
+  it runs ``attn.attention`` (tiled backend) once per sequence on a view of that sequence's
+  keys: no copy.
 * ``compat paged (page P)``: the same cache in pages of P rows behind a shuffled
-  ``block_table``. attn's kernels read a dense key tensor, so the step **gathers** the pages
-  in use (``k_cache[block_table[:, :pages_in_use]]``): one copy of the used keys and values
-  per step, on top of the attention. Only pages holding keys are gathered, never the whole
-  pool; a kernel that reads through the page table would remove the copy.
+  ``block_table``. attn's kernels read a dense key tensor, so the step **gathers** each
+  sequence's pages in use (``k_cache[block_table[b, :pages_in_use]]``): one copy of the used
+  keys and values per step, on top of the attention, done sequence by sequence (blocks of
+  ``L·Hkv·D`` floats that the allocator reuses). Only pages holding keys are gathered,
+  never the whole pool; a kernel that reads through the page table would remove the copy.
 * ``sdpa, cache view``: ``torch.nn.functional.scaled_dot_product_attention`` on the same
   contiguous cache seen as ``(B, Hkv, L, D)`` (a transposed view, as attn gets it), with
   ``enable_gqa=True`` (torch >= 2.5) for H != Hkv: torch's CPU path expands the kv heads

@@ -417,6 +417,15 @@ def test_varlen_paged_block_table(page):
 
 # -- the KV cache ------------------------------------------------------------------------------
 
+@pytest.fixture(params=["per-row", "batched"])
+def kv_path(request, monkeypatch):
+    """flash_attn_with_kvcache's two paths: row by row (CPU) and one batched / packed call
+    (other devices), both run here on CPU."""
+    if request.param == "batched":
+        monkeypatch.setattr("attn.compat.flash_attn._PER_ROW_DEVICES", ())
+    return request.param
+
+
 def rotary_reference(x, cos, sin, positions, interleaved):
     """RoPE as complex multiplication: pairs (2i, 2i+1) or (i, i + rd/2) times e^{iθ}."""
     rd = 2 * cos.shape[1]
@@ -488,7 +497,7 @@ KV_CASES = [  # (seqlens, Nq, Nnew, H, Hkv, D, rd, interleaved, causal, window, 
 
 @pytest.mark.parametrize("seqlens, Nq, Nnew, H, Hkv, D, rd, inter, causal, window, leftpad, idx",
                          KV_CASES)
-def test_kvcache_matches_reference_and_updates_in_place(seqlens, Nq, Nnew, H, Hkv, D, rd, inter,
+def test_kvcache_matches_reference_and_updates_in_place(kv_path, seqlens, Nq, Nnew, H, Hkv, D, rd, inter,
                                                         causal, window, leftpad, idx):
     B, cap = 3, 24
     q = randn(B, Nq, H, D).float()
@@ -529,7 +538,7 @@ def test_kvcache_matches_reference_and_updates_in_place(seqlens, Nq, Nnew, H, Hk
 
 @needs_alibi
 @pytest.mark.parametrize("causal", [True, False])
-def test_kvcache_alibi_and_softcap(causal):
+def test_kvcache_alibi_and_softcap(kv_path, causal):
     B, H, cap = 2, 4, 20
     q = randn(B, 2, H, 16).float()
     kc, vc = randn(B, cap, 2, 16, seed=1).float(), randn(B, cap, 2, 16, seed=2).float()
@@ -547,7 +556,7 @@ def test_kvcache_alibi_and_softcap(causal):
 
 
 @pytest.mark.parametrize("page", [1, 16, 7])  # 7 does not divide the cache length 40
-def test_kvcache_paged_matches_contiguous(page):
+def test_kvcache_paged_matches_contiguous(kv_path, page):
     B, H, Hkv, D, cap = 3, 4, 2, 16, 40
     pages = -(-cap // page)
     q = randn(B, 2, H, D).float()
@@ -577,11 +586,16 @@ def test_kvcache_paged_matches_contiguous(page):
     torch.testing.assert_close(out_u, fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=13))
 
 
-def test_kvcache_whole_cache_and_defaults():
+def test_kvcache_whole_cache_and_empty_rows(kv_path):
     q, kc, vc = randn(2, 3, 4, 16).float(), randn(2, 9, 2, 16, seed=1).float(), \
         randn(2, 9, 2, 16, seed=2).float()
     out = fa.flash_attn_with_kvcache(q, kc, vc, causal=True)  # cache_seqlens=None: all 9 keys
     torch.testing.assert_close(out, fa.flash_attn_func(q, kc, vc, causal=True), rtol=0, atol=0)
+    seqlens = torch.tensor([0, 5], dtype=torch.int32)  # row 0 has no key
+    out, lse = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                          return_softmax_lse=True)
+    assert out[0].abs().max() == 0 and torch.isposinf(lse[0]).all()
+    torch.testing.assert_close(out[1:], fa.flash_attn_func(q[1:], kc[1:, :5], vc[1:, :5]))
 
 
 # -- errors ------------------------------------------------------------------------------------

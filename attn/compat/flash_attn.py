@@ -370,8 +370,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
         k, v = _paged_keys(k, block_table, rows, pos), _paged_keys(v, block_table, rows, pos)
     else:
         k, v = k[:used_k], v[:used_k]
-    window, pure_causal, _ = _band(causal, window_size,
-                                   max_seqlen_k if seqlen_k is None else seqlen_k)
+    if seqlen_k is None:  # flash-attn's seqlen_k of the window rule: the max_seqlen_k given
+        seqlen_k = int(len_k.max()) if max_seqlen_k is None else int(max_seqlen_k)
+    window, pure_causal, _ = _band(causal, window_size, seqlen_k)
     cu_q = host_q.to(device=q.device)
     cu_k = host_k.to(device=q.device)
     with _translating():
@@ -486,6 +487,10 @@ def flash_attn_varlen_func(
 
 # -- the KV cache ----------------------------------------------------------------------------
 
+# Devices where flash_attn_with_kvcache runs attn row by row (see its Cost paragraph); the
+# tests also run the batched paths on CPU by emptying it.
+_PER_ROW_DEVICES = ("cpu",)
+
 def _as_lengths(name: str, x: object, B: int, device: torch.device) -> Tensor:
     """An int or a (B,) int tensor, as a (B,) int64 host tensor."""
     if isinstance(x, int) and not isinstance(x, bool):
@@ -540,9 +545,11 @@ def flash_attn_with_kvcache(
     ``cache_leftpad``; k without v; k/v without ``cache_seqlens``; rotary without k/v; a cache
     too small for ``cache_seqlens + Nnew``.
 
-    Cost: with equal lengths and no left pad, a contiguous cache is read as a view (no copy);
-    otherwise the keys in use are gathered (a copy of the used part of the cache, through the
-    page table when paged) before attn runs on them.
+    Cost: ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy: the
+    lengths decide the checks and the path). On CPU, attn runs once per row on a view of that
+    row's keys (no copy), or on a gather of the pages it uses when paged. Elsewhere one call
+    covers the batch: a view with equal lengths and no left pad, otherwise the keys in use
+    gathered head-major (through the page table when paged) and run as packed sequences.
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     B, Nq, H, D = q.shape
@@ -637,7 +644,40 @@ def flash_attn_with_kvcache(
         # -- attention over [starts, stops) of each row --
         lengths = stops - starts
         uniform = bool((starts == starts[0]).all()) and bool((stops == stops[0]).all())
-        if uniform:
+        variants = dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+                        window_size=window_size, softcap=softcap, seqlen_k=capacity,
+                        kv_heads_first=True)
+        if dev.type in _PER_ROW_DEVICES:
+            # one call per row on views of its own keys (a gather of its pages when paged):
+            # the tiled backend reads a (B, N, Hkv, D) cache viewed head-first by copying it
+            # whole, while a single row's view needs no copy
+            outs, lses = [], []
+            for b in range(B):
+                s0, s1 = int(starts[b]), int(stops[b])
+                if s1 == s0:  # no key: zeros, lse +inf
+                    outs.append(q.new_zeros(1, Nq, H, v_cache.shape[-1]))
+                    lses.append(torch.full((1, H, Nq), float("inf"), device=dev,
+                                           dtype=torch.float64 if q.dtype == torch.float64
+                                           else torch.float32))
+                    continue
+                if paged:
+                    page = k_cache.shape[1]
+                    p0, p1 = s0 // page, -(-s1 // page)
+                    blocks = block_table[b, p0:p1].long()  # only this row's pages in use
+                    kk, vv = (c[blocks].flatten(0, 1)[s0 - p0 * page:s1 - p0 * page]
+                              for c in (k_cache, v_cache))
+                else:
+                    r = int(rows[b])
+                    kk, vv = k_cache[r, s0:s1], v_cache[r, s0:s1]  # views
+                slopes = (alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1
+                          else alibi_slopes[b:b + 1])
+                # (Nk, Hkv, D) -> (1, Hkv, Nk, D)
+                out, lse = _dense(q[b:b + 1], kk[None].transpose(1, 2), vv[None].transpose(1, 2),
+                                  alibi_slopes=slopes, **variants)
+                outs.append(out)
+                lses.append(lse)
+            out, lse = torch.cat(outs), torch.cat(lses)
+        elif uniform:
             s0, s1 = int(starts[0]), int(stops[0])
             if paged:
                 page = k_cache.shape[1]
@@ -653,10 +693,7 @@ def flash_attn_with_kvcache(
                 idx = rows.to(dev)
                 kk, vv = (c.permute(2, 0, 1, 3)[:, idx, s0:s1].transpose(0, 1)
                           for c in (k_cache, v_cache))  # (Hkv, B, L, D) -> (B, Hkv, L, D)
-            out, lse = _dense(q, kk, vv, dropout_p=0.0, softmax_scale=softmax_scale,
-                              causal=causal, window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes, seqlen_k=capacity,
-                              kv_heads_first=True)
+            out, lse = _dense(q, kk, vv, alibi_slopes=alibi_slopes, **variants)
         else:
             # per-row lengths: the used keys packed end to end, one sequence per row
             total = int(lengths.sum())
