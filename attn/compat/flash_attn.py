@@ -1,0 +1,716 @@
+"""flash-attn 2.8.3's public functions, names, signatures and layouts, on attn's backends.
+
+Code written for flash-attn runs unchanged on every device and dtype attn supports (CPU,
+float32, float64 included), with gradients; on CUDA the triton backend runs where it applies.
+This module only translates (layouts, flags, conventions); the attention itself is
+:func:`attn.attention` (q viewed ``(B, H, N, D)``) and :func:`attn.varlen_attention`.
+
+Layouts are flash-attn's, the documented exception to attn's ``(B, H, N, D)``:
+
+* q ``(B, Nq, H, D)``, k and v ``(B, Nk, Hkv, D)`` → out ``(B, Nq, H, D)``;
+* varlen: q ``(total_q, H, D)``, k and v ``(total_k, Hkv, D)``, ``cu_seqlens`` ``(B + 1,)``;
+* ``softmax_lse`` ``(B, H, Nq)`` (varlen ``(H, total_q)``), float32 (float64 for float64
+  input), natural log. A row that sees no key has out = 0 and **lse = +inf**, as flash-attn
+  (attn's own functions return −inf; the conversion happens here only).
+
+Semantics, as flash-attn 2 documents and computes them:
+
+* ``causal`` is aligned bottom-right (query i sees key j iff ``j <= i + Nk − Nq``), per
+  sequence in varlen; ``window_size=(left, right)`` keeps keys
+  ``[i + Nk − Nq − left, i + Nk − Nq + right]``, −1 = unbounded. ``causal`` keeps the left
+  bound and sets the right one to 0. As in 2.8.3, a side ``>= seqlen_k`` counts as −1, and a
+  −1 beside a side ``>= 0`` stands for ``seqlen_k`` (which only matters for the right side
+  when Nq > Nk + 1), where ``seqlen_k`` is Nk (func), ``max_seqlen_k`` (varlen) or the cache
+  capacity (kvcache), the numbers flash-attn substitutes;
+* ``softcap > 0``: ``s = c·tanh(s / c)`` on the scaled scores; ``softcap <= 0`` is off;
+* ``alibi_slopes`` fp32 ``(H,)`` or ``(B, H)``: ``−slope·|i + Nk − Nq − j|`` added after
+  softcap, never multiplied by the softmax scale. Under pure causal (causal with no finite
+  left window) flash-attn adds ``+slope·j`` instead: same output, but its lse is
+  ``lse + slope·(i + Nk − Nq)``, and that is the lse returned here;
+* GQA: query head h reads kv head ``h // (H // Hkv)``; default scale ``D ** -0.5``.
+
+Differences, all supersets: any head dim, v's head dim may differ from q's, float32 and
+float64, every device; paged caches with any page size (flash-attn: multiples of 256); any
+even rotary dim ``<= D`` (flash-attn: multiples of 16); ``cu_seqlens`` int32 or int64.
+``deterministic`` is accepted and changes nothing (attn's backward is deterministic on CPU).
+``return_attn_probs=True`` returns ``(out, softmax_lse, S)`` with S an empty tensor, with or
+without dropout: flash-attn returns the dropped-and-scaled probabilities only "for testing"
+and "not guaranteed to be correct"; attn draws its dropout mask from a hash of a seed taken
+from torch's generator, so ``torch.manual_seed(s)`` then :func:`attn.attention` with the same
+``dropout_p`` reproduces the call (the way to inspect the mask). The lse stays differentiable.
+
+Errors: :class:`FlashAttnError`, a ``ValueError`` and a ``RuntimeError`` (flash-attn raises
+RuntimeError; code catching it keeps working), naming the argument and the shapes. attn's own
+ValueErrors raised underneath are re-raised as FlashAttnError too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from attn.compat.rotary import rotate_at
+from attn.varlen import varlen_attention
+from attn.api import attention
+
+__all__ = ["FlashAttnError", "flash_attn_func", "flash_attn_kvpacked_func",
+           "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_with_kvcache"]
+
+
+class FlashAttnError(ValueError, RuntimeError):
+    """Bad input to a flash-attn function: both a ValueError (attn's convention) and a
+    RuntimeError (what flash-attn raises)."""
+
+
+@contextlib.contextmanager
+def _translating():
+    """attn's own ValueErrors (bad shapes found deeper down) as FlashAttnError."""
+    try:
+        yield
+    except FlashAttnError:
+        raise
+    except ValueError as exc:
+        raise FlashAttnError(str(exc)) from exc
+
+
+# -- checks ----------------------------------------------------------------------------------
+
+def _tensor(name: str, t: object, dims: int, letters: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise FlashAttnError(f"{name} must have {dims} dims {letters}, got shape "
+                             f"{tuple(t.shape)}")
+    return t
+
+
+def _check_heads(q: Tensor, k: Tensor, v: Tensor, *, head_axis: int) -> None:
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    H, Hkv = q.shape[head_axis], k.shape[head_axis]
+    if q.shape[-1] != k.shape[-1]:
+        raise FlashAttnError(f"q and k head dims differ ({q.shape[-1]} vs {k.shape[-1]}): "
+                             f"{shapes}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise FlashAttnError(f"k and v must agree in every dim but the head dim: {shapes}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise FlashAttnError(f"the number of heads in k/v ({Hkv}) must divide the number of "
+                             f"heads in q ({H}): {shapes}")
+
+
+def _window(window_size: object) -> tuple[int, int]:
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise FlashAttnError(f"window_size must be a pair of ints (left, right), -1 for "
+                             f"unbounded, got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _band(causal: bool, window_size: object, seqlen_k: int) -> tuple[tuple[int, int] | None, bool, bool]:
+    """flash-attn 2.8.3's resolution of (causal, window_size) against ``seqlen_k``:
+    ``(window for attn or None, pure_causal, local)`` (see the module docstring)."""
+    left, right = _window(window_size)
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_k:
+        right = -1
+    if causal:
+        right = 0
+    pure_causal = left < 0 and right == 0
+    if left < 0 and right >= 0:
+        left = seqlen_k
+    if left >= 0 and right < 0:
+        right = seqlen_k
+    local = (left >= 0 or right >= 0) and not pure_causal
+    window = None if left < 0 and right < 0 else (left, right)
+    return window, pure_causal, local
+
+
+def _check_alibi(alibi_slopes: Tensor | None, B: int, H: int) -> None:
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, Tensor):
+        raise TypeError(f"alibi_slopes must be a tensor, got {type(alibi_slopes).__name__}")
+    if tuple(alibi_slopes.shape) not in ((H,), (B, H)):
+        raise FlashAttnError(f"alibi_slopes must have shape (nheads,) = ({H},) or (batch_size, "
+                             f"nheads) = ({B}, {H}), got {tuple(alibi_slopes.shape)}")
+
+
+def _variants(softmax_scale, softcap, alibi_slopes) -> dict:
+    """attn keywords of flash-attn's score variants (alibi_slopes only when given, so the
+    call works on an attn without ALiBi as long as ALiBi is not asked for)."""
+    kw = {"scale": softmax_scale,
+          "softcap": float(softcap) if softcap is not None and softcap > 0 else None}
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = alibi_slopes
+    return kw
+
+
+def _fa_lse(lse: Tensor, alibi_slopes: Tensor | None, pure_causal: bool,
+            row_offset: Tensor | None) -> Tensor:
+    """attn's lse → flash-attn's: +inf where a row sees no key, and under pure-causal ALiBi
+    the ``slope·(i + Nk − Nq)`` flash-attn's ``+slope·j`` form adds. ``row_offset``
+    broadcasts to lse: each row's ``i + Nk − Nq``; alibi_slopes (H,) or (B, H) is shaped to
+    broadcast too by the caller."""
+    empty = torch.isneginf(lse)
+    if alibi_slopes is not None and pure_causal:
+        lse = lse + alibi_slopes.to(lse.dtype) * row_offset.to(lse.dtype)
+    return torch.where(empty, torch.full_like(lse, float("inf")), lse)
+
+
+def _probs(q: Tensor) -> Tensor:
+    return torch.empty(0, dtype=q.dtype, device=q.device)
+
+
+# -- (B, N, H, D) --------------------------------------------------------------------------
+
+def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal, window_size,
+           softcap, alibi_slopes, seqlen_k: int | None = None,
+           kv_heads_first: bool = False) -> tuple[Tensor, Tensor]:
+    """out (B, Nq, H, Dv) and flash-attn's lse (B, H, Nq) of (B, N, H, D) inputs (k and v
+    already ``(B, Hkv, Nk, D)`` when ``kv_heads_first``)."""
+    B, Nq, H, _ = q.shape
+    if not kv_heads_first:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, N, Hkv, D) -> (B, Hkv, N, D) views
+    Nk = k.shape[2]
+    _check_alibi(alibi_slopes, B, H)
+    window, pure_causal, _ = _band(causal, window_size, Nk if seqlen_k is None else seqlen_k)
+    with _translating():
+        # (B, N, H, D) -> (B, H, N, D): views; attn's backends take any strides
+        out, lse = attention(q.transpose(1, 2), k, v,
+                             causal=False, window=window, dropout_p=dropout_p,
+                             return_lse=True, **_variants(softmax_scale, softcap, alibi_slopes))
+    row_offset = torch.arange(Nq, device=q.device) + (Nk - Nq)  # i + Nk - Nq
+    slopes = None if alibi_slopes is None else alibi_slopes.reshape(-1, H, 1)
+    lse = _fa_lse(lse, slopes, pure_causal, row_offset)
+    return out.transpose(1, 2).contiguous(), lse  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
+
+
+def _returns(out: Tensor, lse: Tensor, q: Tensor, return_attn_probs: bool):
+    return (out, lse, _probs(q)) if return_attn_probs else out
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # <=0.0 means deactivate
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Attention of qkv ``(B, N, 3, H, D)`` → out ``(B, N, H, D)``; gradients flow to qkv.
+
+    With ``return_attn_probs``: ``(out, softmax_lse (B, H, N), S)``, S empty. See
+    :func:`flash_attn_func` for the keywords.
+    """
+    _tensor("qkv", qkv, 5, "(batch_size, seqlen, 3, nheads, headdim)")
+    if qkv.shape[2] != 3:
+        raise FlashAttnError(f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got shape "
+                             f"{tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Attention of q ``(B, Nq, H, D)`` and kv ``(B, Nk, 2, Hkv, D)`` → out ``(B, Nq, H, D)``;
+    gradients flow to q and kv. See :func:`flash_attn_func` for the keywords.
+    """
+    _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
+    _tensor("kv", kv, 5, "(batch_size, seqlen, 2, nheads_k, headdim)")
+    if kv.shape[2] != 2:
+        raise FlashAttnError(f"kv must be (batch_size, seqlen, 2, nheads_k, headdim), got shape "
+                             f"{tuple(kv.shape)}")
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's ``flash_attn_func`` on attn: q ``(B, Nq, H, D)``, k and v
+    ``(B, Nk, Hkv, D)`` → out ``(B, Nq, H, D)``, differentiable in q, k, v.
+
+    Causal is aligned bottom-right; Nq = 2, Nk = 5, and Nq = 5, Nk = 2 (1 = keep)::
+
+        1 1 1 1 0        0 0
+        1 1 1 1 1        0 0
+                         0 0
+                         1 0
+                         1 1
+
+    A row that sees no key gives zeros (lse = +inf). ``window_size=(left, right)`` keeps keys
+    ``[i + Nk − Nq − left, i + Nk − Nq + right]``; ``softcap > 0`` caps the scaled scores;
+    ``alibi_slopes`` fp32 ``(H,)`` or ``(B, H)`` adds ``−slope·|i + Nk − Nq − j|`` after
+    softcap. ``dropout_p``: attn's reproducible dropout (seed from torch's generator).
+    With ``return_attn_probs``: ``(out, softmax_lse (B, H, Nq), S)``, S an empty tensor.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _tensor(name, t, 4, "(batch_size, seqlen, nheads, headdim)")
+    _check_heads(q, k, v, head_axis=2)
+    out, lse = _dense(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    return _returns(out, lse, q, return_attn_probs)
+
+
+# -- packed sequences ------------------------------------------------------------------------
+
+def _cu_host(name: str, cu: object, total: int) -> Tensor:
+    """Offsets on the host: 1-d, start at 0, never decrease, end at most at ``total`` (a
+    padded buffer is legal: its tail is no sequence's)."""
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 (or int64), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise FlashAttnError(f"{name} must be 1-d (batch_size + 1,), got shape "
+                             f"{tuple(cu.shape)}")
+    host = cu.cpu()
+    if int(host[0]) != 0:
+        raise FlashAttnError(f"{name} must start at 0, got {host.tolist()[:16]}")
+    if bool((host[1:] < host[:-1]).any()):
+        raise FlashAttnError(f"{name} must not decrease, got {host.tolist()[:16]}")
+    if int(host[-1]) > total:
+        raise FlashAttnError(f"{name}[-1] = {int(host[-1])} is larger than the {total} tokens "
+                             f"of the packed tensor")
+    return host
+
+
+def _gather(cache: Tensor, idx0: Tensor, idx1) -> Tensor:
+    """``cache[idx0, idx1]`` of a ``(rows, L, Hkv, D)`` cache as ``(n, Hkv, D)``, copied
+    head-major: the result is a transposed view of a contiguous ``(Hkv, n, D)``, so attn,
+    which reads ``(Hkv, n, D)`` slabs, gets contiguous keys (on CPU the tiled backend reads
+    strided keys several times slower)."""
+    return cache.permute(2, 0, 1, 3)[:, idx0, idx1].transpose(0, 1)
+
+
+def _paged_keys(k_cache: Tensor, block_table: Tensor, rows: Tensor, pos: Tensor) -> Tensor:
+    """Keys at logical positions ``pos`` of sequences ``rows`` of a paged cache
+    ``(num_blocks, page, Hkv, D)``: ``(len(pos), Hkv, D)``, a gather (copy)."""
+    page = k_cache.shape[1]
+    blk = block_table[rows, pos // page].long()
+    return _gather(k_cache, blk, pos % page)
+
+
+def _check_block_table(block_table: object, B: int, k_cache: Tensor) -> Tensor:
+    if not isinstance(block_table, Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dim() != 2 or block_table.shape[0] != B:
+        raise FlashAttnError(f"block_table must be (batch_size, max_num_blocks_per_seq) with "
+                             f"batch_size {B}, got shape {tuple(block_table.shape)}")
+    if block_table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+    _tensor("k_cache", k_cache, 4, "(num_blocks, page_block_size, nheads_k, headdim) with a "
+            "block_table")
+    return block_table
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, block_table=None,
+            seqlen_k: int | None = None):
+    """out (total_q, H, Dv) and flash-attn's lse (H, total_q) of packed inputs."""
+    _tensor("q", q, 3, "(total_q, nheads, headdim)")
+    paged = block_table is not None
+    kdims = (4, "(num_blocks, page_block_size, nheads_k, headdim) with a block_table") if paged \
+        else (3, "(total_k, nheads_k, headdim)")
+    _tensor("k", k, *kdims)
+    _tensor("v", v, *kdims)
+    _check_heads(q, k, v, head_axis=-2)
+    total_q, H, _ = q.shape
+    host_q = _cu_host("cu_seqlens_q", cu_seqlens_q, total_q)
+    B = host_q.numel() - 1
+    if paged:
+        _check_block_table(block_table, B, k)
+        capacity = block_table.shape[1] * k.shape[1]
+        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, B * capacity)
+    else:
+        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    if host_k.numel() != host_q.numel():
+        raise FlashAttnError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of "
+                             f"sequences, got shapes {tuple(cu_seqlens_q.shape)} and "
+                             f"{tuple(cu_seqlens_k.shape)}")
+    _check_alibi(alibi_slopes, B, H)
+    len_q, len_k = host_q[1:] - host_q[:-1], host_k[1:] - host_k[:-1]
+    if paged and int(len_k.max()) > capacity:
+        raise FlashAttnError(f"a sequence of {int(len_k.max())} keys does not fit the "
+                             f"block_table's {block_table.shape[1]} pages of {k.shape[1]}")
+    used_q, used_k = int(host_q[-1]), int(host_k[-1])
+    if paged:  # the sequences' keys gathered in order, through the page table
+        rows = torch.repeat_interleave(torch.arange(B), len_k).to(q.device)
+        pos = (torch.arange(used_k) - torch.repeat_interleave(host_k[:-1], len_k)).to(q.device)
+        k, v = _paged_keys(k, block_table, rows, pos), _paged_keys(v, block_table, rows, pos)
+    else:
+        k, v = k[:used_k], v[:used_k]
+    if seqlen_k is None:  # flash-attn's seqlen_k of the window rule: the max_seqlen_k given
+        seqlen_k = int(len_k.max()) if max_seqlen_k is None else int(max_seqlen_k)
+    window, pure_causal, _ = _band(causal, window_size, seqlen_k)
+    cu_q = host_q.to(device=q.device)
+    cu_k = host_k.to(device=q.device)
+    with _translating():
+        out, lse = varlen_attention(q[:used_q], k, v, cu_q, cu_k, int(len_q.max()),
+                                    int(len_k.max()), window=window, dropout_p=dropout_p,
+                                    return_lse=True,
+                                    **_variants(softmax_scale, softcap, alibi_slopes))
+    if alibi_slopes is not None and pure_causal:
+        # each token's i + Lk_b - Lq_b, counted from its sequence's end
+        doc = torch.repeat_interleave(torch.arange(B), len_q)
+        row_offset = (torch.arange(used_q) - host_q[1:][doc] + len_k[doc]).to(q.device)
+        slopes = (alibi_slopes.reshape(H, 1) if alibi_slopes.dim() == 1
+                  else alibi_slopes.to(q.device)[doc.to(q.device)].T)  # (H, total_q)
+        lse = _fa_lse(lse, slopes, True, row_offset)
+    else:
+        lse = _fa_lse(lse, None, False, None)
+    if used_q < total_q:  # a padded buffer: its tail sees no key
+        out = torch.cat([out, out.new_zeros(total_q - used_q, *out.shape[1:])])
+        lse = torch.cat([lse, lse.new_full((H, total_q - used_q), float("inf"))], dim=1)
+    return out, lse
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Packed sequences, qkv ``(total, 3, H, D)`` → out ``(total, H, D)``; gradients flow to
+    qkv. See :func:`flash_attn_varlen_func`."""
+    _tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        raise FlashAttnError(f"qkv must be (total, 3, nheads, headdim), got shape "
+                             f"{tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Packed sequences, q ``(total_q, H, D)``, kv ``(total_k, 2, Hkv, D)`` → out
+    ``(total_q, H, D)``; gradients flow to q and kv. See :func:`flash_attn_varlen_func`."""
+    _tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        raise FlashAttnError(f"kv must be (total_k, 2, nheads_k, headdim), got shape "
+                             f"{tuple(kv.shape)}")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """Packed sequences on attn.varlen_attention: q ``(total_q, H, D)``, k and v
+    ``(total_k, Hkv, D)`` → out ``(total_q, H, D)``, differentiable.
+
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` ``(B + 1,)``: sequence b's queries are
+    ``q[cu_q[b]:cu_q[b+1]]`` and see only its keys; causal, window and ALiBi positions are
+    per sequence, bottom-right (``j <= i + Lk_b − Lq_b``). A buffer longer than
+    ``cu_seqlens[-1]`` is legal: the tail rows return zeros (lse +inf). ``block_table``
+    ``(B, max_blocks)``: k and v are a paged cache ``(num_blocks, page, Hkv, D)`` (any page
+    size) and sequence b's keys are its first ``Lk_b`` logical positions. ``alibi_slopes``
+    ``(H,)`` or ``(B, H)``. With ``return_attn_probs``: ``(out, softmax_lse (H, total_q), S)``,
+    S empty. ``max_seqlen_k`` is the ``seqlen_k`` of the window rule (module docstring).
+    """
+    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       block_table=block_table)
+    return _returns(out, lse, q, return_attn_probs)
+
+
+# -- the KV cache ----------------------------------------------------------------------------
+
+# Devices where flash_attn_with_kvcache runs attn row by row (see its Cost paragraph); the
+# tests also run the batched paths on CPU by emptying it.
+_PER_ROW_DEVICES = ("cpu",)
+
+def _as_lengths(name: str, x: object, B: int, device: torch.device) -> Tensor:
+    """An int or a (B,) int tensor, as a (B,) int64 host tensor."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return torch.full((B,), x, dtype=torch.int64)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be an int or a (batch_size,) int32 tensor, got "
+                        f"{type(x).__name__}")
+    if x.dtype not in (torch.int32, torch.int64) or tuple(x.shape) != (B,):
+        raise FlashAttnError(f"{name} must be (batch_size,) = ({B},) int32, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+    return x.cpu().long()
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[(int, torch.Tensor)]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Decoding with a KV cache: append k, v in place, then attend; forward only.
+
+    q ``(B, Nq, H, D)``; k_cache, v_cache ``(B_cache, L_cache, Hkv, D)``, or with
+    ``block_table (B, max_blocks)`` a paged cache ``(num_blocks, page, Hkv, D)`` of any page
+    size. k, v ``(B, Nnew, Hkv, D)`` are written **into the cache** at positions
+    ``cache_seqlens[b] + t`` (after rotary), then q attends to the keys
+    ``[cache_leftpad[b], cache_seqlens[b] + Nnew)`` of its row (``cache_batch_idx[b]``, default
+    b), j counted from the left pad, causal/window bottom-right over those keys.
+    ``cache_seqlens`` (int or ``(B,)``) is the absolute end, left pad included; None = the
+    whole cache (then k/v are refused). ``rotary_cos``/``rotary_sin`` ``(seqlen_ro, rd / 2)``,
+    any even ``rd <= D``: new k rotated at ``cache_seqlens + t``, q at ``cache_seqlens + t``
+    when causal or local and at ``cache_seqlens`` otherwise (interleaved pairs, or GPT-NeoX
+    halves when ``rotary_interleaved=False``); needs k and v. ``num_splits`` is accepted
+    and ignored (attn picks its own split). Returns out ``(B, Nq, H, D)``, or
+    ``(out, softmax_lse (B, H, Nq))``. Works under ``torch.inference_mode()``.
+
+    Refused as flash-attn refuses them: ``block_table`` with ``cache_batch_idx`` or with
+    ``cache_leftpad``; k without v; k/v without ``cache_seqlens``; rotary without k/v; a cache
+    too small for ``cache_seqlens + Nnew``.
+
+    Cost: ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy: the
+    lengths decide the checks and the path). On CPU, attn runs once per row on a view of that
+    row's keys (no copy), or on a gather of the pages it uses when paged. Elsewhere one call
+    covers the batch: a view with equal lengths and no left pad, otherwise the keys in use
+    gathered head-major (through the page table when paged) and run as packed sequences.
+    """
+    _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
+    B, Nq, H, D = q.shape
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            raise FlashAttnError("a paged KV cache (block_table) does not support "
+                                 "cache_batch_idx, as in flash-attn")
+        if cache_leftpad is not None:
+            raise FlashAttnError("a paged KV cache (block_table) does not support "
+                                 "cache_leftpad, as in flash-attn")
+        _check_block_table(block_table, B, k_cache)
+    else:
+        _tensor("k_cache", k_cache, 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+    _tensor("v_cache", v_cache, 4, "like k_cache")
+    if v_cache.shape[:-1] != k_cache.shape[:-1]:
+        raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} and v_cache "
+                             f"{tuple(v_cache.shape)} must agree in every dim but the head dim")
+    _check_heads(q, k_cache, v_cache, head_axis=2)
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+
+    # -- new keys: shapes, lengths, room in the cache --
+    if (k is None) != (v is None):
+        raise FlashAttnError("k and v must be given together (new keys and values to append)")
+    Nnew = 0
+    if k is not None:
+        _tensor("k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        _tensor("v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        want_k = (B, k.shape[1], *k_cache.shape[2:])
+        want_v = (B, k.shape[1], *v_cache.shape[2:])
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise FlashAttnError(f"k and v must be (batch_size, seqlen_new, nheads_k, headdim) "
+                                 f"= {want_k} / {want_v} for q {tuple(q.shape)} and k_cache "
+                                 f"{tuple(k_cache.shape)}, got {tuple(k.shape)} and "
+                                 f"{tuple(v.shape)}")
+        if cache_seqlens is None:
+            raise FlashAttnError("k and v are appended at cache_seqlens: pass cache_seqlens "
+                                 "(an int or a (batch_size,) int32 tensor)")
+        Nnew = k.shape[1]
+    if cache_seqlens is None:
+        ends = torch.full((B,), capacity, dtype=torch.int64)
+    else:
+        ends = _as_lengths("cache_seqlens", cache_seqlens, B, q.device)
+    starts = (torch.zeros(B, dtype=torch.int64) if cache_leftpad is None
+              else _as_lengths("cache_leftpad", cache_leftpad, B, q.device))
+    stops = ends + Nnew  # one past each row's last key
+    if bool((ends < 0).any()) or int(stops.max()) > capacity:
+        raise FlashAttnError(f"the cache holds {capacity} positions per sequence; "
+                             f"cache_seqlens {ends.tolist()[:16]} + {Nnew} new tokens do not "
+                             f"fit (k_cache {tuple(k_cache.shape)}"
+                             + (f", block_table {tuple(block_table.shape)})" if paged else ")"))
+    if bool((starts < 0).any()) or bool((starts > ends).any()):
+        raise FlashAttnError(f"cache_leftpad {starts.tolist()[:16]} must lie in "
+                             f"[0, cache_seqlens] = {ends.tolist()[:16]}")
+    if cache_batch_idx is not None:
+        rows = _as_lengths("cache_batch_idx", cache_batch_idx, B, q.device)
+        if bool((rows < 0).any()) or int(rows.max()) >= k_cache.shape[0]:
+            raise FlashAttnError(f"cache_batch_idx {rows.tolist()[:16]} out of range for "
+                                 f"k_cache {tuple(k_cache.shape)}")
+    else:
+        rows = torch.arange(B)
+        if not paged and k_cache.shape[0] < B:
+            raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} holds fewer rows than the "
+                                 f"batch of q {tuple(q.shape)}")
+    _check_alibi(alibi_slopes, B, H)
+    window, pure_causal, local = _band(causal, window_size, capacity)
+
+    # -- rotary on the new keys and on q, at absolute cache positions --
+    if rotary_cos is not None or rotary_sin is not None:
+        if k is None:
+            raise FlashAttnError("rotary_cos/rotary_sin rotate the new keys: pass k and v")
+        q_rows = ends.view(B, 1) + (torch.arange(Nq).view(1, Nq) if (causal or local)
+                                    else torch.zeros(1, Nq, dtype=torch.int64))
+        k_rows = ends.view(B, 1) + torch.arange(Nnew).view(1, Nnew)
+        k = rotate_at(k, rotary_cos, rotary_sin, k_rows, rotary_interleaved, "k")
+        q = rotate_at(q, rotary_cos, rotary_sin, q_rows, rotary_interleaved, "q")
+
+    dev = q.device
+    with torch.no_grad():
+        # -- append in place: row b's new token t goes to position ends[b] + t --
+        if k is not None:
+            pos = (ends.view(B, 1) + torch.arange(Nnew).view(1, Nnew)).flatten().to(dev)
+            row = rows.repeat_interleave(Nnew).to(dev)
+            if paged:
+                page = k_cache.shape[1]
+                row = block_table[torch.arange(B, device=dev).repeat_interleave(Nnew),
+                                  pos // page].long()
+                pos = pos % page
+            k_cache[row, pos] = k.reshape(B * Nnew, *k.shape[2:]).to(k_cache.dtype)
+            v_cache[row, pos] = v.reshape(B * Nnew, *v.shape[2:]).to(v_cache.dtype)
+
+        # -- attention over [starts, stops) of each row --
+        lengths = stops - starts
+        uniform = bool((starts == starts[0]).all()) and bool((stops == stops[0]).all())
+        variants = dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+                        window_size=window_size, softcap=softcap, seqlen_k=capacity,
+                        kv_heads_first=True)
+        if dev.type in _PER_ROW_DEVICES:
+            # one call per row on views of its own keys (a gather of its pages when paged):
+            # the tiled backend reads a (B, N, Hkv, D) cache viewed head-first by copying it
+            # whole, while a single row's view needs no copy
+            outs, lses = [], []
+            for b in range(B):
+                s0, s1 = int(starts[b]), int(stops[b])
+                if s1 == s0:  # no key: zeros, lse +inf
+                    outs.append(q.new_zeros(1, Nq, H, v_cache.shape[-1]))
+                    lses.append(torch.full((1, H, Nq), float("inf"), device=dev,
+                                           dtype=torch.float64 if q.dtype == torch.float64
+                                           else torch.float32))
+                    continue
+                if paged:
+                    page = k_cache.shape[1]
+                    p0, p1 = s0 // page, -(-s1 // page)
+                    blocks = block_table[b, p0:p1].long()  # only this row's pages in use
+                    kk, vv = (c[blocks].flatten(0, 1)[s0 - p0 * page:s1 - p0 * page]
+                              for c in (k_cache, v_cache))
+                else:
+                    r = int(rows[b])
+                    kk, vv = k_cache[r, s0:s1], v_cache[r, s0:s1]  # views
+                slopes = (alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1
+                          else alibi_slopes[b:b + 1])
+                # (Nk, Hkv, D) -> (1, Hkv, Nk, D)
+                out, lse = _dense(q[b:b + 1], kk[None].transpose(1, 2), vv[None].transpose(1, 2),
+                                  alibi_slopes=slopes, **variants)
+                outs.append(out)
+                lses.append(lse)
+            out, lse = torch.cat(outs), torch.cat(lses)
+        elif uniform:
+            s0, s1 = int(starts[0]), int(stops[0])
+            if paged:
+                page = k_cache.shape[1]
+                p0, p1 = s0 // page, -(-s1 // page)
+                blocks = block_table[:, p0:p1].long()  # (B, pages): only the pages in use
+                # (Hkv, B, pages, page, D) -> (B, Hkv, pages·page, D), copied head-major
+                kk, vv = (c.permute(2, 0, 1, 3)[:, blocks].transpose(0, 1).flatten(2, 3)
+                          [:, :, s0 - p0 * page:s1 - p0 * page] for c in (k_cache, v_cache))
+            elif cache_batch_idx is None:
+                # views, no copy: (B, L, Hkv, D) -> (B, Hkv, L, D)
+                kk, vv = (c[:B, s0:s1].transpose(1, 2) for c in (k_cache, v_cache))
+            else:
+                idx = rows.to(dev)
+                kk, vv = (c.permute(2, 0, 1, 3)[:, idx, s0:s1].transpose(0, 1)
+                          for c in (k_cache, v_cache))  # (Hkv, B, L, D) -> (B, Hkv, L, D)
+            out, lse = _dense(q, kk, vv, alibi_slopes=alibi_slopes, **variants)
+        else:
+            # per-row lengths: the used keys packed end to end, one sequence per row
+            total = int(lengths.sum())
+            seq = torch.repeat_interleave(torch.arange(B), lengths)
+            cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+            pos = (torch.arange(total) - cu_k[:-1][seq] + starts[seq]).to(dev)
+            if paged:
+                kk = _paged_keys(k_cache, block_table, seq.to(dev), pos)
+                vv = _paged_keys(v_cache, block_table, seq.to(dev), pos)
+            else:
+                kk, vv = (_gather(c, rows[seq].to(dev), pos) for c in (k_cache, v_cache))
+            cu_q = torch.arange(B + 1, dtype=torch.int64) * Nq
+            out, lse = _varlen(q.reshape(B * Nq, H, D), kk, vv, cu_q.to(dev), cu_k.to(dev),
+                               Nq, int(lengths.max()), dropout_p=0.0,
+                               softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, softcap=softcap,
+                               alibi_slopes=alibi_slopes, seqlen_k=capacity)
+            out = out.view(B, Nq, H, -1)
+            lse = lse.view(H, B, Nq).transpose(0, 1)  # (H, B·Nq) -> (B, H, Nq)
+    return (out, lse) if return_softmax_lse else out
