@@ -590,7 +590,7 @@ def test_kvcache_whole_cache_and_empty_rows(kv_path):
     q, kc, vc = randn(2, 3, 4, 16).float(), randn(2, 9, 2, 16, seed=1).float(), \
         randn(2, 9, 2, 16, seed=2).float()
     out = fa.flash_attn_with_kvcache(q, kc, vc, causal=True)  # cache_seqlens=None: all 9 keys
-    torch.testing.assert_close(out, fa.flash_attn_func(q, kc, vc, causal=True), rtol=0, atol=0)
+    torch.testing.assert_close(out, fa.flash_attn_func(q, kc, vc, causal=True))  # per-row vs batched GEMMs: not bitwise
     seqlens = torch.tensor([0, 5], dtype=torch.int32)  # row 0 has no key
     out, lse = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
                                           return_softmax_lse=True)
