@@ -17,6 +17,7 @@ from torch import Tensor
 from attn.masks import Band, make_band, simplify_mask, window_pair
 from attn.reference import reference_attention
 from attn.spec import LaunchSpec
+from attn import tiled
 from attn.tiled import tiled_attention
 
 BACKENDS = ("auto", "reference", "tiled", "triton", "sdpa")
@@ -113,13 +114,18 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
             raise NotImplementedError(
                 f"backend={requested!r} cannot compute this call: {why}. "
                 f"backend='tiled' and backend='reference' support every variant.")
+        if requested == "tiled":
+            return BackendChoice("tiled", "requested explicitly; "
+                                          f"{tiled.fused_path_reason(call.device)}")
         return BackendChoice(requested, "requested explicitly")
     if call.device != "cuda":
-        return BackendChoice("tiled", f"auto: tiled on {call.device} (triton needs CUDA)")
+        return BackendChoice("tiled", f"auto: tiled on {call.device} (triton needs CUDA); "
+                                      f"{tiled.fused_path_reason(call.device)}")
     why = _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
     if why is None:
         return BackendChoice("triton", "auto: triton on CUDA")
-    return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}")
+    return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}; "
+                                  f"{tiled.fused_path_reason(call.device)}")
 
 
 # -- validation --------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ Three layers, as in ``flash_triton.py``: ``_fwd`` / ``_bwd`` launchers, one
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+import types
+import warnings
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -280,15 +283,14 @@ def _fwd_tile(m_i: Tensor, l_i: Tensor, acc: Tensor, s: Tensor, v_blk: Tensor,
 
 
 def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
-              delta_blk: Tensor, do_blk: Tensor, v_blk: Tensor, z: Tensor | None,
-              dp_buf: Tensor, need_dc: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+              delta_blk: Tensor, dp: Tensor, z: Tensor | None,
+              need_dc: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One tile of the backward (Triton's ``_dkdv_inner`` / ``_dq_inner`` body): recompute
-    P from lse, then ``dS = P ∘ (dP − Δ)``. Returns ``(pd, ds, ds_capped, dc_terms)``: P
+    P from lse, then ``dS = P ∘ (dP − Δ)`` with ``dP = dO Vᵀ`` given (consumed). Returns ``(pd, ds, ds_capped, dc_terms)``: P
     with dropout applied (for dV), dS before and after the softcap chain rule (dS feeds a
     float mask's gradient; the capped one feeds dQ, dK), and the softcap gradient's terms."""
     p = s.sub_(lse_blk).mul_(LOG2E).exp2_()  # (B·Hkv, G·BM, BN)
-    # -- dP = dO Vᵀ; dropout scales P for dV and dP alike (ᵈ) --
-    dp = torch.bmm(do_blk, v_blk.transpose(1, 2), out=dp_buf)
+    # -- dropout scales P for dV and dP alike (ᵈ) --
     pd = p
     if z is not None:
         pd = p * z
@@ -303,6 +305,113 @@ def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
             dc_terms = ds * (t - u * one_m_t2)
         ds_raw = ds * one_m_t2
     return pd, ds, ds_raw, dc_terms
+
+
+# -- the fused CPU path: the same two steps, compiled ---------------------------------------
+# torch.compile (inductor's C++ backend) turns each step's elementwise chain into two loops
+# over the tile (row max, then exp2 / sum / dS) instead of one pass per op, and drops the
+# per-op dispatch. The GEMMs stay eager (torch's bmm). Shapes are symbolic (dynamic=True:
+# measured as fast as static ones), so sequence lengths, edge tiles and batch sizes never
+# recompile; each combination of dtype, step variant and size-1 dims compiles once per
+# process, in a code object of its own so that no combination eats another's recompile budget.
+
+def _fwd_tile_fused(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_fwd_tile` without the P·V GEMM, functional (for torch.compile): returns
+    ``(p, m_new, l_new, alpha)``; ``acc ← alpha·acc + p V`` stays with the caller."""
+    m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
+    p = torch.exp2((s - m_new) * LOG2E)
+    alpha = torch.exp2((m_i - m_new) * LOG2E)
+    l_new = l_i * alpha + p.sum(dim=-1, keepdim=True)
+    if z is not None:
+        p = p * z
+    return p, m_new, l_new, alpha
+
+
+def _bwd_tile_fused(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
+                    delta_blk: Tensor, z: Tensor | None, need_dc: bool
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """:func:`_bwd_tile` after the dP GEMM, functional (for torch.compile)."""
+    p = torch.exp2((s - lse_blk) * LOG2E)
+    pd = p
+    if z is not None:
+        pd = p * z
+        dp = dp * z
+    ds = p * (dp - delta_blk)
+    ds_raw, dc_terms = ds, None
+    if t is not None:
+        one_m_t2 = 1.0 - t * t
+        if need_dc:
+            dc_terms = ds * (t - u * one_m_t2)
+        ds_raw = ds * one_m_t2
+    return pd, ds, ds_raw, dc_terms
+
+
+_COMPILED: dict[str, Callable] = {}
+_FUSED_FAILED: str | None = None  # why the fused path is off for this process, once it failed
+
+
+def fused_cpu_default() -> bool:
+    """Whether the fused path is on: ``ATTN_TILED_COMPILE=0|1``, read at each call."""
+    flag = os.environ.get("ATTN_TILED_COMPILE", "1" if FUSED_DEFAULT else "0").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"ATTN_TILED_COMPILE must be 0 or 1, got {flag!r}")
+    return flag == "1"
+
+
+# Chosen by measurement (benchmarks/results/cpu/, README "CPU speed").
+FUSED_DEFAULT = False
+
+
+def fused_path_reason(device: torch.device | str) -> str:
+    """Which tiled path a call on ``device`` will try, for :func:`attn.select_backend`."""
+    if torch.device(device).type != "cpu":
+        return "eager tiled steps (the fused path is CPU only)"
+    if not fused_cpu_default():
+        return "eager tiled steps (ATTN_TILED_COMPILE=0)"
+    if _FUSED_FAILED is not None:
+        return f"eager tiled steps (the fused path failed earlier: {_FUSED_FAILED})"
+    return "fused CPU steps (torch.compile, ATTN_TILED_COMPILE=1)"
+
+
+def _fused_steps(q: Tensor) -> bool:
+    """Whether this call's full-size tiles take the compiled steps."""
+    return (q.device.type == "cpu" and _FUSED_FAILED is None and fused_cpu_default()
+            and not torch.compiler.is_compiling())
+
+
+def _compiled(fn: Callable, key: tuple) -> Callable:
+    if key not in _COMPILED:
+        # a copy of fn with its own code object: dynamo keeps its graphs per code object
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_COMPILED)}")
+        copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
+        _COMPILED[key] = torch.compile(copy, dynamic=True, fullgraph=True)
+    return _COMPILED[key]
+
+
+def _run_fused(fn: Callable, *args):
+    """``fn(*args)`` compiled, or None when compiling or running it fails: then the fused
+    path is switched off with one warning and the caller runs the eager step. The compiled
+    functions are functional, so a failed call changed nothing."""
+    global _FUSED_FAILED
+    if _FUSED_FAILED is not None:  # failed on an earlier tile of this call
+        return None
+    # contiguous inputs: a stride that follows N (a row slice of lse) would recompile
+    args = tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args)
+    # what makes dynamo build another graph: tensor or None, dtype, size-1 dims, flags
+    key = (fn.__name__,) + tuple(
+        (a.dtype, tuple(d == 1 for d in a.shape)) if isinstance(a, Tensor) else a
+        for a in args)
+    try:
+        return _compiled(fn, key)(*args)
+    except Exception as exc:  # no C++ compiler, an inductor error: eager is always exact
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        _FUSED_FAILED = f"{type(exc).__name__}: {first}"
+        warnings.warn(f"attn: the fused CPU path of the tiled backend could not run "
+                      f"({_FUSED_FAILED}); using the eager tiled path for the rest of this "
+                      f"process. Set ATTN_TILED_COMPILE=0 to silence this.", RuntimeWarning,
+                      stacklevel=3)
+        return None
 
 
 class Grads(NamedTuple):
@@ -332,8 +441,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
     sink_rows = None if sinks is None else sinks.to(acc_dtype).view(1, H, 1).expand(B, H, Nq)
     # a finite "-inf" start keeps exp(m_i - m_new) and exp(s - m_new) free of inf - inf
     lowest = torch.finfo(acc_dtype).min
+    blocks = _blocks(spec, Nq, Nk)
+    fused = _fused_steps(q)
 
-    for m0, m1, key_tiles in _blocks(spec, Nq, Nk).query_blocks():
+    for m0, m1, key_tiles in blocks.query_blocks():
         rows = (B * Hkv, G * (m1 - m0), 1)
         # -- init: the sink, when present, is the first "key" of every row --
         if sink_rows is None:
@@ -348,7 +459,12 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
         for n0, n1, full in key_tiles:
             s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
-            m_i, l_i, acc = _fwd_tile(m_i, l_i, acc, s, tile.v_block(n0, n1), z)
+            step = _run_fused(_fwd_tile_fused, m_i, l_i, s, z) if fused else None
+            if step is not None:
+                p, m_i, l_i, alpha = step
+                acc.mul_(alpha).baddbmm_(p, tile.v_block(n0, n1))
+            else:
+                m_i, l_i, acc = _fwd_tile(m_i, l_i, acc, s, tile.v_block(n0, n1), z)
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         seen = l_i > 0
         out[:, :, m0:m1] = (acc / torch.where(seen, l_i, 1.0)).view(B, H, m1 - m0, Dv)
@@ -378,6 +494,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
     tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi)
+    blocks = _blocks(spec, Nq, Nk)
     dq = torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device)
     dk3 = torch.zeros(B * Hkv, Nk, D, dtype=acc_dtype, device=q.device)
     dv3 = torch.zeros(B * Hkv, Nk, Dv, dtype=acc_dtype, device=q.device)
@@ -394,8 +511,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     lse_rows = lse.masked_fill(lse == float("-inf"), float("inf"))  # P = 0 on empty rows
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
+    fused = _fused_steps(q)
 
-    for m0, m1, key_tiles in _blocks(spec, Nq, Nk).query_blocks():
+    for m0, m1, key_tiles in blocks.query_blocks():
         if not key_tiles:
             continue
         BM = m1 - m0
@@ -409,11 +527,19 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             k_blk, v_blk = tile.k_block(n0, n1), tile.v_block(n0, n1)
             s, u, t = tile.scores(q_blk, m0, m1, n0, n1, full, track=track)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
-            pd, ds, ds_raw, dc_terms = _bwd_tile(s, u, t, lse_blk, delta_blk, do_blk, v_blk,
-                                                 z, tile.buffer("dp", s.shape),
-                                                 dsoftcap is not None)
-            # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group) --
-            dv3[:, n0:n1].baddbmm_(pd.transpose(1, 2), do_blk)
+            dp = torch.bmm(do_blk, v_blk.transpose(1, 2), out=tile.buffer("dp", s.shape))
+            step = None
+            if fused:
+                step = _run_fused(_bwd_tile_fused, s, dp, u, t, lse_blk, delta_blk, z,
+                                  dsoftcap is not None)
+            if step is None:
+                step = _bwd_tile(s, u, t, lse_blk, delta_blk, dp, z, dsoftcap is not None)
+            pd, ds, ds_raw, dc_terms = step
+            # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group). dK and dV go through a contiguous
+            # buffer: a GEMM into a column slice of (B·Hkv, Nk, D) runs as one addmm per batch
+            # entry, ~10% slower than the bmm plus a small add --
+            dv3[:, n0:n1] += torch.bmm(pd.transpose(1, 2), do_blk,
+                                       out=tile.buffer("dv", (B * Hkv, BN, Dv)))
             if dmask is not None:
                 rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
                 cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
@@ -427,7 +553,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
                         dcaptured[i] = g if dcaptured[i] is None else dcaptured[i] + g
             # -- dQ += dS K, dK += dSᵀ Q (q_blk carries the scale; dQ gets it at the end) --
             dq_blk.baddbmm_(ds_raw, k_blk)
-            dk3[:, n0:n1].baddbmm_(ds_raw.transpose(1, 2), q_blk)
+            dk3[:, n0:n1] += torch.bmm(ds_raw.transpose(1, 2), q_blk,
+                                       out=tile.buffer("dk", (B * Hkv, BN, D)))
         dq[:, :, m0:m1] = dq_blk.view(B, H, BM, D) * spec.qk_scale
 
     dsinks = None if sinks is None else sink_grad(sinks, lse.to(acc_dtype), delta)

@@ -1,0 +1,141 @@
+"""The fused CPU path of the tiled backend (``ATTN_TILED_COMPILE=1``): the per-tile steps
+compiled with torch.compile. Exact to the same budget as the eager steps, no recompiles when
+N varies, one warning and the eager path when compiling fails, and a switch that says which
+path ran. The wide variant matrix runs on the eager path elsewhere; here a few shapes share
+the compiled graphs (each compiles once per process)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import attn
+from attn import AttentionCall, select_backend, tiled
+from attn.testing import assert_close_to_reference
+
+BM, BN = 16, 32  # small tiles: full tiles and ragged edges in one call
+
+
+def _inputs(B=2, H=4, Hkv=2, Nq=45, Nk=70, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=g)
+    k = torch.randn(B, Hkv, Nk, D, generator=g)
+    v = torch.randn(B, Hkv, Nk, D, generator=g)
+    return q, k, v
+
+
+def _tiled(**fixed):
+    def fn(q, k, v, **kw):
+        return attn.attention(q, k, v, backend="tiled", block_m=BM, block_n=BN, **fixed, **kw)
+    return fn
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    monkeypatch.setenv("ATTN_TILED_COMPILE", "1")
+    monkeypatch.setattr(tiled, "_FUSED_FAILED", None)
+    calls = []
+    real = tiled._run_fused
+
+    def counting(fn, *args):
+        out = real(fn, *args)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(tiled, "_run_fused", counting)
+    return calls
+
+
+CASES = {
+    "plain-causal": dict(causal=True),
+    "gqa-window-sinks": dict(window=(9, 4), sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+    "softcap-mask": dict(softcap=5.0, attn_mask=torch.rand(45, 70) > 0.3),
+    "learned-softcap": dict(softcap=torch.full((4,), 3.0, requires_grad=True), causal=True),
+    "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]), causal=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_fused_matches_reference(fused, case):
+    q, k, v = _inputs(seed=hash(case) % 1000)
+    assert_close_to_reference(_tiled(), q, k, v, **CASES[case])
+    assert fused and all(fused), "the fused steps did not run"
+
+
+def test_fused_dropout_equals_eager(fused, monkeypatch):
+    # the same seed draws the same mask on both paths; eager is tested against the reference
+    q, k, v = (t.requires_grad_() for t in _inputs(seed=4))
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ATTN_TILED_COMPILE", flag)
+        torch.manual_seed(7)
+        out = _tiled()(q, k, v, dropout_p=0.3, causal=True)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        outs.append((out, *grads))
+    assert fused and all(fused)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
+def test_fused_bfloat16_and_float64(fused):
+    for dtype in (torch.bfloat16, torch.float64):
+        q, k, v = (t.to(dtype) for t in _inputs(seed=5))
+        assert_close_to_reference(_tiled(), q, k, v, causal=True)
+
+
+def test_no_recompile_when_n_varies(fused):
+    from torch._dynamo.utils import counters
+
+    def run(n):
+        q, k, v = (t.requires_grad_() for t in _inputs(Nq=n, Nk=n + 3, seed=n))
+        _tiled()(q, k, v, causal=True).sum().backward()
+
+    run(77)  # compiles what this shape family needs (full tiles, ragged edges)
+    graphs, compiled = counters["stats"]["unique_graphs"], len(tiled._COMPILED)
+    for n in (50, 129, 300, 1000):
+        run(n)
+    assert counters["stats"]["unique_graphs"] == graphs, "a new sequence length recompiled"
+    assert len(tiled._COMPILED) == compiled
+
+
+def test_compile_failure_warns_once_and_falls_back(fused, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no working C++ compiler (simulated)")
+    monkeypatch.setattr(tiled, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    q, k, v = _inputs(seed=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_close_to_reference(_tiled(), q, k, v, causal=True)
+        attn.attention(q, k, v, backend="tiled")
+    ours = [w for w in caught if "fused CPU path" in str(w.message)]
+    assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
+    assert "simulated" in str(ours[0].message)
+    call = AttentionCall(device="cpu", dtype=torch.float32, head_dim=16, head_dim_v=16, n_q=8, n_k=8)
+    assert "failed earlier" in select_backend(call).reason
+
+
+def test_switch_and_reason(monkeypatch):
+    call = AttentionCall(device="cpu", dtype=torch.float32, head_dim=16, head_dim_v=16, n_q=8, n_k=8)
+    monkeypatch.setattr(tiled, "_FUSED_FAILED", None)
+    monkeypatch.setenv("ATTN_TILED_COMPILE", "0")
+    assert "eager" in select_backend(call).reason
+    assert "eager" in select_backend(call, "tiled").reason
+    monkeypatch.setenv("ATTN_TILED_COMPILE", "1")
+    assert "fused" in select_backend(call).reason
+    cuda = AttentionCall(device="cuda", dtype=torch.float32, head_dim=16, head_dim_v=16,
+                         n_q=8, n_k=8)
+    assert "CPU only" in select_backend(cuda, "tiled").reason
+    monkeypatch.setenv("ATTN_TILED_COMPILE", "yes")
+    with pytest.raises(ValueError, match="ATTN_TILED_COMPILE"):
+        select_backend(call)
+    monkeypatch.delenv("ATTN_TILED_COMPILE")
+    assert ("fused" in select_backend(call).reason) == tiled.FUSED_DEFAULT
+
+
+def test_eager_path_runs_no_compiled_step(monkeypatch):
+    monkeypatch.setenv("ATTN_TILED_COMPILE", "0")
+    monkeypatch.setattr(tiled, "_run_fused", lambda *a: pytest.fail("fused step ran"))
+    q, k, v = _inputs(seed=8)
+    assert_close_to_reference(_tiled(), q, k, v, causal=True)
