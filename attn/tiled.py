@@ -73,7 +73,7 @@ class _Tile:
                  alibi: Tensor | None = None) -> None:
         B, H, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
-        self.B, self.Hkv, self.G = B, Hkv, H // Hkv
+        self.B, self.H, self.Hkv, self.G = B, H, Hkv, H // Hkv
         self.spec = spec
         self.band = spec.local_band()
         self.device = q.device
@@ -82,10 +82,14 @@ class _Tile:
         self.k3 = k.reshape(B * Hkv, Nk, D)  # (B·Hkv, Nk, D), a view when k is contiguous
         self.v3 = v.reshape(B * Hkv, Nk, v.shape[-1])
         self._buffers: dict[tuple, Tensor] = {}
-        self.mask5 = None  # bool masks stored inverted (True = masked): no ~ per tile
-        if attn_mask is not None:
-            m = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask
-            self.mask5 = _mask4d(m, (B, H, Nq, Nk)).view(B, Hkv, self.G, Nq, Nk)
+        self.mask5 = self.mask4 = None
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            # kept at its own broadcast shape; each tile's slice becomes a 0 / -inf bias:
+            # masked_fill_ through a broadcast mask ran 10x slower than add_ (250 vs 25 us)
+            self.mask4 = as_4d(attn_mask)
+            self.ninf = torch.tensor(float("-inf"), dtype=acc, device=q.device)
+        elif attn_mask is not None:
+            self.mask5 = _mask4d(attn_mask, (B, H, Nq, Nk)).view(B, Hkv, self.G, Nq, Nk)
         self.cap5 = None
         if softcap_t is not None:
             self.cap5 = softcap_t.to(acc).expand(H).reshape(1, Hkv, self.G, 1, 1)
@@ -106,7 +110,6 @@ class _Tile:
         # -- score_mod / mask_mod: index tensors broadcast to (B, H, BM, BN), global positions
         self.score_mod, self.mask_mod = spec.score_mod, spec.mask_mod
         if self.score_mod is not None or self.mask_mod is not None:
-            self.H = H
             self.b_idx = torch.arange(B, device=q.device).view(B, 1, 1, 1)
             self.h_idx = (torch.arange(H, device=q.device) + spec.head_start).view(1, H, 1, 1)
 
@@ -154,13 +157,24 @@ class _Tile:
         return self.v3[:, n0:n1].to(self.acc_dtype)
 
     def _band_mask(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
-        # a tile's band mask depends only on its diagonal offset and size: build each once
+        """The band as an additive (BM, BN) bias: 0 inside, -inf outside (an add_ runs 10x
+        faster than masked_fill_ through a broadcast mask). A tile's band depends only on its
+        diagonal offset and size: each is built once."""
         key = (n0 - m0, m1 - m0, n1 - n0)
         if key not in self._band_masks:
             offs_m = torch.arange(m0, m1, device=self.device)
             offs_n = torch.arange(n0, n1, device=self.device)
-            self._band_masks[key] = ~self.band.mask(offs_m, offs_n)  # True = masked
+            inside = self.band.mask(offs_m, offs_n)
+            bias = torch.zeros(inside.shape, dtype=self.acc_dtype, device=self.device)
+            self._band_masks[key] = bias.masked_fill_(~inside, float("-inf"))
         return self._band_masks[key]
+
+    def _bool_mask_bias(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
+        """The bool attn_mask's tile as a 0 / -inf bias at the mask's own broadcast shape."""
+        m = self.mask4
+        rows = slice(m0, m1) if m.shape[2] != 1 else slice(None)
+        cols = slice(n0, n1) if m.shape[3] != 1 else slice(None)
+        return torch.where(m[:, :, rows, cols], 0.0, self.ninf)  # True = attend
 
     def _add_alibi(self, s5: Tensor, m0: int, m1: int, n0: int, n1: int) -> None:
         """``s5 += −slope · |distance|`` in place: distances from the band's diagonal, global
@@ -223,16 +237,14 @@ class _Tile:
         # -- masks --
         if not full:
             if not self.band.is_full:
-                s5.masked_fill_(self._band_mask(m0, m1, n0, n1), float("-inf"))
+                s5.add_(self._band_mask(m0, m1, n0, n1))
             if self.mask_mod is not None:
                 keep = self.mask_mod_keep(m0, m1, n0, n1)
                 s.view(B, self.H, BM, BN).masked_fill_(~keep, float("-inf"))
-        if self.mask5 is not None:
-            mt = self.mask5[..., m0:m1, n0:n1]
-            if mt.dtype == torch.bool:
-                s5.masked_fill_(mt, float("-inf"))
-            else:
-                s5.add_(mt)
+        if self.mask4 is not None:
+            s.view(B, self.H, BM, BN).add_(self._bool_mask_bias(m0, m1, n0, n1))
+        elif self.mask5 is not None:
+            s5.add_(self.mask5[..., m0:m1, n0:n1])
         return s, u, t
 
     def score_mod_vjp(self, ds: Tensor, captured: tuple[Tensor, ...]
