@@ -35,12 +35,15 @@ from attn.spec import LaunchSpec
 BLOCK_M = 256
 BLOCK_N = 256
 
-# Probabilities are computed as exp2((s - m)·log2(e)): on CPU torch's exp2 runs ~4.6x faster
-# than exp at 1.2 ulp in fp32 (scripts/profile_tiled_cpu.py), and exp was the largest
-# non-GEMM cost per tile. The subtraction comes first, in natural units, so a row's max
-# gives exactly p = 1 and lse = m + log(l) stays exactly what the backward subtracts (folding
-# log2(e) into q instead rounds large logits twice: at 1e4, P moved by 1e-3).
+# Scores live in base-2 units (s·log2 e) and probabilities are exp2(s - m): on CPU torch's
+# exp2 runs ~4.6x faster than exp at 1.2 ulp in fp32, and exp was the largest non-GEMM cost
+# per tile. When nothing nonlinear sits between q·kᵀ and the softmax (no softcap, score_mod
+# or float mask), log2 e folds into the q scale and costs nothing; otherwise the finished
+# scores are multiplied once. The forward keeps lse2 = m + log2(l) for the backward: the
+# natural lse it returns cannot be turned back into lse2 exactly (at logits of 1e4 the
+# round trip moves P by 1e-3), so the autograd Function saves both.
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -90,15 +93,18 @@ class _Tile:
             self.ninf = torch.tensor(float("-inf"), dtype=acc, device=q.device)
         elif attn_mask is not None:
             self.mask5 = _mask4d(attn_mask, (B, H, Nq, Nk)).view(B, Hkv, self.G, Nq, Nk)
+        # log2 e in the q scale when every step up to the softmax is linear in s or a -inf fill
+        self.fold_log2 = (spec.score_mod is None and spec.softcap is None and softcap_t is None
+                          and self.mask5 is None)
         self.cap5 = None
         if softcap_t is not None:
             self.cap5 = softcap_t.to(acc).expand(H).reshape(1, Hkv, self.G, 1, 1)
         # -- ALiBi: minus the slopes, per (batch, head), or per (head, sequence) when packed
         self.alibi5 = self.alibi_seq = None
         if alibi is not None and spec.alibi_rows is None:
-            self.alibi5 = -alibi.to(acc).expand(B, H).reshape(B, Hkv, self.G, 1, 1)
+            self.alibi5 = -self._units(alibi.to(acc)).expand(B, H).reshape(B, Hkv, self.G, 1, 1)
         elif alibi is not None:
-            self.alibi_seq = -alibi.to(acc).t().reshape(Hkv, self.G, -1)  # (Hkv, G, seqs)
+            self.alibi_seq = -self._units(alibi.to(acc)).t().reshape(Hkv, self.G, -1)  # (Hkv, G, seqs)
         self._alibi_dist: dict[tuple[int, int, int], Tensor] = {}
         if spec.dropout_p > 0.0:
             # the hash reads global (b·H + h, i, j): a shard draws the unsharded mask
@@ -112,6 +118,10 @@ class _Tile:
         if self.score_mod is not None or self.mask_mod is not None:
             self.b_idx = torch.arange(B, device=q.device).view(B, 1, 1, 1)
             self.h_idx = (torch.arange(H, device=q.device) + spec.head_start).view(1, H, 1, 1)
+
+    def _units(self, x: Tensor) -> Tensor:
+        """A term added to the scores, in the units they have when it is added."""
+        return x * LOG2E if self.fold_log2 else x
 
     def _idx(self, m0: int, m1: int, n0: int, n1: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         q_idx = (torch.arange(m0, m1, device=self.device) + self.spec.q_start).view(1, 1, -1, 1)
@@ -146,8 +156,10 @@ class _Tile:
         return keep
 
     def q_block(self, m0: int, m1: int) -> Tensor:
-        """Scaled queries ``(B·Hkv, G·BM, D)`` in the accumulation dtype (a fresh copy)."""
-        q_blk = self.q[:, :, m0:m1].to(self.acc_dtype) * self.spec.qk_scale  # (B, H, BM, D)
+        """Scaled queries ``(B·Hkv, G·BM, D)`` in the accumulation dtype (a fresh copy); the
+        scale carries log2 e when :attr:`fold_log2`."""
+        scale = self.spec.qk_scale * (LOG2E if self.fold_log2 else 1.0)
+        q_blk = self.q[:, :, m0:m1].to(self.acc_dtype) * scale  # (B, H, BM, D)
         return q_blk.reshape(self.B * self.Hkv, self.G * (m1 - m0), q_blk.shape[-1])
 
     def k_block(self, n0: int, n1: int) -> Tensor:
@@ -204,10 +216,10 @@ class _Tile:
 
     def scores(self, q_blk: Tensor, m0: int, m1: int, n0: int, n1: int, full: bool,
                track: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Masked scores ``(B·Hkv, G·BM, BN)``; with softcap also ``u = s_raw / c`` and
+        """Masked scores ``(B·Hkv, G·BM, BN)`` in base-2 units; with softcap also ``u = s_raw / c`` and
         ``t = tanh(u)`` (the backward needs both). ``full``: the block classification says
         no mask (band, mask_mod) masks anything in this tile. Order: scale → score_mod →
-        softcap → ALiBi → masks (the bias is a constant: dS flows through it unchanged, so
+        softcap → ALiBi → masks → log2 e (the bias is a constant: dS flows through it unchanged, so
         the backward needs nothing more). ``track`` (backward): the score_mod runs under
         autograd and ``self.mod_graph`` keeps ``(scores in, scores out)`` for
         :meth:`score_mod_vjp`."""
@@ -245,6 +257,8 @@ class _Tile:
             s.view(B, self.H, BM, BN).add_(self._bool_mask_bias(m0, m1, n0, n1))
         elif self.mask5 is not None:
             s5.add_(self.mask5[..., m0:m1, n0:n1])
+        if not self.fold_log2:
+            s.mul_(LOG2E)
         return s, u, t
 
     def score_mod_vjp(self, ds: Tensor, captured: tuple[Tensor, ...]
@@ -285,8 +299,8 @@ def _fwd_tile(m_i: Tensor, l_i: Tensor, acc: Tensor, s: Tensor, v_blk: Tensor,
     state ``(m_i, l_i, acc)`` to the new row max and add ``p = exp(s - m_new)``'s share.
     ``s`` is consumed (overwritten by p); ``z`` is the dropout scale (values only)."""
     m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-    p = s.sub_(m_new).mul_(LOG2E).exp2_()
-    alpha = (m_i - m_new).mul_(LOG2E).exp2_()
+    p = s.sub_(m_new).exp2_()
+    alpha = (m_i - m_new).exp2_()
     l_i = l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
     if z is not None:  # the denominator counts every key, the values only the kept ones
         p.mul_(z)
@@ -301,7 +315,7 @@ def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
     P from lse, then ``dS = P ∘ (dP − Δ)`` with ``dP = dO Vᵀ`` given (consumed). Returns ``(pd, ds, ds_capped, dc_terms)``: P
     with dropout applied (for dV), dS before and after the softcap chain rule (dS feeds a
     float mask's gradient; the capped one feeds dQ, dK), and the softcap gradient's terms."""
-    p = s.sub_(lse_blk).mul_(LOG2E).exp2_()  # (B·Hkv, G·BM, BN)
+    p = s.sub_(lse_blk).exp2_()  # (B·Hkv, G·BM, BN), s and lse in base-2 units
     # -- dropout scales P for dV and dP alike (ᵈ) --
     pd = p
     if z is not None:
@@ -332,8 +346,8 @@ def _fwd_tile_fused(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
     """:func:`_fwd_tile` without the P·V GEMM, functional (for torch.compile): returns
     ``(p, m_new, l_new, alpha)``; ``acc ← alpha·acc + p V`` stays with the caller."""
     m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-    p = torch.exp2((s - m_new) * LOG2E)
-    alpha = torch.exp2((m_i - m_new) * LOG2E)
+    p = torch.exp2(s - m_new)
+    alpha = torch.exp2(m_i - m_new)
     l_new = l_i * alpha + p.sum(dim=-1, keepdim=True)
     if z is not None:
         p = p * z
@@ -344,7 +358,7 @@ def _bwd_tile_fused(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, l
                     delta_blk: Tensor, z: Tensor | None, need_dc: bool
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """:func:`_bwd_tile` after the dP GEMM, functional (for torch.compile)."""
-    p = torch.exp2((s - lse_blk) * LOG2E)
+    p = torch.exp2(s - lse_blk)
     pd = p
     if z is not None:
         pd = p * z
@@ -442,7 +456,10 @@ def _blocks(spec: LaunchSpec, n_q: int, n_k: int) -> Blocks:
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
          sinks: Tensor | None = None, softcap: Tensor | None = None,
-         alibi: Tensor | None = None) -> tuple[Tensor, Tensor]:
+         alibi: Tensor | None = None, *, want_lse2: bool = False
+         ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse)``, and with ``want_lse2`` also ``lse2 = m + log2(l)`` in base 2, the
+    exact row constant the backward subtracts (pass it to :func:`_bwd` as ``lse2``)."""
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -450,7 +467,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
     tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi)
     out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
-    sink_rows = None if sinks is None else sinks.to(acc_dtype).view(1, H, 1).expand(B, H, Nq)
+    sink_rows = None  # in base-2 units, like m_i
+    if sinks is not None:
+        sink_rows = (sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq)
+    lse2 = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
     # a finite "-inf" start keeps exp(m_i - m_new) and exp(s - m_new) free of inf - inf
     lowest = torch.finfo(acc_dtype).min
     blocks = _blocks(spec, Nq, Nk)
@@ -480,8 +500,9 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         seen = l_i > 0
         out[:, :, m0:m1] = (acc / torch.where(seen, l_i, 1.0)).view(B, H, m1 - m0, Dv)
-        lse[:, :, m0:m1] = torch.where(seen, m_i + torch.log(l_i), float("-inf")).view(B, H, -1)
-    return out, lse
+        lse2[:, :, m0:m1] = torch.where(seen, m_i + torch.log2(l_i), float("-inf")).view(B, H, -1)
+    torch.mul(lse2, LN2, out=lse)
+    return (out, lse, lse2) if want_lse2 else (out, lse)
 
 
 def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
@@ -495,12 +516,14 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
          lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
          sinks: Tensor | None = None, softcap: Tensor | None = None, *,
          need_dmask: bool = False, need_dcap: bool = True,
-         captured: tuple[Tensor, ...] = (), alibi: Tensor | None = None) -> Grads:
+         captured: tuple[Tensor, ...] = (), alibi: Tensor | None = None,
+         lse2: Tensor | None = None) -> Grads:
     """Gradients of one call: dq, dk, dv always; the float mask's only with ``need_dmask``
     (an N x N tensor when the mask is), sinks' when given, the learnable softcap's when
     given and ``need_dcap``, and those of the tensors ``captured`` by ``spec.score_mod``
     (summed tile by tile in a fixed order: deterministic, no atomics). ``alibi``: the
-    slopes, constants (none of their own gradient)."""
+    slopes, constants (none of their own gradient). ``lse2``: the forward's base-2 lse
+    (``_fwd(want_lse2=True)``); without it ``lse·log2 e`` stands in, exact up to rounding."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -520,7 +543,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, H, Nq)
     if dlse is not None:
         delta = delta - dlse.to(acc_dtype)
-    lse_rows = lse.masked_fill(lse == float("-inf"), float("inf"))  # P = 0 on empty rows
+    if lse2 is None:
+        lse2 = lse.to(acc_dtype) * LOG2E
+    lse_rows = lse2.masked_fill(lse2 == float("-inf"), float("inf"))  # P = 0 on empty rows
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
     fused = _fused_steps(q)
@@ -569,6 +594,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
                                        out=tile.buffer("dk", (B * Hkv, BN, D)))
         dq[:, :, m0:m1] = dq_blk.view(B, H, BM, D) * spec.qk_scale
 
+    if tile.fold_log2:  # q_blk carried log2 e: dK = Σ dSᵀ q·scale needs it taken out
+        dk3.mul_(LN2)
     dsinks = None if sinks is None else sink_grad(sinks, lse.to(acc_dtype), delta)
     return Grads(dq, dk3.view(B, Hkv, Nk, D), dv3.view(B, Hkv, Nk, Dv), dmask, dsinks,
                  dsoftcap, tuple(dcaptured))
@@ -577,20 +604,20 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec, *captured):
-        out, lse = _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi)
+        out, lse, lse2 = _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi, want_lse2=True)
         # the captured tensors are not saved: the score_mod reads them itself in backward
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap, alibi)
+        ctx.save_for_backward(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi)
         ctx.spec, ctx.captured = spec, captured
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
+        q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
         need_dmask = bool(ctx.needs_input_grad[3])
         do = torch.zeros_like(out) if dout is None else dout.contiguous()  # only lse was used
         g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, attn_mask, sinks, softcap,
                  need_dmask=need_dmask, need_dcap=bool(ctx.needs_input_grad[5]),
-                 captured=ctx.captured, alibi=alibi)
+                 captured=ctx.captured, alibi=alibi, lse2=lse2)
         dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
         dsoftcap = None
