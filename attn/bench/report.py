@@ -52,6 +52,11 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
+def _tiled_path(device: str) -> str:
+    from attn import tiled
+    return tiled.fused_path_reason(device)
+
+
 def make_header(cfg: SweepConfig, argv: list[str] | None = None,
                 matmul_tflops: dict[str, float] | None = None) -> dict:
     """Everything needed to trust or reproduce the numbers: versions, device, date, command."""
@@ -67,6 +72,7 @@ def make_header(cfg: SweepConfig, argv: list[str] | None = None,
         "kind": "gpu" if is_cuda else "cpu",
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "tiled_path": _tiled_path(cfg.device),
         # other processes on the machine slow every backend alike; ratios stay meaningful
         "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -232,6 +238,7 @@ def header_text(h: dict) -> str:
             f"{h['torch_threads']} torch threads, load {h['loadavg_1min']})\n"
             f"- torch {h['torch']}, triton {h['triton']}, python {h['python']}, {h['date']}\n"
             f"- command: `{h['command']}`\n"
+            f"- tiled backend: {h.get('tiled_path', 'not recorded')}\n"
             f"- square matmul TFLOP/s in this run: {rates}\n"
             f"- memory: {h['memory_method']}\n"
             f"- FLOPs: {h['flops']}\n")
