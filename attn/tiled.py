@@ -415,6 +415,12 @@ def _compiled(fn: Callable, key: tuple) -> Callable:
     return _COMPILED[key]
 
 
+def _fusable(s: Tensor) -> bool:
+    """A tile with one row or one column (decoding, N ≡ 1 mod the block) stays eager: it is
+    tiny, and a size-1 dim would make dynamo build one more graph."""
+    return s.shape[1] > 1 and s.shape[2] > 1
+
+
 def _run_fused(fn: Callable, *args):
     """``fn(*args)`` compiled, or None when compiling or running it fails: then the fused
     path is switched off with one warning and the caller runs the eager step. The compiled
@@ -429,7 +435,14 @@ def _run_fused(fn: Callable, *args):
         (a.dtype, tuple(d == 1 for d in a.shape)) if isinstance(a, Tensor) else a
         for a in args)
     try:
-        return _compiled(fn, key)(*args)
+        if key in _COMPILED:
+            return _COMPILED[key](*args)
+        # first call: dynamo traces here. Without duck shaping, two dims that happen to be
+        # equal on this call (BLOCK_M rows and BLOCK_N columns) get their own symbols, so a
+        # ragged edge tile later does not fail a "rows == cols" guard and recompile
+        from torch.fx.experimental import _config as fx_config
+        with fx_config.patch(use_duck_shape=False):
+            return _compiled(fn, key)(*args)
     except Exception as exc:  # no C++ compiler, an inductor error: eager is always exact
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         _FUSED_FAILED = f"{type(exc).__name__}: {first}"
@@ -491,7 +504,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
         for n0, n1, full in key_tiles:
             s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
-            step = _run_fused(_fwd_tile_fused, m_i, l_i, s, z) if fused else None
+            step = _run_fused(_fwd_tile_fused, m_i, l_i, s, z) if fused and _fusable(s) else None
             if step is not None:
                 p, m_i, l_i, alpha = step
                 acc.mul_(alpha).baddbmm_(p, tile.v_block(n0, n1))
@@ -566,7 +579,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
             dp = torch.bmm(do_blk, v_blk.transpose(1, 2), out=tile.buffer("dp", s.shape))
             step = None
-            if fused:
+            if fused and _fusable(s):
                 step = _run_fused(_bwd_tile_fused, s, dp, u, t, lse_blk, delta_blk, z,
                                   dsoftcap is not None)
             if step is None:

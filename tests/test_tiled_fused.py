@@ -87,14 +87,17 @@ def test_fused_bfloat16_and_float64(fused):
 def test_no_recompile_when_n_varies(fused):
     from torch._dynamo.utils import counters
 
-    def run(n):
-        q, k, v = (t.requires_grad_() for t in _inputs(Nq=n, Nk=n + 3, seed=n))
-        _tiled()(q, k, v, causal=True).sum().backward()
+    def run(n, b=1):
+        q, k, v = (t.requires_grad_() for t in _inputs(B=b, H=4, Hkv=4, Nq=n, Nk=n, seed=n))
+        attn.attention(q, k, v, backend="tiled", block_m=BN, block_n=BN,
+                       causal=False).sum().backward()
 
-    run(77)  # compiles what this shape family needs (full tiles, ragged edges)
+    # square full tiles first (rows == cols == 32 on every tile, as with the default
+    # 256 x 256 blocks at N = 4096): ragged edges and batch sizes must not recompile
+    run(64)
     graphs, compiled = counters["stats"]["unique_graphs"], len(tiled._COMPILED)
-    for n in (50, 129, 300, 1000):
-        run(n)
+    for n, b in ((77, 1), (50, 2), (129, 3), (300, 1), (97, 2)):  # 129, 97: 1-wide edges
+        run(n, b)
     assert counters["stats"]["unique_graphs"] == graphs, "a new sequence length recompiled"
     assert len(tiled._COMPILED) == compiled
 

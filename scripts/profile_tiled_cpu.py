@@ -1,0 +1,110 @@
+"""Where the tiled backend's CPU time goes: a torch.profiler table per mode.
+
+For each (mode, causal) it profiles one call of ``attn.attention(backend="tiled")`` after a
+warm-up and groups aten ops into GEMMs (bmm, baddbmm, addmm), the softmax's elementwise
+passes (amax, sub, exp2, sum, mul, add, where, ...) and the rest; "Python and dispatch" is the
+autograd Function's own time (the tile loops). Same run: torch SDPA's time for the ratio.
+
+    python scripts/profile_tiled_cpu.py --n 4096 --out benchmarks/results/cpu/profile.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import profile
+
+import attn
+from attn import tiled
+from attn.bench.report import device_name
+
+GEMM = {"aten::bmm", "aten::baddbmm_", "aten::baddbmm", "aten::addmm_", "aten::addmm",
+        "aten::mm", "aten::matmul"}
+ELEMENTWISE = {"aten::amax", "aten::sub_", "aten::sub", "aten::exp2_", "aten::exp2",
+               "aten::sum", "aten::mul_", "aten::mul", "aten::add_", "aten::add",
+               "aten::maximum", "aten::where", "aten::div", "aten::log2", "aten::masked_fill_",
+               "aten::copy_", "aten::fill_", "aten::zeros", "aten::full", "aten::empty"}
+OWN = {"_TiledAttention", "_TiledAttentionBackward"}
+
+
+def _median_time(fn, repeats=3):
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="benchmarks/results/cpu/profile.md")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    N, H, D = args.n, args.heads, args.d
+    lines = ["# Where tiled's CPU time goes", "",
+             f"- device: {device_name('cpu')} ({os.cpu_count()} CPUs, "
+             f"{torch.get_num_threads()} torch threads); torch {torch.__version__}; "
+             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+             f"- command: `python scripts/profile_tiled_cpu.py --n {N}"
+             + (f" --threads {args.threads}" if args.threads else "") + "`",
+             f"- tiled backend: {tiled.fused_path_reason('cpu')}",
+             f"- shape: fp32, B=1, H={H}, N={N}, D={D}; one profiled call after a warm-up; "
+             "self CPU time of the ops, summed over both threads' view of the caller",
+             "",
+             "| mode | causal | sdpa/tiled | GEMMs | elementwise | Python and dispatch | other "
+             "| top elementwise ops (share of total) |",
+             "|:--|:--|--:|--:|--:|--:|--:|:--|"]
+    for bwd in (False, True):
+        for causal in (False, True):
+            q, k, v = (torch.randn(1, H, N, D, requires_grad=bwd) for _ in range(3))
+
+            def run(fn):
+                def go():
+                    out = fn()
+                    if bwd:
+                        out.sum().backward()
+                return go
+            t_tiled = _median_time(run(lambda: attn.attention(q, k, v, causal=causal,
+                                                               backend="tiled")))
+            t_sdpa = _median_time(run(lambda: F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal)))
+            with profile() as prof:
+                run(lambda: attn.attention(q, k, v, causal=causal, backend="tiled"))()
+            groups, ops = defaultdict(float), {}
+            for e in prof.key_averages():
+                t = e.self_cpu_time_total
+                g = ("gemm" if e.key in GEMM else "elem" if e.key in ELEMENTWISE
+                     else "own" if e.key in OWN else "other")
+                groups[g] += t
+                if g == "elem":
+                    ops[e.key] = t
+            total = sum(groups.values())
+            top = sorted(ops.items(), key=lambda kv: -kv[1])[:5]
+            lines.append(
+                f"| {'fwd+bwd' if bwd else 'fwd'} | {causal} | {t_sdpa / t_tiled:.2f} | "
+                + " | ".join(f"{100 * groups[g] / total:.0f}%" for g in
+                             ("gemm", "elem", "own", "other"))
+                + " | " + ", ".join(f"{k.removeprefix('aten::')} {100 * t / total:.1f}%"
+                                    for k, t in top) + " |")
+            print(lines[-1], flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
