@@ -323,14 +323,18 @@ def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
         dp.mul_(z)
     # -- dS = P ∘ (dP − Δ) --
     ds = dp.sub_(delta_blk).mul_(p)
-    ds_raw, dc_terms = ds, None
-    if t is not None:
-        # s = c·tanh(u), u = s_raw/c: ds_raw = ds·(1 − t²); dc = Σ ds·(t − u(1 − t²))
-        one_m_t2 = 1.0 - t * t
-        if need_dc:
-            dc_terms = ds * (t - u * one_m_t2)
-        ds_raw = ds * one_m_t2
-    return pd, ds, ds_raw, dc_terms
+    return (pd, ds) + _softcap_chain(ds, u, t, need_dc)
+
+
+def _softcap_chain(ds: Tensor, u: Tensor | None, t: Tensor | None, need_dc: bool
+                   ) -> tuple[Tensor, Tensor | None]:
+    """dS before the softcap and the softcap gradient's terms (both steps share it)."""
+    if t is None:
+        return ds, None
+    # s = c·tanh(u), u = s_raw/c: ds_raw = ds·(1 − t²); dc = Σ ds·(t − u(1 − t²))
+    one_m_t2 = 1.0 - t * t
+    dc_terms = ds * (t - u * one_m_t2) if need_dc else None
+    return ds * one_m_t2, dc_terms
 
 
 # -- the fused CPU path: the same two steps, compiled ---------------------------------------
@@ -364,13 +368,7 @@ def _bwd_tile_fused(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, l
         pd = p * z
         dp = dp * z
     ds = p * (dp - delta_blk)
-    ds_raw, dc_terms = ds, None
-    if t is not None:
-        one_m_t2 = 1.0 - t * t
-        if need_dc:
-            dc_terms = ds * (t - u * one_m_t2)
-        ds_raw = ds * one_m_t2
-    return pd, ds, ds_raw, dc_terms
+    return (pd, ds) + _softcap_chain(ds, u, t, need_dc)
 
 
 _COMPILED: dict[str, Callable] = {}
