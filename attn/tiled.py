@@ -104,7 +104,8 @@ class _Tile:
         if alibi is not None and spec.alibi_rows is None:
             self.alibi5 = -self._units(alibi.to(acc)).expand(B, H).reshape(B, Hkv, self.G, 1, 1)
         elif alibi is not None:
-            self.alibi_seq = -self._units(alibi.to(acc)).t().reshape(Hkv, self.G, -1)  # (Hkv, G, seqs)
+            # (Hkv, G, seqs)
+            self.alibi_seq = -self._units(alibi.to(acc)).t().reshape(Hkv, self.G, -1)
         self._alibi_dist: dict[tuple[int, int, int], Tensor] = {}
         if spec.dropout_p > 0.0:
             # the hash reads global (b·H + h, i, j): a shard draws the unsharded mask
@@ -217,13 +218,13 @@ class _Tile:
 
     def scores(self, q_blk: Tensor, m0: int, m1: int, n0: int, n1: int, full: bool,
                track: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Masked scores ``(B·Hkv, G·BM, BN)`` in base-2 units; with softcap also ``u = s_raw / c`` and
-        ``t = tanh(u)`` (the backward needs both). ``full``: the block classification says
-        no mask (band, mask_mod) masks anything in this tile. Order: scale → score_mod →
-        softcap → ALiBi → masks → log2 e (the bias is a constant: dS flows through it unchanged, so
-        the backward needs nothing more). ``track`` (backward): the score_mod runs under
-        autograd and ``self.mod_graph`` keeps ``(scores in, scores out)`` for
-        :meth:`score_mod_vjp`."""
+        """Masked scores ``(B·Hkv, G·BM, BN)`` in base-2 units; with softcap also
+        ``u = s_raw / c`` and ``t = tanh(u)`` (the backward needs both). ``full``: the block
+        classification says no mask (band, mask_mod) masks anything in this tile. Order:
+        scale → score_mod → softcap → ALiBi → masks → log2 e (the ALiBi bias is a constant:
+        dS flows through it unchanged, so the backward needs nothing more). ``track``
+        (backward): the score_mod runs under autograd and ``self.mod_graph`` keeps
+        ``(scores in, scores out)`` for :meth:`score_mod_vjp`."""
         B, Hkv, G, BM, BN = self.B, self.Hkv, self.G, m1 - m0, n1 - n0
         # -- compute qk (q_blk already scaled) --
         k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
@@ -313,7 +314,8 @@ def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
               delta_blk: Tensor, dp: Tensor, z: Tensor | None,
               need_dc: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One tile of the backward (Triton's ``_dkdv_inner`` / ``_dq_inner`` body): recompute
-    P from lse, then ``dS = P ∘ (dP − Δ)`` with ``dP = dO Vᵀ`` given (consumed). Returns ``(pd, ds, ds_capped, dc_terms)``: P
+    P from lse, then ``dS = P ∘ (dP − Δ)`` with ``dP = dO Vᵀ`` given (consumed). Returns
+    ``(pd, ds, ds_capped, dc_terms)``: P
     with dropout applied (for dV), dS before and after the softcap chain rule (dS feeds a
     float mask's gradient; the capped one feeds dQ, dK), and the softcap gradient's terms."""
     p = s.sub_(lse_blk).exp2_()  # (B·Hkv, G·BM, BN), s and lse in base-2 units
@@ -589,7 +591,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     parts = [_bwd_rows(do[b0:b1], cut(dlse, b0, b1), q[b0:b1], k[b0:b1], v[b0:b1],
                        out[b0:b1], lse[b0:b1], spec, _mask_rows(attn_mask, b0, b1, B), sinks,
                        softcap, need_dmask=need_dmask, need_dcap=need_dcap,
-                       alibi=(None if alibi is None else alibi[b0:b1]), lse2=cut(lse2, b0, b1), b0=b0)
+                       alibi=cut(alibi, b0, b1), lse2=cut(lse2, b0, b1), b0=b0)
              for b0, b1 in chunks]
     dmask = None
     if need_dmask:  # a mask with a batch dim gets its rows; one broadcast over it, the sum
