@@ -486,6 +486,12 @@ def _batch_chunks(q: Tensor, k: Tensor, spec: LaunchSpec) -> list[tuple[int, int
     return [(b, min(b + step, B)) for b in range(0, B, step)]
 
 
+def _cut(x: Tensor | None, b0: int, b1: int, B: int) -> Tensor | None:
+    """Batch rows [b0, b1) of ``x``; the whole call's tensor as it is (packed ALiBi slopes
+    are per sequence, not per batch row)."""
+    return x if x is None or (b0, b1) == (0, B) else x[b0:b1]
+
+
 def _mask_rows(mask: Tensor | None, b0: int, b1: int, B: int) -> Tensor | None:
     """Batch rows [b0, b1) of an attn_mask broadcastable to (B, H, Nq, Nk)."""
     if mask is None:
@@ -500,33 +506,30 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
          ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """``(out, lse)``, and with ``want_lse2`` also ``lse2 = m + log2(l)`` in base 2, the
     exact row constant the backward subtracts (pass it to :func:`_bwd` as ``lse2``)."""
-    chunks = _batch_chunks(q, k, spec)
-    if len(chunks) == 1:
-        res = _fwd_rows(q, k, v, spec, attn_mask, sinks, softcap, alibi)
-    else:
-        B = q.shape[0]
-        parts = [_fwd_rows(q[b0:b1], k[b0:b1], v[b0:b1], spec, _mask_rows(attn_mask, b0, b1, B),
-                           sinks, softcap, (None if alibi is None else alibi[b0:b1]), b0=b0)
-                 for b0, b1 in chunks]
-        res = tuple(torch.cat(t) for t in zip(*parts))
-    return res if want_lse2 else res[:2]
+    B, H, Nq, _ = q.shape
+    acc_dtype = _acc_dtype(q.dtype)
+    out = torch.empty(B, H, Nq, v.shape[-1], dtype=v.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
+    lse2 = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
+    for b0, b1 in _batch_chunks(q, k, spec):  # each chunk writes its rows of the outputs
+        _fwd_rows(q[b0:b1], k[b0:b1], v[b0:b1], spec, _mask_rows(attn_mask, b0, b1, B), sinks,
+                  softcap, _cut(alibi, b0, b1, B), out[b0:b1], lse[b0:b1], lse2[b0:b1], b0=b0)
+    return (out, lse, lse2) if want_lse2 else (out, lse)
 
 
 def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None,
-              sinks: Tensor | None, softcap: Tensor | None, alibi: Tensor | None, b0: int = 0
-              ) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward over the batch rows given (``b0``: the first row's index in the call)."""
+              sinks: Tensor | None, softcap: Tensor | None, alibi: Tensor | None, out: Tensor,
+              lse: Tensor, lse2: Tensor, b0: int = 0) -> None:
+    """The forward over the batch rows given, into ``out``, ``lse``, ``lse2`` (those rows'
+    views; ``b0``: the first row's index in the call)."""
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
     tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0)
-    out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
-    lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
     sink_rows = None  # in base-2 units, like m_i
     if sinks is not None:
         sink_rows = (sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq)
-    lse2 = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
     # a finite "-inf" start keeps exp(m_i - m_new) and exp(s - m_new) free of inf - inf
     lowest = torch.finfo(acc_dtype).min
     blocks = _blocks(spec, Nq, Nk)
@@ -558,7 +561,6 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
         out[:, :, m0:m1] = (acc / torch.where(seen, l_i, 1.0)).view(B, H, m1 - m0, Dv)
         lse2[:, :, m0:m1] = torch.where(seen, m_i + torch.log2(l_i), float("-inf")).view(B, H, -1)
     torch.mul(lse2, LN2, out=lse)
-    return out, lse, lse2
 
 
 def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
@@ -586,21 +588,25 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         return _bwd_rows(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap,
                          need_dmask=need_dmask, need_dcap=need_dcap, captured=captured,
                          alibi=alibi, lse2=lse2)
-    B = q.shape[0]
-    cut = lambda x, b0, b1: None if x is None else x[b0:b1]  # noqa: E731
-    parts = [_bwd_rows(do[b0:b1], cut(dlse, b0, b1), q[b0:b1], k[b0:b1], v[b0:b1],
+    B, H, Nq, D = q.shape
+    acc_dtype = _acc_dtype(q.dtype)
+    # each chunk accumulates into its rows of dq, dk, dv: no copies to join them
+    into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
+            torch.zeros(k.shape[:3] + (D,), dtype=acc_dtype, device=q.device),
+            torch.zeros(v.shape, dtype=acc_dtype, device=q.device))
+    parts = [_bwd_rows(do[b0:b1], _cut(dlse, b0, b1, B), q[b0:b1], k[b0:b1], v[b0:b1],
                        out[b0:b1], lse[b0:b1], spec, _mask_rows(attn_mask, b0, b1, B), sinks,
                        softcap, need_dmask=need_dmask, need_dcap=need_dcap,
-                       alibi=cut(alibi, b0, b1), lse2=cut(lse2, b0, b1), b0=b0)
+                       alibi=_cut(alibi, b0, b1, B), lse2=_cut(lse2, b0, b1, B), b0=b0,
+                       into=tuple(t[b0:b1] for t in into))
              for b0, b1 in chunks]
     dmask = None
     if need_dmask:  # a mask with a batch dim gets its rows; one broadcast over it, the sum
         ds = [g.dmask for g in parts]
         dmask = torch.cat(ds) if as_4d(attn_mask).shape[0] == B else torch.stack(ds).sum(0)
     add = lambda xs: None if xs[0] is None else torch.stack(xs).sum(0)  # noqa: E731
-    return Grads(torch.cat([g.dq for g in parts]), torch.cat([g.dk for g in parts]),
-                 torch.cat([g.dv for g in parts]), dmask, add([g.dsinks for g in parts]),
-                 add([g.dsoftcap for g in parts]), ())
+    return Grads(*into, dmask, add([g.dsinks for g in parts]), add([g.dsoftcap for g in parts]),
+                 ())
 
 
 def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -608,17 +614,22 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
               sinks: Tensor | None = None, softcap: Tensor | None = None, *,
               need_dmask: bool = False, need_dcap: bool = True,
               captured: tuple[Tensor, ...] = (), alibi: Tensor | None = None,
-              lse2: Tensor | None = None, b0: int = 0) -> Grads:
-    """:func:`_bwd` over the batch rows given (``b0``: the first row's index in the call)."""
+              lse2: Tensor | None = None, b0: int = 0,
+              into: tuple[Tensor, Tensor, Tensor] | None = None) -> Grads:
+    """:func:`_bwd` over the batch rows given (``b0``: the first row's index in the call;
+    ``into``: zeroed (dq, dk, dv) views of those rows to accumulate into)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
     tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0)
     blocks = _blocks(spec, Nq, Nk)
-    dq = torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device)
-    dk3 = torch.zeros(B * Hkv, Nk, D, dtype=acc_dtype, device=q.device)
-    dv3 = torch.zeros(B * Hkv, Nk, Dv, dtype=acc_dtype, device=q.device)
+    if into is None:
+        into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
+                torch.zeros(B, Hkv, Nk, D, dtype=acc_dtype, device=q.device),
+                torch.zeros(B, Hkv, Nk, Dv, dtype=acc_dtype, device=q.device))
+    dq = into[0]
+    dk3, dv3 = into[1].view(B * Hkv, Nk, D), into[2].view(B * Hkv, Nk, Dv)  # row slices: views
     dsoftcap = None
     if softcap is not None and need_dcap:
         dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
