@@ -30,16 +30,6 @@ from attn import tiled
 from attn.bench.report import device_name
 
 
-def _time(fn, repeats: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nk", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -70,10 +60,14 @@ def main(argv: list[str] | None = None) -> None:
             }
             ref = F.scaled_dot_product_attention(q, k_rep, v_rep)
             err = (fns["attn tiled"]() - ref).abs().max().item()
+            for fn in fns.values():  # warm-up
+                fn()
             times: dict[str, list[float]] = {n: [] for n in fns}
             for _ in range(args.repeats):  # interleaved: drift hits every backend alike
                 for n, fn in fns.items():
-                    times[n] += _time(fn, 1)
+                    t0 = time.perf_counter()
+                    fn()
+                    times[n].append(time.perf_counter() - t0)
             med = {n: statistics.median(t) for n, t in times.items()}
             rows.append({"nk": nk, "ms": {n: t * 1e3 for n, t in med.items()},
                          "max_abs_diff_vs_sdpa": err,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from torch.profiler import profile
 import attn
 from attn import tiled
 from attn.bench.report import device_name
+from attn.bench.timing import benchmark
 
 GEMM = {"aten::bmm", "aten::baddbmm_", "aten::baddbmm", "aten::addmm_", "aten::addmm",
         "aten::mm", "aten::matmul"}
@@ -32,16 +32,6 @@ ELEMENTWISE = {"aten::amax", "aten::sub_", "aten::sub", "aten::exp2_", "aten::ex
                "aten::maximum", "aten::where", "aten::div", "aten::log2", "aten::masked_fill_",
                "aten::copy_", "aten::fill_", "aten::zeros", "aten::full", "aten::empty"}
 OWN = {"_TiledAttention", "_TiledAttentionBackward"}
-
-
-def _median_time(fn, repeats=3):
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
 
 
 def main(argv=None):
@@ -78,10 +68,10 @@ def main(argv=None):
                     if bwd:
                         out.sum().backward()
                 return go
-            t_tiled = _median_time(run(lambda: attn.attention(q, k, v, causal=causal,
-                                                               backend="tiled")))
-            t_sdpa = _median_time(run(lambda: F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal)))
+            t_tiled = benchmark(run(lambda: attn.attention(q, k, v, causal=causal,
+                                                           backend="tiled")), repeats=3).median_ms
+            t_sdpa = benchmark(run(lambda: F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal)), repeats=3).median_ms
             with profile() as prof:
                 run(lambda: attn.attention(q, k, v, causal=causal, backend="tiled"))()
             groups, ops = defaultdict(float), {}
