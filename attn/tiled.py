@@ -17,6 +17,7 @@ Three layers, as in ``flash_triton.py``: ``_fwd`` / ``_bwd`` launchers, one
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 import warnings
@@ -25,6 +26,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from attn import cpu
 from attn.masks import Blocks, as_4d, dropout_keep, dropout_keep_rows
 from attn.spec import LaunchSpec
 
@@ -34,6 +36,26 @@ from attn.spec import LaunchSpec
 # larger ones (512 x 512: 8 MiB per score tile) fall out of cache and lose 5-25%.
 BLOCK_M = 256
 BLOCK_N = 256
+
+# The unit path (:mod:`attn.cpu`): when oneDNN runs this CPU's GEMMs clearly faster than
+# torch's bmm, a call is cut into units — one batch row, one KV head with its G query heads —
+# run side by side on worker threads, each tile's GEMMs 2-D through oneDNN. Tiles are about
+# UNIT_ROWS query rows (G·BM) by UNIT_BLOCK_N keys: oneDNN's per-call cost (~15 us) wants
+# large GEMMs, and one head's 512 x 512 tile (1 MiB) still fits a core's L2. Calls with
+# fewer rows per tile or keys than the minimums (decoding, short sequences) stay batched.
+UNIT_ROWS = 512
+UNIT_BLOCK_N = 512
+UNIT_MIN_ROWS = 128
+UNIT_MIN_KEYS = 256
+# A band whose visited tiles are mostly partial (causal at N <= 1024: 2 of 3) wastes too much
+# of each large tile on masked scores: such calls stay batched with the smaller tiles.
+UNIT_MAX_PARTIAL = 0.5
+# Units run on the worker threads (one intra-op thread each) only for calls of at least
+# this many visited scores (B·H·Nq·Nk inside the band). Smaller calls run the units in
+# order here, each GEMM on torch's own intra-op threads: the workers share the cores with
+# the threads OpenMP keeps spinning (~ms) after the previous torch op, a fixed cost per
+# call measured at 10-25% of a B=1, H=8, N=1024 call and ~5% at N=4096.
+POOL_MIN_SCORES = 64 << 20
 
 # Scores live in base-2 units (s·log2 e) and probabilities are exp2(s - m): on CPU torch's
 # exp2 runs ~4.6x faster than exp at 1.2 ulp in fp32, and exp was the largest non-GEMM cost
@@ -73,7 +95,7 @@ class _Tile:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
                  attn_mask: Tensor | None, softcap_t: Tensor | None,
-                 alibi: Tensor | None = None, b0: int = 0) -> None:
+                 alibi: Tensor | None = None, b0: int = 0, engine: str = "bmm") -> None:
         B, H, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         self.B, self.H, self.Hkv, self.G = B, H, Hkv, H // Hkv
@@ -84,6 +106,17 @@ class _Tile:
         self.q = q
         self.k3 = k.reshape(B * Hkv, Nk, D)  # (B·Hkv, Nk, D), a view when k is contiguous
         self.v3 = v.reshape(B * Hkv, Nk, v.shape[-1])
+        # oneDNN (one unit: B·Hkv = 1) takes contiguous 2-D operands in the accumulation
+        # dtype: k and v once here, their transposed key blocks as the tiles first need them
+        self.onednn = engine == "onednn"
+        if self.onednn:
+            if B * Hkv != 1:
+                raise AssertionError(f"the oneDNN engine runs one unit (B·Hkv = 1), got "
+                                     f"B={B}, Hkv={Hkv}")
+            self.k3 = self.k3.to(acc).contiguous()
+            self.v3 = self.v3.to(acc).contiguous()
+            self._kT: dict[tuple[int, int], Tensor] = {}
+            self._vT: dict[tuple[int, int], Tensor] = {}
         self._buffers: dict[tuple, Tensor] = {}
         self.mask5 = self.mask4 = None
         if attn_mask is not None and attn_mask.dtype == torch.bool:
@@ -209,6 +242,61 @@ class _Tile:
         dist = (pos_n[None, :] - pos_m[:, None]).abs().to(self.acc_dtype)  # (BM, BN)
         s5.addcmul_(self.alibi_seq[:, :, seq].unsqueeze(-1), dist)  # (Hkv, G, BM, 1)
 
+    # -- the tile GEMMs: batched bmm over (B·Hkv), or one unit's 2-D products through oneDNN --
+
+    def _transposed(self, cache: dict, x3: Tensor, n0: int, n1: int) -> Tensor:
+        if (n0, n1) not in cache:
+            cache[(n0, n1)] = x3[0, n0:n1].t().contiguous()
+        return cache[(n0, n1)]
+
+    def qk(self, q_blk: Tensor, n0: int, n1: int) -> Tensor:
+        """``q_blk kᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``."""
+        if self.onednn:
+            return cpu.mm_nt(q_blk[0], self.k3[0, n0:n1]).unsqueeze(0)
+        k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
+        shape = (q_blk.shape[0], q_blk.shape[1], n1 - n0)
+        return torch.bmm(q_blk, k_blkT, out=self.buffer("s", shape))
+
+    def add_pv(self, acc: Tensor, p: Tensor, n0: int, n1: int) -> None:
+        """``acc += p V`` for key block [n0, n1)."""
+        if self.onednn:
+            acc[0].add_(cpu.mm_nt(p[0], self._transposed(self._vT, self.v3, n0, n1)))
+        else:
+            acc.baddbmm_(p, self.v_block(n0, n1))
+
+    def dp(self, do_blk: Tensor, n0: int, n1: int) -> Tensor:
+        """``dO Vᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``."""
+        if self.onednn:
+            return cpu.mm_nt(do_blk[0], self.v3[0, n0:n1]).unsqueeze(0)
+        shape = (do_blk.shape[0], do_blk.shape[1], n1 - n0)
+        return torch.bmm(do_blk, self.v_block(n0, n1).transpose(1, 2),
+                         out=self.buffer("dp", shape))
+
+    def add_dq(self, dq_blk: Tensor, ds: Tensor, n0: int, n1: int) -> None:
+        """``dq_blk += dS K`` for key block [n0, n1). (dK and dV take Pᵀ and dSᵀ, which
+        oneDNN would copy first: they stay with bmm on both engines.)"""
+        if self.onednn:
+            dq_blk[0].add_(cpu.mm_nt(ds[0], self._transposed(self._kT, self.k3, n0, n1)))
+        else:
+            dq_blk.baddbmm_(ds, self.k_block(n0, n1))
+
+    def rows_t(self, x: Tensor) -> Tensor | None:
+        """oneDNN's second operand of :meth:`add_tn` for a query block's ``x (1, G·BM, ·)``:
+        ``xᵀ`` contiguous (made once per query block); None on bmm."""
+        return x[0].t().contiguous() if self.onednn else None
+
+    def add_tn(self, dst: Tensor, a: Tensor, b: Tensor, bT: Tensor | None, name: str) -> None:
+        """``dst += aᵀ b``: dV += Pᵀ dO and dK += dSᵀ Q for one tile, ``a (·, G·BM, BN)``,
+        ``b (·, G·BM, D)``, ``bT`` from :meth:`rows_t`. Both engines add a contiguous product
+        into the slice (a GEMM into a column slice of (B·Hkv, Nk, D) runs as one addmm per
+        batch entry, ~10% slower); oneDNN takes aᵀ as a contiguous copy (a transposed
+        operand would rebuild its kernel)."""
+        if self.onednn:
+            dst[0].add_(cpu.mm_nt(a[0].t().contiguous(), bT))
+        else:
+            shape = (a.shape[0], a.shape[2], b.shape[2])
+            dst.add_(torch.bmm(a.transpose(1, 2), b, out=self.buffer(name, shape)))
+
     def buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
         """A tile-sized scratch tensor reused across tiles: no allocator churn per tile."""
         key = (name, shape)
@@ -226,9 +314,7 @@ class _Tile:
         (backward): the score_mod runs under autograd and ``self.mod_graph`` keeps
         ``(scores in, scores out)`` for :meth:`score_mod_vjp`."""
         B, Hkv, G, BM, BN = self.B, self.Hkv, self.G, m1 - m0, n1 - n0
-        # -- compute qk (q_blk already scaled) --
-        k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
-        s = torch.bmm(q_blk, k_blkT, out=self.buffer("s", (B * Hkv, G * BM, BN)))
+        s = self.qk(q_blk, n0, n1)  # q_blk already scaled
         if self.score_mod is not None:
             if track:
                 s_in = s.detach().requires_grad_()
@@ -295,19 +381,20 @@ class _Tile:
 
 # -- per-tile steps: the online-softmax update and dS, each in exactly one place ------------
 
-def _fwd_tile(m_i: Tensor, l_i: Tensor, acc: Tensor, s: Tensor, v_blk: Tensor,
-              z: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """One key tile of the forward (Triton's ``_fwd_inner`` body): rescale the running
-    state ``(m_i, l_i, acc)`` to the new row max and add ``p = exp(s - m_new)``'s share.
-    ``s`` is consumed (overwritten by p); ``z`` is the dropout scale (values only)."""
+def _fwd_tile(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One key tile of the forward (Triton's ``_fwd_inner`` body, up to the P·V GEMM): the
+    new row max, ``p = exp2(s - m_new)``, the rescale ``alpha`` of the old state and the new
+    denominator. Returns ``(p, m_new, l_new, alpha)``; the caller does
+    ``acc ← alpha·acc + p V``. ``s`` is consumed (overwritten by p), ``l_i`` updated in
+    place; ``z`` is the dropout scale (values only)."""
     m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
     p = s.sub_(m_new).exp2_()
     alpha = (m_i - m_new).exp2_()
     l_i = l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
     if z is not None:  # the denominator counts every key, the values only the kept ones
         p.mul_(z)
-    acc.mul_(alpha).baddbmm_(p, v_blk)
-    return m_new, l_i, acc
+    return p, m_new, l_i, alpha
 
 
 def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
@@ -391,14 +478,23 @@ FUSED_DEFAULT = False
 
 
 def fused_path_reason(device: torch.device | str) -> str:
-    """Which tiled path a call on ``device`` will try, for :func:`attn.select_backend`."""
+    """Which tiled path a call on ``device`` will try, for :func:`attn.select_backend`: the
+    per-tile steps (eager or compiled) and the GEMM engine."""
     if torch.device(device).type != "cpu":
         return "eager tiled steps (the fused path is CPU only)"
     if not fused_cpu_default():
-        return "eager tiled steps (ATTN_TILED_COMPILE=0)"
-    if _FUSED_FAILED is not None:
-        return f"eager tiled steps (the fused path failed earlier: {_FUSED_FAILED})"
-    return "fused CPU steps (torch.compile, ATTN_TILED_COMPILE=1)"
+        steps = "eager tiled steps (ATTN_TILED_COMPILE=0)"
+    elif _FUSED_FAILED is not None:
+        steps = f"eager tiled steps (the fused path failed earlier: {_FUSED_FAILED})"
+    else:
+        return "fused CPU steps (torch.compile, ATTN_TILED_COMPILE=1); GEMMs: torch.bmm"
+    if torch.compiler.is_compiling():  # traced into a graph: no worker threads, no timing
+        return f"{steps}; GEMMs: torch.bmm (under torch.compile)"
+    engine, why = cpu.gemm_engine()
+    if engine == "onednn":
+        return (f"{steps}; GEMMs: oneDNN, head by head, for large fp32 calls ({why}), "
+                f"torch.bmm for the rest")
+    return f"{steps}; GEMMs: torch.bmm ({why})"
 
 
 def _fused_steps(q: Tensor) -> bool:
@@ -475,29 +571,129 @@ def _blocks(spec: LaunchSpec, n_q: int, n_k: int) -> Blocks:
 TILE_BYTES = 4 << 20
 
 
-def _batch_chunks(q: Tensor, k: Tensor, spec: LaunchSpec) -> list[tuple[int, int]]:
+class _Chunk(NamedTuple):
+    """Batch rows [b0, b1) and KV heads [h0, h1) of a call, run as a call of its own. The
+    slicing methods take each argument of the whole call to this chunk's part (a tensor
+    broadcast along a dim keeps it); the spec becomes a head shard, so the dropout hash and
+    ALiBi see global heads."""
+    b0: int
+    b1: int
+    h0: int
+    h1: int
+    B: int  # the whole call's
+    H: int
+    Hkv: int
+
+    @property
+    def heads(self) -> slice:  # its query heads
+        G = self.H // self.Hkv
+        return slice(self.h0 * G, self.h1 * G)
+
+    @property
+    def whole(self) -> bool:
+        return (self.b0, self.b1, self.h0, self.h1) == (0, self.B, 0, self.Hkv)
+
+    def bh(self, x: Tensor | None) -> Tensor | None:  # (B, H, ...): q, out, lse, do, dq
+        return x if x is None or self.whole else x[self.b0:self.b1, self.heads]
+
+    def kv(self, x: Tensor | None) -> Tensor | None:  # (B, Hkv, ...): k, v, dk, dv
+        return x if x is None or self.whole else x[self.b0:self.b1, self.h0:self.h1]
+
+    def head_vec(self, x: Tensor | None) -> Tensor | None:  # sinks, softcap: (H,)
+        if x is None or (self.h0, self.h1) == (0, self.Hkv):
+            return x
+        return x.reshape(-1).expand(self.H)[self.heads]
+
+    def mask_index(self, mask4: Tensor) -> tuple[slice, slice]:
+        """This chunk's (batch, head) slices of a mask broadcastable to (B, H, Nq, Nk)."""
+        rows = slice(self.b0, self.b1) if mask4.shape[0] == self.B else slice(None)
+        heads = self.heads if mask4.shape[1] == self.H else slice(None)
+        return rows, heads
+
+    def mask(self, mask: Tensor | None) -> Tensor | None:
+        if mask is None or self.whole:
+            return mask
+        m4 = as_4d(mask)
+        return m4[self.mask_index(m4)]
+
+    def alibi(self, alibi: Tensor | None, packed: bool) -> Tensor | None:
+        """(B, H) slopes; packed, (sequences, H): per sequence, so every row's."""
+        if alibi is None or self.whole:
+            return alibi
+        return alibi[:, self.heads] if packed else alibi[self.b0:self.b1, self.heads]
+
+    def spec(self, spec: LaunchSpec) -> LaunchSpec:
+        if (self.h0, self.h1) == (0, self.Hkv):
+            return spec
+        return spec.shard(head_start=self.heads.start, heads_total=spec.heads_total or self.H)
+
+
+class _Plan(NamedTuple):
+    chunks: list[_Chunk]
+    engine: str  # "onednn": one unit per chunk, 2-D oneDNN GEMMs; "bmm": batched
+    spec: LaunchSpec  # with the unit path's tile sizes where it runs
+    parallel: bool = False  # the chunks run on the worker threads (attn.cpu.run_units)
+
+
+def _plan(q: Tensor, k: Tensor, spec: LaunchSpec) -> _Plan:
+    """How a call runs: as units on the oneDNN engine where :func:`_unit_path` allows,
+    else batched, in batch chunks whose score tile fits :data:`TILE_BYTES`."""
     B, H, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    unit, _, uspec, scores = _unit_path(q, k, spec)
+    if unit:
+        units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
+        return _Plan(units, "onednn", uspec, parallel=scores >= POOL_MIN_SCORES)
     if B == 1 or spec.score_mod is not None or spec.mask_mod is not None \
             or spec.dropout_rows is not None:
-        return [(0, B)]
-    per_row = (H * min(spec.block_m or BLOCK_M, Nq) * min(spec.block_n or BLOCK_N, k.shape[2])
+        return _Plan([_Chunk(0, B, 0, Hkv, B, H, Hkv)], "bmm", spec)
+    per_row = (H * min(spec.block_m or BLOCK_M, Nq) * min(spec.block_n or BLOCK_N, Nk)
                * torch.finfo(_acc_dtype(q.dtype)).bits // 8)
     step = max(1, TILE_BYTES // per_row)
-    return [(b, min(b + step, B)) for b in range(0, B, step)]
+    return _Plan([_Chunk(b, min(b + step, B), 0, Hkv, B, H, Hkv) for b in range(0, B, step)],
+                 "bmm", spec)
 
 
-def _cut(x: Tensor | None, b0: int, b1: int, B: int) -> Tensor | None:
-    """Batch rows [b0, b1) of ``x``; the whole call's tensor as it is (packed ALiBi slopes
-    are per sequence, not per batch row)."""
-    return x if x is None or (b0, b1) == (0, B) else x[b0:b1]
+def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec
+               ) -> tuple[bool, str, LaunchSpec, int]:
+    """Whether a call runs as units on the oneDNN engine, why (not), the spec with the unit
+    tile sizes, and the scores it visits (B·H·Nq·Nk inside the band)."""
+    B, H, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, UNIT_ROWS // G),
+                                block_n=spec.block_n or UNIT_BLOCK_N)
 
-
-def _mask_rows(mask: Tensor | None, b0: int, b1: int, B: int) -> Tensor | None:
-    """Batch rows [b0, b1) of an attn_mask broadcastable to (B, H, Nq, Nk)."""
-    if mask is None:
-        return None
-    m4 = as_4d(mask)
-    return m4[b0:b1] if m4.shape[0] == B else m4
+    def no(why: str) -> tuple[bool, str, LaunchSpec, int]:
+        return False, why, spec, 0
+    if q.device.type != "cpu":
+        return no("not on CPU")
+    if _acc_dtype(q.dtype) != torch.float32:
+        return no("float64 stays on bmm")
+    if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
+        return no("score_mod / mask_mod run batched")
+    if spec.dropout_rows is not None or spec.alibi_rows is not None:
+        return no("packed sequences run batched")
+    if fused_cpu_default():
+        return no("ATTN_TILED_COMPILE=1 compiles the batched steps")
+    if torch.compiler.is_compiling():
+        return no("under torch.compile")
+    rows = G * min(Nq, uspec.block_m)
+    if rows < UNIT_MIN_ROWS or Nk < UNIT_MIN_KEYS:
+        return no(f"{rows} query rows x {Nk} keys per tile is below the unit path's "
+                  f"{UNIT_MIN_ROWS} x {UNIT_MIN_KEYS}")
+    visited = partial = area = 0
+    for m0, m1, key_tiles in _blocks(uspec, Nq, Nk).query_blocks():
+        for n0, n1, full in key_tiles:
+            visited += 1
+            partial += not full
+            area += (m1 - m0) * (n1 - n0)
+    if visited == 0 or partial > UNIT_MAX_PARTIAL * visited:
+        return no(f"{partial} of {visited} unit tiles are partly masked")
+    engine, why = cpu.gemm_engine()
+    if engine != "onednn":
+        return no(why)
+    return True, why, uspec, B * H * area
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
@@ -511,29 +707,35 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
     out = torch.empty(B, H, Nq, v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
     lse2 = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
-    for b0, b1 in _batch_chunks(q, k, spec):  # each chunk writes its rows of the outputs
-        _fwd_rows(q[b0:b1], k[b0:b1], v[b0:b1], spec, _mask_rows(attn_mask, b0, b1, B), sinks,
-                  softcap, _cut(alibi, b0, b1, B), out[b0:b1], lse[b0:b1], lse2[b0:b1], b0=b0)
+    plan = _plan(q, k, spec)
+    packed = spec.alibi_rows is not None
+
+    def run(c: _Chunk) -> None:  # each chunk writes its part of the outputs
+        _fwd_rows(c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.mask(attn_mask),
+                  c.head_vec(sinks), c.head_vec(softcap), c.alibi(alibi, packed), c.bh(out),
+                  c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine)
+
+    cpu.run_units(run, plan.chunks, parallel=plan.parallel)
     return (out, lse, lse2) if want_lse2 else (out, lse)
 
 
 def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None,
               sinks: Tensor | None, softcap: Tensor | None, alibi: Tensor | None, out: Tensor,
-              lse: Tensor, lse2: Tensor, b0: int = 0) -> None:
-    """The forward over the batch rows given, into ``out``, ``lse``, ``lse2`` (those rows'
-    views; ``b0``: the first row's index in the call)."""
+              lse: Tensor, lse2: Tensor, b0: int = 0, engine: str = "bmm") -> None:
+    """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
+    ``b0``: its first batch row's index in the call; ``engine``: the plan's)."""
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0)
+    tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0, engine=engine)
     sink_rows = None  # in base-2 units, like m_i
     if sinks is not None:
         sink_rows = (sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq)
     # a finite "-inf" start keeps exp(m_i - m_new) and exp(s - m_new) free of inf - inf
     lowest = torch.finfo(acc_dtype).min
     blocks = _blocks(spec, Nq, Nk)
-    fused = _fused_steps(q)
+    fused = _fused_steps(q) and engine == "bmm"
 
     for m0, m1, key_tiles in blocks.query_blocks():
         rows = (B * Hkv, G * (m1 - m0), 1)
@@ -551,11 +753,8 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
             s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
             step = _run_fused(_fwd_tile_fused, m_i, l_i, s, z) if fused and _fusable(s) else None
-            if step is not None:
-                p, m_i, l_i, alpha = step
-                acc.mul_(alpha).baddbmm_(p, tile.v_block(n0, n1))
-            else:
-                m_i, l_i, acc = _fwd_tile(m_i, l_i, acc, s, tile.v_block(n0, n1), z)
+            p, m_i, l_i, alpha = step if step is not None else _fwd_tile(m_i, l_i, s, z)
+            tile.add_pv(acc.mul_(alpha), p, n0, n1)
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         seen = l_i > 0
         out[:, :, m0:m1] = (acc / torch.where(seen, l_i, 1.0)).view(B, H, m1 - m0, Dv)
@@ -583,30 +782,46 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     deterministic, no atomics). ``alibi``: the slopes, constants (none of their own
     gradient). ``lse2``: the forward's base-2 lse (``_fwd(want_lse2=True)``); without it
     ``lse·log2 e`` stands in, exact up to rounding."""
-    chunks = _batch_chunks(q, k, spec)
-    if len(chunks) == 1:
-        return _bwd_rows(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap,
-                         need_dmask=need_dmask, need_dcap=need_dcap, captured=captured,
-                         alibi=alibi, lse2=lse2)
+    plan = _plan(q, k, spec)
+    packed = spec.alibi_rows is not None
+    kw = dict(need_dmask=need_dmask, need_dcap=need_dcap, engine=plan.engine)
+    if len(plan.chunks) == 1:
+        return _bwd_rows(do, dlse, q, k, v, out, lse, plan.chunks[0].spec(plan.spec),
+                         attn_mask, sinks, softcap, captured=captured, alibi=alibi, lse2=lse2,
+                         **kw)
     B, H, Nq, D = q.shape
     acc_dtype = _acc_dtype(q.dtype)
-    # each chunk accumulates into its rows of dq, dk, dv: no copies to join them
+    # each chunk accumulates into its part of dq, dk, dv: no copies to join them
     into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
             torch.zeros(k.shape[:3] + (D,), dtype=acc_dtype, device=q.device),
             torch.zeros(v.shape, dtype=acc_dtype, device=q.device))
-    parts = [_bwd_rows(do[b0:b1], _cut(dlse, b0, b1, B), q[b0:b1], k[b0:b1], v[b0:b1],
-                       out[b0:b1], lse[b0:b1], spec, _mask_rows(attn_mask, b0, b1, B), sinks,
-                       softcap, need_dmask=need_dmask, need_dcap=need_dcap,
-                       alibi=_cut(alibi, b0, b1, B), lse2=_cut(lse2, b0, b1, B), b0=b0,
-                       into=tuple(t[b0:b1] for t in into))
-             for b0, b1 in chunks]
-    dmask = None
-    if need_dmask:  # a mask with a batch dim gets its rows; one broadcast over it, the sum
-        ds = [g.dmask for g in parts]
-        dmask = torch.cat(ds) if as_4d(attn_mask).shape[0] == B else torch.stack(ds).sum(0)
-    add = lambda xs: None if xs[0] is None else torch.stack(xs).sum(0)  # noqa: E731
-    return Grads(*into, dmask, add([g.dsinks for g in parts]), add([g.dsoftcap for g in parts]),
-                 ())
+    parts: list[Grads | None] = [None] * len(plan.chunks)
+
+    def run(i: int) -> None:
+        c = plan.chunks[i]
+        parts[i] = _bwd_rows(c.bh(do), c.bh(dlse), c.bh(q), c.kv(k), c.kv(v), c.bh(out),
+                             c.bh(lse), c.spec(plan.spec), c.mask(attn_mask),
+                             c.head_vec(sinks), c.head_vec(softcap),
+                             alibi=c.alibi(alibi, packed), lse2=c.bh(lse2), b0=c.b0,
+                             into=(c.bh(into[0]), c.kv(into[1]), c.kv(into[2])), **kw)
+
+    cpu.run_units(run, range(len(plan.chunks)), parallel=plan.parallel)
+    # the per-head and mask gradients: each chunk's into its slice, in chunk order
+    dmask = dsinks = dsoftcap = None
+    if need_dmask:
+        dmask = torch.zeros(as_4d(attn_mask).shape, dtype=acc_dtype, device=q.device)
+    if sinks is not None:
+        dsinks = torch.zeros(H, dtype=acc_dtype, device=q.device)
+    if parts[0].dsoftcap is not None:
+        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
+    for c, g in zip(plan.chunks, parts):
+        if dmask is not None:
+            dmask[c.mask_index(dmask)] += g.dmask
+        if dsinks is not None:
+            dsinks[c.heads] += g.dsinks
+        if dsoftcap is not None:
+            dsoftcap[c.heads] += g.dsoftcap
+    return Grads(*into, dmask, dsinks, dsoftcap, ())
 
 
 def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -615,14 +830,14 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
               need_dmask: bool = False, need_dcap: bool = True,
               captured: tuple[Tensor, ...] = (), alibi: Tensor | None = None,
               lse2: Tensor | None = None, b0: int = 0,
-              into: tuple[Tensor, Tensor, Tensor] | None = None) -> Grads:
-    """:func:`_bwd` over the batch rows given (``b0``: the first row's index in the call;
-    ``into``: zeroed (dq, dk, dv) views of those rows to accumulate into)."""
+              into: tuple[Tensor, Tensor, Tensor] | None = None, engine: str = "bmm") -> Grads:
+    """:func:`_bwd` of one chunk (``b0``: its first batch row's index in the call; ``into``:
+    zeroed (dq, dk, dv) views of its part to accumulate into; ``engine``: the plan's)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0)
+    tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0, engine=engine)
     blocks = _blocks(spec, Nq, Nk)
     if into is None:
         into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
@@ -645,7 +860,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     lse_rows = lse2.masked_fill(lse2 == float("-inf"), float("inf"))  # P = 0 on empty rows
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
-    fused = _fused_steps(q)
+    fused = _fused_steps(q) and engine == "bmm"
 
     for m0, m1, key_tiles in blocks.query_blocks():
         if not key_tiles:
@@ -653,15 +868,15 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         BM = m1 - m0
         q_blk = tile.q_block(m0, m1)  # (B·Hkv, G·BM, D)
         do_blk = do[:, :, m0:m1].to(acc_dtype).reshape(B * Hkv, G * BM, Dv)
+        qT, doT = tile.rows_t(q_blk), tile.rows_t(do_blk)  # oneDNN's operands for dK, dV
         lse_blk = tile.rows(lse_rows, m0, m1)
         delta_blk = tile.rows(delta, m0, m1)
         dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
         for n0, n1, full in key_tiles:
             BN = n1 - n0
-            k_blk, v_blk = tile.k_block(n0, n1), tile.v_block(n0, n1)
             s, u, t = tile.scores(q_blk, m0, m1, n0, n1, full, track=track)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
-            dp = torch.bmm(do_blk, v_blk.transpose(1, 2), out=tile.buffer("dp", s.shape))
+            dp = tile.dp(do_blk, n0, n1)
             step = None
             if fused and _fusable(s):
                 step = _run_fused(_bwd_tile_fused, s, dp, u, t, lse_blk, delta_blk, z,
@@ -669,11 +884,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             if step is None:
                 step = _bwd_tile(s, u, t, lse_blk, delta_blk, dp, z, dsoftcap is not None)
             pd, ds, ds_raw, dc_terms = step
-            # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group). dK and dV go through a contiguous
-            # buffer: a GEMM into a column slice of (B·Hkv, Nk, D) runs as one addmm per batch
-            # entry, ~10% slower than the bmm plus a small add --
-            dv3[:, n0:n1] += torch.bmm(pd.transpose(1, 2), do_blk,
-                                       out=tile.buffer("dv", (B * Hkv, BN, Dv)))
+            # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group) --
+            tile.add_tn(dv3[:, n0:n1], pd, do_blk, doT, "dv")
             if dmask is not None:
                 rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
                 cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
@@ -686,9 +898,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
                     if g is not None:
                         dcaptured[i] = g if dcaptured[i] is None else dcaptured[i] + g
             # -- dQ += dS K, dK += dSᵀ Q (q_blk carries the scale; dQ gets it at the end) --
-            dq_blk.baddbmm_(ds_raw, k_blk)
-            dk3[:, n0:n1] += torch.bmm(ds_raw.transpose(1, 2), q_blk,
-                                       out=tile.buffer("dk", (B * Hkv, BN, D)))
+            tile.add_dq(dq_blk, ds_raw, n0, n1)
+            tile.add_tn(dk3[:, n0:n1], ds_raw, q_blk, qT, "dk")
         dq[:, :, m0:m1] = dq_blk.view(B, H, BM, D) * spec.qk_scale
 
     if tile.fold_log2:  # q_blk carried log2 e: dK = Σ dSᵀ q·scale needs it taken out

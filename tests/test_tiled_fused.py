@@ -170,7 +170,7 @@ def test_batch_chunks_match_one_call(monkeypatch, case):
     results = []
     for tile_bytes in (1 << 40, 1):  # one call; then one batch row per chunk
         monkeypatch.setattr(tiled, "TILE_BYTES", tile_bytes)
-        assert len(tiled._batch_chunks(q, k, tiled.LaunchSpec(qk_scale=1.0))) == \
+        assert len(tiled._plan(q, k, tiled.LaunchSpec(qk_scale=1.0)).chunks) == \
             (1 if tile_bytes > 1 else 3)
         torch.manual_seed(3)
         out, lse = _tiled()(q, k, v, return_lse=True, **kw)

@@ -1,0 +1,194 @@
+"""CPU execution for the tiled backend: which GEMM engine runs the tiles, and the worker
+threads that run independent heads side by side.
+
+Why: on CPU the tiled backend spends ~80% of its time in GEMMs. torch's ``bmm`` goes to MKL,
+and MKL's fp32 GEMM takes its AVX2 path on AMD processors: ~95 GFLOP/s per core on this
+project's Zen 5 machine, where oneDNN's AVX-512 kernels (in every x86 torch build, reached
+through ``torch.ops.mkldnn._linear_pointwise``) run the same tile GEMMs at 170-210. oneDNN's
+per-call overhead (~15 us) and its weak 2-thread split of one small GEMM make it pay only on
+whole-tile GEMMs run one head at a time, one head per thread. So the tiled backend cuts a
+call into units (one batch row, one KV head and its query group) and runs them on a small
+pool of worker threads, each with one intra-op thread (torch releases the GIL inside ops).
+
+``ATTN_TILED_GEMM=auto|onednn|bmm`` picks the engine (read at each call). ``auto`` times
+both on one tile-sized GEMM the first time it is asked (~20 ms, once per process) and takes
+oneDNN only where it is clearly faster: an Intel CPU, where MKL has its AVX-512 path, keeps
+``bmm``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Sequence, TypeVar
+
+import torch
+from torch import Tensor
+
+T = TypeVar("T")
+
+ENGINES = ("auto", "onednn", "bmm")
+# auto takes oneDNN when it runs the calibration GEMMs at least this much faster than bmm
+ONEDNN_MIN_SPEEDUP = 1.3
+
+
+def engine_setting() -> str:
+    """``ATTN_TILED_GEMM``: auto (default), onednn or bmm."""
+    flag = os.environ.get("ATTN_TILED_GEMM", "auto").strip().lower()
+    if flag not in ENGINES:
+        raise ValueError(f"ATTN_TILED_GEMM must be one of {', '.join(ENGINES)}, got {flag!r}")
+    return flag
+
+
+def _linear_op() -> Callable | None:
+    """oneDNN's fp32 linear (``x @ w.T``), or None where this torch build has none."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def openmp_threads() -> bool:
+    """Whether intra-op threads are OpenMP's: then ``torch.set_num_threads`` in a worker
+    thread sets that thread's own count (OpenMP keeps it per thread, as MKL and oneDNN do).
+    Under torch's native pool it would resize the one shared pool, so workers are not used."""
+    return "OpenMP" in torch.__config__.parallel_info()
+
+
+def mm_nt(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` for 2-D fp32 ``x (M, K)``, ``w (N, K)`` through oneDNN. Both must be
+    contiguous: oneDNN bakes the weight's strides into the kernel it builds, and a strided
+    weight rebuilt one per call (~90 ms each)."""
+    return _LINEAR(x.contiguous(), w.contiguous(), None, "none", [], "")
+
+
+_LINEAR = _linear_op()
+_LOCK = threading.Lock()
+_RESOLVED: tuple[str, str] | None = None  # auto's (engine, why), measured once
+
+
+def gemm_engine() -> tuple[str, str]:
+    """``(engine, why)``: ``"onednn"`` or ``"bmm"``, and a line saying why."""
+    setting = engine_setting()
+    if setting == "bmm":
+        return "bmm", "ATTN_TILED_GEMM=bmm"
+    if _LINEAR is None:
+        return "bmm", "this torch build has no oneDNN"
+    if setting == "onednn":
+        return "onednn", "ATTN_TILED_GEMM=onednn"
+    global _RESOLVED
+    if _RESOLVED is None:
+        with _LOCK:
+            if _RESOLVED is None:
+                _RESOLVED = _calibrate()
+    return _RESOLVED
+
+
+def _calibrate() -> tuple[str, str]:
+    """Time oneDNN against bmm on the unit path's tile GEMMs (256 x 512 scores, D = 64),
+    one thread each, interleaved; check oneDNN's product while at it."""
+    def run() -> tuple[str, str]:
+        g = torch.Generator().manual_seed(0)
+        q, k = torch.randn(256, 64, generator=g), torch.randn(512, 64, generator=g)
+        p, vt = torch.randn(256, 512, generator=g), torch.randn(64, 512, generator=g)
+        if not torch.allclose(mm_nt(q, k), q @ k.t(), rtol=1e-4, atol=1e-3):
+            return "bmm", "oneDNN's fp32 product disagreed with torch.mm (reduced precision?)"
+        dnnl = lambda: (mm_nt(q, k), mm_nt(p, vt))  # noqa: E731
+        mkl = lambda: (torch.mm(q, k.t()), torch.mm(p, vt.t()))  # noqa: E731
+        times: dict[str, list[float]] = {"onednn": [], "bmm": []}
+        for i in range(7):
+            for name, fn in (("onednn", dnnl), ("bmm", mkl)):
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    fn()
+                if i:  # the first round warms up (oneDNN builds its kernels)
+                    times[name].append(time.perf_counter() - t0)
+        speedup = sorted(times["bmm"])[3] / sorted(times["onednn"])[3]
+        if speedup >= ONEDNN_MIN_SPEEDUP:
+            return "onednn", f"auto: oneDNN ran tile GEMMs {speedup:.1f}x as fast as bmm"
+        return "bmm", f"auto: oneDNN ran tile GEMMs {speedup:.2f}x as fast as bmm (not enough)"
+    try:
+        if openmp_threads():
+            return _pool(2).submit(run).result()  # one intra-op thread, as the units run
+        return run()
+    except Exception as exc:  # a build whose oneDNN op refuses these shapes: keep bmm
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        warnings.warn(f"attn: oneDNN GEMMs could not run ({type(exc).__name__}: {first}); the "
+                      f"tiled backend uses torch.bmm", RuntimeWarning, stacklevel=4)
+        return "bmm", f"oneDNN failed: {type(exc).__name__}"
+
+
+# -- the worker pool --------------------------------------------------------------------------
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+_WORKER = threading.local()
+
+
+def _one_thread(barrier: threading.Barrier) -> None:
+    torch.get_num_threads()  # torch's lazy per-thread init first, so it cannot undo the next
+    torch.set_num_threads(1)
+    _WORKER.active = True
+    barrier.wait()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """A pool of ``n`` worker threads, each with one intra-op thread (made once per n)."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE != n:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            caller = torch.get_num_threads()
+            pool = ThreadPoolExecutor(n, thread_name_prefix="attn-cpu")
+            barrier = threading.Barrier(n)  # one task per thread: every worker sets its count
+            for f in [pool.submit(_one_thread, barrier) for _ in range(n)]:
+                f.result()
+            # set_num_threads also stores a process-wide default, which threads that have not
+            # started yet read: give the caller's back (each worker keeps its own 1)
+            torch.set_num_threads(caller)
+            _POOL, _POOL_SIZE = pool, n
+    return _POOL
+
+
+def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
+    global _POOL, _POOL_SIZE
+    _POOL, _POOL_SIZE = None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def in_worker() -> bool:
+    return getattr(_WORKER, "active", False)
+
+
+def run_units(fn: Callable[[T], None], units: Sequence[T], parallel: bool) -> None:
+    """``fn(unit)`` for every unit: on the worker threads when ``parallel`` (one intra-op
+    thread each), else here in order. The workers take the caller's grad and inference
+    modes (both are per thread in torch); the first exception is raised here."""
+    if not parallel or len(units) < 2 or in_worker() or not openmp_threads() \
+            or torch.get_num_threads() < 2:  # (in this order: torch.compile traces the first)
+        for u in units:
+            fn(u)
+        return
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def task(u: T) -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            fn(u)
+
+    pool = _pool(torch.get_num_threads())
+    futures = [pool.submit(task, u) for u in units]
+    wait(futures)  # all of them, so none still writes into the outputs when one raised
+    for f in futures:
+        f.result()

@@ -1,0 +1,209 @@
+"""The tiled backend's unit path on CPU (:mod:`attn.cpu`): a call cut into units (one batch
+row, one KV head with its query group) whose tile GEMMs run 2-D through oneDNN, in order or
+on worker threads. Here the thresholds are lowered so small calls take it, with small tiles
+so one call has full tiles, ragged edges and several units; every variant is compared with
+the float64 reference like the batched path is."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import attn
+from attn import AttentionCall, cpu, select_backend, tiled
+from attn.testing import assert_close_to_reference
+
+pytestmark = pytest.mark.skipif(cpu._LINEAR is None, reason="this torch build has no oneDNN")
+
+
+def _inputs(B=2, H=4, Hkv=2, Nq=45, Nk=70, D=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.fixture(params=["in-order", "workers"])
+def units(request, monkeypatch):
+    """The unit path forced on small calls (tiles of 16 rows x 32 keys); ``workers`` also
+    sends every call to the worker threads. Yields the list of engines the calls ran."""
+    monkeypatch.setenv("ATTN_TILED_GEMM", "onednn")
+    monkeypatch.setattr(tiled, "UNIT_ROWS", 16)
+    monkeypatch.setattr(tiled, "UNIT_BLOCK_N", 32)
+    monkeypatch.setattr(tiled, "UNIT_MIN_ROWS", 1)
+    monkeypatch.setattr(tiled, "UNIT_MIN_KEYS", 1)
+    monkeypatch.setattr(tiled, "UNIT_MAX_PARTIAL", 1.0)
+    workers = request.param == "workers"
+    monkeypatch.setattr(tiled, "POOL_MIN_SCORES", 0 if workers else 1 << 62)
+    plans = []
+    real = tiled._plan
+
+    def spy(q, k, spec):
+        plan = real(q, k, spec)
+        plans.append((plan.engine, plan.parallel, len(plan.chunks)))
+        return plan
+    monkeypatch.setattr(tiled, "_plan", spy)
+    yield plans
+    assert plans, "no call planned"
+    assert all(p[0] == "onednn" and p[1] == workers for p in plans), plans
+
+
+def _tiled(q, k, v, **kw):
+    return attn.attention(q, k, v, backend="tiled", **kw)
+
+
+CASES = {
+    "plain": dict(),
+    "causal-gqa": dict(causal=True),
+    "window-sinks": dict(window=(9, 4), sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+    "softcap-learned": dict(softcap=torch.full((4,), 3.0), causal=True),
+    "softcap-fixed-bool-mask": dict(softcap=5.0, attn_mask=torch.rand(45, 70) > 0.3),
+    "float-mask-per-batch-head": dict(attn_mask=torch.randn(2, 4, 45, 70)),
+    "float-mask-per-batch": dict(attn_mask=torch.randn(2, 1, 45, 70), window=(20, 5)),
+    "alibi-per-batch": dict(alibi_slopes=torch.rand(2, 4), causal=True),
+    "alibi-sinks-temperature": dict(alibi_slopes=torch.rand(4), temperature=0.7,
+                                    sinks=torch.tensor([0.1, 0.2, -0.3, 1.0])),
+}
+GRAD = {"sinks", "softcap", "attn_mask"}  # tensors whose gradient is checked too
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_units_match_reference(units, case):
+    kw = {n: (t.clone().requires_grad_(n in GRAD and t.is_floating_point())
+              if isinstance(t, torch.Tensor) else t) for n, t in CASES[case].items()}
+    q, k, v = _inputs(seed=len(case))
+    assert_close_to_reference(_tiled, q, k, v, **kw)
+    assert units[-1][2] == 4  # B x Hkv units
+
+
+@pytest.mark.parametrize("shape", [dict(H=4, Hkv=4, Nq=1, Nk=33), dict(H=6, Hkv=1, Nq=70,
+                                                                         Nk=45, D=40)],
+                         ids=["one-query-mha", "mqa-nq-gt-nk"])
+def test_units_awkward_shapes(units, shape):
+    q, k, v = _inputs(seed=3, **shape)
+    assert_close_to_reference(_tiled, q, k, v, causal=True)
+    assert_close_to_reference(_tiled, q, k, v)
+
+
+def test_units_bfloat16(units):
+    q, k, v = _inputs(seed=5, dtype=torch.bfloat16)
+    assert_close_to_reference(_tiled, q, k, v, causal=True)
+
+
+def test_units_dropout_equals_batched(units, monkeypatch):
+    """Dropout hashes global (batch, head, i, j): units draw the batched path's mask (which
+    the variant suite tests against the reference)."""
+    q, k, v = (t.requires_grad_() for t in _inputs(seed=4))
+    results = []
+    for engine in ("onednn", "bmm"):
+        monkeypatch.setenv("ATTN_TILED_GEMM", engine)
+        torch.manual_seed(7)
+        out = _tiled(q, k, v, dropout_p=0.3, causal=True)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    units[:] = units[:1]  # the bmm call is the comparison, not the path under test
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_units_under_inference_mode_and_no_grad(units):
+    q, k, v = _inputs(seed=6)
+    want = _tiled(q, k, v, causal=True)
+    with torch.inference_mode():
+        got = _tiled(q, k, v, causal=True)
+    assert got.is_inference()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    q.requires_grad_()
+    with torch.no_grad():
+        got = _tiled(q, k, v, causal=True)
+    assert not got.requires_grad
+
+
+def test_worker_threads_run_one_intra_op_thread_each(monkeypatch):
+    """The workers run with one intra-op thread; the caller keeps its count."""
+    if not cpu.openmp_threads():
+        pytest.skip("workers are only used with OpenMP intra-op threads")
+    before = torch.get_num_threads()
+    seen = []
+    lock = threading.Lock()
+
+    def job(i):
+        with lock:
+            seen.append((threading.current_thread().name, torch.get_num_threads(),
+                         torch.is_grad_enabled()))
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            cpu.run_units(job, range(6), parallel=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) == 6
+    assert all(name.startswith("attn-cpu") and n == 1 and not grad for name, n, grad in seen)
+
+
+def test_worker_exception_reaches_the_caller():
+    if not cpu.openmp_threads():
+        pytest.skip("workers are only used with OpenMP intra-op threads")
+
+    def job(i):
+        if i == 3:
+            raise ValueError("unit 3 failed")
+    with pytest.raises(ValueError, match="unit 3 failed"):
+        cpu.run_units(job, range(5), parallel=True)
+
+
+def test_engine_switch_and_reason(monkeypatch):
+    monkeypatch.setenv("ATTN_TILED_GEMM", "bmm")
+    assert cpu.gemm_engine() == ("bmm", "ATTN_TILED_GEMM=bmm")
+    monkeypatch.setenv("ATTN_TILED_GEMM", "fast")
+    with pytest.raises(ValueError, match="ATTN_TILED_GEMM"):
+        cpu.gemm_engine()
+    monkeypatch.setenv("ATTN_TILED_GEMM", "onednn")
+    call = AttentionCall(device="cpu", dtype=torch.float32, head_dim=64, head_dim_v=64,
+                         n_q=4096, n_k=4096)
+    assert "oneDNN" in select_backend(call, "tiled").reason
+    monkeypatch.setattr(cpu, "_LINEAR", None)  # a build without oneDNN: bmm, and says so
+    assert cpu.gemm_engine()[0] == "bmm"
+    assert "no oneDNN" in select_backend(call, "tiled").reason
+
+
+def test_auto_keeps_bmm_where_onednn_is_not_faster(monkeypatch):
+    """auto measures once: an oneDNN that is no faster than bmm is not taken."""
+    monkeypatch.setenv("ATTN_TILED_GEMM", "auto")
+    monkeypatch.setattr(cpu, "_RESOLVED", None)
+    real = cpu.mm_nt
+
+    def slow(x, w):  # three products for one: never 1.3x faster than bmm
+        real(x, w), real(x, w)
+        return real(x, w)
+    monkeypatch.setattr(cpu, "mm_nt", slow)
+    engine, why = cpu.gemm_engine()
+    assert engine == "bmm" and "auto" in why
+    q, k, v = _inputs(B=1, H=2, Hkv=2, Nq=600, Nk=600, D=8)
+    assert tiled._plan(q, k, tiled.LaunchSpec(qk_scale=1.0)).engine == "bmm"
+
+
+def test_plan_rules(monkeypatch):
+    """Large calls take units; decoding, float64, programmable masks and mostly-partial
+    bands stay batched; the workers only for calls past POOL_MIN_SCORES."""
+    monkeypatch.setenv("ATTN_TILED_GEMM", "onednn")
+    spec = tiled.LaunchSpec(qk_scale=1.0)
+
+    def plan(spec=spec, Nq=1024, Nk=1024, H=8, Hkv=8, dtype=torch.float32):
+        q = torch.empty(1, H, Nq, 64, dtype=dtype)
+        return tiled._plan(q, torch.empty(1, Hkv, Nk, 64, dtype=dtype), spec)
+    p = plan()
+    assert p.engine == "onednn" and len(p.chunks) == 8 and not p.parallel
+    assert (p.spec.block_m, p.spec.block_n) == (tiled.UNIT_ROWS, tiled.UNIT_BLOCK_N)
+    assert plan(Nq=4096, Nk=4096).parallel
+    assert plan(H=8, Hkv=2).spec.block_m == tiled.UNIT_ROWS // 4  # G·BM rows per tile
+    assert plan(Nq=1, Nk=32768, H=32, Hkv=8).engine == "bmm"  # decoding
+    assert plan(dtype=torch.float64).engine == "bmm"
+    causal = tiled.LaunchSpec(qk_scale=1.0, band=attn.masks.Band(0, None, 0))
+    assert plan(causal).engine == "bmm"  # N = 1024: 2 of 3 tiles partial
+    assert plan(causal, Nq=2048, Nk=2048).engine == "onednn"  # 4 of 10
+    flex = tiled.LaunchSpec(qk_scale=1.0, score_mod=lambda s, b, h, i, j: s)
+    assert plan(flex).engine == "bmm"
