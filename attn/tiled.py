@@ -106,17 +106,19 @@ class _Tile:
         self.q = q
         self.k3 = k.reshape(B * Hkv, Nk, D)  # (B·Hkv, Nk, D), a view when k is contiguous
         self.v3 = v.reshape(B * Hkv, Nk, v.shape[-1])
-        # oneDNN (one unit: B·Hkv = 1) takes contiguous 2-D operands in the accumulation
-        # dtype: k and v once here, their transposed key blocks as the tiles first need them
+        # oneDNN (one unit: B·Hkv = 1) takes 2-D operands in the accumulation dtype, row-major
+        # (or column-major, the second): k and v converted once here
         self.onednn = engine == "onednn"
+        # the backward on oneDNN computes its tiles keys-major, (BN, G·BM) in memory, seen
+        # through a transposed view: dV += Pᵀ dO and dK += dSᵀ Q then read Pᵀ and dSᵀ
+        # contiguous, and only dQ += dS K needs a copy (set by _bwd_rows)
+        self.keys_major = False
         if self.onednn:
             if B * Hkv != 1:
                 raise AssertionError(f"the oneDNN engine runs one unit (B·Hkv = 1), got "
                                      f"B={B}, Hkv={Hkv}")
             self.k3 = self.k3.to(acc).contiguous()
             self.v3 = self.v3.to(acc).contiguous()
-            self._kT: dict[tuple[int, int], Tensor] = {}
-            self._vT: dict[tuple[int, int], Tensor] = {}
         self._buffers: dict[tuple, Tensor] = {}
         self.mask5 = self.mask4 = None
         if attn_mask is not None and attn_mask.dtype == torch.bool:
@@ -244,13 +246,11 @@ class _Tile:
 
     # -- the tile GEMMs: batched bmm over (B·Hkv), or one unit's 2-D products through oneDNN --
 
-    def _transposed(self, cache: dict, x3: Tensor, n0: int, n1: int) -> Tensor:
-        if (n0, n1) not in cache:
-            cache[(n0, n1)] = x3[0, n0:n1].t().contiguous()
-        return cache[(n0, n1)]
-
     def qk(self, q_blk: Tensor, n0: int, n1: int) -> Tensor:
-        """``q_blk kᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``."""
+        """``q_blk kᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``; with
+        :attr:`keys_major`, a view of the contiguous ``k q_blkᵀ``."""
+        if self.keys_major:
+            return cpu.mm_nt(self.k3[0, n0:n1], q_blk[0]).t().unsqueeze(0)
         if self.onednn:
             return cpu.mm_nt(q_blk[0], self.k3[0, n0:n1]).unsqueeze(0)
         k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
@@ -260,12 +260,14 @@ class _Tile:
     def add_pv(self, acc: Tensor, p: Tensor, n0: int, n1: int) -> None:
         """``acc += p V`` for key block [n0, n1)."""
         if self.onednn:
-            acc[0].add_(cpu.mm_nt(p[0], self._transposed(self._vT, self.v3, n0, n1)))
+            acc[0].add_(cpu.mm_nt(p[0], self.v3[0, n0:n1].t()))
         else:
             acc.baddbmm_(p, self.v_block(n0, n1))
 
     def dp(self, do_blk: Tensor, n0: int, n1: int) -> Tensor:
         """``dO Vᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``."""
+        if self.keys_major:
+            return cpu.mm_nt(self.v3[0, n0:n1], do_blk[0]).t().unsqueeze(0)
         if self.onednn:
             return cpu.mm_nt(do_blk[0], self.v3[0, n0:n1]).unsqueeze(0)
         shape = (do_blk.shape[0], do_blk.shape[1], n1 - n0)
@@ -273,26 +275,21 @@ class _Tile:
                          out=self.buffer("dp", shape))
 
     def add_dq(self, dq_blk: Tensor, ds: Tensor, n0: int, n1: int) -> None:
-        """``dq_blk += dS K`` for key block [n0, n1). (dK and dV take Pᵀ and dSᵀ, which
-        oneDNN would copy first: they stay with bmm on both engines.)"""
-        if self.onednn:
-            dq_blk[0].add_(cpu.mm_nt(ds[0], self._transposed(self._kT, self.k3, n0, n1)))
+        """``dq_blk += dS K`` for key block [n0, n1)."""
+        if self.keys_major:  # dS is keys-major: dQᵀ = Kᵀ dSᵀ takes it as it lies
+            dq_blk[0].add_(cpu.mm_nt(self.k3[0, n0:n1].t(), ds[0]).t())
+        elif self.onednn:
+            dq_blk[0].add_(cpu.mm_nt(ds[0], self.k3[0, n0:n1].t()))
         else:
             dq_blk.baddbmm_(ds, self.k_block(n0, n1))
 
-    def rows_t(self, x: Tensor) -> Tensor | None:
-        """oneDNN's second operand of :meth:`add_tn` for a query block's ``x (1, G·BM, ·)``:
-        ``xᵀ`` contiguous (made once per query block); None on bmm."""
-        return x[0].t().contiguous() if self.onednn else None
-
-    def add_tn(self, dst: Tensor, a: Tensor, b: Tensor, bT: Tensor | None, name: str) -> None:
+    def add_tn(self, dst: Tensor, a: Tensor, b: Tensor, name: str) -> None:
         """``dst += aᵀ b``: dV += Pᵀ dO and dK += dSᵀ Q for one tile, ``a (·, G·BM, BN)``,
-        ``b (·, G·BM, D)``, ``bT`` from :meth:`rows_t`. Both engines add a contiguous product
-        into the slice (a GEMM into a column slice of (B·Hkv, Nk, D) runs as one addmm per
-        batch entry, ~10% slower); oneDNN takes aᵀ as a contiguous copy (a transposed
-        operand would rebuild its kernel)."""
+        ``b (·, G·BM, D)``. Both engines add a contiguous product into the slice (a GEMM
+        into a column slice of (B·Hkv, Nk, D) runs as one addmm per batch entry, ~10%
+        slower). On oneDNN ``a`` is keys-major (:attr:`keys_major`): ``aᵀ`` is row-major."""
         if self.onednn:
-            dst[0].add_(cpu.mm_nt(a[0].t().contiguous(), bT))
+            dst[0].add_(cpu.mm_nt(a[0].t(), b[0].t()))
         else:
             shape = (a.shape[0], a.shape[2], b.shape[2])
             dst.add_(torch.bmm(a.transpose(1, 2), b, out=self.buffer(name, shape)))
@@ -838,6 +835,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
     tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0, engine=engine)
+    tile.keys_major = tile.onednn
     blocks = _blocks(spec, Nq, Nk)
     if into is None:
         into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
@@ -868,7 +866,6 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         BM = m1 - m0
         q_blk = tile.q_block(m0, m1)  # (B·Hkv, G·BM, D)
         do_blk = do[:, :, m0:m1].to(acc_dtype).reshape(B * Hkv, G * BM, Dv)
-        qT, doT = tile.rows_t(q_blk), tile.rows_t(do_blk)  # oneDNN's operands for dK, dV
         lse_blk = tile.rows(lse_rows, m0, m1)
         delta_blk = tile.rows(delta, m0, m1)
         dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
@@ -885,7 +882,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
                 step = _bwd_tile(s, u, t, lse_blk, delta_blk, dp, z, dsoftcap is not None)
             pd, ds, ds_raw, dc_terms = step
             # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group) --
-            tile.add_tn(dv3[:, n0:n1], pd, do_blk, doT, "dv")
+            tile.add_tn(dv3[:, n0:n1], pd, do_blk, "dv")
             if dmask is not None:
                 rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
                 cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
@@ -899,7 +896,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
                         dcaptured[i] = g if dcaptured[i] is None else dcaptured[i] + g
             # -- dQ += dS K, dK += dSᵀ Q (q_blk carries the scale; dQ gets it at the end) --
             tile.add_dq(dq_blk, ds_raw, n0, n1)
-            tile.add_tn(dk3[:, n0:n1], ds_raw, q_blk, qT, "dk")
+            tile.add_tn(dk3[:, n0:n1], ds_raw, q_blk, "dk")
         dq[:, :, m0:m1] = dq_blk.view(B, H, BM, D) * spec.qk_scale
 
     if tile.fold_log2:  # q_blk carried log2 e: dK = Σ dSᵀ q·scale needs it taken out

@@ -121,6 +121,20 @@ def test_units_under_inference_mode_and_no_grad(units):
     assert not got.requires_grad
 
 
+@pytest.mark.parametrize("shapes", [((5, 7), (3, 7)), ((1, 7), (3, 7)), ((5, 1), (1, 1)),
+                                    ((4, 6), (1, 6))], ids=str)
+def test_mm_nt_any_layout(shapes):
+    """oneDNN's product equals torch's for transposed, sliced and size-1 operands (the op
+    itself misreads a transposed weight: the wrapper must hand it row-major memory)."""
+    g = torch.Generator().manual_seed(1)
+    (m, kk), (n, _) = shapes
+    for x in (torch.randn(m, kk, generator=g), torch.randn(kk, m, generator=g).t(),
+              torch.randn(m, 2 * kk, generator=g)[:, ::2]):
+        for w in (torch.randn(n, kk, generator=g), torch.randn(kk, n, generator=g).t(),
+                  torch.randn(n + 2, kk, generator=g)[1:-1]):
+            torch.testing.assert_close(cpu.mm_nt(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_worker_threads_run_one_intra_op_thread_each(monkeypatch):
     """The workers run with one intra-op thread; the caller keeps its count."""
     if not cpu.openmp_threads():
