@@ -123,7 +123,7 @@ def _calibrate() -> tuple[str, str]:
         return "bmm", f"auto: oneDNN ran tile GEMMs {speedup:.2f}x as fast as bmm (not enough)"
     try:
         if openmp_threads():
-            return _pool(2).submit(run).result()  # one intra-op thread, as the units run
+            return _pool(torch.get_num_threads()).submit(run).result()  # as units run: 1 thread
         return run()
     except Exception as exc:  # a build whose oneDNN op refuses these shapes: keep bmm
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
@@ -182,9 +182,12 @@ def in_worker() -> bool:
 def run_units(fn: Callable[[T], None], units: Sequence[T], parallel: bool) -> None:
     """``fn(unit)`` for every unit: on the worker threads when ``parallel`` (one intra-op
     thread each), else here in order. The workers take the caller's grad and inference
-    modes (both are per thread in torch); the first exception is raised here."""
-    if not parallel or len(units) < 2 or in_worker() or not openmp_threads() \
-            or torch.get_num_threads() < 2:  # (in this order: torch.compile traces the first)
+    modes (both are per thread in torch); the first exception is raised here. Under
+    torch.profiler the units run here in order: the profiler records only the threads it
+    was started on (and their intra-op threads), so ops and allocations on the workers
+    would be missing from profiles and from attn.bench's CPU memory peaks."""
+    if not parallel or len(units) < 2 or in_worker() or torch._C._autograd._profiler_enabled() \
+            or not openmp_threads() or torch.get_num_threads() < 2:  # compile traces the first
         for u in units:
             fn(u)
         return

@@ -39,12 +39,16 @@ BLOCK_N = 256
 
 # The unit path (:mod:`attn.cpu`): when oneDNN runs this CPU's GEMMs clearly faster than
 # torch's bmm, a call is cut into units — one batch row, one KV head with its G query heads —
-# run side by side on worker threads, each tile's GEMMs 2-D through oneDNN. Tiles are about
+# each tile's GEMMs 2-D through oneDNN, the units in order or on worker threads. Tiles are about
 # UNIT_ROWS query rows (G·BM) by UNIT_BLOCK_N keys: oneDNN's per-call cost (~15 us) wants
 # large GEMMs, and one head's 512 x 512 tile (1 MiB) still fits a core's L2. Calls with
 # fewer rows per tile or keys than the minimums (decoding, short sequences) stay batched.
 UNIT_ROWS = 512
 UNIT_BLOCK_N = 512
+# Without a band (no causal / window tiles to skip) twice the rows per tile measured 5-20%
+# faster from N = 2048 (benchmarks/results/cpu_unit_tiles.md); below that the 2 MiB tile
+# would be a large share of the call's memory.
+UNIT_ROWS_FULL = 1024
 UNIT_MIN_ROWS = 128
 UNIT_MIN_KEYS = 256
 # A band whose visited tiles are mostly partial (causal at N <= 1024: 2 of 3) wastes too much
@@ -111,7 +115,7 @@ class _Tile:
         self.onednn = engine == "onednn"
         # the backward on oneDNN computes its tiles keys-major, (BN, G·BM) in memory, seen
         # through a transposed view: dV += Pᵀ dO and dK += dSᵀ Q then read Pᵀ and dSᵀ
-        # contiguous, and only dQ += dS K needs a copy (set by _bwd_rows)
+        # row-major and dQ += dS K takes dS as a column-major weight (set by _bwd_rows)
         self.keys_major = False
         if self.onednn:
             if B * Hkv != 1:
@@ -632,7 +636,7 @@ class _Plan(NamedTuple):
     parallel: bool = False  # the chunks run on the worker threads (attn.cpu.run_units)
 
 
-def _plan(q: Tensor, k: Tensor, spec: LaunchSpec) -> _Plan:
+def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None) -> _Plan:
     """How a call runs: as units on the oneDNN engine where :func:`_unit_path` allows,
     else batched, in batch chunks whose score tile fits :data:`TILE_BYTES`."""
     B, H, Nq, _ = q.shape
@@ -647,8 +651,17 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec) -> _Plan:
     per_row = (H * min(spec.block_m or BLOCK_M, Nq) * min(spec.block_n or BLOCK_N, Nk)
                * torch.finfo(_acc_dtype(q.dtype)).bits // 8)
     step = max(1, TILE_BYTES // per_row)
+    if not (_heads_merge(k) and (v is None or _heads_merge(v))):
+        # k / v seen head-first from a (B, N, Hkv, D) cache: (B·Hkv, N, D) would be a copy of
+        # the whole cache, one batch row's (Hkv, N, D) is a view
+        step = 1
     return _Plan([_Chunk(b, min(b + step, B), 0, Hkv, B, H, Hkv) for b in range(0, B, step)],
                  "bmm", spec)
+
+
+def _heads_merge(x: Tensor) -> bool:
+    """Whether ``x (B, Hkv, N, D)`` has a ``(B·Hkv, N, D)`` view (no copy)."""
+    return x.shape[0] == 1 or x.shape[1] == 1 or x.stride(0) == x.shape[1] * x.stride(1)
 
 
 def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec
@@ -658,7 +671,8 @@ def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = H // Hkv
-    uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, UNIT_ROWS // G),
+    rows = UNIT_ROWS_FULL if spec.band.is_full and Nq >= 2 * UNIT_ROWS_FULL // G else UNIT_ROWS
+    uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, rows // G),
                                 block_n=spec.block_n or UNIT_BLOCK_N)
 
     def no(why: str) -> tuple[bool, str, LaunchSpec, int]:
@@ -704,7 +718,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
     out = torch.empty(B, H, Nq, v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
     lse2 = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
-    plan = _plan(q, k, spec)
+    plan = _plan(q, k, spec, v)
     packed = spec.alibi_rows is not None
 
     def run(c: _Chunk) -> None:  # each chunk writes its part of the outputs
@@ -779,7 +793,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     deterministic, no atomics). ``alibi``: the slopes, constants (none of their own
     gradient). ``lse2``: the forward's base-2 lse (``_fwd(want_lse2=True)``); without it
     ``lse·log2 e`` stands in, exact up to rounding."""
-    plan = _plan(q, k, spec)
+    plan = _plan(q, k, spec, v)
     packed = spec.alibi_rows is not None
     kw = dict(need_dmask=need_dmask, need_dcap=need_dcap, engine=plan.engine)
     if len(plan.chunks) == 1:

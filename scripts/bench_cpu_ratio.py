@@ -1,10 +1,13 @@
 """tiled vs torch SDPA on CPU, as paired ratios: the backends take turns, round after round.
 
 ``attn report`` times each backend in a block, one after the other; on a shared machine a
-slow minute can land on one backend only. Here every round runs torch SDPA, then tiled with
-the eager steps, then tiled with the fused (compiled) steps, and optionally compiled
-FlexAttention (forward only: it has no CPU backward), and the reported ratio is the median
-over rounds of ``sdpa time / backend time`` within the round (> 1: faster than SDPA).
+slow minute can land on one backend only. Here every round runs torch SDPA, then tiled as it
+runs by default (eager steps, GEMM engine per ``ATTN_TILED_GEMM=auto``), tiled with
+torch.bmm GEMMs only (``ATTN_TILED_GEMM=bmm``: no unit path), tiled with the fused
+(compiled) steps, and optionally compiled FlexAttention (forward only: it has no CPU
+backward). Each backend's sample in a round is ``reps`` calls in a row (enough for ~50 ms,
+chosen at warm-up, the same for every backend), and the reported ratio is the median over
+rounds of ``sdpa time / backend time`` within the round (> 1: faster than SDPA).
 
     python scripts/bench_cpu_ratio.py --out benchmarks/results/cpu_ratio
 """
@@ -66,8 +69,8 @@ def main(argv=None):
             for causal in causals:
                 def run(fn, env=None):
                     def go():
-                        if env is not None:
-                            os.environ["ATTN_TILED_COMPILE"] = env
+                        for name, value in (env or {}).items():
+                            os.environ[name] = value
                         out = fn()
                         if bwd:
                             out.sum().backward()
@@ -75,21 +78,30 @@ def main(argv=None):
                 tiled = lambda: attn.attention(q, k, v, causal=causal, backend="tiled")  # noqa: E731
                 fns = {"sdpa": run(lambda: F.scaled_dot_product_attention(q, k, v,
                                                                           is_causal=causal)),
-                       "tiled eager": run(tiled, "0")}
+                       "tiled": run(tiled, {"ATTN_TILED_COMPILE": "0", "ATTN_TILED_GEMM": "auto"}),
+                       "tiled bmm": run(tiled, {"ATTN_TILED_COMPILE": "0",
+                                                "ATTN_TILED_GEMM": "bmm"})}
                 if not args.no_fused:
-                    fns["tiled fused"] = run(tiled, "1")
+                    fns["tiled fused"] = run(tiled, {"ATTN_TILED_COMPILE": "1",
+                                                     "ATTN_TILED_GEMM": "auto"})
                 if not bwd and causal and N <= args.flex_max_n:
                     flex = _flex(causal, N)
                     fns["flex (compiled)"] = run(lambda: flex(q, k, v))
+                slowest = 0.0
                 for fn in fns.values():  # warm-up: compiles, first-touch allocations
                     fn()
+                    t0 = time.perf_counter()
+                    fn()
+                    slowest = max(slowest, time.perf_counter() - t0)
+                reps = max(1, round(0.05 / slowest))
                 times = {n: [] for n in fns}
                 for _ in range(rounds):
                     for n, fn in fns.items():
                         t0 = time.perf_counter()
-                        fn()
-                        times[n].append(time.perf_counter() - t0)
-                row = {"N": N, "mode": mode, "causal": causal, "rounds": rounds,
+                        for _ in range(reps):
+                            fn()
+                        times[n].append((time.perf_counter() - t0) / reps)
+                row = {"N": N, "mode": mode, "causal": causal, "rounds": rounds, "reps": reps,
                        "ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
                        "ratio": {n: statistics.median(s / t for s, t in
                                                       zip(times["sdpa"], times[n]))
@@ -98,12 +110,14 @@ def main(argv=None):
                 print(N, mode, "causal" if causal else "full",
                       " ".join(f"{n}:{r:.2f}" for n, r in row["ratio"].items()), flush=True)
     os.environ.pop("ATTN_TILED_COMPILE", None)
+    os.environ.pop("ATTN_TILED_GEMM", None)
     header = {"device": device_name("cpu"), "cpu_count": os.cpu_count(),
               "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
               "loadavg_1min": os.getloadavg()[0],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": "python scripts/bench_cpu_ratio.py " + " ".join(argv or sys.argv[1:]),
-              "shape": f"fp32, B={B}, H={H}, D={D}"}
+              "shape": f"fp32, B={B}, H={H}, D={D}",
+              "tiled_path": attn.tiled.fused_path_reason("cpu")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
@@ -115,14 +129,16 @@ def main(argv=None):
              f"{header['torch_threads']} torch threads); torch {header['torch']}; "
              f"{header['date']}; load before the last point {header['loadavg_1min']:.2f}",
              f"- command: `{header['command']}`",
-             f"- shape: {header['shape']}; each round runs every backend once, in turn; the "
-             "ratio is the median over rounds of the in-round ratio (> 1: faster than SDPA)",
-             "- tiled eager: ATTN_TILED_COMPILE=0 (the default); tiled fused: "
-             "ATTN_TILED_COMPILE=1 (per-tile steps compiled by torch.compile)", "",
-             "| N | mode | causal | rounds | sdpa ms | " + " | ".join(names) + " |",
+             f"- shape: {header['shape']}; each round runs every backend in turn, reps calls "
+             "each (~50 ms); the ratio is the median over rounds of the in-round ratio "
+             "(> 1: faster than SDPA)",
+             f"- tiled: the default ({header['tiled_path']}); tiled bmm: ATTN_TILED_GEMM=bmm "
+             "(torch.bmm GEMMs, batched over heads); tiled fused: ATTN_TILED_COMPILE=1 "
+             "(per-tile steps compiled by torch.compile, bmm GEMMs)", "",
+             "| N | mode | causal | rounds x reps | sdpa ms | " + " | ".join(names) + " |",
              "|--:|:--|:--|--:|--:|" + "--:|" * len(names)]
     for r in rows:
-        lines.append(f"| {r['N']} | {r['mode']} | {r['causal']} | {r['rounds']} | "
+        lines.append(f"| {r['N']} | {r['mode']} | {r['causal']} | {r['rounds']} x {r['reps']} | "
                      f"{r['ms']['sdpa']:.1f} | "
                      + " | ".join(f"{r['ratio'][n]:.2f}" if n in r["ratio"] else "—"
                                   for n in names) + " |")

@@ -41,8 +41,8 @@ def units(request, monkeypatch):
     plans = []
     real = tiled._plan
 
-    def spy(q, k, spec):
-        plan = real(q, k, spec)
+    def spy(q, k, spec, v=None):
+        plan = real(q, k, spec, v)
         plans.append((plan.engine, plan.parallel, len(plan.chunks)))
         return plan
     monkeypatch.setattr(tiled, "_plan", spy)
@@ -213,11 +213,31 @@ def test_plan_rules(monkeypatch):
     assert p.engine == "onednn" and len(p.chunks) == 8 and not p.parallel
     assert (p.spec.block_m, p.spec.block_n) == (tiled.UNIT_ROWS, tiled.UNIT_BLOCK_N)
     assert plan(Nq=4096, Nk=4096).parallel
-    assert plan(H=8, Hkv=2).spec.block_m == tiled.UNIT_ROWS // 4  # G·BM rows per tile
+    assert plan(Nq=4096, Nk=4096).spec.block_m == tiled.UNIT_ROWS_FULL  # no band: taller tiles
+    assert plan(H=8, Hkv=2).spec.block_m == tiled.UNIT_ROWS_FULL // 4  # G·BM rows per tile
+    assert plan(H=8, Hkv=2, Nq=128).spec.block_m == tiled.UNIT_ROWS // 4  # 512 query rows
     assert plan(Nq=1, Nk=32768, H=32, Hkv=8).engine == "bmm"  # decoding
     assert plan(dtype=torch.float64).engine == "bmm"
     causal = tiled.LaunchSpec(qk_scale=1.0, band=attn.masks.Band(0, None, 0))
     assert plan(causal).engine == "bmm"  # N = 1024: 2 of 3 tiles partial
     assert plan(causal, Nq=2048, Nk=2048).engine == "onednn"  # 4 of 10
+    assert plan(causal, Nq=4096, Nk=4096).spec.block_m == tiled.UNIT_ROWS
     flex = tiled.LaunchSpec(qk_scale=1.0, score_mod=lambda s, b, h, i, j: s)
     assert plan(flex).engine == "bmm"
+
+
+def test_head_first_view_of_a_cache_runs_per_batch_row(monkeypatch):
+    """k, v seen head-first from a (B, N, Hkv, D) cache have no (B·Hkv, N, D) view: the
+    batched path then runs batch row by batch row (a view each) instead of copying the whole
+    cache, with the same result."""
+    monkeypatch.setenv("ATTN_TILED_GEMM", "bmm")
+    q, k, v = _inputs(B=3, seed=8)
+    k_cache, v_cache = (x.transpose(1, 2).contiguous() for x in (k, v))  # (B, N, Hkv, D)
+    k_view, v_view = (x.transpose(1, 2) for x in (k_cache, v_cache))
+    plan = tiled._plan(q, k_view, tiled.LaunchSpec(qk_scale=1.0), v_view)
+    assert [(c.b0, c.b1) for c in plan.chunks] == [(0, 1), (1, 2), (2, 3)]
+    assert len(tiled._plan(q, k, tiled.LaunchSpec(qk_scale=1.0)).chunks) == 1
+    out, lse = _tiled(q, k_view, v_view, causal=True, return_lse=True)
+    want, want_lse = _tiled(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
