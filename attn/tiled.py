@@ -45,10 +45,11 @@ BLOCK_N = 256
 # fewer rows per tile or keys than the minimums (decoding, short sequences) stay batched.
 UNIT_ROWS = 512
 UNIT_BLOCK_N = 512
-# Without a band (no causal / window tiles to skip) twice the rows per tile measured 5-20%
-# faster from N = 2048 (benchmarks/results/cpu_unit_tiles.md); below that the 2 MiB tile
-# would be a large share of the call's memory.
+# Without a band (no causal / window tiles to skip) twice the rows per tile measured 5-15%
+# faster from N = 2048 (benchmarks/results/cpu_unit_tiles.md), but its 2 MiB tile (and one
+# more per extra worker) would put the forward's peak over 1.5x SDPA's below 8192 query rows.
 UNIT_ROWS_FULL = 1024
+UNIT_ROWS_FULL_MIN_Q = 8192  # query rows (G·Nq) from which a call without a band takes them
 UNIT_MIN_ROWS = 128
 UNIT_MIN_KEYS = 256
 # A band whose visited tiles are mostly partial (causal at N <= 1024: 2 of 3) wastes too much
@@ -671,7 +672,7 @@ def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = H // Hkv
-    rows = UNIT_ROWS_FULL if spec.band.is_full and Nq >= 2 * UNIT_ROWS_FULL // G else UNIT_ROWS
+    rows = UNIT_ROWS_FULL if spec.band.is_full and G * Nq >= UNIT_ROWS_FULL_MIN_Q else UNIT_ROWS
     uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, rows // G),
                                 block_n=spec.block_n or UNIT_BLOCK_N)
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import attn
 from attn.bench.report import device_name
+from attn.bench.timing import median_ratio, paired
 
 
 def _flex(causal: bool, N: int):
@@ -94,18 +95,10 @@ def main(argv=None):
                     fn()
                     slowest = max(slowest, time.perf_counter() - t0)
                 reps = max(1, round(0.05 / slowest))
-                times = {n: [] for n in fns}
-                for _ in range(rounds):
-                    for n, fn in fns.items():
-                        t0 = time.perf_counter()
-                        for _ in range(reps):
-                            fn()
-                        times[n].append((time.perf_counter() - t0) / reps)
+                times = paired(fns, rounds, reps)
                 row = {"N": N, "mode": mode, "causal": causal, "rounds": rounds, "reps": reps,
                        "ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
-                       "ratio": {n: statistics.median(s / t for s, t in
-                                                      zip(times["sdpa"], times[n]))
-                                 for n in fns if n != "sdpa"}}
+                       "ratio": {n: median_ratio(times, "sdpa", n) for n in fns if n != "sdpa"}}
                 rows.append(row)
                 print(N, mode, "causal" if causal else "full",
                       " ".join(f"{n}:{r:.2f}" for n, r in row["ratio"].items()), flush=True)

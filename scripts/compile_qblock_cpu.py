@@ -14,13 +14,13 @@ the backends taking turns round after round.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 import attn
+from attn.bench.timing import median_ratio, paired
 
 LOG2E = 1.4426950408889634
 
@@ -74,14 +74,8 @@ def main(argv=None):
                "tiled": lambda: attn.attention(q, k, v, backend="tiled")}
         for f in fns.values():
             f()
-        times = {n: [] for n in fns}
-        for _ in range(args.rounds):
-            for n, f in fns.items():
-                t0 = time.perf_counter()
-                f()
-                times[n].append(time.perf_counter() - t0)
-        ratio = {n: statistics.median(s / t for s, t in zip(times["sdpa"], times[n]))
-                 for n in fns}
+        times = paired(fns, args.rounds)
+        ratio = {n: median_ratio(times, "sdpa", n) for n in fns}
         print(f"| {N} | {compile_s:.1f} | {ratio['compiled']:.2f} | {ratio['tiled']:.2f} | "
               f"{err:.1e} |", flush=True)
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 import attn
 from attn import tiled
 from attn.bench.report import device_name
+from attn.bench.timing import median_ratio, paired
 
 SHAPES = ((256, 256), (256, 512), (512, 256), (512, 512), (512, 1024), (1024, 512))
 
@@ -75,14 +74,8 @@ def main(argv=None):
                                                            backend="tiled"), shape)
                 for fn in fns.values():
                     fn()
-                times = {n: [] for n in fns}
-                for _ in range(args.rounds):
-                    for n, fn in fns.items():
-                        t0 = time.perf_counter()
-                        fn()
-                        times[n].append(time.perf_counter() - t0)
-                ratio = {n: statistics.median(s / t for s, t in zip(times["sdpa"], times[n]))
-                         for n in names}
+                times = paired(fns, args.rounds)
+                ratio = {n: median_ratio(times, "sdpa", n) for n in names}
                 lines.append(f"| {N} | {'fwd+bwd' if bwd else 'fwd'} | {causal} | "
                              + " | ".join(f"{ratio[n]:.2f}" for n in names) + " |")
                 print(lines[-1], flush=True)

@@ -375,3 +375,24 @@ def test_bench_triton_without_cuda_exits_2_and_says_why():
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_triton.py")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
+
+
+def test_paired_rounds_take_turns_and_ratios_are_per_round(monkeypatch):
+    """paired() runs every function reps times per round, in turn; median_ratio() divides
+    within a round (a fake clock: each call of a takes 1 s, of b 3 s in round 1, else 2 s)."""
+    from attn.bench import timing
+
+    now, calls = [0.0], []
+
+    def fn(name, cost):
+        def call():
+            calls.append(name)
+            now[0] += cost()
+        return call
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    b_cost = iter([3.0] * 2 + [2.0] * 4)  # round 1: 2 reps at 3 s, then 2 s
+    times = timing.paired({"a": fn("a", lambda: 1.0), "b": fn("b", lambda: next(b_cost))},
+                          rounds=3, reps=2)
+    assert calls == ["a", "a", "b", "b"] * 3
+    assert times == {"a": [1.0, 1.0, 1.0], "b": [3.0, 2.0, 2.0]}
+    assert timing.median_ratio(times, "b", "a") == 2.0

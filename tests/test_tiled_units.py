@@ -213,15 +213,16 @@ def test_plan_rules(monkeypatch):
     assert p.engine == "onednn" and len(p.chunks) == 8 and not p.parallel
     assert (p.spec.block_m, p.spec.block_n) == (tiled.UNIT_ROWS, tiled.UNIT_BLOCK_N)
     assert plan(Nq=4096, Nk=4096).parallel
-    assert plan(Nq=4096, Nk=4096).spec.block_m == tiled.UNIT_ROWS_FULL  # no band: taller tiles
-    assert plan(H=8, Hkv=2).spec.block_m == tiled.UNIT_ROWS_FULL // 4  # G·BM rows per tile
-    assert plan(H=8, Hkv=2, Nq=128).spec.block_m == tiled.UNIT_ROWS // 4  # 512 query rows
+    assert plan(Nq=8192, Nk=8192).spec.block_m == tiled.UNIT_ROWS_FULL  # no band: taller tiles
+    assert plan(Nq=4096, Nk=4096).spec.block_m == tiled.UNIT_ROWS
+    assert plan(H=8, Hkv=2).spec.block_m == tiled.UNIT_ROWS // 4  # G·BM rows per tile
+    assert plan(H=8, Hkv=2, Nq=2048, Nk=2048).spec.block_m == tiled.UNIT_ROWS_FULL // 4
     assert plan(Nq=1, Nk=32768, H=32, Hkv=8).engine == "bmm"  # decoding
     assert plan(dtype=torch.float64).engine == "bmm"
     causal = tiled.LaunchSpec(qk_scale=1.0, band=attn.masks.Band(0, None, 0))
     assert plan(causal).engine == "bmm"  # N = 1024: 2 of 3 tiles partial
     assert plan(causal, Nq=2048, Nk=2048).engine == "onednn"  # 4 of 10
-    assert plan(causal, Nq=4096, Nk=4096).spec.block_m == tiled.UNIT_ROWS
+    assert plan(causal, Nq=8192, Nk=8192).spec.block_m == tiled.UNIT_ROWS
     flex = tiled.LaunchSpec(qk_scale=1.0, score_mod=lambda s, b, h, i, j: s)
     assert plan(flex).engine == "bmm"
 

@@ -73,3 +73,27 @@ def benchmark(fn: Callable[[], object], *, device: str | torch.device = "cpu", w
         if budget_s is not None and spent >= budget_s and len(times) >= min_repeats:
             break
     return Timing(tuple(times))
+
+
+def paired(fns: dict[str, Callable[[], object]], rounds: int, reps: int = 1, *,
+           device: str | torch.device = "cpu") -> dict[str, list[float]]:
+    """Seconds per call of each function, one sample per round: every round runs each
+    function ``reps`` times in a row, the functions in turn (in ``fns`` order). On a machine
+    that drifts over minutes (a shared VM: 10-20%), a ratio taken within one round compares
+    like with like; see :func:`median_ratio`. Warm up before calling this."""
+    device = torch.device(device)
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            synchronize(device)
+            times[name].append((time.perf_counter() - t0) / reps)
+    return times
+
+
+def median_ratio(times: dict[str, list[float]], baseline: str, name: str) -> float:
+    """Median over rounds of ``baseline time / name time`` (> 1: ``name`` is faster)."""
+    return statistics.median(b / t for b, t in zip(times[baseline], times[name]))
