@@ -5,10 +5,11 @@ Why: on CPU the tiled backend spends ~80% of its time in GEMMs. torch's ``bmm`` 
 and MKL's fp32 GEMM takes its AVX2 path on AMD processors: ~95 GFLOP/s per core on this
 project's Zen 5 machine, where oneDNN's AVX-512 kernels (in every x86 torch build, reached
 through ``torch.ops.mkldnn._linear_pointwise``) run the same tile GEMMs at 170-210. oneDNN's
-per-call overhead (~15 us) and its weak 2-thread split of one small GEMM make it pay only on
-whole-tile GEMMs run one head at a time, one head per thread. So the tiled backend cuts a
-call into units (one batch row, one KV head and its query group) and runs them on a small
-pool of worker threads, each with one intra-op thread (torch releases the GIL inside ops).
+per-call overhead (~15 us) makes it pay only on whole-tile 2-D GEMMs, one head at a time.
+So the tiled backend cuts a call into units (one batch row, one KV head and its query group)
+and runs them here in order, each GEMM split over torch's intra-op threads, or, for large
+calls, on a small pool of worker threads with one intra-op thread each (torch releases the
+GIL inside ops), where oneDNN's weak 2-thread split of one tile GEMM no longer matters.
 
 ``ATTN_TILED_GEMM=auto|onednn|bmm`` picks the engine (read at each call). ``auto`` times
 both on one tile-sized GEMM the first time it is asked (~20 ms, once per process) and takes
