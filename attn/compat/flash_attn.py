@@ -546,10 +546,11 @@ def flash_attn_with_kvcache(
     too small for ``cache_seqlens + Nnew``.
 
     Cost: ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy: the
-    lengths decide the checks and the path). On CPU, attn runs once per row on a view of that
-    row's keys (no copy), or on a gather of the pages it uses when paged. Elsewhere one call
-    covers the batch: a view with equal lengths and no left pad, otherwise the keys in use
-    gathered head-major (through the page table when paged) and run as packed sequences.
+    lengths decide the checks and the path). Rows of equal lengths in a contiguous cache (no
+    left pad, no ``cache_batch_idx``) run as one call on a view of the cache (no copy). Other
+    rows run, on CPU, once per row on a view of that row's keys, or on a gather of the pages it
+    uses when paged; elsewhere as one call on the keys in use gathered head-major (through the
+    page table when paged), as packed sequences.
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     B, Nq, H, D = q.shape
@@ -647,10 +648,11 @@ def flash_attn_with_kvcache(
         variants = dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, seqlen_k=capacity,
                         kv_heads_first=True)
-        if dev.type in _PER_ROW_DEVICES:
-            # one call per row on views of its own keys (a gather of its pages when paged):
-            # the tiled backend reads a (B, N, Hkv, D) cache viewed head-first by copying it
-            # whole, while a single row's view needs no copy
+        view = uniform and not paged and cache_batch_idx is None
+        if dev.type in _PER_ROW_DEVICES and not view:
+            # ragged or paged rows: one call per row on views of its own keys (a gather of
+            # its pages when paged) instead of gathering every row's keys head-major; equal
+            # rows take the one view below (tiled runs it batch row by batch row, no copy)
             outs, lses = [], []
             for b in range(B):
                 s0, s1 = int(starts[b]), int(stops[b])
