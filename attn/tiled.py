@@ -787,7 +787,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
          need_dmask: bool = False, need_dcap: bool = True,
          captured: tuple[Tensor, ...] = (), alibi: Tensor | None = None,
          lse2: Tensor | None = None) -> Grads:
-    """Gradients of one call (batch chunk by batch chunk, see :data:`TILE_BYTES`): dq, dk,
+    """Gradients of one call (chunk by chunk, as :func:`_plan` cuts it): dq, dk,
     dv always; the float mask's only with ``need_dmask`` (an N x N tensor when the mask
     is), sinks' when given, the learnable softcap's when given and ``need_dcap``, and those
     of the tensors ``captured`` by ``spec.score_mod`` (summed tile by tile in a fixed order:
