@@ -66,9 +66,11 @@ POOL_MIN_SCORES = 64 << 20
 # exp2 runs ~4.6x faster than exp at 1.2 ulp in fp32, and exp was the largest non-GEMM cost
 # per tile. When nothing nonlinear sits between q·kᵀ and the softmax (no softcap, score_mod
 # or float mask), log2 e folds into the q scale and costs nothing; otherwise the finished
-# scores are multiplied once. The forward keeps lse2 = m + log2(l) for the backward: the
-# natural lse it returns cannot be turned back into lse2 exactly (at logits of 1e4 the
-# round trip moves P by 1e-3), so the autograd Function saves both.
+# scores are multiplied once. The forward keeps lse2 = (m, log2 l) for the backward, in two
+# parts: P = exp2((s - m) - log2 l). One fp32 number m + log2(l) loses log2 l where it is
+# below half an ulp of m (at logits of 1e4 an ulp is 1e-3: a row whose second key has
+# P = 1e-5 came back as P = 1 exactly, and dV went 2x over its error budget), and the natural
+# lse the forward returns cannot be turned back at all (the round trip moves P by 1e-3).
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -116,7 +118,8 @@ class _Tile:
         self.onednn = engine == "onednn"
         # the backward on oneDNN computes its tiles keys-major, (BN, G·BM) in memory, seen
         # through a transposed view: dV += Pᵀ dO and dK += dSᵀ Q then read Pᵀ and dSᵀ
-        # row-major and dQ += dS K takes dS as a column-major weight (set by _bwd_rows)
+        # row-major and dQ += dS K takes dS as a column-major weight (set by _bwd_rows; the
+        # forward, keys-major too, measured 20-35% slower: its row reductions run strided)
         self.keys_major = False
         if self.onednn:
             if B * Hkv != 1:
@@ -399,7 +402,7 @@ def _fwd_tile(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
     return p, m_new, l_i, alpha
 
 
-def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
+def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_hi: Tensor, lse_lo: Tensor,
               delta_blk: Tensor, dp: Tensor, z: Tensor | None,
               need_dc: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One tile of the backward (Triton's ``_dkdv_inner`` / ``_dq_inner`` body): recompute
@@ -407,7 +410,7 @@ def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
     ``(pd, ds, ds_capped, dc_terms)``: P
     with dropout applied (for dV), dS before and after the softcap chain rule (dS feeds a
     float mask's gradient; the capped one feeds dQ, dK), and the softcap gradient's terms."""
-    p = s.sub_(lse_blk).exp2_()  # (B·Hkv, G·BM, BN), s and lse in base-2 units
+    p = s.sub_(lse_hi).sub_(lse_lo).exp2_()  # (B·Hkv, G·BM, BN), s and lse2 in base 2
     # -- dropout scales P for dV and dP alike (ᵈ) --
     pd = p
     if z is not None:
@@ -450,11 +453,11 @@ def _fwd_tile_fused(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
     return p, m_new, l_new, alpha
 
 
-def _bwd_tile_fused(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
-                    delta_blk: Tensor, z: Tensor | None, need_dc: bool
+def _bwd_tile_fused(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, lse_hi: Tensor,
+                    lse_lo: Tensor, delta_blk: Tensor, z: Tensor | None, need_dc: bool
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """:func:`_bwd_tile` after the dP GEMM, functional (for torch.compile)."""
-    p = torch.exp2(s - lse_blk)
+    p = torch.exp2((s - lse_hi) - lse_lo)
     pd = p
     if z is not None:
         pd = p * z
@@ -712,13 +715,14 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
          sinks: Tensor | None = None, softcap: Tensor | None = None,
          alibi: Tensor | None = None, *, want_lse2: bool = False
          ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
-    """``(out, lse)``, and with ``want_lse2`` also ``lse2 = m + log2(l)`` in base 2, the
-    exact row constant the backward subtracts (pass it to :func:`_bwd` as ``lse2``)."""
+    """``(out, lse)``, and with ``want_lse2`` also ``lse2 (B, H, Nq, 2)``: each row's base-2
+    max m and log2 of its denominator l, the exact row constant the backward subtracts in
+    two parts (pass it to :func:`_bwd` as ``lse2``). Rows with no key: (-inf, 0)."""
     B, H, Nq, _ = q.shape
     acc_dtype = _acc_dtype(q.dtype)
     out = torch.empty(B, H, Nq, v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
-    lse2 = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
+    lse2 = torch.empty(B, H, Nq, 2, dtype=acc_dtype, device=q.device)  # (m, log2 l)
     plan = _plan(q, k, spec, v)
     packed = spec.alibi_rows is not None
 
@@ -770,8 +774,9 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         seen = l_i > 0
         out[:, :, m0:m1] = (acc / torch.where(seen, l_i, 1.0)).view(B, H, m1 - m0, Dv)
-        lse2[:, :, m0:m1] = torch.where(seen, m_i + torch.log2(l_i), float("-inf")).view(B, H, -1)
-    torch.mul(lse2, LN2, out=lse)
+        lse2[:, :, m0:m1, 0] = torch.where(seen, m_i, float("-inf")).view(B, H, -1)
+        lse2[:, :, m0:m1, 1] = torch.where(seen, torch.log2(l_i), 0.0).view(B, H, -1)
+    torch.mul(lse2.sum(-1), LN2, out=lse)
 
 
 def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
@@ -792,8 +797,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     is), sinks' when given, the learnable softcap's when given and ``need_dcap``, and those
     of the tensors ``captured`` by ``spec.score_mod`` (summed tile by tile in a fixed order:
     deterministic, no atomics). ``alibi``: the slopes, constants (none of their own
-    gradient). ``lse2``: the forward's base-2 lse (``_fwd(want_lse2=True)``); without it
-    ``lse·log2 e`` stands in, exact up to rounding."""
+    gradient). ``lse2``: the forward's two-part base-2 lse (``_fwd(want_lse2=True)``);
+    without it ``lse·log2 e`` stands in, exact up to its rounding."""
     plan = _plan(q, k, spec, v)
     packed = spec.alibi_rows is not None
     kw = dict(need_dmask=need_dmask, need_dcap=need_dcap, engine=plan.engine)
@@ -868,9 +873,12 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, H, Nq)
     if dlse is not None:
         delta = delta - dlse.to(acc_dtype)
-    if lse2 is None:
-        lse2 = lse.to(acc_dtype) * LOG2E
-    lse_rows = lse2.masked_fill(lse2 == float("-inf"), float("inf"))  # P = 0 on empty rows
+    if lse2 is None:  # the natural lse alone: exact up to its rounding
+        lse_hi = lse.to(acc_dtype) * LOG2E
+        lse_lo = torch.zeros_like(lse_hi)
+    else:
+        lse_hi, lse_lo = lse2.unbind(-1)
+    lse_hi = lse_hi.masked_fill(lse_hi == float("-inf"), float("inf"))  # P = 0 on empty rows
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
     fused = _fused_steps(q) and engine == "bmm"
@@ -881,7 +889,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         BM = m1 - m0
         q_blk = tile.q_block(m0, m1)  # (B·Hkv, G·BM, D)
         do_blk = do[:, :, m0:m1].to(acc_dtype).reshape(B * Hkv, G * BM, Dv)
-        lse_blk = tile.rows(lse_rows, m0, m1)
+        hi_blk, lo_blk = tile.rows(lse_hi, m0, m1), tile.rows(lse_lo, m0, m1)
         delta_blk = tile.rows(delta, m0, m1)
         dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
         for n0, n1, full in key_tiles:
@@ -891,10 +899,11 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             dp = tile.dp(do_blk, n0, n1)
             step = None
             if fused and _fusable(s):
-                step = _run_fused(_bwd_tile_fused, s, dp, u, t, lse_blk, delta_blk, z,
+                step = _run_fused(_bwd_tile_fused, s, dp, u, t, hi_blk, lo_blk, delta_blk, z,
                                   dsoftcap is not None)
             if step is None:
-                step = _bwd_tile(s, u, t, lse_blk, delta_blk, dp, z, dsoftcap is not None)
+                step = _bwd_tile(s, u, t, hi_blk, lo_blk, delta_blk, dp, z,
+                                 dsoftcap is not None)
             pd, ds, ds_raw, dc_terms = step
             # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group) --
             tile.add_tn(dv3[:, n0:n1], pd, do_blk, "dv")

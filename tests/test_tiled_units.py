@@ -242,3 +242,14 @@ def test_head_first_view_of_a_cache_runs_per_batch_row(monkeypatch):
     want, want_lse = _tiled(q, k, v, causal=True, return_lse=True)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_units_huge_logits_and_extreme_temperature(units):
+    """Scores of about 1e4: the backward recomputes P from the forward's lse with the tile
+    GEMM in the other orientation (keys-major), which must not move P at that scale."""
+    q, k, v = _inputs(B=1, H=2, Hkv=2, Nq=65, Nk=65, D=16, seed=9)
+    out = _tiled(q, k, v, scale=1e4 / 16)
+    assert torch.isfinite(out).all()
+    assert_close_to_reference(_tiled, q, k, v, scale=1e4 / 16, causal=True)
+    assert_close_to_reference(_tiled, q, k, v, scale=1e4 / 16)
+    assert_close_to_reference(_tiled, q, k, v, temperature=1e-3)
