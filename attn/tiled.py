@@ -67,7 +67,7 @@ POOL_MIN_SCORES = 64 << 20
 # per tile. When nothing nonlinear sits between q·kᵀ and the softmax (no softcap, score_mod
 # or float mask), log2 e folds into the q scale and costs nothing; otherwise the finished
 # scores are multiplied once. The forward keeps lse2 = (m, log2 l) for the backward, in two
-# parts: P = exp2((s - m) - log2 l). One fp32 number m + log2(l) loses log2 l where it is
+# parts: P = exp2(s - m) / l. One fp32 number m + log2(l) loses log2 l where it is
 # below half an ulp of m (at logits of 1e4 an ulp is 1e-3: a row whose second key has
 # P = 1e-5 came back as P = 1 exactly, and dV went 2x over its error budget), and the natural
 # lse the forward returns cannot be turned back at all (the round trip moves P by 1e-3).
@@ -402,7 +402,7 @@ def _fwd_tile(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
     return p, m_new, l_i, alpha
 
 
-def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_hi: Tensor, lse_lo: Tensor,
+def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
               delta_blk: Tensor, dp: Tensor, z: Tensor | None,
               need_dc: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One tile of the backward (Triton's ``_dkdv_inner`` / ``_dq_inner`` body): recompute
@@ -410,7 +410,7 @@ def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_hi: Tensor, lse
     ``(pd, ds, ds_capped, dc_terms)``: P
     with dropout applied (for dV), dS before and after the softcap chain rule (dS feeds a
     float mask's gradient; the capped one feeds dQ, dK), and the softcap gradient's terms."""
-    p = s.sub_(lse_hi).sub_(lse_lo).exp2_()  # (B·Hkv, G·BM, BN), s and lse2 in base 2
+    p = s.sub_(lse_blk).exp2_()  # (B·Hkv, G·BM, BN), s and lse in base-2 units
     # -- dropout scales P for dV and dP alike (ᵈ) --
     pd = p
     if z is not None:
@@ -453,11 +453,11 @@ def _fwd_tile_fused(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
     return p, m_new, l_new, alpha
 
 
-def _bwd_tile_fused(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, lse_hi: Tensor,
-                    lse_lo: Tensor, delta_blk: Tensor, z: Tensor | None, need_dc: bool
+def _bwd_tile_fused(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
+                    delta_blk: Tensor, z: Tensor | None, need_dc: bool
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """:func:`_bwd_tile` after the dP GEMM, functional (for torch.compile)."""
-    p = torch.exp2((s - lse_hi) - lse_lo)
+    p = torch.exp2(s - lse_blk)
     pd = p
     if z is not None:
         pd = p * z
@@ -874,11 +874,13 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     if dlse is not None:
         delta = delta - dlse.to(acc_dtype)
     if lse2 is None:  # the natural lse alone: exact up to its rounding
-        lse_hi = lse.to(acc_dtype) * LOG2E
-        lse_lo = torch.zeros_like(lse_hi)
+        lse_m, inv_l = lse.to(acc_dtype) * LOG2E, None
     else:
-        lse_hi, lse_lo = lse2.unbind(-1)
-    lse_hi = lse_hi.masked_fill(lse_hi == float("-inf"), float("inf"))  # P = 0 on empty rows
+        # P = exp2(s - m) / l: the tiles subtract m alone, and 1/l scales each row of dO and
+        # Δ instead (dV = Σ P dO and dS = P∘(dP − Δ) are linear in both), so the second
+        # part costs a (rows, D) multiply per query block, not a pass over every tile
+        lse_m, inv_l = lse2[..., 0], torch.exp2(-lse2[..., 1])
+    lse_m = lse_m.masked_fill(lse_m == float("-inf"), float("inf"))  # P = 0 on empty rows
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
     fused = _fused_steps(q) and engine == "bmm"
@@ -889,8 +891,11 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         BM = m1 - m0
         q_blk = tile.q_block(m0, m1)  # (B·Hkv, G·BM, D)
         do_blk = do[:, :, m0:m1].to(acc_dtype).reshape(B * Hkv, G * BM, Dv)
-        hi_blk, lo_blk = tile.rows(lse_hi, m0, m1), tile.rows(lse_lo, m0, m1)
+        lse_blk = tile.rows(lse_m, m0, m1)
         delta_blk = tile.rows(delta, m0, m1)
+        if inv_l is not None:  # dO/l and Δ/l: the dP GEMM then yields dP/l
+            inv_l_blk = tile.rows(inv_l, m0, m1)
+            do_blk, delta_blk = do_blk * inv_l_blk, delta_blk * inv_l_blk
         dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
         for n0, n1, full in key_tiles:
             BN = n1 - n0
@@ -899,11 +904,10 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             dp = tile.dp(do_blk, n0, n1)
             step = None
             if fused and _fusable(s):
-                step = _run_fused(_bwd_tile_fused, s, dp, u, t, hi_blk, lo_blk, delta_blk, z,
+                step = _run_fused(_bwd_tile_fused, s, dp, u, t, lse_blk, delta_blk, z,
                                   dsoftcap is not None)
             if step is None:
-                step = _bwd_tile(s, u, t, hi_blk, lo_blk, delta_blk, dp, z,
-                                 dsoftcap is not None)
+                step = _bwd_tile(s, u, t, lse_blk, delta_blk, dp, z, dsoftcap is not None)
             pd, ds, ds_raw, dc_terms = step
             # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group) --
             tile.add_tn(dv3[:, n0:n1], pd, do_blk, "dv")
