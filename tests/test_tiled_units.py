@@ -29,7 +29,7 @@ def _inputs(B=2, H=4, Hkv=2, Nq=45, Nk=70, D=16, seed=0, dtype=torch.float32):
 @pytest.fixture(params=["in-order", "workers"])
 def units(request, monkeypatch):
     """The unit path forced on small calls (tiles of 16 rows x 32 keys); ``workers`` also
-    sends every call to the worker threads. Yields the list of engines the calls ran."""
+    sends every call to the worker threads. Yields (engine, parallel, chunks) per call."""
     monkeypatch.setenv("ATTN_TILED_GEMM", "onednn")
     monkeypatch.setattr(tiled, "UNIT_ROWS", 16)
     monkeypatch.setattr(tiled, "UNIT_BLOCK_N", 32)
