@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Sequence, TypeVar
@@ -108,17 +107,12 @@ def _calibrate() -> tuple[str, str]:
         p, vt = torch.randn(256, 512, generator=g), torch.randn(64, 512, generator=g)
         if not torch.allclose(mm_nt(q, k), q @ k.t(), rtol=1e-4, atol=1e-3):
             return "bmm", "oneDNN's fp32 product disagreed with torch.mm (reduced precision?)"
-        dnnl = lambda: (mm_nt(q, k), mm_nt(p, vt))  # noqa: E731
-        mkl = lambda: (torch.mm(q, k.t()), torch.mm(p, vt.t()))  # noqa: E731
-        times: dict[str, list[float]] = {"onednn": [], "bmm": []}
-        for i in range(7):
-            for name, fn in (("onednn", dnnl), ("bmm", mkl)):
-                t0 = time.perf_counter()
-                for _ in range(4):
-                    fn()
-                if i:  # the first round warms up (oneDNN builds its kernels)
-                    times[name].append(time.perf_counter() - t0)
-        speedup = sorted(times["bmm"])[3] / sorted(times["onednn"])[3]
+        from attn.bench.timing import median_ratio, paired  # here: attn.bench imports attn
+
+        fns = {"onednn": lambda: (mm_nt(q, k), mm_nt(p, vt)),
+               "bmm": lambda: (torch.mm(q, k.t()), torch.mm(p, vt.t()))}
+        paired(fns, rounds=1, reps=4)  # warm-up: oneDNN builds its kernels
+        speedup = median_ratio(paired(fns, rounds=6, reps=4), "bmm", "onednn")
         if speedup >= ONEDNN_MIN_SPEEDUP:
             return "onednn", f"auto: oneDNN ran tile GEMMs {speedup:.1f}x as fast as bmm"
         return "bmm", f"auto: oneDNN ran tile GEMMs {speedup:.2f}x as fast as bmm (not enough)"
