@@ -675,8 +675,9 @@ def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = H // Hkv
-    rows = UNIT_ROWS_FULL if spec.band.is_full and G * Nq >= UNIT_ROWS_FULL_MIN_Q else UNIT_ROWS
-    uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, rows // G),
+    tile_rows = (UNIT_ROWS_FULL if spec.band.is_full and G * Nq >= UNIT_ROWS_FULL_MIN_Q
+                 else UNIT_ROWS)
+    uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, tile_rows // G),
                                 block_n=spec.block_n or UNIT_BLOCK_N)
 
     def no(why: str) -> tuple[bool, str, LaunchSpec, int]:
