@@ -136,29 +136,37 @@ def _check_tensor(name: str, t: object) -> Tensor:
     return t
 
 
-def _validate_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def _validate_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v"),
+                  layout: str = "(B, H, N, D)") -> None:
+    """Rank, dtype, device and shape agreement of q, k, v (4-d, heads before positions).
+
+    ``names``: what the caller called the three tensors (``query``/``key``/``value``,
+    ``k_cache``, ...), so a message names the argument the user passed; ``layout``: the
+    caller's layout, for the rank message."""
+    nq, nk, nv = names
+    for name, t in zip(names, (q, k, v)):
         _check_tensor(name, t)
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (B, H, N, D), got shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{nq}, {nk}, {nv} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"{nq}, {nk}, {nv} must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: {shapes}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k head dims differ: {shapes}")
+        raise ValueError(f"{nq} and {nk} head dims differ: {shapes}")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must agree in heads and length: {shapes}")
+        raise ValueError(f"{nk} and {nv} must agree in heads and length: {shapes}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"q heads must be a multiple of kv heads (GQA), got H={q.shape[1]}, "
+        raise ValueError(f"{nq} heads must be a multiple of {nk} heads (GQA), got H={q.shape[1]}, "
                          f"Hkv={k.shape[1]}: {shapes}")
     if 0 in q.shape or 0 in k.shape or 0 in v.shape:
-        raise ValueError(f"q, k, v must not be empty: {shapes}")
+        raise ValueError(f"{nq}, {nk}, {nv} must not be empty: {shapes}")
 
 
 def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...]) -> None:
