@@ -106,6 +106,12 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
     ``auto`` prefers ``triton`` on CUDA and falls back to ``tiled`` (every device, every
     variant). An explicit request that cannot compute the call raises NotImplementedError.
     """
+    if not isinstance(call, AttentionCall):
+        raise TypeError(f"call must be an AttentionCall (attn.api.AttentionCall), got "
+                        f"{type(call).__name__}")
+    if not isinstance(requested, str):
+        raise TypeError(f"backend must be a str, one of {BACKENDS}, got "
+                        f"{type(requested).__name__}")
     if requested not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
     if requested != "auto":
@@ -137,12 +143,16 @@ def _check_tensor(name: str, t: object) -> Tensor:
 
 
 def _validate_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v"),
-                  layout: str = "(B, H, N, D)") -> None:
+                  layout: str = "(B, H, N, D)", *, allow_empty: bool = False,
+                  shown: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
     """Rank, dtype, device and shape agreement of q, k, v (4-d, heads before positions).
 
     ``names``: what the caller called the three tensors (``query``/``key``/``value``,
     ``k_cache``, ...), so a message names the argument the user passed; ``layout``: the
-    caller's layout, for the rank message."""
+    caller's layout, for the rank message; ``shown``: the caller's own tensors when q, k, v
+    are views of them in another shape (the drop-in's flattened batch dims), for the shapes
+    in messages. ``allow_empty``: the batch and the lengths may be 0 (the sizes data gives);
+    heads and head dims (the sizes a model fixes) never may."""
     nq, nk, nv = names
     for name, t in zip(names, (q, k, v)):
         _check_tensor(name, t)
@@ -150,7 +160,8 @@ def _validate_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] =
             raise ValueError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
+    sq, sk, sv = (tuple(t.shape) for t in (shown or (q, k, v)))
+    shapes = f"{nq} {sq}, {nk} {sk}, {nv} {sv}"
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{nq}, {nk}, {nv} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -162,20 +173,25 @@ def _validate_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] =
         raise ValueError(f"{nq} and {nk} head dims differ: {shapes}")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"{nk} and {nv} must agree in heads and length: {shapes}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"{nq} heads must be a multiple of {nk} heads (GQA), got H={q.shape[1]}, "
-                         f"Hkv={k.shape[1]}: {shapes}")
-    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        raise ValueError(f"{nq} and {nk} need at least one head each: {shapes}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"{nq} heads must be a multiple of kv heads ({nk}'s, GQA), got "
+                         f"H={q.shape[1]}, Hkv={k.shape[1]}: {shapes}")
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError(f"{nq}, {nk}, {nv} need a head dim of at least 1: {shapes}")
+    if not allow_empty and (0 in q.shape or 0 in k.shape):
         raise ValueError(f"{nq}, {nk}, {nv} must not be empty: {shapes}")
 
 
-def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...]) -> None:
+def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...], q_name: str = "q"
+                   ) -> None:
     _check_tensor("attn_mask", attn_mask)
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise TypeError(f"attn_mask must be bool (True = attend) or floating (added to the "
                         f"scores), got {attn_mask.dtype}")
     if attn_mask.device != q.device:
-        raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
+        raise ValueError(f"attn_mask is on {attn_mask.device}, {q_name} on {q.device}")
     ok = attn_mask.dim() <= 4
     if ok:
         try:
@@ -221,23 +237,30 @@ def _validate_dropout(dropout_p: object) -> float:
     return float(dropout_p)
 
 
-def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
-              ) -> float | Tensor:
-    """A positive float, or a positive floating tensor that broadcasts to ``shape_ok``."""
+def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor,
+              q_name: str = "q") -> float | Tensor:
+    """A positive finite float, or a floating tensor of positive finite values that
+    broadcasts to ``shape_ok``."""
     if isinstance(x, Tensor):
         if not x.is_floating_point():
             raise TypeError(f"{name} tensor must be floating, got {x.dtype}")
         if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+            raise ValueError(f"{name} is on {x.device}, {q_name} on {q.device}")
         try:
             ok = x.dim() <= len(shape_ok) and torch.broadcast_shapes(x.shape, shape_ok) == shape_ok
         except RuntimeError:
             ok = False
         if not ok:
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {shape_ok}")
-        # a data-dependent check: skipped while torch.compile traces (no graph break)
-        if not torch.compiler.is_compiling() and bool((x <= 0).any()):
-            raise ValueError(f"{name} must be positive, got min {x.min().item():g}")
+        # a data-dependent check (one host sync per call): skipped while torch.compile traces,
+        # so that it does not break the graph. Written as "not (finite and > 0)" because NaN
+        # fails every comparison and would pass "x <= 0".
+        if not torch.compiler.is_compiling():
+            bad = ~(torch.isfinite(x) & (x > 0))
+            if bool(bad.any()):
+                at = tuple(bad.nonzero()[0].tolist())
+                raise ValueError(f"{name} must be positive and finite, got {x[at].item()} at "
+                                 f"index {at} of {name} {tuple(x.shape)}")
         return x
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TypeError(f"{name} must be a float or a tensor, got {type(x).__name__}")
@@ -252,8 +275,13 @@ def _sdpa_forward(q, k, v, *, band, attn_mask, scale, **_unused):
     Nq, Nk = q.shape[2], k.shape[2]
     is_causal = False
     if not band.is_full:
-        if (attn_mask is None and band.left is None and band.right == 0 and band.offset == 0):
-            is_causal = True  # torch's own causal path, top-left == ours when offset is 0
+        # torch's own causal path, top-left == ours when offset is 0. It gives NaN unless the
+        # scale is positive in q's dtype (it masks with -inf before scaling, and -inf * 0 or
+        # a flipped sign breaks the softmax): other scales take the bool mask below.
+        fast_scale = isinstance(scale, Tensor) or scale >= torch.finfo(q.dtype).tiny
+        if (attn_mask is None and band.left is None and band.right == 0 and band.offset == 0
+                and fast_scale):
+            is_causal = True
         else:
             allowed = band.mask(torch.arange(Nq, device=q.device),
                                 torch.arange(Nk, device=q.device))
@@ -354,22 +382,48 @@ def _draw_seed(dropout_p: float) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
+def _no_keys(q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None, linked: tuple
+             ) -> tuple[Tensor, Tensor]:
+    """The answer of a call with no key (Nk = 0) or an empty output: zeros, and lse = -inf
+    (or the sink) for every row, as for a row that a mask hides from every key.
+
+    Gradients are those of that definition: zeros for q, k, v and every tensor in
+    ``linked`` (temperature, softcap, a float mask, a score_mod's captures), the sinks'
+    through the lse. The zeros are tied to the inputs through sums over empty slices, which
+    are 0 with a zero gradient whatever the values (no 0 * NaN)."""
+    B, H, Nq, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    tie = torch.zeros((), dtype=acc, device=q.device)
+    for t in (q, k, v) + linked:
+        if isinstance(t, Tensor) and t.requires_grad:
+            tie = tie + t.reshape(-1)[:0].sum().to(acc)
+    out = torch.zeros(B, H, Nq, v.shape[-1], dtype=acc, device=q.device) + tie
+    if sinks is None:
+        lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
+    else:
+        lse = sinks.to(acc).view(1, H, 1).expand(B, H, Nq)
+    return out.to(v.dtype), lse + tie
+
+
 def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, sinks,
                dropout_p, return_lse, backend, block_m=None, block_n=None, score_mod=None,
                mask_mod=None, mask_blocks=None, dropout_rows=None, alibi_slopes=None,
-               alibi_rows=None):
+               alibi_rows=None, q_name: str = "q"):
     """Shared by both public functions once their conventions are resolved into a Band.
     ``score_mod`` / ``mask_mod`` / ``mask_blocks``: see :func:`_mod_spec` (attn.flex).
-    ``alibi_rows`` (packed sequences): ``alibi_slopes`` already validated as (sequences, H)."""
+    ``alibi_rows`` (packed sequences): ``alibi_slopes`` already validated as (sequences, H).
+    ``q_name``: the caller's name for q, for messages. No key (Nk = 0) or an empty output
+    (B or Nq = 0): see :func:`_no_keys`, the same on every backend."""
     B, H, Nq, D = q.shape
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"{name} must be a positive int or None, got {b!r}")
     Nk, Dv = k.shape[2], v.shape[3]
+    empty = Nk == 0 or B == 0 or Nq == 0
     _check_mods(score_mod, mask_mod, q)
     if attn_mask is not None:
-        _validate_mask(attn_mask, q, (B, H, Nq, Nk))
-        if not torch.compiler.is_compiling():  # a data-dependent check: eager only
+        _validate_mask(attn_mask, q, (B, H, Nq, Nk), q_name)
+        if not empty and not torch.compiler.is_compiling():  # data-dependent: eager only
             simpler = simplify_mask(attn_mask, band)
             if simpler is not None:  # causal/band + key padding: no N x N reads per tile
                 band, attn_mask = simpler
@@ -377,9 +431,9 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
         scale = D ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    temperature = _positive("temperature", temperature, (B, H), q)
+    temperature = _positive("temperature", temperature, (B, H), q, q_name)
     if softcap is not None:
-        softcap = _positive("softcap", softcap, (H,), q)
+        softcap = _positive("softcap", softcap, (H,), q, q_name)
     if sinks is not None:
         _validate_sinks(sinks, H, q)
     dropout_p = _validate_dropout(dropout_p)
@@ -403,7 +457,14 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
         score_mod=score_mod is not None,
         mask_mod=mask_mod is not None or mask_blocks is not None,
         alibi=alibi_slopes is not None)
-    choice = select_backend(call, backend)
+    choice = select_backend(call, backend)  # refuses what the backend asked for cannot do
+    if empty:
+        linked = (temperature, softcap, attn_mask)
+        if score_mod is not None and torch.is_grad_enabled():
+            from attn import flex
+            linked += flex.captured_tensors(score_mod)
+        out, lse = _no_keys(q, k, v, sinks=sinks, linked=linked)
+        return (out, lse) if return_lse else out
     out, lse = _run(choice.name, q, k, v, band=band, attn_mask=attn_mask, scale=eff_scale,
                     softcap=softcap, sinks=sinks, dropout_p=dropout_p,
                     dropout_seed=_draw_seed(dropout_p), block_m=block_m, block_n=block_n,
@@ -468,13 +529,15 @@ def attention(
       score_mod → softcap → ALiBi → masks (causal, window, attn_mask AND mask_mod) → sinks.
       Run by the tiled (or reference) backend.
 
-    A row that sees no key returns zeros and lse = -inf (or its sink), never NaN.
+    A row that sees no key returns zeros and lse = -inf (or its sink), never NaN; so does
+    every row when Nk = 0, and B = 0 or Nq = 0 give an empty result, on every backend, with
+    gradients (zeros) to every input. Heads and head dims must be at least 1 (ValueError).
     ``backend``: "auto" (triton on CUDA when it can, else tiled), "reference", "tiled",
     "triton" or "sdpa"; see :func:`select_backend`. ``block_m`` / ``block_n``: the tiled
     backend's tile sizes (queries x keys; default ``attn.tiled.BLOCK_M`` / ``BLOCK_N``,
     chosen by measurement); the other backends ignore them (triton autotunes its own).
     """
-    _validate_qkv(q, k, v)
+    _validate_qkv(q, k, v, allow_empty=True)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))
@@ -502,29 +565,40 @@ def scaled_dot_product_attention(
     Same arguments and semantics as torch's: inputs (..., H, L, E) / (..., Hkv, S, E)
     (3 or more dims), ``is_causal`` aligned top-left (query i sees keys j <= i), bool mask
     True = attend, float mask added, ``enable_gqa`` required when H != Hkv. Rows that see
-    no key give zeros. Dropout draws its mask from attn's hash RNG, not torch's.
+    no key give zeros. Dropout draws its mask from attn's hash RNG, not torch's. Empty
+    inputs as in torch: L = 0 (or an empty batch) gives an empty output, S = 0 zeros, with
+    torch's (zero) gradients; H = 0 or E = 0 raise ValueError (torch answers those too, but
+    no model has them, and the default scale 1/sqrt(E) does not exist at E = 0).
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
+    names = ("query", "key", "value")
+    for name, t in zip(names, (query, key, value)):
         _check_tensor(name, t)
         if t.dim() < 3:
             raise ValueError(f"{name} must have at least 3 dims (..., L, E), got shape "
                              f"{tuple(t.shape)}")
+    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
     if not (query.dim() == key.dim() == value.dim()):
-        raise ValueError(f"query, key, value must have the same number of dims, got shapes "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        raise ValueError(f"query, key, value must have the same number of dims, got {shapes}")
+    n_lead = query.dim() - (3 if query.dim() >= 4 else 2)  # dims before (H, L, E) / (L, E)
+    lead = query.shape[:n_lead]
+    if not (lead == key.shape[:n_lead] == value.shape[:n_lead]):
+        # flattened, different batch dims of equal product would silently pair wrong rows
+        raise ValueError(f"query, key, value must share their batch dims {tuple(lead)}, got "
+                         f"{shapes}")
     if query.dim() >= 4 and query.shape[-3] != key.shape[-3] and not enable_gqa:
         raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass "
                          f"enable_gqa=True for grouped-query attention")
-    lead = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
     L, S = query.shape[-2], key.shape[-2]
+    B = math.prod(lead)  # explicit: reshape(-1, ...) cannot infer it when a size is 0
 
     def to4d(t: Tensor) -> Tensor:
         if t.dim() == 3:
             return t.unsqueeze(1)  # (N, L, E) -> (N, 1, L, E)
-        return t.reshape(-1, *t.shape[-3:])  # (..., H, L, E) -> (B, H, L, E)
+        return t.reshape(B, *t.shape[-3:])  # (..., H, L, E) -> (B, H, L, E)
 
     q4, k4, v4 = to4d(query), to4d(key), to4d(value)
-    _validate_qkv(q4, k4, v4)
+    _validate_qkv(q4, k4, v4, names, "(..., H, L, E)", allow_empty=True,
+                  shown=(query, key, value))
     mask4 = None
     if attn_mask is not None:
         _check_tensor("attn_mask", attn_mask)
@@ -541,9 +615,9 @@ def scaled_dot_product_attention(
         elif query.dim() == 4:
             mask4 = attn_mask
         else:  # flatten leading batch dims: (..., H, L, S) -> (B, H, L, S)
-            mask4 = attn_mask.expand(*query.shape[:-1], S).reshape(-1, *query.shape[-3:-1], S)
+            mask4 = attn_mask.expand(*query.shape[:-1], S).reshape(B, *query.shape[-3:-1], S)
     band = make_band(L, S, causal=bool(is_causal), window=None, top_left=True)
     out = _attention(q4, k4, v4, band=band, attn_mask=mask4, scale=scale, temperature=1.0,
                      softcap=None, sinks=None, dropout_p=dropout_p, return_lse=False,
-                     backend=backend)
+                     backend=backend, q_name="query")
     return out.reshape(*query.shape[:-1], value.shape[-1])

@@ -67,7 +67,7 @@ from torch import Tensor
 from attn.api import (AttentionCall, _positive, _validate_dropout, _validate_qkv,
                       _validate_sinks, select_backend)
 from attn.masks import make_band, window_pair
-from attn.merge import merge_attention
+from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -84,6 +84,12 @@ def _split_sizes(n: int, parts: int) -> list[int]:
 def shard_ranges(n: int, world_size: int, layout: str = "zigzag") -> list[list[tuple[int, int]]]:
     """Global ``[start, end)`` ranges each rank holds, in its local order (empty ones kept)."""
     _check_layout(layout)
+    for name, x, low, what in (("n", n, 0, "a non-negative"),
+                               ("world_size", world_size, 1, "a positive")):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name} must be {what} int, got {x!r}")
+        if x < low:
+            raise ValueError(f"{name} must be {what} int, got {x!r}")
     P = world_size
     parts = 2 * P if layout == "zigzag" else P
     bounds, s = [], 0
@@ -523,8 +529,8 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
             partials[qi].append(fwd(_rows(c, q, rows), k_s[ki], v_s[ki], spec, softcap=cap_t))
         for qi, parts in enumerate(partials):
             if parts:  # the running state first: the merge keeps its (accumulation) dtype
-                state[qi] = merge_attention([state[qi][0]] + [p[0] for p in parts],
-                                            [state[qi][1]] + [p[1] for p in parts])
+                state[qi] = _merge_trusted([state[qi][0]] + [p[0] for p in parts],
+                                                 [state[qi][1]] + [p[1] for p in parts])
         if hop is not None:
             kv = hop.wait()
     out = torch.empty(B, H, n_l, v.shape[-1], dtype=v.dtype, device=q.device)

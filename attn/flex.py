@@ -242,6 +242,21 @@ def _mod_device(fn: Callable) -> torch.device | None:
     return first(fn, 0)
 
 
+def _checked_device(device: object) -> torch.device:
+    """``device`` as a torch.device that can hold tensors here, or an error naming it."""
+    if not isinstance(device, (str, int, torch.device)) or isinstance(device, bool):
+        raise TypeError(f"device must be a torch.device, a str or an int, got "
+                        f"{type(device).__name__} {device!r}")
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)  # e.g. "cuda:99", or "cuda" in a CPU-only build
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        # torch says AssertionError for a backend it was not built with
+        raise ValueError(f"device {str(device)!r} is not a device tensors can live on here: "
+                         f"{exc}") from None
+    return device
+
+
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int,
                       KV_LEN: int, device=None, BLOCK_SIZE: int | tuple[int, int] = 128
                       ) -> BlockMask:
@@ -267,7 +282,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     bm, bn = _block_size(BLOCK_SIZE)
     if device is None:
         device = _mod_device(mask_mod) or torch.get_default_device()
-    device = torch.device(device)
+    device = _checked_device(device)
     visit, full = mask_mod_kinds(mask_mod, B or 1, H or 1, Q_LEN, KV_LEN, bm, bn, device)
     partial = visit & ~full
 
@@ -315,9 +330,7 @@ def flex_attention(
     refuses mods, so "auto" runs tiled).
     """
     from attn import api
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        api._check_tensor(name, t)
-    api._validate_qkv(query, key, value)
+    api._validate_qkv(query, key, value, ("query", "key", "value"))
     B, H, Nq, _ = query.shape
     Hkv, Nk = key.shape[1], key.shape[2]
     if H != Hkv and not enable_gqa:
@@ -352,7 +365,7 @@ def flex_attention(
                               temperature=1.0, softcap=None, sinks=None, dropout_p=0.0,
                               return_lse=True, backend=backend, block_m=block_m,
                               block_n=block_n, score_mod=score_mod, mask_mod=mask_mod,
-                              mask_blocks=mask_blocks)
+                              mask_blocks=mask_blocks, q_name="query")
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None)
     return (out, lse) if want_lse else out

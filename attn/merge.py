@@ -31,6 +31,12 @@ def merge_attention(*args) -> tuple[Tensor, Tensor]:
     P - 1 times. A row that saw no key in one part (lse = -inf) takes the others unchanged; a
     row that saw no key anywhere stays zeros with lse = -inf, never NaN. Sinks belong to the
     softmax denominator once: pass ``sinks`` to only one of the partial calls.
+
+    Partials are floating tensors on one device, outs with at least one dim (Dv). An lse of
+    +inf raises ValueError: attn's lse for a row with no key is -inf; flash-attn's +inf
+    (``attn.compat``'s functions return it) must be mapped first, e.g.
+    ``lse.masked_fill(lse == float("inf"), float("-inf"))``. Checking for it costs one host
+    sync per call (skipped while torch.compile traces).
     """
     if len(args) == 4:
         outs, lses = [args[0], args[2]], [args[1], args[3]]
@@ -45,26 +51,54 @@ def merge_attention(*args) -> tuple[Tensor, Tensor]:
     return _merge(outs, lses, names)
 
 
-def _merge(outs: Sequence[Tensor], lses: Sequence[Tensor], names) -> tuple[Tensor, Tensor]:
+def _merge_trusted(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`merge_attention` of partials attn's own launchers computed (their lse is never
+    +inf): the same merge without the value check and its host sync, for loops that merge
+    every step (ring attention)."""
+    names = (tuple(f"outs[{i}]" for i in range(len(outs))),
+             tuple(f"lses[{i}]" for i in range(len(lses))))
+    return _merge(outs, lses, names, check_values=False)
+
+
+def _merge(outs: Sequence[Tensor], lses: Sequence[Tensor], names, check_values: bool = True
+           ) -> tuple[Tensor, Tensor]:
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"need as many lses as outs, and at least one, got {len(outs)} outs "
                          f"and {len(lses)} lses")
-    for name, t in zip(names[0] + names[1], list(outs) + list(lses)):
+    everything = list(zip(names[0] + names[1], list(outs) + list(lses)))
+    for name, t in everything:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating (float16, bfloat16, float32 or float64), "
+                            f"got {t.dtype}")
+    first, device = names[0][0], outs[0].device
+    for name, t in everything:
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, {first} on {device}: partials must be "
+                             f"on one device")
     shape = outs[0].shape
     for name, o, lname, lse in zip(names[0], outs, names[1], lses):
+        if o.dim() == 0:
+            raise ValueError(f"{name} must have at least 1 dim (..., Dv), got shape ()")
         if o.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(o.shape)}, {names[0][0]} has "
+            raise ValueError(f"{name} has shape {tuple(o.shape)}, {first} has "
                              f"{tuple(shape)}: partials must have the same shape")
         if lse.shape != shape[:-1]:
             raise ValueError(f"{lname} has shape {tuple(lse.shape)}, expected out.shape[:-1] = "
                              f"{tuple(shape[:-1])}")
     acc = _state_dtype([t.dtype for t in list(outs) + list(lses)])
     lse_all = torch.stack([lse.to(acc) for lse in lses])  # (P, ...)
+    if check_values and not torch.compiler.is_compiling():
+        pos = torch.isposinf(lse_all).flatten(1).any(1)  # (P,): one sync below, not P
+        if bool(pos.any()):
+            lname = names[1][int(pos.nonzero()[0])]
+            raise ValueError(f"{lname} has +inf entries: attn's lse for a row with no key is "
+                             f"-inf (flash-attn's +inf, which attn.compat returns, must be "
+                             f"mapped to -inf before merging)")
     lse = torch.logsumexp(lse_all, dim=0)  # -inf only where every part is -inf
     lse_safe = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
-    out = torch.zeros(shape, dtype=acc, device=outs[0].device)
+    out = torch.zeros(shape, dtype=acc, device=device)
     for o, lse_p in zip(outs, lse_all):
         out = out + torch.exp(lse_p - lse_safe).unsqueeze(-1) * o.to(acc)  # weight 0 at -inf
     return out.to(outs[0].dtype), lse

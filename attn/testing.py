@@ -209,6 +209,9 @@ def compare_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, grad:
     """
     from attn.api import attention  # here, not at import: attn.api may import this module
 
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (an attention function called as fn(q, k, v, "
+                        f"**kwargs)), got {type(fn).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
