@@ -816,6 +816,35 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
     torch.mul(lse2.sum(-1), LN2, out=lse)
 
 
+# Δ_i = Σ_j P_ij dP_ij is what dS = P∘(dP − Δ) subtracts; FlashAttention-2 reads it as
+# rowsum(dO∘O), which equals it only up to rounding. Where a row's softmax is saturated (one
+# P ≈ 1, the rest below an ulp: tiny temperatures, logits of 1e3 and up), the exact dS is ~0
+# but dP_max − rowsum(dO∘O) keeps ~ulp(dP), and dQ, dK multiply that by scale·K and
+# scale·Q: errors of 1e-2..5 where plain PyTorch (whose softmax backward sums P·dP from the
+# same dP) has ~0. Query blocks with a row whose denominator l (relative to its max) is
+# within this many log2 units of 1 take Δ = Σ_j P_ij dP_ij from a first pass over their
+# tiles (their QKᵀ and dO Vᵀ GEMMs once more); the rest keep rowsum(dO∘O). Ordinary calls
+# meet such rows only where a row sees a single key (the first rows of a causal call).
+SATURATED_LOG2L = 2.0 ** -12
+
+
+def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, m0: int,
+                   m1: int, key_tiles) -> Tensor:
+    """``Σ_j p_ij dp_ij`` over a query block's tiles, ``(B·Hkv, G·BM, 1)``: p = exp2(s − m)
+    and dp = ``do_blk`` Vᵀ (dropout-scaled) exactly as the backward's tile loop forms them,
+    so a saturated row's dS = p∘(dp − Δ) is 0 where its exact value rounds to 0."""
+    spec = tile.spec
+    delta = torch.zeros(do_blk.shape[:2] + (1,), dtype=tile.acc_dtype, device=do_blk.device)
+    for n0, n1, full in key_tiles:
+        s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
+        p = s.sub_(lse_blk).exp2_()
+        dp = tile.dp(do_blk, n0, n1)
+        if spec.dropout_p > 0.0:
+            dp = dp * tile.dropout_scale(m0, m1, n0, n1)
+        delta += (p * dp).sum(dim=-1, keepdim=True)
+    return delta
+
+
 def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     """dsinks (H,): the sink is a key with value 0, so ``dsink_h = −Σ_{b,i} P_sink · Δ_i``
     with ``P_sink = exp(sink_h − lse_i)`` (shared by every backend's backward)."""
@@ -922,6 +951,11 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         # part costs a (rows, D) multiply per query block, not a pass over every tile
         lse_m, inv_l = lse2[..., 0], torch.exp2(-lse2[..., 1])
     lse_m = lse_m.masked_fill(lse_m == float("-inf"), float("inf"))  # P = 0 on empty rows
+    # query blocks holding a saturated row (l within SATURATED_LOG2L of 1) take Δ from the
+    # tiles themselves (one host read of a (Nq,) flag per call)
+    saturated = None
+    if lse2 is not None and Nq > 0:
+        saturated = (lse2[..., 1] < SATURATED_LOG2L).flatten(0, 1).any(0).cpu()
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
     fused = _fused_steps(q) and engine == "bmm"
@@ -937,6 +971,11 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         if inv_l is not None:  # dO/l and Δ/l: the dP GEMM then yields dP/l
             inv_l_blk = tile.rows(inv_l, m0, m1)
             do_blk, delta_blk = do_blk * inv_l_blk, delta_blk * inv_l_blk
+            if saturated is not None and bool(saturated[m0:m1].any()):
+                delta_blk = _softmax_delta(tile, q_blk, do_blk, lse_blk, m0, m1, key_tiles)
+                delta_blk.mul_(inv_l_blk)
+                if dlse is not None:
+                    delta_blk.sub_(tile.rows(dlse.to(acc_dtype), m0, m1) * inv_l_blk)
         dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
         for n0, n1, full in key_tiles:
             BN = n1 - n0
