@@ -670,6 +670,10 @@ def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, slope, scale, KS
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
+        if MASKED or MASK_KIND == 1:
+            # a masked key has dS = 0, but 0·NaN would still reach dQ: a non-finite key
+            # enters dQ as 0 (a row that sees it has a NaN dS anyway)
+            kT = tl.where(tl.abs(kT) < float("inf"), kT, 0.0)
         # -- dQ += dS K --
         dq = _dot(ds.to(kT.dtype), tl.trans(kT), dq, DOT_PRECISION)
     return dq

@@ -13,6 +13,22 @@ from torch import Tensor
 from attn.masks import Band, dropout_keep, dropout_keep_rows
 
 
+class _QK(torch.autograd.Function):
+    """``q kᵀ`` whose backward reads non-finite entries of q and k as 0: a masked score's
+    gradient is 0, and 0·NaN in ``dS k`` would otherwise carry a key that no row sees
+    into every dq (a row that sees it has a NaN dS anyway)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor) -> Tensor:
+        ctx.save_for_backward(q, k)
+        return q @ k.transpose(-2, -1)
+
+    @staticmethod
+    def backward(ctx, ds: Tensor) -> tuple[Tensor, Tensor]:
+        q, k = (torch.where(torch.isfinite(x), x, 0.0) for x in ctx.saved_tensors)
+        return ds @ k, ds.transpose(-2, -1) @ q
+
+
 def reference_attention(
     q: Tensor,
     k: Tensor,
@@ -50,7 +66,7 @@ def reference_attention(
     k = k.repeat_interleave(group, dim=1)  # (B, H, Nk, D)
     v = v.repeat_interleave(group, dim=1)
 
-    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk)
+    s = _QK.apply(q, k) * scale  # (B, H, Nq, Nk)
     idx = (torch.arange(B, device=q.device).view(B, 1, 1, 1),
            torch.arange(H, device=q.device).view(1, H, 1, 1),
            torch.arange(Nq, device=q.device).view(1, 1, Nq, 1),

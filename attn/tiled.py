@@ -84,6 +84,27 @@ def _mask4d(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
     return as_4d(mask).expand(shape)
 
 
+def _scores_finite(q: Tensor, k: Tensor, spec: LaunchSpec) -> bool:
+    """Whether every q·k of the call is surely finite: q and k finite and
+    ``max|q|·max|k|·D·scale`` (with log2 e) below the accumulation dtype's largest value.
+    Off CPU it answers False without looking (no host sync): the masks then replace."""
+    if q.numel() == 0 or k.numel() == 0:
+        return True
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    fmax = torch.finfo(_acc_dtype(q.dtype)).max
+    bound = abs(spec.qk_scale) * LOG2E * q.shape[-1]
+    for x in (q, k):  # aminmax propagates NaN, and inf fails the bound
+        lo, hi = torch.aminmax(x)
+        bound *= max(-lo.item(), hi.item())
+    return bound < fmax  # False for NaN
+
+
+def _finite_or_zero(x: Tensor) -> Tensor:
+    """``x`` with its NaN and ±inf entries replaced by 0."""
+    return torch.where(torch.isfinite(x), x, 0.0)
+
+
 def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
     """Sum a broadcast gradient back to ``shape`` (the shape of the tensor that broadcast)."""
     lead = grad.dim() - len(shape)
@@ -129,13 +150,20 @@ class _Tile:
             self.v3 = self.v3.to(acc).contiguous()
         self._buffers: dict[tuple, Tensor] = {}
         self.mask5 = self.mask4 = None
+        self.ninf = torch.tensor(float("-inf"), dtype=acc, device=q.device)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             # kept at its own broadcast shape; each tile's slice becomes a 0 / -inf bias:
             # masked_fill_ through a broadcast mask ran 10x slower than add_ (250 vs 25 us)
             self.mask4 = as_4d(attn_mask)
-            self.ninf = torch.tensor(float("-inf"), dtype=acc, device=q.device)
         elif attn_mask is not None:
             self.mask5 = _mask4d(attn_mask, (B, H, Nq, Nk)).view(B, Hkv, self.G, Nq, Nk)
+        # Masked scores are *replaced* by -inf, so a key outside the mask never reaches a row
+        # (NaN + -inf is NaN). The additive 0 / -inf bias is as exact and runs 10-50x faster
+        # than a broadcast where / masked_fill on CPU, but only while every q·k is finite:
+        # checked once per call from max |q|, max |k| (NaN-propagating), where a mask exists
+        self.masked = not self.band.is_full or self.mask4 is not None or spec.mask_mod is not None
+        self.finite_scores = not self.masked or _scores_finite(q, k, spec)
+        self.k3_dq = self.k3  # the backward's dQ += dS K reads this (see _bwd_rows)
         # log2 e in the q scale when every step up to the softmax is linear in s or a -inf fill
         self.fold_log2 = (spec.score_mod is None and spec.softcap is None and softcap_t is None
                           and self.mask5 is None)
@@ -157,7 +185,7 @@ class _Tile:
             b = torch.arange(b0, b0 + B, device=q.device)  # b0: this batch chunk's first row
             self.bh = (b[:, None] * heads + h).view(B, Hkv, self.G)
             self.heads, self.h_glob = heads, h.view(1, Hkv, self.G, 1)
-        self._band_masks: dict[tuple[int, int, int], Tensor] = {}
+        self._band_masks: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
         # -- score_mod / mask_mod: index tensors broadcast to (B, H, BM, BN), global positions
         self.score_mod, self.mask_mod = spec.score_mod, spec.mask_mod
         if self.score_mod is not None or self.mask_mod is not None:
@@ -213,25 +241,32 @@ class _Tile:
     def v_block(self, n0: int, n1: int) -> Tensor:
         return self.v3[:, n0:n1].to(self.acc_dtype)
 
-    def _band_mask(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
-        """The band as an additive (BM, BN) bias: 0 inside, -inf outside (an add_ runs 10x
-        faster than masked_fill_ through a broadcast mask). A tile's band depends only on its
-        diagonal offset and size: each is built once."""
+    def _band_mask(self, m0: int, m1: int, n0: int, n1: int) -> tuple[Tensor, Tensor]:
+        """The band of a tile as (BM, BN) ``(inside, bias)``: bool, and the additive 0 / -inf
+        bias. A tile's band depends only on its diagonal offset and size: each is built once."""
         key = (n0 - m0, m1 - m0, n1 - n0)
         if key not in self._band_masks:
             offs_m = torch.arange(m0, m1, device=self.device)
             offs_n = torch.arange(n0, n1, device=self.device)
             inside = self.band.mask(offs_m, offs_n)
             bias = torch.zeros(inside.shape, dtype=self.acc_dtype, device=self.device)
-            self._band_masks[key] = bias.masked_fill_(~inside, float("-inf"))
+            self._band_masks[key] = inside, bias.masked_fill_(~inside, float("-inf"))
         return self._band_masks[key]
 
-    def _bool_mask_bias(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
-        """The bool attn_mask's tile as a 0 / -inf bias at the mask's own broadcast shape."""
+    def _bool_mask_tile(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
+        """The bool attn_mask's tile (True = attend) at the mask's own broadcast shape."""
         m = self.mask4
         rows = slice(m0, m1) if m.shape[2] != 1 else slice(None)
         cols = slice(n0, n1) if m.shape[3] != 1 else slice(None)
-        return torch.where(m[:, :, rows, cols], 0.0, self.ninf)  # True = attend
+        return m[:, :, rows, cols]
+
+    def _mask_out(self, s: Tensor, keep: Tensor, bias: Tensor | None = None) -> None:
+        """``s`` ← ``s`` where ``keep``, else -inf, in place (``keep`` broadcasts to ``s``):
+        the bias add where every score is finite, a replacement otherwise."""
+        if self.finite_scores:
+            s.add_(torch.where(keep, 0.0, self.ninf) if bias is None else bias)
+        else:
+            torch.where(keep, s, self.ninf, out=s)
 
     def _add_alibi(self, s5: Tensor, m0: int, m1: int, n0: int, n1: int) -> None:
         """``s5 += −slope · |distance|`` in place: distances from the band's diagonal, global
@@ -284,12 +319,13 @@ class _Tile:
 
     def add_dq(self, dq_blk: Tensor, ds: Tensor, n0: int, n1: int) -> None:
         """``dq_blk += dS K`` for key block [n0, n1)."""
+        k3 = self.k3_dq
         if self.keys_major:  # dS is keys-major: dQᵀ = Kᵀ dSᵀ takes it as it lies
-            dq_blk[0].add_(cpu.mm_nt(self.k3[0, n0:n1].t(), ds[0]).t())
+            dq_blk[0].add_(cpu.mm_nt(k3[0, n0:n1].t(), ds[0]).t())
         elif self.onednn:
-            dq_blk[0].add_(cpu.mm_nt(ds[0], self.k3[0, n0:n1].t()))
+            dq_blk[0].add_(cpu.mm_nt(ds[0], k3[0, n0:n1].t()))
         else:
-            dq_blk.baddbmm_(ds, self.k_block(n0, n1))
+            dq_blk.baddbmm_(ds, k3[:, n0:n1].to(self.acc_dtype))
 
     def add_tn(self, dst: Tensor, a: Tensor, b: Tensor, name: str) -> None:
         """``dst += aᵀ b``: dV += Pᵀ dO and dK += dSᵀ Q for one tile, ``a (·, G·BM, BN)``,
@@ -342,12 +378,12 @@ class _Tile:
         # -- masks --
         if not full:
             if not self.band.is_full:
-                s5.add_(self._band_mask(m0, m1, n0, n1))
+                self._mask_out(s5, *self._band_mask(m0, m1, n0, n1))
             if self.mask_mod is not None:
                 keep = self.mask_mod_keep(m0, m1, n0, n1)
                 s.view(B, self.H, BM, BN).masked_fill_(~keep, float("-inf"))
         if self.mask4 is not None:
-            s.view(B, self.H, BM, BN).add_(self._bool_mask_bias(m0, m1, n0, n1))
+            self._mask_out(s.view(B, self.H, BM, BN), self._bool_mask_tile(m0, m1, n0, n1))
         elif self.mask5 is not None:
             s5.add_(self.mask5[..., m0:m1, n0:n1])
         if not self.fold_log2:
@@ -780,6 +816,35 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
     torch.mul(lse2.sum(-1), LN2, out=lse)
 
 
+# Δ_i = Σ_j P_ij dP_ij is what dS = P∘(dP − Δ) subtracts; FlashAttention-2 reads it as
+# rowsum(dO∘O), which equals it only up to rounding. Where a row's softmax is saturated (one
+# P ≈ 1, the rest below an ulp: tiny temperatures, logits of 1e3 and up), the exact dS is ~0
+# but dP_max − rowsum(dO∘O) keeps ~ulp(dP), and dQ, dK multiply that by scale·K and
+# scale·Q: errors of 1e-2..5 where plain PyTorch (whose softmax backward sums P·dP from the
+# same dP) has ~0. Query blocks with a row whose denominator l (relative to its max) is
+# within this many log2 units of 1 take Δ = Σ_j P_ij dP_ij from a first pass over their
+# tiles (their QKᵀ and dO Vᵀ GEMMs once more); the rest keep rowsum(dO∘O). Ordinary calls
+# meet such rows only where a row sees a single key (the first rows of a causal call).
+SATURATED_LOG2L = 2.0 ** -12
+
+
+def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, m0: int,
+                   m1: int, key_tiles) -> Tensor:
+    """``Σ_j p_ij dp_ij`` over a query block's tiles, ``(B·Hkv, G·BM, 1)``: p = exp2(s − m)
+    and dp = ``do_blk`` Vᵀ (dropout-scaled) exactly as the backward's tile loop forms them,
+    so a saturated row's dS = p∘(dp − Δ) is 0 where its exact value rounds to 0."""
+    spec = tile.spec
+    delta = torch.zeros(do_blk.shape[:2] + (1,), dtype=tile.acc_dtype, device=do_blk.device)
+    for n0, n1, full in key_tiles:
+        s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
+        p = s.sub_(lse_blk).exp2_()
+        dp = tile.dp(do_blk, n0, n1)
+        if spec.dropout_p > 0.0:
+            dp = dp * tile.dropout_scale(m0, m1, n0, n1)
+        delta += (p * dp).sum(dim=-1, keepdim=True)
+    return delta
+
+
 def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     """dsinks (H,): the sink is a key with value 0, so ``dsink_h = −Σ_{b,i} P_sink · Δ_i``
     with ``P_sink = exp(sink_h − lse_i)`` (shared by every backend's backward)."""
@@ -857,6 +922,10 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     acc_dtype = _acc_dtype(q.dtype)
     tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0, engine=engine)
     tile.keys_major = tile.onednn
+    if not tile.finite_scores:
+        # a masked key has dS = 0, but 0·NaN in dS K would still reach dQ: a non-finite key
+        # enters dQ as 0 (a row that sees it has NaN dS anyway)
+        tile.k3_dq = _finite_or_zero(tile.k3)
     blocks = _blocks(spec, Nq, Nk)
     if into is None:
         into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
@@ -882,6 +951,11 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         # part costs a (rows, D) multiply per query block, not a pass over every tile
         lse_m, inv_l = lse2[..., 0], torch.exp2(-lse2[..., 1])
     lse_m = lse_m.masked_fill(lse_m == float("-inf"), float("inf"))  # P = 0 on empty rows
+    # query blocks holding a saturated row (l within SATURATED_LOG2L of 1) take Δ from the
+    # tiles themselves (one host read of a (Nq,) flag per call)
+    saturated = None
+    if lse2 is not None and Nq > 0:
+        saturated = (lse2[..., 1] < SATURATED_LOG2L).flatten(0, 1).any(0).cpu()
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
     fused = _fused_steps(q) and engine == "bmm"
@@ -897,6 +971,11 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         if inv_l is not None:  # dO/l and Δ/l: the dP GEMM then yields dP/l
             inv_l_blk = tile.rows(inv_l, m0, m1)
             do_blk, delta_blk = do_blk * inv_l_blk, delta_blk * inv_l_blk
+            if saturated is not None and bool(saturated[m0:m1].any()):
+                delta_blk = _softmax_delta(tile, q_blk, do_blk, lse_blk, m0, m1, key_tiles)
+                delta_blk.mul_(inv_l_blk)
+                if dlse is not None:
+                    delta_blk.sub_(tile.rows(dlse.to(acc_dtype), m0, m1) * inv_l_blk)
         dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
         for n0, n1, full in key_tiles:
             BN = n1 - n0
