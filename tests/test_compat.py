@@ -1022,6 +1022,8 @@ CALLER_NAMES = {
         _x(4, 3, 2, 8, **_I), _cu, 4), r"^qkv must be float"),
     "varlen kvpacked head dim": (lambda: fa.flash_attn_varlen_kvpacked_func(
         _x(4, 2, 8), _x(4, 2, 2, 4), _cu, _cu, 4, 4), r"q and kv head dims.*\bkv \(4, 2, 2, 4\)"),
+    "varlen max_seqlen type": (lambda: fa.flash_attn_varlen_qkvpacked_func(
+        _x(4, 3, 2, 8), _cu, "4"), r"^max_seqlen must be an int"),
     "paged varlen dtype": (lambda: fa.flash_attn_varlen_func(
         _x(4, 2, 8), _x(3, 4, 2, 8).double(), _x(3, 4, 2, 8).double(), _cu, _cu, 4, 4,
         block_table=torch.tensor([[0]], **_I)), r"q, k and v must share"),

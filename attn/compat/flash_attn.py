@@ -436,9 +436,13 @@ def _check_block_table(block_table: object, B: int, k_cache: Tensor,
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, block_table=None,
             seqlen_k: int | None = None, names: tuple[str, str, str] = ("q", "k", "v"),
-            given: dict[str, Tensor] | None = None):
+            given: dict[str, Tensor] | None = None,
+            max_names: tuple[str, str] = ("max_seqlen_q", "max_seqlen_k")):
     """out (total_q, H, Dv) and flash-attn's lse (H, total_q) of packed inputs; ``names`` /
-    ``given``: the caller's arguments, as in :func:`_check_qkv`."""
+    ``given`` / ``max_names``: the caller's arguments, as in :func:`_check_qkv`."""
+    for name, n in zip(max_names, (max_seqlen_q, max_seqlen_k)):
+        if n is not None and _int_like(n) is None:
+            raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
     _tensor("q", q, 3, "(total_q, nheads, headdim)")
     paged = block_table is not None
     kdims = (4, "(num_blocks, page_block_size, nheads_k, headdim) with a block_table") if paged \
@@ -472,7 +476,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
     else:
         k, v = k[:used_k], v[:used_k]
     if seqlen_k is None:  # flash-attn's seqlen_k of the window rule: the max_seqlen_k given
-        seqlen_k = int(len_k.max()) if max_seqlen_k is None else int(max_seqlen_k)
+        seqlen_k = int(len_k.max()) if max_seqlen_k is None else _int_like(max_seqlen_k)
     window, pure_causal, _ = _band(causal, window_size, seqlen_k)
     cu_q = host_q.to(device=q.device)
     cu_k = host_k.to(device=q.device)
@@ -519,7 +523,8 @@ def flash_attn_varlen_qkvpacked_func(
     out, lse = _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                       names=("qkv",) * 3, given={"qkv": qkv})
+                       names=("qkv",) * 3, given={"qkv": qkv},
+                       max_names=("max_seqlen", "max_seqlen"))
     return _returns(out, lse, q, return_attn_probs)
 
 
