@@ -11,11 +11,13 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -614,7 +616,7 @@ ERRORS = {
     "q rank (kvcache)": (lambda: fa.flash_attn_with_kvcache(_e(4, 4, 8), _e(1, 8, 2, 8),
                                                             _e(1, 8, 2, 8)), r"q must have 4"),
     "heads": (lambda: fa.flash_attn_func(_e(1, 4, 5, 8), _e(1, 4, 2, 8), _e(1, 4, 2, 8)),
-              r"heads in k/v \(2\) must divide .* \(5\).*\(1, 4, 5, 8\)"),
+              r"heads in k and v \(2\) must divide .* \(5\).*\(1, 4, 5, 8\)"),
     "heads (kvcache)": (lambda: fa.flash_attn_with_kvcache(_e(1, 1, 3, 8), _e(1, 8, 2, 8),
                                                            _e(1, 8, 2, 8)), r"must divide"),
     "head dims": (lambda: fa.flash_attn_func(_e(1, 4, 2, 8), _e(1, 4, 2, 16), _e(1, 4, 2, 16)),
@@ -736,6 +738,356 @@ def test_apply_rotary_emb(interleaved):
     y = x.clone()
     assert apply_rotary_emb(y, cos, sin, interleaved, inplace=True, seqlen_offsets=offs) is y
     torch.testing.assert_close(y, got)
+
+
+# -- hardening (issue 21): page ids, isolation, integer-likes, empty batches, caller's names --
+
+def _paged_batch(page=4, seqlens=(5, 11, 0), Hkv=2, D=16, seed=0):
+    """q (B, 2, 4, D), new k / v (B, 1, Hkv, D), a paged k / v cache of random pages holding
+    ``seqlens`` keys per row (shuffled page table, two spare pages) and cache_seqlens."""
+    B = len(seqlens)
+    pages = -(-(max(seqlens) + 1) // page)
+    q = randn(B, 2, 2 * Hkv, D, seed=seed).float()
+    k, v = randn(B, 1, Hkv, D, seed=seed + 1).float(), randn(B, 1, Hkv, D, seed=seed + 2).float()
+    flat = randn(B * pages * page, Hkv, D, seed=seed + 3).float()
+    cu = list(range(0, B * pages * page + 1, pages * page))
+    kc, table = _paged(flat, cu, page, pages, seed=seed)
+    vc, _ = _paged(randn(*flat.shape, seed=seed + 4).float(), cu, page, pages, seed=seed)
+    return q, k, v, kc, vc, table, torch.tensor(seqlens, dtype=torch.int32)
+
+
+BAD_IDS = [((0, 0), -1), ((1, 2), -3), ((2, 1), "num_blocks"), ((0, 2), 10 ** 6)]  # (0, 2): unused
+
+
+@pytest.mark.parametrize("where, bad", BAD_IDS)
+@pytest.mark.parametrize("fn", ["kvcache", "varlen"])
+def test_block_table_ids_are_checked_before_any_read_or_write(fn, where, bad):
+    """A negative page id wrapped around to another sequence's page (a silent write when k /
+    v are appended); a too large one gave a raw IndexError."""
+    q, k, v, kc, vc, table, seqlens = _paged_batch()
+    bad = kc.shape[0] if bad == "num_blocks" else bad
+    table[where] = bad
+    before = kc.clone(), vc.clone()
+    if fn == "kvcache":
+        call = lambda: fa.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,  # noqa: E731
+                                                  block_table=table, causal=True)
+    else:
+        lk = seqlens.long() + 1
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.long), lk.cumsum(0)]).int()
+        cu_q = torch.arange(0, 2 * len(seqlens) + 1, 2, dtype=torch.int32)
+        call = lambda: fa.flash_attn_varlen_func(q.flatten(0, 1), kc, vc, cu_q, cu_k, 2,  # noqa: E731
+                                                 int(lk.max()), causal=True, block_table=table)
+    with pytest.raises(FlashAttnError, match=rf"block_table\[{where[0]}, {where[1]}\] = {bad}\b"
+                       rf".*\[0, {kc.shape[0]}\)"):
+        call()
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])  # nothing written
+
+
+POISONS = [float("nan"), float("inf")]
+
+
+def _own_slots(kc, table, seqlens, b, region):
+    """(num_blocks, page) bool: the slots a poisoning leaves alone for row b. "unused":
+    every slot some row uses (the tails past cache_seqlens and the spare pages get poisoned);
+    "others": row b's own keys only (the other rows' pages get poisoned too)."""
+    page = kc.shape[1]
+    keep = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for r in (range(len(seqlens)) if region == "unused" else [b]):
+        for t in range(int(seqlens[r])):
+            keep[table[r, t // page], t % page] = True
+    return keep
+
+
+@pytest.mark.parametrize("region", ["unused", "others"])
+@pytest.mark.parametrize("poison", POISONS)
+def test_paged_kvcache_reads_only_each_rows_own_keys(kv_path, poison, region):
+    """Row b's output does not change by a bit when cache slots outside its own keys hold
+    NaN / inf / huge values: the unused tail of each last page and the spare pages, or also
+    the other rows' pages (in use by them); k / v appended on both runs. ("others" on the
+    batched path relies on attn.varlen_attention isolating packed sequences' values.)"""
+    q, k, v, kc, vc, table, seqlens = _paged_batch()
+    kw = dict(cache_seqlens=seqlens, block_table=table, causal=True, return_softmax_lse=True)
+    clean, clean_lse = fa.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+    for b in range(len(seqlens)):
+        keep = _own_slots(kc, table, seqlens, b, region)
+        kp, vp = (c.masked_fill(~keep[..., None, None], poison) for c in (kc, vc))
+        out, lse = fa.flash_attn_with_kvcache(q, kp, vp, k, v, **kw)
+        assert torch.equal(out[b], clean[b]) and torch.equal(lse[b], clean_lse[b]), b
+        assert torch.isfinite(out[b]).all()
+
+
+@pytest.mark.parametrize("region", ["unused", "others"])
+@pytest.mark.parametrize("poison", POISONS)
+def test_paged_varlen_reads_only_each_sequences_own_keys(poison, region):
+    """flash_attn_varlen_func(block_table=...): the same isolation as the KV cache ("others"
+    relies on attn.varlen_attention isolating packed sequences' values)."""
+    q, _, _, kc, vc, table, seqlens = _paged_batch(page=3, seqlens=(7, 2, 9))
+    B = len(seqlens)
+    q = q.flatten(0, 1)  # (B·2, H, D)
+    cu_q = torch.arange(0, 2 * B + 1, 2, dtype=torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), seqlens.cumsum(0).int()])
+    args = (cu_q, cu_k, 2, int(seqlens.max()))
+    clean = fa.flash_attn_varlen_func(q, kc, vc, *args, causal=True, block_table=table)
+    for b in range(B):
+        keep = _own_slots(kc, table, seqlens, b, region)
+        kp, vp = (c.masked_fill(~keep[..., None, None], poison) for c in (kc, vc))
+        out = fa.flash_attn_varlen_func(q, kp, vp, *args, causal=True, block_table=table)
+        rows = slice(2 * b, 2 * b + 2)
+        assert torch.equal(out[rows], clean[rows]) and torch.isfinite(out[rows]).all(), b
+
+
+@pytest.mark.parametrize("packing", ["separate", "kvpacked", "qkvpacked"])
+@pytest.mark.parametrize("poison", POISONS)
+def test_varlen_poison_in_one_sequence_stays_there(packing, poison):
+    """NaN / inf / huge keys and values of one packed sequence leave every other sequence's
+    output bit for bit (compat passes packed sequences to attn.varlen_attention)."""
+    lengths = [5, 9, 4]
+    cu = torch.tensor([0, 5, 14, 18], dtype=torch.int32)
+    qkv = randn(18, 3, 2, 16).float()
+
+    def run(x):
+        if packing == "qkvpacked":
+            return fa.flash_attn_varlen_qkvpacked_func(x, cu, 9, causal=True)
+        if packing == "kvpacked":
+            return fa.flash_attn_varlen_kvpacked_func(x[:, 0], x[:, 1:], cu, cu, 9, 9,
+                                                      causal=True)
+        return fa.flash_attn_varlen_func(*x.unbind(1), cu, cu, 9, 9, causal=True)
+    clean = run(qkv)
+    for b in range(len(lengths)):
+        poisoned = qkv.clone()
+        poisoned[cu[b]:cu[b + 1], 1:] = poison  # sequence b's k and v
+        out = run(poisoned)
+        others = torch.ones(18, dtype=torch.bool)
+        others[cu[b]:cu[b + 1]] = False
+        assert torch.equal(out[others], clean[others]), b
+        assert torch.isfinite(out[others]).all(), b
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_kvcache_rows_are_isolated(kv_path, poison):
+    """A contiguous cache with ragged rows: row b's output ignores every other row and its
+    own slots past cache_seqlens + new."""
+    B, cap = 3, 12
+    q = randn(B, 2, 4, 16).float()
+    kc, vc = randn(B, cap, 2, 16, seed=1).float(), randn(B, cap, 2, 16, seed=2).float()
+    k, v = randn(B, 1, 2, 16, seed=3).float(), randn(B, 1, 2, 16, seed=4).float()
+    seqlens = torch.tensor([3, 10, 6], dtype=torch.int32)
+    kw = dict(cache_seqlens=seqlens, causal=True)
+    clean = fa.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+    for b in range(B):
+        own = torch.zeros(B, cap, dtype=torch.bool)
+        own[b, :int(seqlens[b])] = True
+        kp, vp = (c.masked_fill(~own[..., None, None], poison) for c in (kc, vc))
+        out = fa.flash_attn_with_kvcache(q, kp, vp, k, v, **kw)
+        assert torch.equal(out[b], clean[b]) and torch.isfinite(out[b]).all(), b
+
+
+WINDOWS = {  # flash-attn's tests pass torch.randint(0, seqlen_k, (2,))
+    "tensor": lambda l, r: torch.tensor([l, r]),
+    "int32 tensor": lambda l, r: torch.tensor([l, r], dtype=torch.int32),
+    "numpy ints": lambda l, r: (np.int64(l), np.int32(r)),
+    "numpy array": lambda l, r: np.array([l, r]),
+    "0-d and 1-element tensors": lambda l, r: [torch.tensor(l), torch.tensor([r])],
+}
+
+
+@pytest.mark.parametrize("form", list(WINDOWS))
+def test_window_size_takes_integer_likes(form):
+    window = WINDOWS[form](3, 1)
+    inputs = (randn(2, 9, 4, 16), randn(2, 13, 2, 16, seed=1), randn(2, 13, 2, 16, seed=2))
+
+    def fn(q, k, v):
+        out, lse, _ = fa.flash_attn_func(q, k, v, window_size=window, return_attn_probs=True)
+        return out, lse
+    compare(fn, differentiable_reference(window_size=(3, 1)), inputs, torch.float32, grad=False)
+
+
+def test_window_size_tensor_in_varlen_and_kvcache():
+    """Every function that takes a window reads it the same way (flash-attn's tests' form)."""
+    window = torch.tensor([3, 1])
+    q, k, v = randn(2, 9, 4, 16).float(), randn(2, 13, 2, 16, seed=1).float(), \
+        randn(2, 13, 2, 16, seed=2).float()
+    cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32) for n in (9, 13))
+    got = fa.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
+                                    cu_k, 9, 13, window_size=window)
+    want, _ = fa_reference(q, k, v, window_size=(3, 1))
+    torch.testing.assert_close(got.double(), want.flatten(0, 1), rtol=0, atol=2e-5)
+    seqlens = torch.tensor([13, 7], dtype=torch.int32)
+    got = fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, window_size=window)
+    _, _, want, _ = kvcache_reference(q, k, v, None, None, cache_seqlens=seqlens,
+                                      window_size=(3, 1))
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [(1.5, 2), (True, 0), torch.tensor([1.0, 2.0]),
+                                    torch.tensor([1, 2, 3]), (1,), "(1, 2)", np.array([[1, 2]])])
+def test_window_size_refuses_non_integers(window):
+    x = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(FlashAttnError, match="window_size must be a pair of ints"):
+        fa.flash_attn_func(x, x, x, window_size=window)
+
+
+@pytest.mark.parametrize("offsets", [
+    torch.tensor([0, 5], dtype=torch.int32), torch.tensor([3, 0]), torch.tensor(2), 4,
+    np.int64(1)])
+def test_apply_rotary_emb_offsets(offsets):
+    """seqlen_offsets as flash-attn takes it: an int, or a (batch_size,) int tensor."""
+    x = randn(2, 5, 3, 16).float()
+    cos, sin = cos_sin(10, 8)
+    got = apply_rotary_emb(x, cos, sin, True, seqlen_offsets=offsets)
+    pos = torch.as_tensor(offsets).long().expand(2)[:, None] + torch.arange(5)
+    torch.testing.assert_close(got.double(), rotary_reference(x, cos, sin, pos, True))
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    packed = apply_rotary_emb(x.flatten(0, 1), cos, sin, True, seqlen_offsets=offsets,
+                              cu_seqlens=cu, max_seqlen=5)
+    torch.testing.assert_close(packed.double(), rotary_reference(x, cos, sin, pos, True)
+                               .flatten(0, 1))
+
+
+def test_kvcache_rotary_window_minus_one_zero_is_causal(kv_path):
+    """In flash-attn 2.8.3 window_size=(-1, 0) is the causal kernel, causal=True or not, so
+    q's rotary positions advance row by row in both."""
+    B, Nq, cap = 2, 3, 16
+    q = randn(B, Nq, 4, 16).float()
+    kc, vc = randn(B, cap, 2, 16, seed=1).float(), randn(B, cap, 2, 16, seed=2).float()
+    k, v = randn(B, Nq, 2, 16, seed=3).float(), randn(B, Nq, 2, 16, seed=4).float()
+    seqlens = torch.tensor([2, 9], dtype=torch.int32)
+    rotary = cos_sin(cap, 8)
+    _, _, want, _ = kvcache_reference(q, kc, vc, k, v, cache_seqlens=seqlens, rotary=rotary,
+                                      causal=True)
+    for causal in (False, True):
+        out = fa.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, *rotary,
+                                         cache_seqlens=seqlens, causal=causal,
+                                         window_size=(-1, 0))
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, 0)),
+                                            (False, (2, 1))])
+def test_kvcache_rotary_table_must_cover_qs_positions(causal, window):
+    """q rows sit at cache_seqlens + i under a causal or local kernel: a table long enough
+    for the one new key but not for q's last row is refused."""
+    q = torch.zeros(1, 3, 2, 8)
+    kc = torch.zeros(1, 8, 2, 8)
+    new = torch.zeros(1, 1, 2, 8)
+    cos = torch.zeros(5, 2)  # rows 0..4: the new key at 4 fits, q's rows 4..6 do not
+    with pytest.raises(FlashAttnError, match=r"have 5 rows; q needs positions from 4 up to 6"):
+        fa.flash_attn_with_kvcache(q, kc, kc.clone(), new, new, cos, cos, cache_seqlens=4,
+                                   causal=causal, window_size=window)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_all_rows_empty(kv_path, paged):
+    """Every cache_seqlens 0 (no new key): zeros and lse +inf, as one empty row among others."""
+    B, H, cap = 2, 4, 8
+    q = randn(B, 3, H, 16).float()
+    kc, vc = randn(B, cap, 2, 16, seed=1).float(), randn(B, cap, 2, 16, seed=2).float()
+    kw = dict(block_table=torch.arange(B * 2, dtype=torch.int32).view(B, 2)) if paged else {}
+    if paged:
+        kc, vc = kc.view(B * 2, cap // 2, 2, 16), vc.view(B * 2, cap // 2, 2, 16)
+    for seqlens in (0, torch.zeros(B, dtype=torch.int32)):
+        out, lse = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True,
+                                              return_softmax_lse=True, **kw)
+        assert out.shape == (B, 3, H, 16) and out.dtype == q.dtype and lse.shape == (B, H, 3)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
+
+
+_x = torch.zeros
+_cu = torch.tensor([0, 4], dtype=torch.int32)
+_I = dict(dtype=torch.int32)
+# each call passes a wrong shape or dtype; the message names the argument as the caller
+# passed it (its name, and its shape in the caller's layout), never attn's internal q/k/v
+CALLER_NAMES = {
+    "func batch": (lambda: fa.flash_attn_func(_x(2, 4, 2, 8), _x(3, 4, 2, 8), _x(3, 4, 2, 8)),
+                   r"\bk \(3, 4, 2, 8\)"),
+    "func dtypes": (lambda: fa.flash_attn_func(_x(1, 4, 2, 8), _x(1, 4, 2, 8).double(),
+                                               _x(1, 4, 2, 8).double()), r"q, k and v must share"),
+    "func empty": (lambda: fa.flash_attn_func(_x(1, 0, 2, 8), _x(1, 4, 2, 8), _x(1, 4, 2, 8)),
+                   r"\bq \(1, 0, 2, 8\)"),
+    "qkvpacked dtype": (lambda: fa.flash_attn_qkvpacked_func(_x(1, 4, 3, 2, 8, dtype=torch.int64)),
+                        r"^qkv must be float"),
+    "qkvpacked empty": (lambda: fa.flash_attn_qkvpacked_func(_x(1, 0, 3, 2, 8)),
+                        r"\bqkv \(1, 0, 3, 2, 8\)"),
+    "kvpacked batch": (lambda: fa.flash_attn_kvpacked_func(_x(2, 4, 2, 8), _x(3, 4, 2, 2, 8)),
+                       r"\bkv \(3, 4, 2, 2, 8\)"),
+    "kvpacked heads": (lambda: fa.flash_attn_kvpacked_func(_x(1, 4, 3, 8), _x(1, 4, 2, 2, 8)),
+                       r"heads in kv \(2\).*\bkv \(1, 4, 2, 2, 8\)"),
+    "kvpacked dtype": (lambda: fa.flash_attn_kvpacked_func(_x(1, 4, 2, 8),
+                                                           _x(1, 4, 2, 2, 8).double()),
+                       r"q and kv must share a dtype"),
+    "varlen dtypes": (lambda: fa.flash_attn_varlen_func(
+        _x(4, 2, 8), _x(4, 2, 8).double(), _x(4, 2, 8).double(), _cu, _cu, 4, 4),
+        r"q, k and v must share"),
+    "varlen qkvpacked dtype": (lambda: fa.flash_attn_varlen_qkvpacked_func(
+        _x(4, 3, 2, 8, **_I), _cu, 4), r"^qkv must be float"),
+    "varlen kvpacked head dim": (lambda: fa.flash_attn_varlen_kvpacked_func(
+        _x(4, 2, 8), _x(4, 2, 2, 4), _cu, _cu, 4, 4), r"q and kv head dims.*\bkv \(4, 2, 2, 4\)"),
+    "varlen max_seqlen type": (lambda: fa.flash_attn_varlen_qkvpacked_func(
+        _x(4, 3, 2, 8), _cu, "4"), r"^max_seqlen must be an int"),
+    "paged varlen dtype": (lambda: fa.flash_attn_varlen_func(
+        _x(4, 2, 8), _x(3, 4, 2, 8).double(), _x(3, 4, 2, 8).double(), _cu, _cu, 4, 4,
+        block_table=torch.tensor([[0]], **_I)), r"q, k and v must share"),
+    "kvcache dtype": (lambda: fa.flash_attn_with_kvcache(
+        _x(1, 1, 2, 8), _x(1, 8, 2, 8).double(), _x(1, 8, 2, 8).double(), cache_seqlens=3),
+        r"q, k_cache and v_cache must share"),
+    "kvcache head dim": (lambda: fa.flash_attn_with_kvcache(
+        _x(1, 1, 2, 8), _x(1, 8, 2, 4), _x(1, 8, 2, 4), cache_seqlens=3),
+        r"q and k_cache head dims.*\bk_cache \(1, 8, 2, 4\)"),
+    "kvcache empty q": (lambda: fa.flash_attn_with_kvcache(
+        _x(1, 0, 2, 8), _x(1, 8, 2, 8), _x(1, 8, 2, 8), cache_seqlens=3), r"\bq \(1, 0, 2, 8\)"),
+    "kvcache paged heads": (lambda: fa.flash_attn_with_kvcache(
+        _x(1, 1, 3, 8), _x(4, 4, 2, 8), _x(4, 4, 2, 8), cache_seqlens=3,
+        block_table=torch.tensor([[0, 1]], **_I)), r"heads in k_cache and v_cache \(2\)"),
+    "kvcache new k dtype": (lambda: fa.flash_attn_with_kvcache(
+        _x(1, 1, 2, 8), _x(1, 8, 2, 8), _x(1, 8, 2, 8), _x(1, 1, 2, 8, **_I),
+        _x(1, 1, 2, 8, **_I), cache_seqlens=3), r"^k must be float"),
+    "softcap type": (lambda: fa.flash_attn_func(_x(1, 4, 2, 8), _x(1, 4, 2, 8), _x(1, 4, 2, 8),
+                                                softcap="30"), r"^softcap must be a float"),
+    "softcap tensor": (lambda: fa.flash_attn_varlen_func(
+        _x(4, 2, 8), _x(4, 2, 8), _x(4, 2, 8), _cu, _cu, 4, 4, softcap=torch.tensor(30.0)),
+        r"^softcap must be a float"),
+    "softcap nan": (lambda: fa.flash_attn_func(_x(1, 4, 2, 8), _x(1, 4, 2, 8), _x(1, 4, 2, 8),
+                                               softcap=float("nan")), r"^softcap must not be NaN"),
+    "softmax_scale type": (lambda: fa.flash_attn_func(
+        _x(1, 4, 2, 8), _x(1, 4, 2, 8), _x(1, 4, 2, 8), softmax_scale="0.1"),
+        r"^softmax_scale must be a float"),
+    "rotary cos shape": (lambda: apply_rotary_emb(_x(1, 4, 2, 8), _x(8, 2, 1), _x(8, 2)),
+                         r"^cos and sin must both be.*\(8, 2, 1\)"),
+    "rotary seqlen_offsets shape": (lambda: apply_rotary_emb(
+        _x(2, 4, 2, 8), _x(8, 2), _x(8, 2), seqlen_offsets=torch.tensor([1, 2, 3])),
+        r"^seqlen_offsets must be .*\(2,\).*\(3,\)"),
+    "rotary seqlen_offsets type": (lambda: apply_rotary_emb(
+        _x(2, 4, 2, 8), _x(8, 2), _x(8, 2), seqlen_offsets=1.5), r"^seqlen_offsets must be"),
+    "rotary cu_seqlens": (lambda: apply_rotary_emb(_x(4, 2, 8), _x(8, 2), _x(8, 2),
+                                                   cu_seqlens=torch.tensor([0, 5], **_I),
+                                                   max_seqlen=5), r"^cu_seqlens must .*\[0, 5\]"),
+    "rotary table": (lambda: apply_rotary_emb(_x(1, 4, 2, 8), _x(3, 2), _x(3, 2)),
+                     r"^cos/sin have 3 rows; x needs positions from 0 up to 3"),
+    "unpad_input mask shape": (lambda: unpad_input(_x(2, 4, 8), torch.ones(2, 5)),
+                               r"^attention_mask must be .*\(2, 4\).*\(2, 5\)"),
+    "unpad_input mask rank": (lambda: unpad_input(_x(2, 4, 8), torch.ones(8)),
+                              r"^attention_mask must be .*\(8,\)"),
+    "unpad_input unused_mask": (lambda: unpad_input(_x(2, 4, 8), torch.ones(2, 4),
+                                                    torch.zeros(4, 2)), r"^unused_mask must be"),
+    "pad_input indices": (lambda: pad_input(_x(3, 8), torch.tensor([0, 1, 9]), 2, 4),
+                          r"^indices must lie in \[0, 8\).* 9"),
+    "pad_input negative index": (lambda: pad_input(_x(3, 8), torch.tensor([0, -1, 2]), 2, 4),
+                                 r"^indices must lie in \[0, 8\).*-1"),
+    "pad_input count": (lambda: pad_input(_x(3, 8), torch.tensor([0, 1]), 2, 4),
+                        r"^indices \(2,\) must hold one position per row of hidden_states"),
+    "index_first_axis": (lambda: index_first_axis(_x(3, 8), torch.tensor([0, 5])),
+                         r"^indices must lie in \[0, 3\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CALLER_NAMES))
+def test_errors_name_the_callers_arguments(case):
+    call, match = CALLER_NAMES[case]
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert re.search(match, str(info.value)), f"{type(info.value).__name__}: {info.value}"
+    if isinstance(info.value, ValueError):
+        assert isinstance(info.value, FlashAttnError)  # ValueError and flash-attn's RuntimeError
 
 
 # -- install_flash_attn ------------------------------------------------------------------------

@@ -21,7 +21,9 @@ Semantics, as flash-attn 2 documents and computes them:
   bound and sets the right one to 0. As in 2.8.3, a side ``>= seqlen_k`` counts as −1, and a
   −1 beside a side ``>= 0`` stands for ``seqlen_k`` (which only matters for the right side
   when Nq > Nk + 1), where ``seqlen_k`` is Nk (func), ``max_seqlen_k`` (varlen) or the cache
-  capacity (kvcache), the numbers flash-attn substitutes;
+  capacity (kvcache), the numbers flash-attn substitutes. ``window_size`` is any pair of
+  integer-likes: Python or numpy ints, 0-d / one-element integer tensors, or a two-element
+  integer tensor or array (flash-attn's own tests pass ``torch.randint(0, seqlen_k, (2,))``);
 * ``softcap > 0``: ``s = c·tanh(s / c)`` on the scaled scores; ``softcap <= 0`` is off;
 * ``alibi_slopes`` fp32 ``(H,)`` or ``(B, H)``: ``−slope·|i + Nk − Nq − j|`` added after
   softcap, never multiplied by the softmax scale. Under pure causal (causal with no finite
@@ -40,15 +42,26 @@ from torch's generator, so ``torch.manual_seed(s)`` then :func:`attn.attention` 
 ``dropout_p`` reproduces the call (the way to inspect the mask). The lse stays differentiable.
 
 Errors: :class:`FlashAttnError`, a ``ValueError`` and a ``RuntimeError`` (flash-attn raises
-RuntimeError; code catching it keeps working), naming the argument and the shapes. attn's own
-ValueErrors raised underneath are re-raised as FlashAttnError too.
+RuntimeError; code catching it keeps working), naming the argument as the caller passed it
+(``qkv``, ``kv``, ``k_cache``, ...) and its shape in the caller's layout: inputs are checked
+here before attn sees them. attn's own ValueErrors raised underneath are re-raised as
+FlashAttnError too. Wrong types (``softcap="30"``, an integer q) raise TypeError.
+
+Isolation: a sequence's output depends only on its own keys. Every ``block_table`` id is
+checked (``0 <= id < num_blocks``, unused slots too) before any page is read or written, and
+only the positions below each sequence's length are read from its pages: the tail of its
+last page and pages no sequence uses may hold anything, NaN included.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
+import operator
 from typing import Optional, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -89,25 +102,79 @@ def _tensor(name: str, t: object, dims: int, letters: str) -> Tensor:
     return t
 
 
-def _check_heads(q: Tensor, k: Tensor, v: Tensor, *, head_axis: int) -> None:
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    H, Hkv = q.shape[head_axis], k.shape[head_axis]
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _joined(names: tuple[str, ...]) -> str:
+    """``q, k and v`` / ``q and kv`` / ``qkv``: each argument named once."""
+    unique = list(dict.fromkeys(names))
+    return unique[0] if len(unique) == 1 else ", ".join(unique[:-1]) + " and " + unique[-1]
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v"),
+               given: dict[str, Tensor] | None = None, *, batch: bool = False) -> None:
+    """dtype, device and shape agreement of q, k, v in flash-attn's layouts (heads on axis
+    -2, head dim last), checked here so a message names the arguments the caller passed
+    (``names``; ``given`` maps each name to the tensor it passed, e.g. kv for k and v) with
+    their shapes, not attn's internal (B, H, N, D) views. ``batch``: axis 0 is the batch in
+    all three."""
+    nq, nk, nv = names
+    given = dict(zip(names, (q, k, v))) if given is None else given
+    shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in given.items())
+    for name, t in zip(names, (q, k, v)):
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{_joined(names)} must share a dtype, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if not q.device == k.device == v.device:
+        raise FlashAttnError(f"{_joined(names)} must be on one device, got {q.device}, "
+                             f"{k.device}, {v.device}")
+    if batch and not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise FlashAttnError(f"{_joined(names)} must have the same batch size: {shapes}")
+    H, Hkv = q.shape[-2], k.shape[-2]
     if q.shape[-1] != k.shape[-1]:
-        raise FlashAttnError(f"q and k head dims differ ({q.shape[-1]} vs {k.shape[-1]}): "
+        raise FlashAttnError(f"{nq} and {nk} head dims differ ({q.shape[-1]} vs {k.shape[-1]}): "
                              f"{shapes}")
     if k.shape[:-1] != v.shape[:-1]:
-        raise FlashAttnError(f"k and v must agree in every dim but the head dim: {shapes}")
+        raise FlashAttnError(f"{_joined((nk, nv))} must agree in every dim but the head dim: "
+                             f"{shapes}")
     if Hkv == 0 or H % Hkv != 0:
-        raise FlashAttnError(f"the number of heads in k/v ({Hkv}) must divide the number of "
-                             f"heads in q ({H}): {shapes}")
+        raise FlashAttnError(f"the number of heads in {_joined((nk, nv))} ({Hkv}) must divide "
+                             f"the number of heads in {nq} ({H}): {shapes}")
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        raise FlashAttnError(f"{_joined(names)} must not be empty: {shapes}")
+
+
+def _int_like(x: object) -> int | None:
+    """``x`` as an int when it is integer-like (a Python or numpy integer, a one-element
+    integer tensor), else None; bools are not integers here."""
+    if isinstance(x, Tensor):
+        if x.numel() != 1 or x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+            return None
+        return int(x.item())
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def _window(window_size: object) -> tuple[int, int]:
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+    """A pair of integer-likes: a tuple or list of two, or a two-element integer tensor or
+    array (flash-attn's own tests pass ``torch.randint(0, seqlen_k, (2,))``)."""
+    items = None
+    if isinstance(window_size, (Tensor, np.ndarray)):
+        if window_size.ndim <= 1 and window_size.shape[-1:] == (2,):
+            items = list(window_size)
+    elif isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        items = list(window_size)
+    pair = None if items is None else [_int_like(w) for w in items]
+    if pair is None or None in pair:
         raise FlashAttnError(f"window_size must be a pair of ints (left, right), -1 for "
                              f"unbounded, got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
+    return pair[0], pair[1]
 
 
 def _band(causal: bool, window_size: object, seqlen_k: int) -> tuple[tuple[int, int] | None, bool, bool]:
@@ -140,11 +207,25 @@ def _check_alibi(alibi_slopes: Tensor | None, B: int, H: int) -> None:
                              f"nheads) = ({B}, {H}), got {tuple(alibi_slopes.shape)}")
 
 
+def _real(name: str, x: object) -> float:
+    """A real number (Python or numpy; not a bool, not a tensor: flash-attn takes floats)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__} {x!r}")
+    if math.isnan(x):
+        raise FlashAttnError(f"{name} must not be NaN")
+    return float(x)
+
+
 def _variants(softmax_scale, softcap, alibi_slopes) -> dict:
     """attn keywords of flash-attn's score variants (alibi_slopes only when given, so the
-    call works on an attn without ALiBi as long as ALiBi is not asked for)."""
-    kw = {"scale": softmax_scale,
-          "softcap": float(softcap) if softcap is not None and softcap > 0 else None}
+    call works on an attn without ALiBi as long as ALiBi is not asked for). ``softcap <= 0``
+    (or None) is off, as in flash-attn."""
+    scale = None if softmax_scale is None else _real("softmax_scale", softmax_scale)
+    cap = 0.0 if softcap is None else _real("softcap", softcap)
+    if cap == math.inf or (scale is not None and math.isinf(scale)):
+        raise FlashAttnError(f"softmax_scale and softcap must be finite, got {softmax_scale!r} "
+                             f"and {softcap!r}")
+    kw = {"scale": scale, "softcap": cap if cap > 0 else None}
     if alibi_slopes is not None:
         kw["alibi_slopes"] = alibi_slopes
     return kw
@@ -215,8 +296,10 @@ def flash_attn_qkvpacked_func(
         raise FlashAttnError(f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got shape "
                              f"{tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+    _check_qkv(q, k, v, ("qkv",) * 3, {"qkv": qkv}, batch=True)
+    out, lse = _dense(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    return _returns(out, lse, q, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -240,8 +323,10 @@ def flash_attn_kvpacked_func(
         raise FlashAttnError(f"kv must be (batch_size, seqlen, 2, nheads_k, headdim), got shape "
                              f"{tuple(kv.shape)}")
     k, v = kv.unbind(2)
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+    _check_qkv(q, k, v, ("q", "kv", "kv"), {"q": q, "kv": kv}, batch=True)
+    out, lse = _dense(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    return _returns(out, lse, q, return_attn_probs)
 
 
 def flash_attn_func(
@@ -276,7 +361,7 @@ def flash_attn_func(
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor(name, t, 4, "(batch_size, seqlen, nheads, headdim)")
-    _check_heads(q, k, v, head_axis=2)
+    _check_qkv(q, k, v, batch=True)
     out, lse = _dense(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     return _returns(out, lse, q, return_attn_probs)
@@ -321,7 +406,12 @@ def _paged_keys(k_cache: Tensor, block_table: Tensor, rows: Tensor, pos: Tensor)
     return _gather(k_cache, blk, pos % page)
 
 
-def _check_block_table(block_table: object, B: int, k_cache: Tensor) -> Tensor:
+def _check_block_table(block_table: object, B: int, k_cache: Tensor,
+                       cache_name: str = "k_cache") -> Tensor:
+    """The page table ``(B, max_blocks)`` of a paged cache ``(num_blocks, page, Hkv, D)``.
+    Every id must name a page, ``0 <= id < num_blocks``, unused slots included: torch
+    indexing would wrap a negative id around to another sequence's page (a silent read, and
+    with k/v appended a silent write). Read on the host (one small copy)."""
     if not isinstance(block_table, Tensor):
         raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
     if block_table.dim() != 2 or block_table.shape[0] != B:
@@ -329,27 +419,42 @@ def _check_block_table(block_table: object, B: int, k_cache: Tensor) -> Tensor:
                              f"batch_size {B}, got shape {tuple(block_table.shape)}")
     if block_table.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_table must be int32, got {block_table.dtype}")
-    _tensor("k_cache", k_cache, 4, "(num_blocks, page_block_size, nheads_k, headdim) with a "
+    _tensor(cache_name, k_cache, 4, "(num_blocks, page_block_size, nheads_k, headdim) with a "
             "block_table")
+    num_blocks = k_cache.shape[0]
+    host = block_table.cpu()
+    bad = ((host < 0) | (host >= num_blocks)).nonzero()
+    if bad.numel():
+        b, j = bad[0].tolist()
+        raise FlashAttnError(f"block_table[{b}, {j}] = {int(host[b, j])} is not a page of "
+                             f"{cache_name} {tuple(k_cache.shape)}: page ids must lie in "
+                             f"[0, num_blocks) = [0, {num_blocks}) ({bad.shape[0]} bad ids in "
+                             f"block_table {tuple(block_table.shape)})")
     return block_table
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, block_table=None,
-            seqlen_k: int | None = None):
-    """out (total_q, H, Dv) and flash-attn's lse (H, total_q) of packed inputs."""
+            seqlen_k: int | None = None, names: tuple[str, str, str] = ("q", "k", "v"),
+            given: dict[str, Tensor] | None = None,
+            max_names: tuple[str, str] = ("max_seqlen_q", "max_seqlen_k")):
+    """out (total_q, H, Dv) and flash-attn's lse (H, total_q) of packed inputs; ``names`` /
+    ``given`` / ``max_names``: the caller's arguments, as in :func:`_check_qkv`."""
+    for name, n in zip(max_names, (max_seqlen_q, max_seqlen_k)):
+        if n is not None and _int_like(n) is None:
+            raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
     _tensor("q", q, 3, "(total_q, nheads, headdim)")
     paged = block_table is not None
     kdims = (4, "(num_blocks, page_block_size, nheads_k, headdim) with a block_table") if paged \
         else (3, "(total_k, nheads_k, headdim)")
     _tensor("k", k, *kdims)
     _tensor("v", v, *kdims)
-    _check_heads(q, k, v, head_axis=-2)
+    _check_qkv(q, k, v, names, given)
     total_q, H, _ = q.shape
     host_q = _cu_host("cu_seqlens_q", cu_seqlens_q, total_q)
     B = host_q.numel() - 1
     if paged:
-        _check_block_table(block_table, B, k)
+        _check_block_table(block_table, B, k, "k")
         capacity = block_table.shape[1] * k.shape[1]
         host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, B * capacity)
     else:
@@ -371,7 +476,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
     else:
         k, v = k[:used_k], v[:used_k]
     if seqlen_k is None:  # flash-attn's seqlen_k of the window rule: the max_seqlen_k given
-        seqlen_k = int(len_k.max()) if max_seqlen_k is None else int(max_seqlen_k)
+        seqlen_k = int(len_k.max()) if max_seqlen_k is None else _int_like(max_seqlen_k)
     window, pure_causal, _ = _band(causal, window_size, seqlen_k)
     cu_q = host_q.to(device=q.device)
     cu_k = host_k.to(device=q.device)
@@ -415,9 +520,12 @@ def flash_attn_varlen_qkvpacked_func(
         raise FlashAttnError(f"qkv must be (total, 3, nheads, headdim), got shape "
                              f"{tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                  dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs)
+    out, lse = _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                       dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       names=("qkv",) * 3, given={"qkv": qkv},
+                       max_names=("max_seqlen", "max_seqlen"))
+    return _returns(out, lse, q, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -443,9 +551,11 @@ def flash_attn_varlen_kvpacked_func(
         raise FlashAttnError(f"kv must be (total_k, 2, nheads_k, headdim), got shape "
                              f"{tuple(kv.shape)}")
     k, v = kv.unbind(1)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
-                                  softcap, alibi_slopes, deterministic, return_attn_probs)
+    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       names=("q", "kv", "kv"), given={"q": q, "kv": kv})
+    return _returns(out, lse, q, return_attn_probs)
 
 
 def flash_attn_varlen_func(
@@ -493,8 +603,8 @@ _PER_ROW_DEVICES = ("cpu",)
 
 def _as_lengths(name: str, x: object, B: int, device: torch.device) -> Tensor:
     """An int or a (B,) int tensor, as a (B,) int64 host tensor."""
-    if isinstance(x, int) and not isinstance(x, bool):
-        return torch.full((B,), x, dtype=torch.int64)
+    if not isinstance(x, Tensor) and _int_like(x) is not None:
+        return torch.full((B,), _int_like(x), dtype=torch.int64)
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be an int or a (batch_size,) int32 tensor, got "
                         f"{type(x).__name__}")
@@ -502,6 +612,15 @@ def _as_lengths(name: str, x: object, B: int, device: torch.device) -> Tensor:
         raise FlashAttnError(f"{name} must be (batch_size,) = ({B},) int32, got {x.dtype} "
                              f"{tuple(x.shape)}")
     return x.cpu().long()
+
+
+def _no_keys(q: Tensor, B: int, Dv: int) -> tuple[Tensor, Tensor]:
+    """out and flash-attn's lse of ``B`` rows of q ``(·, Nq, H, D)`` that see no key: zeros
+    and +inf."""
+    _, Nq, H, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_zeros(B, Nq, H, Dv),
+            torch.full((B, H, Nq), float("inf"), device=q.device, dtype=lse_dtype))
 
 
 def flash_attn_with_kvcache(
@@ -543,7 +662,13 @@ def flash_attn_with_kvcache(
 
     Refused as flash-attn refuses them: ``block_table`` with ``cache_batch_idx`` or with
     ``cache_leftpad``; k without v; k/v without ``cache_seqlens``; rotary without k/v; a cache
-    too small for ``cache_seqlens + Nnew``.
+    too small for ``cache_seqlens + Nnew``. Refused as well, before anything is written: a
+    ``block_table`` id outside ``[0, num_blocks)``; a ``rotary_cos`` without a row for a
+    position it must turn (q's row i sits at ``cache_seqlens + i`` under a causal or local
+    window; flash-attn asks for as many rows as the cache holds). ``window_size=(-1, 0)`` is the causal
+    kernel with or without ``causal=True``, as in flash-attn (q's rotary positions included).
+    Rows with no key (``cache_seqlens`` 0 and no k, or every key left-padded away) return
+    zeros and lse +inf, the whole batch included.
 
     Cost: ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy: the
     lengths decide the checks and the path). Rows of equal lengths in a contiguous cache (no
@@ -569,7 +694,7 @@ def flash_attn_with_kvcache(
     if v_cache.shape[:-1] != k_cache.shape[:-1]:
         raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} and v_cache "
                              f"{tuple(v_cache.shape)} must agree in every dim but the head dim")
-    _check_heads(q, k_cache, v_cache, head_axis=2)
+    _check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
 
     # -- new keys: shapes, lengths, room in the cache --
@@ -581,6 +706,12 @@ def flash_attn_with_kvcache(
         _tensor("v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
         want_k = (B, k.shape[1], *k_cache.shape[2:])
         want_v = (B, k.shape[1], *v_cache.shape[2:])
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype not in _FLOATS:
+                raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
+                                f"{t.dtype}")
+            if t.device != k_cache.device:
+                raise FlashAttnError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
             raise FlashAttnError(f"k and v must be (batch_size, seqlen_new, nheads_k, headdim) "
                                  f"= {want_k} / {want_v} for q {tuple(q.shape)} and k_cache "
@@ -616,13 +747,17 @@ def flash_attn_with_kvcache(
             raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} holds fewer rows than the "
                                  f"batch of q {tuple(q.shape)}")
     _check_alibi(alibi_slopes, B, H)
+    _variants(softmax_scale, softcap, None)  # checked before anything is written
     window, pure_causal, local = _band(causal, window_size, capacity)
 
     # -- rotary on the new keys and on q, at absolute cache positions --
     if rotary_cos is not None or rotary_sin is not None:
         if k is None:
             raise FlashAttnError("rotary_cos/rotary_sin rotate the new keys: pass k and v")
-        q_rows = ends.view(B, 1) + (torch.arange(Nq).view(1, Nq) if (causal or local)
+        # flash-attn gives q's rows their own positions when its kernel runs causal (any
+        # window that resolves to (-1, 0), causal=True or not) or local, else all rows sit
+        # at cache_seqlens
+        q_rows = ends.view(B, 1) + (torch.arange(Nq).view(1, Nq) if (pure_causal or local)
                                     else torch.zeros(1, Nq, dtype=torch.int64))
         k_rows = ends.view(B, 1) + torch.arange(Nnew).view(1, Nnew)
         k = rotate_at(k, rotary_cos, rotary_sin, k_rows, rotary_interleaved, "k")
@@ -644,6 +779,9 @@ def flash_attn_with_kvcache(
 
         # -- attention over [starts, stops) of each row --
         lengths = stops - starts
+        if int(lengths.max()) == 0:  # no row has a key
+            out, lse = _no_keys(q, B, v_cache.shape[-1])
+            return (out, lse) if return_softmax_lse else out
         uniform = bool((starts == starts[0]).all()) and bool((stops == stops[0]).all())
         variants = dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, seqlen_k=capacity,
@@ -656,11 +794,10 @@ def flash_attn_with_kvcache(
             outs, lses = [], []
             for b in range(B):
                 s0, s1 = int(starts[b]), int(stops[b])
-                if s1 == s0:  # no key: zeros, lse +inf
-                    outs.append(q.new_zeros(1, Nq, H, v_cache.shape[-1]))
-                    lses.append(torch.full((1, H, Nq), float("inf"), device=dev,
-                                           dtype=torch.float64 if q.dtype == torch.float64
-                                           else torch.float32))
+                if s1 == s0:
+                    out, lse = _no_keys(q, 1, v_cache.shape[-1])
+                    outs.append(out)
+                    lses.append(lse)
                     continue
                 if paged:
                     page = k_cache.shape[1]

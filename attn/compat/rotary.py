@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,25 +23,34 @@ def _error(msg: str) -> Exception:
     return FlashAttnError(msg)
 
 
-def _check_cos_sin(cos: object, sin: object, D: int) -> tuple[Tensor, Tensor]:
-    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+def _check_cos_sin(cos: object, sin: object, x: Tensor,
+                   names: tuple[str, str] = ("rotary_cos", "rotary_sin")) -> tuple[Tensor, Tensor]:
+    nc, ns = names
+    for name, t in zip(names, (cos, sin)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a tensor (seqlen_ro, rotary_dim / 2), got "
                             f"{type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating, got {t.dtype}")
+        if t.device != x.device:
+            raise _error(f"{name} is on {t.device}, the tensor it rotates on {x.device}")
+    D = x.shape[-1]
     if cos.dim() != 2 or cos.shape != sin.shape or not 0 < 2 * cos.shape[1] <= D:
-        raise _error(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with "
+        raise _error(f"{nc} and {ns} must both be (seqlen_ro, rotary_dim / 2) with "
                      f"rotary_dim <= headdim {D}, got {tuple(cos.shape)} and "
                      f"{tuple(sin.shape)}")
     return cos, sin
 
 
 def rotate_at(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool,
-              name: str = "x") -> Tensor:
-    """``x (B, N, H, D)`` rotated at ``positions (B, N)`` (rows of cos / sin)."""
-    cos, sin = _check_cos_sin(cos, sin, x.shape[-1])
+              name: str = "x", table: tuple[str, str] = ("rotary_cos", "rotary_sin")) -> Tensor:
+    """``x (B, N, H, D)`` rotated at ``positions (B, N)`` (rows of cos / sin); ``name`` and
+    ``table`` are the caller's names of x and of cos / sin, for messages."""
+    cos, sin = _check_cos_sin(cos, sin, x, table)
     if positions.numel() and (int(positions.max()) >= cos.shape[0] or int(positions.min()) < 0):
-        raise _error(f"rotary_cos/rotary_sin have {cos.shape[0]} rows; {name} needs positions "
-                     f"up to {int(positions.max())} (shape {tuple(x.shape)})")
+        raise _error(f"{table[0]}/{table[1]} have {cos.shape[0]} rows; {name} needs positions "
+                     f"from {int(positions.min())} up to {int(positions.max())} (shape "
+                     f"{tuple(x.shape)})")
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     pos = positions.to(cos.device).long()
     c = cos.to(acc)[pos].unsqueeze(2)  # (B, N, 1, rd/2): one angle per pair, all heads
@@ -56,6 +66,41 @@ def rotate_at(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleave
     return torch.cat([rot.to(x.dtype), x[..., rd:]], dim=-1)
 
 
+def _offsets(seqlen_offsets: object, B: int) -> Tensor:
+    """flash-attn's ``seqlen_offsets``: an int, or an int32 / int64 tensor ``(batch_size,)``
+    (a 0-d one too), as a ``(B,)`` int64 host tensor."""
+    if isinstance(seqlen_offsets, Tensor):
+        if seqlen_offsets.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"seqlen_offsets must be an int or an int32 tensor, got "
+                            f"{seqlen_offsets.dtype}")
+        if seqlen_offsets.shape not in ((), (B,)):
+            raise _error(f"seqlen_offsets must be an int or a (batch_size,) = ({B},) tensor, "
+                         f"got shape {tuple(seqlen_offsets.shape)}")
+        return seqlen_offsets.cpu().long().expand(B)
+    if isinstance(seqlen_offsets, (bool, np.bool_)) or not isinstance(
+            seqlen_offsets, (int, np.integer)):
+        raise TypeError(f"seqlen_offsets must be an int or a (batch_size,) int32 tensor, got "
+                        f"{type(seqlen_offsets).__name__}")
+    return torch.full((B,), int(seqlen_offsets), dtype=torch.int64)
+
+
+def _cu(cu_seqlens: object, total: int) -> Tensor:
+    """``cu_seqlens (B + 1,)`` on the host: start at 0, never decrease, end at most at the
+    ``total`` rows of x (a padded buffer's tail is left as it is)."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise _error(f"cu_seqlens must be 1-d (batch_size + 1,), got shape "
+                     f"{tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.cpu().long()
+    if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > total:
+        raise _error(f"cu_seqlens must start at 0, never decrease and end at most at the "
+                     f"{total} rows of x, got {cu.tolist()[:16]}")
+    return cu
+
+
 def apply_rotary_emb(
     x,
     cos,
@@ -67,9 +112,11 @@ def apply_rotary_emb(
     max_seqlen: Optional[int] = None,
 ):
     """flash-attn's ``apply_rotary_emb``: x ``(B, S, H, D)`` (or ``(total, H, D)`` with
-    ``cu_seqlens``), cos / sin ``(seqlen_ro, rotary_dim / 2)``; token s of sequence b turns
-    at position ``s + seqlen_offsets[b]`` (an int or ``(B,)``). ``inplace`` writes into x.
-    Returns the rotated tensor, x's shape and dtype; differentiable.
+    ``cu_seqlens (B + 1,)``), cos / sin ``(seqlen_ro, rotary_dim / 2)``; token s of sequence
+    b turns at position ``s + seqlen_offsets[b]`` (an int or an int32 / int64 ``(B,)``
+    tensor). ``inplace`` writes into x. Returns the rotated tensor, x's shape and dtype;
+    differentiable. A position outside cos / sin raises (flash-attn's kernel leaves such a
+    token unrotated when the offsets are a tensor).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
@@ -78,24 +125,20 @@ def apply_rotary_emb(
             raise _error(f"x must be (batch_size, seqlen, nheads, headdim), got shape "
                          f"{tuple(x.shape)}")
         B, S = x.shape[:2]
-        offs = (torch.as_tensor(seqlen_offsets).long().cpu().expand(B) if not
-                isinstance(seqlen_offsets, int) else torch.full((B,), seqlen_offsets))
-        positions = offs.view(B, 1) + torch.arange(S).view(1, S)
-        out = rotate_at(x, cos, sin, positions, interleaved)
+        positions = _offsets(seqlen_offsets, B).view(B, 1) + torch.arange(S).view(1, S)
+        out = rotate_at(x, cos, sin, positions, interleaved, "x", ("cos", "sin"))
     else:
         if x.dim() != 3:
             raise _error(f"x must be (total_seqlen, nheads, headdim) with cu_seqlens, got shape "
                          f"{tuple(x.shape)}")
-        cu = cu_seqlens.cpu().long()
+        cu = _cu(cu_seqlens, x.shape[0])
         lengths = cu[1:] - cu[:-1]
         seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-        offs = (torch.as_tensor(seqlen_offsets).long().cpu().expand(lengths.numel())
-                if not isinstance(seqlen_offsets, int)
-                else torch.full((lengths.numel(),), seqlen_offsets))
+        offs = _offsets(seqlen_offsets, lengths.numel())
         positions = torch.arange(seq.numel()) - cu[:-1][seq] + offs[seq]
         used = int(cu[-1])
         out = rotate_at(x[:used].unsqueeze(0), cos, sin, positions.unsqueeze(0),
-                        interleaved)[0]
+                        interleaved, "x", ("cos", "sin"))[0]
         if used < x.shape[0]:
             out = torch.cat([out, x[used:]])
     if inplace:
