@@ -328,10 +328,10 @@ class MultiHeadAttention(nn.Module):
     ``heads`` (H) defaults to :class:`AttentionOptions`' 4 (or the ``options`` given) and must
     divide ``dim``. Every other argument is a field of :class:`AttentionOptions` (its docs and
     help texts say what each does), given as keywords or as ``options=AttentionOptions(...)``
-    (keywords then override it). In short: GQA/MQA through ``kv_heads``; QK-norm; a fixed or learnable
-    per-head temperature and softcap; a sliding window (an int w is ``(w, 0)`` when causal and
-    ``(w, w)`` when not); learnable sinks; RoPE; dropout of the attention probabilities in
-    training mode.
+    (keywords then override it). In short: GQA/MQA through ``kv_heads``; QK-norm; a fixed or
+    learnable per-head temperature and softcap; a sliding window (an int w is ``(w, 0)`` when
+    causal and ``(w, w)`` when not); learnable sinks; RoPE; dropout of the attention
+    probabilities in training mode.
 
     ``forward(x, kv_cache)``: with a cache (see :class:`KVCacheLike`) the new keys/values are
     appended and the new queries, at positions ``cache.length …``, attend to everything

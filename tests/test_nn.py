@@ -325,8 +325,10 @@ def test_bad_input_names_the_argument_and_shapes() -> None:
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         m(x.tolist())
     # the packed offsets are named as the caller passed them, not as varlen's cu_seqlens_q
-    for cu, err in ((torch.tensor([0, 5, 9]), ValueError), (torch.tensor([0, 3, 10.0]), TypeError),
-                    (torch.tensor([0, 6, 5, 10]), ValueError), (torch.tensor([[0, 10]]), ValueError)):
+    for cu, err in ((torch.tensor([0, 5, 9]), ValueError),
+                    (torch.tensor([0, 3, 10.0]), TypeError),
+                    (torch.tensor([0, 6, 5, 10]), ValueError),
+                    (torch.tensor([[0, 10]]), ValueError)):
         with pytest.raises(err, match=r"cu_seqlens (?!_)") as info:
             m(x, cu_seqlens=cu)
         assert "cu_seqlens_q" not in str(info.value)
