@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
 from attn.masks import module_window
-from attn.varlen import varlen_attention
+from attn.varlen import position_ids, varlen_attention
 
 QK_NORM_KINDS = ("l2", "rms", "layer")
 QK_NORM_POSITIONS = ("before", "after")
@@ -64,6 +64,10 @@ class QKNormConfig:
                              f"got {self.position!r}")
         if self.g_init is not None and not self.g_init > 0:
             raise ValueError(f"qk_norm g_init must be positive, got {self.g_init}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
+            raise TypeError(f"qk_norm eps must be a float, got {type(self.eps).__name__}")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"qk_norm eps must be positive and finite, got {self.eps}")
 
 
 class QKNorm(nn.Module):
@@ -108,6 +112,12 @@ class QKNorm(nn.Module):
         return y
 
     def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        for name, t in (("q", q), ("k", k)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() == 0 or t.shape[-1] != self.head_dim:
+                raise ValueError(f"QKNorm(head_dim {self.head_dim}) normalises over the last "
+                                 f"dim, got {name} of shape {tuple(t.shape)}")
         if self.config.kind == "l2":
             acc = torch.float64 if q.dtype == torch.float64 else torch.float32
             qn = self._norm(q, None) * self.g.to(acc)
@@ -136,21 +146,35 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.base = head_dim, base
 
     def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
-        """x (B, H, N, D) → x rotated, same shape and dtype (angles in float32 or float64).
-        ``offset``: the position of the first token, or every token's position (N,) (a
-        context-parallel shard holds positions that are not contiguous)."""
-        N = x.shape[2]
+        """x (B, H, N, D) → x rotated, same shape and dtype (rotation in float32 or float64).
+        ``offset``: the position of the first token, or every token's position: (N,) for all
+        rows (a context-parallel shard holds positions that are not contiguous) or (B, N)
+        per row (packed documents, each counted from its own start)."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4 or x.shape[-1] != self.head_dim:
+            raise ValueError(f"RotaryEmbedding(head_dim {self.head_dim}) rotates x (B, H, N, "
+                             f"{self.head_dim}), got x of shape {tuple(x.shape)}")
+        B, _, N, _ = x.shape
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        # angles in float64, then cast: position · frequency loses digits in fp32 at large N.
         # Not a buffer: Module.to(dtype) would round a float64 buffer to the model's dtype.
         f64 = dict(device=x.device, dtype=torch.float64)
         inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, **f64) / self.head_dim)
         if isinstance(offset, Tensor):
+            if tuple(offset.shape) not in ((N,), (B, N)):
+                raise ValueError(f"offset must be an int or positions of shape ({N},) or "
+                                 f"({B}, {N}) for x of shape {tuple(x.shape)}, got offset of "
+                                 f"shape {tuple(offset.shape)}")
             pos = offset.to(**f64)
         else:
             pos = torch.arange(offset, offset + N, **f64)
-        ang = (pos[:, None] * inv_freq[None, :]).to(acc)  # (N, D/2)
-        cos, sin = ang.cos(), ang.sin()
+        ang = pos[..., None] * inv_freq  # (N, D/2) or (B, N, D/2)
+        if ang.dim() == 3:
+            ang = ang[:, None]  # (B, 1, N, D/2): every head of a row alike
+        # The angle and its cos/sin in float64, cast only then: an angle rounded to fp32 is off
+        # by up to pos·eps radians (3e-2 at position 1M), whereas cos/sin rounded to fp32 are
+        # off by eps/2 at any position.
+        cos, sin = ang.cos().to(acc), ang.sin().to(acc)
         y = x.to(acc)
         y1, y2 = y.chunk(2, dim=-1)  # (B, H, N, D/2) each
         out = torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1)
@@ -276,16 +300,38 @@ class AttentionOptions:
                             train_len=train_len, eps=self.qk_norm_eps)
 
 
-class MultiHeadAttention(nn.Module):
-    """Self-attention over ``x (B, N, C)`` → ``(B, N, C)`` through :func:`attn.attention`.
+def _check_cu_seqlens(cu: object, total: int, x: Tensor) -> None:
+    """MultiHeadAttention's packed offsets, named as its caller passed them."""
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D (S + 1,) with S >= 1, got shape "
+                         f"{tuple(cu.shape)}")
+    if cu.device != x.device:
+        raise ValueError(f"cu_seqlens is on {cu.device}, x on {x.device}")
+    if torch.compiler.is_compiling():
+        return  # reading the values would break the trace; varlen_attention checks them
+    host = cu.cpu()
+    if int(host[0]) != 0 or bool((host.diff() < 0).any()) or int(host[-1]) != total:
+        raise ValueError(f"cu_seqlens must rise from 0 to B·N = {total} (x of shape "
+                         f"{tuple(x.shape)}) without decreasing, got "
+                         f"{host.tolist() if host.numel() <= 16 else tuple(host.shape)}")
 
-    ``MultiHeadAttention(dim, heads, **options)``: ``dim`` is the model width C, and every
-    other argument is a field of :class:`AttentionOptions` (its docs and help texts say what
-    each does), given as keywords or as ``options=AttentionOptions(...)`` (keywords then
-    override it). In short: GQA/MQA through ``kv_heads``; QK-norm; a fixed or learnable
-    per-head temperature and softcap; a sliding window (an int w is ``(w, 0)`` when causal and
-    ``(w, w)`` when not); learnable sinks; RoPE; dropout of the attention probabilities in
-    training mode.
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention over ``x (B, N, C)`` → ``(B, N, C)`` through :func:`attn.attention`;
+    an unbatched ``x (N, C)`` gives ``(N, C)``, as in ``torch.nn.MultiheadAttention``.
+
+    ``MultiHeadAttention(dim, heads=None, **options)``: ``dim`` is the model width C;
+    ``heads`` (H) defaults to :class:`AttentionOptions`' 4 (or the ``options`` given) and must
+    divide ``dim``. Every other argument is a field of :class:`AttentionOptions` (its docs and
+    help texts say what each does), given as keywords or as ``options=AttentionOptions(...)``
+    (keywords then override it). In short: GQA/MQA through ``kv_heads``; QK-norm; a fixed or
+    learnable per-head temperature and softcap; a sliding window (an int w is ``(w, 0)`` when
+    causal and ``(w, w)`` when not); learnable sinks; RoPE; dropout of the attention
+    probabilities in training mode.
 
     ``forward(x, kv_cache)``: with a cache (see :class:`KVCacheLike`) the new keys/values are
     appended and the new queries, at positions ``cache.length …``, attend to everything
@@ -337,11 +383,35 @@ class MultiHeadAttention(nn.Module):
     def _cap(self) -> float | Tensor | None:
         return self.softcap if self.log_softcap is None else self.log_softcap.exp()  # (H,)
 
+    def _check_x(self, x: object) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor (B, N, C) or (N, C), got "
+                            f"{type(x).__name__}")
+        if x.dim() not in (2, 3) or x.shape[-1] != self.dim:
+            raise ValueError(f"x must be (B, N, C) or unbatched (N, C) with C = dim = "
+                             f"{self.dim}, got x of shape {tuple(x.shape)}")
+        w = self.qkv.weight
+        if not x.is_floating_point():
+            raise TypeError(f"x must be floating point, got {x.dtype} of shape "
+                            f"{tuple(x.shape)}")
+        # under autocast the projections cast x themselves: any float dtype is fine then
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x is {x.dtype} but the module's parameters are {w.dtype}: "
+                            f"cast one to the other")
+        if x.device != w.device:
+            raise ValueError(f"x is on {x.device} but the module's parameters are on "
+                             f"{w.device}")
+
     def forward(self, x: Tensor, kv_cache: KVCacheLike | None = None, *,
                 cu_seqlens: Tensor | None = None) -> Tensor:
-        """x (B, N, C) → (B, N, C). ``cu_seqlens`` (S + 1,): the B·N tokens hold S packed
-        documents (row boundaries among the offsets) that never see one another
-        (:func:`attn.varlen_attention`; causal and window per document)."""
+        """x (B, N, C) → (B, N, C), or unbatched (N, C) → (N, C). ``cu_seqlens`` (S + 1,)
+        int: the B·N tokens, rows laid end to end, hold S packed documents that never see one
+        another (:func:`attn.varlen_attention`; causal and window per document), each as if
+        it ran alone: RoPE counts positions from each document's start, also for a document
+        that runs on from one row into the next."""
+        self._check_x(x)
+        if x.dim() == 2:
+            return self.forward(x[None], kv_cache, cu_seqlens=cu_seqlens)[0]
         B, N, C = x.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         offset: int | Tensor = 0
@@ -355,6 +425,18 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("a KV cache needs causal attention: without it earlier "
                                  "queries would have to see later keys")
             offset = kv_cache.length
+        if cu_seqlens is not None:
+            if kv_cache is not None:
+                raise ValueError("cu_seqlens (packed documents) and a KV cache do not mix")
+            if cp is not None:
+                raise ValueError("cu_seqlens (packed documents) and context parallelism do "
+                                 "not combine")
+            _check_cu_seqlens(cu_seqlens, B * N, x)
+            offset = position_ids(cu_seqlens, B * N).view(B, N)  # from each document's start
+        if B * N == 0:
+            # nothing to attend over (attention refuses empty input): an empty result of the
+            # output's shape, still connected to the projections
+            return self.proj(self.qkv(x)[..., :H * D])
         qkv = rearrange(self.qkv(x), "b n (h d) -> b h n d", d=D)  # (B, H + 2Hkv, N, D)
         q, k, v = qkv.split((H, Hkv, Hkv), dim=1)  # (B, H, N, D), (B, Hkv, N, D) × 2
 
@@ -372,11 +454,6 @@ class MultiHeadAttention(nn.Module):
                     softcap=self._cap(), window=self.window, sinks=self.sinks,
                     dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
         if cu_seqlens is not None:
-            if kv_cache is not None:
-                raise ValueError("cu_seqlens (packed documents) and a KV cache do not mix")
-            if cp is not None:
-                raise ValueError("cu_seqlens (packed documents) and context parallelism do "
-                                 "not combine")
             # (B, H, N, D) -> packed (B·N, H, D): rows laid end to end
             qp, kp, vp = (rearrange(t, "b h n d -> (b n) h d") for t in (q, k, v))
             y = varlen_attention(qp, kp, vp, cu_seqlens, cu_seqlens, **opts)

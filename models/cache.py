@@ -16,6 +16,13 @@ class KVCache(nn.Module):
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
+        sizes = dict(batch=batch, kv_heads=kv_heads, max_len=max_len, head_dim=head_dim)
+        for name, n in sizes.items():
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+            if n < (0 if name == "max_len" else 1):
+                raise ValueError(f"{name} must be {'>= 0' if name == 'max_len' else '>= 1'}, "
+                                 f"got {n}")
         shape = (batch, kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -31,14 +38,20 @@ class KVCache(nn.Module):
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, n, D) → all cached keys and values (B, Hkv, length + n, D)."""
+        # Named for whoever holds the cache: the new keys come from their layer's input.
+        if k.dim() != 4 or k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3] \
+                or v.shape != k.shape:
+            raise ValueError(f"KVCache (B, Hkv, max_len, D) = {tuple(self.k.shape)} cannot take "
+                             f"new keys {tuple(k.shape)} and values {tuple(v.shape)}: batch, "
+                             f"kv heads and head dim must match")
+        if k.dtype != self.k.dtype or v.dtype != self.k.dtype:
+            raise TypeError(f"KVCache holds {self.k.dtype}, got new keys {k.dtype} and values "
+                            f"{v.dtype}: make the cache in the model's dtype")
         n = k.shape[2]
         end = self._length + n
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {self._length} cached + {n} new > "
                              f"max_len {self.max_len}")
-        if k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
-            raise ValueError(f"k of shape {tuple(k.shape)} does not fit the cache "
-                             f"{tuple(self.k.shape)}")
         self.k[:, :, self._length:end] = k
         self.v[:, :, self._length:end] = v
         self._length = end

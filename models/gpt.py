@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from attn.nn import MultiHeadAttention
 from attn.models.cache import KVCache
+from attn.varlen import cu_seqlens_from_lengths, position_ids
 from attn.models.config import GPTConfig
 
 
@@ -91,23 +92,37 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor, targets: Tensor | None = None,
                 caches: list[KVCache] | None = None, doc_ids: Tensor | None = None
                 ) -> tuple[Tensor, Tensor | None]:
-        """idx (B, T) token ids → logits (B, T, V), and the mean cross-entropy over targets
-        (B, T) that are not -100 when targets are given. With ``caches`` the tokens continue
-        the cached sequence. ``doc_ids`` (B, T), non-decreasing over the flattened batch:
-        packed documents, each attending only to itself (attn.varlen_attention)."""
+        """idx (B, T) token ids in [0, vocab_size) → logits (B, T, V), and the mean
+        cross-entropy over targets (B, T) that are not -100 when targets are given. With
+        ``caches`` the tokens continue the cached sequence.
+
+        ``doc_ids`` (B, T) integer, non-decreasing over the flattened batch: packed documents,
+        the rows laid end to end, each document attending only to itself
+        (attn.varlen_attention) and counting its positions from its own start, so every
+        document gets the logits it gets alone, also one that runs on from the end of a row
+        into the next (its tokens there still see its earlier ones)."""
+        self._check_idx(idx)
         B, T = idx.shape
         cu_seqlens = None
         if doc_ids is not None:
-            from attn.varlen import cu_seqlens_from_document_ids
-            flat = doc_ids.flatten()
-            cu_seqlens = cu_seqlens_from_document_ids(flat - flat[0])
+            if caches is not None:
+                raise ValueError("doc_ids (packed documents) and caches do not mix")
+            cu_seqlens = _doc_offsets(doc_ids, idx)
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
             start = 0 if caches is None else caches[0].length
-            if start + T > self.cfg.block_size:
+            if cu_seqlens is not None:  # from each document's start, across rows too
+                pos = position_ids(cu_seqlens, B * T).view(B, T)
+                longest = int(cu_seqlens.diff().max())
+                if longest > self.cfg.block_size:
+                    raise ValueError(f"doc_ids hold a document of {longest} tokens, more than "
+                                     f"block_size {self.cfg.block_size} (learned position "
+                                     f"embeddings)")
+                x = x + self.pos_emb(pos)
+            elif start + T > self.cfg.block_size:
                 raise ValueError(f"positions up to {start + T} exceed block_size "
                                  f"{self.cfg.block_size} (learned position embeddings)")
-            if self.context_parallel is not None:  # this rank's shard: its global positions
+            elif self.context_parallel is not None:  # this rank's shard: its global positions
                 x = x + self.pos_emb(self.context_parallel.positions(idx.device))
             else:
                 x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))
@@ -121,6 +136,22 @@ class GPT(nn.Module):
                                    ignore_index=-100)
         return logits, loss
 
+    def _check_idx(self, idx: object) -> None:
+        if not isinstance(idx, Tensor):
+            raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
+        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise TypeError(f"idx must hold integer token ids, got {idx.dtype} of shape "
+                            f"{tuple(idx.shape)}")
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (B, T), got shape {tuple(idx.shape)}")
+        if idx.numel() and not torch.compiler.is_compiling():
+            # the embedding would read out of bounds (a device-side assert on CUDA)
+            lo, hi = int(idx.min()), int(idx.max())
+            V = self.cfg.vocab_size
+            if lo < 0 or hi >= V:
+                raise ValueError(f"idx must hold token ids in [0, {V}), got ids from {lo} to "
+                                 f"{hi} in idx of shape {tuple(idx.shape)}")
+
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
@@ -129,8 +160,12 @@ class GPT(nn.Module):
         The prompt runs once through the model filling the KV caches; then each step feeds
         only the newest token. ``temperature == 0`` is greedy; ``top_k`` keeps the k most
         likely tokens before sampling."""
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        _check_sampling(temperature, top_k)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        self._check_idx(idx)
         B, T = idx.shape
         caches = self.new_caches(B, T + max_new_tokens)
         logits, _ = self(idx, caches=caches)
@@ -143,9 +178,44 @@ class GPT(nn.Module):
         return torch.cat(out, dim=1)
 
 
+def _doc_offsets(doc_ids: object, idx: Tensor) -> Tensor:
+    """cu_seqlens of the packed documents that ``doc_ids`` (B, T) mark over the rows laid end
+    to end (a document may run on into the next row)."""
+    if not isinstance(doc_ids, Tensor):
+        raise TypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
+    if doc_ids.is_floating_point() or doc_ids.is_complex() or doc_ids.dtype == torch.bool:
+        raise TypeError(f"doc_ids must hold integer ids, got {doc_ids.dtype}")
+    if doc_ids.shape != idx.shape:
+        raise ValueError(f"doc_ids must have idx's shape (B, T), got doc_ids of shape "
+                         f"{tuple(doc_ids.shape)} for idx of shape {tuple(idx.shape)}")
+    if doc_ids.device != idx.device:
+        raise ValueError(f"doc_ids is on {doc_ids.device}, idx on {idx.device}")
+    flat = doc_ids.flatten().to(torch.int64)
+    if bool((flat.diff() < 0).any()):
+        raise ValueError("doc_ids must be non-decreasing over the flattened batch (rows laid "
+                         "end to end)")
+    # a document starts wherever the id changes; ids that are skipped own no token
+    starts = torch.nonzero(flat.diff() != 0).flatten() + 1
+    edges = torch.cat([flat.new_zeros(1), starts, flat.new_full((1,), flat.numel())])
+    return cu_seqlens_from_lengths(edges.diff())
+
+
+def _check_sampling(temperature: float, top_k: int | None) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1 (or None for no cut), got {top_k}")
+
+
 def sample_next(logits: Tensor, temperature: float, top_k: int | None,
                 generator: torch.Generator | None) -> Tensor:
     """logits (B, V) → token ids (B, 1)."""
+    _check_sampling(temperature, top_k)
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float() / temperature
@@ -161,6 +231,8 @@ def sample_next(logits: Tensor, temperature: float, top_k: int | None,
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Write ``state`` to a temporary file beside ``path``, then rename it into place: a crash
     mid-write leaves the previous checkpoint intact (rename is atomic on POSIX)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
@@ -178,12 +250,20 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """The dict :func:`save_checkpoint` wrote; ``weights_only=True`` so no code is unpickled."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+    state = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(state, dict):
+        raise TypeError(f"checkpoint {str(path)!r} must hold a dict (as save_checkpoint "
+                        f"writes), got {type(state).__name__}")
+    return state
 
 
 def model_from_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"
                           ) -> tuple[GPT, dict[str, Any]]:
     state = load_checkpoint(path, map_location)
+    missing = [k for k in ("model", "model_config") if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} has no {' or '.join(missing)} entry: not a "
+                         f"model checkpoint (keys: {sorted(map(str, state))})")
     model = GPT(GPTConfig.from_dict(state["model_config"]))
     model.load_state_dict(state["model"])
     return model, state

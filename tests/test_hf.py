@@ -455,6 +455,29 @@ def test_packed_model_matches_each_sequence_alone():
     assert (got_cu - want).abs().max() <= tol
 
 
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_packed_sliding_layers_match_each_sequence_alone(use_cache, impl):
+    """Restarting position_ids through a model with sliding and full layers. With a cache in
+    play HF draws no sequence borders into its masks, and the sliding layers' mask (the window
+    bites) still reaches attn: the borders must come from position_ids there too."""
+    torch.manual_seed(0)
+    m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        use_sliding_window=True, sliding_window=3, max_window_layers=0,
+        layer_types=["sliding_attention", "full_attention"], initializer_range=0.2))
+    m = m.to(torch.float64).eval()
+    seqs = prompts()[0]
+    flat = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():
+        m.set_attn_implementation("attn_reference")
+        want = torch.cat([output(m, s[None])[0] for s in seqs])
+        m.set_attn_implementation(impl)
+        got = m(input_ids=flat, position_ids=pos, use_cache=use_cache).logits[0]
+    assert (got - want).abs().max() <= floor(torch.float64, [want])
+
+
 def test_dropout_only_in_training_and_same_mask_on_every_backend():
     q, k, v = _qkv()
     m = _Module().eval()

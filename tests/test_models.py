@@ -227,3 +227,82 @@ def test_checkpoint_config_from_before_attention_options_loads() -> None:
     cfg = GPTConfig.from_dict(old)
     assert cfg.attention.bias is True and cfg.attention.causal is True
     assert GPT(cfg).blocks[0].attn.qkv.bias is not None
+
+
+# -- packed documents and bad input ------------------------------------------------------------
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_packed_document_running_into_the_next_row_equals_it_alone(rope: bool) -> None:
+    """doc_ids lay the rows end to end, so a document may run on from one row into the next:
+    its tokens attend across the row boundary (one packed stream), and their positions, RoPE's
+    or the learned ones, count from the document's start, as when it runs alone. Oracle: each
+    document alone through the same weights on the float64 reference backend."""
+    att = dict(kv_heads=2, window=9, sinks=True, rope=rope)
+    packed_model = _gpt(AttentionConfig(**att), "tiled")
+    alone_model = _gpt(AttentionConfig(**att), "reference")
+    lengths = [5, 27, 18]  # rows of T = 25: [5 | 20 of 27], [7 of 27 | 18]
+    x = torch.randint(0, 23, (2, 25), generator=torch.Generator().manual_seed(3))
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)).view(2, 25)
+    with torch.no_grad():
+        packed = packed_model(x, doc_ids=doc)[0].flatten(0, 1)  # (B·T, V)
+        starts = [0, 5, 32, 50]
+        flat = x.flatten()
+        for a, b in zip(starts[:-1], starts[1:]):
+            alone = alone_model(flat[None, a:b])[0][0]
+            torch.testing.assert_close(packed[a:b], alone)
+
+
+def test_packed_document_longer_than_learned_positions_is_refused() -> None:
+    model = _gpt(AttentionConfig(rope=False))  # block_size 32
+    doc = torch.tensor([[0] * 20, [0] * 14 + [1] * 6])  # document 0: 34 tokens
+    with pytest.raises(ValueError, match="doc_ids.*34.*block_size 32"):
+        model(torch.zeros(2, 20, dtype=torch.long), doc_ids=doc)
+
+
+def test_bad_gpt_input_names_the_argument() -> None:
+    model = _gpt(AttentionConfig())
+    idx = torch.randint(0, 23, (2, 5))
+    for bad in (idx.clone().fill_(23), idx.clone().fill_(-1)):
+        with pytest.raises(ValueError, match=r"idx .*\[0, 23\)"):
+            model(bad)
+        with pytest.raises(ValueError, match=r"idx .*\[0, 23\)"):
+            model.generate(bad, 2)
+    with pytest.raises(TypeError, match="idx .*float32"):
+        model(idx.float())
+    with pytest.raises(ValueError, match=r"idx .*\(10,\)"):
+        model(idx.flatten())
+    with pytest.raises(ValueError, match=r"doc_ids .*\(2, 4\).*\(2, 5\)"):
+        model(idx, doc_ids=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="doc_ids .*non-decreasing"):
+        model(idx, doc_ids=torch.tensor([[0, 0, 1, 1, 1], [0, 2, 2, 2, 2]]))
+    with pytest.raises(TypeError, match="doc_ids .*float32"):
+        model(idx, doc_ids=torch.zeros(2, 5))
+    for temperature in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            model.generate(idx, 2, temperature=temperature)
+    for top_k in (0, -3):
+        with pytest.raises(ValueError, match="top_k"):
+            model.generate(idx, 2, top_k=top_k)
+    with pytest.raises(TypeError, match="top_k"):
+        model.generate(idx, 2, top_k=2.5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(idx, -1)
+
+
+def test_kv_cache_sizes_and_checkpoint_type_are_checked(tmp_path: Path) -> None:
+    from attn.models import KVCache
+    with pytest.raises(ValueError, match="max_len must be >= 0, got -1"):
+        KVCache(1, 2, -1, 8)
+    with pytest.raises(ValueError, match="batch"):
+        KVCache(0, 2, 4, 8)
+    path = tmp_path / "ckpt.pt"
+    torch.save([1, 2, 3], path)
+    with pytest.raises(TypeError, match="checkpoint .*dict.*list"):
+        load_checkpoint(path)
+    with pytest.raises(TypeError, match="checkpoint .*dict.*list"):
+        model_from_checkpoint(path)
+    with pytest.raises(TypeError, match="state .*dict"):
+        save_checkpoint(path, [1, 2, 3])
+    save_checkpoint(path, {"step": 1})
+    with pytest.raises(ValueError, match="model_config"):
+        model_from_checkpoint(path)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from attn.nn import (AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig, RotaryEmbedding,
-                     default_l2_scale)
+from attn.nn import (QK_NORM_KINDS, AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig,
+                     RotaryEmbedding, default_l2_scale)
 from attn.models.cache import KVCache
 
 # Every attention variant the module offers, each alone, plus everything at once.
@@ -270,3 +270,92 @@ def test_options_object_and_keywords_build_the_same_module() -> None:
         MultiHeadAttention(32, 4, qk_norm=QKNormConfig("rms"), qk_norm_position="after")
     with pytest.raises(TypeError, match="unexpected keyword"):
         MultiHeadAttention(32, 4, window_size=3)
+
+
+def test_rope_fp32_stays_accurate_at_large_positions() -> None:
+    """fp32 RoPE against the rotation written out in float64, at positions up to ~1M. Rounding
+    the angle pos·θ to fp32 before cos/sin costs pos·eps radians (3e-2 at 1M); cos and sin
+    taken in float64 leave only fp32's own rounding of a 2-term product sum."""
+    D = 64
+    rope = RotaryEmbedding(D)
+    x = torch.randn(1, 2, 5, D, generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([0, 8191, 131071, 999_983, 1 << 20])
+    got = rope(x, offset=pos)
+    theta = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = pos.double()[:, None] * theta  # (N, D/2)
+    x1, x2 = x.double().chunk(2, dim=-1)
+    want = torch.cat((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()), -1)
+    # cos and sin rounded (eps/2 each), two products and one sum rounded: under 2 eps·(|x1|+|x2|)
+    bound = 2 * torch.finfo(torch.float32).eps * (x1.abs() + x2.abs()).repeat(1, 1, 1, 2)
+    assert bool(((got.double() - want).abs() <= bound).all())
+    # per-row positions (B, N), as packed documents that straddle rows have
+    pos2 = torch.stack([pos, pos.flip(0)])
+    got2 = rope(x.expand(2, -1, -1, -1), offset=pos2)
+    torch.testing.assert_close(got2[0], got[0], rtol=0, atol=0)
+    torch.testing.assert_close(got2[1], rope(x, offset=pos.flip(0))[0], rtol=0, atol=0)
+
+
+def test_unbatched_and_empty_inputs_like_torch() -> None:
+    """(N, C) is one sequence, returned as (N, C), like torch.nn.MultiheadAttention; N = 0 or
+    B = 0 gives an empty result of the right shape."""
+    m = _mha()
+    x = torch.randn(7, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(m(x), m(x[None])[0], rtol=0, atol=0)
+    cache = KVCache(1, m.kv_heads, 7, m.head_dim, torch.float64)
+    torch.testing.assert_close(m(x[:4], cache), m(x[:4]), rtol=0, atol=0)
+    for shape in ((0, 32), (2, 0, 32), (0, 5, 32)):
+        x0 = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+        y = m(x0)
+        assert y.shape == shape and y.dtype == torch.float64
+        y.sum().backward()
+        assert x0.grad.shape == shape
+
+
+def test_bad_input_names_the_argument_and_shapes() -> None:
+    m = _mha()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"32, got x of shape \(2, 5, 31\)"):
+        m(x[..., :31])
+    with pytest.raises(ValueError, match=r"x .*\(1, 2, 5, 32\)"):
+        m(x[None])
+    with pytest.raises(TypeError, match=r"x .*float32.*float64"):
+        m(x.float())
+    with pytest.raises(TypeError, match=r"x .*int64"):
+        m(x.long())
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        m(x.tolist())
+    # the packed offsets are named as the caller passed them, not as varlen's cu_seqlens_q
+    for cu, err in ((torch.tensor([0, 5, 9]), ValueError),
+                    (torch.tensor([0, 3, 10.0]), TypeError),
+                    (torch.tensor([0, 6, 5, 10]), ValueError),
+                    (torch.tensor([[0, 10]]), ValueError)):
+        with pytest.raises(err, match=r"cu_seqlens (?!_)") as info:
+            m(x, cu_seqlens=cu)
+        assert "cu_seqlens_q" not in str(info.value)
+    with pytest.raises(ValueError, match=r"KVCache .*\(1, 4, 10, 8\).*\(2, 4, 5, 8\)"):
+        m(x, KVCache(1, 4, 10, 8, torch.float64))
+    with pytest.raises(TypeError, match=r"KVCache .*float32.*float64"):
+        m(x, KVCache(2, 4, 10, 8, torch.float32))
+    with pytest.raises(ValueError, match=r"RotaryEmbedding.*head_dim 16.*x .*\(1, 1, 3, 8\)"):
+        RotaryEmbedding(16)(torch.randn(1, 1, 3, 8))
+    with pytest.raises(ValueError, match=r"offset .*\(4,\)"):
+        RotaryEmbedding(8)(torch.randn(1, 1, 3, 8), offset=torch.arange(4))
+    for kind in QK_NORM_KINDS:
+        norm = QKNorm(kind, 16)
+        with pytest.raises(ValueError, match=r"QKNorm.*head_dim 16.*q .*\(1, 1, 3, 8\)"):
+            norm(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 16))
+        with pytest.raises(ValueError, match=r"k .*\(1, 1, 3, 8\)"):
+            norm(torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 8))
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-6, float("nan"), float("inf")])
+def test_qk_norm_eps_must_be_positive_and_finite(eps: float) -> None:
+    with pytest.raises(ValueError, match="eps"):
+        QKNormConfig("rms", eps=eps)
+    with pytest.raises(ValueError, match="eps"):
+        MultiHeadAttention(32, 4, qk_norm="layer", qk_norm_eps=eps)
+
+
+def test_heads_defaults_to_the_documented_value() -> None:
+    assert MultiHeadAttention(32).heads == AttentionOptions().heads == 4
+    assert "4" in MultiHeadAttention.__doc__

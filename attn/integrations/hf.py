@@ -228,9 +228,10 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
     no mask; with a mask (HF has drawn something within the sequences), that mask AND a
     document mask.
 
-    Explicit ``cu_seq_lens_q/k`` always count; restarting ``position_ids`` only when HF handed
-    no mask (with a mask, HF has already drawn the sequences' borders into it). Cached on the
-    tensor HF passes to every layer, like the masks.
+    Explicit ``cu_seq_lens_q/k`` and restarting ``position_ids`` count alike, with a mask or
+    without: a document mask ANDed onto a mask that already keeps the sequences apart changes
+    nothing. Cached on the tensor HF passes to every layer, like the masks, when no mask is
+    in play.
     """
     explicit = cu_seq_lens_q is not None or cu_seq_lens_k is not None
     anchor = (cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k) if explicit \
@@ -307,8 +308,11 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     else:
         plan = _plan_for_mask(attention_mask, Nq, Nk, causal, window)
 
+    # Restarting position_ids count whether or not HF handed a mask: HF draws the sequences'
+    # borders into its masks only when no cache is in play, while with one (use_cache=True) a
+    # sliding layer still gets a plain sliding mask spanning them.
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None \
-            or (attention_mask is None and B == 1 and Nq == Nk and position_ids is not None):
+            or (B == 1 and Nq == Nk and position_ids is not None):
         plan = _packed_plan(plan, Nq, Nk, B, cu_seq_lens_q, cu_seq_lens_k, position_ids,
                             query.device)
 
