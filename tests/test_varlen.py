@@ -57,8 +57,9 @@ def variant_kwargs(name, H, dtype):
     return kw
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_equals_attention_per_sequence(variant, small_tiles):
+@pytest.mark.parametrize("variant, backend", [(name, "tiled") for name in VARIANTS] + [
+    ("causal_window", "reference"), ("learned", "reference")])
+def test_equals_attention_per_sequence(variant, backend, small_tiles):
     """Forward, lse and every gradient (q, k, v, learnable variant tensors) of the packed
     call equal the per-sequence calls; lengths random, Nq != Nk per sequence, 0 and 1
     included (a query sequence whose keys are empty gives zeros and lse -inf)."""
@@ -66,7 +67,8 @@ def test_equals_attention_per_sequence(variant, small_tiles):
     lq, lk = random_lengths(n, seed=1), random_lengths(n, seed=2)
     q, k, v, cu_q, cu_k = packed_inputs(lq, lk)
     kw = variant_kwargs(variant, 4, torch.float64)
-    out, lse = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), return_lse=True, **kw)
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), return_lse=True,
+                                backend=backend, **kw)
     assert out.shape == (sum(lq), 4, 8) and lse.shape == (4, sum(lq))
     g = torch.Generator().manual_seed(4)
     d_out, d_lse = torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(
@@ -436,3 +438,57 @@ def test_triton_varlen_kernels_compile_for_sm90_and_sm80():
     res = subprocess.run([sys.executable, "-c", _AOT_CHILD], cwd=root, env=env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+# -- isolation: one sequence's data never reaches another's output or gradients ------------
+
+ISOLATION_VARIANTS = {
+    "plain": {},
+    "causal_dropout_alibi_sinks": {"causal": True, "dropout_p": 0.25, "sinks": "tensor",
+                                   "alibi_slopes": "tensor"},
+}
+
+
+@pytest.mark.parametrize("variant", list(ISOLATION_VARIANTS))
+@pytest.mark.parametrize("backend", ["tiled", "reference"])
+def test_a_poisoned_sequence_changes_no_other_bit(backend, variant, small_tiles):
+    """NaN and inf in one packed sequence's q, in another's k and in a third's v leave every
+    other sequence's out, lse and dq, dk, dv bit for bit as they are without the poison,
+    dropout and ALiBi included (tiles of 8 here: sequences of 2 to 12 tokens share tiles
+    unless the plan cuts them at their boundaries)."""
+    lq, lk = [5, 11, 7, 0, 9, 3, 6], [6, 9, 7, 2, 12, 3, 4]
+    poisoned = {"q": 1, "k": 2, "v": 4}  # tensor -> sequence
+    q, k, v, cu_q, cu_k = packed_inputs(lq, lk, H=4, Hkv=2)
+    kw = dict(ISOLATION_VARIANTS[variant])
+    if kw.get("sinks") == "tensor":
+        kw["sinks"] = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+    if kw.get("alibi_slopes") == "tensor":
+        kw["alibi_slopes"] = torch.linspace(0.1, 0.5, 4)
+    g = torch.Generator().manual_seed(11)
+    d_out = torch.randn(sum(lq), 4, 8, generator=g, dtype=torch.float64)
+    d_lse = torch.randn(4, sum(lq), generator=g, dtype=torch.float64)
+
+    def run(poison: bool):
+        qkv = [t.detach().clone() for t in (q, k, v)]
+        for x, cu, name in zip(qkv, (cu_q, cu_k, cu_k), "qkv"):
+            if poison:
+                end = int(cu[poisoned[name] + 1])  # the last rows: every band reaches them
+                x[end - 1] = float("nan")
+                x[end - 2, 0] = float("inf")
+            x.requires_grad_()
+        torch.manual_seed(0)  # dropout's seed, the same in both runs
+        out, lse = varlen_attention(*qkv, cu_q, cu_k, return_lse=True, backend=backend, **kw)
+        return out, lse, torch.autograd.grad((out, lse), qkv, (d_out, d_lse))
+
+    clean, (out, lse, grads) = run(False), run(True)
+    keep_q = torch.ones(sum(lq), dtype=torch.bool)
+    keep_k = torch.ones(sum(lk), dtype=torch.bool)
+    for b in poisoned.values():
+        assert not torch.isfinite(out[cu_q[b]:cu_q[b + 1]]).all()  # the poison did land
+        keep_q[cu_q[b]:cu_q[b + 1]] = False
+        keep_k[cu_k[b]:cu_k[b + 1]] = False
+    assert torch.isfinite(out[keep_q]).all()
+    assert torch.equal(out[keep_q], clean[0][keep_q])
+    assert torch.equal(lse[:, keep_q], clean[1][:, keep_q])
+    for name, got, want, keep in zip("qkv", grads, clean[2], (keep_q, keep_k, keep_k)):
+        assert torch.equal(got[keep], want[keep]), f"d{name}"
