@@ -131,6 +131,33 @@ def _check_cu_values(name: str, cu: Tensor, total: int) -> Tensor:
     return host
 
 
+def _validate_packed(q: object, k: object, v: object) -> None:
+    """api._validate_qkv's checks in the packed layout, so that a message shows the shapes
+    the caller passed: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv)."""
+    from attn import api
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        api._check_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (total, H, D) in the packed layout, got "
+                             f"shape {tuple(t.shape)}")
+        if t.dtype not in api._FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k head dims differ: {shapes}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must agree in (total_k, Hkv): {shapes}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads must be a multiple of k heads (GQA), got H={q.shape[1]}, "
+                         f"Hkv={k.shape[1]}: {shapes}")
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        raise ValueError(f"q, k, v must not be empty: {shapes}")
+
+
 # -- the tile plan -----------------------------------------------------------------------------
 
 class _DocMask:
@@ -231,11 +258,7 @@ def varlen_attention(
     total) and a given max_seqlen must cover the longest sequence.
     """
     from attn import api
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        api._check_tensor(name, t)
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have 3 dims (total, H, D) in the packed layout, got "
-                             f"shape {tuple(t.shape)}")
+    _validate_packed(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     total_q, H, D = q.shape
@@ -263,7 +286,6 @@ def varlen_attention(
     band = make_band_pair(causal, window)
     # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    api._validate_qkv(q4, k4, v4)
 
     # -- the backend: triton runs packed sequences natively; with both max_seqlen given it
     # reads cu_seqlens on the device only (trusting them, as flash-attn does) --

@@ -276,6 +276,25 @@ def test_bad_input():
         varlen_attention(q[:, :3], k, v, good, good)
 
 
+def test_bad_tensors_are_named_in_the_packed_layout():
+    """Errors about q, k, v show the (total, H, D) shapes the caller passed, never the
+    (1, H, total, D) view the tiled path runs on."""
+    q, k, v, cu, _ = packed_inputs([3, 4], [3, 4])
+    cases = [
+        ((q, k[..., :6], v), ValueError, r"head dims differ: q \(7, 4, 8\), k \(7, 2, 6\)"),
+        ((q, k, v[:6]), ValueError, r"k and v must agree in \(total_k, Hkv\): .*v \(6, 2, 8\)"),
+        ((q, k, v[:, :1]), ValueError, r"k and v must agree .*k \(7, 2, 8\), v \(7, 1, 8\)"),
+        ((q[:, :3], k, v), ValueError, r"H=3, Hkv=2: q \(7, 3, 8\)"),
+        ((q[:0], k, v), ValueError, r"must not be empty: q \(0, 4, 8\)"),
+        ((q, k.float(), v), TypeError, r"q, k, v must share a dtype"),
+        ((q.int(), k, v), TypeError, r"q must be float16, bfloat16, float32 or float64"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match) as info:
+            varlen_attention(*args, cu, cu)
+        assert "(1, " not in str(info.value)
+
+
 # -- the toy GPT trains on packed documents (--pack) ---------------------------------------
 
 def test_packed_gpt_equals_each_document_alone():
