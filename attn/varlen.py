@@ -71,14 +71,19 @@ def unpack(packed: Tensor, mask: Tensor) -> Tensor:
 
 def document_ids(cu_seqlens: Tensor, total: int | None = None) -> Tensor:
     """``(total,)`` int64: the sequence index of every packed token (empty sequences own
-    no token)."""
-    total = int(cu_seqlens[-1]) if total is None else total
-    tokens = torch.arange(total, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:].to(torch.int64), tokens, right=True)
+    no token). ``cu_seqlens`` must start at 0 and never decrease; ``total``, when given,
+    must be where it ends."""
+    cu = _check_cu_form("cu_seqlens", cu_seqlens)
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+        raise TypeError(f"total must be an int or None, got {type(total).__name__}")
+    host = _check_cu_values("cu_seqlens", cu, total)
+    tokens = torch.arange(int(host[-1]), device=cu.device)
+    return torch.searchsorted(cu[1:].to(torch.int64), tokens, right=True)
 
 
 def position_ids(cu_seqlens: Tensor, total: int | None = None) -> Tensor:
-    """``(total,)`` int64: every token's position inside its own sequence (RoPE's input)."""
+    """``(total,)`` int64: every token's position inside its own sequence (RoPE's input);
+    ``cu_seqlens`` and ``total`` as in :func:`document_ids`."""
     doc = document_ids(cu_seqlens, total)
     return torch.arange(doc.numel(), device=doc.device) - cu_seqlens.to(torch.int64)[doc]
 
@@ -94,40 +99,59 @@ def cu_seqlens_from_position_ids(pos: Tensor) -> Tensor:
 
 
 def cu_seqlens_from_document_ids(doc: Tensor, num_docs: int | None = None) -> Tensor:
-    """Offsets from sorted document ids ``(total,)`` in ``[0, num_docs)`` (an id with no
-    token is an empty sequence)."""
-    if doc.dim() != 1 or (doc.numel() > 1 and bool((doc[1:] < doc[:-1]).any())):
-        raise ValueError("document ids must be 1-d and non-decreasing")
-    n = int(doc.max()) + 1 if num_docs is None else num_docs
+    """Offsets from sorted document ids ``doc (total,)``, at least one, in ``[0, num_docs)``
+    (an id with no token is an empty sequence; ``num_docs`` defaults to the largest id + 1)."""
+    if not isinstance(doc, Tensor):
+        raise TypeError(f"doc must be a torch.Tensor, got {type(doc).__name__}")
+    if doc.is_floating_point() or doc.is_complex() or doc.dtype == torch.bool:
+        raise TypeError(f"doc must hold integer ids, got {doc.dtype}")
+    if doc.dim() != 1 or doc.numel() == 0:
+        raise ValueError(f"doc must hold at least one id, got shape {tuple(doc.shape)}")
+    host = doc.cpu()  # one small copy: the checks below read every id
+    if bool((host < 0).any()):
+        at = int(torch.nonzero(host < 0)[0])
+        raise ValueError(f"doc must hold ids >= 0, got {int(host[at])} at position {at}")
+    if bool((host[1:] < host[:-1]).any()):
+        at = int(torch.nonzero(host[1:] < host[:-1])[0]) + 1
+        raise ValueError(f"doc must be non-decreasing, got {int(host[at - 1])} then "
+                         f"{int(host[at])} at position {at}")
+    if num_docs is not None and (isinstance(num_docs, bool) or not isinstance(num_docs, int)):
+        raise TypeError(f"num_docs must be an int or None, got {type(num_docs).__name__}")
+    n = int(host[-1]) + 1 if num_docs is None else num_docs
+    if int(host[-1]) >= n:
+        raise ValueError(f"doc holds id {int(host[-1])}, num_docs={n} allows 0..{n - 1}")
     return cu_seqlens_from_lengths(torch.bincount(doc.long(), minlength=n))
 
 
 # -- validation -------------------------------------------------------------------------------
 
-def _check_cu_form(name: str, cu: object, device: torch.device) -> Tensor:
-    """Type, dtype, shape and device: checks that read nothing from the device."""
+def _check_cu_form(name: str, cu: object, device: torch.device | None = None) -> Tensor:
+    """Type, dtype, shape and (given one) device: checks that read nothing from the device."""
     if not isinstance(cu, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-d (B + 1,) with B >= 1, got shape {tuple(cu.shape)}")
-    if cu.device != device:
+    if device is not None and cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, q on {device}")
     return cu
 
 
-def _check_cu_values(name: str, cu: Tensor, total: int) -> Tensor:
+def _check_cu_values(name: str, cu: Tensor, total: int | None, total_name: str = "total"
+                     ) -> Tensor:
     """The offsets themselves, on the host (one small copy): start 0, never decrease, end
-    at the total."""
+    at ``total`` (when given). Each message shows the offsets (the first 16)."""
     host = cu.cpu()
+    shown = host.tolist()
+    shown = f"{shown}" if len(shown) <= 16 else f"{shown[:16]}"[:-1] + ", ...]"
     if int(host[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(host[0])}")
+        raise ValueError(f"{name} must start at 0, got {name} = {shown}")
     if bool((host[1:] < host[:-1]).any()):
         raise ValueError(f"{name} must not decrease (a sequence may be empty), got "
-                         f"{host.tolist()[:16]}")
-    if int(host[-1]) != total:
-        raise ValueError(f"{name} must end at the total length {total}, got {int(host[-1])}")
+                         f"{name} = {shown}")
+    if total is not None and int(host[-1]) != total:
+        raise ValueError(f"{name} must end at {total_name}={total}, got {name} = {shown}")
     return host
 
 
@@ -141,12 +165,14 @@ def _validate_packed(q: object, k: object, v: object) -> None:
             raise ValueError(f"{name} must have 3 dims (total, H, D) in the packed layout, got "
                              f"shape {tuple(t.shape)}")
         if t.dtype not in api._FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
+                            f"{t.dtype}")
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k head dims differ: {shapes}")
     if k.shape[:2] != v.shape[:2]:
@@ -247,15 +273,17 @@ def varlen_attention(
     mean in :func:`attn.attention`; ``temperature`` is a float or a tensor broadcastable to
     (H,); dropout draws the mask of the padded batch (sequence b as batch row b, positions
     inside it), whatever the packing; ``alibi_slopes`` (H,) or (B, H) (one row per
-    sequence) adds ``−slope · |i + Lk_b − Lq_b − j|`` in each sequence's own positions. Backends: triton (CUDA) runs its own varlen kernels,
-    one program grid over (sequence, block), FlashAttention-2 style; tiled (every device)
-    runs a document mask whose tiles, planned on the host from ``cu_seqlens`` (one small
-    copy), never span two sequences; reference runs the sequences one by one. On every
-    backend the sequences are isolated: a NaN or inf in one sequence's q, k or v changes
-    no bit of another's out, lse or gradients. ``max_seqlen_*`` are optional: given both, the triton path reads ``cu_seqlens``
-    only on the device (no host sync, the offsets trusted as flash-attn trusts them);
-    otherwise the offsets are checked on the host (start at 0, never decrease, end at the
-    total) and a given max_seqlen must cover the longest sequence.
+    sequence) adds ``−slope · |i + Lk_b − Lq_b − j|`` in each sequence's own positions.
+
+    Backends: triton (CUDA) runs its own varlen kernels, one program grid over (sequence,
+    block), FlashAttention-2 style; tiled (every device) runs a document mask whose tiles,
+    planned on the host from ``cu_seqlens`` (one small copy), never span two sequences;
+    reference runs the sequences one by one. On every backend the sequences are isolated:
+    a NaN or inf in one sequence's q, k or v changes no bit of another's out, lse or
+    gradients. ``max_seqlen_*`` are optional: given both, the triton path reads
+    ``cu_seqlens`` only on the device (no host sync, the offsets trusted as flash-attn
+    trusts them); otherwise the offsets are checked on the host (start at 0, never
+    decrease, end at the total) and a given max_seqlen must cover the longest sequence.
     """
     from attn import api
     _validate_packed(q, k, v)
@@ -291,8 +319,8 @@ def varlen_attention(
     # reads cu_seqlens on the device only (trusting them, as flash-attn does) --
     host_q = host_k = None
     if max_seqlen_q is None or max_seqlen_k is None:
-        host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q)
-        host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k)
+        host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
+        host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
     max_q = max_seqlen_q if max_seqlen_q is not None else int((host_q[1:] - host_q[:-1]).max())
     max_k = max_seqlen_k if max_seqlen_k is not None else int((host_k[1:] - host_k[:-1]).max())
     call = api.AttentionCall(
@@ -306,8 +334,8 @@ def varlen_attention(
     choice = api.select_backend(call, backend)
     if choice.name != "triton" or host_q is not None:
         if host_q is None:
-            host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q)
-            host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k)
+            host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
+            host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
         for name, given, host in (("max_seqlen_q", max_seqlen_q, host_q),
                                   ("max_seqlen_k", max_seqlen_k, host_k)):
             longest = int((host[1:] - host[:-1]).max())
@@ -366,16 +394,17 @@ def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, soft
 
 def _reference(q, k, v, cu_q: list[int], cu_k: list[int], causal, window, *, scale,
                temperature, softcap, sinks, dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
-    """The reference path: each sequence alone through :func:`attn.reference.reference_attention`
-    (so none can touch another's rows), with one dropout seed for the whole call and
-    sequence b as dropout's batch row b; ALiBi from each sequence's bottom-right diagonal
-    with its own slopes."""
+    """The reference path: each sequence alone through
+    :func:`attn.reference.reference_attention` (so none can touch another's rows), with
+    one dropout seed for the whole call and sequence b as dropout's batch row b; ALiBi
+    from each sequence's bottom-right diagonal with its own slopes."""
     from attn import api
     from attn.reference import reference_attention
     H, D = q.shape[1], q.shape[2]
     if scale is None:
         scale = D ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    elif (isinstance(scale, bool) or not isinstance(scale, (int, float))
+          or not math.isfinite(scale)):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
     temperature = api._positive("temperature", temperature, (H,), q)
     if softcap is not None:

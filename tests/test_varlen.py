@@ -3,6 +3,8 @@ backward, for every variant; tiles between sequences are skipped; converters; ba
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -240,6 +242,33 @@ def test_converters():
     assert torch.equal(back[mask], x[mask]) and bool((back[~mask] == 0).all())
 
 
+def test_converters_refuse_bad_offsets_and_ids():
+    """Bad document ids and offsets raise naming the argument (and showing the offsets)
+    instead of returning ids or offsets of some other packing."""
+    with pytest.raises(ValueError, match=r"doc must hold ids >= 0, got -1 at position 0"):
+        varlen.cu_seqlens_from_document_ids(torch.tensor([-1, -1, 0, 1]))
+    with pytest.raises(ValueError, match=r"doc must hold at least one id, got shape \(0,\)"):
+        varlen.cu_seqlens_from_document_ids(torch.tensor([], dtype=torch.long))
+    with pytest.raises(ValueError, match=r"doc holds id 3, num_docs=3"):
+        varlen.cu_seqlens_from_document_ids(torch.tensor([0, 1, 3]), 3)
+    with pytest.raises(TypeError, match=r"doc must hold integer ids, got torch.float32"):
+        varlen.cu_seqlens_from_document_ids(torch.tensor([0.0, 1.0]))
+    bad = {
+        "must not decrease (a sequence may be empty)": torch.tensor([0, 5, 3, 9]),
+        "must start at 0": torch.tensor([2, 5, 9]),
+    }
+    for fn in (varlen.document_ids, varlen.position_ids):
+        for what, cu in bad.items():
+            with pytest.raises(ValueError, match=re.escape(
+                    f"cu_seqlens {what}, got cu_seqlens = {cu.tolist()}")):
+                fn(cu)
+        with pytest.raises(ValueError, match=re.escape(
+                "cu_seqlens must end at total=8, got cu_seqlens = [0, 3, 9]")):
+            fn(torch.tensor([0, 3, 9]), 8)
+        with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
+            fn(torch.tensor([0.0, 3.0]))
+
+
 def test_packed_equals_padded_with_key_padding():
     """varlen through pack() equals attention on the right-padded batch with a key mask."""
     lengths = torch.tensor([5, 9, 1])
@@ -260,7 +289,8 @@ def test_bad_input():
         varlen_attention(q, k, v, torch.tensor([1, 3, 7]), good)
     with pytest.raises(ValueError, match="cu_seqlens_k must not decrease"):
         varlen_attention(q, k, v, good, torch.tensor([0, 8, 7]))
-    with pytest.raises(ValueError, match="cu_seqlens_q must end at the total length 7"):
+    with pytest.raises(ValueError, match=re.escape("cu_seqlens_q must end at q.shape[0]=7, got "
+                                                   "cu_seqlens_q = [0, 3, 6]")):
         varlen_attention(q, k, v, torch.tensor([0, 3, 6]), good)
     with pytest.raises(ValueError, match="same number of sequences"):
         varlen_attention(q, k, v, good, torch.tensor([0, 3, 3, 7]))
