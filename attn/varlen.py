@@ -365,12 +365,11 @@ def varlen_attention(
     return (out, lse[0]) if return_lse else out
 
 
-def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
-            dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
-    """The triton path: the variant keywords validated as attn.attention validates them,
-    a tensor temperature folded into q, then attn.varlen_triton's kernels."""
+def _keywords(q, scale, temperature, softcap, sinks) -> tuple[float, float | Tensor,
+                                                               float | Tensor | None]:
+    """``(scale, temperature, softcap)`` checked as attn.attention checks them, for the
+    paths that do not run through it (triton's and the reference's); scale defaulted."""
     from attn import api
-    from attn.varlen_triton import VarlenParams, varlen_triton
     H, D = q.shape[1], q.shape[2]
     if scale is None:
         scale = D ** -0.5
@@ -381,7 +380,17 @@ def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, soft
         softcap = api._positive("softcap", softcap, (H,), q)
     if sinks is not None:
         api._validate_sinks(sinks, H, q)
-    qk_scale = float(scale)
+    return float(scale), temperature, softcap
+
+
+def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
+            dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
+    """The triton path: the variant keywords checked (:func:`_keywords`), a tensor
+    temperature folded into q, then attn.varlen_triton's kernels."""
+    from attn import api
+    from attn.varlen_triton import VarlenParams, varlen_triton
+    H = q.shape[1]
+    qk_scale, temperature, softcap = _keywords(q, scale, temperature, softcap, sinks)
     if isinstance(temperature, Tensor):  # folded into q in float32; autograd handles τ
         q = q.float() * (1.0 / temperature.float()).expand(H).view(1, H, 1)
     else:
@@ -400,17 +409,8 @@ def _reference(q, k, v, cu_q: list[int], cu_k: list[int], causal, window, *, sca
     from each sequence's bottom-right diagonal with its own slopes."""
     from attn import api
     from attn.reference import reference_attention
-    H, D = q.shape[1], q.shape[2]
-    if scale is None:
-        scale = D ** -0.5
-    elif (isinstance(scale, bool) or not isinstance(scale, (int, float))
-          or not math.isfinite(scale)):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    temperature = api._positive("temperature", temperature, (H,), q)
-    if softcap is not None:
-        softcap = api._positive("softcap", softcap, (H,), q)
-    if sinks is not None:
-        api._validate_sinks(sinks, H, q)
+    H = q.shape[1]
+    scale, temperature, softcap = _keywords(q, scale, temperature, softcap, sinks)
     if isinstance(temperature, Tensor):  # (1, H, 1, 1), in q's dtype like the reference
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         scale = (scale / temperature.to(acc)).expand(H).view(1, H, 1, 1).to(q.dtype)
