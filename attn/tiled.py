@@ -601,7 +601,29 @@ class Grads(NamedTuple):
     dcaptured: tuple[Tensor | None, ...] = ()  # the score_mod's captured tensors
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceBlocks(Blocks):
+    """The tile plan of packed sequences: query block i is rows ``rows[i] = (m0, m1)`` with
+    key tiles ``tiles[i]``, and every query and key block lies inside one sequence. So no
+    tile holds two sequences' data: a NaN or inf in one sequence cannot reach another's rows
+    through 0·NaN in P·V or dSᵀQ, as it would in a tile where the other sequence's keys are
+    merely masked. The loops take this plan as it is (the packed call has no band of its
+    own; its mask_mod holds the per-sequence band for the partial tiles)."""
+    rows: tuple[tuple[int, int], ...] = ()
+
+    def query_blocks(self):
+        for (m0, m1), key_tiles in zip(self.rows, self.tiles):
+            yield m0, m1, key_tiles
+
+    def kinds(self) -> Tensor:
+        raise NotImplementedError("sequence tiles are not on an aligned grid")
+
+
 def _blocks(spec: LaunchSpec, n_q: int, n_k: int) -> Blocks:
+    mb = spec.mask_blocks
+    if isinstance(mb, SequenceBlocks):
+        assert spec.local_band().is_full and not spec.sharded and (mb.n_q, mb.n_k) == (n_q, n_k)
+        return mb
     return spec.blocks(n_q, n_k, spec.block_m or BLOCK_M, spec.block_n or BLOCK_N)
 
 

@@ -4,12 +4,16 @@ The packed layout is one of the two documented exceptions to ``(B, H, N, D)``: q
 ``(total_q, H, D)``, k and v ``(total_k, Hkv, D)``, the sequences laid end to end;
 ``cu_seqlens`` holds the ``B + 1`` offsets where they start (``[0, n0, n0 + n1, ...]``).
 
-:func:`varlen_attention` is a document mask on the tiled backend: the packed tensors are one
+:func:`varlen_attention` on the tiled backend is a document mask: the packed tensors are one
 batch row, ``doc[i]`` is the sequence of token ``i``, and query i sees key j only when both
 belong to the same sequence (and, with causal / window, when the per-sequence bottom-right
-band allows it). The tile plan comes from :func:`attn.masks.classify_documents`: tiles
-between two different sequences are skipped, tiles inside one sequence take the plain path
-(no mask work at all), only tiles across a boundary evaluate the mask.
+band allows it). Its tile plan (:meth:`_DocMask.blocks`) cuts query and key blocks at every
+sequence boundary, so a tile never holds two sequences: tiles between sequences do not
+exist, tiles inside one take the plain path (no mask work) unless the band cuts them, and
+a NaN or inf in one sequence's q, k or v cannot reach another sequence's rows or gradients
+(a masked foreign key sharing a tile would: P = 0 times a NaN value is NaN). The reference
+backend runs the sequences one by one; triton's grid over (sequence, block) is isolated
+by construction. One sequence's data never changes another's output bit.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import math
 import torch
 from torch import Tensor
 
-from attn.masks import (EMPTY, FULL, PARTIAL, Band, Blocks, classify_documents, classify_grid,
-                        make_band, window_pair)
+from attn.masks import Band, classify_band, make_band, window_pair
+from attn.tiled import SequenceBlocks
 
 __all__ = ["cu_seqlens_from_document_ids", "cu_seqlens_from_lengths",
            "cu_seqlens_from_padding_mask", "cu_seqlens_from_position_ids", "document_ids",
@@ -67,14 +71,19 @@ def unpack(packed: Tensor, mask: Tensor) -> Tensor:
 
 def document_ids(cu_seqlens: Tensor, total: int | None = None) -> Tensor:
     """``(total,)`` int64: the sequence index of every packed token (empty sequences own
-    no token)."""
-    total = int(cu_seqlens[-1]) if total is None else total
-    tokens = torch.arange(total, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:].to(torch.int64), tokens, right=True)
+    no token). ``cu_seqlens`` must start at 0 and never decrease; ``total``, when given,
+    must be where it ends."""
+    cu = _check_cu_form("cu_seqlens", cu_seqlens)
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+        raise TypeError(f"total must be an int or None, got {type(total).__name__}")
+    host = _check_cu_values("cu_seqlens", cu, total)
+    tokens = torch.arange(int(host[-1]), device=cu.device)
+    return torch.searchsorted(cu[1:].to(torch.int64), tokens, right=True)
 
 
 def position_ids(cu_seqlens: Tensor, total: int | None = None) -> Tensor:
-    """``(total,)`` int64: every token's position inside its own sequence (RoPE's input)."""
+    """``(total,)`` int64: every token's position inside its own sequence (RoPE's input);
+    ``cu_seqlens`` and ``total`` as in :func:`document_ids`."""
     doc = document_ids(cu_seqlens, total)
     return torch.arange(doc.numel(), device=doc.device) - cu_seqlens.to(torch.int64)[doc]
 
@@ -90,41 +99,89 @@ def cu_seqlens_from_position_ids(pos: Tensor) -> Tensor:
 
 
 def cu_seqlens_from_document_ids(doc: Tensor, num_docs: int | None = None) -> Tensor:
-    """Offsets from sorted document ids ``(total,)`` in ``[0, num_docs)`` (an id with no
-    token is an empty sequence)."""
-    if doc.dim() != 1 or (doc.numel() > 1 and bool((doc[1:] < doc[:-1]).any())):
-        raise ValueError("document ids must be 1-d and non-decreasing")
-    n = int(doc.max()) + 1 if num_docs is None else num_docs
+    """Offsets from sorted document ids ``doc (total,)``, at least one, in ``[0, num_docs)``
+    (an id with no token is an empty sequence; ``num_docs`` defaults to the largest id + 1)."""
+    if not isinstance(doc, Tensor):
+        raise TypeError(f"doc must be a torch.Tensor, got {type(doc).__name__}")
+    if doc.is_floating_point() or doc.is_complex() or doc.dtype == torch.bool:
+        raise TypeError(f"doc must hold integer ids, got {doc.dtype}")
+    if doc.dim() != 1 or doc.numel() == 0:
+        raise ValueError(f"doc must hold at least one id, got shape {tuple(doc.shape)}")
+    host = doc.cpu()  # one small copy: the checks below read every id
+    if bool((host < 0).any()):
+        at = int(torch.nonzero(host < 0)[0])
+        raise ValueError(f"doc must hold ids >= 0, got {int(host[at])} at position {at}")
+    if bool((host[1:] < host[:-1]).any()):
+        at = int(torch.nonzero(host[1:] < host[:-1])[0]) + 1
+        raise ValueError(f"doc must be non-decreasing, got {int(host[at - 1])} then "
+                         f"{int(host[at])} at position {at}")
+    if num_docs is not None and (isinstance(num_docs, bool) or not isinstance(num_docs, int)):
+        raise TypeError(f"num_docs must be an int or None, got {type(num_docs).__name__}")
+    n = int(host[-1]) + 1 if num_docs is None else num_docs
+    if int(host[-1]) >= n:
+        raise ValueError(f"doc holds id {int(host[-1])}, num_docs={n} allows 0..{n - 1}")
     return cu_seqlens_from_lengths(torch.bincount(doc.long(), minlength=n))
 
 
 # -- validation -------------------------------------------------------------------------------
 
-def _check_cu_form(name: str, cu: object, device: torch.device) -> Tensor:
-    """Type, dtype, shape and device: checks that read nothing from the device."""
+def _check_cu_form(name: str, cu: object, device: torch.device | None = None) -> Tensor:
+    """Type, dtype, shape and (given one) device: checks that read nothing from the device."""
     if not isinstance(cu, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-d (B + 1,) with B >= 1, got shape {tuple(cu.shape)}")
-    if cu.device != device:
+    if device is not None and cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, q on {device}")
     return cu
 
 
-def _check_cu_values(name: str, cu: Tensor, total: int) -> Tensor:
+def _check_cu_values(name: str, cu: Tensor, total: int | None, total_name: str = "total"
+                     ) -> Tensor:
     """The offsets themselves, on the host (one small copy): start 0, never decrease, end
-    at the total."""
+    at ``total`` (when given). Each message shows the offsets (the first 16)."""
     host = cu.cpu()
+    shown = host.tolist()
+    shown = f"{shown}" if len(shown) <= 16 else f"{shown[:16]}"[:-1] + ", ...]"
     if int(host[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(host[0])}")
+        raise ValueError(f"{name} must start at 0, got {name} = {shown}")
     if bool((host[1:] < host[:-1]).any()):
         raise ValueError(f"{name} must not decrease (a sequence may be empty), got "
-                         f"{host.tolist()[:16]}")
-    if int(host[-1]) != total:
-        raise ValueError(f"{name} must end at the total length {total}, got {int(host[-1])}")
+                         f"{name} = {shown}")
+    if total is not None and int(host[-1]) != total:
+        raise ValueError(f"{name} must end at {total_name}={total}, got {name} = {shown}")
     return host
+
+
+def _validate_packed(q: object, k: object, v: object) -> None:
+    """api._validate_qkv's checks in the packed layout, so that a message shows the shapes
+    the caller passed: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv)."""
+    from attn import api
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        api._check_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (total, H, D) in the packed layout, got "
+                             f"shape {tuple(t.shape)}")
+        if t.dtype not in api._FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
+                            f"{t.dtype}")
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k head dims differ: {shapes}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must agree in (total_k, Hkv): {shapes}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads must be a multiple of k heads (GQA), got H={q.shape[1]}, "
+                         f"Hkv={k.shape[1]}: {shapes}")
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        raise ValueError(f"q, k, v must not be empty: {shapes}")
 
 
 # -- the tile plan -----------------------------------------------------------------------------
@@ -138,6 +195,7 @@ class _DocMask:
         self.doc_q, self.doc_k = document_ids(cu_q, n_q), document_ids(cu_k, n_k)
         self.start_q, self.start_k = cu_q.long()[:-1], cu_k.long()[:-1]
         self.band = band
+        self.cu_q, self.cu_k = cu_q, cu_k
         # positions counted from each sequence's end (the band's and ALiBi's coordinates)
         self.pos_q = torch.arange(n_q, device=cu_q.device) - cu_q.long()[1:][self.doc_q]
         self.pos_k = torch.arange(n_k, device=cu_k.device) - cu_k.long()[1:][self.doc_k]
@@ -163,23 +221,23 @@ class _DocMask:
         ``|pos_k - pos_q| = |i + Lk_b - Lq_b - j|`` inside sequence b."""
         return self.doc_q[offs_m], self.pos_q[offs_m], self.pos_k[offs_n]
 
-    def blocks(self, block_m: int, block_n: int) -> Blocks:
-        """Documents first (cheap: id ranges per tile); with a band, each visited tile is
-        then re-classified by evaluating the mask on it (only tiles inside the documents'
-        squares, so the cost follows the work)."""
-        n_q, n_k = self.doc_q.numel(), self.doc_k.numel()
-        blocks = classify_documents(self.doc_q, self.doc_k, block_m, block_n)
-        if self.band.is_full:
-            return blocks
-        kinds = blocks.kinds()
-        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.doc_q.device)
-        for i, j in torch.nonzero(kinds).tolist():
-            m0, n0 = i * block_m, j * block_n
-            q_idx = torch.arange(m0, min(m0 + block_m, n_q), device=zero.device).view(-1, 1)
-            kv_idx = torch.arange(n0, min(n0 + block_n, n_k), device=zero.device).view(1, -1)
-            keep = self(zero, zero, q_idx, kv_idx)
-            kinds[i, j] = FULL if bool(keep.all()) else PARTIAL if bool(keep.any()) else EMPTY
-        return classify_grid(kinds, n_q, n_k, block_m, block_n)
+    def blocks(self, block_m: int, block_n: int) -> SequenceBlocks:
+        """The tile plan, sequence by sequence: each sequence's queries cut into blocks of
+        ``block_m`` from its first row, its keys into tiles of ``block_n`` from the first key
+        its band lets a block see, so no tile spans two sequences (isolation: one
+        sequence's NaN never meets another's rows). A tile is full when the per-sequence
+        band masks nothing in it; tiles between sequences are never listed."""
+        cu_q, cu_k = self.cu_q.tolist(), self.cu_k.tolist()  # one small copy each
+        rows, tiles = [], []
+        for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+            # sequence b alone: bottom-right band, offset Lk - Lq
+            band = Band(k1 - k0 - (q1 - q0), self.band.left, self.band.right)
+            for m0, m1, key_tiles in classify_band(band, q1 - q0, k1 - k0, block_m,
+                                                   block_n).query_blocks():
+                rows.append((q0 + m0, q0 + m1))
+                tiles.append(tuple((k0 + n0, k0 + n1, full) for n0, n1, full in key_tiles))
+        return SequenceBlocks(block_m, block_n, self.doc_q.numel(), self.doc_k.numel(),
+                              tuple(tiles), tuple(rows))
 
 
 # -- the function ---------------------------------------------------------------------------------
@@ -215,20 +273,20 @@ def varlen_attention(
     mean in :func:`attn.attention`; ``temperature`` is a float or a tensor broadcastable to
     (H,); dropout draws the mask of the padded batch (sequence b as batch row b, positions
     inside it), whatever the packing; ``alibi_slopes`` (H,) or (B, H) (one row per
-    sequence) adds ``−slope · |i + Lk_b − Lq_b − j|`` in each sequence's own positions. Backends: triton (CUDA) runs its own varlen kernels,
-    one program grid over (sequence, block), FlashAttention-2 style; tiled (every device)
-    runs a document mask and plans its tiles on the host from ``cu_seqlens`` (one small
-    copy). ``max_seqlen_*`` are optional: given both, the triton path reads ``cu_seqlens``
-    only on the device (no host sync, the offsets trusted as flash-attn trusts them);
-    otherwise the offsets are checked on the host (start at 0, never decrease, end at the
-    total) and a given max_seqlen must cover the longest sequence.
+    sequence) adds ``−slope · |i + Lk_b − Lq_b − j|`` in each sequence's own positions.
+
+    Backends: triton (CUDA) runs its own varlen kernels, one program grid over (sequence,
+    block), FlashAttention-2 style; tiled (every device) runs a document mask whose tiles,
+    planned on the host from ``cu_seqlens`` (one small copy), never span two sequences;
+    reference runs the sequences one by one. On every backend the sequences are isolated:
+    a NaN or inf in one sequence's q, k or v changes no bit of another's out, lse or
+    gradients. ``max_seqlen_*`` are optional: given both, the triton path reads
+    ``cu_seqlens`` only on the device (no host sync, the offsets trusted as flash-attn
+    trusts them); otherwise the offsets are checked on the host (start at 0, never
+    decrease, end at the total) and a given max_seqlen must cover the longest sequence.
     """
     from attn import api
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        api._check_tensor(name, t)
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have 3 dims (total, H, D) in the packed layout, got "
-                             f"shape {tuple(t.shape)}")
+    _validate_packed(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     total_q, H, D = q.shape
@@ -252,17 +310,17 @@ def varlen_attention(
     api._validate_dropout(dropout_p)
     if alibi_slopes is not None:
         alibi_slopes = api._validate_alibi(alibi_slopes, cu_q.numel() - 1, "num_seqs", H, q)
-    band = make_band_pair(causal, window_pair(window))
+    window = window_pair(window)
+    band = make_band_pair(causal, window)
     # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    api._validate_qkv(q4, k4, v4)
 
     # -- the backend: triton runs packed sequences natively; with both max_seqlen given it
     # reads cu_seqlens on the device only (trusting them, as flash-attn does) --
     host_q = host_k = None
     if max_seqlen_q is None or max_seqlen_k is None:
-        host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q)
-        host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k)
+        host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
+        host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
     max_q = max_seqlen_q if max_seqlen_q is not None else int((host_q[1:] - host_q[:-1]).max())
     max_k = max_seqlen_k if max_seqlen_k is not None else int((host_k[1:] - host_k[:-1]).max())
     call = api.AttentionCall(
@@ -276,8 +334,8 @@ def varlen_attention(
     choice = api.select_backend(call, backend)
     if choice.name != "triton" or host_q is not None:
         if host_q is None:
-            host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q)
-            host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k)
+            host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
+            host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
         for name, given, host in (("max_seqlen_q", max_seqlen_q, host_q),
                                   ("max_seqlen_k", max_seqlen_k, host_k)):
             longest = int((host[1:] - host[:-1]).max())
@@ -288,6 +346,12 @@ def varlen_attention(
         out, lse = _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, scale=scale,
                            temperature=temperature, softcap=softcap, sinks=sinks,
                            dropout_p=float(dropout_p), alibi=alibi_slopes)
+        return (out, lse) if return_lse else out
+
+    if choice.name == "reference":
+        out, lse = _reference(q, k, v, host_q.tolist(), host_k.tolist(), causal, window,
+                              scale=scale, temperature=temperature, softcap=softcap,
+                              sinks=sinks, dropout_p=float(dropout_p), alibi=alibi_slopes)
         return (out, lse) if return_lse else out
 
     doc = _DocMask(cu_q, cu_k, total_q, total_k, band)
@@ -301,12 +365,11 @@ def varlen_attention(
     return (out, lse[0]) if return_lse else out
 
 
-def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
-            dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
-    """The triton path: the variant keywords validated as attn.attention validates them,
-    a tensor temperature folded into q, then attn.varlen_triton's kernels."""
+def _keywords(q, scale, temperature, softcap, sinks) -> tuple[float, float | Tensor,
+                                                               float | Tensor | None]:
+    """``(scale, temperature, softcap)`` checked as attn.attention checks them, for the
+    paths that do not run through it (triton's and the reference's); scale defaulted."""
     from attn import api
-    from attn.varlen_triton import VarlenParams, varlen_triton
     H, D = q.shape[1], q.shape[2]
     if scale is None:
         scale = D ** -0.5
@@ -317,7 +380,17 @@ def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, soft
         softcap = api._positive("softcap", softcap, (H,), q)
     if sinks is not None:
         api._validate_sinks(sinks, H, q)
-    qk_scale = float(scale)
+    return float(scale), temperature, softcap
+
+
+def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
+            dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
+    """The triton path: the variant keywords checked (:func:`_keywords`), a tensor
+    temperature folded into q, then attn.varlen_triton's kernels."""
+    from attn import api
+    from attn.varlen_triton import VarlenParams, varlen_triton
+    H = q.shape[1]
+    qk_scale, temperature, softcap = _keywords(q, scale, temperature, softcap, sinks)
     if isinstance(temperature, Tensor):  # folded into q in float32; autograd handles τ
         q = q.float() * (1.0 / temperature.float()).expand(H).view(1, H, 1)
     else:
@@ -326,6 +399,49 @@ def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, soft
                      dropout_p=dropout_p, dropout_seed=api._draw_seed(dropout_p))
     out, lse = varlen_triton(q, k, v, cu_q, cu_k, P, sinks=sinks, softcap=softcap, alibi=alibi)
     return out.to(v.dtype), lse
+
+
+def _reference(q, k, v, cu_q: list[int], cu_k: list[int], causal, window, *, scale,
+               temperature, softcap, sinks, dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
+    """The reference path: each sequence alone through
+    :func:`attn.reference.reference_attention` (so none can touch another's rows), with
+    one dropout seed for the whole call and sequence b as dropout's batch row b; ALiBi
+    from each sequence's bottom-right diagonal with its own slopes."""
+    from attn import api
+    from attn.reference import reference_attention
+    H = q.shape[1]
+    scale, temperature, softcap = _keywords(q, scale, temperature, softcap, sinks)
+    if isinstance(temperature, Tensor):  # (1, H, 1, 1), in q's dtype like the reference
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scale = (scale / temperature.to(acc)).expand(H).view(1, H, 1, 1).to(q.dtype)
+    else:
+        scale = scale / temperature
+    seed = api._draw_seed(dropout_p)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses = [], []
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
+        if q1 == q0:
+            continue
+        if k1 == k0:  # no key: zeros, and lse the sink (or -inf)
+            outs.append(q.new_zeros(q1 - q0, H, v.shape[2]))
+            lses.append(q.new_full((H, q1 - q0), float("-inf"), dtype=lse_dtype)
+                        if sinks is None else sinks.to(lse_dtype)[:, None].expand(H, q1 - q0))
+            continue
+        # (L, H, D) -> (1, H, L, D): sequence b as a batch of one
+        qb, kb, vb = (t[s0:s1].transpose(0, 1).unsqueeze(0)
+                      for t, s0, s1 in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        out, lse = reference_attention(
+            qb, kb, vb, band=make_band(q1 - q0, k1 - k0, causal=causal, window=window),
+            scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p, dropout_seed=seed,
+            dropout_rows=_batch_row(b), alibi_slopes=None if alibi is None else alibi[b:b + 1])
+        outs.append(out[0].transpose(0, 1))  # (H, L, Dv) -> (L, H, Dv)
+        lses.append(lse[0])
+    return torch.cat(outs).to(v.dtype), torch.cat(lses, dim=1)
+
+
+def _batch_row(b: int):
+    """dropout_rows of sequence b run alone: batch row b, positions as they are."""
+    return lambda offs_m, offs_n: (torch.full_like(offs_m, b), offs_m, offs_n)
 
 
 def make_band_pair(causal: bool, window: tuple[int, int] | None) -> Band:

@@ -3,6 +3,8 @@ backward, for every variant; tiles between sequences are skipped; converters; ba
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -57,8 +59,9 @@ def variant_kwargs(name, H, dtype):
     return kw
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_equals_attention_per_sequence(variant, small_tiles):
+@pytest.mark.parametrize("variant, backend", [(name, "tiled") for name in VARIANTS] + [
+    ("causal_window", "reference"), ("learned", "reference")])
+def test_equals_attention_per_sequence(variant, backend, small_tiles):
     """Forward, lse and every gradient (q, k, v, learnable variant tensors) of the packed
     call equal the per-sequence calls; lengths random, Nq != Nk per sequence, 0 and 1
     included (a query sequence whose keys are empty gives zeros and lse -inf)."""
@@ -66,7 +69,8 @@ def test_equals_attention_per_sequence(variant, small_tiles):
     lq, lk = random_lengths(n, seed=1), random_lengths(n, seed=2)
     q, k, v, cu_q, cu_k = packed_inputs(lq, lk)
     kw = variant_kwargs(variant, 4, torch.float64)
-    out, lse = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), return_lse=True, **kw)
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), return_lse=True,
+                                backend=backend, **kw)
     assert out.shape == (sum(lq), 4, 8) and lse.shape == (4, sum(lq))
     g = torch.Generator().manual_seed(4)
     d_out, d_lse = torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(
@@ -238,6 +242,33 @@ def test_converters():
     assert torch.equal(back[mask], x[mask]) and bool((back[~mask] == 0).all())
 
 
+def test_converters_refuse_bad_offsets_and_ids():
+    """Bad document ids and offsets raise naming the argument (and showing the offsets)
+    instead of returning ids or offsets of some other packing."""
+    with pytest.raises(ValueError, match=r"doc must hold ids >= 0, got -1 at position 0"):
+        varlen.cu_seqlens_from_document_ids(torch.tensor([-1, -1, 0, 1]))
+    with pytest.raises(ValueError, match=r"doc must hold at least one id, got shape \(0,\)"):
+        varlen.cu_seqlens_from_document_ids(torch.tensor([], dtype=torch.long))
+    with pytest.raises(ValueError, match=r"doc holds id 3, num_docs=3"):
+        varlen.cu_seqlens_from_document_ids(torch.tensor([0, 1, 3]), 3)
+    with pytest.raises(TypeError, match=r"doc must hold integer ids, got torch.float32"):
+        varlen.cu_seqlens_from_document_ids(torch.tensor([0.0, 1.0]))
+    bad = {
+        "must not decrease (a sequence may be empty)": torch.tensor([0, 5, 3, 9]),
+        "must start at 0": torch.tensor([2, 5, 9]),
+    }
+    for fn in (varlen.document_ids, varlen.position_ids):
+        for what, cu in bad.items():
+            with pytest.raises(ValueError, match=re.escape(
+                    f"cu_seqlens {what}, got cu_seqlens = {cu.tolist()}")):
+                fn(cu)
+        with pytest.raises(ValueError, match=re.escape(
+                "cu_seqlens must end at total=8, got cu_seqlens = [0, 3, 9]")):
+            fn(torch.tensor([0, 3, 9]), 8)
+        with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
+            fn(torch.tensor([0.0, 3.0]))
+
+
 def test_packed_equals_padded_with_key_padding():
     """varlen through pack() equals attention on the right-padded batch with a key mask."""
     lengths = torch.tensor([5, 9, 1])
@@ -258,7 +289,8 @@ def test_bad_input():
         varlen_attention(q, k, v, torch.tensor([1, 3, 7]), good)
     with pytest.raises(ValueError, match="cu_seqlens_k must not decrease"):
         varlen_attention(q, k, v, good, torch.tensor([0, 8, 7]))
-    with pytest.raises(ValueError, match="cu_seqlens_q must end at the total length 7"):
+    with pytest.raises(ValueError, match=re.escape("cu_seqlens_q must end at q.shape[0]=7, got "
+                                                   "cu_seqlens_q = [0, 3, 6]")):
         varlen_attention(q, k, v, torch.tensor([0, 3, 6]), good)
     with pytest.raises(ValueError, match="same number of sequences"):
         varlen_attention(q, k, v, good, torch.tensor([0, 3, 3, 7]))
@@ -272,6 +304,25 @@ def test_bad_input():
         varlen_attention(q, k, v, good, good, temperature=torch.ones(2, 4))
     with pytest.raises(ValueError, match="heads"):
         varlen_attention(q[:, :3], k, v, good, good)
+
+
+def test_bad_tensors_are_named_in_the_packed_layout():
+    """Errors about q, k, v show the (total, H, D) shapes the caller passed, never the
+    (1, H, total, D) view the tiled path runs on."""
+    q, k, v, cu, _ = packed_inputs([3, 4], [3, 4])
+    cases = [
+        ((q, k[..., :6], v), ValueError, r"head dims differ: q \(7, 4, 8\), k \(7, 2, 6\)"),
+        ((q, k, v[:6]), ValueError, r"k and v must agree in \(total_k, Hkv\): .*v \(6, 2, 8\)"),
+        ((q, k, v[:, :1]), ValueError, r"k and v must agree .*k \(7, 2, 8\), v \(7, 1, 8\)"),
+        ((q[:, :3], k, v), ValueError, r"H=3, Hkv=2: q \(7, 3, 8\)"),
+        ((q[:0], k, v), ValueError, r"must not be empty: q \(0, 4, 8\)"),
+        ((q, k.float(), v), TypeError, r"q, k, v must share a dtype"),
+        ((q.int(), k, v), TypeError, r"q must be float16, bfloat16, float32 or float64"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match) as info:
+            varlen_attention(*args, cu, cu)
+        assert "(1, " not in str(info.value)
 
 
 # -- the toy GPT trains on packed documents (--pack) ---------------------------------------
@@ -436,3 +487,57 @@ def test_triton_varlen_kernels_compile_for_sm90_and_sm80():
     res = subprocess.run([sys.executable, "-c", _AOT_CHILD], cwd=root, env=env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+# -- isolation: one sequence's data never reaches another's output or gradients ------------
+
+ISOLATION_VARIANTS = {
+    "plain": {},
+    "causal_dropout_alibi_sinks": {"causal": True, "dropout_p": 0.25, "sinks": "tensor",
+                                   "alibi_slopes": "tensor"},
+}
+
+
+@pytest.mark.parametrize("variant", list(ISOLATION_VARIANTS))
+@pytest.mark.parametrize("backend", ["tiled", "reference"])
+def test_a_poisoned_sequence_changes_no_other_bit(backend, variant, small_tiles):
+    """NaN and inf in one packed sequence's q, in another's k and in a third's v leave every
+    other sequence's out, lse and dq, dk, dv bit for bit as they are without the poison,
+    dropout and ALiBi included (tiles of 8 here: sequences of 2 to 12 tokens share tiles
+    unless the plan cuts them at their boundaries)."""
+    lq, lk = [5, 11, 7, 0, 9, 3, 6], [6, 9, 7, 2, 12, 3, 4]
+    poisoned = {"q": 1, "k": 2, "v": 4}  # tensor -> sequence
+    q, k, v, cu_q, cu_k = packed_inputs(lq, lk, H=4, Hkv=2)
+    kw = dict(ISOLATION_VARIANTS[variant])
+    if kw.get("sinks") == "tensor":
+        kw["sinks"] = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+    if kw.get("alibi_slopes") == "tensor":
+        kw["alibi_slopes"] = torch.linspace(0.1, 0.5, 4)
+    g = torch.Generator().manual_seed(11)
+    d_out = torch.randn(sum(lq), 4, 8, generator=g, dtype=torch.float64)
+    d_lse = torch.randn(4, sum(lq), generator=g, dtype=torch.float64)
+
+    def run(poison: bool):
+        qkv = [t.detach().clone() for t in (q, k, v)]
+        for x, cu, name in zip(qkv, (cu_q, cu_k, cu_k), "qkv"):
+            if poison:
+                end = int(cu[poisoned[name] + 1])  # the last rows: every band reaches them
+                x[end - 1] = float("nan")
+                x[end - 2, 0] = float("inf")
+            x.requires_grad_()
+        torch.manual_seed(0)  # dropout's seed, the same in both runs
+        out, lse = varlen_attention(*qkv, cu_q, cu_k, return_lse=True, backend=backend, **kw)
+        return out, lse, torch.autograd.grad((out, lse), qkv, (d_out, d_lse))
+
+    clean, (out, lse, grads) = run(False), run(True)
+    keep_q = torch.ones(sum(lq), dtype=torch.bool)
+    keep_k = torch.ones(sum(lk), dtype=torch.bool)
+    for b in poisoned.values():
+        assert not torch.isfinite(out[cu_q[b]:cu_q[b + 1]]).all()  # the poison did land
+        keep_q[cu_q[b]:cu_q[b + 1]] = False
+        keep_k[cu_k[b]:cu_k[b + 1]] = False
+    assert torch.isfinite(out[keep_q]).all()
+    assert torch.equal(out[keep_q], clean[0][keep_q])
+    assert torch.equal(lse[:, keep_q], clean[1][:, keep_q])
+    for name, got, want, keep in zip("qkv", grads, clean[2], (keep_q, keep_k, keep_k)):
+        assert torch.equal(got[keep], want[keep]), f"d{name}"
