@@ -644,7 +644,7 @@ def test_every_keyword_the_families_pass_is_understood(caplog):
 
 def test_packed_batches_run_through_varlen_and_keep_a_bias_apart(monkeypatch):
     """Without a mask from HF, a packed batch is attn's packed path (varlen_attention); a
-    position bias over the packed grid keeps the sequences apart through a document mask."""
+    position bias over the packed grid runs each sequence alone on its block of the bias."""
     q, k, v = _qkv(B=1, Nq=12, Nk=12)
     cu = torch.tensor([0, 5, 7, 12])
     calls = []
@@ -661,3 +661,28 @@ def test_packed_batches_run_through_varlen_and_keep_a_bias_apart(monkeypatch):
                        dim=2)
     torch.testing.assert_close(
         _run(_Module(), q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu, position_bias=bias), want_b)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+@pytest.mark.parametrize("extra", ["position_bias", "attention_mask"])
+def test_packed_batch_with_a_mask_keeps_a_poisoned_sequence_apart(backend, extra):
+    """A mask or bias over a packed grid: a NaN or inf in one sequence's k and v changes no bit
+    of the other sequences' outputs (each sequence runs alone on its block of the mask)."""
+    q, k, v = _qkv(B=1, Nq=12, Nk=12, dtype=torch.float32)
+    cu = torch.tensor([0, 5, 7, 12])
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])[None]
+    g = torch.Generator().manual_seed(1)
+    kw = {"position_ids": pos}
+    if extra == "position_bias":
+        kw["position_bias"] = torch.randn(1, 4, 12, 12, generator=g)
+        mask = None
+    else:  # a general bool mask (not band + padding): HF's mask decides within sequences
+        mask = torch.rand(1, 1, 12, 12, generator=g) > 0.3
+        mask |= torch.eye(12, dtype=torch.bool)
+    clean = _run(_Module(), q, k, v, mask, backend=backend, **kw)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 5:7] = float("inf")
+    v2[:, :, 5:7] = float("nan")
+    poisoned = _run(_Module(), q, k2, v2, mask, backend=backend, **kw)
+    for a, b in ((0, 5), (7, 12)):
+        assert torch.equal(poisoned[:, :, a:b], clean[:, :, a:b])

@@ -67,7 +67,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 import attn
 from attn.api import BACKENDS
-from attn.masks import Band, hf_sliding_window, make_band, split_band_padding
+from attn.masks import hf_sliding_window, make_band, split_band_padding
 
 _log = logging.getLogger(__name__)
 
@@ -188,24 +188,6 @@ def _check_cu_seqlens(name: str, cu: object, n: int) -> Tensor:
     return cu
 
 
-def _document_mask(cu_q: Tensor, cu_k: Tensor, n_q: int, n_k: int, band: Band) -> Tensor:
-    """(1, 1, Nq, Nk) bool: query and key in the same packed sequence, and inside ``band`` laid
-    on that sequence's own bottom-right diagonal."""
-    dev = cu_q.device
-    i, j = torch.arange(n_q, device=dev), torch.arange(n_k, device=dev)
-    doc_q = torch.searchsorted(cu_q[1:], i, right=True)  # which sequence each query is in
-    doc_k = torch.searchsorted(cu_k[1:], j, right=True)
-    len_q, len_k = cu_q.diff(), cu_k.diff()
-    # query i's row on its sequence's diagonal, keys' positions inside their sequence
-    diag_q = i - cu_q[doc_q] + (len_k - len_q)[doc_q]
-    pos_k = j - cu_k[doc_k]
-    keep = doc_q[:, None] == doc_k[None, :]
-    within = Band(0, band.left, band.right).mask(diag_q, pos_k)
-    if within is not None:
-        keep &= within
-    return keep[None, None]
-
-
 def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
     """Sequence boundaries of a padding-free batch (B = 1) whose position_ids restart, else None.
 
@@ -225,11 +207,11 @@ def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
 def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_seq_lens_k,
                  position_ids, device: torch.device) -> _Plan:
     """Padding-free packed batches: attn's packed path (``varlen_attention``) when HF handed
-    no mask; with a mask (HF has drawn something within the sequences), that mask AND a
-    document mask.
+    no mask; with a mask (HF has drawn something within the sequences), each sequence alone on
+    its block of that mask (:func:`_per_sequence`).
 
     Explicit ``cu_seq_lens_q/k`` and restarting ``position_ids`` count alike, with a mask or
-    without: a document mask ANDed onto a mask that already keeps the sequences apart changes
+    without: cutting a mask that already keeps the sequences apart into their blocks changes
     nothing. Cached on the tensor HF passes to every layer, like the masks, when no mask is
     in play.
     """
@@ -255,16 +237,35 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
                 _recent.put(anchor, key, plan)
             return plan
     cu_q, cu_k = cu_q.to(device), cu_k.to(device)
-    if plan.attn_mask is None:  # varlen: the band sits on each sequence's own diagonal
-        packed = _Plan(plan.causal, plan.window, None, (cu_q, cu_k))
-    else:  # a mask from HF decides within sequences; sequences stay apart
-        same = _document_mask(cu_q, cu_k, n_q, n_k, Band())
-        m = plan.attn_mask
-        m = m & same if m.dtype == torch.bool else m.masked_fill(~same, float("-inf"))
-        packed = _Plan(plan.causal, plan.window, m)
+    # without a mask: varlen, the band on each sequence's own diagonal; with one (HF has drawn
+    # something within the sequences): each sequence alone on its block of that mask
+    packed = _Plan(plan.causal, plan.window, plan.attn_mask, (cu_q, cu_k))
     if cacheable:
         _recent.put(anchor, key, packed)
     return packed
+
+
+def _per_sequence(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, plan: _Plan,
+                  **options) -> Tensor:
+    """Packed sequences under a mask or bias over the packed grid: each sequence runs alone on
+    its own block of the mask, with the band on its own bottom-right diagonal (varlen's
+    convention). A document mask over the whole grid would put two sequences in one tile,
+    where a NaN in one reaches the other's rows through 0·NaN in P·V.
+
+    query (1, H, Nq, D), key/value (1, Hkv, Nk, D[v]), mask broadcastable to
+    (1, H, Nq, Nk) → (1, H, Nq, Dv)."""
+    Nq, Nk = query.shape[2], key.shape[2]
+    cu_q, cu_k = (c.tolist() for c in plan.cu_seqlens)
+    outs = []
+    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        if q1 == q0:
+            continue
+        m = mask[..., q0:q1, :] if mask.shape[-2] == Nq else mask
+        m = m[..., k0:k1] if mask.shape[-1] == Nk else m
+        outs.append(attn.attention(
+            query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], causal=plan.causal,
+            window=plan.window, attn_mask=m, **options))
+    return torch.cat(outs, dim=2)
 
 
 # -- the attention function HF calls ----------------------------------------------------------
@@ -316,10 +317,6 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         plan = _packed_plan(plan, Nq, Nk, B, cu_seq_lens_q, cu_seq_lens_k, position_ids,
                             query.device)
 
-    if plan.cu_seqlens is not None and position_bias is not None:
-        # a bias over the packed grid: the sequences stay apart through a document mask
-        band = make_band(Nq, Nk, causal=plan.causal, window=plan.window)
-        plan = _Plan(False, None, _document_mask(*plan.cu_seqlens, Nq, Nk, band))
     mask = plan.attn_mask
     if position_bias is not None:
         bias = position_bias.to(query.dtype)
@@ -333,7 +330,11 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         mask = mask.to(query.dtype)
 
     dropout_p = float(dropout) if module.training else 0.0
-    if plan.cu_seqlens is not None and mask is None:
+    if plan.cu_seqlens is not None and mask is not None:
+        out = _per_sequence(query, key, value, mask, plan, scale=scaling, softcap=softcap,
+                            sinks=s_aux, dropout_p=dropout_p, backend=backend)
+        return out.transpose(1, 2).contiguous(), None
+    if plan.cu_seqlens is not None:
         # (1, H, total, D) -> the packed layout (total, H, D), and back
         out = attn.varlen_attention(
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
