@@ -602,12 +602,12 @@ def scaled_dot_product_attention(
     mask4 = None
     if attn_mask is not None:
         _check_tensor("attn_mask", attn_mask)
-        try:
-            full = torch.broadcast_shapes(attn_mask.shape, (*lead, *query.shape[-3:-2], L, S)
-                                          if query.dim() >= 4 else (*lead, L, S))
+        scores = (*lead, *query.shape[-3:-2], L, S) if query.dim() >= 4 else (*lead, L, S)
+        try:  # broadcasts *to* the scores: the mask may not grow them
+            full = torch.broadcast_shapes(attn_mask.shape, scores)
         except RuntimeError:
             full = None
-        if full is None or attn_mask.dim() > query.dim():
+        if full != torch.Size(scores) or attn_mask.dim() > query.dim():
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
                              f"to the scores' shape {(*query.shape[:-1], S)}")
         if query.dim() == 3:

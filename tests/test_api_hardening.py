@@ -317,3 +317,16 @@ def test_dropin_messages_show_the_callers_shapes():
     q, k, v = (torch.zeros(3, 5, 8),) * 3
     with pytest.raises(ValueError, match=r"attn_mask is on meta, query on cpu"):
         attn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, device="meta"))
+
+
+def test_dropin_mask_must_broadcast_to_the_scores_not_grow_them():
+    """A mask that broadcasts with the scores only by growing a size-1 dim is refused naming
+    attn_mask, on 5-d inputs as on 4-d ones (it reached a raw expand error before)."""
+    q = torch.randn(1, 1, 1, 1, 2)
+    for x in (q, q[0]):
+        with pytest.raises(ValueError, match="attn_mask of shape"):
+            attn.scaled_dot_product_attention(x, x, x, attn_mask=torch.ones(2, 3, dtype=torch.bool))
+    q = torch.randn(2, 3, 4, 5, 8, dtype=torch.float64)
+    m = torch.rand(3, 1, 5, 5) > 0.2
+    torch.testing.assert_close(attn.scaled_dot_product_attention(q, q, q, attn_mask=m),
+                               F.scaled_dot_product_attention(q, q, q, attn_mask=m))

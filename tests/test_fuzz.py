@@ -305,7 +305,7 @@ def bad_attention(draw, c: Case, arg: str) -> dict[str, Bad]:
             "dtype": call(q.float(), q=q.float()),
             "head_dim": call("D + 1", q=r(B, H, nq, d + 1)),
             "heads": call("H % Hkv != 0", q=r(B, 3, nq, d), k=r(B, 2, nk, d), v=r(B, 2, nk, dv)),
-            "empty": call("Nq = 0", q=q[:, :, :0]), "device": call("meta", q=q.to("meta"))}
+            "no_heads": call("H = 0", q=q[:, :0]), "device": call("meta", q=q.to("meta"))}
     if arg == "k":
         return {
             "rank3": call(k[0], k=k[0]), "int": call(k.int(), k=k.int()),
@@ -1561,10 +1561,11 @@ def bad_kvcache(draw, c: Case, arg: str) -> dict[str, Bad]:
             return {"without_k": call("without k", k=None, v=None, cache_seqlens=0,
                                       rotary_cos=torch.ones(capacity, 1),
                                       rotary_sin=torch.zeros(capacity, 1))}
-        # flash-attn checks seqlen_ro >= the cache's capacity (seqlen_k)
-        n = capacity - 1
+        # a table without a row for the last new key's position (flash-attn 2 also wants a
+        # row per cache slot; compat refuses only a table the call's positions overrun)
+        n = max(kv_ends(c)) + c.n_new - 1
         short = torch.ones(n, 1, dtype=F64), torch.zeros(n, 1, dtype=F64)
-        return {"short": call(f"{n} rows for a capacity {capacity}", rotary_cos=short[0],
+        return {"short": call(f"{n} rows for positions up to {n}", rotary_cos=short[0],
                               rotary_sin=short[1]),
                 "head_dim": call("rd > D", rotary_cos=torch.ones(capacity, d),
                                  rotary_sin=torch.zeros(capacity, d))}
