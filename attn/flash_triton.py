@@ -357,10 +357,10 @@ def _scores(qk, om, on, MASK, cap, slope, scale, BAND,
         mk = tl.load(Mask + om * stride_mm + on * stride_mn, mask=(om < N_Q) & (on < N_K),
                      other=0)
         s = tl.where(mk != 0, s, float("-inf"))
-    elif MASK_KIND == 2:  # float, added
+    elif MASK_KIND == 2:  # float, added; its -inf entries mask (replace: NaN + -inf is NaN)
         mv = tl.load(Mask + om * stride_mm + on * stride_mn, mask=(om < N_Q) & (on < N_K),
-                     other=0.0)
-        s = s + mv.to(tl.float32)
+                     other=0.0).to(tl.float32)
+        s = tl.where(mv == float("-inf"), float("-inf"), s + mv)
     return s, u, t
 
 
@@ -670,7 +670,7 @@ def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, slope, scale, KS
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        if MASKED or MASK_KIND == 1:
+        if MASKED or MASK_KIND != 0:
             # a masked key has dS = 0, but 0·NaN would still reach dQ: a non-finite key
             # enters dQ as 0 (a row that sees it has a NaN dS anyway)
             kT = tl.where(tl.abs(kT) < float("inf"), kT, 0.0)

@@ -93,8 +93,10 @@ def reference_attention(
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = attn_mask if allowed is None else allowed & attn_mask
-        else:
+        else:  # added; its -inf entries mask (replace), so a NaN key stays out there too
             s = s + attn_mask.to(s.dtype)
+            blocked = attn_mask == float("-inf")
+            allowed = ~blocked if allowed is None else allowed & ~blocked
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
 

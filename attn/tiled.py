@@ -161,7 +161,8 @@ class _Tile:
         # (NaN + -inf is NaN). The additive 0 / -inf bias is as exact and runs 10-50x faster
         # than a broadcast where / masked_fill on CPU, but only while every q·k is finite:
         # checked once per call from max |q|, max |k| (NaN-propagating), where a mask exists
-        self.masked = not self.band.is_full or self.mask4 is not None or spec.mask_mod is not None
+        self.masked = (not self.band.is_full or attn_mask is not None
+                       or spec.mask_mod is not None)
         self.finite_scores = not self.masked or _scores_finite(q, k, spec)
         self.k3_dq = self.k3  # the backward's dQ += dS K reads this (see _bwd_rows)
         # log2 e in the q scale when every step up to the softmax is linear in s or a -inf fill
@@ -385,7 +386,10 @@ class _Tile:
         if self.mask4 is not None:
             self._mask_out(s.view(B, self.H, BM, BN), self._bool_mask_tile(m0, m1, n0, n1))
         elif self.mask5 is not None:
-            s5.add_(self.mask5[..., m0:m1, n0:n1])
+            bias = self.mask5[..., m0:m1, n0:n1]
+            s5.add_(bias)
+            if not self.finite_scores:  # a -inf entry masks: NaN + -inf would stay NaN
+                s5.masked_fill_(bias == float("-inf"), float("-inf"))
         if not self.fold_log2:
             s.mul_(LOG2E)
         return s, u, t

@@ -33,6 +33,10 @@ def _keys_masked_for_every_row(Nq, Nk):
         ("padding", dict(attn_mask=keep), [1, 4]),
         ("bool_mask", dict(attn_mask=general), [2, 5]),
         ("mask_mod", dict(mask_mod=lambda b, h, i, j: j % 5 != 2), [2, 7]),
+        # a float bias whose -inf entries mask (DESIGN.md, Masks): those keys stay out too
+        ("float_mask", dict(attn_mask=torch.randn(1, 2, Nq, Nk, generator=torch.Generator()
+                                                  .manual_seed(4)).index_fill(
+            -1, torch.tensor([0, 6]), float("-inf"))), [0, 6]),
     ]
 
 
