@@ -24,6 +24,7 @@ this module is imported), which is how the default test suite checks the kernels
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -396,12 +397,29 @@ def _stage_range(STAGE: tl.constexpr, lo, a, b, hi):
 # -- forward -------------------------------------------------------------------------------
 
 @triton.jit
+def _value_offset(VMax, v_log_scale, V_OFFSET: tl.constexpr):
+    """The forward's exponent offset ``c >= 0`` for one (sequence, kv head), natural units.
+
+    ``acc = Σ p·v`` with ``p <= 1`` reaches ``N_K · max|v|``, past float32's largest value
+    when |v| is near it (float32, bfloat16). With ``c = log(max|v| · 2·N_K / fmax)``
+    (``v_log_scale = log(2·N_K / fmax)``) added to the running max, ``p = exp(s − (m + c))
+    <= e^-c`` and ``Σ p·|v| <= fmax / 2``; out = acc / l and lse = m + log l are unchanged.
+    0 where that bound is not positive (every ordinary call: then bit for bit the plain
+    steps), and for NaN / inf values; float16 (``V_OFFSET`` False) never needs it."""
+    c = 0.0
+    if V_OFFSET:
+        c = tl.log(tl.load(VMax).to(tl.float32)) + v_log_scale
+        c = tl.where((c > 0.0) & (c < float("inf")), c, 0.0)
+    return c
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK, BAND,
-               DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               DROP, voff, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     N_K = BAND[1]
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -409,8 +427,12 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, 
         kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
                                  HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
                                  HAS_ALIBI, DOT_PRECISION)
-        # -- online softmax (m_safe: rows that have seen nothing yet stay at 0) --
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # -- online softmax (m_safe: rows that have seen nothing yet stay at 0); the value
+        # offset rides on the row max (_value_offset) --
+        if V_OFFSET:
+            m_new = tl.maximum(m_i, tl.max(s, 1) + voff)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
@@ -437,12 +459,13 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap, Alibi,
               stride_ab, stride_ah,
               H, GROUP, N_Q, N_K, offset, left, right, scale,
               drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0, drop_heads, drop_head0,
-              TUNE_N,
+              TUNE_N, VMax, stride_vmb, stride_vmh, v_log_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SINKS: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // H
@@ -461,6 +484,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap, Alibi,
     DROP = _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0,
                      drop_heads, drop_head0, HAS_DROPOUT)
 
+    voff = _value_offset(VMax + off_b * stride_vmb + off_hk * stride_vmh, v_log_scale,
+                         V_OFFSET)
     # -- init: the sink, when present, is a first key with value 0 --
     if HAS_SINKS:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + off_h)
@@ -483,9 +508,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap, Alibi,
         s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, scale, (stride_kn, stride_kd),
-            (stride_vn, stride_vd), MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-            BLOCK_N, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION)
+            (stride_vn, stride_vd), MASK, BAND, DROP, voff, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+            BLOCK_DV, BLOCK_N, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_DROPOUT, V_OFFSET, DOT_PRECISION)
 
     # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -834,6 +859,18 @@ def _alibi_arg(alibi: Tensor | None, q: Tensor) -> tuple[Tensor, tuple[int, int]
     return a, a.stride()
 
 
+def value_offset_args(v: Tensor, n_k: int, dims: tuple[int, ...]) -> dict:
+    """The forward kernels' value-offset arguments (see ``_value_offset``): ``VMax``, the
+    largest |v| over ``dims`` as float32, one per (sequence, kv head) at ``v``'s other dims
+    (computed on the device: no host sync), and ``v_log_scale = log(2·n_k / fmax)``.
+    float16 values never need the offset: the kernels then read nothing."""
+    if v.dtype == torch.float16 or v.numel() == 0:
+        return dict(VMax=v, v_log_scale=0.0, V_OFFSET=False)
+    vmax = torch.linalg.vector_norm(v, float("inf"), dim=dims, dtype=torch.float32)
+    return dict(VMax=vmax, V_OFFSET=True,
+                v_log_scale=math.log(2.0 * max(n_k, 1) / torch.finfo(torch.float32).max))
+
+
 def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
                    softcap: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """q in k's dtype, sinks and the softcap (learnable, else the spec's fixed one) as
@@ -861,12 +898,15 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
     out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
     mask, mask_strides = _mask_arg(attn_mask, q, Nk)
+    voff = value_offset_args(v, Nk, (2, 3))  # (B, Hkv)
+    vmax_strides = voff["VMax"].stride() if voff["V_OFFSET"] else (0, 0)
     grid = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd[grid](
         q, k, v, out, lse, mask, q if sinks is None else sinks,
         q if softcap is None else softcap, slopes,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides, *slope_strides,
-        *L.scalars(), HAS_SINKS=sinks is not None, **L.constexprs())
+        *L.scalars(), stride_vmb=vmax_strides[0], stride_vmh=vmax_strides[1],
+        HAS_SINKS=sinks is not None, **voff, **L.constexprs())
     return out, lse
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from attn.flash_triton import (_UNBOUNDED, _configs, _dkdv_inner, _dq_inner,
                                _drop_ctx, _fwd_inner, _load_rows, _prune, _stage_range,
-                               _stages, _tune_n)
+                               _stages, _tune_n, _value_offset, value_offset_args)
 from attn.masks import Band
 from attn.tiled import _reduce_to, sink_grad
 
@@ -44,11 +44,13 @@ def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, Alibi, CuQ, CuK,
                 stride_ab, stride_ah,
                 H, GROUP, TOTAL_Q, left, right, scale,
                 drop_seed, drop_threshold, inv_keep, TUNE_N,
+                VMax, stride_vmb, stride_vmh, v_log_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SINKS: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_sh = tl.program_id(1)
     seq = pid_sh // H
@@ -68,6 +70,9 @@ def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, Alibi, CuQ, CuK,
         MASK = (Q, 0, 0)  # MASK_KIND = 0: never read
         DROP = _drop_ctx(seq, off_h, drop_seed, drop_threshold, inv_keep, 0, 0, H, 0,
                          HAS_DROPOUT)
+        # this sequence's own values set its offset: the others' never move its result
+        voff = _value_offset(VMax + seq * stride_vmb + off_hk * stride_vmh, v_log_scale,
+                             V_OFFSET)
         # -- init: the sink, when present, is a first key with value 0 --
         if HAS_SINKS:
             m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + off_h)
@@ -89,9 +94,9 @@ def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, Alibi, CuQ, CuK,
             s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
-                (stride_kn, stride_kd), (stride_vn, stride_vd), MASK, BAND, DROP, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED, MASK_KIND,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+                (stride_kn, stride_kd), (stride_vn, stride_vd), MASK, BAND, DROP, voff,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
+                MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, V_OFFSET, DOT_PRECISION)
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -283,12 +288,20 @@ def _fwd(q, k, v, cu_q, cu_k, P: VarlenParams, sinks, softcap, alibi=None
     lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device)
     scalars, (slopes, *slope_strides), constexprs = _common(q, k, v, P, softcap is not None,
                                                             alibi)
+    # the largest |v| of each (sequence, kv head): per token, then a segment max (unsafe:
+    # cu_k is already checked, and checking it again would read it on the host)
+    voff = value_offset_args(v, P.max_k, (2,))  # (total_k, Hkv)
+    vmax_strides = (0, 0)
+    if voff["V_OFFSET"]:
+        voff["VMax"] = torch.segment_reduce(voff["VMax"], "max", offsets=cu_k.long(), axis=0,
+                                            unsafe=True, initial=0.0)  # (sequences, Hkv)
+        vmax_strides = voff["VMax"].stride()
     grid = lambda meta: (triton.cdiv(P.max_q, meta["BLOCK_M"]), n_seq * H)  # noqa: E731
     _varlen_fwd[grid](q, k, v, out, lse, q if sinks is None else sinks,
                       q if softcap is None else softcap, slopes, cu_q, cu_k,
                       *q.stride(), *k.stride(), *v.stride(), *out.stride(), *slope_strides,
-                      *scalars,
-                      HAS_SINKS=sinks is not None, **constexprs)
+                      *scalars, stride_vmb=vmax_strides[0], stride_vmh=vmax_strides[1],
+                      HAS_SINKS=sinks is not None, **voff, **constexprs)
     return out, lse
 
 
