@@ -4,7 +4,8 @@ Forward: one program per (query block, batch·head). The q tile stays in registe
 program walks the key blocks its band allows, keeping the online-softmax state per row —
 running max ``m_i``, running denominator ``l_i``, rescaled accumulator ``acc`` — and stores
 the log-sum-exp for the backward. Backward (FlashAttention-2): ``Δ = rowsum(dO ∘ O) − dlse``
-(preprocess kernel), then dK/dV with the key block resident, looping over the query blocks
+(preprocess kernel; query blocks holding a saturated softmax row take Δ = Σ P·dP / Σ P
+from a Δ pass of the dQ kernel instead, see ``_delta_inner``), then dK/dV with the key block resident, looping over the query blocks
 and over the heads of its GQA group (so dK/dV are summed over the group without atomics),
 and dQ with the query block resident, looping over key blocks. Every program writes its own
 output tile once: the backward is deterministic, there is no ``deterministic`` switch to get
@@ -24,6 +25,7 @@ this module is imported), which is how the default test suite checks the kernels
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -35,7 +37,7 @@ from torch import Tensor
 
 from attn.masks import Band, as_4d
 from attn.spec import LaunchSpec
-from attn.tiled import Grads, sink_grad
+from attn.tiled import SATURATED_LOG2L, Grads, sink_grad
 
 # Triton decides interpreter vs compiler when a kernel is decorated, i.e. at import.
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -79,6 +81,9 @@ _UNBOUNDED = 1 << 30  # an open band side: farther than any key is from any quer
 # The interpreter's tl.dot multiplies bfloat16 tiles as their raw uint16 bits: feed it float64
 # (exact products of 16- and 32-bit floats, see _dot).
 _DOT_UPCAST = tl.constexpr(_INTERPRET)
+# A row whose denominator l (relative to its max, natural log) is within this of 1: its
+# softmax is saturated (one P ≈ 1) and the backward takes Δ = Σ P·dP (see _delta_inner)
+_SATURATED_LOGL = tl.constexpr(SATURATED_LOG2L * 0.6931471805599453)
 
 
 def unsupported_reason(call) -> str | None:
@@ -396,12 +401,29 @@ def _stage_range(STAGE: tl.constexpr, lo, a, b, hi):
 # -- forward -------------------------------------------------------------------------------
 
 @triton.jit
+def _value_offset(VMax, v_log_scale, V_OFFSET: tl.constexpr):
+    """The forward's exponent offset ``c >= 0`` for one (sequence, kv head), natural units.
+
+    ``acc = Σ p·v`` with ``p <= 1`` reaches ``N_K · max|v|``, past float32's largest value
+    when |v| is near it (float32, bfloat16). With ``c = log(max|v| · 2·N_K / fmax)``
+    (``v_log_scale = log(2·N_K / fmax)``) added to the running max, ``p = exp(s − (m + c))
+    <= e^-c`` and ``Σ p·|v| <= fmax / 2``; out = acc / l and lse = m + log l are unchanged.
+    0 where that bound is not positive (every ordinary call: then bit for bit the plain
+    steps), and for NaN / inf values; float16 (``V_OFFSET`` False) never needs it."""
+    c = 0.0
+    if V_OFFSET:
+        c = tl.log(tl.load(VMax).to(tl.float32)) + v_log_scale
+        c = tl.where((c > 0.0) & (c < float("inf")), c, 0.0)
+    return c
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK, BAND,
-               DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               DROP, voff, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     N_K = BAND[1]
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -409,8 +431,12 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, 
         kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
                                  HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
                                  HAS_ALIBI, DOT_PRECISION)
-        # -- online softmax (m_safe: rows that have seen nothing yet stay at 0) --
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # -- online softmax (m_safe: rows that have seen nothing yet stay at 0); the value
+        # offset rides on the row max (_value_offset) --
+        if V_OFFSET:
+            m_new = tl.maximum(m_i, tl.max(s, 1) + voff)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
@@ -428,7 +454,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, 
 @triton.autotune(configs=_configs("fwd"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
                  prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
-def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap, Alibi,
+def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
@@ -437,12 +463,13 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap, Alibi,
               stride_ab, stride_ah,
               H, GROUP, N_Q, N_K, offset, left, right, scale,
               drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0, drop_heads, drop_head0,
-              TUNE_N,
+              TUNE_N, VMax, stride_vmb, stride_vmh, v_log_scale,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SINKS: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // H
@@ -461,6 +488,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap, Alibi,
     DROP = _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0,
                      drop_heads, drop_head0, HAS_DROPOUT)
 
+    voff = _value_offset(VMax + off_b * stride_vmb + off_hk * stride_vmh, v_log_scale,
+                         V_OFFSET)
     # -- init: the sink, when present, is a first key with value 0 --
     if HAS_SINKS:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + off_h)
@@ -483,9 +512,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap, Alibi,
         s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, scale, (stride_kn, stride_kd),
-            (stride_vn, stride_vd), MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-            BLOCK_N, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION)
+            (stride_vn, stride_vd), MASK, BAND, DROP, voff, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+            BLOCK_DV, BLOCK_N, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_DROPOUT, V_OFFSET, DOT_PRECISION)
 
     # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -495,6 +524,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Mask, Sinks, Softcap, Alibi,
              out.to(Out.dtype.element_ty),
              mask=(offs_m[:, None] < N_Q) & (offs_dv[None, :] < HEAD_DIM_V))
     tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+    # log l relative to the row max (the value offset taken back): the backward's
+    # saturation test, which lse alone cannot answer
+    logl = tl.where(l_i == 0.0, float("inf"), tl.log(l_safe) + voff)
+    tl.store(LogL + pid_bh.to(tl.int64) * N_Q + offs_m, logl, mask=offs_m < N_Q)
 
 
 # -- backward ------------------------------------------------------------------------------
@@ -679,10 +712,41 @@ def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, slope, scale, KS
     return dq
 
 
-@triton.autotune(configs=_configs("dq"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
+@triton.jit
+def _delta_inner(delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK,
+                 BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """``delta += Σ_j p_ij dp_ij`` and ``psum += Σ_j p_ij`` over key tiles [lo, hi), P and
+    dP (dropout-scaled) formed exactly as ``_dq_inner`` forms them. Δ = rowsum(dO ∘ O)
+    equals Σ P·dP only up to rounding; at a saturated row (one P ≈ 1) the exact
+    dS = P ∘ (dP − Δ) is ~0, and the rounding gap, times scale·K in dQ and scale·Q in dK,
+    would be the whole gradient. The caller divides by Σ P: at logits of 1e3 and up, P
+    recomputed from one float32 lse is off by a common factor of up to e^(ulp(lse)), which
+    the quotient cancels."""
+    N_K = BAND[1]
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
+                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
+                                 HAS_ALIBI, DOT_PRECISION)
+        p = tl.exp(s - lse[:, None])
+        vT = _load_cols(V, offs_n, VSTR, N_K, HEAD_DIM_V, BLOCK_DV, MASKED)
+        dp = _dot(do, vT, None, DOT_PRECISION)
+        if HAS_DROPOUT:
+            dp = dp * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
+        delta += tl.sum(p * dp, 1)
+        psum += tl.sum(p, 1)
+    return delta, psum
+
+
+@triton.autotune(configs=_configs("dq"),
+                 key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED", "DELTA_PASS"],
                  prune_configs_by={"early_config_prune": partial(_prune, kind="dq")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
-def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi,
+def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
@@ -692,13 +756,18 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi,
                  stride_ab, stride_ah,
                  H, GROUP, N_Q, N_K, offset, left, right, scale,
                  drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0, drop_heads,
-                 drop_head0, TUNE_N,
+                 drop_head0, TUNE_N, LogL, DLse,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr,
                  HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DELTA_PASS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ of one query block; with ``DELTA_PASS``, instead, Δ = Σ_j P_ij dP_ij (− dlse) of
+    a query block holding a saturated row (``LogL``: log l of each row relative to its max,
+    from the forward), written over the preprocessing's rowsum(dO ∘ O). Other blocks leave
+    at once: an ordinary call pays one launch and a load of LogL."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // H
@@ -717,32 +786,53 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi,
     MASK = (Mask, stride_mm, stride_mn)
     DROP = _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0,
                      drop_heads, drop_head0, HAS_DROPOUT)
-    q = _load_rows(Q, offs_m, (stride_qm, stride_qd), N_Q, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(DO, offs_m, (stride_dom, stride_dod), N_Q, HEAD_DIM_V, BLOCK_DV, True)
     row = pid_bh.to(tl.int64) * N_Q + offs_m
-    lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)
-    cap = 1.0
-    if HAS_SOFTCAP:
-        cap = tl.load(Softcap + off_h)
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
-    for stage in tl.static_range(3):
-        s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
-        dq = _dq_inner(dq, q, do, lse, delta, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
-                       (stride_kn, stride_kd), (stride_vn, stride_vd), MASK, BAND, DROP,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
-                       MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
-
-    dq *= scale
-    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM))
+    run = True
+    if DELTA_PASS:
+        logl = tl.load(LogL + row, mask=offs_m < N_Q, other=float("inf"))
+        run = tl.min(logl, 0) < _SATURATED_LOGL
+    if run:
+        q = _load_rows(Q, offs_m, (stride_qm, stride_qd), N_Q, HEAD_DIM, BLOCK_D, True)
+        do = _load_rows(DO, offs_m, (stride_dom, stride_dod), N_Q, HEAD_DIM_V, BLOCK_DV, True)
+        lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        cap = 1.0
+        if HAS_SOFTCAP:
+            cap = tl.load(Softcap + off_h)
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
+        lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
+        if DELTA_PASS:
+            delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+            psum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if HAS_SINKS:  # the sink (value 0) counts in Σ P, not in Σ P·dP
+                psum += tl.exp(tl.load(Sinks + off_h) - lse)
+            for stage in tl.static_range(3):
+                s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
+                delta, psum = _delta_inner(
+                    delta, psum, q, do, lse, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
+                    (stride_kn, stride_kd), (stride_vn, stride_vd), MASK, BAND, DROP,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
+                    MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+            delta = tl.where(psum > 0.0, delta / psum, 0.0)
+            if HAS_DLSE:
+                delta -= tl.load(DLse + row, mask=offs_m < N_Q, other=0.0)
+            tl.store(Delta + row, delta, mask=offs_m < N_Q)
+        else:
+            delta = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)
+            dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for stage in tl.static_range(3):
+                s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
+                dq = _dq_inner(dq, q, do, lse, delta, K, V, s_lo, s_hi, offs_m, cap, slope,
+                               scale, (stride_kn, stride_kd), (stride_vn, stride_vd), MASK,
+                               BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                               stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI,
+                               HAS_DROPOUT, DOT_PRECISION)
+            dq *= scale
+            tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+                     dq.to(DQ.dtype.element_ty),
+                     mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM))
 
 
 # -- launchers -----------------------------------------------------------------------------
@@ -834,6 +924,18 @@ def _alibi_arg(alibi: Tensor | None, q: Tensor) -> tuple[Tensor, tuple[int, int]
     return a, a.stride()
 
 
+def value_offset_args(v: Tensor, n_k: int, dims: tuple[int, ...]) -> dict:
+    """The forward kernels' value-offset arguments (see ``_value_offset``): ``VMax``, the
+    largest |v| over ``dims`` as float32, one per (sequence, kv head) at ``v``'s other dims
+    (computed on the device: no host sync), and ``v_log_scale = log(2·n_k / fmax)``.
+    float16 values never need the offset: the kernels then read nothing."""
+    if v.dtype == torch.float16 or v.numel() == 0:
+        return dict(VMax=v, v_log_scale=0.0, V_OFFSET=False)
+    vmax = torch.linalg.vector_norm(v, float("inf"), dim=dims, dtype=torch.float32)
+    return dict(VMax=vmax, V_OFFSET=True,
+                v_log_scale=math.log(2.0 * max(n_k, 1) / torch.finfo(torch.float32).max))
+
+
 def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
                    softcap: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """q in k's dtype, sinks and the softcap (learnable, else the spec's fixed one) as
@@ -852,7 +954,11 @@ def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
          sinks: Tensor | None = None, softcap: Tensor | None = None,
-         alibi: Tensor | None = None) -> tuple[Tensor, Tensor]:
+         alibi: Tensor | None = None, *, want_logl: bool = False
+         ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse)``, and with ``want_logl`` also ``logl (B, H, Nq)``: log of each row's
+    denominator relative to its max (+inf for rows with no key), which :func:`_bwd` takes
+    to find saturated rows."""
     q, sinks, softcap = _kernel_inputs(q, k, spec, sinks, softcap)
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[-1]
@@ -860,24 +966,30 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
     slopes, slope_strides = _alibi_arg(alibi, q)
     out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    logl = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
     mask, mask_strides = _mask_arg(attn_mask, q, Nk)
+    voff = value_offset_args(v, Nk, (2, 3))  # (B, Hkv)
+    vmax_strides = voff["VMax"].stride() if voff["V_OFFSET"] else (0, 0)
     grid = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd[grid](
-        q, k, v, out, lse, mask, q if sinks is None else sinks,
+        q, k, v, out, lse, logl, mask, q if sinks is None else sinks,
         q if softcap is None else softcap, slopes,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides, *slope_strides,
-        *L.scalars(), HAS_SINKS=sinks is not None, **L.constexprs())
-    return out, lse
+        *L.scalars(), stride_vmb=vmax_strides[0], stride_vmh=vmax_strides[1],
+        HAS_SINKS=sinks is not None, **voff, **L.constexprs())
+    return (out, lse, logl) if want_logl else (out, lse)
 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
          sinks: Tensor | None = None, softcap: Tensor | None = None, *,
-         need_dmask: bool = False, need_dcap: bool = True, alibi: Tensor | None = None
-         ) -> Grads:
+         need_dmask: bool = False, need_dcap: bool = True, alibi: Tensor | None = None,
+         logl: Tensor | None = None) -> Grads:
     """Gradients of one call, as :func:`attn.tiled._bwd`; a float mask's gradient is refused
     (``unsupported_reason``), so ``need_dmask`` must be False. ``alibi``: the slopes,
-    constants."""
+    constants. ``logl``: the forward's (``_fwd(want_logl=True)``); query blocks holding a
+    saturated row then take Δ = Σ P·dP (``_attn_bwd_dq``'s Δ pass), else rowsum(dO ∘ O)
+    serves every row."""
     if need_dmask:
         raise NotImplementedError("triton: the gradient of a float attn_mask (use tiled)")
     q, sinks, softcap = _kernel_inputs(q, k, spec, sinks, softcap)
@@ -904,16 +1016,24 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     min_bn = min(c.kwargs["BLOCK_N"] for c in _attn_bwd_dkdv.configs)
     n_part = triton.cdiv(Nk, min_bn) if softcap is not None else 1
     dcap_part = torch.zeros(n_part, B * H, dtype=torch.float32, device=q.device)
+    grid_q = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    if logl is not None:  # Δ of the blocks holding a saturated row, over the preprocessing's
+        _attn_bwd_dq[grid_q](
+            q, k, v, do, dq, lse, delta, mask, cap, slopes, lse if sinks is None else sinks,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *mask_strides,
+            *slope_strides, *L.scalars(), logl.contiguous(),
+            delta if dlse is None else dlse.contiguous(), **L.constexprs(), DELTA_PASS=True,
+            HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None)
     grid_kv = lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
     _attn_bwd_dkdv[grid_kv](
         q, k, v, do, dk, dv, lse, delta, mask, cap, slopes, dcap_part,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         *mask_strides, *slope_strides, *L.scalars(), **L.constexprs())
-    grid_q = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_bwd_dq[grid_q](
-        q, k, v, do, dq, lse, delta, mask, cap, slopes,
+        q, k, v, do, dq, lse, delta, mask, cap, slopes, lse,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *mask_strides,
-        *slope_strides, *L.scalars(), **L.constexprs())
+        *slope_strides, *L.scalars(), lse, lse, **L.constexprs(), DELTA_PASS=False,
+        HAS_DLSE=False, HAS_SINKS=False)
     dcap = dcap_part.view(-1, B, H).sum(dim=(0, 1)) if need_dcap and softcap is not None else None
     dsinks = None if sinks is None else sink_grad(sinks, lse, delta)
     return Grads(dq, dk, dv, None, dsinks, dcap)
@@ -941,9 +1061,10 @@ def _spec_of(offset: int, left: int | None, right: int | None, scale: float,
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, offset: int, left: int | None, right: int | None,
             scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
-            alibi: Tensor | None = None) -> tuple[Tensor, Tensor]:
+            alibi: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """out, lse and logl (see :func:`_fwd`)."""
     spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
-    return _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi)
+    return _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi, want_logl=True)
 
 
 @_fwd_op.register_fake
@@ -951,6 +1072,7 @@ def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
       shard, alibi=None):
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
+            q.new_empty(B, H, Nq, dtype=torch.float32),
             q.new_empty(B, H, Nq, dtype=torch.float32))
 
 
@@ -959,12 +1081,12 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
             lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, offset: int, left: int | None, right: int | None,
             scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
-            need_dcap: bool, alibi: Tensor | None = None
+            need_dcap: bool, alibi: Tensor | None = None, logl: Tensor | None = None
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
     spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
     g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap=need_dcap,
-             alibi=alibi)
+             alibi=alibi, logl=logl)
     def or_empty(t: Tensor | None) -> Tensor:  # a fresh tensor each: outputs must not alias
         return q.new_empty(0, dtype=torch.float32) if t is None else t
 
@@ -973,7 +1095,7 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
 
 @_bwd_op.register_fake
 def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, right, scale,
-      dropout_p, dropout_seed, shard, need_dcap, alibi=None):
+      dropout_p, dropout_seed, shard, need_dcap, alibi=None, logl=None):
     H = q.shape[1]
     n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0
@@ -986,17 +1108,18 @@ def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, righ
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec):
-        out, lse = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec), alibi)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks, softcap, alibi)
+        out, lse, logl = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec), alibi)
+        ctx.save_for_backward(q, k, v, out, lse, logl, attn_mask, sinks, softcap, alibi)
         ctx.spec = spec
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
+        q, k, v, out, lse, logl, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
         dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
-                                           softcap, *_op_args(ctx.spec), need_dcap, alibi)
+                                           softcap, *_op_args(ctx.spec), need_dcap, alibi,
+                                           logl)
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None
 

@@ -18,6 +18,7 @@ Three layers, as in ``flash_triton.py``: ``_fwd`` / ``_bwd`` launchers, one
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import warnings
@@ -100,6 +101,22 @@ def _scores_finite(q: Tensor, k: Tensor, spec: LaunchSpec) -> bool:
     return bound < fmax  # False for NaN
 
 
+def _values_may_overflow(v: Tensor, n_k: int) -> bool:
+    """Whether ``Σ_j p_j v_j`` over up to ``n_k`` keys (p ≤ 1) may pass half the accumulation
+    dtype's largest value: ``max|v| · 2·n_k`` above it (NaN and ±inf answer False: the
+    output is not finite anyway). float16 values never can (65504 · 2·n_k is far below
+    float32's max), so they are not looked at; off CPU, and while compiling, the answer is
+    True without looking (no host sync): :meth:`_Tile.value_offset` then decides per tile
+    on the device."""
+    fmax = torch.finfo(_acc_dtype(v.dtype)).max
+    if v.numel() == 0 or torch.finfo(v.dtype).max * 2.0 * n_k <= fmax:
+        return False
+    if v.device.type != "cpu" or torch.compiler.is_compiling():
+        return True
+    lo, hi = torch.aminmax(v)
+    return 1.0 < max(-lo.item(), hi.item()) * 2.0 * n_k / fmax < float("inf")
+
+
 def _finite_or_zero(x: Tensor) -> Tensor:
     """``x`` with its NaN and ±inf entries replaced by 0."""
     return torch.where(torch.isfinite(x), x, 0.0)
@@ -165,6 +182,9 @@ class _Tile:
                        or spec.mask_mod is not None)
         self.finite_scores = not self.masked or _scores_finite(q, k, spec)
         self.k3_dq = self.k3  # the backward's dQ += dS K reads this (see _bwd_rows)
+        # set by the forward (_values_may_overflow): whether value_offset looks at the tiles
+        self.values_may_overflow = False
+        self._value_offsets: dict[tuple[int, int], Tensor | None] = {}
         # log2 e in the q scale when every step up to the softmax is linear in s or a -inf fill
         self.fold_log2 = (spec.score_mod is None and spec.softcap is None and softcap_t is None
                           and self.mask5 is None)
@@ -419,6 +439,32 @@ class _Tile:
         z = keep.to(self.acc_dtype) / (1.0 - spec.dropout_p)  # (B, Hkv, G, BM, BN)
         return z.view(self.B * self.Hkv, self.G * (m1 - m0), n1 - n0)
 
+    def value_offset(self, n0: int, n1: int) -> Tensor | None:
+        """The forward's exponent offset ``c ≥ 0`` for key tile [n0, n1), per (batch row, kv
+        head) as ``(B·Hkv, 1, 1)`` in base-2 units, or None where it is 0 for every row.
+
+        ``acc = Σ_j p_j v_j`` with ``p ≤ 1`` reaches ``Nk · max|v|``, past the accumulation
+        dtype's largest value when ``|v|`` is near it. A row's running max then carries
+        ``c = log2(max|v| · 2·Nk / fmax)`` of its tile on top, so ``p = exp2(s − (m + c))
+        ≤ 2^-c`` and ``Σ_j p_j |v_j| ≤ fmax / 2``; out = acc / l and lse = m + log2 l are
+        unchanged (l shrinks by the same factor). Read from this tile's own values, per
+        (batch row, kv head): another sequence's values never move a row's result (packed
+        tiles hold one sequence's keys)."""
+        if not self.values_may_overflow:
+            return None
+        key = (n0, n1)
+        if key not in self._value_offsets:
+            vb = self.v3[:, n0:n1]
+            vmax = torch.maximum(vb.amax(dim=(1, 2)), -vb.amin(dim=(1, 2))).to(self.acc_dtype)
+            fmax = torch.finfo(self.acc_dtype).max
+            c = torch.log2(vmax) + math.log2(2.0 * self.k3.shape[1] / fmax)
+            c = torch.where((c > 0.0) & (c < float("inf")), c, 0.0).view(-1, 1, 1)  # NaN: 0
+            if self.device.type == "cpu" and not torch.compiler.is_compiling() \
+                    and not bool(c.any()):
+                c = None  # the ordinary steps, bit for bit
+            self._value_offsets[key] = c
+        return self._value_offsets[key]
+
     def rows(self, x: Tensor, m0: int, m1: int) -> Tensor:
         """Per-row values (B, H, Nq) of a query block as a column ``(B·Hkv, G·BM, 1)``."""
         return x[:, :, m0:m1].reshape(self.B * self.Hkv, self.G * (m1 - m0), 1)
@@ -426,14 +472,18 @@ class _Tile:
 
 # -- per-tile steps: the online-softmax update and dS, each in exactly one place ------------
 
-def _fwd_tile(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
+def _fwd_tile(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None, c: Tensor | None = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One key tile of the forward (Triton's ``_fwd_inner`` body, up to the P·V GEMM): the
     new row max, ``p = exp2(s - m_new)``, the rescale ``alpha`` of the old state and the new
     denominator. Returns ``(p, m_new, l_new, alpha)``; the caller does
     ``acc ← alpha·acc + p V``. ``s`` is consumed (overwritten by p), ``l_i`` updated in
-    place; ``z`` is the dropout scale (values only)."""
-    m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
+    place; ``z`` is the dropout scale (values only); ``c`` the tile's value offset
+    (:meth:`_Tile.value_offset`), added to its row max."""
+    m_tile = s.amax(dim=-1, keepdim=True)
+    if c is not None:
+        m_tile.add_(c.expand(-1, m_tile.shape[1], -1))
+    m_new = torch.maximum(m_i, m_tile)
     p = s.sub_(m_new).exp2_()
     alpha = (m_i - m_new).exp2_()
     l_i = l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
@@ -815,6 +865,7 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
     lowest = torch.finfo(acc_dtype).min
     blocks = _blocks(spec, Nq, Nk)
     fused = _fused_steps(q) and engine == "bmm"
+    tile.values_may_overflow = _values_may_overflow(v, Nk)
 
     for m0, m1, key_tiles in blocks.query_blocks():
         rows = (B * Hkv, G * (m1 - m0), 1)
@@ -831,8 +882,10 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
         for n0, n1, full in key_tiles:
             s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
-            step = _run_fused(_fwd_tile_fused, m_i, l_i, s, z) if fused and _fusable(s) else None
-            p, m_i, l_i, alpha = step if step is not None else _fwd_tile(m_i, l_i, s, z)
+            c = tile.value_offset(n0, n1)
+            step = (_run_fused(_fwd_tile_fused, m_i, l_i, s, z)
+                    if fused and c is None and _fusable(s) else None)
+            p, m_i, l_i, alpha = step if step is not None else _fwd_tile(m_i, l_i, s, z, c)
             tile.add_pv(acc.mul_(alpha), p, n0, n1)
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         seen = l_i > 0
@@ -978,7 +1031,9 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         lse_m, inv_l = lse2[..., 0], torch.exp2(-lse2[..., 1])
     lse_m = lse_m.masked_fill(lse_m == float("-inf"), float("inf"))  # P = 0 on empty rows
     # query blocks holding a saturated row (l within SATURATED_LOG2L of 1) take Δ from the
-    # tiles themselves (one host read of a (Nq,) flag per call)
+    # tiles themselves (one host read of a (Nq,) flag per call). Rows the forward gave a
+    # value offset (l scaled by 2^-c, _Tile.value_offset) read as saturated too: exact, one
+    # more pass, and only at |v| near the dtype's largest
     saturated = None
     if lse2 is not None and Nq > 0:
         saturated = (lse2[..., 1] < SATURATED_LOG2L).flatten(0, 1).any(0).cpu()

@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attn.flash_triton import (_UNBOUNDED, _configs, _dkdv_inner, _dq_inner,
-                               _drop_ctx, _fwd_inner, _load_rows, _prune, _stage_range,
-                               _stages, _tune_n)
+from attn.flash_triton import (_SATURATED_LOGL, _UNBOUNDED, _configs, _delta_inner,
+                               _dkdv_inner, _dq_inner, _drop_ctx, _fwd_inner, _load_rows,
+                               _prune, _stage_range, _stages, _tune_n, _value_offset,
+                               value_offset_args)
 from attn.masks import Band
 from attn.tiled import _reduce_to, sink_grad
 
@@ -38,17 +39,19 @@ def _seq(CuQ, CuK, seq):
 @triton.autotune(configs=_configs("fwd"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
                  prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
 @triton.jit(do_not_specialize=["drop_seed"])
-def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, Alibi, CuQ, CuK,
+def _varlen_fwd(Q, K, V, Out, Lse, LogL, Sinks, Softcap, Alibi, CuQ, CuK,
                 stride_qm, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
                 stride_vn, stride_vh, stride_vd, stride_om, stride_oh, stride_od,
                 stride_ab, stride_ah,
                 H, GROUP, TOTAL_Q, left, right, scale,
                 drop_seed, drop_threshold, inv_keep, TUNE_N,
+                VMax, stride_vmb, stride_vmh, v_log_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SINKS: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_sh = tl.program_id(1)
     seq = pid_sh // H
@@ -68,6 +71,9 @@ def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, Alibi, CuQ, CuK,
         MASK = (Q, 0, 0)  # MASK_KIND = 0: never read
         DROP = _drop_ctx(seq, off_h, drop_seed, drop_threshold, inv_keep, 0, 0, H, 0,
                          HAS_DROPOUT)
+        # this sequence's own values set its offset: the others' never move its result
+        voff = _value_offset(VMax + seq * stride_vmb + off_hk * stride_vmh, v_log_scale,
+                             V_OFFSET)
         # -- init: the sink, when present, is a first key with value 0 --
         if HAS_SINKS:
             m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + off_h)
@@ -89,9 +95,9 @@ def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, Alibi, CuQ, CuK,
             s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
-                (stride_kn, stride_kd), (stride_vn, stride_vd), MASK, BAND, DROP, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED, MASK_KIND,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+                (stride_kn, stride_kd), (stride_vn, stride_vd), MASK, BAND, DROP, voff,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
+                MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, V_OFFSET, DOT_PRECISION)
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -100,6 +106,9 @@ def _varlen_fwd(Q, K, V, Out, Lse, Sinks, Softcap, Alibi, CuQ, CuK,
                  out.to(Out.dtype.element_ty),
                  mask=(offs_m[:, None] < N_Q) & (offs_dv[None, :] < HEAD_DIM_V))
         tl.store(Lse + off_h.to(tl.int64) * TOTAL_Q + q0 + offs_m, lse, mask=offs_m < N_Q)
+        # log l relative to the row max: the backward's saturation test (see _varlen_dq)
+        logl = tl.where(l_i == 0.0, float("inf"), tl.log(l_safe) + voff)
+        tl.store(LogL + off_h.to(tl.int64) * TOTAL_Q + q0 + offs_m, logl, mask=offs_m < N_Q)
 
 
 @triton.autotune(configs=_configs("dkdv"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
@@ -178,22 +187,27 @@ def _varlen_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Softcap, Alibi, DCap, CuQ, CuK
                  mask=(offs_n[:, None] < N_K) & (offs_dv[None, :] < HEAD_DIM_V))
 
 
-@triton.autotune(configs=_configs("dq"), key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED"],
+@triton.autotune(configs=_configs("dq"),
+                 key=["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED", "DELTA_PASS"],
                  prune_configs_by={"early_config_prune": partial(_prune, kind="dq")})
 @triton.jit(do_not_specialize=["drop_seed"])
-def _varlen_dq(Q, K, V, DO, DQ, Lse, Delta, Softcap, Alibi, CuQ, CuK,
+def _varlen_dq(Q, K, V, DO, DQ, Lse, Delta, Softcap, Alibi, Sinks, CuQ, CuK,
                stride_qm, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
                stride_vn, stride_vh, stride_vd, stride_dom, stride_doh, stride_dod,
                stride_dqm, stride_dqh, stride_dqd,
                stride_ab, stride_ah,
                H, GROUP, TOTAL_Q, left, right, scale,
-               drop_seed, drop_threshold, inv_keep, TUNE_N,
+               drop_seed, drop_threshold, inv_keep, TUNE_N, LogL,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               DELTA_PASS: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """dQ of one query block; with ``DELTA_PASS`` instead Δ = Σ_j P_ij dP_ij of a block
+    holding a saturated row (``LogL``), written over rowsum(dO ∘ O) (dlse is subtracted
+    by the launcher), as flash_triton's ``_attn_bwd_dq``."""
     pid_m = tl.program_id(0)
     pid_sh = tl.program_id(1)
     seq = pid_sh // H
@@ -201,13 +215,19 @@ def _varlen_dq(Q, K, V, DO, DQ, Lse, Delta, Softcap, Alibi, CuQ, CuK,
     off_hk = off_h // GROUP
     q0, N_Q, k0, N_K = _seq(CuQ, CuK, seq)
     start_m = pid_m * BLOCK_M
-    if start_m < N_Q:
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row = off_h.to(tl.int64) * TOTAL_Q + q0 + offs_m
+    run = start_m < N_Q
+    if DELTA_PASS:
+        if run:
+            logl = tl.load(LogL + row, mask=offs_m < N_Q, other=float("inf"))
+            run = tl.min(logl, 0) < _SATURATED_LOGL
+    if run:
         Q += q0 * stride_qm + off_h.to(tl.int64) * stride_qh
         K += k0 * stride_kn + off_hk.to(tl.int64) * stride_kh
         V += k0 * stride_vn + off_hk.to(tl.int64) * stride_vh
         DO += q0 * stride_dom + off_h.to(tl.int64) * stride_doh
         DQ += q0 * stride_dqm + off_h.to(tl.int64) * stride_dqh
-        offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offset = N_K - N_Q
         BAND = (N_Q, N_K, offset, left, right)
@@ -215,29 +235,43 @@ def _varlen_dq(Q, K, V, DO, DQ, Lse, Delta, Softcap, Alibi, CuQ, CuK,
                          HAS_DROPOUT)
         q = _load_rows(Q, offs_m, (stride_qm, stride_qd), N_Q, HEAD_DIM, BLOCK_D, True)
         do = _load_rows(DO, offs_m, (stride_dom, stride_dod), N_Q, HEAD_DIM_V, BLOCK_DV, True)
-        row = off_h.to(tl.int64) * TOTAL_Q + q0 + offs_m
         lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
-        delta = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)
         cap = 1.0
         if HAS_SOFTCAP:
             cap = tl.load(Softcap + off_h)
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Alibi + seq * stride_ab + off_h * stride_ah)
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
-        for stage in tl.static_range(3):
-            s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
-            dq = _dq_inner(dq, q, do, lse, delta, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
-                           (stride_kn, stride_kd), (stride_vn, stride_vd), (Q, 0, 0), BAND,
-                           DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                           stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                           DOT_PRECISION)
-        dq *= scale
-        tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-                 dq.to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM))
+        if DELTA_PASS:
+            delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+            psum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if HAS_SINKS:  # the sink (value 0) counts in Σ P, not in Σ P·dP
+                psum += tl.exp(tl.load(Sinks + off_h) - lse)
+            for stage in tl.static_range(3):
+                s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
+                delta, psum = _delta_inner(
+                    delta, psum, q, do, lse, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
+                    (stride_kn, stride_kd), (stride_vn, stride_vd), (Q, 0, 0), BAND, DROP,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
+                    MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+            delta = tl.where(psum > 0.0, delta / psum, 0.0)
+            tl.store(Delta + row, delta, mask=offs_m < N_Q)
+        else:
+            delta = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)
+            dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for stage in tl.static_range(3):
+                s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
+                dq = _dq_inner(dq, q, do, lse, delta, K, V, s_lo, s_hi, offs_m, cap, slope,
+                               scale, (stride_kn, stride_kd), (stride_vn, stride_vd),
+                               (Q, 0, 0), BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                               BLOCK_N, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI,
+                               HAS_DROPOUT, DOT_PRECISION)
+            dq *= scale
+            tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+                     dq.to(DQ.dtype.element_ty),
+                     mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM))
 
 
 # -- launchers -----------------------------------------------------------------------------
@@ -276,24 +310,35 @@ def _common(q: Tensor, k: Tensor, v: Tensor, P: VarlenParams, has_softcap: bool,
 
 
 def _fwd(q, k, v, cu_q, cu_k, P: VarlenParams, sinks, softcap, alibi=None
-         ) -> tuple[Tensor, Tensor]:
+         ) -> tuple[Tensor, Tensor, Tensor]:
+    """out, lse and logl (H, total_q): log l of each row relative to its max, which
+    :func:`_bwd` takes to find saturated rows."""
     total_q, H, _ = q.shape
     n_seq = cu_q.numel() - 1
     out = torch.empty(total_q, H, v.shape[2], dtype=v.dtype, device=q.device)
     lse = torch.empty(H, total_q, dtype=torch.float32, device=q.device)
+    logl = torch.empty(H, total_q, dtype=torch.float32, device=q.device)
     scalars, (slopes, *slope_strides), constexprs = _common(q, k, v, P, softcap is not None,
                                                             alibi)
+    # the largest |v| of each (sequence, kv head): per token, then a segment max (unsafe:
+    # cu_k is already checked, and checking it again would read it on the host)
+    voff = value_offset_args(v, P.max_k, (2,))  # (total_k, Hkv)
+    vmax_strides = (0, 0)
+    if voff["V_OFFSET"]:
+        voff["VMax"] = torch.segment_reduce(voff["VMax"], "max", offsets=cu_k.long(), axis=0,
+                                            unsafe=True, initial=0.0)  # (sequences, Hkv)
+        vmax_strides = voff["VMax"].stride()
     grid = lambda meta: (triton.cdiv(P.max_q, meta["BLOCK_M"]), n_seq * H)  # noqa: E731
-    _varlen_fwd[grid](q, k, v, out, lse, q if sinks is None else sinks,
+    _varlen_fwd[grid](q, k, v, out, lse, logl, q if sinks is None else sinks,
                       q if softcap is None else softcap, slopes, cu_q, cu_k,
                       *q.stride(), *k.stride(), *v.stride(), *out.stride(), *slope_strides,
-                      *scalars,
-                      HAS_SINKS=sinks is not None, **constexprs)
-    return out, lse
+                      *scalars, stride_vmb=vmax_strides[0], stride_vmh=vmax_strides[1],
+                      HAS_SINKS=sinks is not None, **voff, **constexprs)
+    return out, lse, logl
 
 
 def _bwd(do, dlse, q, k, v, out, lse, cu_q, cu_k, P: VarlenParams, sinks, softcap,
-         alibi=None):
+         alibi=None, logl=None):
     total_q, H, _ = q.shape
     Hkv = k.shape[1]
     n_seq = cu_q.numel() - 1
@@ -301,12 +346,19 @@ def _bwd(do, dlse, q, k, v, out, lse, cu_q, cu_k, P: VarlenParams, sinks, softca
         do = do.contiguous()
     # Δ = rowsum(dO ∘ O) − dlse, (H, total_q) like lse
     delta = (do.float() * out.float()).sum(-1).t().contiguous()
-    if dlse is not None:
-        delta = delta - dlse.float()
     scalars, (slopes, *slope_strides), constexprs = _common(q, k, v, P, softcap is not None,
                                                             alibi)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cap = q if softcap is None else softcap
+    grid_q = lambda meta: (triton.cdiv(P.max_q, meta["BLOCK_M"]), n_seq * H)  # noqa: E731
+    if logl is not None:  # Δ = Σ P·dP in the blocks holding a saturated row
+        _varlen_dq[grid_q](q, k, v, do, dq, lse, delta, cap, slopes,
+                           lse if sinks is None else sinks, cu_q, cu_k,
+                           *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+                           *slope_strides, *scalars, logl, **constexprs, DELTA_PASS=True,
+                           HAS_SINKS=sinks is not None)
+    if dlse is not None:
+        delta = delta - dlse.float()
     min_bn = min(c.kwargs["BLOCK_N"] for c in _varlen_dkdv.configs)
     n_part = triton.cdiv(P.max_k, min_bn) if softcap is not None else 1
     dcap_part = torch.zeros(n_part, n_seq * H, dtype=torch.float32, device=q.device)
@@ -314,10 +366,10 @@ def _bwd(do, dlse, q, k, v, out, lse, cu_q, cu_k, P: VarlenParams, sinks, softca
     _varlen_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, cap, slopes, dcap_part, cu_q, cu_k,
                           *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
                           *dv.stride(), *slope_strides, *scalars, **constexprs)
-    grid_q = lambda meta: (triton.cdiv(P.max_q, meta["BLOCK_M"]), n_seq * H)  # noqa: E731
-    _varlen_dq[grid_q](q, k, v, do, dq, lse, delta, cap, slopes, cu_q, cu_k,
+    _varlen_dq[grid_q](q, k, v, do, dq, lse, delta, cap, slopes, lse, cu_q, cu_k,
                        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-                       *slope_strides, *scalars, **constexprs)
+                       *slope_strides, *scalars, lse, **constexprs, DELTA_PASS=False,
+                       HAS_SINKS=False)
     dcap = None if softcap is None else dcap_part.view(-1, n_seq, H).sum(dim=(0, 1))
     dsinks = None if sinks is None else sink_grad(sinks, lse[None], delta[None])
     return dq, dk, dv, dsinks, dcap
@@ -333,18 +385,18 @@ class _VarlenFlash(torch.autograd.Function):
         if softcap is not None:
             cap_f = softcap.to(device=q.device, dtype=torch.float32).expand(H).contiguous()
         alibi_f = None if alibi is None else alibi.to(torch.float32)  # (sequences, H)
-        out, lse = _fwd(qk, k, v, cu_q, cu_k, P, sinks_f, cap_f, alibi_f)
-        ctx.save_for_backward(qk, k, v, out, lse, sinks_f, cap_f, alibi_f, cu_q, cu_k)
+        out, lse, logl = _fwd(qk, k, v, cu_q, cu_k, P, sinks_f, cap_f, alibi_f)
+        ctx.save_for_backward(qk, k, v, out, lse, logl, sinks_f, cap_f, alibi_f, cu_q, cu_k)
         ctx.P, ctx.q_dtype, ctx.shapes = P, q.dtype, (sinks, softcap)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        qk, k, v, out, lse, sinks_f, cap_f, alibi_f, cu_q, cu_k = ctx.saved_tensors
+        qk, k, v, out, lse, logl, sinks_f, cap_f, alibi_f, cu_q, cu_k = ctx.saved_tensors
         sinks, softcap = ctx.shapes
         do = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv, dsinks, dcap = _bwd(do, dlse, qk, k, v, out, lse, cu_q, cu_k, ctx.P,
-                                        sinks_f, cap_f, alibi_f)
+                                        sinks_f, cap_f, alibi_f, logl)
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
         if dcap is not None and isinstance(softcap, Tensor) and softcap.requires_grad:
             dcap = _reduce_to(dcap, softcap.shape).to(softcap.dtype)
