@@ -1035,7 +1035,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     # value offset (l scaled by 2^-c, _Tile.value_offset) read as saturated too: exact, one
     # more pass, and only at |v| near the dtype's largest
     saturated = None
-    if lse2 is not None and Nq > 0:
+    # (a data-dependent branch: skipped while torch.compile traces, as the value checks are)
+    if lse2 is not None and Nq > 0 and not torch.compiler.is_compiling():
         saturated = (lse2[..., 1] < SATURATED_LOG2L).flatten(0, 1).any(0).cpu()
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
