@@ -27,6 +27,9 @@ import torch
 from torch import Tensor
 
 from attn import cpu
+# the shared backward helpers; _reduce_to and the public names stay importable from here
+from attn.grads import Grads, sink_grad
+from attn.grads import reduce_to as _reduce_to
 from attn.masks import Blocks, as_4d, dropout_keep, dropout_keep_rows
 from attn.spec import LaunchSpec
 
@@ -103,15 +106,6 @@ def _scores_finite(q: Tensor, k: Tensor, spec: LaunchSpec) -> bool:
 def _finite_or_zero(x: Tensor) -> Tensor:
     """``x`` with its NaN and ±inf entries replaced by 0."""
     return torch.where(torch.isfinite(x), x, 0.0)
-
-
-def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
-    """Sum a broadcast gradient back to ``shape`` (the shape of the tensor that broadcast)."""
-    lead = grad.dim() - len(shape)
-    if lead > 0:
-        grad = grad.sum(dim=tuple(range(lead)))
-    dims = tuple(d for d, n in enumerate(shape) if n == 1 and grad.shape[d] != 1)
-    return grad.sum(dim=dims, keepdim=True) if dims else grad
 
 
 class _Tile:
@@ -591,16 +585,6 @@ def _run_fused(fn: Callable, *args):
         return None
 
 
-class Grads(NamedTuple):
-    dq: Tensor
-    dk: Tensor
-    dv: Tensor
-    dmask: Tensor | None
-    dsinks: Tensor | None
-    dsoftcap: Tensor | None
-    dcaptured: tuple[Tensor | None, ...] = ()  # the score_mod's captured tensors
-
-
 @dataclasses.dataclass(frozen=True)
 class SequenceBlocks(Blocks):
     """The tile plan of packed sequences: query block i is rows ``rows[i] = (m0, m1)`` with
@@ -865,13 +849,6 @@ def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, 
             dp = dp * tile.dropout_scale(m0, m1, n0, n1)
         delta += (p * dp).sum(dim=-1, keepdim=True)
     return delta
-
-
-def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
-    """dsinks (H,): the sink is a key with value 0, so ``dsink_h = −Σ_{b,i} P_sink · Δ_i``
-    with ``P_sink = exp(sink_h − lse_i)`` (shared by every backend's backward)."""
-    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
-    return -(p_sink * delta.to(lse.dtype)).sum(dim=(0, 2))
 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,

@@ -23,8 +23,8 @@ from torch import Tensor
 from attn.flash_triton import (_UNBOUNDED, _configs, _dkdv_inner, _dq_inner,
                                _drop_ctx, _fwd_inner, _load_rows, _prune, _stage_range,
                                _stages, _tune_n)
+from attn.grads import reduce_to, sink_grad
 from attn.masks import Band
-from attn.tiled import _reduce_to, sink_grad
 
 
 @triton.jit
@@ -347,7 +347,7 @@ class _VarlenFlash(torch.autograd.Function):
                                         sinks_f, cap_f, alibi_f)
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
         if dcap is not None and isinstance(softcap, Tensor) and softcap.requires_grad:
-            dcap = _reduce_to(dcap, softcap.shape).to(softcap.dtype)
+            dcap = reduce_to(dcap, softcap.shape).to(softcap.dtype)
         else:
             dcap = None
         return dq.to(ctx.q_dtype), dk, dv, dsinks, dcap, None, None, None, None

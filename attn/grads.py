@@ -1,0 +1,41 @@
+"""Backward helpers every backend shares: the gradient tuple a launcher returns, the sinks'
+gradient, and summing a broadcast gradient back to its operand's shape.
+
+They sit below the backends so that tiled, triton, varlen and the ring all use one copy
+without importing one another.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["Grads", "reduce_to", "sink_grad"]
+
+
+class Grads(NamedTuple):
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dmask: Tensor | None
+    dsinks: Tensor | None
+    dsoftcap: Tensor | None
+    dcaptured: tuple[Tensor | None, ...] = ()  # the score_mod's captured tensors
+
+
+def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
+    """dsinks (H,): the sink is a key with value 0, so ``dsink_h = −Σ_{b,i} P_sink · Δ_i``
+    with ``P_sink = exp(sink_h − lse_i)`` (shared by every backend's backward)."""
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(p_sink * delta.to(lse.dtype)).sum(dim=(0, 2))
+
+
+def reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a broadcast gradient back to ``shape`` (the shape of the tensor that broadcast)."""
+    lead = grad.dim() - len(shape)
+    if lead > 0:
+        grad = grad.sum(dim=tuple(range(lead)))
+    dims = tuple(d for d, n in enumerate(shape) if n == 1 and grad.shape[d] != 1)
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
