@@ -1061,7 +1061,11 @@ def tiled_attention(
     temperature must already be folded into q); ``softcap`` a learnable tensor
     broadcastable to (H,), ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed:
     (sequences, H) with ``spec.alibi_rows``), constants. Block sizes default to the module's
-    ``BLOCK_M`` / ``BLOCK_N``, read at call time. ``captured``: the tensors
-    ``spec.score_mod`` reads that need a gradient (see :func:`attn.flex.captured_tensors`).
+    ``BLOCK_M`` / ``BLOCK_N``, read at call time; a callable ``spec.mask_blocks`` (see
+    :func:`attn.mods.mod_spec`) is called here at those sizes. ``captured``: the tensors
+    ``spec.score_mod`` reads that need a gradient (see :func:`attn.mods.captured_tensors`).
     """
+    if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
+        mb = spec.mask_blocks(spec.block_m or BLOCK_M, spec.block_n or BLOCK_N)
+        spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
     return _TiledAttention.apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, *captured)
