@@ -8,12 +8,13 @@ argument for argument so existing code switches by changing one import.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attn import mods
 from attn.masks import Band, make_band, simplify_mask, window_pair
 from attn.reference import reference_attention
 from attn.spec import LaunchSpec
@@ -328,7 +329,7 @@ def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropo
     if backend == "tiled":
         captured = ()
         if score_mod is not None or mask_mod is not None:
-            spec, captured = _mod_spec(spec, q, k, score_mod, mask_mod, mask_blocks)
+            spec, captured = mods.mod_spec(spec, q, k, score_mod, mask_mod, mask_blocks)
         out, lse = tiled_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
                                    sinks=sinks, captured=captured, alibi=alibi)
     else:
@@ -336,28 +337,6 @@ def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropo
         out, lse = triton_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
                                     sinks=sinks, alibi=alibi)
     return out.to(v.dtype), lse
-
-
-def _mod_spec(spec: LaunchSpec, q: Tensor, k: Tensor, score_mod, mask_mod, mask_blocks
-              ) -> tuple[LaunchSpec, tuple[Tensor, ...]]:
-    """The spec of a call with mods: the callables, the mask's tile plan (given as Blocks,
-    or made here by evaluating the mask_mod at the tiled backend's block sizes, or by a
-    callable ``(block_m, block_n) -> Blocks``), and the tensors the score_mod captures
-    that need a gradient."""
-    from attn import flex, tiled
-    bm, bn = spec.block_m or tiled.BLOCK_M, spec.block_n or tiled.BLOCK_N
-    if mask_mod is not None and mask_blocks is None:
-        B, H, Nq, _ = q.shape
-        mask_blocks = flex.mask_mod_blocks(mask_mod, B, H, Nq, k.shape[2], bm, bn, q.device)
-    elif callable(mask_blocks):
-        mask_blocks = mask_blocks(bm, bn)
-    captured = ()
-    if score_mod is not None and torch.is_grad_enabled():
-        captured = flex.captured_tensors(score_mod)
-    if mask_blocks is not None:  # the mask's tiles are the tiles (a BlockMask's own size)
-        spec = replace(spec, block_m=mask_blocks.block_m, block_n=mask_blocks.block_n)
-    spec = replace(spec, score_mod=score_mod, mask_mod=mask_mod, mask_blocks=mask_blocks)
-    return spec, captured
 
 
 def _check_mods(score_mod, mask_mod, q: Tensor) -> None:
@@ -410,7 +389,7 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
                mask_mod=None, mask_blocks=None, dropout_rows=None, alibi_slopes=None,
                alibi_rows=None, q_name: str = "q"):
     """Shared by both public functions once their conventions are resolved into a Band.
-    ``score_mod`` / ``mask_mod`` / ``mask_blocks``: see :func:`_mod_spec` (attn.flex).
+    ``score_mod`` / ``mask_mod`` / ``mask_blocks``: see :func:`attn.mods.mod_spec`.
     ``alibi_rows`` (packed sequences): ``alibi_slopes`` already validated as (sequences, H).
     ``q_name``: the caller's name for q, for messages. No key (Nk = 0) or an empty output
     (B or Nq = 0): see :func:`_no_keys`, the same on every backend."""
@@ -461,8 +440,7 @@ def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, s
     if empty:
         linked = (temperature, softcap, attn_mask)
         if score_mod is not None and torch.is_grad_enabled():
-            from attn import flex
-            linked += flex.captured_tensors(score_mod)
+            linked += mods.captured_tensors(score_mod)
         out, lse = _no_keys(q, k, v, sinks=sinks, linked=linked)
         return (out, lse) if return_lse else out
     out, lse = _run(choice.name, q, k, v, band=band, attn_mask=attn_mask, scale=eff_scale,

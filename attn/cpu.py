@@ -29,6 +29,8 @@ from typing import Callable, Sequence, TypeVar
 import torch
 from torch import Tensor
 
+from attn.timing import median_ratio, paired
+
 T = TypeVar("T")
 
 ENGINES = ("auto", "onednn", "bmm")
@@ -107,8 +109,6 @@ def _calibrate() -> tuple[str, str]:
         p, vt = torch.randn(256, 512, generator=g), torch.randn(64, 512, generator=g)
         if not torch.allclose(mm_nt(q, k), q @ k.t(), rtol=1e-4, atol=1e-3):
             return "bmm", "oneDNN's fp32 product disagreed with torch.mm (reduced precision?)"
-        from attn.bench.timing import median_ratio, paired  # here: attn.bench imports attn
-
         fns = {"onednn": lambda: (mm_nt(q, k), mm_nt(p, vt)),
                "bmm": lambda: (torch.mm(q, k.t()), torch.mm(p, vt.t()))}
         paired(fns, rounds=1, reps=4)  # warm-up: oneDNN builds its kernels

@@ -66,6 +66,7 @@ from torch import Tensor
 
 from attn.api import (AttentionCall, _positive, _validate_dropout, _validate_qkv,
                       _validate_sinks, select_backend)
+from attn.grads import reduce_to, sink_grad
 from attn.masks import make_band, window_pair
 from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec
@@ -590,8 +591,6 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
     dk, dv = torch.cat(dk_p, dim=2), torch.cat(dv_p, dim=2)
     dsinks = None
     if sinks is not None:
-        from attn.tiled import sink_grad
-
         delta = (do.to(acc) * out.to(acc)).sum(-1)
         if dlse is not None:
             delta = delta - dlse.to(acc)
@@ -615,9 +614,7 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv, dsinks, dcap = _ring_bwd(ctx.c, do, dlse, q, k, v, out, lse, sinks, cap_t,
                                              bool(ctx.needs_input_grad[4]))
         if dcap is not None:
-            from attn.tiled import _reduce_to
-
-            dcap = _reduce_to(dcap, cap_t.shape).to(cap_t.dtype)
+            dcap = reduce_to(dcap, cap_t.shape).to(cap_t.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 None if dsinks is None else dsinks.to(sinks.dtype), dcap, None)
 

@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.masks import Band, as_4d
 from attn.spec import LaunchSpec
-from attn.tiled import SATURATED_LOG2L, Grads, sink_grad
 
 # Triton decides interpreter vs compiler when a kernel is decorated, i.e. at import.
 _INTERPRET = bool(triton.knobs.runtime.interpret)

@@ -30,129 +30,16 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, noop_mask
 
-from attn.masks import EMPTY, FULL, PARTIAL, Band, Blocks, classify_grid
+from attn import api
+from attn.masks import Band, Blocks
+# the helpers the core shares live in attn.mods; these names stay importable from here
+from attn.mods import captured_tensors, mask_mod_blocks, mask_mod_kinds, union_blocks  # noqa: F401
 
 __all__ = ["BlockMask", "captured_tensors", "create_block_mask", "flex_attention",
            "mask_mod_kinds"]
 
-# mask_mod is evaluated on at most this many (b, h, i, j) elements at once while classifying
-_CLASSIFY_CHUNK = 1 << 22
 
-
-# -- the tensors a mod captures -------------------------------------------------------------
-
-def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
-    """Tensors that need a gradient and that ``fn`` can read: its closure, the globals it
-    names, its defaults, a ``functools.partial``'s arguments, a module's parameters, nested
-    callables found there. They become explicit inputs of the autograd.Function, which is
-    how their gradients reach autograd."""
-    found: dict[int, Tensor] = {}
-    seen: set[int] = set()
-
-    def visit(obj: object, depth: int) -> None:
-        if id(obj) in seen or depth > 4:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, Tensor):
-            if obj.requires_grad:
-                found.setdefault(id(obj), obj)
-        elif isinstance(obj, torch.nn.Module):
-            for t in obj.parameters():
-                visit(t, depth + 1)
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            for x in obj:
-                visit(x, depth + 1)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                visit(x, depth + 1)
-        elif isinstance(obj, functools.partial):
-            visit(obj.func, depth + 1)
-            visit(obj.args, depth + 1)
-            visit(obj.keywords, depth + 1)
-        elif inspect.ismethod(obj):
-            visit(obj.__self__, depth + 1)
-            visit(obj.__func__, depth + 1)
-        elif inspect.isfunction(obj):
-            for cell in obj.__closure__ or ():
-                try:
-                    visit(cell.cell_contents, depth + 1)
-                except ValueError:  # an empty cell
-                    pass
-            names = obj.__code__.co_names
-            visit([obj.__globals__[n] for n in names if n in obj.__globals__
-                   and not inspect.ismodule(obj.__globals__[n])], depth + 1)
-            visit(obj.__defaults__ or (), depth + 1)
-            visit(obj.__kwdefaults__ or {}, depth + 1)
-        elif callable(obj) and hasattr(type(obj), "__call__") and not isinstance(obj, type):
-            visit(getattr(obj, "__dict__", {}), depth + 1)
-
-    visit(fn, 0)
-    return tuple(found.values())
-
-
-# -- block classification of a mask_mod -------------------------------------------------------
-
-def _checked(keep: object, name: str = "mask_mod") -> Tensor:
-    if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
-        what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
-        raise TypeError(f"{name} must return a bool tensor (True = attend), got {what}")
-    return keep
-
-
-def mask_mod_kinds(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block_m: int,
-                   block_n: int, device: torch.device | str | None = None
-                   ) -> tuple[Tensor, Tensor]:
-    """Evaluate ``mask_mod`` over the whole grid, a chunk of tiles at a time, and return
-    bool ``(B, H, QB, KB)`` grids ``(visit, full)``: a tile is visited when any pair is
-    kept, full when all are. No compile, any length; memory is one chunk."""
-    qb, kb = -(-n_q // block_m), -(-n_k // block_n)
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, H, 1, 1)
-    visit = torch.zeros(B, H, qb, kb, dtype=torch.bool, device=device)
-    full = torch.zeros(B, H, qb, kb, dtype=torch.bool, device=device)
-    # key blocks per chunk, so that B·H·block_m·(keys of the chunk) stays bounded (the
-    # bound for a mask that depends on b and h; one that does not costs B·H times less)
-    kb_step = max(1, _CLASSIFY_CHUNK // max(1, B * H * block_m * block_n))
-    for i in range(qb):
-        m0, m1 = i * block_m, min((i + 1) * block_m, n_q)
-        q_idx = torch.arange(m0, m1, device=device).view(1, 1, -1, 1)
-        for j0 in range(0, kb, kb_step):
-            j1 = min(j0 + kb_step, kb)
-            n0, n1 = j0 * block_n, min(j1 * block_n, n_k)
-            kv_idx = torch.arange(n0, n1, device=device).view(1, 1, 1, -1)
-            keep = _checked(mask_mod(b, h, q_idx, kv_idx))
-            # reduce on the mask's own batch / head extent (1 when it ignores b or h), then
-            # broadcast the per-tile answer: no (B, H, BM, keys) copy of a shared mask
-            kb_ = keep.shape[-4] if keep.dim() >= 4 else 1
-            kh_ = keep.shape[-3] if keep.dim() >= 3 else 1
-            keep = torch.broadcast_to(keep, (kb_, kh_, m1 - m0, n1 - n0))
-            pad = (j1 - j0) * block_n - (n1 - n0)  # the last key block may be short
-            any_ = torch.nn.functional.pad(keep, (0, pad), value=False)
-            # a ragged edge tile is never full, as in torch's create_block_mask (whose
-            # kernels rely on it to mask the positions past the end)
-            all_ = torch.nn.functional.pad(keep, (0, pad), value=False)
-            any_ = any_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).any(dim=4).any(dim=2)
-            all_ = all_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).all(dim=4).all(dim=2)
-            visit[:, :, i, j0:j1] = any_
-            full[:, :, i, j0:j1] = all_ & (m1 - m0 == block_m)
-    return visit, full
-
-
-def _union_blocks(visit: Tensor, full: Tensor, n_q: int, n_k: int, block_m: int,
-                  block_n: int) -> Blocks:
-    """One tile plan for every (b, h): visited when any (b, h) visits, full when all are."""
-    v = visit.reshape(-1, *visit.shape[-2:]).any(dim=0)
-    f = full.reshape(-1, *full.shape[-2:]).all(dim=0)
-    kinds = torch.where(f, FULL, torch.where(v, PARTIAL, EMPTY)).to(torch.int8).cpu()
-    return classify_grid(kinds, n_q, n_k, block_m, block_n)
-
-
-def mask_mod_blocks(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block_m: int,
-                    block_n: int, device=None) -> Blocks:
-    """:class:`attn.masks.Blocks` of a mask_mod (what ``attention(mask_mod=...)`` visits)."""
-    visit, full = mask_mod_kinds(mask_mod, B, H, n_q, n_k, block_m, block_n, device)
-    return _union_blocks(visit, full, n_q, n_k, block_m, block_n)
-
+# -- a torch BlockMask as the tiles it visits ---------------------------------------------------
 
 def _dense_from_indices(num: Tensor, idx: Tensor, kb: int) -> Tensor:
     """(B, H, QB, KB) bool from a BlockMask's (num_blocks, indices) pair."""
@@ -198,7 +85,7 @@ def block_mask_blocks(block_mask: BlockMask, B: int, H: int, n_q: int, n_k: int,
         full = full.repeat_interleave(rm, 2).repeat_interleave(rn, 3)
         visit = visit[:, :, :-(-n_q // block_m), :-(-n_k // block_n)]
         full = full[:, :, :-(-n_q // block_m), :-(-n_k // block_n)]
-    return _union_blocks(visit, full, n_q, n_k, block_m, block_n)
+    return union_blocks(visit, full, n_q, n_k, block_m, block_n)
 
 
 # -- public API -----------------------------------------------------------------------------------
@@ -329,7 +216,6 @@ def flex_attention(
     ``max_scores`` is not provided. ``backend``: as in :func:`attn.attention` (triton
     refuses mods, so "auto" runs tiled).
     """
-    from attn import api
     api._validate_qkv(query, key, value, ("query", "key", "value"))
     B, H, Nq, _ = query.shape
     Hkv, Nk = key.shape[1], key.shape[2]

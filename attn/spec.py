@@ -41,7 +41,9 @@ class LaunchSpec:
     # capture that need a gradient are passed to the autograd.Function explicitly
     score_mod: Callable | None = None  # score_mod(score, b, h, q_idx, kv_idx) -> score
     mask_mod: Callable | None = None  # mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend
-    mask_blocks: Blocks | None = None  # the mask's tile classification (local positions)
+    # the mask's tile classification (local positions); a callable (block_m, block_n) ->
+    # Blocks is called by the backend at its own tile sizes (attn.mods.mod_spec)
+    mask_blocks: Blocks | Callable[[int, int], Blocks] | None = None
     # packed sequences: (offs_m, offs_n) -> (sequence per row, position per row, position
     # per key) for the dropout hash, so a packed call draws its padded batch's mask
     dropout_rows: Callable | None = None

@@ -28,6 +28,9 @@ import torch
 from torch import Tensor
 
 from attn import cpu
+# the shared backward helpers; _reduce_to and the public names stay importable from here
+from attn.grads import SATURATED_LOG2L, Grads, sink_grad
+from attn.grads import reduce_to as _reduce_to
 from attn.masks import Blocks, as_4d, dropout_keep, dropout_keep_rows
 from attn.spec import LaunchSpec
 
@@ -120,15 +123,6 @@ def _values_may_overflow(v: Tensor, n_k: int) -> bool:
 def _finite_or_zero(x: Tensor) -> Tensor:
     """``x`` with its NaN and ±inf entries replaced by 0."""
     return torch.where(torch.isfinite(x), x, 0.0)
-
-
-def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
-    """Sum a broadcast gradient back to ``shape`` (the shape of the tensor that broadcast)."""
-    lead = grad.dim() - len(shape)
-    if lead > 0:
-        grad = grad.sum(dim=tuple(range(lead)))
-    dims = tuple(d for d, n in enumerate(shape) if n == 1 and grad.shape[d] != 1)
-    return grad.sum(dim=dims, keepdim=True) if dims else grad
 
 
 class _Tile:
@@ -645,16 +639,6 @@ def _run_fused(fn: Callable, *args):
         return None
 
 
-class Grads(NamedTuple):
-    dq: Tensor
-    dk: Tensor
-    dv: Tensor
-    dmask: Tensor | None
-    dsinks: Tensor | None
-    dsoftcap: Tensor | None
-    dcaptured: tuple[Tensor | None, ...] = ()  # the score_mod's captured tensors
-
-
 @dataclasses.dataclass(frozen=True)
 class SequenceBlocks(Blocks):
     """The tile plan of packed sequences: query block i is rows ``rows[i] = (m0, m1)`` with
@@ -895,18 +879,6 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
     torch.mul(lse2.sum(-1), LN2, out=lse)
 
 
-# Δ_i = Σ_j P_ij dP_ij is what dS = P∘(dP − Δ) subtracts; FlashAttention-2 reads it as
-# rowsum(dO∘O), which equals it only up to rounding. Where a row's softmax is saturated (one
-# P ≈ 1, the rest below an ulp: tiny temperatures, logits of 1e3 and up), the exact dS is ~0
-# but dP_max − rowsum(dO∘O) keeps ~ulp(dP), and dQ, dK multiply that by scale·K and
-# scale·Q: errors of 1e-2..5 where plain PyTorch (whose softmax backward sums P·dP from the
-# same dP) has ~0. Query blocks with a row whose denominator l (relative to its max) is
-# within this many log2 units of 1 take Δ = Σ_j P_ij dP_ij from a first pass over their
-# tiles (their QKᵀ and dO Vᵀ GEMMs once more); the rest keep rowsum(dO∘O). Ordinary calls
-# meet such rows only where a row sees a single key (the first rows of a causal call).
-SATURATED_LOG2L = 2.0 ** -12
-
-
 def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, m0: int,
                    m1: int, key_tiles) -> Tensor:
     """``Σ_j p_ij dp_ij`` over a query block's tiles, ``(B·Hkv, G·BM, 1)``: p = exp2(s − m)
@@ -922,13 +894,6 @@ def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, 
             dp = dp * tile.dropout_scale(m0, m1, n0, n1)
         delta += (p * dp).sum(dim=-1, keepdim=True)
     return delta
-
-
-def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
-    """dsinks (H,): the sink is a key with value 0, so ``dsink_h = −Σ_{b,i} P_sink · Δ_i``
-    with ``P_sink = exp(sink_h − lse_i)`` (shared by every backend's backward)."""
-    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
-    return -(p_sink * delta.to(lse.dtype)).sum(dim=(0, 2))
 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -1144,7 +1109,11 @@ def tiled_attention(
     temperature must already be folded into q); ``softcap`` a learnable tensor
     broadcastable to (H,), ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed:
     (sequences, H) with ``spec.alibi_rows``), constants. Block sizes default to the module's
-    ``BLOCK_M`` / ``BLOCK_N``, read at call time. ``captured``: the tensors
-    ``spec.score_mod`` reads that need a gradient (see :func:`attn.flex.captured_tensors`).
+    ``BLOCK_M`` / ``BLOCK_N``, read at call time; a callable ``spec.mask_blocks`` (see
+    :func:`attn.mods.mod_spec`) is called here at those sizes. ``captured``: the tensors
+    ``spec.score_mod`` reads that need a gradient (see :func:`attn.mods.captured_tensors`).
     """
+    if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
+        mb = spec.mask_blocks(spec.block_m or BLOCK_M, spec.block_n or BLOCK_N)
+        spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
     return _TiledAttention.apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, *captured)

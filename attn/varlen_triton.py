@@ -24,8 +24,8 @@ from attn.flash_triton import (_SATURATED_LOGL, _UNBOUNDED, _configs, _delta_inn
                                _dkdv_inner, _dq_inner, _drop_ctx, _fwd_inner, _load_rows,
                                _prune, _stage_range, _stages, _tune_n, _value_offset,
                                value_offset_args)
+from attn.grads import reduce_to, sink_grad
 from attn.masks import Band
-from attn.tiled import _reduce_to, sink_grad
 
 
 @triton.jit
@@ -399,7 +399,7 @@ class _VarlenFlash(torch.autograd.Function):
                                         sinks_f, cap_f, alibi_f, logl)
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
         if dcap is not None and isinstance(softcap, Tensor) and softcap.requires_grad:
-            dcap = _reduce_to(dcap, softcap.shape).to(softcap.dtype)
+            dcap = reduce_to(dcap, softcap.shape).to(softcap.dtype)
         else:
             dcap = None
         return dq.to(ctx.q_dtype), dk, dv, dsinks, dcap, None, None, None, None

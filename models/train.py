@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from attn.bench.memory import peak_bytes
 from attn.distributed import ContextParallel
 from attn.nn import opt_field
+from attn.timing import peak_bytes
 from attn.models.config import AttentionConfig, GPTConfig
 from attn.models.data import RecallTask, TextCorpus, recall_accuracy
 from attn.models.gpt import GPT, load_checkpoint, save_checkpoint

@@ -380,7 +380,7 @@ def test_bench_triton_without_cuda_exits_2_and_says_why():
 def test_paired_rounds_take_turns_and_ratios_are_per_round(monkeypatch):
     """paired() runs every function reps times per round, in turn; median_ratio() divides
     within a round (a fake clock: each call of a takes 1 s, of b 3 s in round 1, else 2 s)."""
-    from attn.bench import timing
+    from attn import timing
 
     now, calls = [0.0], []
 

@@ -9,9 +9,8 @@ on their own::
 """
 
 from attn.bench.flops import attention_flops, matmul_tflops
-from attn.bench.memory import CPU_ERROR_BYTES, peak_bytes
 from attn.bench.sweep import Row, SweepConfig, finish, plan, predicted_peak_bytes, run_sweep
-from attn.bench.timing import Timing, benchmark
+from attn.timing import CPU_ERROR_BYTES, Timing, benchmark, peak_bytes
 
 __all__ = [
     "CPU_ERROR_BYTES",

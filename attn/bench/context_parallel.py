@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from attn.bench.memory import CPU_ERROR_BYTES, peak_bytes
+from attn.timing import CPU_ERROR_BYTES, peak_bytes
 
 STRATEGIES = ("ring", "ulysses")
 

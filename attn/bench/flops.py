@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from attn.bench.timing import benchmark
+from attn.timing import benchmark
 
 MODES = ("fwd", "fwd+bwd")
 BWD_FACTOR = 2.5

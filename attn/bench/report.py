@@ -22,9 +22,9 @@ import torch
 
 from attn.api import AttentionCall, attention, unsupported_reason
 from attn.bench.competitors import COMPETITORS
-from attn.bench.memory import CPU_ERROR_BYTES
 from attn.bench.sweep import Row, SweepConfig, device_unsupported
 from attn.masks import make_band
+from attn.timing import CPU_ERROR_BYTES
 
 SCHEMA_VERSION = 1
 ROW_KEYS = ("backend", "device", "dtype", "B", "H", "N", "D", "causal", "mode", "ms", "tflops",

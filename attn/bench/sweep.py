@@ -24,9 +24,8 @@ from attn.api import BACKENDS, AttentionCall, attention, unsupported_reason
 from attn.bench.competitors import COMPETITORS, competitor_unsupported, make_forward, \
     needs_compile
 from attn.bench.flops import MODES, attention_flops, matmul_tflops
-from attn.bench.memory import peak_bytes
-from attn.bench.timing import benchmark
 from attn.masks import make_band
+from attn.timing import benchmark, peak_bytes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}

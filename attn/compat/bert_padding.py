@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attn.compat.errors import FlashAttnError
+
 __all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
 
 
-def _error(msg: str) -> Exception:
-    from attn.compat.flash_attn import FlashAttnError
-    return FlashAttnError(msg)
+_error = FlashAttnError  # the package's error (compat/errors.py), short for the raises below
 
 
 def _check_indices(indices: object, size: int, data: str) -> Tensor:

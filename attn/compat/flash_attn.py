@@ -55,7 +55,6 @@ last page and pages no sequence uses may hold anything, NaN included.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import operator
@@ -65,6 +64,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attn.compat.errors import FlashAttnError, translating
 from attn.compat.rotary import rotate_at
 from attn.varlen import varlen_attention
 from attn.api import attention
@@ -73,22 +73,6 @@ __all__ = ["FlashAttnError", "flash_attn_func", "flash_attn_kvpacked_func",
            "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_with_kvcache"]
-
-
-class FlashAttnError(ValueError, RuntimeError):
-    """Bad input to a flash-attn function: both a ValueError (attn's convention) and a
-    RuntimeError (what flash-attn raises)."""
-
-
-@contextlib.contextmanager
-def _translating():
-    """attn's own ValueErrors (bad shapes found deeper down) as FlashAttnError."""
-    try:
-        yield
-    except FlashAttnError:
-        raise
-    except ValueError as exc:
-        raise FlashAttnError(str(exc)) from exc
 
 
 # -- checks ----------------------------------------------------------------------------------
@@ -260,7 +244,7 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal,
     Nk = k.shape[2]
     _check_alibi(alibi_slopes, B, H)
     window, pure_causal, _ = _band(causal, window_size, Nk if seqlen_k is None else seqlen_k)
-    with _translating():
+    with translating():
         # (B, N, H, D) -> (B, H, N, D): views; attn's backends take any strides
         out, lse = attention(q.transpose(1, 2), k, v,
                              causal=False, window=window, dropout_p=dropout_p,
@@ -480,7 +464,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
     window, pure_causal, _ = _band(causal, window_size, seqlen_k)
     cu_q = host_q.to(device=q.device)
     cu_k = host_k.to(device=q.device)
-    with _translating():
+    with translating():
         out, lse = varlen_attention(q[:used_q], k, v, cu_q, cu_k, int(len_q.max()),
                                     int(len_k.max()), window=window, dropout_p=dropout_p,
                                     return_lse=True,

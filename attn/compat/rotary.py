@@ -15,12 +15,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attn.compat.errors import FlashAttnError
+
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "rotate_at"]
 
 
-def _error(msg: str) -> Exception:
-    from attn.compat.flash_attn import FlashAttnError
-    return FlashAttnError(msg)
+_error = FlashAttnError  # the package's error (compat/errors.py), short for the raises below
 
 
 def _check_cos_sin(cos: object, sin: object, x: Tensor,

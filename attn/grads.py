@@ -1,0 +1,53 @@
+"""Backward helpers every backend shares: the gradient tuple a launcher returns, the sinks'
+gradient, and summing a broadcast gradient back to its operand's shape.
+
+They sit below the backends so that tiled, triton, varlen and the ring all use one copy
+without importing one another.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["Grads", "reduce_to", "sink_grad"]
+
+
+class Grads(NamedTuple):
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dmask: Tensor | None
+    dsinks: Tensor | None
+    dsoftcap: Tensor | None
+    dcaptured: tuple[Tensor | None, ...] = ()  # the score_mod's captured tensors
+
+
+def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
+    """dsinks (H,): the sink is a key with value 0, so ``dsink_h = −Σ_{b,i} P_sink · Δ_i``
+    with ``P_sink = exp(sink_h − lse_i)`` (shared by every backend's backward)."""
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(p_sink * delta.to(lse.dtype)).sum(dim=(0, 2))
+
+
+def reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a broadcast gradient back to ``shape`` (the shape of the tensor that broadcast)."""
+    lead = grad.dim() - len(shape)
+    if lead > 0:
+        grad = grad.sum(dim=tuple(range(lead)))
+    dims = tuple(d for d, n in enumerate(shape) if n == 1 and grad.shape[d] != 1)
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+# Δ_i = Σ_j P_ij dP_ij is what dS = P∘(dP − Δ) subtracts; FlashAttention-2 reads it as
+# rowsum(dO∘O), which equals it only up to rounding. Where a row's softmax is saturated (one
+# P ≈ 1, the rest below an ulp: tiny temperatures, logits of 1e3 and up), the exact dS is ~0
+# but dP_max − rowsum(dO∘O) keeps ~ulp(dP), and dQ, dK multiply that by scale·K and
+# scale·Q: errors of 1e-2..5 where plain PyTorch (whose softmax backward sums P·dP from the
+# same dP) has ~0. Query blocks with a row whose denominator l (relative to its max) is
+# within this many log2 units of 1 take Δ = Σ_j P_ij dP_ij from a first pass over their
+# tiles (their QKᵀ and dO Vᵀ GEMMs once more); the rest keep rowsum(dO∘O). Ordinary calls
+# meet such rows only where a row sees a single key (the first rows of a causal call).
+SATURATED_LOG2L = 2.0 ** -12
