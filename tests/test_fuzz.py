@@ -1918,12 +1918,13 @@ def masked_key_poisonings(draw) -> Case:
     k[poison] = value
     finite = [x for x in (1e30, -1e30, 3e38, 65504.0, -65504.0)
               if torch.isfinite(torch.tensor(x).to(c.dtype))]
-    if maybe(draw):
+    huge_values = maybe(draw)
+    if huge_values:
         v[poison] = draw(st.sampled_from(finite))
     # (B, Hkv, Nk) -> (B, H, Nq, Nk): a query row sees a poisoned key of its kv head
     poison_h = poison.repeat_interleave(H // hkv, dim=1)[:, :, None, :]
     clean_rows = ~(keep & poison_h).any(-1)  # (B, H, Nq)
-    return Case(dict(case=c, entry=entry, k=k, v=v, rows=clean_rows),
+    return Case(dict(case=c, entry=entry, k=k, v=v, rows=clean_rows, huge_values=huge_values),
                 note=f"{entry} {int(poison.sum())} keys = {value}, "
                      f"{int(clean_rows.sum())} rows see none ")
 
@@ -1934,6 +1935,18 @@ def check_masked_keys(p: Case) -> None:
     dirty = run_batched(wrapper, k=p.k, v=p.v)
     rows = p.rows
     where = "the queries that see no poisoned key"
+    if p.huge_values:
+        # a value near the dtype's largest in a tile shifts that tile's exponent offset (the
+        # accumulator's overflow guard), so the tile's other rows may move by rounding: within
+        # one sequence, as a masked value's 0·NaN may (DESIGN.md); never across sequences
+        for name, i in (("out", 0), ("lse", 1)):
+            a, b = clean[i][rows].double(), dirty[i][rows].double()
+            eps = torch.finfo(clean[i].dtype).eps
+            assert torch.equal(a.isnan(), b.isnan()), f"{name} of {where}: NaN appeared"
+            err = (a - b).nan_to_num(0.0).abs().max().item() if a.numel() else 0.0
+            scale = a.nan_to_num(0.0).abs().max().item() if a.numel() else 0.0
+            assert err <= 4 * eps * max(1.0, scale), f"{name} of {where} moved by {err:g}"
+        return
     assert_same_bits("out", clean[0][rows], dirty[0][rows], where)
     assert_same_bits("lse", clean[1][rows], dirty[1][rows], where)
 
