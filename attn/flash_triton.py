@@ -681,25 +681,38 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, Alibi, DCap,
 
 
 @triton.jit
+def _p_dp(q, do, lse, K, V, offs_m, offs_n, cap, slope, scale, KSTR, VSTR, MASK, BAND, DROP,
+          HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+          BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, BANDED: tl.constexpr,
+          MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+          HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of the dQ loops: Kᵀ, P recomputed from lse, dP = dO Vᵀ (dropout-scaled)
+    and the softcap's tanh, shared by ``_dq_inner`` and ``_delta_inner``."""
+    kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
+                             HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
+                             HAS_ALIBI, DOT_PRECISION)
+    p = tl.exp(s - lse[:, None])
+    vT = _load_cols(V, offs_n, VSTR, BAND[1], HEAD_DIM_V, BLOCK_DV, MASKED)
+    dp = _dot(do, vT, None, DOT_PRECISION)
+    if HAS_DROPOUT:
+        dp = dp * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
+    return kT, p, dp, t
+
+
+@triton.jit
 def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK,
               BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
-    N_K = BAND[1]
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # -- recompute P from lse --
-        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
-                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
-                                 HAS_ALIBI, DOT_PRECISION)
-        p = tl.exp(s - lse[:, None])
-        # -- dS = P ∘ (dP − Δ) --
-        vT = _load_cols(V, offs_n, VSTR, N_K, HEAD_DIM_V, BLOCK_DV, MASKED)
-        dp = _dot(do, vT, None, DOT_PRECISION)
-        if HAS_DROPOUT:
-            dp = dp * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
+        # -- recompute P from lse; dS = P ∘ (dP − Δ) --
+        kT, p, dp, t = _p_dp(q, do, lse, K, V, offs_m, offs_n, cap, slope, scale, KSTR, VSTR,
+                             MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED,
+                             BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                             DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -726,17 +739,12 @@ def _delta_inner(delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, scal
     would be the whole gradient. The caller divides by Σ P: at logits of 1e3 and up, P
     recomputed from one float32 lse is off by a common factor of up to e^(ulp(lse)), which
     the quotient cancels."""
-    N_K = BAND[1]
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
-                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
-                                 HAS_ALIBI, DOT_PRECISION)
-        p = tl.exp(s - lse[:, None])
-        vT = _load_cols(V, offs_n, VSTR, N_K, HEAD_DIM_V, BLOCK_DV, MASKED)
-        dp = _dot(do, vT, None, DOT_PRECISION)
-        if HAS_DROPOUT:
-            dp = dp * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
+        kT, p, dp, t = _p_dp(q, do, lse, K, V, offs_m, offs_n, cap, slope, scale, KSTR, VSTR,
+                             MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED,
+                             BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                             DOT_PRECISION)
         delta += tl.sum(p * dp, 1)
         psum += tl.sum(p, 1)
     return delta, psum
