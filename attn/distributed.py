@@ -64,8 +64,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attn.api import (AttentionCall, _positive, _validate_dropout, _validate_qkv,
-                      _validate_sinks, select_backend)
+from attn.call import (AttentionCall, _positive, _validate_dropout, _validate_qkv,
+                       _validate_sinks, acc_dtype, select_backend)
+from attn.call import _draw_seed as _local_seed
 from attn.grads import reduce_to, sink_grad
 from attn.masks import make_band, window_pair
 from attn.merge import _merge_trusted
@@ -330,9 +331,7 @@ def _draw_seed(dropout_p: float, group) -> int:
     """attention's seed draw on every rank (generators stay in step), rank 0's value wins."""
     if dropout_p == 0.0:
         return 0
-    from attn.api import _draw_seed as draw
-
-    seed = torch.tensor([draw(dropout_p)], dtype=torch.int64)
+    seed = torch.tensor([_local_seed(dropout_p)], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
         seed = seed.cuda()
     dist.broadcast(seed, src=_peer(group, 0), group=group)
@@ -359,7 +358,7 @@ def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperatur
     band = make_band(n_q, n_k, causal=causal, window=window_pair(window))
     if scale is None:
         scale = D ** -0.5
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     qk_scale, eff_scale = float(scale), None
     if isinstance(temperature, Tensor):
         # folded into q in the accumulation dtype, as attn.api does: autograd carries τ's grad
@@ -502,7 +501,7 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
     stats = last_ring_stats = RingStats()
     fwd, _ = _launchers(c.backend)
     B, H, n_l, _ = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     q_pieces = _pieces(c.q_ranges[c.rank])
     # running state per query piece; the sinks are one more partial, with zero values
     state = []
@@ -546,7 +545,7 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
     global last_ring_backward_stats
     stats = last_ring_backward_stats = RingStats()
     _, bwd = _launchers(c.backend)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dcap = None
     if cap_t is not None and need_dcap:

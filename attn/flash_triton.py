@@ -87,7 +87,7 @@ _SATURATED_LOGL = tl.constexpr(SATURATED_LOG2L * 0.6931471805599453)
 
 
 def unsupported_reason(call) -> str | None:
-    """Why the triton backend cannot compute ``call`` (an ``attn.api.AttentionCall``), or None."""
+    """Why the triton backend cannot compute ``call`` (an ``attn.call.AttentionCall``), or None."""
     if call.device == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             return "triton needs CUDA (on CPU only in the interpreter, TRITON_INTERPRET=1)"

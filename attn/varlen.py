@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor
 
+from attn.call import acc_dtype
 from attn.masks import Band, classify_band, make_band, window_pair
 from attn.tiled import SequenceBlocks
 
@@ -412,12 +413,12 @@ def _reference(q, k, v, cu_q: list[int], cu_k: list[int], causal, window, *, sca
     H = q.shape[1]
     scale, temperature, softcap = _keywords(q, scale, temperature, softcap, sinks)
     if isinstance(temperature, Tensor):  # (1, H, 1, 1), in q's dtype like the reference
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(q.dtype)
         scale = (scale / temperature.to(acc)).expand(H).view(1, H, 1, 1).to(q.dtype)
     else:
         scale = scale / temperature
     seed = api._draw_seed(dropout_p)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_dtype = acc_dtype(q.dtype)
     outs, lses = [], []
     for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
         if q1 == q0:

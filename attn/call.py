@@ -1,0 +1,294 @@
+"""The one place a call is checked and its backend chosen: input checks shared by every
+entry point, ``AttentionCall`` (a call without tensors), ``select_backend``, and the rules
+every entry point follows (accumulation dtype, dropout seed).
+
+The entry points (:mod:`attn.api`, :mod:`attn.varlen`, :mod:`attn.flex`,
+:mod:`attn.distributed`) sit above; the backends below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attn import tiled
+from attn.masks import Band
+
+
+BACKENDS = ("auto", "reference", "tiled", "triton", "sdpa")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What a backend needs to know to say whether it can run a call (no tensors inside)."""
+
+    device: str  # "cpu", "cuda", ...
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    n_q: int
+    n_k: int
+    band: Band = Band()
+    mask: str | None = None  # None, "bool" or "float"
+    mask_grad: bool = False  # a float attn_mask that requires grad
+    softcap: str | None = None  # None, "fixed" or "learned"
+    sinks: bool = False
+    temperature_tensor: bool = False
+    dropout: bool = False
+    return_lse: bool = False
+    score_mod: bool = False  # a FlexAttention score_mod (attn.flex)
+    mask_mod: bool = False  # a mask_mod or block mask (attn.flex)
+    varlen: bool = False  # packed sequences (attn.varlen; n_q / n_k are the longest ones)
+    alibi: bool = False  # ALiBi slopes
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str
+    reason: str  # why this backend, and why not the preferred one when it fell back
+
+
+def _mods_unsupported(call: AttentionCall, native_varlen: bool = False) -> str | None:
+    if call.score_mod or call.mask_mod:
+        return ("score_mod / mask_mod / block masks (run by the tiled backend, which applies "
+                "them per tile)")
+    if call.varlen and not native_varlen:
+        return "packed varlen sequences (tiled and triton run them)"
+    return None
+
+
+def _sdpa_unsupported(call: AttentionCall) -> str | None:
+    if call.softcap is not None:
+        return "softcap (torch's SDPA has no score transform)"
+    if call.sinks:
+        return "sinks (torch's SDPA has no extra softmax denominator term)"
+    if call.alibi:
+        return ("alibi_slopes (torch's SDPA would need the (Nq, Nk) bias materialized as a "
+                "float mask)")
+    if call.return_lse:
+        return "return_lse (torch's SDPA does not return the log-sum-exp)"
+    if call.dropout:
+        return ("dropout (torch's SDPA draws its own mask from its own generator; attn's "
+                "hash-based mask, shared by the other backends, cannot be passed to it)")
+    if call.dtype == torch.float64 and call.device != "cpu":
+        return "float64 off the CPU"
+    return None
+
+
+def _triton_unsupported(call: AttentionCall) -> str | None:
+    try:
+        from attn import flash_triton
+    except ImportError as exc:  # triton missing, or the module not built on this platform
+        return f"triton is not importable ({exc}); install the extra: pip install 'attn[triton]'"
+    return flash_triton.unsupported_reason(call)
+
+
+def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
+    """Why ``backend`` cannot compute ``call`` exactly, or None when it can."""
+    if backend in ("reference", "tiled"):
+        return None
+    if backend == "sdpa":
+        return _mods_unsupported(call) or _sdpa_unsupported(call)
+    if backend == "triton":
+        return _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoice:
+    """The backend that runs ``call``: pure, cheap, and it explains itself.
+
+    ``auto`` prefers ``triton`` on CUDA and falls back to ``tiled`` (every device, every
+    variant). An explicit request that cannot compute the call raises NotImplementedError.
+    """
+    if not isinstance(call, AttentionCall):
+        raise TypeError(f"call must be an AttentionCall (attn.api.AttentionCall), got "
+                        f"{type(call).__name__}")
+    if not isinstance(requested, str):
+        raise TypeError(f"backend must be a str, one of {BACKENDS}, got "
+                        f"{type(requested).__name__}")
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested != "auto":
+        why = unsupported_reason(requested, call)
+        if why is not None:
+            raise NotImplementedError(
+                f"backend={requested!r} cannot compute this call: {why}. "
+                f"backend='tiled' and backend='reference' support every variant.")
+        if requested == "tiled":
+            return BackendChoice("tiled", "requested explicitly; "
+                                          f"{tiled.fused_path_reason(call.device)}")
+        return BackendChoice(requested, "requested explicitly")
+    if call.device != "cuda":
+        return BackendChoice("tiled", f"auto: tiled on {call.device} (triton needs CUDA); "
+                                      f"{tiled.fused_path_reason(call.device)}")
+    why = _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
+    if why is None:
+        return BackendChoice("triton", "auto: triton on CUDA")
+    return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}; "
+                                  f"{tiled.fused_path_reason(call.device)}")
+
+
+# -- validation --------------------------------------------------------------------------------
+
+def _check_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _validate_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v"),
+                  layout: str = "(B, H, N, D)", *, allow_empty: bool = False,
+                  shown: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+    """Rank, dtype, device and shape agreement of q, k, v (4-d, heads before positions).
+
+    ``names``: what the caller called the three tensors (``query``/``key``/``value``,
+    ``k_cache``, ...), so a message names the argument the user passed; ``layout``: the
+    caller's layout, for the rank message; ``shown``: the caller's own tensors when q, k, v
+    are views of them in another shape (the drop-in's flattened batch dims), for the shapes
+    in messages. ``allow_empty``: the batch and the lengths may be 0 (the sizes data gives);
+    heads and head dims (the sizes a model fixes) never may."""
+    nq, nk, nv = names
+    for name, t in zip(names, (q, k, v)):
+        _check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    sq, sk, sv = (tuple(t.shape) for t in (shown or (q, k, v)))
+    shapes = f"{nq} {sq}, {nk} {sk}, {nv} {sv}"
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{nq}, {nk}, {nv} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{nq}, {nk}, {nv} must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: {shapes}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{nq} and {nk} head dims differ: {shapes}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"{nk} and {nv} must agree in heads and length: {shapes}")
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        raise ValueError(f"{nq} and {nk} need at least one head each: {shapes}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"{nq} heads must be a multiple of kv heads ({nk}'s, GQA), got "
+                         f"H={q.shape[1]}, Hkv={k.shape[1]}: {shapes}")
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError(f"{nq}, {nk}, {nv} need a head dim of at least 1: {shapes}")
+    if not allow_empty and (0 in q.shape or 0 in k.shape):
+        raise ValueError(f"{nq}, {nk}, {nv} must not be empty: {shapes}")
+
+
+def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...], q_name: str = "q"
+                   ) -> None:
+    _check_tensor("attn_mask", attn_mask)
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = attend) or floating (added to the "
+                        f"scores), got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device}, {q_name} on {q.device}")
+    ok = attn_mask.dim() <= 4
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(tuple(attn_mask.shape), shape) == shape
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"(B, H, Nq, Nk) = {shape}")
+
+
+def _validate_sinks(sinks: object, H: int, q: Tensor) -> None:
+    _check_tensor("sinks", sinks)
+    if sinks.shape != (H,):
+        raise ValueError(f"sinks must have shape (H,) = ({H},), got {tuple(sinks.shape)}")
+    if not sinks.is_floating_point() or sinks.device != q.device:
+        raise TypeError(f"sinks must be a floating tensor on {q.device}, got {sinks.dtype} "
+                        f"on {sinks.device}")
+
+
+def _validate_alibi(slopes: object, lead: int, lead_name: str, H: int, q: Tensor) -> Tensor:
+    """ALiBi slopes ``(H,)`` or ``(lead, H)`` → ``(lead, H)`` (a view): floating, on q's
+    device, and constants (no gradient flows to them, as in flash-attn)."""
+    _check_tensor("alibi_slopes", slopes)
+    if slopes.shape not in ((H,), (lead, H)):
+        raise ValueError(f"alibi_slopes must have shape (H,) = ({H},) or ({lead_name}, H) = "
+                         f"({lead}, {H}), got {tuple(slopes.shape)}")
+    if not slopes.is_floating_point():
+        raise TypeError(f"alibi_slopes must be floating (float32 recommended), got "
+                        f"{slopes.dtype}")
+    if slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {slopes.device}, q on {q.device}")
+    if slopes.requires_grad:
+        raise ValueError("alibi_slopes requires grad, but no gradient flows to the slopes "
+                         "(they are constants, as in flash-attn): pass alibi_slopes.detach()")
+    return slopes.expand(lead, H)
+
+
+def _validate_dropout(dropout_p: object) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor,
+              q_name: str = "q") -> float | Tensor:
+    """A positive finite float, or a floating tensor of positive finite values that
+    broadcasts to ``shape_ok``."""
+    if isinstance(x, Tensor):
+        if not x.is_floating_point():
+            raise TypeError(f"{name} tensor must be floating, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, {q_name} on {q.device}")
+        try:
+            ok = x.dim() <= len(shape_ok) and torch.broadcast_shapes(x.shape, shape_ok) == shape_ok
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {shape_ok}")
+        # a data-dependent check (one host sync per call): skipped while torch.compile traces,
+        # so that it does not break the graph. Written as "not (finite and > 0)" because NaN
+        # fails every comparison and would pass "x <= 0".
+        if not torch.compiler.is_compiling():
+            bad = ~(torch.isfinite(x) & (x > 0))
+            if bool(bad.any()):
+                at = tuple(bad.nonzero()[0].tolist())
+                raise ValueError(f"{name} must be positive and finite, got {x[at].item()} at "
+                                 f"index {at} of {name} {tuple(x.shape)}")
+        return x
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a float or a tensor, got {type(x).__name__}")
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be positive and finite, got {x}")
+    return float(x)
+
+
+def _check_mods(score_mod, mask_mod, q: Tensor) -> None:
+    """Callables, and a mask_mod that returns bool: one probe on a single (0, 0, 0, 0)
+    element so a wrong dtype fails before any backend runs (the codebase's rule: TypeError)."""
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be callable, got {type(score_mod).__name__}")
+    if mask_mod is not None:
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
+        keep = mask_mod(zero, zero, zero, zero)
+        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+            what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
+            raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
+
+
+def _draw_seed(dropout_p: float) -> int:
+    if dropout_p == 0.0:
+        return 0
+    # from torch's default generator, so torch.manual_seed makes dropout reproducible
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of a call in ``dtype``: float64 stays, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
