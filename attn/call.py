@@ -16,6 +16,7 @@ from torch import Tensor
 
 from attn import tiled
 from attn.masks import Band
+from attn.spec import acc_dtype  # noqa: F401  (the rule every entry point follows)
 
 
 BACKENDS = ("auto", "reference", "tiled", "triton", "sdpa")
@@ -287,8 +288,3 @@ def _draw_seed(dropout_p: float) -> int:
         return 0
     # from torch's default generator, so torch.manual_seed makes dropout reproducible
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype of a call in ``dtype``: float64 stays, everything else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
 from attn.masks import module_window
+from attn.spec import acc_dtype
 from attn.varlen import position_ids, varlen_attention
 
 QK_NORM_KINDS = ("l2", "rms", "layer")
@@ -100,7 +101,7 @@ class QKNorm(nn.Module):
         return 1.0 if self.config.kind == "l2" else None
 
     def _norm(self, x: Tensor, weight: Tensor | None) -> Tensor:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(x.dtype)
         y = x.to(acc)
         eps = self.config.eps
         if self.config.kind == "l2":
@@ -119,7 +120,7 @@ class QKNorm(nn.Module):
                 raise ValueError(f"QKNorm(head_dim {self.head_dim}) normalises over the last "
                                  f"dim, got {name} of shape {tuple(t.shape)}")
         if self.config.kind == "l2":
-            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            acc = acc_dtype(q.dtype)
             qn = self._norm(q, None) * self.g.to(acc)
             kn = self._norm(k, None)
         else:
@@ -156,7 +157,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding(head_dim {self.head_dim}) rotates x (B, H, N, "
                              f"{self.head_dim}), got x of shape {tuple(x.shape)}")
         B, _, N, _ = x.shape
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(x.dtype)
         # Not a buffer: Module.to(dtype) would round a float64 buffer to the model's dtype.
         f64 = dict(device=x.device, dtype=torch.float64)
         inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, **f64) / self.head_dim)

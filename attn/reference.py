@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from attn.masks import Band, dropout_keep, dropout_keep_rows
+from attn.spec import acc_dtype
 
 
 class _QK(torch.autograd.Function):
@@ -125,5 +126,5 @@ def reference_attention(
                             torch.arange(Nk, device=q.device), dropout_p)
         p = p * keep / (1.0 - dropout_p)
     out = p @ v
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_dtype = acc_dtype(q.dtype)
     return out.to(q.dtype), lse.to(lse_dtype)

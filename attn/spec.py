@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import torch
+
 from attn.masks import (PARTIAL, Band, Blocks, band_kinds, classify_band, classify_grid,
                         combine_kinds)
 
@@ -89,3 +91,9 @@ class LaunchSpec:
         return replace(self, q_start=self.q_start + q_start, k_start=self.k_start + k_start,
                        head_start=self.head_start + head_start,
                        heads_total=heads_total if heads_total is not None else self.heads_total)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation (and lse) dtype of a call in ``dtype``: float64 stays, every other
+    dtype accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -33,6 +33,7 @@ from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import Blocks, as_4d, dropout_keep, dropout_keep_rows
 from attn.spec import LaunchSpec
+from attn.spec import acc_dtype as _acc_dtype
 
 # Chosen by measurement (scripts/tune_tiled_blocks.py; benchmarks/results/tiled_blocks_cpu.md):
 # on 2 CPU cores, fp32, B=1, H=8, D=64, causal, 256 x 256 was fastest or tied at N = 4096
@@ -78,9 +79,6 @@ POOL_MIN_SCORES = 64 << 20
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _mask4d(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:

@@ -68,6 +68,7 @@ from attn.compat.errors import FlashAttnError, translating
 from attn.compat.rotary import rotate_at
 from attn.varlen import varlen_attention
 from attn.api import attention
+from attn.spec import acc_dtype
 
 __all__ = ["FlashAttnError", "flash_attn_func", "flash_attn_kvpacked_func",
            "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -602,7 +603,7 @@ def _no_keys(q: Tensor, B: int, Dv: int) -> tuple[Tensor, Tensor]:
     """out and flash-attn's lse of ``B`` rows of q ``(·, Nq, H, D)`` that see no key: zeros
     and +inf."""
     _, Nq, H, _ = q.shape
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_dtype = acc_dtype(q.dtype)
     return (q.new_zeros(B, Nq, H, Dv),
             torch.full((B, H, Nq), float("inf"), device=q.device, dtype=lse_dtype))
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from attn.compat.errors import FlashAttnError
+from attn.spec import acc_dtype
 
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "rotate_at"]
 
@@ -51,7 +52,7 @@ def rotate_at(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleave
         raise _error(f"{table[0]}/{table[1]} have {cos.shape[0]} rows; {name} needs positions "
                      f"from {int(positions.min())} up to {int(positions.max())} (shape "
                      f"{tuple(x.shape)})")
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x.dtype)
     pos = positions.to(cos.device).long()
     c = cos.to(acc)[pos].unsqueeze(2)  # (B, N, 1, rd/2): one angle per pair, all heads
     s = sin.to(acc)[pos].unsqueeze(2)
