@@ -18,9 +18,10 @@ shard reproduces the unsharded computation bit for bit, dropout mask included.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
+from torch import Tensor
 
 from attn.masks import (PARTIAL, Band, Blocks, band_kinds, classify_band, classify_grid,
                         combine_kinds)
@@ -54,6 +55,10 @@ class LaunchSpec:
     # (offs_m, offs_n) -> (sequence per row, query positions, key positions), both counted
     # from their own sequence's end, and each row takes its sequence's slopes
     alibi_rows: Callable | None = None
+    # packed sequences (operands.cu_seqlens_q / _k set): the longest query and key sequence,
+    # which size the launch grid; the band is then per sequence, end-relative
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
 
     def local_band(self) -> Band:
         """The band in this call's own positions: query i is global ``q_start + i``."""
@@ -91,6 +96,21 @@ class LaunchSpec:
         return replace(self, q_start=self.q_start + q_start, k_start=self.k_start + k_start,
                        head_start=self.head_start + head_start,
                        heads_total=heads_total if heads_total is not None else self.heads_total)
+
+
+class Operands(NamedTuple):
+    """The optional tensors of one call, beside its :class:`LaunchSpec`: launchers take
+    ``(q, k, v, spec, operands)``. The autograd Functions receive every field that can need a
+    gradient as an explicit argument (pinned) and rebuild the bundle inside; nothing else
+    flattens it. A new optional tensor (k/v scales, a block table) is a field here."""
+
+    attn_mask: Tensor | None = None  # bool, or float with -inf for masked; broadcast to 4-d
+    sinks: Tensor | None = None  # (H,) learnable extra softmax denominator term
+    softcap: Tensor | None = None  # a learnable cap broadcastable to (H,); a fixed one is spec's
+    alibi: Tensor | None = None  # ALiBi slopes (B, H), packed (sequences, H); constants
+    captured: tuple[Tensor, ...] = ()  # tensors spec.score_mod reads that need a gradient
+    cu_seqlens_q: Tensor | None = None  # packed sequences: (sequences + 1,) int32 offsets
+    cu_seqlens_k: Tensor | None = None
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
