@@ -1,4 +1,4 @@
-"""Public entry points: validation, then one backend.
+"""Public entry points: their conventions, then :mod:`attn.call` resolves and runs the call.
 
 ``attention`` is attn's own signature (bottom-right causal, every variant);
 ``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
@@ -10,176 +10,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from attn import mods
 # the checks and the backend choice live in attn.call; their names stay importable from here
-from attn.call import (BACKENDS, _FLOAT_DTYPES, AttentionCall, BackendChoice, _check_mods,
-                       _check_tensor, _draw_seed, _positive, _validate_alibi, _validate_dropout,
-                       _validate_mask, _validate_qkv, _validate_sinks, acc_dtype, select_backend,
+from attn.call import (BACKENDS, _FLOAT_DTYPES, AttentionCall, BackendChoice,  # noqa: F401
+                       _check_mods, _check_tensor, _draw_seed, _positive, _validate_alibi,
+                       _validate_dropout, _validate_mask, _validate_qkv, _validate_sinks,
+                       acc_dtype, attend, resolve, run, select_backend,
                        unsupported_reason)
-from attn.masks import Band, make_band, simplify_mask, window_pair
-from attn.reference import reference_attention
-from attn.spec import LaunchSpec
-from attn.tiled import tiled_attention
-
-# -- torch's SDPA as a backend, for side-by-side comparison ------------------------------------
-
-def _sdpa_forward(q, k, v, *, band, attn_mask, scale, **_unused):
-    Nq, Nk = q.shape[2], k.shape[2]
-    is_causal = False
-    if not band.is_full:
-        # torch's own causal path, top-left == ours when offset is 0. It gives NaN unless the
-        # scale is positive in q's dtype (it masks with -inf before scaling, and -inf * 0 or
-        # a flipped sign breaks the softmax): other scales take the bool mask below.
-        fast_scale = isinstance(scale, Tensor) or scale >= torch.finfo(q.dtype).tiny
-        if (attn_mask is None and band.left is None and band.right == 0 and band.offset == 0
-                and fast_scale):
-            is_causal = True
-        else:
-            allowed = band.mask(torch.arange(Nq, device=q.device),
-                                torch.arange(Nk, device=q.device))
-            if attn_mask is None:
-                attn_mask = allowed
-            elif attn_mask.dtype == torch.bool:
-                attn_mask = attn_mask & allowed
-            else:
-                attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
-    if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
-        attn_mask = attn_mask.to(q.dtype)
-    if isinstance(scale, Tensor):  # per-head temperature: fold into q, autograd does the rest
-        q, scale = q * scale.to(q.dtype), 1.0
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1])
-    return out, None
-
-
-def _run(backend: str, q, k, v, *, band, attn_mask, scale, softcap, sinks, dropout_p,
-         dropout_seed, block_m=None, block_n=None, score_mod=None, mask_mod=None,
-         mask_blocks=None, dropout_rows=None, alibi=None, alibi_rows=None
-         ) -> tuple[Tensor, Tensor | None]:
-    if backend == "reference":
-        if isinstance(scale, Tensor):
-            scale = scale.to(q.dtype)  # plain PyTorch in q's dtype, like the rest of the reference
-        return reference_attention(q, k, v, scale=scale, band=band, attn_mask=attn_mask,
-                                   softcap=softcap, sinks=sinks, dropout_p=dropout_p,
-                                   dropout_seed=dropout_seed, score_mod=score_mod,
-                                   mask_mod=mask_mod, dropout_rows=dropout_rows,
-                                   alibi_slopes=alibi, alibi_rows=alibi_rows)
-    if backend == "sdpa":
-        return _sdpa_forward(q, k, v, scale=scale, band=band, attn_mask=attn_mask)
-    if isinstance(scale, Tensor):
-        # temperature folded into q in float32: the kernels see a plain q, autograd handles τ
-        acc = acc_dtype(q.dtype)
-        q, scale = q.to(acc) * scale.to(acc), 1.0
-    cap_t = softcap if isinstance(softcap, Tensor) else None
-    spec = LaunchSpec(qk_scale=float(scale), band=band,
-                      softcap=None if cap_t is not None else softcap,
-                      dropout_p=float(dropout_p), dropout_seed=int(dropout_seed),
-                      block_m=block_m, block_n=block_n, dropout_rows=dropout_rows,
-                      alibi_rows=alibi_rows)
-    if backend == "tiled":
-        captured = ()
-        if score_mod is not None or mask_mod is not None:
-            spec, captured = mods.mod_spec(spec, q, k, score_mod, mask_mod, mask_blocks)
-        out, lse = tiled_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
-                                   sinks=sinks, captured=captured, alibi=alibi)
-    else:
-        from attn.flash_triton import triton_attention
-        out, lse = triton_attention(q, k, v, spec, attn_mask=attn_mask, softcap=cap_t,
-                                    sinks=sinks, alibi=alibi)
-    return out.to(v.dtype), lse
-
-
-def _no_keys(q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None, linked: tuple
-             ) -> tuple[Tensor, Tensor]:
-    """The answer of a call with no key (Nk = 0) or an empty output: zeros, and lse = -inf
-    (or the sink) for every row, as for a row that a mask hides from every key.
-
-    Gradients are those of that definition: zeros for q, k, v and every tensor in
-    ``linked`` (temperature, softcap, a float mask, a score_mod's captures), the sinks'
-    through the lse. The zeros are tied to the inputs through sums over empty slices, which
-    are 0 with a zero gradient whatever the values (no 0 * NaN)."""
-    B, H, Nq, _ = q.shape
-    acc = acc_dtype(q.dtype)
-    tie = torch.zeros((), dtype=acc, device=q.device)
-    for t in (q, k, v) + linked:
-        if isinstance(t, Tensor) and t.requires_grad:
-            tie = tie + t.reshape(-1)[:0].sum().to(acc)
-    out = torch.zeros(B, H, Nq, v.shape[-1], dtype=acc, device=q.device) + tie
-    if sinks is None:
-        lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
-    else:
-        lse = sinks.to(acc).view(1, H, 1).expand(B, H, Nq)
-    return out.to(v.dtype), lse + tie
-
-
-def _attention(q, k, v, *, band: Band, attn_mask, scale, temperature, softcap, sinks,
-               dropout_p, return_lse, backend, block_m=None, block_n=None, score_mod=None,
-               mask_mod=None, mask_blocks=None, dropout_rows=None, alibi_slopes=None,
-               alibi_rows=None, q_name: str = "q"):
-    """Shared by both public functions once their conventions are resolved into a Band.
-    ``score_mod`` / ``mask_mod`` / ``mask_blocks``: see :func:`attn.mods.mod_spec`.
-    ``alibi_rows`` (packed sequences): ``alibi_slopes`` already validated as (sequences, H).
-    ``q_name``: the caller's name for q, for messages. No key (Nk = 0) or an empty output
-    (B or Nq = 0): see :func:`_no_keys`, the same on every backend."""
-    B, H, Nq, D = q.shape
-    for name, b in (("block_m", block_m), ("block_n", block_n)):
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"{name} must be a positive int or None, got {b!r}")
-    Nk, Dv = k.shape[2], v.shape[3]
-    empty = Nk == 0 or B == 0 or Nq == 0
-    _check_mods(score_mod, mask_mod, q)
-    if attn_mask is not None:
-        _validate_mask(attn_mask, q, (B, H, Nq, Nk), q_name)
-        if not empty and not torch.compiler.is_compiling():  # data-dependent: eager only
-            simpler = simplify_mask(attn_mask, band)
-            if simpler is not None:  # causal/band + key padding: no N x N reads per tile
-                band, attn_mask = simpler
-    if scale is None:
-        scale = D ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    temperature = _positive("temperature", temperature, (B, H), q, q_name)
-    if softcap is not None:
-        softcap = _positive("softcap", softcap, (H,), q, q_name)
-    if sinks is not None:
-        _validate_sinks(sinks, H, q)
-    dropout_p = _validate_dropout(dropout_p)
-    if alibi_slopes is not None and alibi_rows is None:
-        alibi_slopes = _validate_alibi(alibi_slopes, B, "B", H, q)
-
-    if isinstance(temperature, Tensor):
-        eff_scale = (scale / temperature.to(acc_dtype(q.dtype))).expand(B, H)[..., None, None]
-    else:
-        eff_scale = scale / temperature
-
-    call = AttentionCall(
-        device=q.device.type, dtype=q.dtype, head_dim=D, head_dim_v=Dv, n_q=Nq, n_k=Nk,
-        band=band,
-        mask=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
-        mask_grad=attn_mask is not None and attn_mask.requires_grad,
-        softcap=None if softcap is None else ("learned" if isinstance(softcap, Tensor) else "fixed"),
-        sinks=sinks is not None, temperature_tensor=isinstance(temperature, Tensor),
-        dropout=dropout_p > 0.0, return_lse=bool(return_lse),
-        score_mod=score_mod is not None,
-        mask_mod=mask_mod is not None or mask_blocks is not None,
-        alibi=alibi_slopes is not None)
-    choice = select_backend(call, backend)  # refuses what the backend asked for cannot do
-    if empty:
-        linked = (temperature, softcap, attn_mask)
-        if score_mod is not None and torch.is_grad_enabled():
-            linked += mods.captured_tensors(score_mod)
-        out, lse = _no_keys(q, k, v, sinks=sinks, linked=linked)
-        return (out, lse) if return_lse else out
-    out, lse = _run(choice.name, q, k, v, band=band, attn_mask=attn_mask, scale=eff_scale,
-                    softcap=softcap, sinks=sinks, dropout_p=dropout_p,
-                    dropout_seed=_draw_seed(dropout_p), block_m=block_m, block_n=block_n,
-                    score_mod=score_mod, mask_mod=mask_mod, mask_blocks=mask_blocks,
-                    dropout_rows=dropout_rows, alibi=alibi_slopes, alibi_rows=alibi_rows)
-    return (out, lse) if return_lse else out
+from attn.masks import make_band, window_pair
 
 
 def attention(
@@ -250,7 +89,7 @@ def attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))
-    return _attention(q, k, v, band=band, attn_mask=attn_mask, scale=scale,
+    return attend(q, k, v, band=band, attn_mask=attn_mask, scale=scale,
                       temperature=temperature, softcap=softcap, sinks=sinks,
                       dropout_p=dropout_p, return_lse=return_lse, backend=backend,
                       block_m=block_m, block_n=block_n, score_mod=score_mod,
@@ -326,7 +165,7 @@ def scaled_dot_product_attention(
         else:  # flatten leading batch dims: (..., H, L, S) -> (B, H, L, S)
             mask4 = attn_mask.expand(*query.shape[:-1], S).reshape(B, *query.shape[-3:-1], S)
     band = make_band(L, S, causal=bool(is_causal), window=None, top_left=True)
-    out = _attention(q4, k4, v4, band=band, attn_mask=mask4, scale=scale, temperature=1.0,
+    out = attend(q4, k4, v4, band=band, attn_mask=mask4, scale=scale, temperature=1.0,
                      softcap=None, sinks=None, dropout_p=dropout_p, return_lse=False,
                      backend=backend, q_name="query")
     return out.reshape(*query.shape[:-1], value.shape[-1])

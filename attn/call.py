@@ -1,9 +1,18 @@
-"""The one place a call is checked and its backend chosen: input checks shared by every
-entry point, ``AttentionCall`` (a call without tensors), ``select_backend``, and the rules
-every entry point follows (accumulation dtype, dropout seed).
+"""The one place a call is checked, resolved and dispatched: input checks shared by every
+entry point, ``AttentionCall`` (a call without tensors), ``select_backend``,
+:func:`resolve` (a call's arguments → its ``AttentionCall``, ``LaunchSpec`` and ``Operands``)
+and :func:`run` (one backend on a resolved call), and the rules every entry point follows
+(accumulation dtype, dropout seed).
 
-The entry points (:mod:`attn.api`, :mod:`attn.varlen`, :mod:`attn.flex`,
-:mod:`attn.distributed`) sit above; the backends below.
+Every entry point (:mod:`attn.api`, :mod:`attn.varlen`, :mod:`attn.flex`,
+:mod:`attn.distributed`) is the same three lines::
+
+    call, spec, ops = resolve(q, k, v, band=..., **options)
+    choice = select_backend(call, backend)
+    out, lse = run(choice.name, q, k, v, spec, ops)
+
+with its own conventions (argument names, layouts, the band's alignment, a distributed
+seed) settled before. The backends sit below.
 """
 
 from __future__ import annotations
@@ -14,9 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attn import tiled
-from attn.masks import Band
-from attn.spec import acc_dtype  # noqa: F401  (the rule every entry point follows)
+from attn import mods, tiled
+from attn.masks import Band, simplify_mask
+from attn.reference import reference_attention, reference_packed
+from attn.sdpa import sdpa_attention
+from attn.spec import LaunchSpec, Operands, acc_dtype
 
 
 BACKENDS = ("auto", "reference", "tiled", "triton", "sdpa")
@@ -288,3 +299,191 @@ def _draw_seed(dropout_p: float) -> int:
         return 0
     # from torch's default generator, so torch.manual_seed makes dropout reproducible
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def _check_block(name: str, b: object) -> None:
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {b!r}")
+
+
+def _check_scale(scale: object, D: int) -> float:
+    """The public ``scale``: a finite float, or None for ``D ** -0.5``."""
+    if scale is None:
+        return D ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    return float(scale)
+
+
+def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | None = None,
+            scale: float | None = None, temperature: float | Tensor = 1.0,
+            softcap: float | Tensor | None = None, sinks: Tensor | None = None,
+            dropout_p: float = 0.0, dropout_seed: int | None = None, return_lse: bool = False,
+            block_m: int | None = None, block_n: int | None = None, score_mod=None,
+            mask_mod=None, mask_blocks=None, dropout_rows=None,
+            alibi_slopes: Tensor | None = None, alibi_rows=None,
+            cu_seqlens: tuple[Tensor, Tensor] | None = None,
+            max_seqlen: tuple[int, int] | None = None, q_name: str = "q"
+            ) -> tuple[AttentionCall, LaunchSpec, Operands]:
+    """Check a call's options and turn them into what a backend runs.
+
+    q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), already checked by the entry
+    point in its own layout; ``band`` in its convention (bottom-right, top-left, global or
+    per packed sequence). Scale and temperature fold into ``spec.qk_scale`` (a tensor
+    temperature into ``operands.q_scale``, which :func:`run` folds into q); a fixed softcap
+    goes to the spec, a learnable one to the operands; a bool or float mask that is only a
+    band plus key padding becomes a band and a smaller mask (eager only). ``dropout_seed``:
+    None draws it from torch's generator (:func:`_draw_seed`), as ``attention`` does.
+    ``cu_seqlens`` / ``max_seqlen``: packed sequences laid out as one batch row (1, H, total,
+    D); ``alibi_slopes`` are then (sequences, H), checked by the caller. ``score_mod`` /
+    ``mask_mod`` / ``mask_blocks``: see :func:`attn.mods.mod_spec` (run() classifies them
+    for the tiled backend). ``q_name``: the caller's name for q, for messages."""
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    _check_block("block_m", block_m)
+    _check_block("block_n", block_n)
+    empty = Nk == 0 or B == 0 or Nq == 0
+    _check_mods(score_mod, mask_mod, q)
+    if attn_mask is not None:
+        _validate_mask(attn_mask, q, (B, H, Nq, Nk), q_name)
+        if not empty and not torch.compiler.is_compiling():  # data-dependent: eager only
+            simpler = simplify_mask(attn_mask, band)
+            if simpler is not None:  # causal/band + key padding: no N x N reads per tile
+                band, attn_mask = simpler
+    scale = _check_scale(scale, D)
+    temperature = _positive("temperature", temperature, (B, H), q, q_name)
+    if softcap is not None:
+        softcap = _positive("softcap", softcap, (H,), q, q_name)
+    if sinks is not None:
+        _validate_sinks(sinks, H, q)
+    dropout_p = _validate_dropout(dropout_p)
+    if alibi_slopes is not None and alibi_rows is None and cu_seqlens is None:
+        alibi_slopes = _validate_alibi(alibi_slopes, B, "B", H, q)
+
+    q_scale = None
+    if isinstance(temperature, Tensor):
+        q_scale = (scale / temperature.to(acc_dtype(q.dtype))).expand(B, H)[..., None, None]
+        qk_scale = 1.0
+    else:
+        qk_scale = scale / temperature
+    cap_t = softcap if isinstance(softcap, Tensor) else None
+    n_q, n_k = (Nq, Nk) if max_seqlen is None else max_seqlen
+    call = AttentionCall(
+        device=q.device.type, dtype=q.dtype, head_dim=D, head_dim_v=Dv, n_q=n_q, n_k=n_k,
+        band=band,
+        mask=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
+        mask_grad=attn_mask is not None and attn_mask.requires_grad,
+        softcap=None if softcap is None else ("learned" if cap_t is not None else "fixed"),
+        sinks=sinks is not None, temperature_tensor=q_scale is not None,
+        dropout=dropout_p > 0.0, return_lse=bool(return_lse),
+        score_mod=score_mod is not None,
+        mask_mod=mask_mod is not None or mask_blocks is not None,
+        varlen=cu_seqlens is not None, alibi=alibi_slopes is not None)
+    if dropout_seed is None:
+        dropout_seed = 0 if empty else _draw_seed(dropout_p)
+    spec = LaunchSpec(qk_scale=float(qk_scale), band=band,
+                      softcap=None if cap_t is not None or softcap is None else softcap,
+                      dropout_p=dropout_p, dropout_seed=int(dropout_seed),
+                      block_m=block_m, block_n=block_n, score_mod=score_mod,
+                      mask_mod=mask_mod, mask_blocks=mask_blocks, dropout_rows=dropout_rows,
+                      alibi_rows=alibi_rows,
+                      max_seqlen_q=None if max_seqlen is None else max_seqlen[0],
+                      max_seqlen_k=None if max_seqlen is None else max_seqlen[1])
+    cu_q, cu_k = (None, None) if cu_seqlens is None else cu_seqlens
+    ops = Operands(attn_mask=attn_mask, sinks=sinks, softcap=cap_t, alibi=alibi_slopes,
+                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_scale=q_scale)
+    return call, spec, ops
+
+
+def _no_keys(q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None, linked: tuple
+             ) -> tuple[Tensor, Tensor]:
+    """The answer of a call with no key (Nk = 0) or an empty output: zeros, and lse = -inf
+    (or the sink) for every row, as for a row that a mask hides from every key.
+
+    Gradients are those of that definition: zeros for q, k, v and every tensor in
+    ``linked`` (temperature, softcap, a float mask, a score_mod's captures), the sinks'
+    through the lse. The zeros are tied to the inputs through sums over empty slices, which
+    are 0 with a zero gradient whatever the values (no 0 * NaN)."""
+    B, H, Nq, _ = q.shape
+    acc = acc_dtype(q.dtype)
+    tie = torch.zeros((), dtype=acc, device=q.device)
+    for t in (q, k, v) + linked:
+        if isinstance(t, Tensor) and t.requires_grad:
+            tie = tie + t.reshape(-1)[:0].sum().to(acc)
+    out = torch.zeros(B, H, Nq, v.shape[-1], dtype=acc, device=q.device) + tie
+    if sinks is None:
+        lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
+    else:
+        lse = sinks.to(acc).view(1, H, 1).expand(B, H, Nq)
+    return out.to(v.dtype), lse + tie
+
+
+def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
+        ) -> tuple[Tensor, Tensor | None]:
+    """One backend on a resolved call → ``(out in v's dtype, lse)`` (lse None on sdpa).
+
+    No key (Nk = 0) or an empty output (B or Nq = 0): :func:`_no_keys`, the same on every
+    backend. Packed sequences (``ops.cu_seqlens_q``) come laid out as one batch row
+    (1, H, total, D); triton and the reference run them as such, the tiled backend takes
+    them as a document mask from the entry point (attn.varlen) instead."""
+    packed = ops.cu_seqlens_q is not None
+    if not packed and (k.shape[2] == 0 or q.shape[0] == 0 or q.shape[2] == 0):
+        linked = (ops.q_scale, ops.softcap, ops.attn_mask)
+        if spec.score_mod is not None and torch.is_grad_enabled():
+            linked += mods.captured_tensors(spec.score_mod)
+        return _no_keys(q, k, v, sinks=ops.sinks, linked=linked)
+    softcap = ops.softcap if ops.softcap is not None else spec.softcap
+    if backend == "reference":
+        # plain PyTorch in q's dtype, like the rest of the reference
+        scale = spec.qk_scale if ops.q_scale is None else ops.q_scale.to(q.dtype)
+        if packed:
+            return reference_packed(q, k, v, ops.cu_seqlens_q, ops.cu_seqlens_k,
+                                    band=spec.band, scale=scale, softcap=softcap,
+                                    sinks=ops.sinks, dropout_p=spec.dropout_p,
+                                    dropout_seed=spec.dropout_seed, alibi_slopes=ops.alibi)
+        return reference_attention(q, k, v, scale=scale, band=spec.band,
+                                   attn_mask=ops.attn_mask, softcap=softcap, sinks=ops.sinks,
+                                   dropout_p=spec.dropout_p, dropout_seed=spec.dropout_seed,
+                                   score_mod=spec.score_mod, mask_mod=spec.mask_mod,
+                                   dropout_rows=spec.dropout_rows, alibi_slopes=ops.alibi,
+                                   alibi_rows=spec.alibi_rows)
+    if backend == "sdpa":
+        return sdpa_attention(q, k, v, band=spec.band, attn_mask=ops.attn_mask,
+                              scale=spec.qk_scale if ops.q_scale is None else ops.q_scale)
+    if ops.q_scale is not None:
+        # a tensor temperature folded into q in the accumulation dtype: the kernels see a
+        # plain q, autograd handles τ
+        acc = acc_dtype(q.dtype)
+        q, ops = q.to(acc) * ops.q_scale.to(acc), ops._replace(q_scale=None)
+    if backend == "tiled":
+        if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
+            spec, captured = mods.mod_spec(spec, q, k, spec.score_mod, spec.mask_mod,
+                                           spec.mask_blocks)
+            ops = ops._replace(captured=captured)
+        out, lse = tiled.tiled_attention(q, k, v, spec, attn_mask=ops.attn_mask,
+                                         softcap=ops.softcap, sinks=ops.sinks,
+                                         captured=ops.captured, alibi=ops.alibi)
+    elif packed:
+        from attn.varlen_triton import VarlenParams, varlen_triton
+        # (1, H, total, D) -> the packed (total, H, D): views, no copy
+        q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))
+        P = VarlenParams(qk_scale=spec.qk_scale, band=spec.band, max_q=spec.max_seqlen_q,
+                         max_k=spec.max_seqlen_k, dropout_p=spec.dropout_p,
+                         dropout_seed=spec.dropout_seed)
+        out, lse = varlen_triton(q3, k3, v3, ops.cu_seqlens_q, ops.cu_seqlens_k, P,
+                                 sinks=ops.sinks, softcap=softcap, alibi=ops.alibi)
+        out, lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
+    else:
+        from attn.flash_triton import triton_attention
+        out, lse = triton_attention(q, k, v, spec, attn_mask=ops.attn_mask,
+                                    softcap=ops.softcap, sinks=ops.sinks, alibi=ops.alibi)
+    return out.to(v.dtype), lse
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, *, backend: str, return_lse: bool, **options):
+    """:func:`resolve`, :func:`select_backend`, :func:`run`: the whole of a dense entry point
+    once its conventions are settled into a Band (``options``: :func:`resolve`'s)."""
+    call, spec, ops = resolve(q, k, v, return_lse=return_lse, **options)
+    choice = select_backend(call, backend)  # refuses what the backend asked for cannot do
+    out, lse = run(choice.name, q, k, v, spec, ops)
+    return (out, lse) if return_lse else out

@@ -55,22 +55,20 @@ before the first call as torchrun scripts do.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attn.call import (AttentionCall, _positive, _validate_dropout, _validate_qkv,
-                       _validate_sinks, acc_dtype, select_backend)
+from attn.call import _validate_qkv, acc_dtype, resolve, run, select_backend
 from attn.call import _draw_seed as _local_seed
 from attn.grads import reduce_to, sink_grad
-from attn.masks import make_band, window_pair
+from attn.masks import Band, make_band, window_pair
 from attn.merge import _merge_trusted
-from attn.spec import LaunchSpec
+from attn.spec import LaunchSpec, Operands
 
 LAYOUTS = ("zigzag", "contiguous")
 _TAG_KV, _TAG_DKV = 11, 12  # distinct tags: a K/V and a dK/dV message may be in flight at once
@@ -250,8 +248,10 @@ class _Call:
 
 
 def _check_local(strategy: str, q, k, v, *, causal, layout, scale, temperature, softcap,
-                 window, sinks, dropout_p, backend, attn_mask) -> dict:
-    """This rank's checks; returns its record (everything the others must agree with)."""
+                 window, sinks, dropout_p, backend, attn_mask) -> tuple[dict, tuple]:
+    """This rank's checks: its record (everything the others must agree with), and its call
+    resolved by :func:`attn.call.resolve` (the band and the seed are set once the ranks
+    agree on the global lengths)."""
     _check_layout(layout)
     _validate_qkv(q, k, v)
     if not isinstance(causal, bool):
@@ -262,28 +262,20 @@ def _check_local(strategy: str, q, k, v, *, causal, layout, scale, temperature, 
             f"{strategy}: attn_mask is not supported: a mask over the global (Nq, Nk) would "
             f"have to be sharded along both queries and keys and travel with the keys; "
             f"express causal/sliding masks with causal= and window=")
-    B, H, _, D = q.shape
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    _positive("temperature", temperature, (B, H), q)
-    if softcap is not None:
-        _positive("softcap", softcap, (H,), q)
-    if sinks is not None:
-        _validate_sinks(sinks, H, q)
-    _validate_dropout(dropout_p)
     if backend not in ("auto", "tiled", "triton"):
         raise NotImplementedError(
             f"{strategy}: backend={backend!r}: context parallelism runs attn's launchers with "
             f"global positions; use 'auto', 'tiled' or 'triton'")
-    if dropout_p > 0 and backend == "triton":
-        raise NotImplementedError(f"{strategy}: backend='triton' cannot draw dropout on a "
-                                  f"shard (its hash has no global offsets); use 'tiled'")
-    return dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
-                device=q.device.type, causal=causal, window=window, layout=layout,
-                scale=scale, dropout_p=float(dropout_p), backend=backend,
-                temperature=_kind(temperature), softcap=_kind(softcap),
-                sinks=None if sinks is None else tuple(sinks.shape))
+    # every keyword checked and folded as attention does it
+    resolved = resolve(q, k, v, band=Band(), scale=scale, temperature=temperature,
+                       softcap=softcap, sinks=sinks, dropout_p=dropout_p, dropout_seed=0,
+                       return_lse=True)
+    record = dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
+                  device=q.device.type, causal=causal, window=window, layout=layout,
+                  scale=scale, dropout_p=float(dropout_p), backend=backend,
+                  temperature=_kind(temperature), softcap=_kind(softcap),
+                  sinks=None if sinks is None else tuple(sinks.shape))
+    return record, resolved
 
 
 def _kind(x) -> Any:
@@ -339,49 +331,30 @@ def _draw_seed(dropout_p: float, group) -> int:
 
 
 def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperature, softcap,
-             window, sinks, dropout_p, return_lse, backend, attn_mask):
-    """Validate on every rank, then resolve scale/temperature/softcap into a spec."""
+             window, sinks, dropout_p, return_lse, backend, attn_mask
+             ) -> tuple["_Call", Operands]:
+    """Validate on every rank (so bad input on one raises on all), then set the global band
+    and the shared dropout seed on the call :func:`attn.call.resolve` made."""
     rank, P = _world(group)
     try:
-        local = _check_local(strategy, q, k, v, causal=causal, layout=layout, scale=scale,
-                             temperature=temperature, softcap=softcap, window=window,
-                             sinks=sinks, dropout_p=dropout_p, backend=backend,
-                             attn_mask=attn_mask)
+        local, (call, spec, ops) = _check_local(
+            strategy, q, k, v, causal=causal, layout=layout, scale=scale,
+            temperature=temperature, softcap=softcap, window=window, sinks=sinks,
+            dropout_p=dropout_p, backend=backend, attn_mask=attn_mask)
         if strategy == "ulysses_attention":
             _ulysses_heads(q.shape[1], k.shape[1], P)
     except (ValueError, TypeError, NotImplementedError) as exc:
         local = exc
     records = _agree(strategy, group, local)
-    B, H, _, D = q.shape
     n_q = sum(r["q"][2] for r in records)
     n_k = sum(r["k"][2] for r in records)
     band = make_band(n_q, n_k, causal=causal, window=window_pair(window))
-    if scale is None:
-        scale = D ** -0.5
-    acc = acc_dtype(q.dtype)
-    qk_scale, eff_scale = float(scale), None
-    if isinstance(temperature, Tensor):
-        # folded into q in the accumulation dtype, as attn.api does: autograd carries τ's grad
-        eff_scale = (scale / temperature.to(acc)).expand(B, H)  # (B, H)
-        qk_scale = 1.0
-    else:
-        qk_scale = float(scale) / float(temperature)
-    cap_t = softcap if isinstance(softcap, Tensor) else None
-    seed = _draw_seed(float(dropout_p), group)
-    spec = LaunchSpec(qk_scale=qk_scale, band=band,
-                      softcap=None if cap_t is not None or softcap is None else float(softcap),
-                      dropout_p=float(dropout_p), dropout_seed=seed)
-    call = AttentionCall(
-        device=q.device.type, dtype=q.dtype, head_dim=D, head_dim_v=v.shape[-1],
-        n_q=q.shape[2], n_k=k.shape[2], band=band,
-        softcap=None if softcap is None else ("learned" if cap_t is not None else "fixed"),
-        sinks=sinks is not None, temperature_tensor=eff_scale is not None,
-        dropout=dropout_p > 0, return_lse=True)
-    name = "tiled" if dropout_p > 0 else select_backend(call, backend).name
+    spec = replace(spec, band=band, dropout_seed=_draw_seed(float(dropout_p), group))
+    name = select_backend(replace(call, band=band), backend).name
     c = _Call(rank=rank, P=P, group=group, layout=layout,
               q_ranges=shard_ranges(n_q, P, layout), k_ranges=shard_ranges(n_k, P, layout),
               k_lens=[r["k"][2] for r in records], spec=spec, backend=name, n_q=n_q, n_k=n_k)
-    return c, eff_scale, cap_t
+    return c, ops
 
 
 def _rows(c: _Call, t: Tensor | None, rows: slice) -> Tensor | None:
@@ -645,15 +618,16 @@ def ring_attention(
     bottom-right in the *global* (Nq, Nk), ``window=(left, right)`` likewise, ``scale``,
     ``temperature`` (float or per-head tensor), ``softcap`` (float or learnable tensor),
     ``sinks`` (H,), ``dropout_p`` (the same mask as the unsharded call under the same
-    ``torch.manual_seed``; runs on tiled). ``attn_mask`` raises NotImplementedError.
+    ``torch.manual_seed``, on either backend: the dropout hash reads global positions).
+    ``attn_mask`` raises NotImplementedError.
     Gradients of sinks / tensor temperature / tensor softcap are this rank's contribution.
     """
-    c, eff_scale, cap_t = _prepare(
+    c, ops = _prepare(
         "ring_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
         temperature=temperature, softcap=softcap, window=window, sinks=sinks,
         dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
-    q_in = q if eff_scale is None else q.to(eff_scale.dtype) * eff_scale[..., None, None]
-    out, lse = _RingAttention.apply(q_in, k, v, sinks, cap_t, c)
+    q_in = q if ops.q_scale is None else q.to(ops.q_scale.dtype) * ops.q_scale
+    out, lse = _RingAttention.apply(q_in, k, v, sinks, ops.softcap, c)
     return (out, lse) if return_lse else out
 
 
@@ -763,7 +737,7 @@ def ulysses_attention(
     (then each KV head is sent to the P / Hkv ranks whose query heads read it); otherwise a
     ValueError on every rank. Memory per rank: the full sequence for H/P heads, O(N/P).
     """
-    c, eff_scale, cap_t = _prepare(
+    c, ops = _prepare(
         "ulysses_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
         temperature=temperature, softcap=softcap, window=window, sinks=sinks,
         dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
@@ -778,17 +752,13 @@ def ulysses_attention(
     q_h = _SeqToHead.apply(q, c, c.q_ranges, c.n_q)  # (B, H/P, Nq, D)
     k_h = _SeqToHead.apply(k, c, c.k_ranges, c.n_k)  # (B, Hkv/P or 1, Nk, D)
     v_h = _SeqToHead.apply(v, c, c.k_ranges, c.n_k)
-    if eff_scale is not None:
-        q_h = q_h.to(eff_scale.dtype) * eff_scale[:, h0:h0 + hp, None, None]
     spec = c.spec.shard(head_start=h0, heads_total=H)  # the dropout hash reads global heads
-    cap_h = None if cap_t is None else cap_t.expand(H)[h0:h0 + hp]
-    sinks_h = None if sinks is None else sinks[h0:h0 + hp]
-    if c.backend == "triton":
-        from attn.flash_triton import triton_attention as run
-    else:
-        from attn.tiled import tiled_attention as run
-    out_h, lse_h = run(q_h, k_h, v_h, spec, softcap=cap_h, sinks=sinks_h)
-    out = _HeadToSeq.apply(out_h.to(v.dtype), c, c.q_ranges)  # (B, H, Nq_r, Dv)
+    heads = slice(h0, h0 + hp)  # this rank's query heads: their temperature, softcap, sinks
+    ops_h = Operands(softcap=None if ops.softcap is None else ops.softcap.expand(H)[heads],
+                     sinks=None if sinks is None else sinks[heads],
+                     q_scale=None if ops.q_scale is None else ops.q_scale[:, heads])
+    out_h, lse_h = run(c.backend, q_h, k_h, v_h, spec, ops_h)
+    out = _HeadToSeq.apply(out_h, c, c.q_ranges)  # (B, H, Nq_r, Dv)
     if not return_lse:
         return out
     lse = _HeadToSeq.apply(lse_h.unsqueeze(-1), c, c.q_ranges).squeeze(-1)  # (B, H, Nq_r)

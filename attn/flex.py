@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, noop_mask
 
-from attn import api
+from attn.call import _validate_qkv, attend
 from attn.masks import Band, Blocks
 # the helpers the core shares live in attn.mods; these names stay importable from here
 from attn.mods import captured_tensors, mask_mod_blocks, mask_mod_kinds, union_blocks  # noqa: F401
@@ -216,7 +216,7 @@ def flex_attention(
     ``max_scores`` is not provided. ``backend``: as in :func:`attn.attention` (triton
     refuses mods, so "auto" runs tiled).
     """
-    api._validate_qkv(query, key, value, ("query", "key", "value"))
+    _validate_qkv(query, key, value, ("query", "key", "value"))
     B, H, Nq, _ = query.shape
     Hkv, Nk = key.shape[1], key.shape[2]
     if H != Hkv and not enable_gqa:
@@ -247,11 +247,9 @@ def flex_attention(
     block_m = block_n = None
     if block_mask is None and kernel_options:  # tile sizes of the tiled backend
         block_m, block_n = kernel_options.get("BLOCK_M"), kernel_options.get("BLOCK_N")
-    out, lse = api._attention(query, key, value, band=Band(), attn_mask=None, scale=scale,
-                              temperature=1.0, softcap=None, sinks=None, dropout_p=0.0,
-                              return_lse=True, backend=backend, block_m=block_m,
-                              block_n=block_n, score_mod=score_mod, mask_mod=mask_mod,
-                              mask_blocks=mask_blocks, q_name="query")
+    out, lse = attend(query, key, value, band=Band(), return_lse=True, backend=backend,
+                      scale=scale, block_m=block_m, block_n=block_n, score_mod=score_mod,
+                      mask_mod=mask_mod, mask_blocks=mask_blocks, q_name="query")
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None)
     return (out, lse) if want_lse else out

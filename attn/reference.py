@@ -128,3 +128,46 @@ def reference_attention(
     out = p @ v
     lse_dtype = acc_dtype(q.dtype)
     return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def _batch_row(b: int):
+    """dropout_rows of sequence b run alone: batch row b, positions as they are."""
+    return lambda offs_m, offs_n: (torch.full_like(offs_m, b), offs_m, offs_n)
+
+
+def reference_packed(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, *, band: Band, scale: float | Tensor = 1.0,
+                     softcap: float | Tensor | None = None, sinks: Tensor | None = None,
+                     dropout_p: float = 0.0, dropout_seed: int = 0,
+                     alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Packed sequences, each alone through :func:`reference_attention` (so none can touch
+    another's rows). q (1, H, total_q, D), k / v (1, Hkv, total_k, D / Dv): one batch row
+    holding the tokens; cu_seqlens checked offsets; ``band`` per sequence in end-relative
+    positions (offset 0 is bottom-right alignment); one dropout seed for the call, sequence
+    b as dropout's batch row b; ``alibi_slopes`` (sequences, H), distances from each
+    sequence's own diagonal. Returns out (1, H, total_q, Dv), lse (1, H, total_q)."""
+    H = q.shape[1]
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    lse_dtype = acc_dtype(q.dtype)
+    outs, lses = [], []
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
+        if q1 == q0:
+            continue
+        if k1 == k0:  # no key: zeros, and lse the sink (or -inf)
+            outs.append(q.new_zeros(1, H, q1 - q0, v.shape[3]))
+            lses.append(q.new_full((1, H, q1 - q0), float("-inf"), dtype=lse_dtype)
+                        if sinks is None
+                        else sinks.to(lse_dtype).view(1, H, 1).expand(1, H, q1 - q0))
+            continue
+        seq_band = Band(band.offset + (k1 - k0) - (q1 - q0), band.left, band.right)
+        out, lse = reference_attention(
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], band=seq_band, scale=scale,
+            softcap=softcap, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            dropout_rows=_batch_row(b),
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes[b:b + 1])
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return (q.new_zeros(1, H, 0, v.shape[3]),
+                q.new_zeros((1, H, 0), dtype=lse_dtype))
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

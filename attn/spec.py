@@ -111,6 +111,10 @@ class Operands(NamedTuple):
     captured: tuple[Tensor, ...] = ()  # tensors spec.score_mod reads that need a gradient
     cu_seqlens_q: Tensor | None = None  # packed sequences: (sequences + 1,) int32 offsets
     cu_seqlens_k: Tensor | None = None
+    # a tensor temperature, as the multiplier scale / temperature (B, H, 1, 1) in the
+    # accumulation dtype: attn.call.run folds it into q (autograd carries its gradient), so
+    # launchers never see it; spec.qk_scale is then 1
+    q_scale: Tensor | None = None
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -18,12 +18,13 @@ by construction. One sequence's data never changes another's output bit.
 
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from attn.call import acc_dtype
+from attn.call import (_FLOAT_DTYPES, _check_tensor, _validate_alibi, _validate_dropout, resolve,
+                       run, select_backend)
 from attn.masks import Band, classify_band, make_band, window_pair
 from attn.tiled import SequenceBlocks
 
@@ -157,15 +158,14 @@ def _check_cu_values(name: str, cu: Tensor, total: int | None, total_name: str =
 
 
 def _validate_packed(q: object, k: object, v: object) -> None:
-    """api._validate_qkv's checks in the packed layout, so that a message shows the shapes
-    the caller passed: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv)."""
-    from attn import api
+    """attn.call._validate_qkv's checks in the packed layout, so that a message shows the
+    shapes the caller passed: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        api._check_tensor(name, t)
+        _check_tensor(name, t)
         if t.dim() != 3:
             raise ValueError(f"{name} must have 3 dims (total, H, D) in the packed layout, got "
                              f"shape {tuple(t.shape)}")
-        if t.dtype not in api._FLOAT_DTYPES:
+        if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
                             f"{t.dtype}")
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -286,7 +286,6 @@ def varlen_attention(
     trusts them); otherwise the offsets are checked on the host (start at 0, never
     decrease, end at the total) and a given max_seqlen must cover the longest sequence.
     """
-    from attn import api
     _validate_packed(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -308,31 +307,26 @@ def varlen_attention(
         if not ok:
             raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
                              f"broadcast to (H,) = ({H},) in the packed layout")
-    api._validate_dropout(dropout_p)
+    _validate_dropout(dropout_p)
     if alibi_slopes is not None:
-        alibi_slopes = api._validate_alibi(alibi_slopes, cu_q.numel() - 1, "num_seqs", H, q)
-    window = window_pair(window)
-    band = make_band_pair(causal, window)
+        alibi_slopes = _validate_alibi(alibi_slopes, cu_q.numel() - 1, "num_seqs", H, q)
+    band = make_band_pair(causal, window_pair(window))
     # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
 
-    # -- the backend: triton runs packed sequences natively; with both max_seqlen given it
-    # reads cu_seqlens on the device only (trusting them, as flash-attn does) --
+    # with both max_seqlen given, triton reads cu_seqlens on the device only (trusting them,
+    # as flash-attn does); every other path checks them on the host
     host_q = host_k = None
     if max_seqlen_q is None or max_seqlen_k is None:
         host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
         host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
     max_q = max_seqlen_q if max_seqlen_q is not None else int((host_q[1:] - host_q[:-1]).max())
     max_k = max_seqlen_k if max_seqlen_k is not None else int((host_k[1:] - host_k[:-1]).max())
-    call = api.AttentionCall(
-        device=q.device.type, dtype=q.dtype, head_dim=D, head_dim_v=v.shape[2], n_q=max_q,
-        n_k=max_k, band=band,
-        softcap=None if softcap is None else ("learned" if isinstance(softcap, Tensor)
-                                              else "fixed"),
-        sinks=sinks is not None, temperature_tensor=isinstance(temperature, Tensor),
-        dropout=dropout_p > 0.0, return_lse=bool(return_lse), varlen=True,
-        alibi=alibi_slopes is not None)
-    choice = api.select_backend(call, backend)
+    call, spec, ops = resolve(q4, k4, v4, band=band, scale=scale, temperature=temperature,
+                              softcap=softcap, sinks=sinks, dropout_p=dropout_p,
+                              return_lse=return_lse, alibi_slopes=alibi_slopes,
+                              cu_seqlens=(cu_q, cu_k), max_seqlen=(max_q, max_k))
+    choice = select_backend(call, backend)
     if choice.name != "triton" or host_q is not None:
         if host_q is None:
             host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
@@ -343,106 +337,15 @@ def varlen_attention(
             if given is not None and given < longest:
                 raise ValueError(f"{name}={given} is shorter than the longest sequence "
                                  f"({longest})")
-    if choice.name == "triton":
-        out, lse = _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, scale=scale,
-                           temperature=temperature, softcap=softcap, sinks=sinks,
-                           dropout_p=float(dropout_p), alibi=alibi_slopes)
-        return (out, lse) if return_lse else out
-
-    if choice.name == "reference":
-        out, lse = _reference(q, k, v, host_q.tolist(), host_k.tolist(), causal, window,
-                              scale=scale, temperature=temperature, softcap=softcap,
-                              sinks=sinks, dropout_p=float(dropout_p), alibi=alibi_slopes)
-        return (out, lse) if return_lse else out
-
-    doc = _DocMask(cu_q, cu_k, total_q, total_k, band)
-    out, lse = api._attention(q4, k4, v4, band=Band(), attn_mask=None, scale=scale,
-                              temperature=temperature, softcap=softcap, sinks=sinks,
-                              dropout_p=dropout_p, return_lse=True, backend=choice.name,
-                              mask_mod=doc, mask_blocks=doc.blocks,
-                              dropout_rows=doc.dropout_rows, alibi_slopes=alibi_slopes,
-                              alibi_rows=None if alibi_slopes is None else doc.alibi_rows)
+    if choice.name == "tiled":  # the sequences as a document mask of one batch row
+        doc = _DocMask(cu_q, cu_k, total_q, total_k, band)
+        spec = replace(spec, band=Band(), mask_mod=doc, mask_blocks=doc.blocks,
+                       dropout_rows=doc.dropout_rows,
+                       alibi_rows=None if alibi_slopes is None else doc.alibi_rows)
+        ops = ops._replace(cu_seqlens_q=None, cu_seqlens_k=None)
+    out, lse = run(choice.name, q4, k4, v4, spec, ops)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out
-
-
-def _keywords(q, scale, temperature, softcap, sinks) -> tuple[float, float | Tensor,
-                                                               float | Tensor | None]:
-    """``(scale, temperature, softcap)`` checked as attn.attention checks them, for the
-    paths that do not run through it (triton's and the reference's); scale defaulted."""
-    from attn import api
-    H, D = q.shape[1], q.shape[2]
-    if scale is None:
-        scale = D ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    temperature = api._positive("temperature", temperature, (H,), q)
-    if softcap is not None:
-        softcap = api._positive("softcap", softcap, (H,), q)
-    if sinks is not None:
-        api._validate_sinks(sinks, H, q)
-    return float(scale), temperature, softcap
-
-
-def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
-            dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
-    """The triton path: the variant keywords checked (:func:`_keywords`), a tensor
-    temperature folded into q, then attn.varlen_triton's kernels."""
-    from attn import api
-    from attn.varlen_triton import VarlenParams, varlen_triton
-    H = q.shape[1]
-    qk_scale, temperature, softcap = _keywords(q, scale, temperature, softcap, sinks)
-    if isinstance(temperature, Tensor):  # folded into q in float32; autograd handles τ
-        q = q.float() * (1.0 / temperature.float()).expand(H).view(1, H, 1)
-    else:
-        qk_scale = qk_scale / temperature
-    P = VarlenParams(qk_scale=qk_scale, band=band, max_q=max_q, max_k=max_k,
-                     dropout_p=dropout_p, dropout_seed=api._draw_seed(dropout_p))
-    out, lse = varlen_triton(q, k, v, cu_q, cu_k, P, sinks=sinks, softcap=softcap, alibi=alibi)
-    return out.to(v.dtype), lse
-
-
-def _reference(q, k, v, cu_q: list[int], cu_k: list[int], causal, window, *, scale,
-               temperature, softcap, sinks, dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
-    """The reference path: each sequence alone through
-    :func:`attn.reference.reference_attention` (so none can touch another's rows), with
-    one dropout seed for the whole call and sequence b as dropout's batch row b; ALiBi
-    from each sequence's bottom-right diagonal with its own slopes."""
-    from attn import api
-    from attn.reference import reference_attention
-    H = q.shape[1]
-    scale, temperature, softcap = _keywords(q, scale, temperature, softcap, sinks)
-    if isinstance(temperature, Tensor):  # (1, H, 1, 1), in q's dtype like the reference
-        acc = acc_dtype(q.dtype)
-        scale = (scale / temperature.to(acc)).expand(H).view(1, H, 1, 1).to(q.dtype)
-    else:
-        scale = scale / temperature
-    seed = api._draw_seed(dropout_p)
-    lse_dtype = acc_dtype(q.dtype)
-    outs, lses = [], []
-    for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
-        if q1 == q0:
-            continue
-        if k1 == k0:  # no key: zeros, and lse the sink (or -inf)
-            outs.append(q.new_zeros(q1 - q0, H, v.shape[2]))
-            lses.append(q.new_full((H, q1 - q0), float("-inf"), dtype=lse_dtype)
-                        if sinks is None else sinks.to(lse_dtype)[:, None].expand(H, q1 - q0))
-            continue
-        # (L, H, D) -> (1, H, L, D): sequence b as a batch of one
-        qb, kb, vb = (t[s0:s1].transpose(0, 1).unsqueeze(0)
-                      for t, s0, s1 in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
-        out, lse = reference_attention(
-            qb, kb, vb, band=make_band(q1 - q0, k1 - k0, causal=causal, window=window),
-            scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p, dropout_seed=seed,
-            dropout_rows=_batch_row(b), alibi_slopes=None if alibi is None else alibi[b:b + 1])
-        outs.append(out[0].transpose(0, 1))  # (H, L, Dv) -> (L, H, Dv)
-        lses.append(lse[0])
-    return torch.cat(outs).to(v.dtype), torch.cat(lses, dim=1)
-
-
-def _batch_row(b: int):
-    """dropout_rows of sequence b run alone: batch row b, positions as they are."""
-    return lambda offs_m, offs_n: (torch.full_like(offs_m, b), offs_m, offs_n)
 
 
 def make_band_pair(causal: bool, window: tuple[int, int] | None) -> Band:

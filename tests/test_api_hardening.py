@@ -63,16 +63,16 @@ def test_tensor_temperature_and_softcap_must_be_positive_and_finite(entry, arg, 
 
 def test_value_check_runs_once_per_call_not_per_tile(monkeypatch):
     """The value check reads the whole tensor once per call (it costs a host sync)."""
-    from attn import api
+    from attn import call
 
     seen = []
-    real = api._positive
+    real = call._positive
 
     def counted(name, x, *a, **kw):
         seen.append(name)
         return real(name, x, *a, **kw)
 
-    monkeypatch.setattr(api, "_positive", counted)
+    monkeypatch.setattr(call, "_positive", counted)
     q, k, v = make_inputs(B=1, H=2, N=40, D=8)
     attn.attention(q, k, v, temperature=torch.tensor([0.5, 2.0]), softcap=torch.tensor([5.0, 9.0]),
                    block_m=8, block_n=8, backend="tiled")

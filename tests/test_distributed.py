@@ -92,6 +92,9 @@ def _variant(name: str, P: int) -> tuple[dict, dict]:
         shape.update(dtype=torch.float32, D=16, Hkv=P)
         kw.update(backend="triton", window=(9, 0), softcap=2.0,
                   sinks=param(H, lo=-1.0, hi=1.0))
+    elif name == "triton_dropout":  # the kernels' hash reads global positions: shards agree
+        shape.update(dtype=torch.float32, D=16, Hkv=P)
+        kw.update(backend="triton", dropout_p=0.25)
     else:
         raise KeyError(name)
     return shape, kw
@@ -100,7 +103,7 @@ def _variant(name: str, P: int) -> tuple[dict, dict]:
 VARIANTS = ("causal", "full", "window", "window_both", "gqa", "mqa", "gqa_replicated",
             "scale_temperature", "temperature_tensor", "softcap", "softcap_learned", "sinks",
             "dropout", "rows_unseen", "cross_window", "everything", "float32", "bfloat16",
-            "triton")
+            "triton", "triton_dropout")
 BAD_INPUTS = ("k_length_on_rank1", "head_dim_on_rank1", "dtype_on_rank1", "ulysses_heads",
               "ulysses_kv_heads", "attn_mask")
 
@@ -110,7 +113,7 @@ def _case_list(P: int) -> list[tuple[str, str, dict]]:
     then the collective counts, balance, bad inputs, error and training checks."""
     cases = []
     for v in VARIANTS:
-        if (v == "gqa_replicated" and P % 2) or (v == "triton" and P != 2):
+        if (v == "gqa_replicated" and P % 2) or (v.startswith("triton") and P != 2):
             continue  # Hkv = 2 must divide P; the interpreter is slow: one world size
         for s in STRATEGIES:
             for lay in LAYOUTS:
