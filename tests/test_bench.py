@@ -253,12 +253,12 @@ def test_bench_memory_measures_memory_only(tmp_path, capsys):
     assert rows[0]["peak_bytes"] > 0 and rows[0]["ms"] is None
 
 
-def test_script_wrapper_runs_bench_speed(tmp_path):
+def test_bench_speed_runs_in_a_fresh_process(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_speed.py"), "--n", "32", "--backends",
+        [sys.executable, "-m", "attn", "bench", "speed", "--n", "32", "--backends",
          "sdpa", "--mode", "fwd", "--heads", "1", "--out", str(tmp_path), "--no-plots",
          "--no-progress", "--repeats", "1"],
-        capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _, rows, _ = report_mod.load_json(tmp_path / "results.json")
     assert rows[0]["ms"] > 0 and rows[0]["peak_bytes"] is None
