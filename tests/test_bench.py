@@ -3,8 +3,9 @@ and a smoke run of ``attn report`` (the main job) so it cannot break silently.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import math
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from attn.bench import CPU_ERROR_BYTES, attention_flops, benchmark, peak_bytes
 from attn.bench import competitors
 from attn.bench import report as report_mod
 from attn.bench import sweep as sweep_mod
-from attn.bench.cli import build_parser, main
+from attn.bench.cli import main, parse_args
 from attn.bench.sweep import SweepConfig, finish, plan, predicted_peak_bytes, run_sweep
 from attn.testing import make_inputs
 
@@ -350,30 +351,26 @@ def test_fixed_work_per_point_sets_batch_and_heads_per_n(tmp_path):
     assert "**fwd, non-causal, float32, D=16**" in md  # no single B, H in the title
 
 
-def test_bench_triton_is_attn_bench_speed():
-    """The script's flags map onto an ``attn bench speed`` command line with its defaults:
-    every competitor, fixed tokens and width, the 8192² matmul, CUDA."""
-    spec = importlib.util.spec_from_file_location("bench_triton_script",
-                                                  REPO / "scripts" / "bench_triton.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    argv = script.attn_argv(script.build_parser().parse_args([]), "Some GPU")
-    a = build_parser().parse_args(argv)
+def test_preset_triton_is_attn_bench_speed(monkeypatch):
+    """``--preset triton`` fills ``attn bench speed``'s defaults: every competitor, fixed
+    tokens and width, the 8192² matmul, CUDA; each flag given by hand still wins."""
+    monkeypatch.chdir(REPO)
+    a = parse_args(["bench", "speed", "--preset", "triton"], "Some GPU")
     assert (a.command, a.kind, a.device) == ("bench", "speed", "cuda")
     assert set(a.backends) == {"triton", "sdpa", *competitors.COMPETITORS}
     assert (a.tokens, a.width, a.batch, a.heads, a.matmul_n) == (16384, 2048, None, None, 8192)
     assert a.out == REPO / "benchmarks" / "results" / "triton" / "Some_GPU"
-    b = build_parser().parse_args(script.attn_argv(script.build_parser().parse_args(
-        ["--n", "4096", "--d", "128", "--causal", "true", "--mode", "fwd", "-B", "2", "-H", "4",
-         "--backends", "triton", "flex"]), "x"))
+    b = parse_args(["bench", "speed", "--preset", "triton", "--n", "4096", "--d", "128",
+                    "--causal", "true", "--mode", "fwd", "-B", "2", "-H", "4",
+                    "--backends", "triton", "flex"], "x")
     assert (b.n, b.d, b.causal, b.mode, b.batch, b.heads, b.tokens, b.width, b.backends) == (
         [4096], [128], "true", "fwd", 2, 4, None, None, ["triton", "flex"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-def test_bench_triton_without_cuda_exits_2_and_says_why():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_triton.py")],
-                          capture_output=True, text=True, timeout=120)
+def test_preset_triton_without_cuda_exits_2_and_says_why():
+    proc = subprocess.run([sys.executable, "-m", "attn", "bench", "speed", "--preset", "triton"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
 
 
@@ -396,3 +393,22 @@ def test_paired_rounds_take_turns_and_ratios_are_per_round(monkeypatch):
     assert calls == ["a", "a", "b", "b"] * 3
     assert times == {"a": [1.0, 1.0, 1.0], "b": [3.0, 2.0, 2.0]}
     assert timing.median_ratio(times, "b", "a") == 2.0
+
+
+# -- the benchmark questions -------------------------------------------------------------------
+
+def test_speed_paired_writes_one_row_per_shape_with_positive_ratios(tmp_path, monkeypatch):
+    monkeypatch.delenv("ATTN_TILED_GEMM", raising=False)
+    rc = main(["bench", "speed", "--paired", "--n", "48", "80", "--d", "16", "--heads", "2",
+               "--mode", "fwd", "--causal", "true", "--no-fused", "--flex-max-n", "0",
+               "--repeats", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["N"], r["mode"], r["causal"]) for r in doc["rows"]] == [(48, "fwd", True),
+                                                                       (80, "fwd", True)]
+    for r in doc["rows"]:
+        assert set(r["ratio"]) == {"tiled", "tiled bmm"} and r["rounds"] == 2
+        assert all(math.isfinite(x) and x > 0 for x in [*r["ratio"].values(), *r["ms"].values()])
+    assert doc["header"]["command"].startswith("attn bench speed --paired")
+    assert "ATTN_TILED_GEMM" not in os.environ  # the contenders' settings do not leak
+    assert "| 80 | 16 | float32 | fwd | True |" in (tmp_path / "results.md").read_text()
