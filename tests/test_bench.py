@@ -412,3 +412,45 @@ def test_speed_paired_writes_one_row_per_shape_with_positive_ratios(tmp_path, mo
     assert doc["header"]["command"].startswith("attn bench speed --paired")
     assert "ATTN_TILED_GEMM" not in os.environ  # the contenders' settings do not leak
     assert "| 80 | 16 | float32 | fwd | True |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("compat", [False, True], ids=["attention", "compat"])
+def test_decode_matches_float64_sdpa_on_every_path(tmp_path, compat):
+    flags = ["--compat", "--pages", "16", "--batch", "2"] if compat else []
+    rc = main(["bench", "decode", *flags, "--cache", "40", "97", "--heads", "4", "--kv-heads",
+               "2", "--d", "16", "--warmup", "0", "--repeats", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    paths = ({"compat contiguous", "compat paged (page 16)", "sdpa, same cache",
+              "sdpa, head-major"} if compat else
+             {"attn tiled", "sdpa, same cache", "sdpa, expanded cache"})
+    assert [r["cache"] for r in doc["rows"]] == [40, 97]
+    for r in doc["rows"]:
+        assert set(r["ms"]) == paths and all(t > 0 for t in r["ms"].values())
+        assert all(e < 1e-5 for e in r["max_abs_err"].values()), r["max_abs_err"]
+        assert r["ratio_to_sdpa"]["sdpa, same cache"] == 1.0
+
+
+def test_train_step_losses_agree_across_backends(tmp_path):
+    """Every backend trains the same model from the same seed: the step's loss agrees."""
+    rc = main(["bench", "train-step", "--lengths", "32", "--backends", "reference", "tiled",
+               "--n-layer", "1", "--dim", "16", "--heads", "2", "--repeats", "1",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["N"], r["backend"]) for r in rows] == [(32, "reference"), (32, "tiled")]
+    assert all(r["peak_bytes"] > 0 and r["step_ms"] > 0 for r in rows)
+    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
+
+
+def test_hf_prefill_logits_match_eager(tmp_path):
+    pytest.importorskip("transformers")
+    rc = main(["bench", "hf", "--context", "40", "--heads", "4", "--kv-heads", "2",
+               "--head-dim", "16", "--intermediate", "32", "--vocab", "64", "--repeats", "1",
+               "--decode-steps", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["attn", "sdpa", "eager"]
+    for r in rows:
+        assert r["status"] == "ok" and r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert r["logits_max_diff_vs_eager"] < 1e-4

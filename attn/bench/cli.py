@@ -145,7 +145,27 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
     cp_bench.add_arguments(kinds.add_parser(
         "context-parallel", help="ring and Ulysses attention over P gloo processes: memory "
                                  "per rank, time per step, communication share"))
+    for kind, what in _QUESTIONS.items():
+        _question(kind).add_arguments(kinds.add_parser(kind, help=what))
     return parser
+
+
+# The benchmark questions with a module of their own (attn.bench.<kind, '-' as '_'>), each
+# with add_arguments(parser) and run(args, argv).
+_QUESTIONS = {
+    "decode": "one new token against a long KV cache on CPU: attn.attention, or "
+              "flash_attn_with_kvcache contiguous and paged (--compat), against torch SDPA",
+    "hf": "a transformers Llama on CPU with attn_implementation attn, sdpa and eager: "
+          "prefill peak memory and time, decode tokens/s",
+    "train-step": "one GPT training step (forward, backward, AdamW) per backend: peak "
+                  "memory and time",
+}
+
+
+def _question(kind: str):
+    import importlib
+
+    return importlib.import_module(f"attn.bench.{kind.replace('-', '_')}")
 
 
 def _config(args: argparse.Namespace) -> SweepConfig:
@@ -313,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         from attn.bench import paired
 
         return paired.run(args, argv)
+    if args.command == "bench" and args.kind in _QUESTIONS:
+        return _question(args.kind).run(args, argv)
     if args.command == "bench" and args.kind == "compile":
         from attn.bench import compile as aot
 
