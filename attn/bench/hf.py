@@ -258,7 +258,8 @@ def markdown(header: dict, rows: list[Row]) -> str:
         out.append(f"| {r.context} | {r.impl} | {peak} | {_num(r.prefill_s, '.2f')} | {ratio} "
                    f"| {_num(r.decode_tokens_per_s, '.1f')} "
                    f"| {_num(r.decode_best_tokens_per_s, '.1f')} "
-                   f"| {r.decode_cache_from or '—'} | {_num(r.logits_max_diff_vs_eager, '.1e')} |")
+                   f"| {r.decode_cache_from or '—'} "
+                   f"| {_num(r.logits_max_diff_vs_eager, '.1e')} |")
     notes = [f"- {r.impl} at {r.context}: {r.note}" for r in rows if r.note]
     return "\n".join(out + ([""] + notes if notes else [])) + "\n"
 

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +123,24 @@ def markdown(header: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _measure_shape(args, B, H, N, D, dtype, mode, causals) -> list[dict]:
+    """One row per causal value: every contender on the same q, k, v."""
+    bwd = mode == "fwd+bwd"
+    g = torch.Generator().manual_seed(N)
+    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=DTYPES[dtype]).requires_grad_(bwd)
+               for _ in range(3))
+    rows = []
+    for causal in causals:
+        fns = contenders(q, k, v, causal=causal, bwd=bwd, fused=not args.no_fused,
+                         flex_max_n=args.flex_max_n)
+        rows.append({"N": N, "D": D, "dtype": dtype, "B": B, "H": H, "mode": mode,
+                     "causal": causal, **measure(fns, args.repeats or _rounds(N))})
+        print(N, D, dtype, mode, "causal" if causal else "full",
+              " ".join(f"{n}:{r:.2f}" for n, r in rows[-1]["ratio"].items()),
+              file=sys.stderr, flush=True)
+    return rows
+
+
 def _check(args: argparse.Namespace) -> None:
     if args.device not in (None, "cpu"):
         raise SystemExit("attn: --paired compares tiled's CPU paths with torch SDPA; it runs "
@@ -144,34 +163,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     dims = ", ".join(map(str, args.d))
     header.update(shape=f"{', '.join(args.dtype)}, B={B}, H={H}, D={dims}",
                   tiled_path=report.tiled_path("cpu"))
-    saved = {name: os.environ.get(name) for name in TILED_VARIANTS["tiled"]}
     rows = []
-    try:
+    with mock.patch.dict(os.environ):  # the contenders' settings end with the run
         for dtype in args.dtype:
             for D in args.d:
                 for N in args.n or DEFAULT_N:
                     for mode in modes:
-                        bwd = mode == "fwd+bwd"
-                        g = torch.Generator().manual_seed(N)
-                        q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=DTYPES[dtype])
-                                   .requires_grad_(bwd) for _ in range(3))
-                        for causal in causals:
-                            fns = contenders(q, k, v, causal=causal, bwd=bwd,
-                                             fused=not args.no_fused,
-                                             flex_max_n=args.flex_max_n)
-                            row = {"N": N, "D": D, "dtype": dtype, "B": B, "H": H,
-                                   "mode": mode, "causal": causal,
-                                   **measure(fns, args.repeats or _rounds(N))}
-                            rows.append(row)
-                            print(N, D, dtype, mode, "causal" if causal else "full",
-                                  " ".join(f"{n}:{r:.2f}" for n, r in row["ratio"].items()),
-                                  file=sys.stderr, flush=True)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+                        rows += _measure_shape(args, B, H, N, D, dtype, mode, causals)
     out = args.out or Path("out") / "bench-speed-paired"
     md = markdown(header, rows)
     written = report.write_results(out, header, rows, md)
