@@ -4,8 +4,8 @@ One benchmark group per (D, causal, mode, N) holds every competitor, so the tabl
 side by side and ``--benchmark-compare`` matches each case with an earlier run.
 ``extra_info`` carries the FLOP count (4·B·H·N²·D forward, /2 causal, ×3.5 fwd+bwd) and the
 resulting TFLOP/s. CUDA only: every case skips without a GPU. The calls are attn.bench's
-sweep points (``attn bench speed``, scripts/bench_triton.py), so both measure exactly the
-same calls.
+sweep points (``attn bench speed --preset triton`` runs the same question as one report), so
+both measure exactly the same calls.
 
     pytest benchmarks/bench_triton.py --benchmark-autosave
 """

@@ -3,8 +3,9 @@ and a smoke run of ``attn report`` (the main job) so it cannot break silently.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import math
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from attn.bench import CPU_ERROR_BYTES, attention_flops, benchmark, peak_bytes
 from attn.bench import competitors
 from attn.bench import report as report_mod
 from attn.bench import sweep as sweep_mod
-from attn.bench.cli import build_parser, main
+from attn.bench.cli import main, parse_args
 from attn.bench.sweep import SweepConfig, finish, plan, predicted_peak_bytes, run_sweep
 from attn.testing import make_inputs
 
@@ -253,12 +254,12 @@ def test_bench_memory_measures_memory_only(tmp_path, capsys):
     assert rows[0]["peak_bytes"] > 0 and rows[0]["ms"] is None
 
 
-def test_script_wrapper_runs_bench_speed(tmp_path):
+def test_bench_speed_runs_in_a_fresh_process(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_speed.py"), "--n", "32", "--backends",
+        [sys.executable, "-m", "attn", "bench", "speed", "--n", "32", "--backends",
          "sdpa", "--mode", "fwd", "--heads", "1", "--out", str(tmp_path), "--no-plots",
          "--no-progress", "--repeats", "1"],
-        capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _, rows, _ = report_mod.load_json(tmp_path / "results.json")
     assert rows[0]["ms"] > 0 and rows[0]["peak_bytes"] is None
@@ -350,30 +351,26 @@ def test_fixed_work_per_point_sets_batch_and_heads_per_n(tmp_path):
     assert "**fwd, non-causal, float32, D=16**" in md  # no single B, H in the title
 
 
-def test_bench_triton_is_attn_bench_speed():
-    """The script's flags map onto an ``attn bench speed`` command line with its defaults:
-    every competitor, fixed tokens and width, the 8192² matmul, CUDA."""
-    spec = importlib.util.spec_from_file_location("bench_triton_script",
-                                                  REPO / "scripts" / "bench_triton.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    argv = script.attn_argv(script.build_parser().parse_args([]), "Some GPU")
-    a = build_parser().parse_args(argv)
+def test_preset_triton_is_attn_bench_speed(monkeypatch):
+    """``--preset triton`` fills ``attn bench speed``'s defaults: every competitor, fixed
+    tokens and width, the 8192² matmul, CUDA; each flag given by hand still wins."""
+    monkeypatch.chdir(REPO)
+    a = parse_args(["bench", "speed", "--preset", "triton"], "Some GPU")
     assert (a.command, a.kind, a.device) == ("bench", "speed", "cuda")
     assert set(a.backends) == {"triton", "sdpa", *competitors.COMPETITORS}
     assert (a.tokens, a.width, a.batch, a.heads, a.matmul_n) == (16384, 2048, None, None, 8192)
     assert a.out == REPO / "benchmarks" / "results" / "triton" / "Some_GPU"
-    b = build_parser().parse_args(script.attn_argv(script.build_parser().parse_args(
-        ["--n", "4096", "--d", "128", "--causal", "true", "--mode", "fwd", "-B", "2", "-H", "4",
-         "--backends", "triton", "flex"]), "x"))
+    b = parse_args(["bench", "speed", "--preset", "triton", "--n", "4096", "--d", "128",
+                    "--causal", "true", "--mode", "fwd", "-B", "2", "-H", "4",
+                    "--backends", "triton", "flex"], "x")
     assert (b.n, b.d, b.causal, b.mode, b.batch, b.heads, b.tokens, b.width, b.backends) == (
         [4096], [128], "true", "fwd", 2, 4, None, None, ["triton", "flex"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-def test_bench_triton_without_cuda_exits_2_and_says_why():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_triton.py")],
-                          capture_output=True, text=True, timeout=120)
+def test_preset_triton_without_cuda_exits_2_and_says_why():
+    proc = subprocess.run([sys.executable, "-m", "attn", "bench", "speed", "--preset", "triton"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
 
 
@@ -396,3 +393,64 @@ def test_paired_rounds_take_turns_and_ratios_are_per_round(monkeypatch):
     assert calls == ["a", "a", "b", "b"] * 3
     assert times == {"a": [1.0, 1.0, 1.0], "b": [3.0, 2.0, 2.0]}
     assert timing.median_ratio(times, "b", "a") == 2.0
+
+
+# -- the benchmark questions -------------------------------------------------------------------
+
+def test_speed_paired_writes_one_row_per_shape_with_positive_ratios(tmp_path, monkeypatch):
+    monkeypatch.delenv("ATTN_TILED_GEMM", raising=False)
+    rc = main(["bench", "speed", "--paired", "--n", "48", "80", "--d", "16", "--heads", "2",
+               "--mode", "fwd", "--causal", "true", "--no-fused", "--flex-max-n", "0",
+               "--repeats", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["N"], r["mode"], r["causal"]) for r in doc["rows"]] == [(48, "fwd", True),
+                                                                       (80, "fwd", True)]
+    for r in doc["rows"]:
+        assert set(r["ratio"]) == {"tiled", "tiled bmm"} and r["rounds"] == 2
+        assert all(math.isfinite(x) and x > 0 for x in [*r["ratio"].values(), *r["ms"].values()])
+    assert doc["header"]["command"].startswith("attn bench speed --paired")
+    assert "ATTN_TILED_GEMM" not in os.environ  # the contenders' settings do not leak
+    assert "| 80 | 16 | float32 | fwd | True |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("compat", [False, True], ids=["attention", "compat"])
+def test_decode_matches_float64_sdpa_on_every_path(tmp_path, compat):
+    flags = ["--compat", "--pages", "16", "--batch", "2"] if compat else []
+    rc = main(["bench", "decode", *flags, "--cache", "40", "97", "--heads", "4", "--kv-heads",
+               "2", "--d", "16", "--warmup", "0", "--repeats", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    paths = ({"compat contiguous", "compat paged (page 16)", "sdpa, same cache",
+              "sdpa, head-major"} if compat else
+             {"attn tiled", "sdpa, same cache", "sdpa, expanded cache"})
+    assert [r["cache"] for r in doc["rows"]] == [40, 97]
+    for r in doc["rows"]:
+        assert set(r["ms"]) == paths and all(t > 0 for t in r["ms"].values())
+        assert all(e < 1e-5 for e in r["max_abs_err"].values()), r["max_abs_err"]
+        assert r["ratio_to_sdpa"]["sdpa, same cache"] == 1.0
+
+
+def test_train_step_losses_agree_across_backends(tmp_path):
+    """Every backend trains the same model from the same seed: the step's loss agrees."""
+    rc = main(["bench", "train-step", "--lengths", "32", "--backends", "reference", "tiled",
+               "--n-layer", "1", "--dim", "16", "--heads", "2", "--repeats", "1",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["N"], r["backend"]) for r in rows] == [(32, "reference"), (32, "tiled")]
+    assert all(r["peak_bytes"] > 0 and r["step_ms"] > 0 for r in rows)
+    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
+
+
+def test_hf_prefill_logits_match_eager(tmp_path):
+    pytest.importorskip("transformers")
+    rc = main(["bench", "hf", "--context", "40", "--heads", "4", "--kv-heads", "2",
+               "--head-dim", "16", "--intermediate", "32", "--vocab", "64", "--repeats", "1",
+               "--decode-steps", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["attn", "sdpa", "eager"]
+    for r in rows:
+        assert r["status"] == "ok" and r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert r["logits_max_diff_vs_eager"] < 1e-4

@@ -1,9 +1,14 @@
-"""The ``attn`` command: ``attn report`` (the main job) and ``attn bench memory|speed``.
+"""The ``attn`` command: ``attn report`` (the main job) and the ``attn bench`` questions.
 
     attn report --quick                 # ~1-2 min on 2 CPU cores: checks, sweep, tables, plots
     attn report --device cuda --out results/h100
     attn bench memory --n 1024 4096 16384 --backends tiled sdpa --mode fwd+bwd
     attn bench speed --n 2048 --d 64 128 --causal both --dtype float16 --device cuda
+    attn bench speed --preset triton    # triton against torch's kernels on one GPU
+    attn bench speed --paired           # tiled against torch SDPA on CPU, in-round ratios
+    attn bench decode [--compat]        # one new token against a long KV cache, vs SDPA
+    attn bench hf --context 2048 8192   # a transformers Llama with attn, sdpa and eager
+    attn bench train-step               # one GPT training step: peak memory and time
     attn bench context-parallel --world-sizes 1 2 4 --n 2048 8192 32768
 """
 
@@ -17,6 +22,7 @@ from pathlib import Path
 import torch
 
 from attn.bench import plots, report
+from attn.bench.competitors import COMPETITORS
 from attn.bench.flops import MODES
 from attn.bench.sweep import DTYPES, Row, SweepConfig, all_backends, default_backends, \
     finish, measure_matmul_rates, plan, run_sweep
@@ -28,6 +34,24 @@ _REPORT_N = {("cpu", False): (512, 1024, 2048, 4096, 8192, 16384),
              ("cpu", True): (256, 512, 1024, 2048),
              ("cuda", False): (512, 1024, 2048, 4096, 8192, 16384, 32768),
              ("cuda", True): (512, 1024, 2048, 4096)}
+
+
+
+
+def _triton_preset(device_name: str) -> dict:
+    """attn's triton kernels against torch SDPA (its default choice and each kernel forced)
+    and compiled FlexAttention on one GPU, bf16, with an 8192² matmul for the ceiling. Batch
+    and heads follow FlashAttention's benchmarks: a fixed 16k tokens and model width 2048
+    (B = 16384 // N, H = 2048 // D), unless --batch / --heads are given."""
+    folder = device_name.replace(" ", "_").replace("/", "_")
+    return dict(device="cuda", n=[1024, 2048, 4096, 8192, 16384], d=[64, 128], causal="both",
+                mode="both", dtype=["bfloat16"], backends=["triton", "sdpa", *COMPETITORS],
+                tokens=16384, width=2048, repeats=20, warmup=3, matmul_n=8192,
+                out=Path.cwd() / "benchmarks" / "results" / "triton" / folder)
+
+
+# A preset is the defaults of a standing question; every flag given still wins.
+PRESETS = {"triton": _triton_preset}
 
 
 def _causal(value: str) -> tuple[bool, ...]:
@@ -56,7 +80,8 @@ def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> Non
     p.add_argument("--matmul-n", type=int, default=None,
                    help="side of the square matmul giving the device's TFLOP/s ceiling "
                         "(default 4096 on CUDA, 1024 on CPU)")
-    p.add_argument("--causal", choices=("false", "true", "both"), default="false")
+    p.add_argument("--causal", choices=("false", "true", "both"), default=None,
+                   help="default false (both with --paired)")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=tuple(DTYPES))
     p.add_argument("--mode", choices=(*MODES, "both"), default="both")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per point (max)")
@@ -76,16 +101,40 @@ def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> Non
                        help="skip the correctness checks against the reference")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_speed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                   help="triton: attn's triton kernels against torch's attention on one GPU "
+                        "(N 1k-16k, D 64 and 128, causal both, bf16, B = 16384 // N, "
+                        "H = 2048 // D, out benchmarks/results/triton/<GPU>); flags given "
+                        "override it")
+    p.add_argument("--paired", action="store_true",
+                   help="CPU: tiled (default, bmm GEMMs, fused steps) and compiled flex against "
+                        "torch SDPA, taking turns round after round; reports the median of the "
+                        "in-round ratios (--repeats: rounds, default 9/5/3 by N; --causal "
+                        "defaults to both)")
+    p.add_argument("--flex-max-n", type=int, default=4096,
+                   help="--paired: compiled flex (causal forward) up to this N; its CPU path "
+                        "held 24 GB at N=16384 causal")
+    p.add_argument("--no-fused", action="store_true",
+                   help="--paired: leave out tiled's fused (torch.compile) steps")
+
+
+def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
+    """The ``attn`` parser; ``preset`` (a :data:`PRESETS` entry's values) replaces the
+    defaults of ``attn bench speed``."""
     parser = argparse.ArgumentParser(
         prog="attn", description="Measure attention: correctness, memory and speed by N.")
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="check every backend, then sweep memory and speed")
     _add_sweep_args(rep, report_defaults=True)
-    bench = sub.add_parser("bench", help="a custom memory or speed sweep")
+    bench = sub.add_parser("bench", help="a custom sweep or one of the benchmark questions")
     kinds = bench.add_subparsers(dest="kind", required=True)
     for kind, what in (("memory", "peak bytes above the inputs"), ("speed", "ms and TFLOP/s")):
         _add_sweep_args(kinds.add_parser(kind, help=what), report_defaults=False)
+    speed = kinds.choices["speed"]
+    _add_speed_args(speed)
+    if preset:
+        speed.set_defaults(**preset)
     from attn.bench import compile as aot
 
     aot.add_arguments(kinds.add_parser(
@@ -96,7 +145,27 @@ def build_parser() -> argparse.ArgumentParser:
     cp_bench.add_arguments(kinds.add_parser(
         "context-parallel", help="ring and Ulysses attention over P gloo processes: memory "
                                  "per rank, time per step, communication share"))
+    for kind, what in _QUESTIONS.items():
+        _question(kind).add_arguments(kinds.add_parser(kind, help=what))
     return parser
+
+
+# The benchmark questions with a module of their own (attn.bench.<kind, '-' as '_'>), each
+# with add_arguments(parser) and run(args, argv).
+_QUESTIONS = {
+    "decode": "one new token against a long KV cache on CPU: attn.attention, or "
+              "flash_attn_with_kvcache contiguous and paged (--compat), against torch SDPA",
+    "hf": "a transformers Llama on CPU with attn_implementation attn, sdpa and eager: "
+          "prefill peak memory and time, decode tokens/s",
+    "train-step": "one GPT training step (forward, backward, AdamW) per backend: peak "
+                  "memory and time",
+}
+
+
+def _question(kind: str):
+    import importlib
+
+    return importlib.import_module(f"attn.bench.{kind.replace('-', '_')}")
 
 
 def _config(args: argparse.Namespace) -> SweepConfig:
@@ -112,7 +181,8 @@ def _config(args: argparse.Namespace) -> SweepConfig:
                              "give one")
     return SweepConfig(
         n=n, backends=tuple(args.backends or default_backends(device)), d=tuple(args.d),
-        causal=_causal(args.causal), dtypes=tuple(args.dtype), modes=_modes(args.mode),
+        causal=_causal(args.causal or "false"), dtypes=tuple(args.dtype),
+        modes=_modes(args.mode),
         batch=1 if args.batch is None else args.batch,
         heads=8 if args.heads is None else args.heads, tokens=args.tokens, width=args.width,
         matmul_n=args.matmul_n, device=device,
@@ -216,9 +286,55 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 1 if failed or errors else 0
 
 
+def parse_args(argv: list[str], device_name: str | None = None) -> argparse.Namespace:
+    """Parse ``argv``; with ``--preset``, its values are the defaults of ``attn bench speed``
+    (``device_name`` names the preset's output folder, default: this machine's GPU)."""
+    plain = build_parser().parse_args(argv)
+    name = getattr(plain, "preset", None)
+    if name is None:
+        return plain
+    if getattr(plain, "paired", False):
+        raise SystemExit("attn: --preset and --paired are two different questions; give one")
+    if device_name is None:
+        device_name = report.device_name("cuda") if torch.cuda.is_available() else "no GPU"
+    args = build_parser(PRESETS[name](device_name)).parse_args(argv)
+    # the preset sizes each point by fixed work; a batch or head count given by hand wins
+    if plain.batch is not None and plain.tokens is None:
+        args.tokens = None
+    if plain.heads is not None and plain.width is None:
+        args.width = None
+    return args
+
+
+def _triton_missing() -> str | None:
+    """Why ``--preset triton`` cannot run here, else None."""
+    if not torch.cuda.is_available():
+        return ("no CUDA device here. The triton kernels and the torch backends they are "
+                "compared with (flash, cuDNN, FlexAttention) need a GPU; run this on a CUDA "
+                "machine. (The kernels' correctness runs on CPU: "
+                "python -m pytest tests/test_triton.py)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'attn[triton]')"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    first = build_parser().parse_args(argv)
+    if first.command == "bench" and first.kind == "speed" and first.preset == "triton":
+        why = _triton_missing()
+        if why is not None:
+            print(f"attn bench speed --preset triton: {why}", file=sys.stderr)
+            return 2
+    args = parse_args(argv)
+    if args.command == "bench" and args.kind == "speed" and args.paired:
+        from attn.bench import paired
+
+        return paired.run(args, argv)
+    if args.command == "bench" and args.kind in _QUESTIONS:
+        return _question(args.kind).run(args, argv)
     if args.command == "bench" and args.kind == "compile":
         from attn.bench import compile as aot
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+import attn
 from attn.api import AttentionCall, attention, unsupported_reason
 from attn.bench.competitors import COMPETITORS
 from attn.bench.sweep import Row, SweepConfig, device_unsupported
@@ -52,9 +53,24 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
-def _tiled_path(device: str) -> str:
+def tiled_path(device: str) -> str:
+    """Which tiled path (eager or fused steps, GEMM engine) a call on ``device`` takes."""
     from attn import tiled
     return tiled.fused_path_reason(device)
+
+
+def run_header(device: str, command: str) -> dict:
+    """What every benchmark question's header starts with: the machine, versions, load, date
+    and the command that made the numbers."""
+    return {
+        "device": device, "device_name": device_name(device), "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "python": platform.python_version(), "attn": attn.__version__,
+        # other processes on the machine slow every path alike; ratios stay meaningful
+        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }
 
 
 def make_header(cfg: SweepConfig, argv: list[str] | None = None,
@@ -72,7 +88,7 @@ def make_header(cfg: SweepConfig, argv: list[str] | None = None,
         "kind": "gpu" if is_cuda else "cpu",
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "tiled_path": _tiled_path(cfg.device),
+        "tiled_path": tiled_path(cfg.device),
         # other processes on the machine slow every backend alike; ratios stay meaningful
         "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -150,6 +166,17 @@ def write_json(path: str | Path, header: dict, rows: list[Row],
            "rows": [r.as_dict() for r in rows]}
     path.write_text(json.dumps(doc, indent=1, allow_nan=False, default=_json_default) + "\n")
     return path
+
+
+def write_results(out: str | Path, header: dict, rows: list[dict], markdown: str
+                  ) -> tuple[Path, Path]:
+    """A benchmark question's ``results.json`` (header and rows) and ``results.md``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = out / "results.json", out / "results.md"
+    paths[0].write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
+    paths[1].write_text(markdown)
+    return paths
 
 
 def _json_default(x):

@@ -1,11 +1,11 @@
-"""A Hugging Face causal LM on CPU with attn_implementation eager, sdpa and attn.
+"""``attn bench hf``: a Hugging Face causal LM on CPU with attn_implementation eager, sdpa, attn.
 
-    python scripts/bench_hf.py --out benchmarks/results/hf_cpu --context 2048 8192 32768
+    attn bench hf --out benchmarks/results/hf_cpu --context 2048 8192 32768
 
-The model is a Llama built from a config (no download) with a realistic attention layout,
-32 query heads, 8 kv heads, head dim 128 (hidden 4096), and few layers with a narrow MLP and
-a small vocabulary, so attention is what the numbers are about. For each context N, one
-random prompt of N tokens:
+The model is a Llama built from a config (no download) with a realistic attention layout
+(by default 32 query heads, 8 kv heads, head dim 128: hidden 4096), and few layers with a
+narrow MLP and a small vocabulary, so attention is what the numbers are about. For each
+context N, one random prompt of N tokens:
 
 * prefill: ``model(prompt, past_key_values=DynamicCache(), logits_to_keep=1)``, as
   ``generate`` runs it. Peak memory above the weights (``attn.bench.memory.peak_bytes``, the
@@ -14,6 +14,9 @@ random prompt of N tokens:
 * decode: greedy next tokens one at a time through the cache the prefill filled, tokens/s
   from the median step. An implementation whose prefill is skipped decodes from a cache that
   attn prefilled (its rows say so): decoding itself needs little memory.
+
+Each prefill's last-position logits are compared with eager's (``logits_max_diff_vs_eager``):
+the implementations compute the same model, so they agree to rounding.
 
 Before a prefill runs, its peak is predicted (generously) and the point is skipped, with the
 prediction, when it would pass 60 % of the memory free at that moment: an out-of-memory kill
@@ -25,10 +28,7 @@ within one run, not absolute times across runs).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -36,14 +36,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import torch
 
-import torch  # noqa: E402
-
-from attn.bench.memory import CPU_ERROR_BYTES, peak_bytes  # noqa: E402
-from attn.bench.report import device_name  # noqa: E402
-from attn.bench.sweep import available_memory_bytes  # noqa: E402
-from attn.bench.timing import benchmark  # noqa: E402
+from attn.bench import report
+from attn.bench.sweep import available_memory_bytes
+from attn.timing import CPU_ERROR_BYTES, benchmark, peak_bytes
 
 IMPLS = ("attn", "sdpa", "eager")  # attn first: its cache serves a skipped prefill's decode
 
@@ -100,6 +97,7 @@ class Row:
     decode_best_tokens_per_s: float | None = None  # from the fastest step (least disturbed)
     decode_steps: int = 0
     decode_cache_from: str | None = None  # which implementation filled the decoding cache
+    logits_max_diff_vs_eager: float | None = None  # last-position prefill logits
     note: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -110,13 +108,13 @@ def prefill(model, ids):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache, out.logits[:, -1].argmax(-1, keepdim=True)
+    return cache, out.logits[:, -1]
 
 
-def decode_rate(model, cache, first, steps: int) -> tuple[float, float]:
-    """Tokens/s of greedy single-token steps, from the median and from the fastest step;
-    then the cache is cut back to the prompt."""
-    tok = first
+def decode_rate(model, cache, logits, steps: int) -> tuple[float, float]:
+    """Tokens/s of greedy single-token steps after the prefill's last ``logits``, from the
+    median and from the fastest step; then the cache is cut back to the prompt."""
+    tok = logits.argmax(-1, keepdim=True)
     times = []
     with torch.no_grad():
         for _ in range(steps + 1):  # the first step is warm-up
@@ -129,35 +127,33 @@ def decode_rate(model, cache, first, steps: int) -> tuple[float, float]:
     return 1.0 / times[len(times) // 2], 1.0 / times[0]
 
 
-def run(args) -> tuple[dict, list[Row]]:
+def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list[Row]]:
     import attn.integrations.hf as hf
     import transformers
 
     hf.register("attn", backend=args.backend)
-    shape = Shape(layers=args.layers)
+    shape = Shape(layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                  head_dim=args.head_dim, intermediate=args.intermediate, vocab=args.vocab)
     model = build_model(shape)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     rows: list[Row] = []
-    header = {
+    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    header.update({
         "what": "HF LlamaForCausalLM prefill + decode on CPU, attn_implementation eager/sdpa/attn",
         "model": asdict(shape) | {"hidden": shape.hidden, "weights_bytes": weights,
                                   "dtype": "float32"},
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "attn_backend": args.backend,
+        "transformers": transformers.__version__, "attn_backend": args.backend,
         "attn_commit": _git_commit(),
-        "device_name": device_name("cpu"), "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
         "loadavg_start": list(os.getloadavg()),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/bench_hf.py " + shlex.join(sys.argv[1:]),
         "memory_method": ("torch.profiler CPU allocator events, peak live bytes above the "
                           f"weights (error <= {CPU_ERROR_BYTES} bytes on a known allocation)"),
         "budget": "a prefill is skipped when its prediction passes 60% of free memory",
-    }
+    })
     g = torch.Generator().manual_seed(1)
     for n in args.context:
         ids = torch.randint(3, shape.vocab, (1, n), generator=g)
         attn_cache = None
+        logits = {}
         for impl in IMPLS:
             row = Row(impl, n, predicted_bytes=predicted_prefill_bytes(impl, n, shape))
             rows.append(row)
@@ -181,6 +177,7 @@ def run(args) -> tuple[dict, list[Row]]:
                                   budget_s=args.budget_s)
                     row.prefill_s, row.prefill_repeats = t.median_ms / 1e3, t.repeats
                     cache, first = holder.pop("out")
+                    logits[impl] = first
                     if impl == "attn":
                         attn_cache = (cache, first)
                 except (RuntimeError, MemoryError) as exc:
@@ -194,8 +191,13 @@ def run(args) -> tuple[dict, list[Row]]:
                 row.decode_tokens_per_s, row.decode_best_tokens_per_s = decode_rate(
                     model, cache, first, args.decode_steps)
                 row.decode_steps = args.decode_steps
-            print(_line(row), flush=True)
+            print(_line(row), file=sys.stderr, flush=True)
             del cache
+        if "eager" in logits:
+            for row in rows[-len(IMPLS):]:
+                if row.impl in logits:
+                    row.logits_max_diff_vs_eager = (
+                        logits[row.impl] - logits["eager"]).abs().max().item()
     header["loadavg_end"] = list(os.getloadavg())
     return header, rows
 
@@ -203,7 +205,7 @@ def run(args) -> tuple[dict, list[Row]]:
 def _git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1], check=True).stdout.strip()
+                              cwd=Path(__file__).resolve().parents[2], check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -242,8 +244,8 @@ def markdown(header: dict, rows: list[Row]) -> str:
         f"- memory: {header['memory_method']}; {header['budget']}",
         "",
         "| context | impl | prefill peak MiB above weights | prefill s | sdpa s / s "
-        "| decode tok/s, median step | best step | decode cache from |",
-        "|--:|:--|--:|--:|--:|--:|--:|:--|",
+        "| decode tok/s, median step | best step | decode cache from | logits vs eager |",
+        "|--:|:--|--:|--:|--:|--:|--:|:--|--:|",
     ]
     by = {(r.impl, r.context): r for r in rows}
     for r in rows:
@@ -256,16 +258,23 @@ def markdown(header: dict, rows: list[Row]) -> str:
         out.append(f"| {r.context} | {r.impl} | {peak} | {_num(r.prefill_s, '.2f')} | {ratio} "
                    f"| {_num(r.decode_tokens_per_s, '.1f')} "
                    f"| {_num(r.decode_best_tokens_per_s, '.1f')} "
-                   f"| {r.decode_cache_from or '—'} |")
+                   f"| {r.decode_cache_from or '—'} "
+                   f"| {_num(r.logits_max_diff_vs_eager, '.1e')} |")
     notes = [f"- {r.impl} at {r.context}: {r.note}" for r in rows if r.note]
     return "\n".join(out + ([""] + notes if notes else [])) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/hf_cpu"))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = Shape()
+    p.add_argument("--out", type=Path, default=Path("out/bench-hf"),
+                   help="folder for results.json and results.md")
     p.add_argument("--context", type=int, nargs="+", default=[2048, 8192, 32768])
-    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--heads", "-H", type=int, default=d.heads)
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    p.add_argument("--head-dim", type=int, default=d.head_dim)
+    p.add_argument("--intermediate", type=int, default=d.intermediate, help="MLP width")
+    p.add_argument("--vocab", type=int, default=d.vocab)
     p.add_argument("--backend", default="auto", help="attn backend behind attn_implementation")
     p.add_argument("--repeats", type=int, default=3, help="timed prefills at most per point")
     p.add_argument("--budget-s", type=float, default=60.0,
@@ -273,17 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, one per core)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    header, rows = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(
-        {"header": header, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
-    (args.out / "results.md").write_text(markdown(header, rows))
-    print(markdown(header, rows))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    header, rows = measure(args, argv)
+    md = markdown(header, rows)
+    written = report.write_results(args.out, header, [asdict(r) for r in rows], md)
+    print(md)
+    print("wrote " + ", ".join(map(str, written)))
+    return 1 if any(r.status == "failed" for r in rows) else 0

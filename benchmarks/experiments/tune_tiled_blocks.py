@@ -1,6 +1,6 @@
 """Choose tiled's BLOCK_M x BLOCK_N by measurement: time and peak memory against torch's SDPA.
 
-    python scripts/tune_tiled_blocks.py --n 1024 4096 8192 --out benchmarks/results/tiled_blocks_cpu.md
+    python benchmarks/experiments/tune_tiled_blocks.py --n 1024 4096 8192 --out benchmarks/results/tiled_blocks_cpu.md
 
 For each N (B=1, H=8, D=64, causal, fp32 by default) it times torch SDPA and tiled with every
 block pair, forward and forward+backward, in the same process, and prints the ratio
@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import attn
-from attn.bench.memory import peak_bytes
-from attn.bench.timing import benchmark
+from attn.timing import benchmark, peak_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
              "", f"`python {' '.join(sys.argv)}`", "",
              f"B={args.batch}, H={args.heads}, D={args.head_dim}, causal, float32. ratio = "
              "SDPA ms / tiled ms in the same process (> 1: tiled faster); memory = peak bytes "
-             "above the inputs (attn.bench.memory).", "",
+             "above the inputs (attn.timing.peak_bytes).", "",
              "| N | blocks | fwd ms | fwd ratio | fwd+bwd ms | fwd+bwd ratio | fwd+bwd MiB |",
              "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)

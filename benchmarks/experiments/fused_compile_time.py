@@ -5,7 +5,7 @@ the first forward+backward call (which compiles every step it needs), then the s
 (compiled), then calls at other sequence lengths and batch sizes, and counts the graphs
 dynamo built: a sequence length or batch size must not add any.
 
-    python scripts/fused_compile_time.py --n 4096
+    python benchmarks/experiments/fused_compile_time.py --n 4096
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Block-sparse attention: what a document mask costs next to dense attention.
 
-    python scripts/bench_block_sparse.py --n 4096 --docs 8 \\
+    python benchmarks/bench_block_sparse.py --n 4096 --docs 8 \\
         --out benchmarks/results/block_sparse_cpu.md
 
 Rows, same q, k, v (B=1, fp32), one process:
@@ -129,7 +129,7 @@ def main() -> None:
     lines = [
         f"# Block-sparse attention on CPU: a document mask ({docs} documents) against dense",
         "",
-        f"- command: `python scripts/bench_block_sparse.py {' '.join(sys.argv[1:])}`",
+        f"- command: `python benchmarks/bench_block_sparse.py {' '.join(sys.argv[1:])}`",
         f"- machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"{platform.platform()}; load average before the run "
         f"{', '.join(f'{x:.2f}' for x in LOAD)} (1, 5, 15 min; the machine is shared)",

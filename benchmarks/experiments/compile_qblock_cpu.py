@@ -8,7 +8,7 @@ This measures what that buys against the tiled backend's default path and agains
 SDPA, and what it costs to compile, on the plain non-causal forward (fp32, B=1, H=8, D=64),
 the backends taking turns round after round.
 
-    python scripts/compile_qblock_cpu.py --n 1024 2048 4096 --threads 2
+    python benchmarks/experiments/compile_qblock_cpu.py --n 1024 2048 4096 --threads 2
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import attn
-from attn.bench.timing import median_ratio, paired
+from attn.timing import median_ratio, paired
 
 LOG2E = 1.4426950408889634
 

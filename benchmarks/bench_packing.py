@@ -1,6 +1,6 @@
 """Packed against padded training throughput of the toy GPT, over a spread of document lengths.
 
-    python scripts/bench_packing.py --out benchmarks/results/packing_cpu.md
+    python benchmarks/bench_packing.py --out benchmarks/results/packing_cpu.md
 
 One "epoch" is a fixed set of documents whose lengths are drawn from a distribution (or the
 stdlib documents ``--pack`` trains on). Both modes train on exactly those tokens:
@@ -158,7 +158,7 @@ def main() -> None:
     lines = [
         "# Packed against padded training throughput (toy GPT, CPU)",
         "",
-        f"- command: `python scripts/bench_packing.py {' '.join(sys.argv[1:])}`",
+        f"- command: `python benchmarks/bench_packing.py {' '.join(sys.argv[1:])}`",
         f"- machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"{platform.platform()}; load average before the run "
         f"{', '.join(f'{x:.2f}' for x in LOAD)} (1, 5, 15 min; the machine is shared)",

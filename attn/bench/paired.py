@@ -1,0 +1,178 @@
+"""``attn bench speed --paired``: tiled against torch SDPA on CPU, as paired ratios.
+
+``attn bench speed`` times each backend in a block, one after the other; on a shared machine
+a slow minute can land on one backend only. Here the contenders take turns, round after
+round: torch SDPA, tiled as it runs by default (eager steps, GEMM engine per
+``ATTN_TILED_GEMM=auto``), tiled with torch.bmm GEMMs only (``ATTN_TILED_GEMM=bmm``: no unit
+path), tiled with the fused (compiled) steps (``ATTN_TILED_COMPILE=1``, unless
+``--no-fused``), and compiled FlexAttention for the causal forward up to ``--flex-max-n``
+(it has no CPU backward). A contender's sample in a round is ``reps`` calls in a row (enough
+for ~50 ms, chosen at warm-up, the same for every contender); the reported ratio is the median
+over rounds of ``sdpa time / contender time`` within the round (> 1: faster than SDPA).
+
+    attn bench speed --paired --out benchmarks/results/cpu_ratio
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+import attn
+from attn.bench import report
+from attn.bench.sweep import DTYPES
+from attn.timing import median_ratio, paired
+
+# the environment each tiled variant runs under (set before each of its calls)
+TILED_VARIANTS = {
+    "tiled": {"ATTN_TILED_COMPILE": "0", "ATTN_TILED_GEMM": "auto"},
+    "tiled bmm": {"ATTN_TILED_COMPILE": "0", "ATTN_TILED_GEMM": "bmm"},
+    "tiled fused": {"ATTN_TILED_COMPILE": "1", "ATTN_TILED_GEMM": "auto"},
+}
+DEFAULT_N = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _rounds(N: int) -> int:
+    return 9 if N <= 2048 else 5 if N <= 4096 else 3
+
+
+def _flex(causal: bool, N: int) -> Callable:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, N, N,
+                                       device="cpu")
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def contenders(q, k, v, *, causal: bool, bwd: bool, fused: bool,
+               flex_max_n: int) -> dict[str, Callable[[], None]]:
+    """The calls of one round, SDPA first; each sets its environment, then runs (and runs
+    the backward of the output's sum when ``bwd``)."""
+    def step(fn: Callable[[], torch.Tensor], env: dict[str, str] | None = None):
+        def go() -> None:
+            os.environ.update(env or {})
+            out = fn()
+            if bwd:
+                out.sum().backward()
+        return go
+
+    def tiled():
+        return attn.attention(q, k, v, causal=causal, backend="tiled")
+    fns = {"sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))}
+    for name, env in TILED_VARIANTS.items():
+        if fused or name != "tiled fused":
+            fns[name] = step(tiled, env)
+    N = q.shape[2]
+    if not bwd and causal and N <= flex_max_n:
+        flex = _flex(causal, N)
+        fns["flex (compiled)"] = step(lambda: flex(q, k, v))
+    return fns
+
+
+def measure(fns: dict[str, Callable[[], None]], rounds: int) -> dict:
+    """Warm up (compiles, first-touch allocations), pick reps for ~50 ms, run the rounds."""
+    slowest = 0.0
+    for fn in fns.values():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        slowest = max(slowest, time.perf_counter() - t0)
+    reps = max(1, round(0.05 / slowest))
+    times = paired(fns, rounds, reps)
+    return {"rounds": rounds, "reps": reps,
+            "ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
+            "ratio": {n: median_ratio(times, "sdpa", n) for n in fns if n != "sdpa"}}
+
+
+def markdown(header: dict, rows: list[dict]) -> str:
+    names = []
+    for r in rows:
+        names += [n for n in r["ratio"] if n not in names]
+    lines = ["# tiled vs torch SDPA on CPU: paired ratios (sdpa time / backend time)", "",
+             f"- device: {header['device_name']} ({header['cpu_count']} CPUs, "
+             f"{header['torch_threads']} torch threads); torch {header['torch']}; "
+             f"{header['date']}; load at the start {header['loadavg_1min']:.2f}",
+             f"- command: `{header['command']}`",
+             f"- shape: {header['shape']}; each round runs every backend in turn, reps calls "
+             "each (~50 ms); the ratio is the median over rounds of the in-round ratio "
+             "(> 1: faster than SDPA)",
+             f"- tiled: the default ({header['tiled_path']}); tiled bmm: ATTN_TILED_GEMM=bmm "
+             "(torch.bmm GEMMs, batched over heads); tiled fused: ATTN_TILED_COMPILE=1 "
+             "(per-tile steps compiled by torch.compile, bmm GEMMs)", "",
+             "| N | D | dtype | mode | causal | rounds x reps | sdpa ms | "
+             + " | ".join(names) + " |",
+             "|--:|--:|:--|:--|:--|--:|--:|" + "--:|" * len(names)]
+    for r in rows:
+        lines.append(f"| {r['N']} | {r['D']} | {r['dtype']} | {r['mode']} | {r['causal']} | "
+                     f"{r['rounds']} x {r['reps']} | {r['ms']['sdpa']:.1f} | "
+                     + " | ".join(f"{r['ratio'][n]:.2f}" if n in r["ratio"] else "—"
+                                  for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _measure_shape(args, B, H, N, D, dtype, mode, causals) -> list[dict]:
+    """One row per causal value: every contender on the same q, k, v."""
+    bwd = mode == "fwd+bwd"
+    g = torch.Generator().manual_seed(N)
+    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=DTYPES[dtype]).requires_grad_(bwd)
+               for _ in range(3))
+    rows = []
+    for causal in causals:
+        fns = contenders(q, k, v, causal=causal, bwd=bwd, fused=not args.no_fused,
+                         flex_max_n=args.flex_max_n)
+        rows.append({"N": N, "D": D, "dtype": dtype, "B": B, "H": H, "mode": mode,
+                     "causal": causal, **measure(fns, args.repeats or _rounds(N))})
+        print(N, D, dtype, mode, "causal" if causal else "full",
+              " ".join(f"{n}:{r:.2f}" for n, r in rows[-1]["ratio"].items()),
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.device not in (None, "cpu"):
+        raise SystemExit("attn: --paired compares tiled's CPU paths with torch SDPA; it runs "
+                         "on CPU only (drop --device)")
+    for flag in ("backends", "tokens", "width"):
+        if getattr(args, flag) is not None:
+            raise SystemExit(f"attn: --paired runs a fixed set of contenders at a fixed B and "
+                             f"H; --{flag} does not apply")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    _check(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    B = 1 if args.batch is None else args.batch
+    H = 8 if args.heads is None else args.heads
+    causals = {"false": (False,), "true": (True,), "both": (False, True)}[args.causal or "both"]
+    modes = ("fwd", "fwd+bwd") if args.mode == "both" else (args.mode,)
+    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    dims = ", ".join(map(str, args.d))
+    header.update(shape=f"{', '.join(args.dtype)}, B={B}, H={H}, D={dims}",
+                  tiled_path=report.tiled_path("cpu"))
+    rows = []
+    with mock.patch.dict(os.environ):  # the contenders' settings end with the run
+        for dtype in args.dtype:
+            for D in args.d:
+                for N in args.n or DEFAULT_N:
+                    for mode in modes:
+                        rows += _measure_shape(args, B, H, N, D, dtype, mode, causals)
+    out = args.out or Path("out") / "bench-speed-paired"
+    md = markdown(header, rows)
+    written = report.write_results(out, header, rows, md)
+    print(md)
+    print("wrote " + ", ".join(map(str, written)))
+    return 0

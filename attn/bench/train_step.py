@@ -1,0 +1,119 @@
+"""``attn bench train-step``: peak memory and time of one GPT training step per backend.
+
+One step is forward, backward and AdamW on the toy GPT of :mod:`attn.models` (RoPE, causal,
+fp32), the same seed and batch for every backend. Peak memory:
+:func:`attn.timing.peak_bytes` (on CPU the live-bytes curve of torch's allocator recorded by
+the profiler) above what existed before the step (the model, its AdamW state and gradients
+from a warm-up step, and the batch), so it counts activations, the attention's saved tensors
+and workspaces, and the new gradients. Time: median of ``--repeats`` steps run without the
+profiler, after the warm-up step. The warm-up step's loss is in the rows: every backend
+computes the same model, so the losses agree to rounding.
+
+    attn bench train-step --lengths 2048 4096 --backends reference tiled sdpa \\
+        --out benchmarks/results/train_step_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from attn.bench import report
+from attn.models import GPT, AttentionConfig, GPTConfig
+from attn.models.data import VOCAB_SIZE
+from attn.timing import CPU_ERROR_BYTES, peak_bytes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", "--n", dest="lengths", type=int, nargs="+", default=[2048, 4096],
+                   help="sequence lengths N (the model's block size)")
+    p.add_argument("--backends", nargs="+", default=["reference", "tiled", "sdpa"])
+    p.add_argument("--batch", "-B", type=int, default=1)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", "-H", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3, help="timed steps (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--out", type=Path, default=Path("out/bench-train-step"),
+                   help="folder for results.json and results.md")
+
+
+def measure(n: int, backend: str, args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=n, n_layer=args.n_layer, dim=args.dim,
+                    attention=AttentionConfig(heads=args.heads, backend=backend))
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, VOCAB_SIZE, (args.batch, n))
+    y = torch.randint(0, VOCAB_SIZE, (args.batch, n))
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    loss = step()  # warm-up: AdamW state and gradients exist before measuring
+    peak = peak_bytes(step)
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"N": n, "backend": backend, "peak_bytes": peak,
+            "step_ms": statistics.median(times) * 1e3, "loss": loss}
+
+
+def markdown(header: dict, rows: list[dict]) -> str:
+    m = header["model"]
+    reference = {r["N"]: r["peak_bytes"] for r in rows if r["backend"] == "reference"}
+    lines = [
+        "# One GPT training step on CPU: peak memory and time per attention backend", "",
+        f"- command: `{header['command']}`",
+        f"- machine: {header['device_name']} ({header['cpu_count']} CPUs, "
+        f"{header['torch_threads']} torch threads); load at the start "
+        f"{header['loadavg_1min']:.2f}",
+        f"- versions: torch {header['torch']}, Python {header['python']}, attn {header['attn']}",
+        f"- date: {header['date']}",
+        f"- model: GPT n_layer={m['n_layer']}, dim={m['dim']}, heads={m['heads']} "
+        f"(head_dim {m['dim'] // m['heads']}), RoPE, causal, batch {m['batch']}, fp32, AdamW",
+        "- peak memory: attn.timing.peak_bytes (torch profiler allocator events, bytes above "
+        "the model, optimizer state and batch; misses allocations outside c10, documented "
+        f"bound {CPU_ERROR_BYTES / 2**20:.0f} MiB)",
+        f"- time: median of {m['repeats']} steps after a warm-up step; absolute times depend "
+        "on the machine and its load: compare rows of one run",
+        "", "| N | backend | peak MiB | vs reference | step ms | loss |",
+        "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = reference.get(r["N"])
+        ratio = f"{r['peak_bytes'] / base:.1%}" if base else "–"
+        lines.append(f"| {r['N']} | {r['backend']} | {r['peak_bytes'] / 2**20:,.1f} | {ratio} "
+                     f"| {r['step_ms']:,.0f} | {r['loss']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    header["model"] = {"n_layer": args.n_layer, "dim": args.dim, "heads": args.heads,
+                       "batch": args.batch, "repeats": args.repeats}
+    rows = []
+    for n in args.lengths:
+        for backend in args.backends:
+            rows.append(measure(n, backend, args))
+            r = rows[-1]
+            print(f"N={n} {backend}: peak {r['peak_bytes'] / 2**20:,.1f} MiB, "
+                  f"{r['step_ms']:,.0f} ms", file=sys.stderr, flush=True)
+    md = markdown(header, rows)
+    written = report.write_results(args.out, header, rows, md)
+    print(md)
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
