@@ -79,13 +79,16 @@ class PagedKVCache:
         self.k_pages, self.v_pages = k_pages, v_pages
         self._table = self._check_block_table(block_table)  # host int64 copy
         self.block_table = block_table
-        self.lengths = self._host_lengths("lengths", lengths)
-        self.starts = (torch.zeros_like(self.lengths) if starts is None
+        self._lengths = self._host_lengths("lengths", lengths)
+        self.starts = (torch.zeros_like(self._lengths) if starts is None
                        else self._host_lengths("starts", starts))
-        self._check_fit(self.lengths, 0)
-        if bool((self.starts > self.lengths).any()):
+        self._check_fit(self._lengths, 0)
+        if bool((self.starts > self._lengths).any()):
             raise ValueError(f"{self._name('starts')} {_shown(self.starts)} must lie in "
-                             f"[0, {self._name('lengths')}] = {_shown(self.lengths)}")
+                             f"[0, {self._name('lengths')}] = {_shown(self._lengths)}")
+        # every sequence holds the same positions [start, length); appends keep it so
+        self.equal_lengths = self.batch == 0 or bool(
+            (self.starts == self.starts[0]).all() and (self._lengths == self._lengths[0]).all())
 
     # -- sizes --
 
@@ -104,10 +107,9 @@ class PagedKVCache:
         return self.block_table.shape[1] * self.page_size
 
     @property
-    def equal_lengths(self) -> bool:
-        """Every sequence holds the same positions ``[start, length)``."""
-        return self.batch == 0 or bool((self.starts == self.starts[0]).all()
-                                       and (self.lengths == self.lengths[0]).all())
+    def lengths(self) -> Tensor:
+        """``(B,)`` int64 on the host: where each sequence's next token goes."""
+        return self._lengths
 
     # -- checks --
 
@@ -201,7 +203,7 @@ class PagedKVCache:
             for pages, t in ((self.k_pages, k), (self.v_pages, v)):
                 # (B, Hkv, Nnew, D) -> (B·Nnew, Hkv, D): token-major, as the pages store it
                 pages[blk, off] = t.transpose(1, 2).reshape(-1, *t.shape[1::2]).to(pages.dtype)
-        self.lengths = self.lengths + n
+        self._lengths = self._lengths + n
 
     # -- reads: the keys [starts[b], lengths[b]) of each sequence --
 
@@ -226,13 +228,17 @@ class PagedKVCache:
     def batch_is_view(self) -> bool:
         """With equal lengths, :meth:`batch_kv` is a view: every sequence's keys lie in one
         page and those pages are consecutive (a contiguous cache read in order)."""
+        return self._view_page() is not None
+
+    def _view_page(self) -> int | None:
+        """The first sequence's page when :meth:`batch_kv` is a view, else None."""
         if self.batch == 0 or not self.equal_lengths:
-            return False
-        p0, p1, _, _ = self._span(int(self.starts[0]), int(self.lengths[0]))
-        if p1 - p0 != 1:
-            return False
-        ids = self._table[:, p0]
-        return bool((ids == ids[0] + torch.arange(self.batch)).all())
+            return None
+        p0, p1, _, _ = self._span(int(self.starts[0]), int(self._lengths[0]))
+        ids = self._table[:, p0] if p1 - p0 == 1 else None
+        if ids is None or not bool((ids == ids[0] + torch.arange(self.batch)).all()):
+            return None
+        return int(ids[0])
 
     def batch_kv(self) -> tuple[Tensor, Tensor]:
         """Keys and values ``(B, Hkv, N, D)`` of sequences of equal lengths: a view when
@@ -242,8 +248,8 @@ class PagedKVCache:
                              f"{_shown(self.starts)} and lengths {_shown(self.lengths)}")
         p0, p1, a, z = self._span(int(self.starts[0]), int(self.lengths[0]))
         pair = (self.k_pages, self.v_pages)
-        if self.batch_is_view:
-            b0 = int(self._table[0, p0])
+        b0 = self._view_page()
+        if b0 is not None:
             # (B, N, Hkv, D) -> (B, Hkv, N, D): views, no copy
             return tuple(c[b0:b0 + self.batch, a:z].transpose(1, 2) for c in pair)
         if p1 - p0 == 1:  # one page each: only the positions in use
