@@ -424,7 +424,7 @@ def kv_path(request, monkeypatch):
     """flash_attn_with_kvcache's two paths: row by row (CPU) and one batched / packed call
     (other devices), both run here on CPU."""
     if request.param == "batched":
-        monkeypatch.setattr("attn.compat.flash_attn._PER_ROW_DEVICES", ())
+        monkeypatch.setattr(importlib.import_module("attn.decode"), "_PER_ROW_DEVICES", ())
     return request.param
 
 

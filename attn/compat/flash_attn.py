@@ -3,7 +3,9 @@
 Code written for flash-attn runs unchanged on every device and dtype attn supports (CPU,
 float32, float64 included), with gradients; on CUDA the triton backend runs where it applies.
 This module only translates (layouts, flags, conventions); the attention itself is
-:func:`attn.attention` (q viewed ``(B, H, N, D)``) and :func:`attn.varlen_attention`.
+:func:`attn.attention` (q viewed ``(B, H, N, D)``) and :func:`attn.varlen_attention`, and a
+KV cache (contiguous or paged) is an :class:`attn.kvcache.PagedKVCache` (its pages, appends
+and checks) read by :func:`attn.decode.decode`.
 
 Layouts are flash-attn's, the documented exception to attn's ``(B, H, N, D)``:
 
@@ -66,9 +68,10 @@ from torch import Tensor
 
 from attn.compat.errors import FlashAttnError, translating
 from attn.compat.rotary import rotate_at
+from attn.decode import decode
+from attn.kvcache import PagedKVCache, host_ints
 from attn.varlen import varlen_attention
 from attn.api import attention
-from attn.spec import acc_dtype
 
 __all__ = ["FlashAttnError", "flash_attn_func", "flash_attn_kvpacked_func",
            "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -235,25 +238,29 @@ def _probs(q: Tensor) -> Tensor:
 # -- (B, N, H, D) --------------------------------------------------------------------------
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal, window_size,
-           softcap, alibi_slopes, seqlen_k: int | None = None,
-           kv_heads_first: bool = False) -> tuple[Tensor, Tensor]:
-    """out (B, Nq, H, Dv) and flash-attn's lse (B, H, Nq) of (B, N, H, D) inputs (k and v
-    already ``(B, Hkv, Nk, D)`` when ``kv_heads_first``)."""
+           softcap, alibi_slopes) -> tuple[Tensor, Tensor]:
+    """out (B, Nq, H, Dv) and flash-attn's lse (B, H, Nq) of (B, N, H, D) inputs."""
     B, Nq, H, _ = q.shape
-    if not kv_heads_first:
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, N, Hkv, D) -> (B, Hkv, N, D) views
-    Nk = k.shape[2]
+    Nk = k.shape[1]
     _check_alibi(alibi_slopes, B, H)
-    window, pure_causal, _ = _band(causal, window_size, Nk if seqlen_k is None else seqlen_k)
+    window, pure_causal, _ = _band(causal, window_size, Nk)
     with translating():
         # (B, N, H, D) -> (B, H, N, D): views; attn's backends take any strides
-        out, lse = attention(q.transpose(1, 2), k, v,
+        out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                              causal=False, window=window, dropout_p=dropout_p,
                              return_lse=True, **_variants(softmax_scale, softcap, alibi_slopes))
-    row_offset = torch.arange(Nq, device=q.device) + (Nk - Nq)  # i + Nk - Nq
-    slopes = None if alibi_slopes is None else alibi_slopes.reshape(-1, H, 1)
-    lse = _fa_lse(lse, slopes, pure_causal, row_offset)
+    lse = _fa_lse(lse, _slopes(alibi_slopes, H), pure_causal, _row_offset(Nq, Nk, q.device))
     return out.transpose(1, 2).contiguous(), lse  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
+
+
+def _slopes(alibi_slopes: Tensor | None, H: int) -> Tensor | None:
+    """(H,) or (B, H) slopes shaped (1 or B, H, 1) to broadcast against lse (B, H, Nq)."""
+    return None if alibi_slopes is None else alibi_slopes.reshape(-1, H, 1)
+
+
+def _row_offset(Nq: int, Nk, device: torch.device) -> Tensor:
+    """Each query row's ``i + Nk − Nq``; ``Nk`` an int, or per batch row ``(B, 1)``."""
+    return torch.arange(Nq, device=device) + (Nk - Nq)
 
 
 def _returns(out: Tensor, lse: Tensor, q: Tensor, return_attn_probs: bool):
@@ -375,52 +382,24 @@ def _cu_host(name: str, cu: object, total: int) -> Tensor:
     return host
 
 
-def _gather(cache: Tensor, idx0: Tensor, idx1) -> Tensor:
-    """``cache[idx0, idx1]`` of a ``(rows, L, Hkv, D)`` cache as ``(n, Hkv, D)``, copied
-    head-major: the result is a transposed view of a contiguous ``(Hkv, n, D)``, so attn,
-    which reads ``(Hkv, n, D)`` slabs, gets contiguous keys (on CPU the tiled backend reads
-    strided keys several times slower)."""
-    return cache.permute(2, 0, 1, 3)[:, idx0, idx1].transpose(0, 1)
-
-
-def _paged_keys(k_cache: Tensor, block_table: Tensor, rows: Tensor, pos: Tensor) -> Tensor:
-    """Keys at logical positions ``pos`` of sequences ``rows`` of a paged cache
-    ``(num_blocks, page, Hkv, D)``: ``(len(pos), Hkv, D)``, a gather (copy)."""
-    page = k_cache.shape[1]
-    blk = block_table[rows, pos // page].long()
-    return _gather(k_cache, blk, pos % page)
-
-
 def _check_block_table(block_table: object, B: int, k_cache: Tensor,
-                       cache_name: str = "k_cache") -> Tensor:
-    """The page table ``(B, max_blocks)`` of a paged cache ``(num_blocks, page, Hkv, D)``.
-    Every id must name a page, ``0 <= id < num_blocks``, unused slots included: torch
-    indexing would wrap a negative id around to another sequence's page (a silent read, and
-    with k/v appended a silent write). Read on the host (one small copy)."""
+                       cache_name: str = "k_cache") -> None:
+    """flash-attn's form of a paged cache: ``block_table (batch_size,
+    max_num_blocks_per_seq)``, pages ``(num_blocks, page_block_size, nheads_k, headdim)``.
+    The table's dtype and every page id (unused slots included) are checked by
+    :class:`attn.kvcache.PagedKVCache` before any page is read or written."""
     if not isinstance(block_table, Tensor):
         raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise FlashAttnError(f"block_table must be (batch_size, max_num_blocks_per_seq) with "
                              f"batch_size {B}, got shape {tuple(block_table.shape)}")
-    if block_table.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
     _tensor(cache_name, k_cache, 4, "(num_blocks, page_block_size, nheads_k, headdim) with a "
             "block_table")
-    num_blocks = k_cache.shape[0]
-    host = block_table.cpu()
-    bad = ((host < 0) | (host >= num_blocks)).nonzero()
-    if bad.numel():
-        b, j = bad[0].tolist()
-        raise FlashAttnError(f"block_table[{b}, {j}] = {int(host[b, j])} is not a page of "
-                             f"{cache_name} {tuple(k_cache.shape)}: page ids must lie in "
-                             f"[0, num_blocks) = [0, {num_blocks}) ({bad.shape[0]} bad ids in "
-                             f"block_table {tuple(block_table.shape)})")
-    return block_table
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, block_table=None,
-            seqlen_k: int | None = None, names: tuple[str, str, str] = ("q", "k", "v"),
+            names: tuple[str, str, str] = ("q", "k", "v"),
             given: dict[str, Tensor] | None = None,
             max_names: tuple[str, str] = ("max_seqlen_q", "max_seqlen_k")):
     """out (total_q, H, Dv) and flash-attn's lse (H, total_q) of packed inputs; ``names`` /
@@ -440,8 +419,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
     B = host_q.numel() - 1
     if paged:
         _check_block_table(block_table, B, k, "k")
-        capacity = block_table.shape[1] * k.shape[1]
-        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, B * capacity)
+        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, B * block_table.shape[1] * k.shape[1])
     else:
         host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, k.shape[0])
     if host_k.numel() != host_q.numel():
@@ -450,18 +428,16 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
                              f"{tuple(cu_seqlens_k.shape)}")
     _check_alibi(alibi_slopes, B, H)
     len_q, len_k = host_q[1:] - host_q[:-1], host_k[1:] - host_k[:-1]
-    if paged and int(len_k.max()) > capacity:
-        raise FlashAttnError(f"a sequence of {int(len_k.max())} keys does not fit the "
-                             f"block_table's {block_table.shape[1]} pages of {k.shape[1]}")
     used_q, used_k = int(host_q[-1]), int(host_k[-1])
     if paged:  # the sequences' keys gathered in order, through the page table
-        rows = torch.repeat_interleave(torch.arange(B), len_k).to(q.device)
-        pos = (torch.arange(used_k) - torch.repeat_interleave(host_k[:-1], len_k)).to(q.device)
-        k, v = _paged_keys(k, block_table, rows, pos), _paged_keys(v, block_table, rows, pos)
+        with translating():
+            cache = PagedKVCache(k, v, block_table, len_k, names={
+                "k_pages": "k", "v_pages": "v", "lengths": "the lengths in cu_seqlens_k"})
+        k, v, _ = cache.packed_kv()
     else:
         k, v = k[:used_k], v[:used_k]
-    if seqlen_k is None:  # flash-attn's seqlen_k of the window rule: the max_seqlen_k given
-        seqlen_k = int(len_k.max()) if max_seqlen_k is None else _int_like(max_seqlen_k)
+    # flash-attn's seqlen_k of the window rule: the max_seqlen_k given
+    seqlen_k = int(len_k.max()) if max_seqlen_k is None else _int_like(max_seqlen_k)
     window, pure_causal, _ = _band(causal, window_size, seqlen_k)
     cu_q = host_q.to(device=q.device)
     cu_k = host_k.to(device=q.device)
@@ -582,30 +558,13 @@ def flash_attn_varlen_func(
 
 # -- the KV cache ----------------------------------------------------------------------------
 
-# Devices where flash_attn_with_kvcache runs attn row by row (see its Cost paragraph); the
-# tests also run the batched paths on CPU by emptying it.
-_PER_ROW_DEVICES = ("cpu",)
-
-def _as_lengths(name: str, x: object, B: int, device: torch.device) -> Tensor:
-    """An int or a (B,) int tensor, as a (B,) int64 host tensor."""
+def _as_lengths(name: str, x: object, B: int) -> Tensor:
+    """flash-attn's int (any integer-like) or (batch_size,) int32 tensor, as a (B,) int64
+    host tensor."""
     if not isinstance(x, Tensor) and _int_like(x) is not None:
-        return torch.full((B,), _int_like(x), dtype=torch.int64)
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be an int or a (batch_size,) int32 tensor, got "
-                        f"{type(x).__name__}")
-    if x.dtype not in (torch.int32, torch.int64) or tuple(x.shape) != (B,):
-        raise FlashAttnError(f"{name} must be (batch_size,) = ({B},) int32, got {x.dtype} "
-                             f"{tuple(x.shape)}")
-    return x.cpu().long()
-
-
-def _no_keys(q: Tensor, B: int, Dv: int) -> tuple[Tensor, Tensor]:
-    """out and flash-attn's lse of ``B`` rows of q ``(·, Nq, H, D)`` that see no key: zeros
-    and +inf."""
-    _, Nq, H, _ = q.shape
-    lse_dtype = acc_dtype(q.dtype)
-    return (q.new_zeros(B, Nq, H, Dv),
-            torch.full((B, H, Nq), float("inf"), device=q.device, dtype=lse_dtype))
+        x = _int_like(x)
+    with translating():
+        return host_ints(name, x, B, "batch_size")
 
 
 def flash_attn_with_kvcache(
@@ -656,11 +615,12 @@ def flash_attn_with_kvcache(
     zeros and lse +inf, the whole batch included.
 
     Cost: ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy: the
-    lengths decide the checks and the path). Rows of equal lengths in a contiguous cache (no
-    left pad, no ``cache_batch_idx``) run as one call on a view of the cache (no copy). Other
-    rows run, on CPU, once per row on a view of that row's keys, or on a gather of the pages it
-    uses when paged; elsewhere as one call on the keys in use gathered head-major (through the
-    page table when paged), as packed sequences.
+    lengths decide the checks and the path). The cache is an :class:`attn.kvcache.PagedKVCache`
+    (a contiguous one: pages of ``L_cache`` positions, one per row) and :func:`attn.decode.decode`
+    runs the attention: rows of equal lengths in consecutive pages (a contiguous cache read in
+    order) as one call on a view; other rows, on CPU, once per row on a view of that row's
+    keys (a gather of its pages when they span several); elsewhere as one call on the keys in
+    use gathered head-major through the page table.
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     B, Nq, H, D = q.shape
@@ -709,20 +669,11 @@ def flash_attn_with_kvcache(
     if cache_seqlens is None:
         ends = torch.full((B,), capacity, dtype=torch.int64)
     else:
-        ends = _as_lengths("cache_seqlens", cache_seqlens, B, q.device)
+        ends = _as_lengths("cache_seqlens", cache_seqlens, B)
     starts = (torch.zeros(B, dtype=torch.int64) if cache_leftpad is None
-              else _as_lengths("cache_leftpad", cache_leftpad, B, q.device))
-    stops = ends + Nnew  # one past each row's last key
-    if bool((ends < 0).any()) or int(stops.max()) > capacity:
-        raise FlashAttnError(f"the cache holds {capacity} positions per sequence; "
-                             f"cache_seqlens {ends.tolist()[:16]} + {Nnew} new tokens do not "
-                             f"fit (k_cache {tuple(k_cache.shape)}"
-                             + (f", block_table {tuple(block_table.shape)})" if paged else ")"))
-    if bool((starts < 0).any()) or bool((starts > ends).any()):
-        raise FlashAttnError(f"cache_leftpad {starts.tolist()[:16]} must lie in "
-                             f"[0, cache_seqlens] = {ends.tolist()[:16]}")
+              else _as_lengths("cache_leftpad", cache_leftpad, B))
     if cache_batch_idx is not None:
-        rows = _as_lengths("cache_batch_idx", cache_batch_idx, B, q.device)
+        rows = _as_lengths("cache_batch_idx", cache_batch_idx, B)
         if bool((rows < 0).any()) or int(rows.max()) >= k_cache.shape[0]:
             raise FlashAttnError(f"cache_batch_idx {rows.tolist()[:16]} out of range for "
                                  f"k_cache {tuple(k_cache.shape)}")
@@ -731,6 +682,13 @@ def flash_attn_with_kvcache(
         if not paged and k_cache.shape[0] < B:
             raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} holds fewer rows than the "
                                  f"batch of q {tuple(q.shape)}")
+    # a contiguous cache is the paged one whose pages are its rows (L_cache positions each)
+    table = block_table if paged else rows.view(B, 1).to(q.device)
+    with translating():
+        cache = PagedKVCache(k_cache, v_cache, table, ends, starts=starts, names={
+            "k_pages": "k_cache", "v_pages": "v_cache", "lengths": "cache_seqlens",
+            "block_table": "block_table" if paged else None, "starts": "cache_leftpad"})
+        cache.check_room(Nnew)
     _check_alibi(alibi_slopes, B, H)
     _variants(softmax_scale, softcap, None)  # checked before anything is written
     window, pure_causal, local = _band(causal, window_size, capacity)
@@ -748,93 +706,16 @@ def flash_attn_with_kvcache(
         k = rotate_at(k, rotary_cos, rotary_sin, k_rows, rotary_interleaved, "k")
         q = rotate_at(q, rotary_cos, rotary_sin, q_rows, rotary_interleaved, "q")
 
-    dev = q.device
     with torch.no_grad():
         # -- append in place: row b's new token t goes to position ends[b] + t --
         if k is not None:
-            pos = (ends.view(B, 1) + torch.arange(Nnew).view(1, Nnew)).flatten().to(dev)
-            row = rows.repeat_interleave(Nnew).to(dev)
-            if paged:
-                page = k_cache.shape[1]
-                row = block_table[torch.arange(B, device=dev).repeat_interleave(Nnew),
-                                  pos // page].long()
-                pos = pos % page
-            k_cache[row, pos] = k.reshape(B * Nnew, *k.shape[2:]).to(k_cache.dtype)
-            v_cache[row, pos] = v.reshape(B * Nnew, *v.shape[2:]).to(v_cache.dtype)
-
+            cache.append(k.transpose(1, 2), v.transpose(1, 2))  # (B, Nnew, Hkv, D) views
         # -- attention over [starts, stops) of each row --
-        lengths = stops - starts
-        if int(lengths.max()) == 0:  # no row has a key
-            out, lse = _no_keys(q, B, v_cache.shape[-1])
-            return (out, lse) if return_softmax_lse else out
-        uniform = bool((starts == starts[0]).all()) and bool((stops == stops[0]).all())
-        variants = dict(dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, seqlen_k=capacity,
-                        kv_heads_first=True)
-        view = uniform and not paged and cache_batch_idx is None
-        if dev.type in _PER_ROW_DEVICES and not view:
-            # ragged or paged rows: one call per row on views of its own keys (a gather of
-            # its pages when paged) instead of gathering every row's keys head-major; equal
-            # rows take the one view below (tiled runs it batch row by batch row, no copy)
-            outs, lses = [], []
-            for b in range(B):
-                s0, s1 = int(starts[b]), int(stops[b])
-                if s1 == s0:
-                    out, lse = _no_keys(q, 1, v_cache.shape[-1])
-                    outs.append(out)
-                    lses.append(lse)
-                    continue
-                if paged:
-                    page = k_cache.shape[1]
-                    p0, p1 = s0 // page, -(-s1 // page)
-                    blocks = block_table[b, p0:p1].long()  # only this row's pages in use
-                    kk, vv = (c[blocks].flatten(0, 1)[s0 - p0 * page:s1 - p0 * page]
-                              for c in (k_cache, v_cache))
-                else:
-                    r = int(rows[b])
-                    kk, vv = k_cache[r, s0:s1], v_cache[r, s0:s1]  # views
-                slopes = (alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1
-                          else alibi_slopes[b:b + 1])
-                # (Nk, Hkv, D) -> (1, Hkv, Nk, D)
-                out, lse = _dense(q[b:b + 1], kk[None].transpose(1, 2), vv[None].transpose(1, 2),
-                                  alibi_slopes=slopes, **variants)
-                outs.append(out)
-                lses.append(lse)
-            out, lse = torch.cat(outs), torch.cat(lses)
-        elif uniform:
-            s0, s1 = int(starts[0]), int(stops[0])
-            if paged:
-                page = k_cache.shape[1]
-                p0, p1 = s0 // page, -(-s1 // page)
-                blocks = block_table[:, p0:p1].long()  # (B, pages): only the pages in use
-                # (Hkv, B, pages, page, D) -> (B, Hkv, pages·page, D), copied head-major
-                kk, vv = (c.permute(2, 0, 1, 3)[:, blocks].transpose(0, 1).flatten(2, 3)
-                          [:, :, s0 - p0 * page:s1 - p0 * page] for c in (k_cache, v_cache))
-            elif cache_batch_idx is None:
-                # views, no copy: (B, L, Hkv, D) -> (B, Hkv, L, D)
-                kk, vv = (c[:B, s0:s1].transpose(1, 2) for c in (k_cache, v_cache))
-            else:
-                idx = rows.to(dev)
-                kk, vv = (c.permute(2, 0, 1, 3)[:, idx, s0:s1].transpose(0, 1)
-                          for c in (k_cache, v_cache))  # (Hkv, B, L, D) -> (B, Hkv, L, D)
-            out, lse = _dense(q, kk, vv, alibi_slopes=alibi_slopes, **variants)
-        else:
-            # per-row lengths: the used keys packed end to end, one sequence per row
-            total = int(lengths.sum())
-            seq = torch.repeat_interleave(torch.arange(B), lengths)
-            cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-            pos = (torch.arange(total) - cu_k[:-1][seq] + starts[seq]).to(dev)
-            if paged:
-                kk = _paged_keys(k_cache, block_table, seq.to(dev), pos)
-                vv = _paged_keys(v_cache, block_table, seq.to(dev), pos)
-            else:
-                kk, vv = (_gather(c, rows[seq].to(dev), pos) for c in (k_cache, v_cache))
-            cu_q = torch.arange(B + 1, dtype=torch.int64) * Nq
-            out, lse = _varlen(q.reshape(B * Nq, H, D), kk, vv, cu_q.to(dev), cu_k.to(dev),
-                               Nq, int(lengths.max()), dropout_p=0.0,
-                               softmax_scale=softmax_scale, causal=causal,
-                               window_size=window_size, softcap=softcap,
-                               alibi_slopes=alibi_slopes, seqlen_k=capacity)
-            out = out.view(B, Nq, H, -1)
-            lse = lse.view(H, B, Nq).transpose(0, 1)  # (H, B·Nq) -> (B, H, Nq)
+        with translating():
+            out, lse = decode(q.transpose(1, 2), cache, window=window, return_lse=True,
+                              **_variants(softmax_scale, softcap, alibi_slopes))
+    keys = (cache.lengths - cache.starts).view(B, 1, 1).to(q.device)  # each row's Nk
+    row_offset = _row_offset(Nq, keys, q.device)
+    lse = _fa_lse(lse, _slopes(alibi_slopes, H), pure_causal, row_offset)
+    out = out.transpose(1, 2).contiguous()  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
     return (out, lse) if return_softmax_lse else out

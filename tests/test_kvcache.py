@@ -1,0 +1,118 @@
+"""attn.kvcache.PagedKVCache against a plain-tensor oracle: appends, reads, and its checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn.kvcache import PagedKVCache
+
+HKV, D = 2, 4
+
+
+def paged(lengths: list[int], page: int, pages_per_seq: int, spare: int = 2, seed: int = 0):
+    """A cache of random pages under a shuffled block table (``spare`` pages no sequence
+    uses), and the oracle: each sequence's positions as a dense ``(B, Hkv, capacity, D)``."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lengths)
+    num_blocks = B * pages_per_seq + spare
+    k_pages = torch.randn(num_blocks, page, HKV, D, generator=g)
+    v_pages = torch.randn(num_blocks, page, HKV, D + 1, generator=g)  # Dv != D
+    table = torch.randperm(num_blocks, generator=g)[:B * pages_per_seq].view(B, -1).int()
+    # (B, pages, page, Hkv, D) -> (B, Hkv, capacity, D)
+    dense = [p[table.long()].flatten(1, 2).transpose(1, 2).clone() for p in (k_pages, v_pages)]
+    cache = PagedKVCache(k_pages, v_pages, table, torch.tensor(lengths, dtype=torch.int32))
+    return cache, dense
+
+
+def assert_reads(cache: PagedKVCache, dense: list[torch.Tensor]) -> None:
+    """Every read returns the oracle's keys [starts, lengths) of each sequence."""
+    want = [[d[b, :, int(cache.starts[b]):int(cache.lengths[b])].transpose(0, 1) for d in dense]
+            for b in range(cache.batch)]  # (N_b, Hkv, D)
+    for b in range(cache.batch):
+        for got, w in zip(cache.sequence_kv(b), want[b]):
+            assert torch.equal(got, w)
+    k, v, cu = cache.packed_kv()
+    assert cu.tolist() == [0, *(cache.lengths - cache.starts).cumsum(0).tolist()]
+    assert torch.equal(k, torch.cat([w[0] for w in want]))
+    assert torch.equal(v, torch.cat([w[1] for w in want]))
+
+
+@pytest.mark.parametrize("page", [1, 3, 8])
+def test_append_writes_each_sequence_at_its_length(page):
+    cache, dense = paged([0, 5, 11], page, pages_per_seq=-(-16 // page))
+    before = cache.k_pages.clone(), cache.v_pages.clone()
+    g = torch.Generator().manual_seed(1)
+    for n in (2, 1):
+        k, v = torch.randn(3, HKV, n, D, generator=g), torch.randn(3, HKV, n, D + 1, generator=g)
+        ends = cache.lengths.clone()
+        cache.append(k, v)
+        for b, e in enumerate(ends.tolist()):
+            dense[0][b, :, e:e + n], dense[1][b, :, e:e + n] = k[b], v[b]
+        assert cache.lengths.tolist() == (ends + n).tolist()
+        assert_reads(cache, dense)
+    # nothing but the appended slots changed: spare pages and every other slot kept their bits
+    written = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool)
+    for b, (start, stop) in enumerate(zip([0, 5, 11], cache.lengths.tolist())):
+        for t in range(start, stop):
+            written[cache.block_table[b, t // page], t % page] = True
+    for pages, old in zip((cache.k_pages, cache.v_pages), before):
+        assert torch.equal(pages[~written], old[~written])
+
+
+def test_reads_start_at_starts_and_stop_at_lengths():
+    cache, dense = paged([7, 9, 7], page=4, pages_per_seq=3)
+    # rows 0 and 1 span two pages; row 2's keys [5, 7) lie inside its second page
+    cache = PagedKVCache(cache.k_pages, cache.v_pages, cache.block_table, cache.lengths,
+                         starts=torch.tensor([2, 5, 5]))
+    for t in range(7, 12):  # row 0's slots past its length may hold anything
+        cache.k_pages[cache.block_table[0, t // 4], t % 4] = float("nan")
+    assert_reads(cache, dense)
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_batch_kv_is_a_view_of_consecutive_pages(consecutive):
+    B, L = 3, 6
+    k_pages, v_pages = torch.randn(B + 1, L, HKV, D), torch.randn(B + 1, L, HKV, D)
+    rows = torch.tensor([1, 2, 3]) if consecutive else torch.tensor([3, 0, 2])
+    cache = PagedKVCache(k_pages, v_pages, rows.view(B, 1), 4, starts=1)
+    assert cache.batch_is_view == consecutive
+    k, v = cache.batch_kv()
+    assert torch.equal(k, k_pages[rows, 1:4].transpose(1, 2))
+    assert torch.equal(v, v_pages[rows, 1:4].transpose(1, 2))
+    shares = k.untyped_storage().data_ptr() == k_pages.untyped_storage().data_ptr()
+    assert shares == consecutive
+
+
+@pytest.mark.parametrize("bad", [-1, 7, 100])
+def test_page_ids_are_checked_naming_the_callers_argument(bad):
+    cache, _ = paged([3, 2], page=2, pages_per_seq=2, spare=3)  # 7 pages
+    table = cache.block_table.clone()
+    table[1, 1] = bad  # an unused slot (row 1 holds 2 keys: its first page only)
+    with pytest.raises(ValueError, match=rf"^block_table\[1, 1\] = {bad} .*\(7, 2, 2, 4\).*"
+                                         rf"\[0, 7\)"):
+        PagedKVCache(cache.k_pages, cache.v_pages, table, cache.lengths)
+    with pytest.raises(ValueError, match=rf"^page_ids\[1, 1\] = {bad} is not a page of kc "):
+        PagedKVCache(cache.k_pages, cache.v_pages, table, cache.lengths,
+                     names={"block_table": "page_ids", "k_pages": "kc"})
+
+
+def test_lengths_are_checked_and_a_full_cache_refuses_before_writing():
+    cache, _ = paged([3, 6], page=3, pages_per_seq=2)  # capacity 6
+    k_pages, v_pages, table = cache.k_pages, cache.v_pages, cache.block_table
+    with pytest.raises(ValueError, match=r"holds 6 positions per sequence; seqlens \[3, 7\] "
+                                         r"do not fit \(k_pages \(6, 3, 2, 4\), block_table"):
+        PagedKVCache(k_pages, v_pages, table, torch.tensor([3, 7]), names={"lengths": "seqlens"})
+    with pytest.raises(ValueError, match=r"lengths \[-1, 2\] must not be negative"):
+        PagedKVCache(k_pages, v_pages, table, torch.tensor([-1, 2]))
+    with pytest.raises(ValueError, match=r"lengths must be \(sequences,\) = \(2,\) .* got "
+                                         r"torch.int64 \(3,\)"):
+        PagedKVCache(k_pages, v_pages, table, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"starts \[4, 0\] must lie in \[0, lengths\] = \[3, 6"):
+        PagedKVCache(k_pages, v_pages, table, cache.lengths, starts=torch.tensor([4, 0]))
+    with pytest.raises(TypeError, match=r"block_table must be int32 \(or int64\)"):
+        PagedKVCache(k_pages, v_pages, table.float(), cache.lengths)
+    before = k_pages.clone()
+    with pytest.raises(ValueError, match=r"\[3, 6\] \+ 1 new tokens do not fit"):
+        cache.append(torch.ones(2, HKV, 1, D), torch.ones(2, HKV, 1, D + 1))
+    assert torch.equal(k_pages, before) and cache.lengths.tolist() == [3, 6]
