@@ -303,7 +303,7 @@ def _worker(rank: int, port: int, plan: list, out_q) -> None:
     import attn.tiled
 
     # small tiles: each ring step's launch crosses several tile edges even at N = 23
-    attn.tiled.BLOCK_M, attn.tiled.BLOCK_N = 4, 8
+    attn.tiled.plan.BLOCK_M, attn.tiled.plan.BLOCK_N = 4, 8
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=_WORLD, timeout=timedelta(seconds=_TIMEOUT_S))
     # every rank creates every group, in the same order (new_group is a collective)

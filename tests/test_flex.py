@@ -21,8 +21,8 @@ NEG_INF = float("-inf")
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of 16 x 16 so that short sequences cross many tiles (empty, partial, full)."""
-    monkeypatch.setattr(attn.tiled, "BLOCK_M", 16)
-    monkeypatch.setattr(attn.tiled, "BLOCK_N", 16)
+    monkeypatch.setattr(attn.tiled.plan, "BLOCK_M", 16)
+    monkeypatch.setattr(attn.tiled.plan, "BLOCK_N", 16)
 
 
 def tiled(q, k, v, **kw):
@@ -144,8 +144,8 @@ def test_captured_gradients_match_reference_and_repeat_bit_for_bit(name, small_t
 def test_gradcheck_mods_and_captured_tensors(monkeypatch):
     """gradcheck (float64, finite differences) of q, k, v and both captured tensors through
     score_mod + mask_mod + softcap + sinks + GQA, tiles of 4 x 3 (empty, partial, full)."""
-    monkeypatch.setattr(attn.tiled, "BLOCK_M", 4)
-    monkeypatch.setattr(attn.tiled, "BLOCK_N", 3)
+    monkeypatch.setattr(attn.tiled.plan, "BLOCK_M", 4)
+    monkeypatch.setattr(attn.tiled.plan, "BLOCK_N", 3)
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, Nq, Nk, D = 1, 2, 1, 9, 11, 3
     q, k, v = (torch.randn(s, generator=g, dtype=torch.float64).requires_grad_()
@@ -262,12 +262,12 @@ def test_flex_attention_keywords():
 
 def test_document_mask_skips_empty_tiles(monkeypatch):
     counts = {"tiles": 0, "mask": 0}
-    step = attn.tiled._fwd_tile
+    step = attn.tiled.attention._fwd_tile
 
     def counting_step(*a):
         counts["tiles"] += 1
         return step(*a)
-    monkeypatch.setattr(attn.tiled, "_fwd_tile", counting_step)
+    monkeypatch.setattr(attn.tiled.attention, "_fwd_tile", counting_step)
     n_docs, bs = 8, 32
     N = n_docs * bs
     doc = torch.arange(N) // bs
@@ -295,8 +295,8 @@ def test_attention_mask_mod_classifies_its_own_tiles(small_tiles, monkeypatch):
     """attention(mask_mod=...) without a block mask evaluates the mask per tile to plan
     the tiles: a causal mask_mod visits what causal=True visits."""
     seen = []
-    step = attn.tiled._fwd_tile
-    monkeypatch.setattr(attn.tiled, "_fwd_tile", lambda *a: seen.append(1) or step(*a))
+    step = attn.tiled.attention._fwd_tile
+    monkeypatch.setattr(attn.tiled.attention, "_fwd_tile", lambda *a: seen.append(1) or step(*a))
     q, k, v = make_inputs(B=1, H=1, N=64, D=8, seed=11)
     out = tiled(q, k, v, mask_mod=causal)
     n_mod, seen[:] = len(seen), []
@@ -381,8 +381,8 @@ def test_gym_examples_wide(name, dtype, Nq, Nk, D):
 
 def test_kernel_options_set_the_tiles_without_a_block_mask(monkeypatch):
     seen = []
-    step = attn.tiled._fwd_tile
-    monkeypatch.setattr(attn.tiled, "_fwd_tile", lambda *a: seen.append(1) or step(*a))
+    step = attn.tiled.attention._fwd_tile
+    monkeypatch.setattr(attn.tiled.attention, "_fwd_tile", lambda *a: seen.append(1) or step(*a))
     q, k, v = make_inputs(B=1, H=2, N=64, D=8, dtype=torch.float64, seed=14)
     out = attn.flex_attention(q, k, v, score_mod=tanh_softcap(2.0),
                               kernel_options={"BLOCK_M": 32, "BLOCK_N": 16})

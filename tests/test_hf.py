@@ -140,8 +140,8 @@ def impl(request, monkeypatch):
     """auto (tiled on CPU at its own tile size) and tiled forced with 4 x 8 tiles, so the
     prompts cross tile edges and padded / out-of-window tiles get skipped."""
     if request.param == "attn_tiled":
-        monkeypatch.setattr(attn.tiled, "BLOCK_M", 4)
-        monkeypatch.setattr(attn.tiled, "BLOCK_N", 8)
+        monkeypatch.setattr(attn.tiled.plan, "BLOCK_M", 4)
+        monkeypatch.setattr(attn.tiled.plan, "BLOCK_N", 8)
     return request.param
 
 

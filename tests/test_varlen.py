@@ -17,8 +17,8 @@ from attn.varlen import cu_seqlens_from_lengths, varlen_attention
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(attn.tiled, "BLOCK_M", 8)
-    monkeypatch.setattr(attn.tiled, "BLOCK_N", 8)
+    monkeypatch.setattr(attn.tiled.plan, "BLOCK_M", 8)
+    monkeypatch.setattr(attn.tiled.plan, "BLOCK_N", 8)
 
 
 def packed_inputs(lq, lk, H=4, Hkv=2, D=8, Dv=None, dtype=torch.float64, seed=0):
@@ -196,8 +196,8 @@ def test_dropout_draws_the_padded_batchs_mask(small_tiles):
 
 
 def test_gradcheck(monkeypatch):
-    monkeypatch.setattr(attn.tiled, "BLOCK_M", 3)
-    monkeypatch.setattr(attn.tiled, "BLOCK_N", 4)
+    monkeypatch.setattr(attn.tiled.plan, "BLOCK_M", 3)
+    monkeypatch.setattr(attn.tiled.plan, "BLOCK_N", 4)
     q, k, v, cu_q, cu_k = packed_inputs([3, 0, 5, 1], [4, 2, 3, 1], H=2, Hkv=1, D=3)
     sinks = torch.randn(2, dtype=torch.float64).requires_grad_()
 
@@ -211,8 +211,8 @@ def test_tiles_between_sequences_are_skipped(small_tiles, monkeypatch):
     """Eight sequences of two tiles each: only the 8 x 2 x 2 tiles inside a sequence run,
     all on the plain path (no mask work); causal drops the upper tile of each square."""
     tiles, masks = [], []
-    step = attn.tiled._fwd_tile
-    monkeypatch.setattr(attn.tiled, "_fwd_tile", lambda *a: tiles.append(1) or step(*a))
+    step = attn.tiled.attention._fwd_tile
+    monkeypatch.setattr(attn.tiled.attention, "_fwd_tile", lambda *a: tiles.append(1) or step(*a))
     keep = attn.tiled._Tile.mask_mod_keep
     monkeypatch.setattr(attn.tiled._Tile, "mask_mod_keep",
                         lambda self, *a: masks.append(1) or keep(self, *a))
