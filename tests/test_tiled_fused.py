@@ -144,7 +144,7 @@ def test_eager_path_runs_no_compiled_step(monkeypatch):
     assert_close_to_reference(_tiled(), q, k, v, causal=True)
 
 
-# -- batch chunks: a call whose score tile passes TILE_BYTES runs batch row by batch row ----
+# -- batch chunks: a call whose score tile passes tile_bytes runs batch row by batch row ----
 
 CHUNK_CASES = {
     "dropout-gqa": dict(dropout_p=0.25, causal=True),
@@ -168,10 +168,15 @@ def test_batch_chunks_match_one_call(monkeypatch, case):
     for t in leaves:
         t.requires_grad_()
     results = []
+    real = tiled._plan
     for tile_bytes in (1 << 40, 1):  # one call; then one batch row per chunk
-        monkeypatch.setattr(tiled.plan, "TILE_BYTES", tile_bytes)
-        assert len(tiled._plan(q, k, tiled.LaunchSpec(qk_scale=1.0)).chunks) == \
+        config = tiled.TileConfig(tile_bytes=tile_bytes)
+        assert len(real(q, k, tiled.LaunchSpec(qk_scale=1.0), config=config).chunks) == \
             (1 if tile_bytes > 1 else 3)
+        # the launchers plan the call below with this config
+        monkeypatch.setattr(tiled.attention, "_plan",
+                            lambda q, k, spec, v=None, _config=None, config=config:
+                            real(q, k, spec, v, config))
         torch.manual_seed(3)
         out, lse = _tiled()(q, k, v, return_lse=True, **kw)
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, 16)).sum() + lse.sum(), leaves)

@@ -13,25 +13,27 @@ from attn.grads import reduce_to as _reduce_to
 from attn.masks import as_4d
 from attn.spec import LaunchSpec
 from attn.spec import acc_dtype as _acc_dtype
-from attn.tiled import cpu, plan
-from attn.tiled.plan import _blocks, _Chunk, _plan
+from attn.tiled import cpu
+from attn.tiled.plan import DEFAULT, TileConfig, _blocks, _Chunk, _plan
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps, _fwd_tile,
                               _fwd_tile_fused, _run_fused)
 from attn.tiled.tile import LN2, LOG2E, _finite_or_zero, _Tile, _values_may_overflow
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
          sinks: Tensor | None = None, softcap: Tensor | None = None,
-         alibi: Tensor | None = None, *, want_lse2: bool = False
+         alibi: Tensor | None = None, *, want_lse2: bool = False,
+         config: TileConfig = DEFAULT
          ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """``(out, lse)``, and with ``want_lse2`` also ``lse2 (B, H, Nq, 2)``: each row's base-2
     max m and log2 of its denominator l, the exact row constant the backward subtracts in
-    two parts (pass it to :func:`_bwd` as ``lse2``). Rows with no key: (-inf, 0)."""
+    two parts (pass it to :func:`_bwd` as ``lse2``). Rows with no key: (-inf, 0).
+    ``config``: how the call is cut (block sizes where ``spec`` has none, chunks, units)."""
     B, H, Nq, _ = q.shape
     acc_dtype = _acc_dtype(q.dtype)
     out = torch.empty(B, H, Nq, v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
     lse2 = torch.empty(B, H, Nq, 2, dtype=acc_dtype, device=q.device)  # (m, log2 l)
-    plan = _plan(q, k, spec, v)
+    plan = _plan(q, k, spec, v, config)
     packed = spec.alibi_rows is not None
 
     def run(c: _Chunk) -> None:  # each chunk writes its part of the outputs
@@ -112,15 +114,15 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
          sinks: Tensor | None = None, softcap: Tensor | None = None, *,
          need_dmask: bool = False, need_dcap: bool = True,
          captured: tuple[Tensor, ...] = (), alibi: Tensor | None = None,
-         lse2: Tensor | None = None) -> Grads:
+         lse2: Tensor | None = None, config: TileConfig = DEFAULT) -> Grads:
     """Gradients of one call (chunk by chunk, as :func:`_plan` cuts it): dq, dk,
     dv always; the float mask's only with ``need_dmask`` (an N x N tensor when the mask
     is), sinks' when given, the learnable softcap's when given and ``need_dcap``, and those
     of the tensors ``captured`` by ``spec.score_mod`` (summed tile by tile in a fixed order:
     deterministic, no atomics). ``alibi``: the slopes, constants (none of their own
     gradient). ``lse2``: the forward's two-part base-2 lse (``_fwd(want_lse2=True)``);
-    without it ``lse·log2 e`` stands in, exact up to its rounding."""
-    plan = _plan(q, k, spec, v)
+    without it ``lse·log2 e`` stands in, exact up to its rounding. ``config``: the forward's."""
+    plan = _plan(q, k, spec, v, config)
     packed = spec.alibi_rows is not None
     kw = dict(need_dmask=need_dmask, need_dcap=need_dcap, engine=plan.engine)
     if len(plan.chunks) == 1:
@@ -274,11 +276,13 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec, *captured):
-        out, lse, lse2 = _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi, want_lse2=True)
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec,
+                config: TileConfig, *captured):
+        out, lse, lse2 = _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi, want_lse2=True,
+                              config=config)
         # the captured tensors are not saved: the score_mod reads them itself in backward
         ctx.save_for_backward(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi)
-        ctx.spec, ctx.captured = spec, captured
+        ctx.spec, ctx.config, ctx.captured = spec, config, captured
         return out, lse
 
     @staticmethod
@@ -288,7 +292,7 @@ class _TiledAttention(torch.autograd.Function):
         do = torch.zeros_like(out) if dout is None else dout.contiguous()  # only lse was used
         g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, attn_mask, sinks, softcap,
                  need_dmask=need_dmask, need_dcap=bool(ctx.needs_input_grad[5]),
-                 captured=ctx.captured, alibi=alibi, lse2=lse2)
+                 captured=ctx.captured, alibi=alibi, lse2=lse2, config=ctx.config)
         dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
         dsoftcap = None
@@ -297,7 +301,7 @@ class _TiledAttention(torch.autograd.Function):
         dcaptured = tuple(None if d is None else d.to(c.dtype)
                           for d, c in zip(g.dcaptured, ctx.captured))
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), dmask, dsinks, dsoftcap,
-                None, None, *dcaptured)
+                None, None, None, *dcaptured)
 
 
 def tiled_attention(
@@ -311,6 +315,7 @@ def tiled_attention(
     sinks: Tensor | None = None,
     captured: tuple[Tensor, ...] = (),
     alibi: Tensor | None = None,
+    config: TileConfig = DEFAULT,
 ) -> tuple[Tensor, Tensor]:
     """Memory-linear exact attention. Inputs already validated by ``attn.api``.
 
@@ -319,13 +324,15 @@ def tiled_attention(
     values (q·k scale, band, fixed softcap, dropout, global positions, block sizes; a tensor
     temperature must already be folded into q); ``softcap`` a learnable tensor
     broadcastable to (H,), ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed:
-    (sequences, H) with ``spec.alibi_rows``), constants. Block sizes default to the module's
-    ``BLOCK_M`` / ``BLOCK_N``, read at call time; a callable ``spec.mask_blocks`` (see
-    :func:`attn.mods.mod_spec`) is called here at those sizes. ``captured``: the tensors
+    (sequences, H) with ``spec.alibi_rows``), constants. ``config``: how the call is cut
+    (:class:`attn.tiled.plan.TileConfig`, the measured defaults); block sizes are
+    ``spec.block_m`` / ``block_n`` where set, else the config's, and a callable
+    ``spec.mask_blocks`` (see :func:`attn.mods.mod_spec`) is called here at those sizes. ``captured``: the tensors
     ``spec.score_mod`` reads that need a gradient (see :func:`attn.mods.captured_tensors`).
     """
     if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
-        mb = spec.mask_blocks(spec.block_m or plan.BLOCK_M, spec.block_n or plan.BLOCK_N)
+        mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
         spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
-    return _TiledAttention.apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, *captured)
+    return _TiledAttention.apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, config,
+                                 *captured)
 

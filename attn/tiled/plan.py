@@ -16,37 +16,59 @@ from attn.tiled import cpu
 from attn.tiled.steps import fused_cpu_default
 
 
-# Chosen by measurement (scripts/tune_tiled_blocks.py; benchmarks/results/tiled_blocks_cpu.md):
-# on 2 CPU cores, fp32, B=1, H=8, D=64, causal, 256 x 256 was fastest or tied at N = 4096
-# and 8192, forward and backward. Smaller tiles pay more per-tile Python and dispatch cost;
-# larger ones (512 x 512: 8 MiB per score tile) fall out of cache and lose 5-25%.
-BLOCK_M = 256
-BLOCK_N = 256
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """How the tiled backend cuts a call into tiles, chunks and units. The defaults are the
+    measured ones; a call takes another config as an argument (tests force small tiles or the
+    unit path on small calls that way). ``spec.block_m`` / ``block_n``, where set, win over
+    the block sizes here."""
 
-# The unit path (:mod:`attn.cpu`): when oneDNN runs this CPU's GEMMs clearly faster than
-# torch's bmm, a call is cut into units — one batch row, one KV head with its G query heads —
-# each tile's GEMMs 2-D through oneDNN, the units in order or on worker threads. Tiles are about
-# UNIT_ROWS query rows (G·BM) by UNIT_BLOCK_N keys: oneDNN's per-call cost (~15 us) wants
-# large GEMMs, and one head's 512 x 512 tile (1 MiB) still fits a core's L2. Calls with
-# fewer rows per tile or keys than the minimums (decoding, short sequences) stay batched.
-UNIT_ROWS = 512
-UNIT_BLOCK_N = 512
-# Without a band (no causal / window tiles to skip) twice the rows per tile measured 5-15%
-# faster from N = 2048 (benchmarks/results/cpu_unit_tiles.md), but its 2 MiB tile (and one
-# more per extra worker) would put the forward's peak over 1.5x SDPA's below 8192 query rows.
-UNIT_ROWS_FULL = 1024
-UNIT_ROWS_FULL_MIN_Q = 8192  # query rows (G·Nq) from which a call without a band takes them
-UNIT_MIN_ROWS = 128
-UNIT_MIN_KEYS = 256
-# A band whose visited tiles are mostly partial (causal at N <= 1024: 2 of 3) wastes too much
-# of each large tile on masked scores: such calls stay batched with the smaller tiles.
-UNIT_MAX_PARTIAL = 0.5
-# Units run on the worker threads (one intra-op thread each) only for calls of at least
-# this many visited scores (B·H·Nq·Nk inside the band). Smaller calls run the units in
-# order here, each GEMM on torch's own intra-op threads: the workers share the cores with
-# the threads OpenMP keeps spinning (~ms) after the previous torch op, a fixed cost per
-# call measured at 10-25% of a B=1, H=8, N=1024 call and ~5% at N=4096.
-POOL_MIN_SCORES = 64 << 20
+    # Chosen by measurement (benchmarks/results/tiled_blocks_cpu.md): on 2 CPU cores, fp32,
+    # B=1, H=8, D=64, causal, 256 x 256 was fastest or tied at N = 4096 and 8192, forward and
+    # backward. Smaller tiles pay more per-tile Python and dispatch cost; larger ones
+    # (512 x 512: 8 MiB per score tile) fall out of cache and lose 5-25%.
+    block_m: int = 256
+    block_n: int = 256
+    # Score tiles are batched over (B, heads). Past a few MiB a tile no longer stays in cache
+    # between the GEMM that writes it and the passes that read it: B=8, H=12, N=512 ran 19%
+    # faster batch row by batch row (3 MiB tiles) than as one 24 MiB tile. So the batch is
+    # cut into chunks whose tile fits tile_bytes, each run as its own call.
+    tile_bytes: int = 4 << 20
+    # The unit path (:mod:`attn.tiled.cpu`): when oneDNN runs this CPU's GEMMs clearly faster
+    # than torch's bmm, a call is cut into units — one batch row, one KV head with its G query
+    # heads — each tile's GEMMs 2-D through oneDNN, the units in order or on worker threads.
+    # Tiles are about unit_rows query rows (G·BM) by unit_block_n keys: oneDNN's per-call
+    # cost (~15 us) wants large GEMMs, and one head's 512 x 512 tile (1 MiB) still fits a
+    # core's L2. Calls with fewer rows per tile or keys than the minimums (decoding, short
+    # sequences) stay batched.
+    unit_rows: int = 512
+    unit_block_n: int = 512
+    # Without a band (no causal / window tiles to skip) twice the rows per tile measured 5-15%
+    # faster from N = 2048 (benchmarks/results/cpu_unit_tiles.md), but its 2 MiB tile (and
+    # one more per extra worker) would put the forward's peak over 1.5x SDPA's below 8192
+    # query rows.
+    unit_rows_full: int = 1024
+    unit_rows_full_min_q: int = 8192  # query rows (G·Nq) from which a bandless call takes them
+    unit_min_rows: int = 128
+    unit_min_keys: int = 256
+    # A band whose visited tiles are mostly partial (causal at N <= 1024: 2 of 3) wastes too
+    # much of each large tile on masked scores: such calls stay batched with smaller tiles.
+    unit_max_partial: float = 0.5
+    # Units run on the worker threads (one intra-op thread each) only for calls of at least
+    # this many visited scores (B·H·Nq·Nk inside the band). Smaller calls run the units in
+    # order here, each GEMM on torch's own intra-op threads: the workers share the cores with
+    # the threads OpenMP keeps spinning (~ms) after the previous torch op, a fixed cost per
+    # call measured at 10-25% of a B=1, H=8, N=1024 call and ~5% at N=4096.
+    pool_min_scores: int = 64 << 20
+
+    def tiles(self, spec: LaunchSpec) -> LaunchSpec:
+        """``spec`` with its block sizes set (its own where given, else this config's)."""
+        return dataclasses.replace(spec, block_m=spec.block_m or self.block_m,
+                                   block_n=spec.block_n or self.block_n)
+
+
+DEFAULT = TileConfig()
+BLOCK_M, BLOCK_N = DEFAULT.block_m, DEFAULT.block_n  # the default tile, for readers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +94,8 @@ def _blocks(spec: LaunchSpec, n_q: int, n_k: int) -> Blocks:
     if isinstance(mb, SequenceBlocks):
         assert spec.local_band().is_full and not spec.sharded and (mb.n_q, mb.n_k) == (n_q, n_k)
         return mb
-    return spec.blocks(n_q, n_k, spec.block_m or BLOCK_M, spec.block_n or BLOCK_N)
+    return spec.blocks(n_q, n_k, spec.block_m, spec.block_n)  # set by the plan
 
-
-# Score tiles are batched over (B, heads). Past a few MiB a tile no longer stays in cache
-# between the GEMM that writes it and the passes that read it: B=8, H=12, N=512 ran 19%
-# faster batch row by batch row (3 MiB tiles) than as one 24 MiB tile. So the batch is cut
-# into chunks whose tile fits TILE_BYTES, each run as its own call.
-TILE_BYTES = 4 << 20
 
 
 class _Chunk(NamedTuple):
@@ -142,25 +158,27 @@ class _Chunk(NamedTuple):
 class _Plan(NamedTuple):
     chunks: list[_Chunk]
     engine: str  # "onednn": one unit per chunk, 2-D oneDNN GEMMs; "bmm": batched
-    spec: LaunchSpec  # with the unit path's tile sizes where it runs
-    parallel: bool = False  # the chunks run on the worker threads (attn.cpu.run_units)
+    spec: LaunchSpec  # with its block sizes set: the unit path's where it runs
+    parallel: bool = False  # the chunks run on the worker threads (attn.tiled.cpu.run_units)
 
 
-def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None) -> _Plan:
+def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
+          config: TileConfig = DEFAULT) -> _Plan:
     """How a call runs: as units on the oneDNN engine where :func:`_unit_path` allows,
-    else batched, in batch chunks whose score tile fits :data:`TILE_BYTES`."""
+    else batched, in batch chunks whose score tile fits ``config.tile_bytes``."""
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    unit, _, uspec, scores = _unit_path(q, k, spec)
+    unit, _, uspec, scores = _unit_path(q, k, spec, config)
     if unit:
         units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
-        return _Plan(units, "onednn", uspec, parallel=scores >= POOL_MIN_SCORES)
+        return _Plan(units, "onednn", uspec, parallel=scores >= config.pool_min_scores)
+    spec = config.tiles(spec)
     if B == 1 or spec.score_mod is not None or spec.mask_mod is not None \
             or spec.dropout_rows is not None:
         return _Plan([_Chunk(0, B, 0, Hkv, B, H, Hkv)], "bmm", spec)
-    per_row = (H * min(spec.block_m or BLOCK_M, Nq) * min(spec.block_n or BLOCK_N, Nk)
+    per_row = (H * min(spec.block_m, Nq) * min(spec.block_n, Nk)
                * torch.finfo(_acc_dtype(q.dtype)).bits // 8)
-    step = max(1, TILE_BYTES // per_row)
+    step = max(1, config.tile_bytes // per_row)
     if not (_heads_merge(k) and (v is None or _heads_merge(v))):
         # k / v seen head-first from a (B, N, Hkv, D) cache: (B·Hkv, N, D) would be a copy of
         # the whole cache, one batch row's (Hkv, N, D) is a view
@@ -174,17 +192,18 @@ def _heads_merge(x: Tensor) -> bool:
     return x.shape[0] == 1 or x.shape[1] == 1 or x.stride(0) == x.shape[1] * x.stride(1)
 
 
-def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec
+def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec, config: TileConfig = DEFAULT
                ) -> tuple[bool, str, LaunchSpec, int]:
     """Whether a call runs as units on the oneDNN engine, why (not), the spec with the unit
     tile sizes, and the scores it visits (B·H·Nq·Nk inside the band)."""
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = H // Hkv
-    tile_rows = (UNIT_ROWS_FULL if spec.band.is_full and G * Nq >= UNIT_ROWS_FULL_MIN_Q
-                 else UNIT_ROWS)
+    tile_rows = (config.unit_rows_full
+                 if spec.band.is_full and G * Nq >= config.unit_rows_full_min_q
+                 else config.unit_rows)
     uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, tile_rows // G),
-                                block_n=spec.block_n or UNIT_BLOCK_N)
+                                block_n=spec.block_n or config.unit_block_n)
 
     def no(why: str) -> tuple[bool, str, LaunchSpec, int]:
         return False, why, spec, 0
@@ -201,16 +220,16 @@ def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec
     if torch.compiler.is_compiling():
         return no("under torch.compile")
     rows = G * min(Nq, uspec.block_m)
-    if rows < UNIT_MIN_ROWS or Nk < UNIT_MIN_KEYS:
+    if rows < config.unit_min_rows or Nk < config.unit_min_keys:
         return no(f"{rows} query rows x {Nk} keys per tile is below the unit path's "
-                  f"{UNIT_MIN_ROWS} x {UNIT_MIN_KEYS}")
+                  f"{config.unit_min_rows} x {config.unit_min_keys}")
     visited = partial = area = 0
     for m0, m1, key_tiles in _blocks(uspec, Nq, Nk).query_blocks():
         for n0, n1, full in key_tiles:
             visited += 1
             partial += not full
             area += (m1 - m0) * (n1 - n0)
-    if visited == 0 or partial > UNIT_MAX_PARTIAL * visited:
+    if visited == 0 or partial > config.unit_max_partial * visited:
         return no(f"{partial} of {visited} unit tiles are partly masked")
     engine, why = cpu.gemm_engine()
     if engine != "onednn":
