@@ -14,6 +14,7 @@ from attn.masks import as_4d
 from attn.spec import LaunchSpec
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
+from attn.tiled.gemm import _Gemm
 from attn.tiled.plan import DEFAULT, TileConfig, _blocks, _Chunk, _plan
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps, _fwd_tile,
                               _fwd_tile_fused, _run_fused)
@@ -54,7 +55,8 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0, engine=engine)
+    gemm = _Gemm(k, v, acc_dtype, engine)
+    tile = _Tile(q, k, spec, gemm, attn_mask, softcap, alibi, b0=b0)
     sink_rows = None  # in base-2 units, like m_i
     if sinks is not None:
         sink_rows = (sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq)
@@ -83,7 +85,7 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
             step = (_run_fused(_fwd_tile_fused, m_i, l_i, s, z)
                     if fused and c is None and _fusable(s) else None)
             p, m_i, l_i, alpha = step if step is not None else _fwd_tile(m_i, l_i, s, z, c)
-            tile.add_pv(acc.mul_(alpha), p, n0, n1)
+            gemm.add_pv(acc.mul_(alpha), p, n0, n1)
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         seen = l_i > 0
         out[:, :, m0:m1] = (acc / torch.where(seen, l_i, 1.0)).view(B, H, m1 - m0, Dv)
@@ -102,7 +104,7 @@ def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, 
     for n0, n1, full in key_tiles:
         s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
         p = s.sub_(lse_blk).exp2_()
-        dp = tile.dp(do_blk, n0, n1)
+        dp = tile.gemm.dp(do_blk, n0, n1)
         if spec.dropout_p > 0.0:
             dp = dp * tile.dropout_scale(m0, m1, n0, n1)
         delta += (p * dp).sum(dim=-1, keepdim=True)
@@ -177,12 +179,13 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    tile = _Tile(q, k, v, spec, attn_mask, softcap, alibi, b0=b0, engine=engine)
-    tile.keys_major = tile.onednn
+    gemm = _Gemm(k, v, acc_dtype, engine)
+    gemm.keys_major = gemm.onednn
+    tile = _Tile(q, k, spec, gemm, attn_mask, softcap, alibi, b0=b0)
     if not tile.finite_scores:
         # a masked key has dS = 0, but 0·NaN in dS K would still reach dQ: a non-finite key
         # enters dQ as 0 (a row that sees it has NaN dS anyway)
-        tile.k3_dq = _finite_or_zero(tile.k3)
+        gemm.k3_dq = _finite_or_zero(gemm.k3)
     blocks = _blocks(spec, Nq, Nk)
     if into is None:
         into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
@@ -241,7 +244,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             BN = n1 - n0
             s, u, t = tile.scores(q_blk, m0, m1, n0, n1, full, track=track)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
-            dp = tile.dp(do_blk, n0, n1)
+            dp = gemm.dp(do_blk, n0, n1)
             step = None
             if fused and _fusable(s):
                 step = _run_fused(_bwd_tile_fused, s, dp, u, t, lse_blk, delta_blk, z,
@@ -250,7 +253,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
                 step = _bwd_tile(s, u, t, lse_blk, delta_blk, dp, z, dsoftcap is not None)
             pd, ds, ds_raw, dc_terms = step
             # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group) --
-            tile.add_tn(dv3[:, n0:n1], pd, do_blk, "dv")
+            gemm.add_tn(dv3[:, n0:n1], pd, do_blk, "dv")
             if dmask is not None:
                 rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
                 cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
@@ -263,8 +266,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
                     if g is not None:
                         dcaptured[i] = g if dcaptured[i] is None else dcaptured[i] + g
             # -- dQ += dS K, dK += dSᵀ Q (q_blk carries the scale; dQ gets it at the end) --
-            tile.add_dq(dq_blk, ds_raw, n0, n1)
-            tile.add_tn(dk3[:, n0:n1], ds_raw, q_blk, "dk")
+            gemm.add_dq(dq_blk, ds_raw, n0, n1)
+            gemm.add_tn(dk3[:, n0:n1], ds_raw, q_blk, "dk")
         dq[:, :, m0:m1] = dq_blk.view(B, H, BM, D) * spec.qk_scale
 
     if tile.fold_log2:  # q_blk carried log2 e: dK = Σ dSᵀ q·scale needs it taken out

@@ -12,7 +12,7 @@ from torch import Tensor
 from attn.masks import as_4d, dropout_keep, dropout_keep_rows
 from attn.spec import LaunchSpec
 from attn.spec import acc_dtype as _acc_dtype
-from attn.tiled import cpu
+from attn.tiled.gemm import _Gemm
 
 # Scores live in base-2 units (s·log2 e) and probabilities are exp2(s - m): on CPU torch's
 # exp2 runs ~4.6x faster than exp at 1.2 ulp in fp32, and exp was the largest non-GEMM cost
@@ -70,15 +70,17 @@ def _finite_or_zero(x: Tensor) -> Tensor:
 
 
 class _Tile:
-    """What every (query block, key block) tile needs to rebuild its scores.
+    """What every (query block, key block) tile needs to rebuild its scores, one ordered
+    pipeline (:meth:`scores`): scale, score_mod, softcap, ALiBi, masks, base-2 units; and its
+    dropout scale. The GEMMs and their scratch are ``gemm``'s (:class:`attn.tiled.gemm._Gemm`).
 
-    Layout: k and v as ``(B·Hkv, N, D)``; a query block as ``(B·Hkv, G·BM, D)`` with the G
-    query heads of a group stacked along rows, so one ``bmm`` serves the whole group.
+    Layout: a query block as ``(B·Hkv, G·BM, D)`` with the G query heads of a group stacked
+    along rows, scores ``(B·Hkv, G·BM, BN)``.
     """
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
+    def __init__(self, q: Tensor, k: Tensor, spec: LaunchSpec, gemm: _Gemm,
                  attn_mask: Tensor | None, softcap_t: Tensor | None,
-                 alibi: Tensor | None = None, b0: int = 0, engine: str = "bmm") -> None:
+                 alibi: Tensor | None = None, b0: int = 0) -> None:
         B, H, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         self.B, self.H, self.Hkv, self.G = B, H, Hkv, H // Hkv
@@ -87,23 +89,7 @@ class _Tile:
         self.device = q.device
         acc = self.acc_dtype = _acc_dtype(q.dtype)
         self.q = q
-        self.k3 = k.reshape(B * Hkv, Nk, D)  # (B·Hkv, Nk, D), a view when k is contiguous
-        self.v3 = v.reshape(B * Hkv, Nk, v.shape[-1])
-        # oneDNN (one unit: B·Hkv = 1) takes 2-D operands in the accumulation dtype, row-major
-        # (or column-major, the second): k and v converted once here
-        self.onednn = engine == "onednn"
-        # the backward on oneDNN computes its tiles keys-major, (BN, G·BM) in memory, seen
-        # through a transposed view: dV += Pᵀ dO and dK += dSᵀ Q then read Pᵀ and dSᵀ
-        # row-major and dQ += dS K takes dS as a column-major weight (set by _bwd_rows; the
-        # forward, keys-major too, measured 20-35% slower: its row reductions run strided)
-        self.keys_major = False
-        if self.onednn:
-            if B * Hkv != 1:
-                raise AssertionError(f"the oneDNN engine runs one unit (B·Hkv = 1), got "
-                                     f"B={B}, Hkv={Hkv}")
-            self.k3 = self.k3.to(acc).contiguous()
-            self.v3 = self.v3.to(acc).contiguous()
-        self._buffers: dict[tuple, Tensor] = {}
+        self.gemm = gemm  # q kᵀ, and the values value_offset reads
         self.mask5 = self.mask4 = None
         self.ninf = torch.tensor(float("-inf"), dtype=acc, device=q.device)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
@@ -119,7 +105,6 @@ class _Tile:
         self.masked = (not self.band.is_full or attn_mask is not None
                        or spec.mask_mod is not None)
         self.finite_scores = not self.masked or _scores_finite(q, k, spec)
-        self.k3_dq = self.k3  # the backward's dQ += dS K reads this (see _bwd_rows)
         # set by the forward (_values_may_overflow): whether value_offset looks at the tiles
         self.values_may_overflow = False
         self._value_offsets: dict[tuple[int, int], Tensor | None] = {}
@@ -194,12 +179,6 @@ class _Tile:
         q_blk = self.q[:, :, m0:m1].to(self.acc_dtype) * scale  # (B, H, BM, D)
         return q_blk.reshape(self.B * self.Hkv, self.G * (m1 - m0), q_blk.shape[-1])
 
-    def k_block(self, n0: int, n1: int) -> Tensor:
-        return self.k3[:, n0:n1].to(self.acc_dtype)
-
-    def v_block(self, n0: int, n1: int) -> Tensor:
-        return self.v3[:, n0:n1].to(self.acc_dtype)
-
     def _band_mask(self, m0: int, m1: int, n0: int, n1: int) -> tuple[Tensor, Tensor]:
         """The band of a tile as (BM, BN) ``(inside, bias)``: bool, and the additive 0 / -inf
         bias. A tile's band depends only on its diagonal offset and size: each is built once."""
@@ -246,64 +225,6 @@ class _Tile:
         dist = (pos_n[None, :] - pos_m[:, None]).abs().to(self.acc_dtype)  # (BM, BN)
         s5.addcmul_(self.alibi_seq[:, :, seq].unsqueeze(-1), dist)  # (Hkv, G, BM, 1)
 
-    # -- the tile GEMMs: batched bmm over (B·Hkv), or one unit's 2-D products through oneDNN --
-
-    def qk(self, q_blk: Tensor, n0: int, n1: int) -> Tensor:
-        """``q_blk kᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``; with
-        :attr:`keys_major`, a view of the contiguous ``k q_blkᵀ``."""
-        if self.keys_major:
-            return cpu.mm_nt(self.k3[0, n0:n1], q_blk[0]).t().unsqueeze(0)
-        if self.onednn:
-            return cpu.mm_nt(q_blk[0], self.k3[0, n0:n1]).unsqueeze(0)
-        k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
-        shape = (q_blk.shape[0], q_blk.shape[1], n1 - n0)
-        return torch.bmm(q_blk, k_blkT, out=self.buffer("s", shape))
-
-    def add_pv(self, acc: Tensor, p: Tensor, n0: int, n1: int) -> None:
-        """``acc += p V`` for key block [n0, n1)."""
-        if self.onednn:
-            acc[0].add_(cpu.mm_nt(p[0], self.v3[0, n0:n1].t()))
-        else:
-            acc.baddbmm_(p, self.v_block(n0, n1))
-
-    def dp(self, do_blk: Tensor, n0: int, n1: int) -> Tensor:
-        """``dO Vᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``."""
-        if self.keys_major:
-            return cpu.mm_nt(self.v3[0, n0:n1], do_blk[0]).t().unsqueeze(0)
-        if self.onednn:
-            return cpu.mm_nt(do_blk[0], self.v3[0, n0:n1]).unsqueeze(0)
-        shape = (do_blk.shape[0], do_blk.shape[1], n1 - n0)
-        return torch.bmm(do_blk, self.v_block(n0, n1).transpose(1, 2),
-                         out=self.buffer("dp", shape))
-
-    def add_dq(self, dq_blk: Tensor, ds: Tensor, n0: int, n1: int) -> None:
-        """``dq_blk += dS K`` for key block [n0, n1)."""
-        k3 = self.k3_dq
-        if self.keys_major:  # dS is keys-major: dQᵀ = Kᵀ dSᵀ takes it as it lies
-            dq_blk[0].add_(cpu.mm_nt(k3[0, n0:n1].t(), ds[0]).t())
-        elif self.onednn:
-            dq_blk[0].add_(cpu.mm_nt(ds[0], k3[0, n0:n1].t()))
-        else:
-            dq_blk.baddbmm_(ds, k3[:, n0:n1].to(self.acc_dtype))
-
-    def add_tn(self, dst: Tensor, a: Tensor, b: Tensor, name: str) -> None:
-        """``dst += aᵀ b``: dV += Pᵀ dO and dK += dSᵀ Q for one tile, ``a (·, G·BM, BN)``,
-        ``b (·, G·BM, D)``. Both engines add a contiguous product into the slice (a GEMM
-        into a column slice of (B·Hkv, Nk, D) runs as one addmm per batch entry, ~10%
-        slower). On oneDNN ``a`` is keys-major (:attr:`keys_major`): ``aᵀ`` is row-major."""
-        if self.onednn:
-            dst[0].add_(cpu.mm_nt(a[0].t(), b[0].t()))
-        else:
-            shape = (a.shape[0], a.shape[2], b.shape[2])
-            dst.add_(torch.bmm(a.transpose(1, 2), b, out=self.buffer(name, shape)))
-
-    def buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        """A tile-sized scratch tensor reused across tiles: no allocator churn per tile."""
-        key = (name, shape)
-        if key not in self._buffers:
-            self._buffers[key] = torch.empty(shape, dtype=self.acc_dtype, device=self.device)
-        return self._buffers[key]
-
     def scores(self, q_blk: Tensor, m0: int, m1: int, n0: int, n1: int, full: bool,
                track: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Masked scores ``(B·Hkv, G·BM, BN)`` in base-2 units; with softcap also
@@ -314,7 +235,7 @@ class _Tile:
         (backward): the score_mod runs under autograd and ``self.mod_graph`` keeps
         ``(scores in, scores out)`` for :meth:`score_mod_vjp`."""
         B, Hkv, G, BM, BN = self.B, self.Hkv, self.G, m1 - m0, n1 - n0
-        s = self.qk(q_blk, n0, n1)  # q_blk already scaled
+        s = self.gemm.qk(q_blk, n0, n1)  # q_blk already scaled
         if self.score_mod is not None:
             if track:
                 s_in = s.detach().requires_grad_()
@@ -392,10 +313,10 @@ class _Tile:
             return None
         key = (n0, n1)
         if key not in self._value_offsets:
-            vb = self.v3[:, n0:n1]
+            vb = self.gemm.v3[:, n0:n1]
             vmax = torch.maximum(vb.amax(dim=(1, 2)), -vb.amin(dim=(1, 2))).to(self.acc_dtype)
             fmax = torch.finfo(self.acc_dtype).max
-            c = torch.log2(vmax) + math.log2(2.0 * self.k3.shape[1] / fmax)
+            c = torch.log2(vmax) + math.log2(2.0 * self.gemm.v3.shape[1] / fmax)
             c = torch.where((c > 0.0) & (c < float("inf")), c, 0.0).view(-1, 1, 1)  # NaN: 0
             if self.device.type == "cpu" and not torch.compiler.is_compiling() \
                     and not bool(c.any()):
