@@ -11,7 +11,7 @@ from torch import Tensor
 from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import as_4d
-from attn.spec import LaunchSpec
+from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm
@@ -20,15 +20,29 @@ from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps
                               _fwd_tile_fused, _run_fused)
 from attn.tiled.tile import LN2, LOG2E, _finite_or_zero, _Tile, _values_may_overflow
 
-def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
-         sinks: Tensor | None = None, softcap: Tensor | None = None,
-         alibi: Tensor | None = None, *, want_lse2: bool = False,
-         config: TileConfig = DEFAULT
+_NO_OPERANDS = Operands()
+
+
+def _check_operands(ops: Operands) -> None:
+    if not isinstance(ops, Operands):
+        raise TypeError(f"ops must be an attn.spec.Operands, got {type(ops).__name__}")
+    if ops.cu_seqlens_q is not None or ops.cu_seqlens_k is not None:
+        # packed sequences reach this backend as a document mask (attn.varlen: a mask_mod
+        # with SequenceBlocks in the spec), never as offsets
+        raise NotImplementedError("tiled: cu_seqlens operands are not read; packed sequences "
+                                  "run as a document mask (attn.varlen_attention)")
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
+         want_lse2: bool = False, config: TileConfig = DEFAULT
          ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """``(out, lse)``, and with ``want_lse2`` also ``lse2 (B, H, Nq, 2)``: each row's base-2
     max m and log2 of its denominator l, the exact row constant the backward subtracts in
     two parts (pass it to :func:`_bwd` as ``lse2``). Rows with no key: (-inf, 0).
-    ``config``: how the call is cut (block sizes where ``spec`` has none, chunks, units)."""
+    ``ops``: the call's optional tensors (the mask, sinks, a learnable softcap, ALiBi slopes,
+    a score_mod's captures); ``config``: how the call is cut (block sizes where ``spec`` has
+    none, chunks, units)."""
+    _check_operands(ops)
     B, H, Nq, _ = q.shape
     acc_dtype = _acc_dtype(q.dtype)
     out = torch.empty(B, H, Nq, v.shape[-1], dtype=v.dtype, device=q.device)
@@ -38,16 +52,14 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | 
     packed = spec.alibi_rows is not None
 
     def run(c: _Chunk) -> None:  # each chunk writes its part of the outputs
-        _fwd_rows(c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.mask(attn_mask),
-                  c.head_vec(sinks), c.head_vec(softcap), c.alibi(alibi, packed), c.bh(out),
-                  c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine)
+        _fwd_rows(c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.operands(ops, packed),
+                  c.bh(out), c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine)
 
     cpu.run_units(run, plan.chunks, parallel=plan.parallel)
     return (out, lse, lse2) if want_lse2 else (out, lse)
 
 
-def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None,
-              sinks: Tensor | None, softcap: Tensor | None, alibi: Tensor | None, out: Tensor,
+def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, out: Tensor,
               lse: Tensor, lse2: Tensor, b0: int = 0, engine: str = "bmm") -> None:
     """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
     ``b0``: its first batch row's index in the call; ``engine``: the plan's)."""
@@ -55,8 +67,9 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tens
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
+    sinks = ops.sinks
     gemm = _Gemm(k, v, acc_dtype, engine)
-    tile = _Tile(q, k, spec, gemm, attn_mask, softcap, alibi, b0=b0)
+    tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0)
     sink_rows = None  # in base-2 units, like m_i
     if sinks is not None:
         sink_rows = (sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq)
@@ -112,25 +125,23 @@ def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, 
 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-         lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
-         sinks: Tensor | None = None, softcap: Tensor | None = None, *,
-         need_dmask: bool = False, need_dcap: bool = True,
-         captured: tuple[Tensor, ...] = (), alibi: Tensor | None = None,
-         lse2: Tensor | None = None, config: TileConfig = DEFAULT) -> Grads:
+         lse: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
+         need_dmask: bool = False, need_dcap: bool = True, lse2: Tensor | None = None,
+         config: TileConfig = DEFAULT) -> Grads:
     """Gradients of one call (chunk by chunk, as :func:`_plan` cuts it): dq, dk,
     dv always; the float mask's only with ``need_dmask`` (an N x N tensor when the mask
     is), sinks' when given, the learnable softcap's when given and ``need_dcap``, and those
-    of the tensors ``captured`` by ``spec.score_mod`` (summed tile by tile in a fixed order:
-    deterministic, no atomics). ``alibi``: the slopes, constants (none of their own
-    gradient). ``lse2``: the forward's two-part base-2 lse (``_fwd(want_lse2=True)``);
-    without it ``lse·log2 e`` stands in, exact up to its rounding. ``config``: the forward's."""
+    of the tensors ``ops.captured`` by ``spec.score_mod`` (summed tile by tile in a fixed
+    order: deterministic, no atomics). ALiBi's slopes are constants (no gradient of their
+    own). ``lse2``: the forward's two-part base-2 lse (``_fwd(want_lse2=True)``); without it
+    ``lse·log2 e`` stands in, exact up to its rounding. ``config``: the forward's."""
+    _check_operands(ops)
     plan = _plan(q, k, spec, v, config)
     packed = spec.alibi_rows is not None
     kw = dict(need_dmask=need_dmask, need_dcap=need_dcap, engine=plan.engine)
     if len(plan.chunks) == 1:
-        return _bwd_rows(do, dlse, q, k, v, out, lse, plan.chunks[0].spec(plan.spec),
-                         attn_mask, sinks, softcap, captured=captured, alibi=alibi, lse2=lse2,
-                         **kw)
+        return _bwd_rows(do, dlse, q, k, v, out, lse, plan.chunks[0].spec(plan.spec), ops,
+                         lse2=lse2, **kw)
     B, H, Nq, D = q.shape
     acc_dtype = _acc_dtype(q.dtype)
     # each chunk accumulates into its part of dq, dk, dv: no copies to join them
@@ -142,17 +153,16 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     def run(i: int) -> None:
         c = plan.chunks[i]
         parts[i] = _bwd_rows(c.bh(do), c.bh(dlse), c.bh(q), c.kv(k), c.kv(v), c.bh(out),
-                             c.bh(lse), c.spec(plan.spec), c.mask(attn_mask),
-                             c.head_vec(sinks), c.head_vec(softcap),
-                             alibi=c.alibi(alibi, packed), lse2=c.bh(lse2), b0=c.b0,
+                             c.bh(lse), c.spec(plan.spec), c.operands(ops, packed),
+                             lse2=c.bh(lse2), b0=c.b0,
                              into=(c.bh(into[0]), c.kv(into[1]), c.kv(into[2])), **kw)
 
     cpu.run_units(run, range(len(plan.chunks)), parallel=plan.parallel)
     # the per-head and mask gradients: each chunk's into its slice, in chunk order
     dmask = dsinks = dsoftcap = None
     if need_dmask:
-        dmask = torch.zeros(as_4d(attn_mask).shape, dtype=acc_dtype, device=q.device)
-    if sinks is not None:
+        dmask = torch.zeros(as_4d(ops.attn_mask).shape, dtype=acc_dtype, device=q.device)
+    if ops.sinks is not None:
         dsinks = torch.zeros(H, dtype=acc_dtype, device=q.device)
     if parts[0].dsoftcap is not None:
         dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
@@ -167,10 +177,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 
 
 def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-              lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
-              sinks: Tensor | None = None, softcap: Tensor | None = None, *,
+              lse: Tensor, spec: LaunchSpec, ops: Operands, *,
               need_dmask: bool = False, need_dcap: bool = True,
-              captured: tuple[Tensor, ...] = (), alibi: Tensor | None = None,
               lse2: Tensor | None = None, b0: int = 0,
               into: tuple[Tensor, Tensor, Tensor] | None = None, engine: str = "bmm") -> Grads:
     """:func:`_bwd` of one chunk (``b0``: its first batch row's index in the call; ``into``:
@@ -179,9 +187,10 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
+    attn_mask, sinks, softcap, captured = ops.attn_mask, ops.sinks, ops.softcap, ops.captured
     gemm = _Gemm(k, v, acc_dtype, engine)
     gemm.keys_major = gemm.onednn
-    tile = _Tile(q, k, spec, gemm, attn_mask, softcap, alibi, b0=b0)
+    tile = _Tile(q, k, spec, gemm, attn_mask, softcap, ops.alibi, b0=b0)
     if not tile.finite_scores:
         # a masked key has dS = 0, but 0·NaN in dS K would still reach dQ: a non-finite key
         # enters dQ as 0 (a row that sees it has NaN dS anyway)
@@ -278,11 +287,15 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
 
 
 class _TiledAttention(torch.autograd.Function):
+    """Saves q, k, v, out, lse (and lse2, the mask, sinks, softcap, slopes); the backward
+    recomputes each tile. ``apply`` takes every optional tensor explicitly (those that can
+    need a gradient must be inputs); forward and backward rebuild the Operands from them."""
+
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec,
-                config: TileConfig, *captured):
-        out, lse, lse2 = _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi, want_lse2=True,
-                              config=config)
+    def forward(ctx, q, k, v, spec: LaunchSpec, config: TileConfig, attn_mask, sinks, softcap,
+                alibi, *captured):
+        ops = Operands(attn_mask, sinks, softcap, alibi, captured)
+        out, lse, lse2 = _fwd(q, k, v, spec, ops, want_lse2=True, config=config)
         # the captured tensors are not saved: the score_mod reads them itself in backward
         ctx.save_for_backward(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi)
         ctx.spec, ctx.config, ctx.captured = spec, config, captured
@@ -291,11 +304,11 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
-        need_dmask = bool(ctx.needs_input_grad[3])
+        ops = Operands(attn_mask, sinks, softcap, alibi, ctx.captured)
         do = torch.zeros_like(out) if dout is None else dout.contiguous()  # only lse was used
-        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, attn_mask, sinks, softcap,
-                 need_dmask=need_dmask, need_dcap=bool(ctx.needs_input_grad[5]),
-                 captured=ctx.captured, alibi=alibi, lse2=lse2, config=ctx.config)
+        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops,
+                 need_dmask=bool(ctx.needs_input_grad[5]),
+                 need_dcap=bool(ctx.needs_input_grad[7]), lse2=lse2, config=ctx.config)
         dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
         dsoftcap = None
@@ -303,8 +316,8 @@ class _TiledAttention(torch.autograd.Function):
             dsoftcap = _reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype)
         dcaptured = tuple(None if d is None else d.to(c.dtype)
                           for d, c in zip(g.dcaptured, ctx.captured))
-        return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), dmask, dsinks, dsoftcap,
-                None, None, None, *dcaptured)
+        return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), None, None, dmask, dsinks,
+                dsoftcap, None, *dcaptured)
 
 
 def tiled_attention(
@@ -312,6 +325,7 @@ def tiled_attention(
     k: Tensor,
     v: Tensor,
     spec: LaunchSpec,
+    operands: Operands | None = None,
     *,
     attn_mask: Tensor | None = None,
     softcap: Tensor | None = None,
@@ -325,17 +339,24 @@ def tiled_attention(
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
     lse (B, H, Nq) in float32 (float64 for float64 inputs). ``spec`` holds the static
     values (q·k scale, band, fixed softcap, dropout, global positions, block sizes; a tensor
-    temperature must already be folded into q); ``softcap`` a learnable tensor
-    broadcastable to (H,), ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed:
-    (sequences, H) with ``spec.alibi_rows``), constants. ``config``: how the call is cut
-    (:class:`attn.tiled.plan.TileConfig`, the measured defaults); block sizes are
+    temperature must already be folded into q). ``operands`` (:class:`attn.spec.Operands`)
+    holds the optional tensors; the keywords are the older form of the same and must stay
+    unset when ``operands`` is given: ``softcap`` a learnable tensor broadcastable to (H,),
+    ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed: (sequences, H) with
+    ``spec.alibi_rows``), constants; ``captured`` the tensors ``spec.score_mod`` reads that
+    need a gradient (see :func:`attn.mods.captured_tensors`). ``config``: how the call is
+    cut (:class:`attn.tiled.plan.TileConfig`, the measured defaults); block sizes are
     ``spec.block_m`` / ``block_n`` where set, else the config's, and a callable
-    ``spec.mask_blocks`` (see :func:`attn.mods.mod_spec`) is called here at those sizes. ``captured``: the tensors
-    ``spec.score_mod`` reads that need a gradient (see :func:`attn.mods.captured_tensors`).
+    ``spec.mask_blocks`` (see :func:`attn.mods.mod_spec`) is called here at those sizes.
     """
+    if operands is None:
+        operands = Operands(attn_mask, sinks, softcap, alibi, tuple(captured))
+    elif captured or any(t is not None for t in (attn_mask, softcap, sinks, alibi)):
+        raise TypeError("tiled_attention: pass the optional tensors either as operands or as "
+                        "keywords (attn_mask, softcap, sinks, captured, alibi), not both")
+    _check_operands(operands)
     if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
         mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
         spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
-    return _TiledAttention.apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, config,
-                                 *captured)
-
+    return _TiledAttention.apply(q, k, v, spec, config, operands.attn_mask, operands.sinks,
+                                 operands.softcap, operands.alibi, *operands.captured)

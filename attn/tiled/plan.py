@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from attn.masks import Blocks, as_4d
-from attn.spec import LaunchSpec
+from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.steps import fused_cpu_default
@@ -148,6 +148,14 @@ class _Chunk(NamedTuple):
         if alibi is None or self.whole:
             return alibi
         return alibi[:, self.heads] if packed else alibi[self.b0:self.b1, self.heads]
+
+    def operands(self, ops: Operands, packed: bool) -> Operands:
+        """This chunk's part of each optional tensor (``packed``: ALiBi slopes per sequence)."""
+        if self.whole:
+            return ops
+        return ops._replace(attn_mask=self.mask(ops.attn_mask), sinks=self.head_vec(ops.sinks),
+                            softcap=self.head_vec(ops.softcap),
+                            alibi=self.alibi(ops.alibi, packed))
 
     def spec(self, spec: LaunchSpec) -> LaunchSpec:
         if (self.h0, self.h1) == (0, self.Hkv):
