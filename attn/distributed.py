@@ -369,9 +369,17 @@ def _rows(c: _Call, t: Tensor | None, rows: slice) -> Tensor | None:
 def _launchers(backend: str):
     if backend == "triton":
         from attn import flash_triton as mod
-    else:
-        from attn import tiled as mod
-    return mod._fwd, mod._bwd
+        return mod._fwd, mod._bwd
+    from attn import tiled
+
+    # tiled's launchers take the optional tensors as Operands
+    def fwd(q, k, v, spec, *, softcap=None):
+        return tiled._fwd(q, k, v, spec, Operands(softcap=softcap))
+
+    def bwd(do, dlse, q, k, v, out, lse, spec, *, softcap=None, need_dcap=True):
+        return tiled._bwd(do, dlse, q, k, v, out, lse, spec, Operands(softcap=softcap),
+                          need_dcap=need_dcap)
+    return fwd, bwd
 
 
 # -- ring attention ----------------------------------------------------------------------------

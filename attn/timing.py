@@ -36,7 +36,7 @@ measured peak matches the size of its score tensors. Events within the same nano
 ordered as the profiler returns them (allocation order), which cannot raise the peak.
 
 The profiler does not follow plain Python threads, so the tiled backend's unit path
-(:mod:`attn.cpu`) runs its units one after another while a profiler is on. Run on its worker
+(:mod:`attn.tiled.cpu`) runs its units one after another while a profiler is on. Run on its worker
 threads, T units are alive at once: the peak is then higher by up to T − 1 units' tile
 scratch (one unit's score tiles and their products: about 2 MiB forward and 4 MiB backward at
 the default 512 x 512 tiles), which this method does not see.

@@ -303,10 +303,15 @@ def _worker(rank: int, port: int, plan: list, out_q) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    import functools
+
     import attn.tiled
 
-    # small tiles: each ring step's launch crosses several tile edges even at N = 23
-    attn.tiled.BLOCK_M, attn.tiled.BLOCK_N = 4, 8
+    # small tiles: each ring step's launch crosses several tile edges even at N = 23. The ring
+    # and Ulysses call the tiled launchers through attn.tiled: bind the config there
+    small = attn.tiled.TileConfig(block_m=4, block_n=8)
+    for name in ("_fwd", "_bwd", "tiled_attention"):
+        setattr(attn.tiled, name, functools.partial(getattr(attn.tiled, name), config=small))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=_WORLD, timeout=timedelta(seconds=_TIMEOUT_S))
     # every rank creates every group, in the same order (new_group is a collective)

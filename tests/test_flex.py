@@ -3,6 +3,7 @@ reference (mods materialized densely), torch's own eager flex_attention, and gra
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -18,15 +19,15 @@ from attn.testing import assert_close_to_reference, make_inputs
 NEG_INF = float("-inf")
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Tiles of 16 x 16 so that short sequences cross many tiles (empty, partial, full)."""
-    monkeypatch.setattr(attn.tiled, "BLOCK_M", 16)
-    monkeypatch.setattr(attn.tiled, "BLOCK_N", 16)
-
-
 def tiled(q, k, v, **kw):
     return attn.attention(q, k, v, **kw, backend="tiled")
+
+
+@pytest.fixture
+def small_tiles():
+    """The tiled backend with tiles of 16 x 16, so that short sequences cross many tiles
+    (empty, partial, full)."""
+    return functools.partial(tiled, block_m=16, block_n=16)
 
 
 # -- attention-gym's examples, as (score_mod, mask_mod) makers over captured tensors --------
@@ -117,7 +118,7 @@ GYM = ["causal", "sliding_window", "prefix_lm", "document", "dilated", "alibi", 
 def test_gym_examples_match_reference(name, dtype, small_tiles):
     q, k, v = make_inputs(B=2, H=4, N=97, Nk=83, D=16, Hkv=2, dtype=dtype, seed=1)
     kw, _ = gym_case(name, 2, 4, 97, 83, dtype=torch.float32, grad=False)
-    assert_close_to_reference(tiled, q, k, v, **kw)
+    assert_close_to_reference(small_tiles, q, k, v, **kw)
 
 
 @pytest.mark.parametrize("name", ["alibi", "relative_bias"])
@@ -129,7 +130,8 @@ def test_captured_gradients_match_reference_and_repeat_bit_for_bit(name, small_t
 
     def table_grad(backend, dtype):
         kw, (table,) = gym_case(name, 2, 4, 61, 70, dtype=dtype)
-        out = attn.attention(q.to(dtype), k.to(dtype), v.to(dtype), **kw, backend=backend)
+        out = attn.attention(q.to(dtype), k.to(dtype), v.to(dtype), **kw, backend=backend,
+                             block_m=16, block_n=16)
         (grad,) = torch.autograd.grad((out * d_out.to(dtype)).sum(), table)
         return grad.double()
 
@@ -141,11 +143,9 @@ def test_captured_gradients_match_reference_and_repeat_bit_for_bit(name, small_t
     assert torch.equal(first, table_grad("tiled", torch.float32))
 
 
-def test_gradcheck_mods_and_captured_tensors(monkeypatch):
+def test_gradcheck_mods_and_captured_tensors():
     """gradcheck (float64, finite differences) of q, k, v and both captured tensors through
     score_mod + mask_mod + softcap + sinks + GQA, tiles of 4 x 3 (empty, partial, full)."""
-    monkeypatch.setattr(attn.tiled, "BLOCK_M", 4)
-    monkeypatch.setattr(attn.tiled, "BLOCK_N", 3)
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, Nq, Nk, D = 1, 2, 1, 9, 11, 3
     q, k, v = (torch.randn(s, generator=g, dtype=torch.float64).requires_grad_()
@@ -158,7 +158,8 @@ def test_gradcheck_mods_and_captured_tensors(monkeypatch):
         def score_mod(s, b, h, qi, ki):
             return s + slopes[h] * (ki - qi) + table[h, qi - ki + Nk - 1]
         out, lse = attn.attention(q, k, v, score_mod=score_mod, mask_mod=dilated(6, 2),
-                                  softcap=3.0, sinks=sinks, return_lse=True, backend="tiled")
+                                  softcap=3.0, sinks=sinks, return_lse=True, backend="tiled",
+                                  block_m=4, block_n=3)
         return out, lse
     assert torch.autograd.gradcheck(fn, (q, k, v, slopes, table, sinks))
 
@@ -174,7 +175,7 @@ def test_order_of_operations(small_tiles):
         return 3.0 * s + 0.25 * (h + 1)  # (h + 1) is an int tensor: 0.25 is exact in fp32
     kw = dict(scale=0.5, temperature=2.0, softcap=4.0, causal=True, window=(30, 0),
               attn_mask=mask, sinks=sinks, score_mod=score_mod, mask_mod=dilated(25, 2))
-    out = tiled(q, k, v, **kw)
+    out = small_tiles(q, k, v, **kw)
 
     s = q @ k.transpose(-1, -2) * 0.5 / 2.0
     s = 3.0 * s + 0.25 * torch.arange(1, 3, dtype=torch.float64).view(1, 2, 1, 1)
@@ -189,7 +190,7 @@ def test_order_of_operations(small_tiles):
 
     def swapped(s, b, h, qi, ki):  # softcap inside, then the mod: not what attention does
         return score_mod(4.0 * torch.tanh(s / 4.0), b, h, qi, ki)
-    other = tiled(q, k, v, **{**kw, "softcap": None, "score_mod": swapped})
+    other = small_tiles(q, k, v, **{**kw, "softcap": None, "score_mod": swapped})
     assert (other - expected).abs().max() > 1e-3
 
 
@@ -262,12 +263,12 @@ def test_flex_attention_keywords():
 
 def test_document_mask_skips_empty_tiles(monkeypatch):
     counts = {"tiles": 0, "mask": 0}
-    step = attn.tiled._fwd_tile
+    step = attn.tiled.attention._fwd_tile
 
     def counting_step(*a):
         counts["tiles"] += 1
         return step(*a)
-    monkeypatch.setattr(attn.tiled, "_fwd_tile", counting_step)
+    monkeypatch.setattr(attn.tiled.attention, "_fwd_tile", counting_step)
     n_docs, bs = 8, 32
     N = n_docs * bs
     doc = torch.arange(N) // bs
@@ -295,12 +296,12 @@ def test_attention_mask_mod_classifies_its_own_tiles(small_tiles, monkeypatch):
     """attention(mask_mod=...) without a block mask evaluates the mask per tile to plan
     the tiles: a causal mask_mod visits what causal=True visits."""
     seen = []
-    step = attn.tiled._fwd_tile
-    monkeypatch.setattr(attn.tiled, "_fwd_tile", lambda *a: seen.append(1) or step(*a))
+    step = attn.tiled.attention._fwd_tile
+    monkeypatch.setattr(attn.tiled.attention, "_fwd_tile", lambda *a: seen.append(1) or step(*a))
     q, k, v = make_inputs(B=1, H=1, N=64, D=8, seed=11)
-    out = tiled(q, k, v, mask_mod=causal)
+    out = small_tiles(q, k, v, mask_mod=causal)
     n_mod, seen[:] = len(seen), []
-    ref = tiled(q, k, v, causal=True)
+    ref = small_tiles(q, k, v, causal=True)
     assert n_mod == len(seen) == 10  # 4 query blocks of 16: 1 + 2 + 3 + 4 tiles
     torch.testing.assert_close(out, ref)
 
@@ -311,7 +312,8 @@ def test_fully_masked_rows_give_zeros_and_finite_grads(small_tiles):
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx < 20) & (kv_idx <= q_idx)
-    out, lse = tiled(q, k, v, mask_mod=mask_mod, score_mod=tanh_softcap(2.0), return_lse=True)
+    out, lse = small_tiles(q, k, v, mask_mod=mask_mod, score_mod=tanh_softcap(2.0),
+                           return_lse=True)
     assert torch.equal(out[:, :, 20:], torch.zeros_like(out[:, :, 20:]))
     assert torch.isinf(lse[:, :, 20:]).all() and torch.isfinite(lse[:, :, :20]).all()
     (dq,) = torch.autograd.grad(out.sum(), q)
@@ -381,8 +383,8 @@ def test_gym_examples_wide(name, dtype, Nq, Nk, D):
 
 def test_kernel_options_set_the_tiles_without_a_block_mask(monkeypatch):
     seen = []
-    step = attn.tiled._fwd_tile
-    monkeypatch.setattr(attn.tiled, "_fwd_tile", lambda *a: seen.append(1) or step(*a))
+    step = attn.tiled.attention._fwd_tile
+    monkeypatch.setattr(attn.tiled.attention, "_fwd_tile", lambda *a: seen.append(1) or step(*a))
     q, k, v = make_inputs(B=1, H=2, N=64, D=8, dtype=torch.float64, seed=14)
     out = attn.flex_attention(q, k, v, score_mod=tanh_softcap(2.0),
                               kernel_options={"BLOCK_M": 32, "BLOCK_N": 16})

@@ -10,6 +10,7 @@ even for float64 models), so a mistranslated keyword cannot hide in both.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -139,9 +140,10 @@ def assert_oracle_is_eager(oracle, eager64, what):
 def impl(request, monkeypatch):
     """auto (tiled on CPU at its own tile size) and tiled forced with 4 x 8 tiles, so the
     prompts cross tile edges and padded / out-of-window tiles get skipped."""
-    if request.param == "attn_tiled":
-        monkeypatch.setattr(attn.tiled, "BLOCK_M", 4)
-        monkeypatch.setattr(attn.tiled, "BLOCK_N", 8)
+    if request.param == "attn_tiled":  # the config bound where api calls the tiled backend
+        config = attn.tiled.TileConfig(block_m=4, block_n=8)
+        monkeypatch.setattr(attn.api, "tiled_attention",
+                            functools.partial(attn.tiled.tiled_attention, config=config))
     return request.param
 
 

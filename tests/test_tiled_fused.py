@@ -35,15 +35,15 @@ def _tiled(**fixed):
 @pytest.fixture
 def fused(monkeypatch):
     monkeypatch.setenv("ATTN_TILED_COMPILE", "1")
-    monkeypatch.setattr(tiled, "_FUSED_FAILED", None)
+    monkeypatch.setattr(tiled.steps, "_FUSED_FAILED", None)
     calls = []
-    real = tiled._run_fused
+    real = tiled.attention._run_fused
 
     def counting(fn, *args):
         out = real(fn, *args)
         calls.append(out is not None)
         return out
-    monkeypatch.setattr(tiled, "_run_fused", counting)
+    monkeypatch.setattr(tiled.attention, "_run_fused", counting)
     return calls
 
 
@@ -95,17 +95,17 @@ def test_no_recompile_when_n_varies(fused):
     # square full tiles first (rows == cols == 32 on every tile, as with the default
     # 256 x 256 blocks at N = 4096): ragged edges and batch sizes must not recompile
     run(64)
-    graphs, compiled = counters["stats"]["unique_graphs"], len(tiled._COMPILED)
+    graphs, compiled = counters["stats"]["unique_graphs"], len(tiled.steps._COMPILED)
     for n, b in ((77, 1), (50, 2), (129, 3), (300, 1), (97, 2)):  # 129, 97: 1-wide edges
         run(n, b)
     assert counters["stats"]["unique_graphs"] == graphs, "a new sequence length recompiled"
-    assert len(tiled._COMPILED) == compiled
+    assert len(tiled.steps._COMPILED) == compiled
 
 
 def test_compile_failure_warns_once_and_falls_back(fused, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no working C++ compiler (simulated)")
-    monkeypatch.setattr(tiled, "_COMPILED", {})
+    monkeypatch.setattr(tiled.steps, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", broken)
     q, k, v = _inputs(seed=6)
     with warnings.catch_warnings(record=True) as caught:
@@ -121,7 +121,7 @@ def test_compile_failure_warns_once_and_falls_back(fused, monkeypatch):
 
 def test_switch_and_reason(monkeypatch):
     call = AttentionCall(device="cpu", dtype=torch.float32, head_dim=16, head_dim_v=16, n_q=8, n_k=8)
-    monkeypatch.setattr(tiled, "_FUSED_FAILED", None)
+    monkeypatch.setattr(tiled.steps, "_FUSED_FAILED", None)
     monkeypatch.setenv("ATTN_TILED_COMPILE", "0")
     assert "eager" in select_backend(call).reason
     assert "eager" in select_backend(call, "tiled").reason
@@ -139,12 +139,12 @@ def test_switch_and_reason(monkeypatch):
 
 def test_eager_path_runs_no_compiled_step(monkeypatch):
     monkeypatch.setenv("ATTN_TILED_COMPILE", "0")
-    monkeypatch.setattr(tiled, "_run_fused", lambda *a: pytest.fail("fused step ran"))
+    monkeypatch.setattr(tiled.attention, "_run_fused", lambda *a: pytest.fail("fused step ran"))
     q, k, v = _inputs(seed=8)
     assert_close_to_reference(_tiled(), q, k, v, causal=True)
 
 
-# -- batch chunks: a call whose score tile passes TILE_BYTES runs batch row by batch row ----
+# -- batch chunks: a call whose score tile passes tile_bytes runs batch row by batch row ----
 
 CHUNK_CASES = {
     "dropout-gqa": dict(dropout_p=0.25, causal=True),
@@ -168,10 +168,15 @@ def test_batch_chunks_match_one_call(monkeypatch, case):
     for t in leaves:
         t.requires_grad_()
     results = []
+    real = tiled._plan
     for tile_bytes in (1 << 40, 1):  # one call; then one batch row per chunk
-        monkeypatch.setattr(tiled, "TILE_BYTES", tile_bytes)
-        assert len(tiled._plan(q, k, tiled.LaunchSpec(qk_scale=1.0)).chunks) == \
+        config = tiled.TileConfig(tile_bytes=tile_bytes)
+        assert len(real(q, k, tiled.LaunchSpec(qk_scale=1.0), config=config).chunks) == \
             (1 if tile_bytes > 1 else 3)
+        # the launchers plan the call below with this config
+        monkeypatch.setattr(tiled.attention, "_plan",
+                            lambda q, k, spec, v=None, _config=None, config=config:
+                            real(q, k, spec, v, config))
         torch.manual_seed(3)
         out, lse = _tiled()(q, k, v, return_lse=True, **kw)
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, 16)).sum() + lse.sum(), leaves)

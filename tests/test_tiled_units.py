@@ -1,4 +1,4 @@
-"""The tiled backend's unit path on CPU (:mod:`attn.cpu`): a call cut into units (one batch
+"""The tiled backend's unit path on CPU (:mod:`attn.tiled.cpu`): a call cut into units (one batch
 row, one KV head with its query group) whose tile GEMMs run 2-D through oneDNN, in order or
 on worker threads. Here the thresholds are lowered so small calls take it, with small tiles
 so one call has full tiles, ragged edges and several units; every variant is compared with
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import attn
-from attn import AttentionCall, cpu, select_backend, tiled
+from attn import AttentionCall, select_backend, tiled
+from attn.tiled import cpu
 from attn.testing import assert_close_to_reference
 
 pytestmark = pytest.mark.skipif(cpu._LINEAR is None, reason="this torch build has no oneDNN")
@@ -29,23 +30,20 @@ def _inputs(B=2, H=4, Hkv=2, Nq=45, Nk=70, D=16, seed=0, dtype=torch.float32):
 @pytest.fixture(params=["in-order", "workers"])
 def units(request, monkeypatch):
     """The unit path forced on small calls (tiles of 16 rows x 32 keys); ``workers`` also
-    sends every call to the worker threads. Yields (engine, parallel, chunks) per call."""
+    sends every call to the worker threads. Yields (engine, parallel, chunks) per call. The
+    launchers plan every call with this config (the spy passes it in place of the default)."""
     monkeypatch.setenv("ATTN_TILED_GEMM", "onednn")
-    monkeypatch.setattr(tiled, "UNIT_ROWS", 16)
-    monkeypatch.setattr(tiled, "UNIT_BLOCK_N", 32)
-    monkeypatch.setattr(tiled, "UNIT_MIN_ROWS", 1)
-    monkeypatch.setattr(tiled, "UNIT_MIN_KEYS", 1)
-    monkeypatch.setattr(tiled, "UNIT_MAX_PARTIAL", 1.0)
     workers = request.param == "workers"
-    monkeypatch.setattr(tiled, "POOL_MIN_SCORES", 0 if workers else 1 << 62)
+    config = tiled.TileConfig(unit_rows=16, unit_block_n=32, unit_min_rows=1, unit_min_keys=1,
+                              unit_max_partial=1.0, pool_min_scores=0 if workers else 1 << 62)
     plans = []
     real = tiled._plan
 
-    def spy(q, k, spec, v=None):
-        plan = real(q, k, spec, v)
+    def spy(q, k, spec, v=None, _config=None):
+        plan = real(q, k, spec, v, config)
         plans.append((plan.engine, plan.parallel, len(plan.chunks)))
         return plan
-    monkeypatch.setattr(tiled, "_plan", spy)
+    monkeypatch.setattr(tiled.attention, "_plan", spy)
     yield plans
     assert plans, "no call planned"
     assert all(p[0] == "onednn" and p[1] == workers for p in plans), plans
@@ -202,27 +200,28 @@ def test_auto_keeps_bmm_where_onednn_is_not_faster(monkeypatch):
 
 def test_plan_rules(monkeypatch):
     """Large calls take units; decoding, float64, programmable masks and mostly-partial
-    bands stay batched; the workers only for calls past POOL_MIN_SCORES."""
+    bands stay batched; the workers only for calls past pool_min_scores."""
     monkeypatch.setenv("ATTN_TILED_GEMM", "onednn")
     spec = tiled.LaunchSpec(qk_scale=1.0)
+    cfg = tiled.TileConfig()  # the defaults
 
     def plan(spec=spec, Nq=1024, Nk=1024, H=8, Hkv=8, dtype=torch.float32):
         q = torch.empty(1, H, Nq, 64, dtype=dtype)
         return tiled._plan(q, torch.empty(1, Hkv, Nk, 64, dtype=dtype), spec)
     p = plan()
     assert p.engine == "onednn" and len(p.chunks) == 8 and not p.parallel
-    assert (p.spec.block_m, p.spec.block_n) == (tiled.UNIT_ROWS, tiled.UNIT_BLOCK_N)
+    assert (p.spec.block_m, p.spec.block_n) == (cfg.unit_rows, cfg.unit_block_n)
     assert plan(Nq=4096, Nk=4096).parallel
-    assert plan(Nq=8192, Nk=8192).spec.block_m == tiled.UNIT_ROWS_FULL  # no band: taller tiles
-    assert plan(Nq=4096, Nk=4096).spec.block_m == tiled.UNIT_ROWS
-    assert plan(H=8, Hkv=2).spec.block_m == tiled.UNIT_ROWS // 4  # G·BM rows per tile
-    assert plan(H=8, Hkv=2, Nq=2048, Nk=2048).spec.block_m == tiled.UNIT_ROWS_FULL // 4
+    assert plan(Nq=8192, Nk=8192).spec.block_m == cfg.unit_rows_full  # no band: taller tiles
+    assert plan(Nq=4096, Nk=4096).spec.block_m == cfg.unit_rows
+    assert plan(H=8, Hkv=2).spec.block_m == cfg.unit_rows // 4  # G·BM rows per tile
+    assert plan(H=8, Hkv=2, Nq=2048, Nk=2048).spec.block_m == cfg.unit_rows_full // 4
     assert plan(Nq=1, Nk=32768, H=32, Hkv=8).engine == "bmm"  # decoding
     assert plan(dtype=torch.float64).engine == "bmm"
     causal = tiled.LaunchSpec(qk_scale=1.0, band=attn.masks.Band(0, None, 0))
     assert plan(causal).engine == "bmm"  # N = 1024: 2 of 3 tiles partial
     assert plan(causal, Nq=2048, Nk=2048).engine == "onednn"  # 4 of 10
-    assert plan(causal, Nq=8192, Nk=8192).spec.block_m == tiled.UNIT_ROWS
+    assert plan(causal, Nq=8192, Nk=8192).spec.block_m == cfg.unit_rows
     flex = tiled.LaunchSpec(qk_scale=1.0, score_mod=lambda s, b, h, i, j: s)
     assert plan(flex).engine == "bmm"
 

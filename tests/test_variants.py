@@ -394,17 +394,17 @@ def test_alibi_tiled_shards_reproduce_the_whole():
     from attn import tiled
     from attn.masks import make_band
     from attn.merge import merge_attention
-    from attn.spec import LaunchSpec
+    from attn.spec import LaunchSpec, Operands
 
     q, k, v = _inputs(B=2, H=4, Hkv=2, N=37, Nk=50, D=16, dtype=torch.float64, seed=8)
     slopes = alibi_slopes(4).to(DEVICE).expand(2, 4)
     spec = LaunchSpec(qk_scale=0.25, band=make_band(37, 50, causal=True, window=None),
                       block_m=8, block_n=16)
-    whole, whole_lse = tiled._fwd(q, k, v, spec, alibi=slopes)
+    whole, whole_lse = tiled._fwd(q, k, v, spec, Operands(alibi=slopes))
     rows = []
     for q0, q1 in ((0, 20), (20, 37)):
         parts = [tiled._fwd(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
-                            spec.shard(q_start=q0, k_start=k0), alibi=slopes)
+                            spec.shard(q_start=q0, k_start=k0), Operands(alibi=slopes))
                  for k0, k1 in ((0, 30), (30, 50))]
         rows.append(merge_attention(parts[0][0], parts[0][1], parts[1][0], parts[1][1]))
     torch.testing.assert_close(torch.cat([r[0] for r in rows], 2), whole)

@@ -3,6 +3,7 @@ backward, for every variant; tiles between sequences are skipped; converters; ba
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -15,10 +16,17 @@ from attn import varlen
 from attn.varlen import cu_seqlens_from_lengths, varlen_attention
 
 
+def tiles(monkeypatch, block_m: int, block_n: int) -> None:
+    """The tiled backend's calls from attn's entry points get tiles of block_m x block_n
+    (varlen_attention has no tile-size argument: the config is bound where api calls tiled)."""
+    config = attn.tiled.TileConfig(block_m=block_m, block_n=block_n)
+    monkeypatch.setattr(attn.api, "tiled_attention",
+                        functools.partial(attn.tiled.tiled_attention, config=config))
+
+
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(attn.tiled, "BLOCK_M", 8)
-    monkeypatch.setattr(attn.tiled, "BLOCK_N", 8)
+    tiles(monkeypatch, 8, 8)
 
 
 def packed_inputs(lq, lk, H=4, Hkv=2, D=8, Dv=None, dtype=torch.float64, seed=0):
@@ -196,8 +204,7 @@ def test_dropout_draws_the_padded_batchs_mask(small_tiles):
 
 
 def test_gradcheck(monkeypatch):
-    monkeypatch.setattr(attn.tiled, "BLOCK_M", 3)
-    monkeypatch.setattr(attn.tiled, "BLOCK_N", 4)
+    tiles(monkeypatch, 3, 4)
     q, k, v, cu_q, cu_k = packed_inputs([3, 0, 5, 1], [4, 2, 3, 1], H=2, Hkv=1, D=3)
     sinks = torch.randn(2, dtype=torch.float64).requires_grad_()
 
@@ -211,8 +218,8 @@ def test_tiles_between_sequences_are_skipped(small_tiles, monkeypatch):
     """Eight sequences of two tiles each: only the 8 x 2 x 2 tiles inside a sequence run,
     all on the plain path (no mask work); causal drops the upper tile of each square."""
     tiles, masks = [], []
-    step = attn.tiled._fwd_tile
-    monkeypatch.setattr(attn.tiled, "_fwd_tile", lambda *a: tiles.append(1) or step(*a))
+    step = attn.tiled.attention._fwd_tile
+    monkeypatch.setattr(attn.tiled.attention, "_fwd_tile", lambda *a: tiles.append(1) or step(*a))
     keep = attn.tiled._Tile.mask_mod_keep
     monkeypatch.setattr(attn.tiled._Tile, "mask_mod_keep",
                         lambda self, *a: masks.append(1) or keep(self, *a))

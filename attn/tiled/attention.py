@@ -1,0 +1,362 @@
+"""The tiled backend's three layers: the launchers ``_fwd`` / ``_bwd`` (chunk by chunk, as the
+plan cuts a call), one ``torch.autograd.Function``, and the public :func:`tiled_attention`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from attn.grads import SATURATED_LOG2L, Grads, sink_grad
+from attn.grads import reduce_to as _reduce_to
+from attn.masks import as_4d
+from attn.spec import LaunchSpec, Operands
+from attn.spec import acc_dtype as _acc_dtype
+from attn.tiled import cpu
+from attn.tiled.gemm import _Gemm
+from attn.tiled.plan import DEFAULT, TileConfig, _blocks, _Chunk, _plan
+from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps, _fwd_tile,
+                              _fwd_tile_fused, _run_fused)
+from attn.tiled.tile import LN2, LOG2E, _finite_or_zero, _Tile, _values_may_overflow
+
+_NO_OPERANDS = Operands()
+
+
+def _check_operands(ops: Operands) -> None:
+    if not isinstance(ops, Operands):
+        raise TypeError(f"ops must be an attn.spec.Operands, got {type(ops).__name__}")
+    if ops.cu_seqlens_q is not None or ops.cu_seqlens_k is not None:
+        # packed sequences reach this backend as a document mask (attn.varlen: a mask_mod
+        # with SequenceBlocks in the spec), never as offsets
+        raise NotImplementedError("tiled: cu_seqlens operands are not read; packed sequences "
+                                  "run as a document mask (attn.varlen_attention)")
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
+         want_lse2: bool = False, config: TileConfig = DEFAULT
+         ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse)``, and with ``want_lse2`` also ``lse2 (B, H, Nq, 2)``: each row's base-2
+    max m and log2 of its denominator l, the exact row constant the backward subtracts in
+    two parts (pass it to :func:`_bwd` as ``lse2``). Rows with no key: (-inf, 0).
+    ``ops``: the call's optional tensors (the mask, sinks, a learnable softcap, ALiBi slopes,
+    a score_mod's captures); ``config``: how the call is cut (block sizes where ``spec`` has
+    none, chunks, units)."""
+    _check_operands(ops)
+    B, H, Nq, _ = q.shape
+    acc_dtype = _acc_dtype(q.dtype)
+    out = torch.empty(B, H, Nq, v.shape[-1], dtype=v.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
+    lse2 = torch.empty(B, H, Nq, 2, dtype=acc_dtype, device=q.device)  # (m, log2 l)
+    plan = _plan(q, k, spec, v, config)
+    packed = spec.alibi_rows is not None
+
+    def run(c: _Chunk) -> None:  # each chunk writes its part of the outputs
+        _fwd_rows(c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.operands(ops, packed),
+                  c.bh(out), c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine)
+
+    cpu.run_units(run, plan.chunks, parallel=plan.parallel)
+    return (out, lse, lse2) if want_lse2 else (out, lse)
+
+
+def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, out: Tensor,
+              lse: Tensor, lse2: Tensor, b0: int = 0, engine: str = "bmm") -> None:
+    """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
+    ``b0``: its first batch row's index in the call; ``engine``: the plan's)."""
+    B, H, Nq, _ = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    acc_dtype = _acc_dtype(q.dtype)
+    sinks = ops.sinks
+    gemm = _Gemm(k, v, acc_dtype, engine)
+    tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0)
+    sink_rows = None  # in base-2 units, like m_i
+    if sinks is not None:
+        sink_rows = (sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq)
+    # a finite "-inf" start keeps exp(m_i - m_new) and exp(s - m_new) free of inf - inf
+    lowest = torch.finfo(acc_dtype).min
+    blocks = _blocks(spec, Nq, Nk)
+    fused = _fused_steps(q) and engine == "bmm"
+    tile.values_may_overflow = _values_may_overflow(v, Nk)
+
+    for m0, m1, key_tiles in blocks.query_blocks():
+        rows = (B * Hkv, G * (m1 - m0), 1)
+        # -- init: the sink, when present, is the first "key" of every row --
+        if sink_rows is None:
+            m_i = torch.full(rows, lowest, dtype=acc_dtype, device=q.device)
+            l_i = torch.zeros(rows, dtype=acc_dtype, device=q.device)
+        else:
+            m_i = tile.rows(sink_rows, m0, m1).clone()
+            l_i = torch.ones(rows, dtype=acc_dtype, device=q.device)
+        acc = torch.zeros(rows[:2] + (Dv,), dtype=acc_dtype, device=q.device)
+        if key_tiles:
+            q_blk = tile.q_block(m0, m1)
+        for n0, n1, full in key_tiles:
+            s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
+            z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
+            c = tile.value_offset(n0, n1)
+            step = (_run_fused(_fwd_tile_fused, m_i, l_i, s, z)
+                    if fused and c is None and _fusable(s) else None)
+            p, m_i, l_i, alpha = step if step is not None else _fwd_tile(m_i, l_i, s, z, c)
+            gemm.add_pv(acc.mul_(alpha), p, n0, n1)
+        # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
+        seen = l_i > 0
+        out[:, :, m0:m1] = (acc / torch.where(seen, l_i, 1.0)).view(B, H, m1 - m0, Dv)
+        lse2[:, :, m0:m1, 0] = torch.where(seen, m_i, float("-inf")).view(B, H, -1)
+        lse2[:, :, m0:m1, 1] = torch.where(seen, torch.log2(l_i), 0.0).view(B, H, -1)
+    torch.mul(lse2.sum(-1), LN2, out=lse)
+
+
+def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, m0: int,
+                   m1: int, key_tiles) -> Tensor:
+    """``Σ_j p_ij dp_ij`` over a query block's tiles, ``(B·Hkv, G·BM, 1)``: p = exp2(s − m)
+    and dp = ``do_blk`` Vᵀ (dropout-scaled) exactly as the backward's tile loop forms them,
+    so a saturated row's dS = p∘(dp − Δ) is 0 where its exact value rounds to 0."""
+    spec = tile.spec
+    delta = torch.zeros(do_blk.shape[:2] + (1,), dtype=tile.acc_dtype, device=do_blk.device)
+    for n0, n1, full in key_tiles:
+        s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
+        p = s.sub_(lse_blk).exp2_()
+        dp = tile.gemm.dp(do_blk, n0, n1)
+        if spec.dropout_p > 0.0:
+            dp = dp * tile.dropout_scale(m0, m1, n0, n1)
+        delta += (p * dp).sum(dim=-1, keepdim=True)
+    return delta
+
+
+def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+         lse: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
+         need_dmask: bool = False, need_dcap: bool = True, lse2: Tensor | None = None,
+         config: TileConfig = DEFAULT) -> Grads:
+    """Gradients of one call (chunk by chunk, as :func:`_plan` cuts it): dq, dk,
+    dv always; the float mask's only with ``need_dmask`` (an N x N tensor when the mask
+    is), sinks' when given, the learnable softcap's when given and ``need_dcap``, and those
+    of the tensors ``ops.captured`` by ``spec.score_mod`` (summed tile by tile in a fixed
+    order: deterministic, no atomics). ALiBi's slopes are constants (no gradient of their
+    own). ``lse2``: the forward's two-part base-2 lse (``_fwd(want_lse2=True)``); without it
+    ``lse·log2 e`` stands in, exact up to its rounding. ``config``: the forward's."""
+    _check_operands(ops)
+    plan = _plan(q, k, spec, v, config)
+    packed = spec.alibi_rows is not None
+    kw = dict(need_dmask=need_dmask, need_dcap=need_dcap, engine=plan.engine)
+    if len(plan.chunks) == 1:
+        return _bwd_rows(do, dlse, q, k, v, out, lse, plan.chunks[0].spec(plan.spec), ops,
+                         lse2=lse2, **kw)
+    B, H, Nq, D = q.shape
+    acc_dtype = _acc_dtype(q.dtype)
+    # each chunk accumulates into its part of dq, dk, dv: no copies to join them
+    into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
+            torch.zeros(k.shape[:3] + (D,), dtype=acc_dtype, device=q.device),
+            torch.zeros(v.shape, dtype=acc_dtype, device=q.device))
+    parts: list[Grads | None] = [None] * len(plan.chunks)
+
+    def run(i: int) -> None:
+        c = plan.chunks[i]
+        parts[i] = _bwd_rows(c.bh(do), c.bh(dlse), c.bh(q), c.kv(k), c.kv(v), c.bh(out),
+                             c.bh(lse), c.spec(plan.spec), c.operands(ops, packed),
+                             lse2=c.bh(lse2), b0=c.b0,
+                             into=(c.bh(into[0]), c.kv(into[1]), c.kv(into[2])), **kw)
+
+    cpu.run_units(run, range(len(plan.chunks)), parallel=plan.parallel)
+    # the per-head and mask gradients: each chunk's into its slice, in chunk order
+    dmask = dsinks = dsoftcap = None
+    if need_dmask:
+        dmask = torch.zeros(as_4d(ops.attn_mask).shape, dtype=acc_dtype, device=q.device)
+    if ops.sinks is not None:
+        dsinks = torch.zeros(H, dtype=acc_dtype, device=q.device)
+    if parts[0].dsoftcap is not None:
+        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
+    for c, g in zip(plan.chunks, parts):
+        if dmask is not None:
+            dmask[c.mask_index(dmask)] += g.dmask
+        if dsinks is not None:
+            dsinks[c.heads] += g.dsinks
+        if dsoftcap is not None:
+            dsoftcap[c.heads] += g.dsoftcap
+    return Grads(*into, dmask, dsinks, dsoftcap, ())
+
+
+def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+              lse: Tensor, spec: LaunchSpec, ops: Operands, *,
+              need_dmask: bool = False, need_dcap: bool = True,
+              lse2: Tensor | None = None, b0: int = 0,
+              into: tuple[Tensor, Tensor, Tensor] | None = None, engine: str = "bmm") -> Grads:
+    """:func:`_bwd` of one chunk (``b0``: its first batch row's index in the call; ``into``:
+    zeroed (dq, dk, dv) views of its part to accumulate into; ``engine``: the plan's)."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    acc_dtype = _acc_dtype(q.dtype)
+    attn_mask, sinks, softcap, captured = ops.attn_mask, ops.sinks, ops.softcap, ops.captured
+    gemm = _Gemm(k, v, acc_dtype, engine)
+    gemm.keys_major = gemm.onednn
+    tile = _Tile(q, k, spec, gemm, attn_mask, softcap, ops.alibi, b0=b0)
+    if not tile.finite_scores:
+        # a masked key has dS = 0, but 0·NaN in dS K would still reach dQ: a non-finite key
+        # enters dQ as 0 (a row that sees it has NaN dS anyway)
+        gemm.k3_dq = _finite_or_zero(gemm.k3)
+    blocks = _blocks(spec, Nq, Nk)
+    if into is None:
+        into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
+                torch.zeros(B, Hkv, Nk, D, dtype=acc_dtype, device=q.device),
+                torch.zeros(B, Hkv, Nk, Dv, dtype=acc_dtype, device=q.device))
+    dq = into[0]
+    dk3, dv3 = into[1].view(B * Hkv, Nk, D), into[2].view(B * Hkv, Nk, Dv)  # row slices: views
+    dsoftcap = None
+    if softcap is not None and need_dcap:
+        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
+    dmask = None
+    if need_dmask:
+        dmask = torch.zeros(as_4d(attn_mask).shape, dtype=acc_dtype, device=q.device)
+    # Δ = rowsum(dO ∘ O) − dlse: the lse output's gradient joins dS as dlse_i · P_ij
+    delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, H, Nq)
+    if dlse is not None:
+        delta = delta - dlse.to(acc_dtype)
+    if lse2 is None:  # the natural lse alone: exact up to its rounding
+        lse_m, inv_l = lse.to(acc_dtype) * LOG2E, None
+    else:
+        # P = exp2(s - m) / l: the tiles subtract m alone, and 1/l scales each row of dO and
+        # Δ instead (dV = Σ P dO and dS = P∘(dP − Δ) are linear in both), so the second
+        # part costs a (rows, D) multiply per query block, not a pass over every tile
+        lse_m, inv_l = lse2[..., 0], torch.exp2(-lse2[..., 1])
+    lse_m = lse_m.masked_fill(lse_m == float("-inf"), float("inf"))  # P = 0 on empty rows
+    # query blocks holding a saturated row (l within SATURATED_LOG2L of 1) take Δ from the
+    # tiles themselves (one host read of a (Nq,) flag per call). Rows the forward gave a
+    # value offset (l scaled by 2^-c, _Tile.value_offset) read as saturated too: exact, one
+    # more pass, and only at |v| near the dtype's largest
+    saturated = None
+    # (a data-dependent branch: skipped while torch.compile traces, as the value checks are)
+    if lse2 is not None and Nq > 0 and not torch.compiler.is_compiling():
+        saturated = (lse2[..., 1] < SATURATED_LOG2L).flatten(0, 1).any(0).cpu()
+    track = spec.score_mod is not None
+    dcaptured: list[Tensor | None] = [None] * len(captured)
+    fused = _fused_steps(q) and engine == "bmm"
+
+    for m0, m1, key_tiles in blocks.query_blocks():
+        if not key_tiles:
+            continue
+        BM = m1 - m0
+        q_blk = tile.q_block(m0, m1)  # (B·Hkv, G·BM, D)
+        do_blk = do[:, :, m0:m1].to(acc_dtype).reshape(B * Hkv, G * BM, Dv)
+        lse_blk = tile.rows(lse_m, m0, m1)
+        delta_blk = tile.rows(delta, m0, m1)
+        if inv_l is not None:  # dO/l and Δ/l: the dP GEMM then yields dP/l
+            inv_l_blk = tile.rows(inv_l, m0, m1)
+            do_blk, delta_blk = do_blk * inv_l_blk, delta_blk * inv_l_blk
+            if saturated is not None and bool(saturated[m0:m1].any()):
+                delta_blk = _softmax_delta(tile, q_blk, do_blk, lse_blk, m0, m1, key_tiles)
+                delta_blk.mul_(inv_l_blk)
+                if dlse is not None:
+                    delta_blk.sub_(tile.rows(dlse.to(acc_dtype), m0, m1) * inv_l_blk)
+        dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
+        for n0, n1, full in key_tiles:
+            BN = n1 - n0
+            s, u, t = tile.scores(q_blk, m0, m1, n0, n1, full, track=track)
+            z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
+            dp = gemm.dp(do_blk, n0, n1)
+            step = None
+            if fused and _fusable(s):
+                step = _run_fused(_bwd_tile_fused, s, dp, u, t, lse_blk, delta_blk, z,
+                                  dsoftcap is not None)
+            if step is None:
+                step = _bwd_tile(s, u, t, lse_blk, delta_blk, dp, z, dsoftcap is not None)
+            pd, ds, ds_raw, dc_terms = step
+            # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group) --
+            gemm.add_tn(dv3[:, n0:n1], pd, do_blk, "dv")
+            if dmask is not None:
+                rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
+                cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
+                dmask[:, :, rows, cols] += _reduce_to(ds.view(B, H, BM, BN), dmask.shape)
+            if dsoftcap is not None:
+                dsoftcap += dc_terms.view(B, Hkv, G, BM, BN).sum(dim=(0, 3, 4)).reshape(H)
+            if track:  # -- the score_mod's backward, by autograd on this tile's graph --
+                ds_raw, dcap_t = tile.score_mod_vjp(ds_raw, captured)
+                for i, g in enumerate(dcap_t):
+                    if g is not None:
+                        dcaptured[i] = g if dcaptured[i] is None else dcaptured[i] + g
+            # -- dQ += dS K, dK += dSᵀ Q (q_blk carries the scale; dQ gets it at the end) --
+            gemm.add_dq(dq_blk, ds_raw, n0, n1)
+            gemm.add_tn(dk3[:, n0:n1], ds_raw, q_blk, "dk")
+        dq[:, :, m0:m1] = dq_blk.view(B, H, BM, D) * spec.qk_scale
+
+    if tile.fold_log2:  # q_blk carried log2 e: dK = Σ dSᵀ q·scale needs it taken out
+        dk3.mul_(LN2)
+    dsinks = None if sinks is None else sink_grad(sinks, lse.to(acc_dtype), delta)
+    return Grads(dq, dk3.view(B, Hkv, Nk, D), dv3.view(B, Hkv, Nk, Dv), dmask, dsinks,
+                 dsoftcap, tuple(dcaptured))
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Saves q, k, v, out, lse (and lse2, the mask, sinks, softcap, slopes); the backward
+    recomputes each tile. ``apply`` takes every optional tensor explicitly (those that can
+    need a gradient must be inputs); forward and backward rebuild the Operands from them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec: LaunchSpec, config: TileConfig, attn_mask, sinks, softcap,
+                alibi, *captured):
+        ops = Operands(attn_mask, sinks, softcap, alibi, captured)
+        out, lse, lse2 = _fwd(q, k, v, spec, ops, want_lse2=True, config=config)
+        # the captured tensors are not saved: the score_mod reads them itself in backward
+        ctx.save_for_backward(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi)
+        ctx.spec, ctx.config, ctx.captured = spec, config, captured
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
+        ops = Operands(attn_mask, sinks, softcap, alibi, ctx.captured)
+        do = torch.zeros_like(out) if dout is None else dout.contiguous()  # only lse was used
+        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops,
+                 need_dmask=bool(ctx.needs_input_grad[5]),
+                 need_dcap=bool(ctx.needs_input_grad[7]), lse2=lse2, config=ctx.config)
+        dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
+        dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
+        dsoftcap = None
+        if g.dsoftcap is not None:
+            dsoftcap = _reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype)
+        dcaptured = tuple(None if d is None else d.to(c.dtype)
+                          for d, c in zip(g.dcaptured, ctx.captured))
+        return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), None, None, dmask, dsinks,
+                dsoftcap, None, *dcaptured)
+
+
+def tiled_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: LaunchSpec,
+    operands: Operands | None = None,
+    *,
+    attn_mask: Tensor | None = None,
+    softcap: Tensor | None = None,
+    sinks: Tensor | None = None,
+    captured: tuple[Tensor, ...] = (),
+    alibi: Tensor | None = None,
+    config: TileConfig = DEFAULT,
+) -> tuple[Tensor, Tensor]:
+    """Memory-linear exact attention. Inputs already validated by ``attn.api``.
+
+    q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
+    lse (B, H, Nq) in float32 (float64 for float64 inputs). ``spec`` holds the static
+    values (q·k scale, band, fixed softcap, dropout, global positions, block sizes; a tensor
+    temperature must already be folded into q). ``operands`` (:class:`attn.spec.Operands`)
+    holds the optional tensors; the keywords are the older form of the same and must stay
+    unset when ``operands`` is given: ``softcap`` a learnable tensor broadcastable to (H,),
+    ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed: (sequences, H) with
+    ``spec.alibi_rows``), constants; ``captured`` the tensors ``spec.score_mod`` reads that
+    need a gradient (see :func:`attn.mods.captured_tensors`). ``config``: how the call is
+    cut (:class:`attn.tiled.plan.TileConfig`, the measured defaults); block sizes are
+    ``spec.block_m`` / ``block_n`` where set, else the config's, and a callable
+    ``spec.mask_blocks`` (see :func:`attn.mods.mod_spec`) is called here at those sizes.
+    """
+    if operands is None:
+        operands = Operands(attn_mask, sinks, softcap, alibi, tuple(captured))
+    elif captured or any(t is not None for t in (attn_mask, softcap, sinks, alibi)):
+        raise TypeError("tiled_attention: pass the optional tensors either as operands or as "
+                        "keywords (attn_mask, softcap, sinks, captured, alibi), not both")
+    _check_operands(operands)
+    if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
+        mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
+        spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
+    return _TiledAttention.apply(q, k, v, spec, config, operands.attn_mask, operands.sinks,
+                                 operands.softcap, operands.alibi, *operands.captured)

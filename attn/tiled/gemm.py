@@ -1,0 +1,99 @@
+"""The GEMMs of the tiled backend's tiles and their scratch: batched ``bmm`` over (B·Hkv) into
+reused tile-sized buffers, or one unit's 2-D products through oneDNN (:func:`attn.tiled.cpu.mm_nt`;
+the plan picks the engine). The score pipeline (:mod:`attn.tiled.tile`) only asks for
+``q kᵀ``; the launchers ask for the rest."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attn.tiled import cpu
+
+
+class _Gemm:
+    """The tile GEMMs of one call (or chunk). Layout: k and v as ``(B·Hkv, N, D)``; a query
+    block as ``(B·Hkv, G·BM, D)`` with the G query heads of a group stacked along rows, so
+    one ``bmm`` serves the whole group."""
+
+    def __init__(self, k: Tensor, v: Tensor, acc_dtype: torch.dtype, engine: str = "bmm"
+                 ) -> None:
+        B, Hkv, Nk, D = k.shape
+        self.acc_dtype, self.device = acc_dtype, k.device
+        self.k3 = k.reshape(B * Hkv, Nk, D)  # (B·Hkv, Nk, D), a view when k is contiguous
+        self.v3 = v.reshape(B * Hkv, Nk, v.shape[-1])
+        # oneDNN (one unit: B·Hkv = 1) takes 2-D operands in the accumulation dtype, row-major
+        # (or column-major, the second): k and v converted once here
+        self.onednn = engine == "onednn"
+        # the backward on oneDNN computes its tiles keys-major, (BN, G·BM) in memory, seen
+        # through a transposed view: dV += Pᵀ dO and dK += dSᵀ Q then read Pᵀ and dSᵀ
+        # row-major and dQ += dS K takes dS as a column-major weight (set by _bwd_rows; the
+        # forward, keys-major too, measured 20-35% slower: its row reductions run strided)
+        self.keys_major = False
+        if self.onednn:
+            if B * Hkv != 1:
+                raise AssertionError(f"the oneDNN engine runs one unit (B·Hkv = 1), got "
+                                     f"B={B}, Hkv={Hkv}")
+            self.k3 = self.k3.to(acc_dtype).contiguous()
+            self.v3 = self.v3.to(acc_dtype).contiguous()
+        self.k3_dq = self.k3  # the backward's dQ += dS K reads this (see _bwd_rows)
+        self._buffers: dict[tuple, Tensor] = {}
+
+    def v_block(self, n0: int, n1: int) -> Tensor:
+        return self.v3[:, n0:n1].to(self.acc_dtype)
+
+    def qk(self, q_blk: Tensor, n0: int, n1: int) -> Tensor:
+        """``q_blk kᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``; with
+        :attr:`keys_major`, a view of the contiguous ``k q_blkᵀ``."""
+        if self.keys_major:
+            return cpu.mm_nt(self.k3[0, n0:n1], q_blk[0]).t().unsqueeze(0)
+        if self.onednn:
+            return cpu.mm_nt(q_blk[0], self.k3[0, n0:n1]).unsqueeze(0)
+        k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
+        shape = (q_blk.shape[0], q_blk.shape[1], n1 - n0)
+        return torch.bmm(q_blk, k_blkT, out=self.buffer("s", shape))
+
+    def add_pv(self, acc: Tensor, p: Tensor, n0: int, n1: int) -> None:
+        """``acc += p V`` for key block [n0, n1)."""
+        if self.onednn:
+            acc[0].add_(cpu.mm_nt(p[0], self.v3[0, n0:n1].t()))
+        else:
+            acc.baddbmm_(p, self.v_block(n0, n1))
+
+    def dp(self, do_blk: Tensor, n0: int, n1: int) -> Tensor:
+        """``dO Vᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``."""
+        if self.keys_major:
+            return cpu.mm_nt(self.v3[0, n0:n1], do_blk[0]).t().unsqueeze(0)
+        if self.onednn:
+            return cpu.mm_nt(do_blk[0], self.v3[0, n0:n1]).unsqueeze(0)
+        shape = (do_blk.shape[0], do_blk.shape[1], n1 - n0)
+        return torch.bmm(do_blk, self.v_block(n0, n1).transpose(1, 2),
+                         out=self.buffer("dp", shape))
+
+    def add_dq(self, dq_blk: Tensor, ds: Tensor, n0: int, n1: int) -> None:
+        """``dq_blk += dS K`` for key block [n0, n1)."""
+        k3 = self.k3_dq
+        if self.keys_major:  # dS is keys-major: dQᵀ = Kᵀ dSᵀ takes it as it lies
+            dq_blk[0].add_(cpu.mm_nt(k3[0, n0:n1].t(), ds[0]).t())
+        elif self.onednn:
+            dq_blk[0].add_(cpu.mm_nt(ds[0], k3[0, n0:n1].t()))
+        else:
+            dq_blk.baddbmm_(ds, k3[:, n0:n1].to(self.acc_dtype))
+
+    def add_tn(self, dst: Tensor, a: Tensor, b: Tensor, name: str) -> None:
+        """``dst += aᵀ b``: dV += Pᵀ dO and dK += dSᵀ Q for one tile, ``a (·, G·BM, BN)``,
+        ``b (·, G·BM, D)``. Both engines add a contiguous product into the slice (a GEMM
+        into a column slice of (B·Hkv, Nk, D) runs as one addmm per batch entry, ~10%
+        slower). On oneDNN ``a`` is keys-major (:attr:`keys_major`): ``aᵀ`` is row-major."""
+        if self.onednn:
+            dst[0].add_(cpu.mm_nt(a[0].t(), b[0].t()))
+        else:
+            shape = (a.shape[0], a.shape[2], b.shape[2])
+            dst.add_(torch.bmm(a.transpose(1, 2), b, out=self.buffer(name, shape)))
+
+    def buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """A tile-sized scratch tensor reused across tiles: no allocator churn per tile."""
+        key = (name, shape)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(shape, dtype=self.acc_dtype, device=self.device)
+        return self._buffers[key]

@@ -1,0 +1,246 @@
+"""How a call is cut and tiled: block sizes, batch chunks, and the unit path's rules (one
+batch row and one KV head per unit, on oneDNN)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from attn.masks import Blocks, as_4d
+from attn.spec import LaunchSpec, Operands
+from attn.spec import acc_dtype as _acc_dtype
+from attn.tiled import cpu
+from attn.tiled.steps import fused_cpu_default
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """How the tiled backend cuts a call into tiles, chunks and units. The defaults are the
+    measured ones; a call takes another config as an argument (tests force small tiles or the
+    unit path on small calls that way). ``spec.block_m`` / ``block_n``, where set, win over
+    the block sizes here."""
+
+    # Chosen by measurement (benchmarks/results/tiled_blocks_cpu.md): on 2 CPU cores, fp32,
+    # B=1, H=8, D=64, causal, 256 x 256 was fastest or tied at N = 4096 and 8192, forward and
+    # backward. Smaller tiles pay more per-tile Python and dispatch cost; larger ones
+    # (512 x 512: 8 MiB per score tile) fall out of cache and lose 5-25%.
+    block_m: int = 256
+    block_n: int = 256
+    # Score tiles are batched over (B, heads). Past a few MiB a tile no longer stays in cache
+    # between the GEMM that writes it and the passes that read it: B=8, H=12, N=512 ran 19%
+    # faster batch row by batch row (3 MiB tiles) than as one 24 MiB tile. So the batch is
+    # cut into chunks whose tile fits tile_bytes, each run as its own call.
+    tile_bytes: int = 4 << 20
+    # The unit path (:mod:`attn.tiled.cpu`): when oneDNN runs this CPU's GEMMs clearly faster
+    # than torch's bmm, a call is cut into units — one batch row, one KV head with its G query
+    # heads — each tile's GEMMs 2-D through oneDNN, the units in order or on worker threads.
+    # Tiles are about unit_rows query rows (G·BM) by unit_block_n keys: oneDNN's per-call
+    # cost (~15 us) wants large GEMMs, and one head's 512 x 512 tile (1 MiB) still fits a
+    # core's L2. Calls with fewer rows per tile or keys than the minimums (decoding, short
+    # sequences) stay batched.
+    unit_rows: int = 512
+    unit_block_n: int = 512
+    # Without a band (no causal / window tiles to skip) twice the rows per tile measured 5-15%
+    # faster from N = 2048 (benchmarks/results/cpu_unit_tiles.md), but its 2 MiB tile (and
+    # one more per extra worker) would put the forward's peak over 1.5x SDPA's below 8192
+    # query rows.
+    unit_rows_full: int = 1024
+    unit_rows_full_min_q: int = 8192  # query rows (G·Nq) from which a bandless call takes them
+    unit_min_rows: int = 128
+    unit_min_keys: int = 256
+    # A band whose visited tiles are mostly partial (causal at N <= 1024: 2 of 3) wastes too
+    # much of each large tile on masked scores: such calls stay batched with smaller tiles.
+    unit_max_partial: float = 0.5
+    # Units run on the worker threads (one intra-op thread each) only for calls of at least
+    # this many visited scores (B·H·Nq·Nk inside the band). Smaller calls run the units in
+    # order here, each GEMM on torch's own intra-op threads: the workers share the cores with
+    # the threads OpenMP keeps spinning (~ms) after the previous torch op, a fixed cost per
+    # call measured at 10-25% of a B=1, H=8, N=1024 call and ~5% at N=4096.
+    pool_min_scores: int = 64 << 20
+
+    def tiles(self, spec: LaunchSpec) -> LaunchSpec:
+        """``spec`` with its block sizes set (its own where given, else this config's)."""
+        return dataclasses.replace(spec, block_m=spec.block_m or self.block_m,
+                                   block_n=spec.block_n or self.block_n)
+
+
+DEFAULT = TileConfig()
+BLOCK_M, BLOCK_N = DEFAULT.block_m, DEFAULT.block_n  # the default tile, for readers
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceBlocks(Blocks):
+    """The tile plan of packed sequences: query block i is rows ``rows[i] = (m0, m1)`` with
+    key tiles ``tiles[i]``, and every query and key block lies inside one sequence. So no
+    tile holds two sequences' data: a NaN or inf in one sequence cannot reach another's rows
+    through 0·NaN in P·V or dSᵀQ, as it would in a tile where the other sequence's keys are
+    merely masked. The loops take this plan as it is (the packed call has no band of its
+    own; its mask_mod holds the per-sequence band for the partial tiles)."""
+    rows: tuple[tuple[int, int], ...] = ()
+
+    def query_blocks(self):
+        for (m0, m1), key_tiles in zip(self.rows, self.tiles):
+            yield m0, m1, key_tiles
+
+    def kinds(self) -> Tensor:
+        raise NotImplementedError("sequence tiles are not on an aligned grid")
+
+
+def _blocks(spec: LaunchSpec, n_q: int, n_k: int) -> Blocks:
+    mb = spec.mask_blocks
+    if isinstance(mb, SequenceBlocks):
+        assert spec.local_band().is_full and not spec.sharded and (mb.n_q, mb.n_k) == (n_q, n_k)
+        return mb
+    return spec.blocks(n_q, n_k, spec.block_m, spec.block_n)  # set by the plan
+
+
+
+class _Chunk(NamedTuple):
+    """Batch rows [b0, b1) and KV heads [h0, h1) of a call, run as a call of its own. The
+    slicing methods take each argument of the whole call to this chunk's part (a tensor
+    broadcast along a dim keeps it); the spec becomes a head shard, so the dropout hash and
+    ALiBi see global heads."""
+    b0: int
+    b1: int
+    h0: int
+    h1: int
+    B: int  # the whole call's
+    H: int
+    Hkv: int
+
+    @property
+    def heads(self) -> slice:  # its query heads
+        G = self.H // self.Hkv
+        return slice(self.h0 * G, self.h1 * G)
+
+    @property
+    def whole(self) -> bool:
+        return (self.b0, self.b1, self.h0, self.h1) == (0, self.B, 0, self.Hkv)
+
+    def bh(self, x: Tensor | None) -> Tensor | None:  # (B, H, ...): q, out, lse, do, dq
+        return x if x is None or self.whole else x[self.b0:self.b1, self.heads]
+
+    def kv(self, x: Tensor | None) -> Tensor | None:  # (B, Hkv, ...): k, v, dk, dv
+        return x if x is None or self.whole else x[self.b0:self.b1, self.h0:self.h1]
+
+    def head_vec(self, x: Tensor | None) -> Tensor | None:  # sinks, softcap: (H,)
+        if x is None or (self.h0, self.h1) == (0, self.Hkv):
+            return x
+        return x.reshape(-1).expand(self.H)[self.heads]
+
+    def mask_index(self, mask4: Tensor) -> tuple[slice, slice]:
+        """This chunk's (batch, head) slices of a mask broadcastable to (B, H, Nq, Nk)."""
+        rows = slice(self.b0, self.b1) if mask4.shape[0] == self.B else slice(None)
+        heads = self.heads if mask4.shape[1] == self.H else slice(None)
+        return rows, heads
+
+    def mask(self, mask: Tensor | None) -> Tensor | None:
+        if mask is None or self.whole:
+            return mask
+        m4 = as_4d(mask)
+        return m4[self.mask_index(m4)]
+
+    def alibi(self, alibi: Tensor | None, packed: bool) -> Tensor | None:
+        """(B, H) slopes; packed, (sequences, H): per sequence, so every row's."""
+        if alibi is None or self.whole:
+            return alibi
+        return alibi[:, self.heads] if packed else alibi[self.b0:self.b1, self.heads]
+
+    def operands(self, ops: Operands, packed: bool) -> Operands:
+        """This chunk's part of each optional tensor (``packed``: ALiBi slopes per sequence)."""
+        if self.whole:
+            return ops
+        return ops._replace(attn_mask=self.mask(ops.attn_mask), sinks=self.head_vec(ops.sinks),
+                            softcap=self.head_vec(ops.softcap),
+                            alibi=self.alibi(ops.alibi, packed))
+
+    def spec(self, spec: LaunchSpec) -> LaunchSpec:
+        if (self.h0, self.h1) == (0, self.Hkv):
+            return spec
+        return spec.shard(head_start=self.heads.start, heads_total=spec.heads_total or self.H)
+
+
+class _Plan(NamedTuple):
+    chunks: list[_Chunk]
+    engine: str  # "onednn": one unit per chunk, 2-D oneDNN GEMMs; "bmm": batched
+    spec: LaunchSpec  # with its block sizes set: the unit path's where it runs
+    parallel: bool = False  # the chunks run on the worker threads (attn.tiled.cpu.run_units)
+
+
+def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
+          config: TileConfig = DEFAULT) -> _Plan:
+    """How a call runs: as units on the oneDNN engine where :func:`_unit_path` allows,
+    else batched, in batch chunks whose score tile fits ``config.tile_bytes``."""
+    B, H, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    unit, _, uspec, scores = _unit_path(q, k, spec, config)
+    if unit:
+        units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
+        return _Plan(units, "onednn", uspec, parallel=scores >= config.pool_min_scores)
+    spec = config.tiles(spec)
+    if B == 1 or spec.score_mod is not None or spec.mask_mod is not None \
+            or spec.dropout_rows is not None:
+        return _Plan([_Chunk(0, B, 0, Hkv, B, H, Hkv)], "bmm", spec)
+    per_row = (H * min(spec.block_m, Nq) * min(spec.block_n, Nk)
+               * torch.finfo(_acc_dtype(q.dtype)).bits // 8)
+    step = max(1, config.tile_bytes // per_row)
+    if not (_heads_merge(k) and (v is None or _heads_merge(v))):
+        # k / v seen head-first from a (B, N, Hkv, D) cache: (B·Hkv, N, D) would be a copy of
+        # the whole cache, one batch row's (Hkv, N, D) is a view
+        step = 1
+    return _Plan([_Chunk(b, min(b + step, B), 0, Hkv, B, H, Hkv) for b in range(0, B, step)],
+                 "bmm", spec)
+
+
+def _heads_merge(x: Tensor) -> bool:
+    """Whether ``x (B, Hkv, N, D)`` has a ``(B·Hkv, N, D)`` view (no copy)."""
+    return x.shape[0] == 1 or x.shape[1] == 1 or x.stride(0) == x.shape[1] * x.stride(1)
+
+
+def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec, config: TileConfig = DEFAULT
+               ) -> tuple[bool, str, LaunchSpec, int]:
+    """Whether a call runs as units on the oneDNN engine, why (not), the spec with the unit
+    tile sizes, and the scores it visits (B·H·Nq·Nk inside the band)."""
+    B, H, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    tile_rows = (config.unit_rows_full
+                 if spec.band.is_full and G * Nq >= config.unit_rows_full_min_q
+                 else config.unit_rows)
+    uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, tile_rows // G),
+                                block_n=spec.block_n or config.unit_block_n)
+
+    def no(why: str) -> tuple[bool, str, LaunchSpec, int]:
+        return False, why, spec, 0
+    if q.device.type != "cpu":
+        return no("not on CPU")
+    if _acc_dtype(q.dtype) != torch.float32:
+        return no("float64 stays on bmm")
+    if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
+        return no("score_mod / mask_mod run batched")
+    if spec.dropout_rows is not None or spec.alibi_rows is not None:
+        return no("packed sequences run batched")
+    if fused_cpu_default():
+        return no("ATTN_TILED_COMPILE=1 compiles the batched steps")
+    if torch.compiler.is_compiling():
+        return no("under torch.compile")
+    rows = G * min(Nq, uspec.block_m)
+    if rows < config.unit_min_rows or Nk < config.unit_min_keys:
+        return no(f"{rows} query rows x {Nk} keys per tile is below the unit path's "
+                  f"{config.unit_min_rows} x {config.unit_min_keys}")
+    visited = partial = area = 0
+    for m0, m1, key_tiles in _blocks(uspec, Nq, Nk).query_blocks():
+        for n0, n1, full in key_tiles:
+            visited += 1
+            partial += not full
+            area += (m1 - m0) * (n1 - n0)
+    if visited == 0 or partial > config.unit_max_partial * visited:
+        return no(f"{partial} of {visited} unit tiles are partly masked")
+    engine, why = cpu.gemm_engine()
+    if engine != "onednn":
+        return no(why)
+    return True, why, uspec, B * H * area
+
