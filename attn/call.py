@@ -460,9 +460,7 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
             spec, captured = mods.mod_spec(spec, q, k, spec.score_mod, spec.mask_mod,
                                            spec.mask_blocks)
             ops = ops._replace(captured=captured)
-        out, lse = tiled.tiled_attention(q, k, v, spec, attn_mask=ops.attn_mask,
-                                         softcap=ops.softcap, sinks=ops.sinks,
-                                         captured=ops.captured, alibi=ops.alibi)
+        out, lse = tiled.tiled_attention(q, k, v, spec, ops)
     elif packed:
         from attn.varlen_triton import VarlenParams, varlen_triton
         # (1, H, total, D) -> the packed (total, H, D): views, no copy

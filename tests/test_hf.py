@@ -140,9 +140,9 @@ def assert_oracle_is_eager(oracle, eager64, what):
 def impl(request, monkeypatch):
     """auto (tiled on CPU at its own tile size) and tiled forced with 4 x 8 tiles, so the
     prompts cross tile edges and padded / out-of-window tiles get skipped."""
-    if request.param == "attn_tiled":  # the config bound where api calls the tiled backend
+    if request.param == "attn_tiled":  # bound where attn.call.run calls the tiled backend
         config = attn.tiled.TileConfig(block_m=4, block_n=8)
-        monkeypatch.setattr(attn.api, "tiled_attention",
+        monkeypatch.setattr(attn.tiled, "tiled_attention",
                             functools.partial(attn.tiled.tiled_attention, config=config))
     return request.param
 

@@ -18,9 +18,10 @@ from attn.varlen import cu_seqlens_from_lengths, varlen_attention
 
 def tiles(monkeypatch, block_m: int, block_n: int) -> None:
     """The tiled backend's calls from attn's entry points get tiles of block_m x block_n
-    (varlen_attention has no tile-size argument: the config is bound where api calls tiled)."""
+    (varlen_attention has no tile-size argument: the config is bound on
+    attn.tiled.tiled_attention, which attn.call.run calls)."""
     config = attn.tiled.TileConfig(block_m=block_m, block_n=block_n)
-    monkeypatch.setattr(attn.api, "tiled_attention",
+    monkeypatch.setattr(attn.tiled, "tiled_attention",
                         functools.partial(attn.tiled.tiled_attention, config=config))
 
 

@@ -31,6 +31,8 @@ def _check_operands(ops: Operands) -> None:
         # with SequenceBlocks in the spec), never as offsets
         raise NotImplementedError("tiled: cu_seqlens operands are not read; packed sequences "
                                   "run as a document mask (attn.varlen_attention)")
+    if ops.q_scale is not None:
+        raise ValueError("tiled: fold operands.q_scale into q first (attn.call.run does)")
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
