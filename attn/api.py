@@ -82,8 +82,8 @@ def attention(
     gradients (zeros) to every input. Heads and head dims must be at least 1 (ValueError).
     ``backend``: "auto" (triton on CUDA when it can, else tiled), "reference", "tiled",
     "triton" or "sdpa"; see :func:`select_backend`. ``block_m`` / ``block_n``: the tiled
-    backend's tile sizes (queries x keys; default ``attn.tiled.BLOCK_M`` / ``BLOCK_N``,
-    chosen by measurement); the other backends ignore them (triton autotunes its own).
+    backend's tile sizes (queries x keys; default :class:`attn.tiled.TileConfig`'s, chosen
+    by measurement); the other backends ignore them (triton autotunes its own).
     """
     _validate_qkv(q, k, v, allow_empty=True)
     if not isinstance(causal, bool):

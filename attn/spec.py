@@ -1,14 +1,14 @@
-"""The launcher spec: everything static a backend's launchers need for one call.
+"""The launcher spec and operands: what a backend's launchers need for one call.
 
 Both fast backends take the same protocol::
 
-    out, lse = _fwd(q, k, v, spec, attn_mask=None, sinks=None, softcap=None, alibi=None)
-    grads = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask=None, sinks=None, softcap=None,
-                 ..., alibi=None)
+    out, lse = _fwd(q, k, v, spec, ops)
+    grads = _bwd(do, dlse, q, k, v, out, lse, spec, ops, need_dmask=..., need_dcap=...)
 
-``spec`` holds static values only (pinned: tensors that can need a gradient — a learnable
-softcap, sinks, a float mask — and ALiBi's slopes stay explicit arguments of the
-autograd.Function). Positions are *global*: a call may be one shard of a longer computation
+``spec`` (:class:`LaunchSpec`) holds static values only; ``ops`` (:class:`Operands`) the
+optional tensors (pinned: tensors that can need a gradient — a learnable softcap, sinks, a
+float mask — stay explicit arguments of each autograd.Function, which flattens the
+operands in ``apply`` and rebuilds them inside). Positions are *global*: a call may be one shard of a longer computation
 (a ring step, a split-KV chunk, a Ulysses head group), and the band, ALiBi's distances, the
 dropout hash and the score/mask mods read
 ``q_start + i``, ``k_start + j`` and ``head_start + h`` against the total lengths, so every
