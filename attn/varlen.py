@@ -387,9 +387,9 @@ def _keywords(q, scale, temperature, softcap, sinks) -> tuple[float, float | Ten
 def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
             dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
     """The triton path: the variant keywords checked (:func:`_keywords`), a tensor
-    temperature folded into q, then attn.varlen_triton's kernels."""
+    temperature folded into q, then attn.flash_triton's varlen kernels."""
     from attn import api
-    from attn.varlen_triton import VarlenParams, varlen_triton
+    from attn.flash_triton.varlen import VarlenParams, varlen_triton
     H = q.shape[1]
     qk_scale, temperature, softcap = _keywords(q, scale, temperature, softcap, sinks)
     if isinstance(temperature, Tensor):  # folded into q in float32; autograd handles τ

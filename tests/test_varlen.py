@@ -445,7 +445,7 @@ def test_triton_varlen_is_chosen_and_refuses_what_it_cannot():
 _AOT_CHILD = r'''
 import sys
 import torch
-from attn import varlen_triton as vt
+from attn.flash_triton import varlen as vt
 from attn.bench.compile import _Recorder, compile_launch, largest
 from attn.masks import make_band
 

@@ -2,12 +2,12 @@
 FlashAttention-2's varlen kernels.
 
 Each program reads its sequence's offsets from ``cu_seqlens`` and then runs the tile steps of
-``attn/flash_triton.py`` (``_fwd_inner``, ``_dkdv_inner``, ``_dq_inner``) on that sequence
+``attn.flash_triton.kernels`` (``_fwd_inner``, ``_dkdv_inner``, ``_dq_inner``) on that sequence
 alone: its length, its bottom-right band (offset ``Lk - Lq``), its dropout coordinates
 (sequence b as batch row b, positions inside it — the padded batch's mask, as the tiled
 varlen path draws it). Programs past their sequence's end return at once, so the grid is
 sized by ``max_seqlen``, the only value read on the host. Layout ``(total, H, D)``; lse
-``(H, total_q)``. Only the outer kernels live here; the tile math is flash_triton's.
+``(H, total_q)``. Only the outer kernels live here; the tile math is the kernels module's.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from attn.flash_triton import (_SATURATED_LOGL, _UNBOUNDED, _configs, _delta_inner,
-                               _dkdv_inner, _dq_inner, _drop_ctx, _fwd_inner, _load_rows,
-                               _prune, _stage_range, _stages, _tune_n, _value_offset,
-                               value_offset_args)
+from attn.flash_triton.kernels import (_SATURATED_LOGL, _delta_inner, _dkdv_inner, _dq_inner,
+                                       _drop_ctx, _fwd_inner, _load_rows, _stage_range,
+                                       _stages, _value_offset)
+from attn.flash_triton.launch import _UNBOUNDED, value_offset_args
+from attn.flash_triton.tune import _configs, _prune, _tune_n
 from attn.grads import reduce_to, sink_grad
 from attn.masks import Band
 

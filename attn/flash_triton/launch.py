@@ -1,0 +1,363 @@
+"""The triton backend's launchers, custom ops, autograd.Function and public function.
+
+Three layers, as in ``tiled.py``: ``_fwd`` / ``_bwd`` launchers (registered as
+``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces
+through them), one ``torch.autograd.Function``, and the public :func:`triton_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from attn.flash_triton.dense import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
+                                     _attn_fwd)
+from attn.flash_triton.kernels import _INTERPRET
+from attn.flash_triton.tune import _tune_n
+from attn.grads import Grads, sink_grad
+from attn.masks import Band, as_4d
+from attn.spec import LaunchSpec
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+_UNBOUNDED = 1 << 30  # an open band side: farther than any key is from any query
+
+
+def unsupported_reason(call) -> str | None:
+    """Why the triton backend cannot compute ``call`` (an ``attn.call.AttentionCall``), or None."""
+    if call.device == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "triton needs CUDA (on CPU only in the interpreter, TRITON_INTERPRET=1)"
+        if not _INTERPRET:
+            return ("TRITON_INTERPRET=1 was set after attn.flash_triton was imported; "
+                    "set it before the import to run the kernels on CPU")
+    elif call.device != "cuda":
+        return f"triton runs on CUDA, not {call.device}"
+    if call.dtype not in _DTYPES:
+        return f"dtype {call.dtype} (the kernels take float16, bfloat16 and float32)"
+    if max(call.head_dim, call.head_dim_v) > _MAX_HEAD_DIM:
+        return (f"head dim {call.head_dim}/{call.head_dim_v} > {_MAX_HEAD_DIM} "
+                f"(q·k and acc tiles would not fit in registers)")
+    if call.mask_grad:
+        return "a gradient for a float attn_mask (dS would have to be written out N x N)"
+    return None
+
+
+# -- launchers -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Launch:
+    """The scalar and constexpr arguments every kernel shares, derived once per call."""
+
+    H: int
+    group: int
+    n_q: int
+    n_k: int
+    offset: int
+    left: int
+    right: int
+    scale: float
+    drop_seed: int
+    drop_threshold: int
+    inv_keep: float
+    drop_row0: int  # global position of the first query (the spec's q_start)
+    drop_col0: int  # ... and of the first key
+    drop_heads: int  # query heads of the whole computation
+    drop_head0: int  # global index of this call's first query head
+    tune_n: int
+    head_dim: int
+    head_dim_v: int
+    block_d: int
+    block_dv: int
+    banded: bool
+    mask_kind: int
+    has_softcap: bool
+    has_alibi: bool
+    has_dropout: bool
+    dot_precision: str
+
+    def scalars(self) -> tuple:
+        return (self.H, self.group, self.n_q, self.n_k, self.offset, self.left, self.right,
+                self.scale, self.drop_seed, self.drop_threshold, self.inv_keep, self.drop_row0,
+                self.drop_col0, self.drop_heads, self.drop_head0, self.tune_n)
+
+    def constexprs(self) -> dict:
+        # head dims are padded to powers of two inside the kernels (masked loads), not in memory
+        return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
+                    BLOCK_DV=self.block_dv, BANDED=self.banded, MASK_KIND=self.mask_kind,
+                    HAS_SOFTCAP=self.has_softcap, HAS_ALIBI=self.has_alibi,
+                    HAS_DROPOUT=self.has_dropout,
+                    DOT_PRECISION=self.dot_precision)
+
+
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None,
+                 softcap: Tensor | None, alibi: Tensor | None = None) -> _Launch:
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    band = spec.local_band()
+    p = spec.dropout_p
+    return _Launch(
+        H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=band.offset,
+        left=_UNBOUNDED if band.left is None else band.left,
+        right=_UNBOUNDED if band.right is None else band.right,
+        scale=float(spec.qk_scale), drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
+        drop_threshold=int(p * 2**32), inv_keep=1.0 / (1.0 - p),
+        drop_row0=spec.q_start, drop_col0=spec.k_start, drop_heads=spec.heads_total or H,
+        drop_head0=spec.head_start, tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
+        block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
+        banded=not band.is_full,
+        mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
+        has_softcap=softcap is not None, has_alibi=alibi is not None, has_dropout=p > 0.0,
+        dot_precision="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tuple]:
+    """The mask expanded (stride 0, no copy) to (B, H, Nq, Nk), bool viewed as uint8."""
+    if attn_mask is None:
+        return q, (0, 0, 0, 0)  # never read: MASK_KIND = 0
+    B, H, Nq, _ = q.shape
+    m = as_4d(attn_mask)
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    m = m.expand(B, H, Nq, n_k)
+    return m, m.stride()
+
+
+def _alibi_arg(alibi: Tensor | None, q: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    """The slopes as float32 (B, H) (an expanded view keeps its stride 0), or q and zero
+    strides when there are none (never read: HAS_ALIBI = False)."""
+    if alibi is None:
+        return q, (0, 0)
+    a = alibi.to(torch.float32).expand(q.shape[0], q.shape[1])
+    return a, a.stride()
+
+
+def value_offset_args(v: Tensor, n_k: int, dims: tuple[int, ...]) -> dict:
+    """The forward kernels' value-offset arguments (see ``_value_offset``): ``VMax``, the
+    largest |v| over ``dims`` as float32, one per (sequence, kv head) at ``v``'s other dims
+    (computed on the device: no host sync), and ``v_log_scale = log(2·n_k / fmax)``.
+    float16 values never need the offset: the kernels then read nothing."""
+    if v.dtype == torch.float16 or v.numel() == 0:
+        return dict(VMax=v, v_log_scale=0.0, V_OFFSET=False)
+    vmax = torch.linalg.vector_norm(v, float("inf"), dim=dims, dtype=torch.float32)
+    return dict(VMax=vmax, V_OFFSET=True,
+                v_log_scale=math.log(2.0 * max(n_k, 1) / torch.finfo(torch.float32).max))
+
+
+def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
+                   softcap: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """q in k's dtype, sinks and the softcap (learnable, else the spec's fixed one) as
+    contiguous float32 (H,) vectors: what the kernels read."""
+    H = q.shape[1]
+    if q.dtype != k.dtype:  # a temperature folded in float32: the kernels take one dtype
+        q = q.to(k.dtype)
+    if softcap is None and spec.softcap is not None:
+        softcap = torch.tensor(float(spec.softcap), device=q.device)
+    if softcap is not None:
+        softcap = softcap.to(device=q.device, dtype=torch.float32).expand(H).contiguous()
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    return q, sinks, softcap
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
+         sinks: Tensor | None = None, softcap: Tensor | None = None,
+         alibi: Tensor | None = None, *, want_logl: bool = False
+         ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse)``, and with ``want_logl`` also ``logl (B, H, Nq)``: log of each row's
+    denominator relative to its max (+inf for rows with no key), which :func:`_bwd` takes
+    to find saturated rows."""
+    q, sinks, softcap = _kernel_inputs(q, k, spec, sinks, softcap)
+    B, H, Nq, _ = q.shape
+    Nk, Dv = k.shape[2], v.shape[-1]
+    L = _launch_args(q, k, v, spec, attn_mask, softcap, alibi)
+    slopes, slope_strides = _alibi_arg(alibi, q)
+    out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    logl = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    mask, mask_strides = _mask_arg(attn_mask, q, Nk)
+    voff = value_offset_args(v, Nk, (2, 3))  # (B, Hkv)
+    vmax_strides = voff["VMax"].stride() if voff["V_OFFSET"] else (0, 0)
+    grid = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    _attn_fwd[grid](
+        q, k, v, out, lse, logl, mask, q if sinks is None else sinks,
+        q if softcap is None else softcap, slopes,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides, *slope_strides,
+        *L.scalars(), stride_vmb=vmax_strides[0], stride_vmh=vmax_strides[1],
+        HAS_SINKS=sinks is not None, **voff, **L.constexprs())
+    return (out, lse, logl) if want_logl else (out, lse)
+
+
+def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+         lse: Tensor, spec: LaunchSpec, attn_mask: Tensor | None = None,
+         sinks: Tensor | None = None, softcap: Tensor | None = None, *,
+         need_dmask: bool = False, need_dcap: bool = True, alibi: Tensor | None = None,
+         logl: Tensor | None = None) -> Grads:
+    """Gradients of one call, as :func:`attn.tiled._bwd`; a float mask's gradient is refused
+    (``unsupported_reason``), so ``need_dmask`` must be False. ``alibi``: the slopes,
+    constants. ``logl``: the forward's (``_fwd(want_logl=True)``); query blocks holding a
+    saturated row then take Δ = Σ P·dP (``_attn_bwd_dq``'s Δ pass), else rowsum(dO ∘ O)
+    serves every row."""
+    if need_dmask:
+        raise NotImplementedError("triton: the gradient of a float attn_mask (use tiled)")
+    q, sinks, softcap = _kernel_inputs(q, k, spec, sinks, softcap)
+    B, H, Nq, _ = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    L = _launch_args(q, k, v, spec, attn_mask, softcap, alibi)
+    slopes, slope_strides = _alibi_arg(alibi, q)
+    lse = lse.contiguous()  # the kernels index it as a packed (B, H, Nq): a row slice is not
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    delta = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    pre_block = 32 if _INTERPRET else 64
+    _attn_bwd_preprocess[(triton.cdiv(Nq, pre_block), B * H)](
+        out, do, delta if dlse is None else dlse.contiguous(), delta,
+        *out.stride(), *do.stride(), H, Nq, HEAD_DIM_V=Dv, BLOCK_DV=L.block_dv,
+        HAS_DLSE=dlse is not None, BLOCK_M=pre_block)
+
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    mask, mask_strides = _mask_arg(attn_mask, q, Nk)
+    cap = q if softcap is None else softcap
+    # the smallest BLOCK_N any dkdv config may pick bounds the number of partial sums
+    min_bn = min(c.kwargs["BLOCK_N"] for c in _attn_bwd_dkdv.configs)
+    n_part = triton.cdiv(Nk, min_bn) if softcap is not None else 1
+    dcap_part = torch.zeros(n_part, B * H, dtype=torch.float32, device=q.device)
+    grid_q = lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    if logl is not None:  # Δ of the blocks holding a saturated row, over the preprocessing's
+        _attn_bwd_dq[grid_q](
+            q, k, v, do, dq, lse, delta, mask, cap, slopes, lse if sinks is None else sinks,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *mask_strides,
+            *slope_strides, *L.scalars(), logl.contiguous(),
+            delta if dlse is None else dlse.contiguous(), **L.constexprs(), DELTA_PASS=True,
+            HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None)
+    grid_kv = lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
+    _attn_bwd_dkdv[grid_kv](
+        q, k, v, do, dk, dv, lse, delta, mask, cap, slopes, dcap_part,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        *mask_strides, *slope_strides, *L.scalars(), **L.constexprs())
+    _attn_bwd_dq[grid_q](
+        q, k, v, do, dq, lse, delta, mask, cap, slopes, lse,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *mask_strides,
+        *slope_strides, *L.scalars(), lse, lse, **L.constexprs(), DELTA_PASS=False,
+        HAS_DLSE=False, HAS_SINKS=False)
+    dcap = dcap_part.view(-1, B, H).sum(dim=(0, 1)) if need_dcap and softcap is not None else None
+    dsinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    return Grads(dq, dk, dv, None, dsinks, dcap)
+
+
+# -- torch.library ops: opaque to torch.compile, with shapes it can trace ------------------
+# Op schemas take flat values: the spec travels as its fields.
+
+def _op_args(spec: LaunchSpec) -> tuple:
+    b = spec.band
+    return (b.offset, b.left, b.right, float(spec.qk_scale), float(spec.dropout_p),
+            int(spec.dropout_seed), [spec.q_start, spec.k_start, spec.head_start,
+                                     -1 if spec.heads_total is None else spec.heads_total])
+
+
+def _spec_of(offset: int, left: int | None, right: int | None, scale: float,
+             dropout_p: float, dropout_seed: int, shard: list[int]) -> LaunchSpec:
+    q_start, k_start, head_start, heads_total = shard
+    return LaunchSpec(qk_scale=scale, band=Band(offset, left, right), dropout_p=dropout_p,
+                      dropout_seed=dropout_seed, q_start=q_start, k_start=k_start,
+                      head_start=head_start, heads_total=None if heads_total < 0 else heads_total)
+
+
+@torch.library.custom_op("attn::flash_fwd", mutates_args=())
+def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            alibi: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """out, lse and logl (see :func:`_fwd`)."""
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
+    return _fwd(q, k, v, spec, attn_mask, sinks, softcap, alibi, want_logl=True)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed,
+      shard, alibi=None):
+    B, H, Nq, _ = q.shape
+    return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
+            q.new_empty(B, H, Nq, dtype=torch.float32),
+            q.new_empty(B, H, Nq, dtype=torch.float32))
+
+
+@torch.library.custom_op("attn::flash_bwd", mutates_args=())
+def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+            lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            need_dcap: bool, alibi: Tensor | None = None, logl: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
+    g = _bwd(do, dlse, q, k, v, out, lse, spec, attn_mask, sinks, softcap, need_dcap=need_dcap,
+             alibi=alibi, logl=logl)
+    def or_empty(t: Tensor | None) -> Tensor:  # a fresh tensor each: outputs must not alias
+        return q.new_empty(0, dtype=torch.float32) if t is None else t
+
+    return g.dq, g.dk, g.dv, or_empty(g.dsinks), or_empty(g.dsoftcap)
+
+
+@_bwd_op.register_fake
+def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, right, scale,
+      dropout_p, dropout_seed, shard, need_dcap, alibi=None, logl=None):
+    H = q.shape[1]
+    n_sinks = 0 if sinks is None else H
+    n_cap = H if need_dcap and softcap is not None else 0
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(n_sinks, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
+
+
+# -- autograd ------------------------------------------------------------------------------
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec):
+        out, lse, logl = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec), alibi)
+        ctx.save_for_backward(q, k, v, out, lse, logl, attn_mask, sinks, softcap, alibi)
+        ctx.spec = spec
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, logl, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
+        need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
+        dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
+                                           softcap, *_op_args(ctx.spec), need_dcap, alibi,
+                                           logl)
+        dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
+        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None
+
+
+def triton_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: LaunchSpec,
+    *,
+    attn_mask: Tensor | None = None,
+    softcap: Tensor | None = None,
+    sinks: Tensor | None = None,
+    alibi: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Fused attention kernels. Inputs already validated by ``attn.api``.
+
+    q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
+    lse (B, H, Nq) float32. Same protocol as :func:`attn.tiled.tiled_attention`: ``spec``
+    holds the static values (q·k scale with any tensor temperature already folded into q,
+    band, a fixed softcap, dropout from the ``attn.masks.dropout_keep`` hash, global
+    positions); ``softcap`` a learnable tensor broadcastable to (H,), ``sinks`` (H,),
+    ``attn_mask`` bool or float broadcastable to (B, H, Nq, Nk), ``alibi`` ALiBi slopes
+    broadcastable to (B, H), constants (the bias is measured from the band's diagonal).
+    """
+    # the conversions under autograd: it sums the per-head expand back to the caller's shapes
+    q, sinks, cap = _kernel_inputs(q, k, spec, sinks, softcap)
+    return _FlashAttention.apply(q, k, v, attn_mask, sinks, cap, alibi, spec)
