@@ -394,10 +394,12 @@ def _rows(c: _Call, t: Tensor | None, rows: slice) -> Tensor | None:
 
 
 def _launchers(backend: str):
-    if backend == "triton":
-        from attn import flash_triton as mod
-    else:
-        from attn import tiled as mod
+    if backend == "triton":  # its launchers take the optional tensors as one Operands
+        from attn.flash_triton import _bwd, _fwd
+        from attn.spec import Operands
+        return (lambda *a, softcap=None: _fwd(*a, Operands(softcap=softcap)),
+                lambda *a, softcap=None, **kw: _bwd(*a, Operands(softcap=softcap), **kw))
+    from attn import tiled as mod
     return mod._fwd, mod._bwd
 
 

@@ -387,18 +387,24 @@ def _keywords(q, scale, temperature, softcap, sinks) -> tuple[float, float | Ten
 def _triton(q, k, v, cu_q, cu_k, max_q, max_k, band, *, scale, temperature, softcap, sinks,
             dropout_p, alibi=None) -> tuple[Tensor, Tensor]:
     """The triton path: the variant keywords checked (:func:`_keywords`), a tensor
-    temperature folded into q, then attn.flash_triton's varlen kernels."""
+    temperature folded into q, then the triton launchers with the offsets as operands."""
     from attn import api
-    from attn.flash_triton.varlen import VarlenParams, varlen_triton
+    from attn.flash_triton import triton_attention
+    from attn.spec import LaunchSpec, Operands
     H = q.shape[1]
     qk_scale, temperature, softcap = _keywords(q, scale, temperature, softcap, sinks)
     if isinstance(temperature, Tensor):  # folded into q in float32; autograd handles τ
         q = q.float() * (1.0 / temperature.float()).expand(H).view(1, H, 1)
     else:
         qk_scale = qk_scale / temperature
-    P = VarlenParams(qk_scale=qk_scale, band=band, max_q=max_q, max_k=max_k,
-                     dropout_p=dropout_p, dropout_seed=api._draw_seed(dropout_p))
-    out, lse = varlen_triton(q, k, v, cu_q, cu_k, P, sinks=sinks, softcap=softcap, alibi=alibi)
+    cap_t = softcap if isinstance(softcap, Tensor) else None
+    spec = LaunchSpec(qk_scale=qk_scale, band=band,
+                      softcap=None if cap_t is not None else softcap, dropout_p=dropout_p,
+                      dropout_seed=api._draw_seed(dropout_p), max_seqlen_q=max_q,
+                      max_seqlen_k=max_k)
+    ops = Operands(sinks=sinks, softcap=cap_t, alibi=alibi, cu_seqlens_q=cu_q,
+                   cu_seqlens_k=cu_k)
+    out, lse = triton_attention(q, k, v, spec, ops)
     return out.to(v.dtype), lse
 
 

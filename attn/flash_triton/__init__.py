@@ -15,17 +15,19 @@ Each band (causal, window) splits a block's walk into at most three stages: mask
 the start, full tiles in the middle (no mask arithmetic at all), masked tiles at the end;
 tiles outside the band are never visited.
 
-The package: ``kernels`` (jit helpers and inner loops), ``dense`` and ``varlen`` (outer
-kernels), ``tune`` (autotune configs, pruning, shared-memory model) and ``launch`` (the
-``_fwd`` / ``_bwd`` launchers, registered as ``torch.library`` custom ops with fake
-implementations so ``torch.compile`` traces through them, one ``torch.autograd.Function``,
-and the public :func:`triton_attention`).
+The package: ``kernels`` (jit helpers and inner loops), ``outer`` (the outer kernels, dense
+or packed by the ``VARLEN`` constexpr: one sequence-info helper is all that differs),
+``tune`` (autotune configs, pruning, shared-memory model) and ``launch`` (the ``_fwd`` /
+``_bwd`` launchers, registered as ``torch.library`` custom ops with fake implementations so
+``torch.compile`` traces through them, one ``torch.autograd.Function``, and the public
+:func:`triton_attention`; packed sequences are the same launchers with
+``Operands(cu_seqlens_q=..., cu_seqlens_k=...)``).
 
 Runs on CUDA; on CPU only under the Triton interpreter (``TRITON_INTERPRET=1`` set before
 this module is imported), which is how the default test suite checks the kernels.
 """
 
-from attn.flash_triton.dense import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
+from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
                                      _attn_fwd)
 from attn.flash_triton.kernels import _INTERPRET, _stages
 from attn.flash_triton.launch import (_bwd, _bwd_op, _FlashAttention, _fwd, _fwd_op, _op_args,
