@@ -159,6 +159,19 @@ def _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0, drop
 
 
 @triton.jit
+def _head_consts(Softcap, Slope, off_h, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """One head's softcap (1.0 without one) and ALiBi slope (0.0 without): ``Slope`` points
+    at this (sequence, head)'s."""
+    cap = 1.0
+    if HAS_SOFTCAP:
+        cap = tl.load(Softcap + off_h)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slope)
+    return cap, slope
+
+
+@triton.jit
 def _load_rows(P, offs, STRIDES, N, DIM: tl.constexpr, BLOCK: tl.constexpr,
                MASKED: tl.constexpr):
     """A (len(offs), BLOCK) tile of rows ``offs`` of a (N, DIM) matrix."""

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from attn.flash_triton.kernels import (_SATURATED_LOGL, _delta_inner, _dkdv_inner, _dq_inner,
-                                       _drop_ctx, _fwd_inner, _load_rows, _stage_range,
-                                       _stages, _value_offset)
+                                       _drop_ctx, _fwd_inner, _head_consts, _load_rows,
+                                       _stage_range, _stages, _value_offset)
 from attn.flash_triton.tune import _configs, _prune
 
 _KEY = ["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED", "VARLEN"]  # autotune: per layout too
@@ -98,12 +98,8 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        cap = 1.0
-        if HAS_SOFTCAP:
-            cap = tl.load(Softcap + off_h)
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
+        cap, slope = _head_consts(Softcap, Alibi + off_b * stride_ab + off_h * stride_ah, off_h,
+                                  HAS_SOFTCAP, HAS_ALIBI)
         q = _load_rows(Q, offs_m, (stride_qm, stride_qd), N_Q, HEAD_DIM, BLOCK_D, True)
 
         # -- loop over key tiles: masked edge, full middle, masked edge --
@@ -212,12 +208,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, Alibi, DCap, 
             rows = seq_q * stride_lb + off_h.to(tl.int64) * stride_lh  # of lse and Δ
             DROP = _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0,
                              drop_col0, drop_heads, drop_head0, HAS_DROPOUT)
-            cap = 1.0
-            if HAS_SOFTCAP:
-                cap = tl.load(Softcap + off_h)
-            slope = 0.0
-            if HAS_ALIBI:
-                slope = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
+            cap, slope = _head_consts(Softcap, Alibi + off_b * stride_ab + off_h * stride_ah, off_h,
+                                      HAS_SOFTCAP, HAS_ALIBI)
             dc = 0.0
             for stage in tl.static_range(3):
                 s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
@@ -299,12 +291,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
         do = _load_rows(DO, offs_m, (stride_dom, stride_dod), N_Q, HEAD_DIM_V, BLOCK_DV, True)
         lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
-        cap = 1.0
-        if HAS_SOFTCAP:
-            cap = tl.load(Softcap + off_h)
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(Alibi + off_b * stride_ab + off_h * stride_ah)
+        cap, slope = _head_consts(Softcap, Alibi + off_b * stride_ab + off_h * stride_ah, off_h,
+                                  HAS_SOFTCAP, HAS_ALIBI)
         lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
         if DELTA_PASS:
             delta = tl.zeros([BLOCK_M], dtype=tl.float32)
