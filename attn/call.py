@@ -461,20 +461,14 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
                                            spec.mask_blocks)
             ops = ops._replace(captured=captured)
         out, lse = tiled.tiled_attention(q, k, v, spec, ops)
-    elif packed:
-        from attn.varlen_triton import VarlenParams, varlen_triton
-        # (1, H, total, D) -> the packed (total, H, D): views, no copy
-        q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))
-        P = VarlenParams(qk_scale=spec.qk_scale, band=spec.band, max_q=spec.max_seqlen_q,
-                         max_k=spec.max_seqlen_k, dropout_p=spec.dropout_p,
-                         dropout_seed=spec.dropout_seed)
-        out, lse = varlen_triton(q3, k3, v3, ops.cu_seqlens_q, ops.cu_seqlens_k, P,
-                                 sinks=ops.sinks, softcap=softcap, alibi=ops.alibi)
-        out, lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
     else:
         from attn.flash_triton import triton_attention
-        out, lse = triton_attention(q, k, v, spec, attn_mask=ops.attn_mask,
-                                    softcap=ops.softcap, sinks=ops.sinks, alibi=ops.alibi)
+        if packed:  # (1, H, total, D) -> the packed (total, H, D): views, no copy
+            q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))
+            out, lse = triton_attention(q3, k3, v3, spec, ops)
+            out, lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
+        else:
+            out, lse = triton_attention(q, k, v, spec, ops)
     return out.to(v.dtype), lse
 
 

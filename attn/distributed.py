@@ -367,19 +367,12 @@ def _rows(c: _Call, t: Tensor | None, rows: slice) -> Tensor | None:
 
 
 def _launchers(backend: str):
+    """The launchers of a ring step: both backends take ``(q, k, v, spec, ops)``."""
     if backend == "triton":
         from attn import flash_triton as mod
-        return mod._fwd, mod._bwd
-    from attn import tiled
-
-    # tiled's launchers take the optional tensors as Operands
-    def fwd(q, k, v, spec, *, softcap=None):
-        return tiled._fwd(q, k, v, spec, Operands(softcap=softcap))
-
-    def bwd(do, dlse, q, k, v, out, lse, spec, *, softcap=None, need_dcap=True):
-        return tiled._bwd(do, dlse, q, k, v, out, lse, spec, Operands(softcap=softcap),
-                          need_dcap=need_dcap)
-    return fwd, bwd
+    else:
+        from attn import tiled as mod
+    return mod._fwd, mod._bwd
 
 
 # -- ring attention ----------------------------------------------------------------------------
@@ -481,6 +474,7 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
     global last_ring_stats
     stats = last_ring_stats = RingStats()
     fwd, _ = _launchers(c.backend)
+    ops = Operands(softcap=cap_t)  # the sinks join once, as one more partial below
     B, H, n_l, _ = q.shape
     acc = acc_dtype(q.dtype)
     q_pieces = _pieces(c.q_ranges[c.rank])
@@ -507,7 +501,7 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
                 stats.skipped += 1
                 continue
             stats.launches += 1
-            partials[qi].append(fwd(_rows(c, q, rows), k_s[ki], v_s[ki], spec, softcap=cap_t))
+            partials[qi].append(fwd(_rows(c, q, rows), k_s[ki], v_s[ki], spec, ops))
         for qi, parts in enumerate(partials):
             if parts:  # the running state first: the merge keeps its (accumulation) dtype
                 state[qi] = _merge_trusted([state[qi][0]] + [p[0] for p in parts],
@@ -526,6 +520,7 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
     global last_ring_backward_stats
     stats = last_ring_backward_stats = RingStats()
     _, bwd = _launchers(c.backend)
+    ops = Operands(softcap=cap_t)
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dcap = None
@@ -551,7 +546,7 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
             stats.launches += 1
             # the global out and lse: P = exp(s − lse) and Δ are those of the unsharded call
             g = bwd(_rows(c, do, rows), _rows(c, dlse, rows), _rows(c, q, rows), k_s[ki],
-                    v_s[ki], _rows(c, out, rows), _rows(c, lse, rows), spec, softcap=cap_t,
+                    v_s[ki], _rows(c, out, rows), _rows(c, lse, rows), spec, ops,
                     need_dcap=dcap is not None)
             dq[:, :, rows] += g.dq
             dk_s[ki] += g.dk

@@ -94,7 +94,7 @@ def test_unsupported_says_why(kw, words):
 
 
 def test_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setattr(flash_triton, "_INTERPRET", False)
+    monkeypatch.setattr(flash_triton.launch, "_INTERPRET", False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "CUDA" in flash_triton.unsupported_reason(_call(device="cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -1,0 +1,427 @@
+"""The jit helpers and inner loops of the triton backend: what every outer kernel shares.
+
+Tile loads, the score pipeline (scale, softcap, ALiBi, band, attn_mask), the dropout hash,
+the stage split of a block's walk, and the inner loops over the other axis: ``_fwd_inner``
+(online softmax), ``_dkdv_inner`` (key-resident backward), ``_dq_inner`` and ``_delta_inner``
+(query-resident backward). ``_INTERPRET`` is decided here, at import: triton picks
+interpreter or compiler when a kernel is decorated.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from attn.grads import SATURATED_LOG2L
+
+# Triton decides interpreter vs compiler when a kernel is decorated, i.e. at import.
+_INTERPRET = bool(triton.knobs.runtime.interpret)
+
+
+def _interpreter_scalars_fix() -> None:
+    """Let the interpreter of triton <= 3.6 use runtime scalars as ``range`` bounds on numpy >= 2.4.
+
+    The interpreter holds every scalar (a kernel argument, ``tl.maximum(a, b)``) as a
+    1-element array and gives ``tl.tensor`` an ``__index__`` of ``int(data)``; numpy 2.4
+    stopped converting 1-element arrays that way, so every ``tl.range(lo, hi)`` with runtime
+    bounds raised TypeError. Newer triton squeezes first; do the same here. No kernel code
+    can avoid it (a kernel argument used directly as a bound fails too), and the compiled
+    path never runs this.
+    """
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    try:
+        int(np.ones(1))
+        return  # this numpy still converts 1-element arrays
+    except TypeError:
+        pass
+    patch = getattr(interp, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_attn_squeezes", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)  # then the same __index__ as newer triton's
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    _patch_lang_tensor._attn_squeezes = True
+    interp._patch_lang_tensor = _patch_lang_tensor
+
+
+if _INTERPRET:
+    _interpreter_scalars_fix()
+# The interpreter's tl.dot multiplies bfloat16 tiles as their raw uint16 bits: feed it float64
+# (exact products of 16- and 32-bit floats, see _dot).
+_DOT_UPCAST = tl.constexpr(_INTERPRET)
+# A row whose denominator l (relative to its max, natural log) is within this of 1: its
+# softmax is saturated (one P ≈ 1) and the backward takes Δ = Σ P·dP (see _delta_inner)
+_SATURATED_LOGL = tl.constexpr(SATURATED_LOG2L * 0.6931471805599453)
+
+
+# -- device helpers ------------------------------------------------------------------------
+
+@triton.jit
+def _mix32(x):
+    # "lowbias32" integer mixer on uint32, bit-identical to attn.masks._mix32
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _tanh(x):
+    # libdevice has no interpreter path, and tanh.approx is too coarse for float32 tests:
+    # an odd polynomial near 0 (Cephes tanhf), the exp form where it does not cancel
+    a = tl.abs(x)
+    z = x * x
+    poly = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+             + 1.33314422036e-1) * z - 3.33332819422e-1) * z * x + x
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(x < 0.0, -big, big)
+    return tl.where(a < 0.625, poly, big)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    if _DOT_UPCAST:
+        # float64 products and sums, rounded once: the result no longer depends on the
+        # host BLAS's summation order for each layout, so the backward's transposed k·qᵀ
+        # reproduces the forward's q·kᵀ (at logits of 1e4 an ulp of s moves P by 1e-3;
+        # whether a GPU's two dot layouts round alike is for the CUDA tests to show)
+        d = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee").to(tl.float32)
+        return d if acc is None else acc + d
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _load(ptrs, ok_a, ok_b, CHECK_A: tl.constexpr, CHECK_B: tl.constexpr):
+    """Load a tile, bounds-checking only the axes that may run past the tensor."""
+    if CHECK_A:
+        if CHECK_B:
+            x = tl.load(ptrs, mask=ok_a & ok_b, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=ok_a, other=0.0)
+    else:
+        if CHECK_B:
+            x = tl.load(ptrs, mask=ok_b, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _stages(start, n_own, n_other, offset, left, right,
+            BLOCK_OWN: tl.constexpr, BLOCK: tl.constexpr):
+    """Split the other axis for the own block [start, start + BLOCK_OWN) into tile starts
+    [lo, a) masked, [a, b) full (every pair inside the band and the tensors), [b, hi) masked.
+
+    Written for queries as own axis (keys j with -left <= j - (i + offset) <= right); the
+    key-resident backward calls it with (offset, left, right) -> (-offset, right, left).
+    """
+    lo = tl.maximum(start + offset - left, 0)
+    hi = tl.minimum(start + BLOCK_OWN + offset + right, n_other)
+    full_lo = tl.maximum(start + BLOCK_OWN - 1 + offset - left, lo)
+    full_hi = tl.minimum(start + offset + right + 1, n_other)
+    lo = lo // BLOCK * BLOCK  # tiles are aligned to BLOCK from 0
+    hi = tl.maximum(hi, lo)
+    a = tl.minimum((full_lo + BLOCK - 1) // BLOCK * BLOCK, hi)
+    b = tl.maximum(full_hi, 0) // BLOCK * BLOCK
+    b = tl.minimum(tl.maximum(b, a), hi)
+    # an own block running past its tensor needs the bounds mask on every tile
+    b = tl.where(start + BLOCK_OWN > n_own, a, b)
+    return lo, a, b, hi
+
+
+@triton.jit
+def _dropout_scale(DROP, om, on):
+    """1/(1-p) where attn.masks.dropout_keep keeps the global position (row0 + om, col0 + on),
+    else 0. ``DROP = (h_bh, threshold, inv_keep, row0, col0)`` from :func:`_drop_ctx`."""
+    h_bh, drop_threshold, inv_keep, row0, col0 = DROP
+    h_m = _mix32(h_bh ^ (om + row0).to(tl.uint32))
+    bits = _mix32(h_m ^ _mix32((on + col0).to(tl.uint32)))
+    return tl.where(bits >= drop_threshold.to(tl.uint32), inv_keep, 0.0)
+
+
+@triton.jit
+def _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0,
+              drop_heads, drop_head0, HAS_DROPOUT: tl.constexpr):
+    """One (batch, head)'s dropout context: the hash of its *global* index b·H + h (H and h
+    of the whole computation: a head shard draws the unsharded mask), threshold, scale,
+    and the global position of this call's first query and key."""
+    h_bh = 0
+    if HAS_DROPOUT:
+        bh = off_b * drop_heads + drop_head0 + off_h
+        h_bh = _mix32(bh.to(tl.uint32) ^ _mix32(drop_seed.to(tl.uint32)))
+    return (h_bh, drop_threshold, inv_keep, drop_row0, drop_col0)
+
+
+@triton.jit
+def _head_consts(Softcap, Slope, off_h, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """One head's softcap (1.0 without one) and ALiBi slope (0.0 without): ``Slope`` points
+    at this (sequence, head)'s."""
+    cap = 1.0
+    if HAS_SOFTCAP:
+        cap = tl.load(Softcap + off_h)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slope)
+    return cap, slope
+
+
+@triton.jit
+def _load_rows(P, offs, STRIDES, N, DIM: tl.constexpr, BLOCK: tl.constexpr,
+               MASKED: tl.constexpr):
+    """A (len(offs), BLOCK) tile of rows ``offs`` of a (N, DIM) matrix."""
+    stride_n, stride_d = STRIDES
+    offs_d = tl.arange(0, BLOCK)
+    return _load(P + offs[:, None] * stride_n + offs_d[None, :] * stride_d,
+                 offs[:, None] < N, offs_d[None, :] < DIM, MASKED, BLOCK != DIM)
+
+
+@triton.jit
+def _load_cols(P, offs, STRIDES, N, DIM: tl.constexpr, BLOCK: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The same rows transposed: a (BLOCK, len(offs)) tile, ready as a dot's right operand."""
+    stride_n, stride_d = STRIDES
+    offs_d = tl.arange(0, BLOCK)
+    return _load(P + offs[None, :] * stride_n + offs_d[:, None] * stride_d,
+                 offs[None, :] < N, offs_d[:, None] < DIM, MASKED, BLOCK != DIM)
+
+
+@triton.jit
+def _scores(qk, om, on, MASK, cap, slope, scale, BAND,
+            MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Scores of a tile from q·k: scale, softcap, ALiBi, band and attn_mask. ``om``/``on``
+    are the query/key indices broadcast to the tile's layout (either orientation); ``MASK =
+    (Mask, stride_mm, stride_mn)``, ``BAND = (N_Q, N_K, offset, left, right)`` in local
+    positions; ``slope`` this head's ALiBi slope. With softcap also returns u = s_raw / c
+    and t = tanh(u), which the backward needs (the bias, a constant, needs nothing)."""
+    Mask, stride_mm, stride_mn = MASK
+    N_Q, N_K, offset, left, right = BAND
+    s = qk * scale
+    u = s
+    t = s
+    if HAS_SOFTCAP:
+        u = s / cap
+        t = _tanh(u)
+        s = cap * t
+    if HAS_ALIBI:  # −slope·|distance from the band's diagonal|, after the cap
+        s = s - slope * tl.abs(on - (om + offset)).to(tl.float32)
+    if MASKED:
+        keep = (om < N_Q) & (on < N_K)
+        if BANDED:
+            rel = on - (om + offset)
+            keep = keep & (rel >= -left) & (rel <= right)
+        s = tl.where(keep, s, float("-inf"))
+    if MASK_KIND == 1:  # bool, stored as uint8: 0 = masked out
+        mk = tl.load(Mask + om * stride_mm + on * stride_mn, mask=(om < N_Q) & (on < N_K),
+                     other=0)
+        s = tl.where(mk != 0, s, float("-inf"))
+    elif MASK_KIND == 2:  # float, added; its -inf entries mask (replace: NaN + -inf is NaN)
+        mv = tl.load(Mask + om * stride_mm + on * stride_mn, mask=(om < N_Q) & (on < N_K),
+                     other=0.0).to(tl.float32)
+        s = tl.where(mv == float("-inf"), float("-inf"), s + mv)
+    return s, u, t
+
+
+@triton.jit
+def _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """The query-resident tile step shared by the forward and dQ: load Kᵀ, s = q·kᵀ, scores."""
+    N_K = BAND[1]
+    kT = _load_cols(K, offs_n, KSTR, N_K, HEAD_DIM, BLOCK_D, MASKED)
+    qk = _dot(q, kT, None, DOT_PRECISION)
+    s, u, t = _scores(qk, offs_m[:, None], offs_n[None, :], MASK, cap, slope, scale, BAND,
+                      MASKED, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI)
+    return kT, s, u, t
+
+
+@triton.jit
+def _stage_range(STAGE: tl.constexpr, lo, a, b, hi):
+    """Tile starts of stage 0 (masked edge), 1 (full middle) or 2 (masked edge)."""
+    s_lo = lo
+    s_hi = a
+    if STAGE == 1:
+        s_lo = a
+        s_hi = b
+    if STAGE == 2:
+        s_lo = b
+        s_hi = hi
+    return s_lo, s_hi
+
+
+# -- forward -------------------------------------------------------------------------------
+
+@triton.jit
+def _value_offset(VMax, v_log_scale, V_OFFSET: tl.constexpr):
+    """The forward's exponent offset ``c >= 0`` for one (sequence, kv head), natural units.
+
+    ``acc = Σ p·v`` with ``p <= 1`` reaches ``N_K · max|v|``, past float32's largest value
+    when |v| is near it (float32, bfloat16). With ``c = log(max|v| · 2·N_K / fmax)``
+    (``v_log_scale = log(2·N_K / fmax)``) added to the running max, ``p = exp(s − (m + c))
+    <= e^-c`` and ``Σ p·|v| <= fmax / 2``; out = acc / l and lse = m + log l are unchanged.
+    0 where that bound is not positive (every ordinary call: then bit for bit the plain
+    steps), and for NaN / inf values; float16 (``V_OFFSET`` False) never needs it."""
+    c = 0.0
+    if V_OFFSET:
+        c = tl.log(tl.load(VMax).to(tl.float32)) + v_log_scale
+        c = tl.where((c > 0.0) & (c < float("inf")), c, 0.0)
+    return c
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK, BAND,
+               DROP, voff, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    N_K = BAND[1]
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # -- compute qk --
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
+                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
+                                 HAS_ALIBI, DOT_PRECISION)
+        # -- online softmax (m_safe: rows that have seen nothing yet stay at 0); the value
+        # offset rides on the row max (_value_offset) --
+        if V_OFFSET:
+            m_new = tl.maximum(m_i, tl.max(s, 1) + voff)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:  # the denominator counts every key, the values only the kept ones
+            p = p * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
+        # -- update acc --
+        v = _load_rows(V, offs_n, VSTR, N_K, HEAD_DIM_V, BLOCK_DV, MASKED)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope, scale, QSTR, DOSTR,
+                MASK, BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    # transposed tiles (keys x queries), so neither P nor dS needs a transpose
+    N_Q = BAND[0]
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qT = _load_cols(Q, offs_m, QSTR, N_Q, HEAD_DIM, BLOCK_D, MASKED)
+        # lse = -inf marks a row that saw nothing: +inf makes its P exactly 0
+        lse = tl.load(Lse + offs_m, mask=offs_m < N_Q, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        # -- recompute P from lse --
+        qkT = _dot(k, qT, None, DOT_PRECISION)
+        om = offs_m[None, :]
+        on = offs_n[:, None]
+        sT, uT, tT = _scores(qkT, om, on, MASK, cap, slope, scale, BAND, MASKED, BANDED, MASK_KIND,
+                             HAS_SOFTCAP, HAS_ALIBI)
+        pT = tl.exp(sT - lse[None, :])
+        # -- dV += Pᵈᵀ dO, dPᵀ = V dOᵀ (ᵈ: with the dropout mask) --
+        do = _load_rows(DO, offs_m, DOSTR, N_Q, HEAD_DIM_V, BLOCK_DV, MASKED)
+        dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)
+        if HAS_DROPOUT:
+            zT = _dropout_scale(DROP, om, on)
+            dv = _dot((pT * zT).to(do.dtype), do, dv, DOT_PRECISION)
+            dpT = dpT * zT
+        else:
+            dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)
+        # -- dS = P ∘ (dP − Δ) --
+        delta = tl.load(Delta + offs_m, mask=offs_m < N_Q, other=0.0)
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            # s = c·tanh(u), u = s_raw/c: ds_raw = ds·(1 − t²); dc = Σ ds·(t − u(1 − t²))
+            one_m_t2 = 1.0 - tT * tT
+            dc += tl.sum(tl.sum(dsT * (tT - uT * one_m_t2), 1), 0)
+            dsT = dsT * one_m_t2
+        # -- dK += dSᵀ Q --
+        dk = _dot(dsT.to(qT.dtype), tl.trans(qT), dk, DOT_PRECISION)
+    return dk, dv, dc
+
+
+
+@triton.jit
+def _p_dp(q, do, lse, K, V, offs_m, offs_n, cap, slope, scale, KSTR, VSTR, MASK, BAND, DROP,
+          HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+          BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, BANDED: tl.constexpr,
+          MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+          HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of the dQ loops: Kᵀ, P recomputed from lse, dP = dO Vᵀ (dropout-scaled)
+    and the softcap's tanh, shared by ``_dq_inner`` and ``_delta_inner``."""
+    kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
+                             HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
+                             HAS_ALIBI, DOT_PRECISION)
+    p = tl.exp(s - lse[:, None])
+    vT = _load_cols(V, offs_n, VSTR, BAND[1], HEAD_DIM_V, BLOCK_DV, MASKED)
+    dp = _dot(do, vT, None, DOT_PRECISION)
+    if HAS_DROPOUT:
+        dp = dp * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
+    return kT, p, dp, t
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK,
+              BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # -- recompute P from lse; dS = P ∘ (dP − Δ) --
+        kT, p, dp, t = _p_dp(q, do, lse, K, V, offs_m, offs_n, cap, slope, scale, KSTR, VSTR,
+                             MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED,
+                             BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                             DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        if MASKED or MASK_KIND != 0:
+            # a masked key has dS = 0, but 0·NaN would still reach dQ: a non-finite key
+            # enters dQ as 0 (a row that sees it has a NaN dS anyway)
+            kT = tl.where(tl.abs(kT) < float("inf"), kT, 0.0)
+        # -- dQ += dS K --
+        dq = _dot(ds.to(kT.dtype), tl.trans(kT), dq, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _delta_inner(delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK,
+                 BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """``delta += Σ_j p_ij dp_ij`` and ``psum += Σ_j p_ij`` over key tiles [lo, hi), P and
+    dP (dropout-scaled) formed exactly as ``_dq_inner`` forms them. Δ = rowsum(dO ∘ O)
+    equals Σ P·dP only up to rounding; at a saturated row (one P ≈ 1) the exact
+    dS = P ∘ (dP − Δ) is ~0, and the rounding gap, times scale·K in dQ and scale·Q in dK,
+    would be the whole gradient. The caller divides by Σ P: at logits of 1e3 and up, P
+    recomputed from one float32 lse is off by a common factor of up to e^(ulp(lse)), which
+    the quotient cancels."""
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT, p, dp, t = _p_dp(q, do, lse, K, V, offs_m, offs_n, cap, slope, scale, KSTR, VSTR,
+                             MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED,
+                             BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                             DOT_PRECISION)
+        delta += tl.sum(p * dp, 1)
+        psum += tl.sum(p, 1)
+    return delta, psum
+

@@ -1,0 +1,460 @@
+"""The triton backend's launchers, custom ops, autograd.Function and public function.
+
+Three layers, as in the tiled backend: ``_fwd(q, k, v, spec, ops)`` / ``_bwd(...)``
+launchers (registered as ``torch.library`` custom ops with fake implementations, so
+``torch.compile`` traces through them), one ``torch.autograd.Function``, and the public
+:func:`triton_attention`. The same launchers serve packed sequences: ``ops.cu_seqlens_q``
+/ ``_k`` set, q (total_q, H, D), k and v (total_k, Hkv, D / Dv), out (total_q, H, Dv), lse
+(H, total_q), the grid sized by ``spec.max_seqlen_q`` / ``_k``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
+                                     _attn_fwd)
+from attn.flash_triton.kernels import _INTERPRET
+from attn.flash_triton.tune import _tune_n
+from attn.grads import Grads, sink_grad
+from attn.masks import Band, as_4d
+from attn.spec import LaunchSpec, Operands
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+_UNBOUNDED = 1 << 30  # an open band side: farther than any key is from any query
+
+
+def unsupported_reason(call) -> str | None:
+    """Why the triton backend cannot compute ``call`` (an ``attn.call.AttentionCall``), or None."""
+    if call.device == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "triton needs CUDA (on CPU only in the interpreter, TRITON_INTERPRET=1)"
+        if not _INTERPRET:
+            return ("TRITON_INTERPRET=1 was set after attn.flash_triton was imported; "
+                    "set it before the import to run the kernels on CPU")
+    elif call.device != "cuda":
+        return f"triton runs on CUDA, not {call.device}"
+    if call.dtype not in _DTYPES:
+        return f"dtype {call.dtype} (the kernels take float16, bfloat16 and float32)"
+    if max(call.head_dim, call.head_dim_v) > _MAX_HEAD_DIM:
+        return (f"head dim {call.head_dim}/{call.head_dim_v} > {_MAX_HEAD_DIM} "
+                f"(q·k and acc tiles would not fit in registers)")
+    if call.mask_grad:
+        return "a gradient for a float attn_mask (dS would have to be written out N x N)"
+    return None
+
+
+# -- launchers -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Launch:
+    """The scalar and constexpr arguments every kernel shares, derived once per call."""
+
+    batch: int  # batch rows, or packed sequences
+    H: int
+    group: int
+    n_q: int  # the call's lengths (packed: the longest sequence's)
+    n_k: int
+    offset: int
+    left: int
+    right: int
+    scale: float
+    drop_seed: int
+    drop_threshold: int
+    inv_keep: float
+    drop_row0: int  # global position of the first query (the spec's q_start)
+    drop_col0: int  # ... and of the first key
+    drop_heads: int  # query heads of the whole computation
+    drop_head0: int  # global index of this call's first query head
+    tune_n: int
+    head_dim: int
+    head_dim_v: int
+    block_d: int
+    block_dv: int
+    banded: bool
+    mask_kind: int
+    has_softcap: bool
+    has_alibi: bool
+    has_dropout: bool
+    dot_precision: str
+    varlen: bool
+
+    def scalars(self) -> tuple:
+        return (self.H, self.group, self.n_q, self.n_k, self.offset, self.left, self.right,
+                self.scale, self.drop_seed, self.drop_threshold, self.inv_keep, self.drop_row0,
+                self.drop_col0, self.drop_heads, self.drop_head0, self.tune_n)
+
+    def constexprs(self) -> dict:
+        # head dims are padded to powers of two inside the kernels (masked loads), not in memory
+        return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
+                    BLOCK_DV=self.block_dv, BANDED=self.banded, MASK_KIND=self.mask_kind,
+                    HAS_SOFTCAP=self.has_softcap, HAS_ALIBI=self.has_alibi,
+                    HAS_DROPOUT=self.has_dropout, DOT_PRECISION=self.dot_precision,
+                    VARLEN=self.varlen)
+
+    def strides(self, t: Tensor) -> tuple[int, int, int, int]:
+        """(sequence, head, row, dim) strides of q, k, v, out or their gradients: a packed
+        (total, H, D) tensor's token stride is both, the kernels adding the sequence's first
+        token times it."""
+        return (t.stride(0), t.stride(1), t.stride(0), t.stride(2)) if self.varlen else t.stride()
+
+    def row_strides(self, lse: Tensor) -> tuple[int, int]:
+        """(sequence, head) strides of lse, Δ and log l: (B, H, N_Q), or (H, total_q)."""
+        return (lse.stride(1), lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
+
+    def rows(self, q: Tensor) -> tuple[int, ...]:
+        """The shape of lse: (B, H, N_Q), or (H, total_q)."""
+        return (self.H, q.shape[0]) if self.varlen else (self.batch, self.H, self.n_q)
+
+    def cu_seqlens(self, q: Tensor, ops: Operands) -> tuple[Tensor, Tensor]:
+        """The kernels' CuQ, CuK: the offsets, or q where they are never read."""
+        return (ops.cu_seqlens_q, ops.cu_seqlens_k) if self.varlen else (q, q)
+
+
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
+                 softcap: Tensor | None) -> _Launch:
+    varlen = ops.cu_seqlens_q is not None
+    if varlen:  # (total, H, D), the grid sized by the longest sequence
+        if ops.attn_mask is not None:
+            raise NotImplementedError("triton: an attn_mask with packed sequences")
+        batch, H, D = ops.cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
+        Nq, Nk = spec.max_seqlen_q, spec.max_seqlen_k
+    else:
+        batch, H, Nq, D = q.shape
+        Nk = k.shape[2]
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    band = spec.local_band()
+    p = spec.dropout_p
+    attn_mask = ops.attn_mask
+    return _Launch(
+        batch=batch, H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=band.offset,
+        left=_UNBOUNDED if band.left is None else band.left,
+        right=_UNBOUNDED if band.right is None else band.right,
+        scale=float(spec.qk_scale), drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
+        drop_threshold=int(p * 2**32), inv_keep=1.0 / (1.0 - p),
+        drop_row0=spec.q_start, drop_col0=spec.k_start, drop_heads=spec.heads_total or H,
+        drop_head0=spec.head_start, tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
+        block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
+        banded=not band.is_full,
+        mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
+        has_softcap=softcap is not None, has_alibi=ops.alibi is not None, has_dropout=p > 0.0,
+        dot_precision="ieee" if q.dtype == torch.float32 else "tf32", varlen=varlen)
+
+
+def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tuple]:
+    """The mask expanded (stride 0, no copy) to (B, H, Nq, Nk), bool viewed as uint8."""
+    if attn_mask is None:
+        return q, (0, 0, 0, 0)  # never read: MASK_KIND = 0
+    B, H, Nq, _ = q.shape
+    m = as_4d(attn_mask)
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    m = m.expand(B, H, Nq, n_k)
+    return m, m.stride()
+
+
+def _alibi_arg(alibi: Tensor | None, q: Tensor, L: _Launch) -> tuple[Tensor, tuple[int, int]]:
+    """The slopes as float32 (sequences, H) (an expanded view keeps its stride 0), or q and
+    zero strides when there are none (never read: HAS_ALIBI = False)."""
+    if alibi is None:
+        return q, (0, 0)
+    a = alibi.to(torch.float32).expand(L.batch, L.H)
+    return a, a.stride()
+
+
+def value_offset_args(v: Tensor, n_k: int, dims: tuple[int, ...]) -> dict:
+    """The forward kernels' value-offset arguments (see ``_value_offset``): ``VMax``, the
+    largest |v| over ``dims`` as float32, one per (sequence, kv head) at ``v``'s other dims
+    (computed on the device: no host sync), and ``v_log_scale = log(2·n_k / fmax)``.
+    float16 values never need the offset: the kernels then read nothing."""
+    if v.dtype == torch.float16 or v.numel() == 0:
+        return dict(VMax=v, v_log_scale=0.0, V_OFFSET=False)
+    vmax = torch.linalg.vector_norm(v, float("inf"), dim=dims, dtype=torch.float32)
+    return dict(VMax=vmax, V_OFFSET=True,
+                v_log_scale=math.log(2.0 * max(n_k, 1) / torch.finfo(torch.float32).max))
+
+
+def _value_offsets(v: Tensor, L: _Launch, ops: Operands) -> dict:
+    """:func:`value_offset_args` per (sequence, kv head), with VMax's strides."""
+    if not L.varlen:
+        voff = value_offset_args(v, L.n_k, (2, 3))  # (B, Hkv)
+    else:
+        # the largest |v| of each token, then a segment max per sequence (unsafe: the
+        # offsets are checked by the caller, and checking again would read them on the host)
+        voff = value_offset_args(v, L.n_k, (2,))  # (total_k, Hkv)
+        if voff["V_OFFSET"]:
+            voff["VMax"] = torch.segment_reduce(voff["VMax"], "max",
+                                                offsets=ops.cu_seqlens_k.long(), axis=0,
+                                                unsafe=True, initial=0.0)  # (sequences, Hkv)
+    strides = voff["VMax"].stride() if voff["V_OFFSET"] else (0, 0)
+    return dict(voff, stride_vmb=strides[0], stride_vmh=strides[1])
+
+
+def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
+                   softcap: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """q in k's dtype, sinks and the softcap (learnable, else the spec's fixed one) as
+    contiguous float32 (H,) vectors: what the kernels read."""
+    H = q.shape[1]  # (B, H, N, D) or packed (total, H, D)
+    if q.dtype != k.dtype:  # a temperature folded in float32: the kernels take one dtype
+        q = q.to(k.dtype)
+    if softcap is None and spec.softcap is not None:
+        softcap = torch.tensor(float(spec.softcap), device=q.device)
+    if softcap is not None:
+        softcap = softcap.to(device=q.device, dtype=torch.float32).expand(H).contiguous()
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    return q, sinks, softcap
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None = None, *,
+         want_logl: bool = False) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse)``, and with ``want_logl`` also ``logl`` (lse's shape): log of each row's
+    denominator relative to its max (+inf for rows with no key), which :func:`_bwd` takes
+    to find saturated rows."""
+    ops = Operands() if ops is None else ops
+    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
+    L = _launch_args(q, k, v, spec, ops, softcap)
+    slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
+    lse = torch.empty(L.rows(q), dtype=torch.float32, device=q.device)
+    logl = torch.empty_like(lse)
+    mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
+    grid = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
+    _attn_fwd[grid](
+        q, k, v, out, lse, logl, mask, q if sinks is None else sinks,
+        q if softcap is None else softcap, slopes, *L.cu_seqlens(q, ops),
+        *L.strides(q), *L.strides(k), *L.strides(v), *L.strides(out), *mask_strides,
+        *slope_strides, *L.row_strides(lse), *L.scalars(), HAS_SINKS=sinks is not None,
+        **_value_offsets(v, L, ops), **L.constexprs())
+    return (out, lse, logl) if want_logl else (out, lse)
+
+
+def _delta(do: Tensor, dlse: Tensor | None, out: Tensor, L: _Launch) -> Tensor:
+    """Δ = rowsum(dO ∘ O) − dlse, laid out as lse: the preprocess kernel, or for packed
+    sequences the same sum in torch."""
+    if L.varlen:  # (total_q, H) -> (H, total_q)
+        delta = (do.float() * out.float()).sum(-1).t().contiguous()
+        return delta if dlse is None else delta - dlse.float()
+    delta = torch.empty(L.rows(out), dtype=torch.float32, device=out.device)
+    pre_block = 32 if _INTERPRET else 64
+    _attn_bwd_preprocess[(triton.cdiv(L.n_q, pre_block), L.batch * L.H)](
+        out, do, delta if dlse is None else dlse.contiguous(), delta,
+        *out.stride(), *do.stride(), L.H, L.n_q, HEAD_DIM_V=L.head_dim_v, BLOCK_DV=L.block_dv,
+        HAS_DLSE=dlse is not None, BLOCK_M=pre_block)
+    return delta
+
+
+def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+         lse: Tensor, spec: LaunchSpec, ops: Operands | None = None, *,
+         need_dmask: bool = False, need_dcap: bool = True, logl: Tensor | None = None) -> Grads:
+    """Gradients of one call, as the tiled backend's ``_bwd``; a float mask's gradient is
+    refused (``unsupported_reason``), so ``need_dmask`` must be False. ``logl``: the
+    forward's (``_fwd(want_logl=True)``); query blocks holding a saturated row then take
+    Δ = Σ P·dP (``_attn_bwd_dq``'s Δ pass), else rowsum(dO ∘ O) serves every row."""
+    if need_dmask:
+        raise NotImplementedError("triton: the gradient of a float attn_mask (use tiled)")
+    ops = Operands() if ops is None else ops
+    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
+    L = _launch_args(q, k, v, spec, ops, softcap)
+    slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
+    lse = lse.contiguous()  # the kernels index it as packed rows: a row slice is not
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    delta = _delta(do, dlse, out, L)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
+    cap = q if softcap is None else softcap
+    # the smallest BLOCK_N any dkdv config may pick bounds the number of partial sums
+    min_bn = min(c.kwargs["BLOCK_N"] for c in _attn_bwd_dkdv.configs)
+    n_part = triton.cdiv(L.n_k, min_bn) if softcap is not None else 1
+    dcap_part = torch.zeros(n_part, L.batch * L.H, dtype=torch.float32, device=q.device)
+    tensors = (*L.cu_seqlens(q, ops), *L.strides(q), *L.strides(k), *L.strides(v),
+               *L.strides(do))
+    rest = (*mask_strides, *slope_strides, *L.row_strides(lse), *L.scalars())
+    grid_q = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
+    if logl is not None:  # Δ of the blocks holding a saturated row, over the preprocessing's
+        _attn_bwd_dq[grid_q](
+            q, k, v, do, dq, lse, delta, mask, cap, slopes, lse if sinks is None else sinks,
+            *tensors, *L.strides(dq), *rest, logl.contiguous(),
+            delta if dlse is None else dlse.contiguous(), **L.constexprs(), DELTA_PASS=True,
+            HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None)
+    n_kv = L.batch * (L.H // L.group)
+    grid_kv = lambda meta: (triton.cdiv(L.n_k, meta["BLOCK_N"]), n_kv)  # noqa: E731
+    _attn_bwd_dkdv[grid_kv](
+        q, k, v, do, dk, dv, lse, delta, mask, cap, slopes, dcap_part, *tensors,
+        *L.strides(dk), *L.strides(dv), *rest, **L.constexprs())
+    _attn_bwd_dq[grid_q](
+        q, k, v, do, dq, lse, delta, mask, cap, slopes, lse, *tensors, *L.strides(dq), *rest,
+        lse, lse, **L.constexprs(), DELTA_PASS=False, HAS_DLSE=False, HAS_SINKS=False)
+    dcap = None
+    if need_dcap and softcap is not None:
+        dcap = dcap_part.view(-1, L.batch, L.H).sum(dim=(0, 1))
+    dsinks = None
+    if sinks is not None:  # sink_grad reads (B, H, N) rows: packed rows are one batch row
+        rows = (lse[None], delta[None]) if L.varlen else (lse, delta)
+        dsinks = sink_grad(sinks, *rows)
+    return Grads(dq, dk, dv, None, dsinks, dcap)
+
+
+# -- torch.library ops: opaque to torch.compile, with shapes it can trace ------------------
+# Op schemas take flat values: the spec travels as its fields.
+
+def _op_args(spec: LaunchSpec) -> tuple:
+    b = spec.band
+    return (b.offset, b.left, b.right, float(spec.qk_scale), float(spec.dropout_p),
+            int(spec.dropout_seed), [spec.q_start, spec.k_start, spec.head_start,
+                                     -1 if spec.heads_total is None else spec.heads_total])
+
+
+def _spec_of(offset: int, left: int | None, right: int | None, scale: float,
+             dropout_p: float, dropout_seed: int, shard: list[int]) -> LaunchSpec:
+    q_start, k_start, head_start, heads_total = shard
+    return LaunchSpec(qk_scale=scale, band=Band(offset, left, right), dropout_p=dropout_p,
+                      dropout_seed=dropout_seed, q_start=q_start, k_start=k_start,
+                      head_start=head_start, heads_total=None if heads_total < 0 else heads_total)
+
+
+@torch.library.custom_op("attn::flash_fwd", mutates_args=())
+def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            alibi: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """out, lse and logl (see :func:`_fwd`)."""
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
+    return _fwd(q, k, v, spec, Operands(attn_mask, sinks, softcap, alibi), want_logl=True)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed,
+      shard, alibi=None):
+    B, H, Nq, _ = q.shape
+    return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
+            q.new_empty(B, H, Nq, dtype=torch.float32),
+            q.new_empty(B, H, Nq, dtype=torch.float32))
+
+
+@torch.library.custom_op("attn::flash_bwd", mutates_args=())
+def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+            lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
+            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
+            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            need_dcap: bool, alibi: Tensor | None = None, logl: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
+    g = _bwd(do, dlse, q, k, v, out, lse, spec, Operands(attn_mask, sinks, softcap, alibi),
+             need_dcap=need_dcap, logl=logl)
+    return g.dq, g.dk, g.dv, _or_empty(g.dsinks, q), _or_empty(g.dsoftcap, q)
+
+
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    # a fresh tensor each: a custom op's outputs must not alias
+    return like.new_empty(0, dtype=torch.float32) if t is None else t
+
+
+@_bwd_op.register_fake
+def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, right, scale,
+      dropout_p, dropout_seed, shard, need_dcap, alibi=None, logl=None):
+    H = q.shape[1]
+    n_sinks = 0 if sinks is None else H
+    n_cap = H if need_dcap and softcap is not None else 0
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(n_sinks, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
+
+
+# -- autograd ------------------------------------------------------------------------------
+
+class _FlashAttention(torch.autograd.Function):
+    """``apply(q, k, v, attn_mask, sinks, softcap, spec, ops)``: the tensors that can need a
+    gradient explicit, ``ops`` the rest (ALiBi slopes, cu_seqlens). Dense calls run through
+    the custom ops; packed ones call the launchers (the ops' schemas have no offsets)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec, ops: Operands):
+        ops = ops._replace(attn_mask=attn_mask, sinks=sinks, softcap=softcap)
+        if ops.cu_seqlens_q is None:
+            out, lse, logl = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec),
+                                     ops.alibi)
+        else:
+            out, lse, logl = _fwd(q, k, v, spec, ops, want_logl=True)
+        ctx.save_for_backward(q, k, v, out, lse, logl, attn_mask, sinks, softcap, ops.alibi,
+                              ops.cu_seqlens_q, ops.cu_seqlens_k)
+        ctx.spec = spec
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, logl, attn_mask, sinks, softcap, alibi, cu_q, cu_k = ctx.saved_tensors
+        need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
+        if cu_q is None:
+            dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
+                                               softcap, *_op_args(ctx.spec), need_dcap, alibi,
+                                               logl)
+        else:
+            ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+            g = _bwd(dout, dlse, q, k, v, out, lse, ctx.spec, ops, need_dcap=need_dcap,
+                     logl=logl)
+            dq, dk, dv, dsinks, dcap = g.dq, g.dk, g.dv, g.dsinks, g.dsoftcap
+        dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
+        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None
+
+
+def _operands(operands: Operands | None, **keywords) -> Operands:
+    """The call's Operands, from the bundle or from the keywords of the older form (not both)."""
+    if operands is None:
+        return Operands(**keywords)
+    given = [name for name, t in keywords.items() if t is not None]
+    if given:
+        raise TypeError(f"triton_attention: pass {', '.join(given)} inside operands, not "
+                        f"beside it")
+    return operands
+
+
+def triton_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: LaunchSpec,
+    operands: Operands | None = None,
+    *,
+    attn_mask: Tensor | None = None,
+    softcap: Tensor | None = None,
+    sinks: Tensor | None = None,
+    alibi: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Fused attention kernels. Inputs already validated by ``attn.api`` (or ``attn.varlen``).
+
+    q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
+    lse (B, H, Nq) float32. Same protocol as the tiled backend's ``tiled_attention``:
+    ``spec`` holds the static values (q·k scale with any tensor temperature already folded
+    into q, band, a fixed softcap, dropout from the ``attn.masks.dropout_keep`` hash, global
+    positions); ``operands`` the optional tensors: ``softcap`` a learnable tensor
+    broadcastable to (H,), ``sinks`` (H,), ``attn_mask`` bool or float broadcastable to
+    (B, H, Nq, Nk), ``alibi`` ALiBi slopes broadcastable to (B, H), constants (the bias is
+    measured from the band's diagonal). The keywords are the older form of the same
+    (``operands`` given, they must stay unset).
+
+    Packed sequences (``operands.cu_seqlens_q`` / ``_k``, int32 or int64 (sequences + 1,)
+    offsets, ``spec.max_seqlen_q`` / ``_k`` set): q (total_q, H, D), k, v (total_k, Hkv, D /
+    Dv) → out (total_q, H, Dv), lse (H, total_q); the band per sequence from its bottom-right
+    corner, ALiBi slopes (sequences, H), dropout drawn with sequence b as batch row b.
+    """
+    ops = _operands(operands, attn_mask=attn_mask, softcap=softcap, sinks=sinks, alibi=alibi)
+    if ops.captured:
+        raise NotImplementedError("triton: a score_mod's captured tensors (use tiled)")
+    if ops.cu_seqlens_q is not None:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        ops = ops._replace(cu_seqlens_q=ops.cu_seqlens_q.contiguous(),
+                           cu_seqlens_k=ops.cu_seqlens_k.contiguous())
+    # the conversions under autograd: it sums the per-head expand back to the caller's shapes
+    q, sinks, cap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
+    return _FlashAttention.apply(q, k, v, ops.attn_mask, sinks, cap, spec, ops)

@@ -1,0 +1,115 @@
+"""Autotune configs of the triton kernels, their pruning, and the shared-memory model.
+
+Measured on sm_90 (``attn bench compile``, benchmarks/results/compile-sm90): which tiles x
+warps x stages fit the arch's shared memory and which spill registers heavily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from attn.flash_triton.kernels import _INTERPRET
+
+def _configs(kind: str) -> list[triton.Config]:
+    """BLOCK_M (queries) x BLOCK_N (keys) x warps x stages for one kernel kind."""
+    if _INTERPRET:
+        # one config, so nothing is benchmarked; the interpreter's cost is per tile, so tiles
+        # as large as still give several (and unequal) tiles per row at the test sizes
+        bm, bn = (32, 64) if kind == "dkdv" else (64, 32)
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
+    if kind == "fwd":
+        blocks = [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
+    elif kind == "dkdv":  # the key block is resident: keep it large, stream small query tiles
+        blocks = [(16, 64), (32, 64), (32, 128), (64, 64), (64, 128)]
+    else:  # dq: the query block is resident
+        blocks = [(64, 16), (64, 32), (128, 32), (64, 64), (128, 64)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn in blocks for w in (4, 8) for s in (2, 3, 4)]
+
+
+_THIS_DEVICE = object()
+
+
+def _prune(configs: list[triton.Config], named_args: dict, *, kind: str,
+           arch: int | None | object = _THIS_DEVICE, **kwargs) -> list[triton.Config]:
+    """The autotuner's pruning hook; ``arch`` (a compute capability) defaults to the
+    current device's, and is given explicitly by the ahead-of-time compile checks."""
+    if arch is _THIS_DEVICE:
+        arch = _device_arch()
+    return prune_for(configs, {**named_args, **kwargs}, kind=kind, arch=arch)
+
+
+def _device_arch() -> int | None:
+    if _INTERPRET or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
+# opt-in shared memory per block by compute capability (sm_86/89 and unknown archs: 99 KiB)
+_SMEM_BYTES = {80: 163 * 1024, 87: 163 * 1024, 90: 227 * 1024}
+
+
+def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
+    """Bytes of shared memory a config needs: the resident tiles, plus one buffer per stage
+    of every streamed tile (K/V for fwd and dQ; Q/dO, lse and Δ for dK/dV; the mask tile).
+    An upper bound of what triton allocates (checked by tests/test_triton_compile.py against
+    the compiler's own figure): sm_90 keeps every stage in shared memory, sm_80 one fewer."""
+    bm, bn, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
+    d, dv = args["BLOCK_D"], args["BLOCK_DV"]
+    elem = args["Q"].element_size() if hasattr(args.get("Q"), "element_size") else 2
+    mask = {0: 0, 1: 1, 2: 4}[args.get("MASK_KIND", 0)] * bm * bn
+    if kind == "fwd":
+        resident, streamed = bm * d * elem, bn * (d + dv) * elem + mask
+    elif kind == "dkdv":
+        resident, streamed = bn * (d + dv) * elem, bm * (d + dv) * elem + mask + 8 * bm
+    else:  # dq
+        resident, streamed = bm * (d + dv) * elem, bn * (d + dv) * elem + mask
+    return resident + s * streamed + 1024  # + reduction and layout-conversion scratch
+
+
+def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
+    """Configs that ptxas spills more than ~1 KiB of registers per thread for, on sm_90 and
+    sm_80 alike (255 registers each): 4 warps holding a 128 x D (>= 128) accumulator in the
+    query-resident kernels or a 64 x 128 one in dK/dV, and dK/dV tiles with
+    BLOCK_M·BLOCK_N·D past 64·64·128 (at that size, deep pipelines). Measured with
+    ``attn bench compile`` (benchmarks/results/compile-sm90); the slow compile test builds
+    every config this keeps."""
+    bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+    if kind in ("fwd", "dq"):
+        return w == 4 and bm * d >= 128 * 128
+    tile = bm * bn * d / (64 * 64 * 128)
+    return (w == 4 and bn * d >= 64 * 128) or tile > 1 or (tile == 1 and s > (2 if d >= 256 else 3))
+
+
+def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int | None
+              ) -> list[triton.Config]:
+    """The autotune configs worth timing for a ``kind`` ("fwd", "dkdv", "dq") launch with
+    ``args`` on compute capability ``arch`` (90 for sm_90; None when unknown): drop tiles
+    longer than the sequence, configs whose shared memory does not fit the arch, and tiles
+    x warps that spill registers heavily (measured: benchmarks/results/compile-sm90)."""
+    n, d = args["TUNE_N"], max(args["BLOCK_D"], args["BLOCK_DV"])
+    smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
+    kept = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if min(bm, bn) > 16 and max(bm, bn) > n:
+            continue
+        if smem is not None and smem_estimate(kind, c, args) > smem:
+            continue
+        if _spills_heavily(kind, c, d):
+            continue
+        if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
+            continue
+        if d >= 128 and bm * bn >= 128 * 128 and c.num_warps < 8:
+            continue
+        if max(bm, bn) <= 32 and c.num_warps > 4:
+            continue
+        kept.append(c)
+    return kept or configs[:1]
+
+
+def _tune_n(n_q: int, n_k: int) -> int:
+    # the autotune key: lengths rounded to a power of two, so varying lengths do not retune
+    return triton.next_power_of_2(max(n_q, n_k))
