@@ -46,6 +46,17 @@ def _seq_info(CuQ, CuK, off_b, N_Q, N_K, offset, VARLEN: tl.constexpr):
     return seq_q, seq_k, n_q, n_k, offset
 
 
+@triton.jit
+def _row0(seq_q, off_b, off_h, H, N_Q, stride_lb, stride_lh, VARLEN: tl.constexpr):
+    """Where (sequence, head)'s rows of lse, Δ and log l start: (B, H, N_Q) or (H, total_q).
+    The dense form is one product (b·H + h)·N_Q, which keeps dK/dV's registers as they were."""
+    if VARLEN:
+        row0 = seq_q * stride_lb + off_h.to(tl.int64) * stride_lh
+    else:
+        row0 = (off_b * H + off_h).to(tl.int64) * N_Q
+    return row0
+
+
 @triton.autotune(configs=_configs("fwd"), key=_KEY,
                  prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
@@ -119,7 +130,7 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
         tl.store(Out + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
                  out.to(Out.dtype.element_ty),
                  mask=(offs_m[:, None] < N_Q) & (offs_dv[None, :] < HEAD_DIM_V))
-        row = seq_q * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
+        row = _row0(seq_q, off_b, off_h, H, N_Q, stride_lb, stride_lh, VARLEN) + offs_m
         tl.store(Lse + row, lse, mask=offs_m < N_Q)
         # log l relative to the row max (the value offset taken back): the backward's
         # saturation test, which lse alone cannot answer
@@ -205,7 +216,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, Alibi, DCap, 
             DOh = DO + seq_q * stride_dob + off_h.to(tl.int64) * stride_doh
             MASK = (Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh,
                     stride_mm, stride_mn)
-            rows = seq_q * stride_lb + off_h.to(tl.int64) * stride_lh  # of lse and Δ
+            rows = _row0(seq_q, off_b, off_h, H, N_Q, stride_lb, stride_lh, VARLEN)  # lse, Δ
             DROP = _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0,
                              drop_col0, drop_heads, drop_head0, HAS_DROPOUT)
             cap, slope = _head_consts(Softcap, Alibi + off_b * stride_ab + off_h * stride_ah, off_h,
@@ -267,7 +278,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
     seq_q, seq_k, N_Q, N_K, offset = _seq_info(CuQ, CuK, off_b, N_Q, N_K, offset, VARLEN)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    row = seq_q * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
+    row = _row0(seq_q, off_b, off_h, H, N_Q, stride_lb, stride_lh, VARLEN) + offs_m
     run = True
     if VARLEN:
         run = start_m < N_Q
