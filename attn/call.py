@@ -301,7 +301,7 @@ def _draw_seed(dropout_p: float) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
-def _check_block(name: str, b: object) -> None:
+def _check_positive_int_or_none(name: str, b: object) -> None:
     if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
         raise ValueError(f"{name} must be a positive int or None, got {b!r}")
 
@@ -340,8 +340,8 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
     for the tiled backend). ``q_name``: the caller's name for q, for messages."""
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    _check_block("block_m", block_m)
-    _check_block("block_n", block_n)
+    _check_positive_int_or_none("block_m", block_m)
+    _check_positive_int_or_none("block_n", block_n)
     empty = Nk == 0 or B == 0 or Nq == 0
     _check_mods(score_mod, mask_mod, q)
     if attn_mask is not None:
@@ -432,8 +432,8 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         if spec.score_mod is not None and torch.is_grad_enabled():
             linked += mods.captured_tensors(spec.score_mod)
         return _no_keys(q, k, v, sinks=ops.sinks, linked=linked)
-    softcap = ops.softcap if ops.softcap is not None else spec.softcap
     if backend == "reference":
+        softcap = ops.softcap if ops.softcap is not None else spec.softcap
         # plain PyTorch in q's dtype, like the rest of the reference
         scale = spec.qk_scale if ops.q_scale is None else ops.q_scale.to(q.dtype)
         if packed:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, noop_mask
 
-from attn.call import _validate_qkv, attend
+from attn.call import _check_positive_int_or_none, _validate_qkv, attend
 from attn.masks import Band, Blocks
 # the helpers the core shares live in attn.mods; these names stay importable from here
 from attn.mods import captured_tensors, mask_mod_blocks, mask_mod_kinds, union_blocks  # noqa: F401
@@ -164,8 +164,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
     for name, n in (("B", B), ("H", H)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
-            raise ValueError(f"{name} must be a positive int or None, got {n!r}")
+        _check_positive_int_or_none(name, n)
     bm, bn = _block_size(BLOCK_SIZE)
     if device is None:
         device = _mod_device(mask_mod) or torch.get_default_device()
