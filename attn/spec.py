@@ -119,6 +119,18 @@ class Operands(NamedTuple):
     q_scale: Tensor | None = None
 
 
+def operands_of(caller: str, operands: Operands | None, **keywords) -> Operands:
+    """A backend's public function's optional tensors: the ``operands`` bundle, or the older
+    keyword form (``attn_mask=``, ``sinks=``, ...), never both (TypeError naming ``caller``)."""
+    if operands is None:
+        return Operands(**keywords)
+    given = [name for name, t in keywords.items()
+             if t is not None and not (isinstance(t, tuple) and not t)]
+    if given:
+        raise TypeError(f"{caller}: pass {', '.join(given)} inside operands, not beside it")
+    return operands
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation (and lse) dtype of a call in ``dtype``: float64 stays, every other
     dtype accumulates in float32."""

@@ -174,3 +174,23 @@ def test_top_left_band_is_torch_is_causal():
     band = Band(offset=0, right=0)
     keep = band.mask(torch.arange(3), torch.arange(5))
     assert torch.equal(keep, torch.ones(3, 5, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+def test_backend_function_takes_operands_or_keywords_not_both(backend):
+    """The backends' public functions take the optional tensors as one Operands bundle or in
+    the older keyword form; both at once is a TypeError naming the function and the keyword."""
+    from attn.spec import LaunchSpec, Operands
+
+    if backend == "tiled":
+        from attn.tiled import tiled_attention as fn
+    else:
+        pytest.importorskip("triton")
+        from attn.flash_triton import triton_attention as fn
+    q = k = v = torch.randn(1, 2, 4, 8)
+    sinks = torch.zeros(2)
+    with pytest.raises(TypeError, match=rf"{fn.__name__}: pass sinks inside operands"):
+        fn(q, k, v, LaunchSpec(qk_scale=1.0), Operands(), sinks=sinks)
+    ref = attn.attention(q, k, v, sinks=sinks, backend="reference")
+    out, _ = fn(q, k, v, LaunchSpec(qk_scale=8 ** -0.5), sinks=sinks)
+    torch.testing.assert_close(out, ref)

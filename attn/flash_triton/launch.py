@@ -24,7 +24,7 @@ from attn.flash_triton.kernels import _INTERPRET
 from attn.flash_triton.tune import _tune_n
 from attn.grads import Grads, sink_grad
 from attn.masks import Band, as_4d
-from attn.spec import LaunchSpec, Operands
+from attn.spec import LaunchSpec, Operands, operands_of
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -408,17 +408,6 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None
 
 
-def _operands(operands: Operands | None, **keywords) -> Operands:
-    """The call's Operands, from the bundle or from the keywords of the older form (not both)."""
-    if operands is None:
-        return Operands(**keywords)
-    given = [name for name, t in keywords.items() if t is not None]
-    if given:
-        raise TypeError(f"triton_attention: pass {', '.join(given)} inside operands, not "
-                        f"beside it")
-    return operands
-
-
 def triton_attention(
     q: Tensor,
     k: Tensor,
@@ -448,7 +437,8 @@ def triton_attention(
     Dv) → out (total_q, H, Dv), lse (H, total_q); the band per sequence from its bottom-right
     corner, ALiBi slopes (sequences, H), dropout drawn with sequence b as batch row b.
     """
-    ops = _operands(operands, attn_mask=attn_mask, softcap=softcap, sinks=sinks, alibi=alibi)
+    ops = operands_of("triton_attention", operands, attn_mask=attn_mask, softcap=softcap,
+                      sinks=sinks, alibi=alibi)
     if ops.captured:
         raise NotImplementedError("triton: a score_mod's captured tensors (use tiled)")
     if ops.cu_seqlens_q is not None:

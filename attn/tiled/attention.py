@@ -11,7 +11,7 @@ from torch import Tensor
 from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import as_4d
-from attn.spec import LaunchSpec, Operands
+from attn.spec import LaunchSpec, Operands, operands_of
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm
@@ -351,11 +351,8 @@ def tiled_attention(
     ``spec.block_m`` / ``block_n`` where set, else the config's, and a callable
     ``spec.mask_blocks`` (see :func:`attn.mods.mod_spec`) is called here at those sizes.
     """
-    if operands is None:
-        operands = Operands(attn_mask, sinks, softcap, alibi, tuple(captured))
-    elif captured or any(t is not None for t in (attn_mask, softcap, sinks, alibi)):
-        raise TypeError("tiled_attention: pass the optional tensors either as operands or as "
-                        "keywords (attn_mask, softcap, sinks, captured, alibi), not both")
+    operands = operands_of("tiled_attention", operands, attn_mask=attn_mask, softcap=softcap,
+                           sinks=sinks, captured=tuple(captured), alibi=alibi)
     _check_operands(operands)
     if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
         mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
