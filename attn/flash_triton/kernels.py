@@ -2,8 +2,8 @@
 
 Tile loads, the score pipeline (scale, softcap, ALiBi, band, attn_mask), the dropout hash,
 the stage split of a block's walk, and the inner loops over the other axis: ``_fwd_inner``
-(online softmax), ``_dkdv_inner`` (key-resident backward), ``_dq_inner`` and ``_delta_inner``
-(query-resident backward). ``_INTERPRET`` is decided here, at import: triton picks
+(online softmax), ``_dkdv_inner`` (key-resident backward) and ``_dq_inner`` (query-resident
+backward: dQ, or the Δ of saturated rows). ``_INTERPRET`` is decided here, at import: triton picks
 interpreter or compiler when a kernel is decorated.
 """
 
@@ -54,7 +54,7 @@ if _INTERPRET:
 # (exact products of 16- and 32-bit floats, see _dot).
 _DOT_UPCAST = tl.constexpr(_INTERPRET)
 # A row whose denominator l (relative to its max, natural log) is within this of 1: its
-# softmax is saturated (one P ≈ 1) and the backward takes Δ = Σ P·dP (see _delta_inner)
+# softmax is saturated (one P ≈ 1) and the backward takes Δ = Σ P·dP (see _dq_inner)
 _SATURATED_LOGL = tl.constexpr(SATURATED_LOG2L * 0.6931471805599453)
 
 
@@ -146,16 +146,16 @@ def _dropout_scale(DROP, om, on):
 
 
 @triton.jit
-def _drop_ctx(off_b, off_h, drop_seed, drop_threshold, inv_keep, drop_row0, drop_col0,
-              drop_heads, drop_head0, HAS_DROPOUT: tl.constexpr):
+def _drop_ctx(off_b, off_h, drop_seed, DR, HAS_DROPOUT: tl.constexpr):
     """One (batch, head)'s dropout context: the hash of its *global* index b·H + h (H and h
     of the whole computation: a head shard draws the unsharded mask), threshold, scale,
-    and the global position of this call's first query and key."""
+    and the global position of this call's first query and key. ``DR``: (threshold,
+    1 / keep, first query, first key, heads in all, first head), the launcher's order."""
     h_bh = 0
     if HAS_DROPOUT:
-        bh = off_b * drop_heads + drop_head0 + off_h
+        bh = off_b * DR[4] + DR[5] + off_h
         h_bh = _mix32(bh.to(tl.uint32) ^ _mix32(drop_seed.to(tl.uint32)))
-    return (h_bh, drop_threshold, inv_keep, drop_row0, drop_col0)
+    return (h_bh, DR[0], DR[1], DR[2], DR[3])
 
 
 @triton.jit
@@ -189,6 +189,15 @@ def _load_cols(P, offs, STRIDES, N, DIM: tl.constexpr, BLOCK: tl.constexpr,
     offs_d = tl.arange(0, BLOCK)
     return _load(P + offs[None, :] * stride_n + offs_d[:, None] * stride_d,
                  offs[None, :] < N, offs_d[:, None] < DIM, MASKED, BLOCK != DIM)
+
+
+@triton.jit
+def _store_rows(P, offs, STRIDES, N, val, DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """``val`` (len(offs), BLOCK) into rows ``offs`` of a (N, DIM) matrix, in P's dtype."""
+    stride_n, stride_d = STRIDES
+    offs_d = tl.arange(0, BLOCK)
+    tl.store(P + offs[:, None] * stride_n + offs_d[None, :] * stride_d,
+             val.to(P.dtype.element_ty), mask=(offs[:, None] < N) & (offs_d[None, :] < DIM))
 
 
 @triton.jit
@@ -357,71 +366,42 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope,
 
 
 @triton.jit
-def _p_dp(q, do, lse, K, V, offs_m, offs_n, cap, slope, scale, KSTR, VSTR, MASK, BAND, DROP,
-          HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-          BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, BANDED: tl.constexpr,
-          MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-          HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key tile of the dQ loops: Kᵀ, P recomputed from lse, dP = dO Vᵀ (dropout-scaled)
-    and the softcap's tanh, shared by ``_dq_inner`` and ``_delta_inner``."""
-    kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
-                             HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
-                             HAS_ALIBI, DOT_PRECISION)
-    p = tl.exp(s - lse[:, None])
-    vT = _load_cols(V, offs_n, VSTR, BAND[1], HEAD_DIM_V, BLOCK_DV, MASKED)
-    dp = _dot(do, vT, None, DOT_PRECISION)
-    if HAS_DROPOUT:
-        dp = dp * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
-    return kT, p, dp, t
-
-
-@triton.jit
-def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK,
-              BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR,
+              MASK, BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, DELTA_PASS: tl.constexpr):
+    """The query-resident backward over key tiles [lo, hi): P recomputed from lse and
+    dP = dO Vᵀ (dropout-scaled), then either ``dq += dS K`` with dS = P ∘ (dP − Δ), ``delta``
+    holding each row's Δ, or, with ``DELTA_PASS``, ``delta += Σ_j p_ij dp_ij`` and
+    ``psum += Σ_j p_ij`` (``dq`` untouched). The two share one P and dP so that the Δ pass
+    sums exactly what dQ multiplies: Δ = rowsum(dO ∘ O) equals Σ P·dP only up to rounding,
+    and at a saturated row (one P ≈ 1) the exact dS is ~0 while the rounding gap, times
+    scale·K in dQ and scale·Q in dK, would be the whole gradient. The caller divides the
+    pass's sum by Σ P: at logits of 1e3 and up, P recomputed from one float32 lse is off by
+    a common factor of up to e^(ulp(lse)), which the quotient cancels."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # -- recompute P from lse; dS = P ∘ (dP − Δ) --
-        kT, p, dp, t = _p_dp(q, do, lse, K, V, offs_m, offs_n, cap, slope, scale, KSTR, VSTR,
-                             MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED,
-                             BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                             DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        if MASKED or MASK_KIND != 0:
-            # a masked key has dS = 0, but 0·NaN would still reach dQ: a non-finite key
-            # enters dQ as 0 (a row that sees it has a NaN dS anyway)
-            kT = tl.where(tl.abs(kT) < float("inf"), kT, 0.0)
-        # -- dQ += dS K --
-        dq = _dot(ds.to(kT.dtype), tl.trans(kT), dq, DOT_PRECISION)
-    return dq
-
-
-@triton.jit
-def _delta_inner(delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK,
-                 BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """``delta += Σ_j p_ij dp_ij`` and ``psum += Σ_j p_ij`` over key tiles [lo, hi), P and
-    dP (dropout-scaled) formed exactly as ``_dq_inner`` forms them. Δ = rowsum(dO ∘ O)
-    equals Σ P·dP only up to rounding; at a saturated row (one P ≈ 1) the exact
-    dS = P ∘ (dP − Δ) is ~0, and the rounding gap, times scale·K in dQ and scale·Q in dK,
-    would be the whole gradient. The caller divides by Σ P: at logits of 1e3 and up, P
-    recomputed from one float32 lse is off by a common factor of up to e^(ulp(lse)), which
-    the quotient cancels."""
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT, p, dp, t = _p_dp(q, do, lse, K, V, offs_m, offs_n, cap, slope, scale, KSTR, VSTR,
-                             MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED,
-                             BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                             DOT_PRECISION)
-        delta += tl.sum(p * dp, 1)
-        psum += tl.sum(p, 1)
-    return delta, psum
-
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
+                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
+                                 HAS_ALIBI, DOT_PRECISION)
+        p = tl.exp(s - lse[:, None])
+        vT = _load_cols(V, offs_n, VSTR, BAND[1], HEAD_DIM_V, BLOCK_DV, MASKED)
+        dp = _dot(do, vT, None, DOT_PRECISION)
+        if HAS_DROPOUT:
+            dp = dp * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
+        if DELTA_PASS:
+            delta += tl.sum(p * dp, 1)
+            psum += tl.sum(p, 1)
+        else:
+            ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            if MASKED or MASK_KIND != 0:
+                # a masked key has dS = 0, but 0·NaN would still reach dQ: a non-finite key
+                # enters dQ as 0 (a row that sees it has a NaN dS anyway)
+                kT = tl.where(tl.abs(kT) < float("inf"), kT, 0.0)
+            # -- dQ += dS K --
+            dq = _dot(ds.to(kT.dtype), tl.trans(kT), dq, DOT_PRECISION)
+    return dq, delta, psum

@@ -86,10 +86,13 @@ class _Launch:
     dot_precision: str
     varlen: bool
 
-    def scalars(self) -> tuple:
-        return (self.H, self.group, self.n_q, self.n_k, self.offset, self.left, self.right,
-                self.scale, self.drop_seed, self.drop_threshold, self.inv_keep, self.drop_row0,
-                self.drop_col0, self.drop_heads, self.drop_head0, self.tune_n)
+    def scalars(self) -> dict:
+        """The kernels' scalar arguments by name (DR: dropout's, in _drop_ctx's order)."""
+        dropout = (self.drop_threshold, self.inv_keep, self.drop_row0, self.drop_col0,
+                   self.drop_heads, self.drop_head0)
+        return dict(H=self.H, GROUP=self.group, N_Q=self.n_q, N_K=self.n_k, offset=self.offset,
+                    left=self.left, right=self.right, scale=self.scale,
+                    drop_seed=self.drop_seed, DR=dropout, TUNE_N=self.tune_n)
 
     def constexprs(self) -> dict:
         # head dims are padded to powers of two inside the kernels (masked loads), not in memory
@@ -193,8 +196,7 @@ def _value_offsets(v: Tensor, L: _Launch, ops: Operands) -> dict:
             voff["VMax"] = torch.segment_reduce(voff["VMax"], "max",
                                                 offsets=ops.cu_seqlens_k.long(), axis=0,
                                                 unsafe=True, initial=0.0)  # (sequences, Hkv)
-    strides = voff["VMax"].stride() if voff["V_OFFSET"] else (0, 0)
-    return dict(voff, stride_vmb=strides[0], stride_vmh=strides[1])
+    return dict(voff, VMS=voff["VMax"].stride() if voff["V_OFFSET"] else (0, 0))
 
 
 def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
@@ -230,8 +232,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
     _attn_fwd[grid](
         q, k, v, out, lse, logl, mask, q if sinks is None else sinks,
         q if softcap is None else softcap, slopes, *L.cu_seqlens(q, ops),
-        *L.strides(q), *L.strides(k), *L.strides(v), *L.strides(out), *mask_strides,
-        *slope_strides, *L.row_strides(lse), *L.scalars(), HAS_SINKS=sinks is not None,
+        QS=L.strides(q), KS=L.strides(k), VS=L.strides(v), OS=L.strides(out), MS=mask_strides,
+        AS=slope_strides, LS=L.row_strides(lse), **L.scalars(), HAS_SINKS=sinks is not None,
         **_value_offsets(v, L, ops), **L.constexprs())
     return (out, lse, logl) if want_logl else (out, lse)
 
@@ -246,7 +248,7 @@ def _delta(do: Tensor, dlse: Tensor | None, out: Tensor, L: _Launch) -> Tensor:
     pre_block = 32 if _INTERPRET else 64
     _attn_bwd_preprocess[(triton.cdiv(L.n_q, pre_block), L.batch * L.H)](
         out, do, delta if dlse is None else dlse.contiguous(), delta,
-        *out.stride(), *do.stride(), L.H, L.n_q, HEAD_DIM_V=L.head_dim_v, BLOCK_DV=L.block_dv,
+        out.stride(), do.stride(), L.H, L.n_q, HEAD_DIM_V=L.head_dim_v, BLOCK_DV=L.block_dv,
         HAS_DLSE=dlse is not None, BLOCK_M=pre_block)
     return delta
 
@@ -277,24 +279,24 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     min_bn = min(c.kwargs["BLOCK_N"] for c in _attn_bwd_dkdv.configs)
     n_part = triton.cdiv(L.n_k, min_bn) if softcap is not None else 1
     dcap_part = torch.zeros(n_part, L.batch * L.H, dtype=torch.float32, device=q.device)
-    tensors = (*L.cu_seqlens(q, ops), *L.strides(q), *L.strides(k), *L.strides(v),
-               *L.strides(do))
-    rest = (*mask_strides, *slope_strides, *L.row_strides(lse), *L.scalars())
+    cu_q, cu_k = L.cu_seqlens(q, ops)
+    shared = dict(CuQ=cu_q, CuK=cu_k, QS=L.strides(q), KS=L.strides(k), VS=L.strides(v),
+                  OS=L.strides(do), MS=mask_strides, AS=slope_strides, LS=L.row_strides(lse),
+                  **L.scalars(), **L.constexprs())
     grid_q = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
     if logl is not None:  # Δ of the blocks holding a saturated row, over the preprocessing's
         _attn_bwd_dq[grid_q](
             q, k, v, do, dq, lse, delta, mask, cap, slopes, lse if sinks is None else sinks,
-            *tensors, *L.strides(dq), *rest, logl.contiguous(),
-            delta if dlse is None else dlse.contiguous(), **L.constexprs(), DELTA_PASS=True,
-            HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None)
+            LogL=logl.contiguous(), DLse=delta if dlse is None else dlse.contiguous(),
+            GS=L.strides(dq), DELTA_PASS=True, HAS_DLSE=dlse is not None,
+            HAS_SINKS=sinks is not None, **shared)
     n_kv = L.batch * (L.H // L.group)
     grid_kv = lambda meta: (triton.cdiv(L.n_k, meta["BLOCK_N"]), n_kv)  # noqa: E731
-    _attn_bwd_dkdv[grid_kv](
-        q, k, v, do, dk, dv, lse, delta, mask, cap, slopes, dcap_part, *tensors,
-        *L.strides(dk), *L.strides(dv), *rest, **L.constexprs())
-    _attn_bwd_dq[grid_q](
-        q, k, v, do, dq, lse, delta, mask, cap, slopes, lse, *tensors, *L.strides(dq), *rest,
-        lse, lse, **L.constexprs(), DELTA_PASS=False, HAS_DLSE=False, HAS_SINKS=False)
+    _attn_bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, mask, cap, slopes, dcap_part,
+                            GS=L.strides(dk), GVS=L.strides(dv), **shared)
+    _attn_bwd_dq[grid_q](q, k, v, do, dq, lse, delta, mask, cap, slopes, lse, LogL=lse,
+                         DLse=lse, GS=L.strides(dq), DELTA_PASS=False, HAS_DLSE=False,
+                         HAS_SINKS=False, **shared)
     dcap = None
     if need_dcap and softcap is not None:
         dcap = dcap_part.view(-1, L.batch, L.H).sum(dim=(0, 1))
