@@ -5,7 +5,7 @@ program walks the key blocks its band allows, keeping the online-softmax state p
 running max ``m_i``, running denominator ``l_i``, rescaled accumulator ``acc`` — and stores
 the log-sum-exp for the backward. Backward (FlashAttention-2): ``Δ = rowsum(dO ∘ O) − dlse``
 (preprocess kernel; query blocks holding a saturated softmax row take Δ = Σ P·dP / Σ P
-from a Δ pass of the dQ kernel instead, see ``_delta_inner``), then dK/dV with the key block resident, looping over the query blocks
+from a Δ pass of the dQ kernel instead, see ``_dq_inner``), then dK/dV with the key block resident, looping over the query blocks
 and over the heads of its GQA group (so dK/dV are summed over the group without atomics),
 and dQ with the query block resident, looping over key blocks. Every program writes its own
 output tile once: the backward is deterministic, there is no ``deterministic`` switch to get
