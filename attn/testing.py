@@ -83,13 +83,21 @@ class Report:
 
 def make_inputs(B: int = 2, H: int = 4, N: int = 128, D: int = 64, *, Hkv: int | None = None,
                 Nk: int | None = None, Dv: int | None = None, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Seeded standard-normal q (B, H, N, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv)."""
+                device: str | torch.device = "cpu", seed: int = 0, logit_scale: float = 1.0
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Seeded standard-normal q (B, H, N, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv).
+
+    ``logit_scale`` multiplies q, so the scores ``q·k·D**-0.5`` have a standard deviation of
+    about ``logit_scale``: at 1 the softmax is mild and forgives a lot; from ~30 the largest
+    float32 scores pass 88, where ``exp`` overflows in a softmax without max-subtraction.
+    """
+    if not logit_scale > 0:
+        raise ValueError(f"logit_scale must be positive, got {logit_scale}")
     g = torch.Generator().manual_seed(seed)
     Hkv, Nk, Dv = Hkv or H, Nk or N, Dv or D
     shapes = [(B, H, N, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)]
-    return tuple(torch.randn(s, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
-                 for s in shapes)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
+    return tuple(t.to(dtype=dtype, device=device) for t in (q * logit_scale, k, v))
 
 
 def _leaf(t: Tensor, dtype: torch.dtype | None, grad: bool) -> Tensor:
@@ -281,3 +289,166 @@ def assert_close_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, **k
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# -- the conformance cases: one attention function against the whole contract ----------------
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the conformance matrix: shapes, attn.attention keywords and what to check.
+
+    ``options`` holds the plain keywords (causal, window, softcap, dropout_p, ...); ``mask``
+    (``"bool"``, ``"float"``, ``"empty rows"``) and ``sinks`` ask for tensors that
+    :meth:`inputs` draws from ``seed``. ``grad`` checks the gradients too, ``lse`` requires and
+    checks the lse; a case with ``dropout_p`` is judged by statistics (:func:`check_dropout`).
+    ``str(case)`` is its name, so ``ids=str`` names pytest's parameters.
+    """
+
+    name: str
+    B: int = 2
+    H: int = 3
+    Nq: int = 17
+    Nk: int | None = None
+    D: int = 16
+    Hkv: int | None = None
+    Dv: int | None = None
+    options: tuple[tuple[str, object], ...] = ()
+    mask: str | None = None
+    sinks: bool = False
+    logit_scale: float = 2.0
+    grad: bool = False
+    lse: bool = False
+    seed: int = 0
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.options)
+
+    def inputs(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+               ) -> tuple[Tensor, Tensor, Tensor, dict]:
+        """q (B, H, Nq, D), k, v and the keywords (masks and sinks drawn here, seeded)."""
+        Nk = self.Nk or self.Nq
+        q, k, v = make_inputs(self.B, self.H, self.Nq, self.D, Hkv=self.Hkv, Nk=Nk, Dv=self.Dv,
+                              dtype=dtype, device=device, seed=self.seed,
+                              logit_scale=self.logit_scale)
+        kw = self.kwargs
+        g = torch.Generator().manual_seed(self.seed + 7)
+        if self.mask is not None:
+            keep = torch.rand(self.B, 1, self.Nq, Nk, generator=g) > 0.3
+            keep[..., 0] |= self.mask != "empty rows"  # no accidental empty row ...
+            if self.mask == "empty rows":  # ... except these, on purpose
+                keep[:, :, 1::3] = False
+            if self.mask == "float":
+                bias = torch.randn(self.B, 1, self.Nq, Nk, generator=g, dtype=torch.float64)
+                kw["attn_mask"] = bias.masked_fill(~keep, float("-inf")).to(dtype)
+            else:
+                kw["attn_mask"] = keep
+            kw["attn_mask"] = kw["attn_mask"].to(device)
+        if self.sinks:
+            sinks = torch.randn(self.H, generator=g, dtype=torch.float64).to(dtype)
+            kw["sinks"] = sinks.to(device).requires_grad_(self.grad)
+        return q, k, v, kw
+
+    def check(self, fn: Callable, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> Report | None:
+        """Assert ``fn`` (attn's convention: wrap others with :func:`attn.adapters.adapt`)
+        meets this case: :func:`assert_close_to_reference`, or :func:`check_dropout`."""
+        q, k, v, kw = self.inputs(dtype, device)
+        if kw.get("dropout_p"):
+            problem = check_dropout(fn, q, k, v, **kw)
+            if problem:
+                raise AssertionError(f"{self.name}: {problem}")
+            return None
+        return assert_close_to_reference(fn, q, k, v, grad=self.grad, check_lse=self.lse, **kw)
+
+
+_CASES = (
+    Case("plain"),
+    Case("N=1", Nq=1),
+    Case("N=97", B=1, Nq=97),
+    Case("N=1025", B=1, H=1, Nq=1025),
+    Case("N=1025 causal", B=1, H=1, Nq=1025, options=(("causal", True),)),
+    Case("odd sizes", B=3, H=5, Nq=33, D=40),
+    Case("causal", options=(("causal", True),)),
+    Case("causal Nq<Nk (bottom-right)", Nq=17, Nk=40, options=(("causal", True),)),
+    Case("causal Nq>Nk (bottom-right)", Nq=40, Nk=17, options=(("causal", True),)),
+    Case("Nq<Nk", Nq=17, Nk=97),
+    Case("Nq>Nk", Nq=97, Nk=17),
+    Case("GQA", H=4, Hkv=2),
+    Case("MQA", H=4, Hkv=1),
+    Case("window (8, 0) causal", Nq=40, options=(("causal", True), ("window", (8, 0)))),
+    Case("window (4, 4)", Nq=40, options=(("window", (4, 4)),)),
+    Case("softcap", logit_scale=6.0, options=(("softcap", 5.0),)),
+    Case("sinks", sinks=True),
+    Case("mask bool", mask="bool"),
+    Case("mask float", mask="float"),
+    Case("fully masked rows", mask="empty rows"),
+    Case("huge logits", logit_scale=300.0),
+    Case("dropout", B=1, H=2, options=(("dropout_p", 0.3),)),
+    Case("scale", options=(("scale", 0.3),)),
+    Case("gradients", grad=True),
+    Case("gradients causal GQA", H=4, Hkv=2, Nq=23, grad=True,
+         options=(("causal", True),)),
+    Case("gradients sinks", sinks=True, grad=True),
+    Case("lse", lse=True, options=(("causal", True),)),
+    Case("lse fully masked rows", mask="empty rows", lse=True),
+)
+
+
+def conformance_cases(names: list[str] | tuple[str, ...] | None = None, *,
+                      quick: bool = False) -> list[Case]:
+    """The conformance matrix's cases (``attn check``'s rows), for ``pytest.mark.parametrize``::
+
+        @pytest.mark.parametrize("case", conformance_cases(), ids=str)
+        def test_my_attention(case):
+            case.check(my_attention)          # AssertionError with the error table if wrong
+
+    ``names`` picks cases by name (ValueError naming unknown ones); ``quick`` leaves out the
+    N = 1025 rows. Rows your function cannot express raise its own error (TypeError,
+    NotImplementedError): skip those in your test, or let ``attn check`` sort them out.
+    """
+    cases = [c for c in _CASES if not (quick and c.Nq >= 1025)]
+    if names is None:
+        return cases
+    known = {c.name: c for c in cases}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"names: no conformance case {unknown}; the cases are {list(known)}")
+    return [known[n] for n in names]
+
+
+def check_dropout(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float,
+                  samples: int = 64, **kwargs) -> str | None:
+    """Dropout judged by its statistics, since its mask is ``fn``'s own: over ``samples``
+    seeded calls the outputs must vary, and their mean must be the exact (no-dropout) output
+    within 5 standard errors per entry (inverted dropout keeps the mean). None when it holds,
+    else what is wrong."""
+    from attn.api import attention
+
+    exact = attention(*(t.detach().to(torch.float64) for t in (q, k, v)),
+                      **{n: (t.detach().to(torch.float64) if isinstance(t, Tensor)
+                             and t.is_floating_point() else t) for n, t in kwargs.items()},
+                      backend="reference")
+    outs = []
+    with torch.no_grad():
+        for s in range(samples):
+            torch.manual_seed(s)
+            res = fn(q, k, v, dropout_p=dropout_p, **kwargs)
+            outs.append((res[0] if isinstance(res, (tuple, list)) else res).to(torch.float64))
+    outs = torch.stack(outs)
+    if not torch.isfinite(outs).all():
+        return "the outputs hold NaN or inf"
+    spread = outs.std(dim=0)
+    if spread.max().item() == 0.0:
+        return f"dropout_p={dropout_p} changed nothing: every seed gave the same output"
+    mean_err = (outs.mean(dim=0) - exact).abs()
+    bound = 5 * spread / samples ** 0.5 + _FLOOR[q.dtype] * max(1.0, exact.abs().max().item())
+    worst = (mean_err / bound).max().item()
+    if worst > 1.0:
+        return (f"the mean of {samples} dropout outputs is {worst:.1f}x further from the exact "
+                f"output than 5 standard errors (max |mean - exact| "
+                f"{mean_err.max().item():.3e}): is the kept probability rescaled by 1/(1-p)?")
+    return None

@@ -10,6 +10,7 @@
     attn bench hf --context 2048 8192   # a transformers Llama with attn, sdpa and eager
     attn bench train-step               # one GPT training step: peak memory and time
     attn bench context-parallel --world-sizes 1 2 4 --n 2048 8192 32768
+    attn check mypkg.mod:my_attention   # the conformance matrix on your function (--json)
 """
 
 from __future__ import annotations
@@ -147,7 +148,54 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
                                  "per rank, time per step, communication share"))
     for kind, what in _QUESTIONS.items():
         _question(kind).add_arguments(kinds.add_parser(kind, help=what))
+    _add_check_args(sub.add_parser(
+        "check", help="run the conformance matrix on your attention function: each case "
+                      "correct, not supported, wrong (diagnosed) or NaN"))
     return parser
+
+
+def _add_check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("targets", nargs="+", metavar="TARGET",
+                   help="module:function or path/to/file.py:function (several: one table "
+                        "each, and --markdown compares them)")
+    p.add_argument("--style", default="auto", choices=("auto", "attn", "torch", "flash", "hf"),
+                   help="keyword names and return convention (default: from the signature)")
+    p.add_argument("--layout", default=None, choices=("bhnd", "bnhd"),
+                   help="layout of q, k, v and out (default: the style's, bnhd for flash)")
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--cases", nargs="+", default=None, metavar="NAME",
+                   help="run only these cases (names as in the table)")
+    p.add_argument("--quick", action="store_true", help="leave out the N = 1025 cases")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--markdown", type=Path, default=None,
+                   help="also write the comparison table (a column per target) to this file")
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """``attn check``: exit 0 when every supported case is correct, 1 otherwise, 2 when a
+    target cannot be loaded."""
+    import json
+
+    from attn import conformance
+    from attn.testing import conformance_cases
+
+    try:
+        cases = conformance_cases(args.cases, quick=args.quick)
+        results = [conformance.check(t, style=args.style, layout=args.layout,
+                                     dtype=DTYPES[args.dtype], device=args.device, cases=cases)
+                   for t in args.targets]
+    except ValueError as e:
+        print(f"attn check: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results] if len(results) > 1
+                         else results[0].as_dict(), indent=1))
+    else:
+        print("\n\n".join(r.table() for r in results))
+    if args.markdown is not None:
+        args.markdown.write_text(conformance.comparison_markdown(results) + "\n")
+    return 0 if all(r.ok for r in results) else 1
 
 
 # The benchmark questions with a module of their own (attn.bench.<kind, '-' as '_'>), each
@@ -328,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             print(f"attn bench speed --preset triton: {why}", file=sys.stderr)
             return 2
+    if first.command == "check":
+        return run_check(first)
     args = parse_args(argv)
     if args.command == "bench" and args.kind == "speed" and args.paired:
         from attn.bench import paired
