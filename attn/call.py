@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from attn import mods, tiled
+from attn.tiled.plan import cpu_path_reason
 from attn.masks import Band, simplify_mask
 from attn.reference import reference_attention, reference_packed
 from attn.sdpa import sdpa_attention
@@ -131,17 +132,23 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
                 f"backend={requested!r} cannot compute this call: {why}. "
                 f"backend='tiled' and backend='reference' support every variant.")
         if requested == "tiled":
-            return BackendChoice("tiled", "requested explicitly; "
-                                          f"{tiled.fused_path_reason(call.device)}")
+            return BackendChoice("tiled", f"requested explicitly; {_tiled_reason(call)}")
         return BackendChoice(requested, "requested explicitly")
     if call.device != "cuda":
         return BackendChoice("tiled", f"auto: tiled on {call.device} (triton needs CUDA); "
-                                      f"{tiled.fused_path_reason(call.device)}")
+                                      f"{_tiled_reason(call)}")
     why = _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
     if why is None:
         return BackendChoice("triton", "auto: triton on CUDA")
     return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}; "
-                                  f"{tiled.fused_path_reason(call.device)}")
+                                  f"{_tiled_reason(call)}")
+
+
+def _tiled_reason(call: AttentionCall) -> str:
+    """The tiled path a call will take: steps and GEMM engine, and how the call is cut."""
+    split = not (call.mask_mod or call.varlen)
+    return (f"{tiled.fused_path_reason(call.device)}; "
+            f"{cpu_path_reason(call.device, call.n_q, call.n_k, split_allowed=split)}")
 
 
 # -- validation --------------------------------------------------------------------------------

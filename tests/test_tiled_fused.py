@@ -175,8 +175,8 @@ def test_batch_chunks_match_one_call(monkeypatch, case):
             (1 if tile_bytes > 1 else 3)
         # the launchers plan the call below with this config
         monkeypatch.setattr(tiled.attention, "_plan",
-                            lambda q, k, spec, v=None, _config=None, config=config:
-                            real(q, k, spec, v, config))
+                            lambda q, k, spec, v=None, _config=None, config=config, **kw:
+                            real(q, k, spec, v, config, **kw))
         torch.manual_seed(3)
         out, lse = _tiled()(q, k, v, return_lse=True, **kw)
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, 16)).sum() + lse.sum(), leaves)

@@ -30,23 +30,24 @@ def _inputs(B=2, H=4, Hkv=2, Nq=45, Nk=70, D=16, seed=0, dtype=torch.float32):
 @pytest.fixture(params=["in-order", "workers"])
 def units(request, monkeypatch):
     """The unit path forced on small calls (tiles of 16 rows x 32 keys); ``workers`` also
-    sends every call to the worker threads. Yields (engine, parallel, chunks) per call. The
-    launchers plan every call with this config (the spy passes it in place of the default)."""
+    sends every call's items to the worker threads (``in-order``: on the caller). Yields
+    (engine, threads, chunks) per call. The launchers plan every call with this config (the
+    spy passes it in place of the default)."""
     monkeypatch.setenv("ATTN_TILED_GEMM", "onednn")
     workers = request.param == "workers"
     config = tiled.TileConfig(unit_rows=16, unit_block_n=32, unit_min_rows=1, unit_min_keys=1,
-                              unit_max_partial=1.0, pool_min_scores=0 if workers else 1 << 62)
+                              unit_max_partial=1.0, serial_max_scores=0 if workers else 1 << 62)
     plans = []
     real = tiled._plan
 
-    def spy(q, k, spec, v=None, _config=None):
-        plan = real(q, k, spec, v, config)
-        plans.append((plan.engine, plan.parallel, len(plan.chunks)))
+    def spy(q, k, spec, v=None, _config=None, *, backward=False):
+        plan = real(q, k, spec, v, config, backward=backward)
+        plans.append((plan.engine, plan.threads, len(plan.chunks)))
         return plan
     monkeypatch.setattr(tiled.attention, "_plan", spy)
     yield plans
     assert plans, "no call planned"
-    assert all(p[0] == "onednn" and p[1] == workers for p in plans), plans
+    assert all(p[0] == "onednn" and p[1] == (None if workers else 1) for p in plans), plans
 
 
 def _tiled(q, k, v, **kw):
@@ -134,7 +135,8 @@ def test_mm_nt_any_layout(shapes):
 
 
 def test_worker_threads_run_one_intra_op_thread_each(monkeypatch):
-    """The workers run with one intra-op thread; the caller keeps its count."""
+    """Every thread that runs items, the caller included, runs them with one intra-op
+    thread and the caller's grad mode; the caller has its own count back afterwards."""
     if not cpu.openmp_threads():
         pytest.skip("workers are only used with OpenMP intra-op threads")
     before = torch.get_num_threads()
@@ -148,12 +150,14 @@ def test_worker_threads_run_one_intra_op_thread_each(monkeypatch):
     torch.set_num_threads(2)
     try:
         with torch.no_grad():
-            cpu.run_units(job, range(6), parallel=True)
+            cpu.run_items(job, 6)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     assert len(seen) == 6
-    assert all(name.startswith("attn-cpu") and n == 1 and not grad for name, n, grad in seen)
+    caller = threading.current_thread().name
+    assert all((name.startswith("attn-cpu") or name == caller) and n == 1 and not grad
+               for name, n, grad in seen), seen
 
 
 def test_worker_exception_reaches_the_caller():
@@ -164,7 +168,7 @@ def test_worker_exception_reaches_the_caller():
         if i == 3:
             raise ValueError("unit 3 failed")
     with pytest.raises(ValueError, match="unit 3 failed"):
-        cpu.run_units(job, range(5), parallel=True)
+        cpu.run_items(job, 5, threads=2)
 
 
 def test_engine_switch_and_reason(monkeypatch):
@@ -200,7 +204,7 @@ def test_auto_keeps_bmm_where_onednn_is_not_faster(monkeypatch):
 
 def test_plan_rules(monkeypatch):
     """Large calls take units; decoding, float64, programmable masks and mostly-partial
-    bands stay batched; the workers only for calls past pool_min_scores."""
+    bands stay batched; only tiny calls run their items in order on the caller."""
     monkeypatch.setenv("ATTN_TILED_GEMM", "onednn")
     spec = tiled.LaunchSpec(qk_scale=1.0)
     cfg = tiled.TileConfig()  # the defaults
@@ -209,9 +213,9 @@ def test_plan_rules(monkeypatch):
         q = torch.empty(1, H, Nq, 64, dtype=dtype)
         return tiled._plan(q, torch.empty(1, Hkv, Nk, 64, dtype=dtype), spec)
     p = plan()
-    assert p.engine == "onednn" and len(p.chunks) == 8 and not p.parallel
+    assert p.engine == "onednn" and len(p.chunks) == 8 and p.threads is None
     assert (p.spec.block_m, p.spec.block_n) == (cfg.unit_rows, cfg.unit_block_n)
-    assert plan(Nq=4096, Nk=4096).parallel
+    assert plan(Nq=8, Nk=8).threads == 1  # 8 heads x 64 scores: in order on the caller
     assert plan(Nq=8192, Nk=8192).spec.block_m == cfg.unit_rows_full  # no band: taller tiles
     assert plan(Nq=4096, Nk=4096).spec.block_m == cfg.unit_rows
     assert plan(H=8, Hkv=2).spec.block_m == cfg.unit_rows // 4  # G·BM rows per tile

@@ -3,7 +3,9 @@ plan cuts a call), one ``torch.autograd.Function``, and the public :func:`tiled_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -15,10 +17,13 @@ from attn.spec import LaunchSpec, Operands, operands_of
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm
-from attn.tiled.plan import DEFAULT, TileConfig, _blocks, _Chunk, _plan
+from attn.merge import _merge_trusted
+from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _Chunk, _plan, backward_runs,
+                             forward_items)
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps, _fwd_tile,
                               _fwd_tile_fused, _run_fused)
-from attn.tiled.tile import LN2, LOG2E, _finite_or_zero, _Tile, _values_may_overflow
+from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
+                             _values_may_overflow)
 
 _NO_OPERANDS = Operands()
 
@@ -35,6 +40,26 @@ def _check_operands(ops: Operands) -> None:
         raise ValueError("tiled: fold operands.q_scale into q first (attn.call.run does)")
 
 
+class _Facts(NamedTuple):
+    """What the tiles of a call need to know about its values, asked once per call (a pass
+    over q, k, v each): whether every q·k is surely finite (masks may then be additive) and
+    whether Σ p·v may overflow (the forward then looks at each tile's values)."""
+    finite_scores: bool
+    values_may_overflow: bool
+
+
+def _facts(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
+           per_tile_values: bool = False) -> _Facts:
+    """The call's :class:`_Facts`: the scores are looked at only where something masks
+    (unmasked calls never need the answer); ``per_tile_values`` leaves the values to each
+    tile (:meth:`_Tile.value_offset`: the same bits, read where the tile is read anyway)."""
+    masked = (not spec.local_band().is_full or ops.attn_mask is not None
+              or spec.mask_mod is not None)
+    finite = _scores_finite(q, k, spec) if masked else True
+    overflow = True if per_tile_values else _values_may_overflow(v, k.shape[2])
+    return _Facts(finite, overflow)
+
+
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
          want_lse2: bool = False, config: TileConfig = DEFAULT
          ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
@@ -43,7 +68,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     two parts (pass it to :func:`_bwd` as ``lse2``). Rows with no key: (-inf, 0).
     ``ops``: the call's optional tensors (the mask, sinks, a learnable softcap, ALiBi slopes,
     a score_mod's captures); ``config``: how the call is cut (block sizes where ``spec`` has
-    none, chunks, units)."""
+    none, chunks, work items)."""
     _check_operands(ops)
     B, H, Nq, _ = q.shape
     acc_dtype = _acc_dtype(q.dtype)
@@ -52,36 +77,102 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     lse2 = torch.empty(B, H, Nq, 2, dtype=acc_dtype, device=q.device)  # (m, log2 l)
     plan = _plan(q, k, spec, v, config)
     packed = spec.alibi_rows is not None
+    with _caller(plan):  # its own passes too run on one thread: no parallel region
+        facts = _facts(q, k, v, spec, ops, per_tile_values=plan.kv_chunk is not None)
+        if plan.kv_chunk is not None:
+            _fwd_split(q, k, v, plan, ops, facts, out, lse, lse2)
+            return (out, lse, lse2) if want_lse2 else (out, lse)
+    items = forward_items(plan)
 
-    def run(c: _Chunk) -> None:  # each chunk writes its part of the outputs
+    def run(i: int) -> None:  # each item writes its rows of the outputs
+        ci, bi = items[i]
+        c = plan.chunks[ci]
         _fwd_rows(c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.operands(ops, packed),
-                  c.bh(out), c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine)
+                  c.bh(out), c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine,
+                  blocks=plan.blocks[bi:bi + 1], facts=facts)
 
-    cpu.run_units(run, plan.chunks, parallel=plan.parallel)
+    cpu.run_items(run, len(items), threads=plan.threads)
     return (out, lse, lse2) if want_lse2 else (out, lse)
 
 
+def _caller(plan) -> contextlib.AbstractContextManager:
+    """The calling thread's own work of a call on the items path (checks before the items,
+    merges after them) runs with one intra-op thread: the call's one parallel region is
+    its items'."""
+    return cpu.single_thread() if plan.threads != 0 else contextlib.nullcontext()
+
+
+def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Facts,
+               out: Tensor, lse: Tensor, lse2: Tensor) -> None:
+    """Split-KV decoding: items are (chunk, key range) pairs over all of a chunk's heads (a
+    GQA group reads each K/V range once); each writes a partial output and lse in the
+    accumulation dtype, and the partials are merged in key order (with the sinks as one
+    more partial of value 0), so the bits do not depend on which item finished first.
+    lse2 = (lse·log2 e, 0): the backward then takes Δ from the tiles (exact)."""
+    B, H, Nq, _ = q.shape
+    Nk, Dv = k.shape[2], v.shape[-1]
+    acc_dtype = lse.dtype
+    step = plan.kv_chunk
+    ranges = [(n0, min(n0 + step, Nk)) for n0 in range(0, Nk, step)]
+    parts_out = torch.empty(len(ranges), B, H, Nq, Dv, dtype=acc_dtype, device=q.device)
+    parts_lse = torch.empty(len(ranges), B, H, Nq, dtype=acc_dtype, device=q.device)
+    scratch = torch.empty(len(ranges), B, H, Nq, 2, dtype=acc_dtype, device=q.device)
+    packed = plan.spec.alibi_rows is not None
+    no_sinks = ops._replace(sinks=None)
+    items = [(ci, r) for r in range(len(ranges)) for ci in range(len(plan.chunks))]
+
+    def run(i: int) -> None:
+        ci, r = items[i]
+        c, (n0, n1) = plan.chunks[ci], ranges[r]
+        cops = c.operands(no_sinks, packed)
+        mask = cops.attn_mask
+        if mask is not None:
+            m4 = as_4d(mask)
+            cops = cops._replace(attn_mask=m4[..., n0:n1] if m4.shape[3] != 1 else m4)
+        spec = dataclasses.replace(c.spec(plan.spec), block_n=step).shard(k_start=n0)
+        _fwd_rows(c.bh(q), c.kv(k)[:, :, n0:n1], c.kv(v)[:, :, n0:n1], spec, cops,
+                  c.bh(parts_out[r]), c.bh(parts_lse[r]), c.bh(scratch[r]), b0=c.b0,
+                  engine=plan.engine, facts=facts)
+
+    cpu.run_items(run, len(items), threads=plan.threads)  # (nested: its own thread rule)
+    outs, lses = list(parts_out.unbind(0)), list(parts_lse.unbind(0))
+    if ops.sinks is not None:  # the sinks join the denominator once, as a key of value 0
+        outs.append(torch.zeros_like(outs[0]))
+        lses.append(ops.sinks.to(acc_dtype).view(1, H, 1).expand(B, H, Nq))
+    merged, merged_lse = _merge_trusted(outs, lses)
+    out.copy_(merged)
+    lse.copy_(merged_lse)
+    lse2[..., 0] = lse * LOG2E
+    lse2[..., 1] = 0.0
+
+
 def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, out: Tensor,
-              lse: Tensor, lse2: Tensor, b0: int = 0, engine: str = "bmm") -> None:
+              lse: Tensor, lse2: Tensor, b0: int = 0, engine: str = "bmm",
+              blocks=None, facts: _Facts | None = None) -> None:
     """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
-    ``b0``: its first batch row's index in the call; ``engine``: the plan's)."""
+    ``b0``: its first batch row's index in the call; ``engine``: the plan's), for the query
+    ``blocks`` given (all of them by default), writing only their rows. ``facts``: the
+    call's (:func:`_facts`), asked here when not given."""
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
     sinks = ops.sinks
+    facts = _facts(q, k, v, spec) if facts is None else facts
     gemm = _Gemm(k, v, acc_dtype, engine)
-    tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0)
+    tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0,
+                 finite_scores=facts.finite_scores)
     sink_rows = None  # in base-2 units, like m_i
     if sinks is not None:
         sink_rows = (sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq)
     # a finite "-inf" start keeps exp(m_i - m_new) and exp(s - m_new) free of inf - inf
     lowest = torch.finfo(acc_dtype).min
-    blocks = _blocks(spec, Nq, Nk)
+    if blocks is None:
+        blocks = _blocks(spec, Nq, Nk).query_blocks()
     fused = _fused_steps(q) and engine == "bmm"
-    tile.values_may_overflow = _values_may_overflow(v, Nk)
+    tile.values_may_overflow = facts.values_may_overflow
 
-    for m0, m1, key_tiles in blocks.query_blocks():
+    for m0, m1, key_tiles in blocks:
         rows = (B * Hkv, G * (m1 - m0), 1)
         # -- init: the sink, when present, is the first "key" of every row --
         if sink_rows is None:
@@ -104,9 +195,10 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         seen = l_i > 0
         out[:, :, m0:m1] = (acc / torch.where(seen, l_i, 1.0)).view(B, H, m1 - m0, Dv)
-        lse2[:, :, m0:m1, 0] = torch.where(seen, m_i, float("-inf")).view(B, H, -1)
-        lse2[:, :, m0:m1, 1] = torch.where(seen, torch.log2(l_i), 0.0).view(B, H, -1)
-    torch.mul(lse2.sum(-1), LN2, out=lse)
+        part = lse2[:, :, m0:m1]
+        part[..., 0] = torch.where(seen, m_i, float("-inf")).view(B, H, -1)
+        part[..., 1] = torch.where(seen, torch.log2(l_i), 0.0).view(B, H, -1)
+        torch.mul(part.sum(-1), LN2, out=lse[:, :, m0:m1])
 
 
 def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, m0: int,
@@ -130,61 +222,104 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
          lse: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
          need_dmask: bool = False, need_dcap: bool = True, lse2: Tensor | None = None,
          config: TileConfig = DEFAULT) -> Grads:
-    """Gradients of one call (chunk by chunk, as :func:`_plan` cuts it): dq, dk,
-    dv always; the float mask's only with ``need_dmask`` (an N x N tensor when the mask
-    is), sinks' when given, the learnable softcap's when given and ``need_dcap``, and those
-    of the tensors ``ops.captured`` by ``spec.score_mod`` (summed tile by tile in a fixed
-    order: deterministic, no atomics). ALiBi's slopes are constants (no gradient of their
-    own). ``lse2``: the forward's two-part base-2 lse (``_fwd(want_lse2=True)``); without it
-    ``lse·log2 e`` stands in, exact up to its rounding. ``config``: the forward's."""
+    """Gradients of one call, as work items of :func:`backward_runs` (a chunk's run of
+    query blocks each): dq, dk, dv always; the float mask's only with ``need_dmask`` (an
+    N x N tensor when the mask is), sinks' when given, the learnable softcap's when given
+    and ``need_dcap``, and those of the tensors ``ops.captured`` by ``spec.score_mod``.
+    Everything summed across items (dK/dV of a chunk's runs, the per-head and mask
+    gradients) is summed in item order afterwards: deterministic, no atomics. ALiBi's
+    slopes are constants (no gradient of their own). ``lse2``: the forward's two-part
+    base-2 lse (``_fwd(want_lse2=True)``); without it ``lse·log2 e`` stands in, exact up to
+    its rounding. ``config``: the forward's."""
     _check_operands(ops)
-    plan = _plan(q, k, spec, v, config)
+    plan = _plan(q, k, spec, v, config, backward=True)
     packed = spec.alibi_rows is not None
-    kw = dict(need_dmask=need_dmask, need_dcap=need_dcap, engine=plan.engine)
-    if len(plan.chunks) == 1:
-        return _bwd_rows(do, dlse, q, k, v, out, lse, plan.chunks[0].spec(plan.spec), ops,
-                         lse2=lse2, **kw)
     B, H, Nq, D = q.shape
     acc_dtype = _acc_dtype(q.dtype)
-    # each chunk accumulates into its part of dq, dk, dv: no copies to join them
-    into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
-            torch.zeros(k.shape[:3] + (D,), dtype=acc_dtype, device=q.device),
-            torch.zeros(v.shape, dtype=acc_dtype, device=q.device))
-    parts: list[Grads | None] = [None] * len(plan.chunks)
+    runs = backward_runs(plan, config)
+    with _caller(plan):
+        facts = _facts(q, k, v, spec, ops)
+        # dq's rows no run covers (query blocks with no key tile) are 0; the items write the
+        # rest, and each zeroes its own dk / dv slice before adding into it (run r > 0 of a
+        # chunk into a partial of its own), so no zero-fill runs outside the items
+        into = (torch.empty(B, H, Nq, D, dtype=acc_dtype, device=q.device),
+                torch.empty(k.shape[:3] + (D,), dtype=acc_dtype, device=q.device),
+                torch.empty(v.shape, dtype=acc_dtype, device=q.device))
+        for m0, m1, key_tiles in plan.blocks:
+            if not key_tiles:
+                into[0][:, :, m0:m1] = 0.0
+        if not runs:
+            into[1].zero_(), into[2].zero_()
+    extra = [(torch.empty_like(into[1]), torch.empty_like(into[2])) for _ in runs[1:]]
+    kw = dict(need_dmask=need_dmask, need_dcap=need_dcap, engine=plan.engine,
+              finite_scores=facts.finite_scores)
+    items = [(ci, r) for r in range(len(runs)) for ci in range(len(plan.chunks))]
+    parts: list[Grads | None] = [None] * len(items)
+    no_sinks = ops._replace(sinks=None)  # their gradient is the call's, below
 
     def run(i: int) -> None:
-        c = plan.chunks[i]
+        ci, r = items[i]
+        c = plan.chunks[ci]
+        dk, dv = (c.kv(x).zero_() for x in (into[1:] if r == 0 else extra[r - 1]))
         parts[i] = _bwd_rows(c.bh(do), c.bh(dlse), c.bh(q), c.kv(k), c.kv(v), c.bh(out),
-                             c.bh(lse), c.spec(plan.spec), c.operands(ops, packed),
-                             lse2=c.bh(lse2), b0=c.b0,
-                             into=(c.bh(into[0]), c.kv(into[1]), c.kv(into[2])), **kw)
+                             c.bh(lse), c.spec(plan.spec), c.operands(no_sinks, packed),
+                             lse2=c.bh(lse2), b0=c.b0, blocks=plan.blocks[slice(*runs[r])],
+                             into=(c.bh(into[0]), dk, dv), **kw)
 
-    cpu.run_units(run, range(len(plan.chunks)), parallel=plan.parallel)
-    # the per-head and mask gradients: each chunk's into its slice, in chunk order
+    def join(ci: int) -> None:  # a chunk's dK/dV partials, added in run order
+        c = plan.chunks[ci]
+        for dk, dv in extra:
+            c.kv(into[1]).add_(c.kv(dk))
+            c.kv(into[2]).add_(c.kv(dv))
+
+    cpu.run_items(run, len(items), threads=plan.threads)
+    if extra:
+        cpu.run_items(join, len(plan.chunks), threads=plan.threads)
+    with _caller(plan):
+        return _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask,
+                         need_dcap)
+
+
+def _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask, need_dcap
+              ) -> Grads:
+    """The gradients summed across items, in item order, and the sinks' (one pass)."""
+    H = out.shape[1]
+    acc_dtype = into[0].dtype
+    # the per-head, mask and captured gradients: each item's into its chunk's slice, in order
     dmask = dsinks = dsoftcap = None
     if need_dmask:
-        dmask = torch.zeros(as_4d(ops.attn_mask).shape, dtype=acc_dtype, device=q.device)
-    if ops.sinks is not None:
-        dsinks = torch.zeros(H, dtype=acc_dtype, device=q.device)
-    if parts[0].dsoftcap is not None:
-        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
-    for c, g in zip(plan.chunks, parts):
+        dmask = torch.zeros(as_4d(ops.attn_mask).shape, dtype=acc_dtype, device=out.device)
+    if ops.sinks is not None:  # Δ = rowsum(dO ∘ O) − dlse over every row, as _bwd_rows's
+        delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(acc_dtype)
+        dsinks = sink_grad(ops.sinks, lse.to(acc_dtype), delta)
+    if ops.softcap is not None and need_dcap:
+        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=out.device)
+    dcaptured: list[Tensor | None] = [None] * len(ops.captured)
+    for (ci, _), g in zip(items, parts):
+        c = plan.chunks[ci]
         if dmask is not None:
             dmask[c.mask_index(dmask)] += g.dmask
-        if dsinks is not None:
-            dsinks[c.heads] += g.dsinks
         if dsoftcap is not None:
             dsoftcap[c.heads] += g.dsoftcap
-    return Grads(*into, dmask, dsinks, dsoftcap, ())
+        for j, d in enumerate(g.dcaptured):
+            if d is not None:
+                dcaptured[j] = d if dcaptured[j] is None else dcaptured[j] + d
+    return Grads(*into, dmask, dsinks, dsoftcap, tuple(dcaptured))
 
 
 def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
               lse: Tensor, spec: LaunchSpec, ops: Operands, *,
               need_dmask: bool = False, need_dcap: bool = True,
               lse2: Tensor | None = None, b0: int = 0,
-              into: tuple[Tensor, Tensor, Tensor] | None = None, engine: str = "bmm") -> Grads:
+              into: tuple[Tensor, Tensor, Tensor] | None = None, engine: str = "bmm",
+              blocks=None, finite_scores: bool | None = None) -> Grads:
     """:func:`_bwd` of one chunk (``b0``: its first batch row's index in the call; ``into``:
-    zeroed (dq, dk, dv) views of its part to accumulate into; ``engine``: the plan's)."""
+    zeroed (dq, dk, dv) views of its part to accumulate into; ``engine``: the plan's) for
+    the query ``blocks`` given (all by default): dq of their rows, their share of dk and dv
+    and of the other gradients (the sinks' over every row: :func:`_bwd` leaves them out of
+    its items and takes them once for the call)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -192,12 +327,13 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     attn_mask, sinks, softcap, captured = ops.attn_mask, ops.sinks, ops.softcap, ops.captured
     gemm = _Gemm(k, v, acc_dtype, engine)
     gemm.keys_major = gemm.onednn
-    tile = _Tile(q, k, spec, gemm, attn_mask, softcap, ops.alibi, b0=b0)
+    tile = _Tile(q, k, spec, gemm, attn_mask, softcap, ops.alibi, b0=b0,
+                 finite_scores=finite_scores)
     if not tile.finite_scores:
         # a masked key has dS = 0, but 0·NaN in dS K would still reach dQ: a non-finite key
         # enters dQ as 0 (a row that sees it has NaN dS anyway)
         gemm.k3_dq = _finite_or_zero(gemm.k3)
-    blocks = _blocks(spec, Nq, Nk)
+    blocks = tuple(_blocks(spec, Nq, Nk).query_blocks()) if blocks is None else blocks
     if into is None:
         into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
                 torch.zeros(B, Hkv, Nk, D, dtype=acc_dtype, device=q.device),
@@ -234,7 +370,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     dcaptured: list[Tensor | None] = [None] * len(captured)
     fused = _fused_steps(q) and engine == "bmm"
 
-    for m0, m1, key_tiles in blocks.query_blocks():
+    for m0, m1, key_tiles in blocks:
         if not key_tiles:
             continue
         BM = m1 - m0

@@ -20,18 +20,17 @@ oneDNN only where it is clearly faster: an Intel CPU, where MKL has its AVX-512 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Callable, Sequence, TypeVar
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from attn.timing import median_ratio, paired
-
-T = TypeVar("T")
 
 ENGINES = ("auto", "onednn", "bmm")
 # auto takes oneDNN when it runs the calibration GEMMs at least this much faster than bmm
@@ -118,7 +117,7 @@ def _calibrate() -> tuple[str, str]:
         return "bmm", f"auto: oneDNN ran tile GEMMs {speedup:.2f}x as fast as bmm (not enough)"
     try:
         if openmp_threads():
-            return _pool(torch.get_num_threads()).submit(run).result()  # as units run: 1 thread
+            return _pool(1).submit(run).result()  # one intra-op thread, as items run
         return run()
     except Exception as exc:  # a build whose oneDNN op refuses these shapes: keep bmm
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
@@ -128,9 +127,15 @@ def _calibrate() -> tuple[str, str]:
 
 
 # -- the worker pool --------------------------------------------------------------------------
+#
+# A tiled call on CPU is a list of work items (see attn.tiled.plan): the caller and the pool's
+# workers pull them from one shared counter until none is left, each thread with a single
+# intra-op thread, so no op inside an item opens a parallel region and a thread the OS has
+# descheduled simply takes fewer items. torch releases the GIL inside every op, so the items'
+# GEMMs and elementwise passes run side by side. One pool per worker count is made once and
+# never shut down: concurrent callers share it, each draining its own items itself too.
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
+_POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 _WORKER = threading.local()
 
@@ -144,11 +149,9 @@ def _one_thread(barrier: threading.Barrier) -> None:
 
 def _pool(n: int) -> ThreadPoolExecutor:
     """A pool of ``n`` worker threads, each with one intra-op thread (made once per n)."""
-    global _POOL, _POOL_SIZE
     with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE != n:
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
+        pool = _POOLS.get(n)
+        if pool is None:
             caller = torch.get_num_threads()
             pool = ThreadPoolExecutor(n, thread_name_prefix="attn-cpu")
             barrier = threading.Barrier(n)  # one task per thread: every worker sets its count
@@ -157,43 +160,86 @@ def _pool(n: int) -> ThreadPoolExecutor:
             # set_num_threads also stores a process-wide default, which threads that have not
             # started yet read: give the caller's back (each worker keeps its own 1)
             torch.set_num_threads(caller)
-            _POOL, _POOL_SIZE = pool, n
-    return _POOL
+            _POOLS[n] = pool
+    return pool
 
 
-def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
-    global _POOL, _POOL_SIZE
-    _POOL, _POOL_SIZE = None, 0
+def _forget_pools() -> None:  # a forked child has the pool objects but none of their threads
+    _POOLS.clear()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def in_worker() -> bool:
     return getattr(_WORKER, "active", False)
 
 
-def run_units(fn: Callable[[T], None], units: Sequence[T], parallel: bool) -> None:
-    """``fn(unit)`` for every unit: on the worker threads when ``parallel`` (one intra-op
-    thread each), else here in order. The workers take the caller's grad and inference
-    modes (both are per thread in torch); the first exception is raised here. Under
-    torch.profiler the units run here in order: the profiler records only the threads it
-    was started on (and their intra-op threads), so ops and allocations on the workers
-    would be missing from profiles and from attn.bench's CPU memory peaks."""
-    if not parallel or len(units) < 2 or in_worker() or torch._C._autograd._profiler_enabled() \
-            or not openmp_threads() or torch.get_num_threads() < 2:  # compile traces the first
-        for u in units:
-            fn(u)
+class single_thread:
+    """The calling thread's intra-op threads set to 1 for a block, then given back: its items
+    then run as a worker's do (same ops, same bits), and none of its ops wakes OpenMP's
+    team. Only under OpenMP, where the count is the calling thread's own."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_num_threads()
+        if self.saved != 1 and openmp_threads():
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> None:
+        if self.saved != 1 and openmp_threads():
+            torch.set_num_threads(self.saved)
+
+
+def workers_for_call() -> int:
+    """How many threads a call's items run on: torch's intra-op thread count now (the caller
+    is one of them), or 1 where items must run in order on the caller: inside a worker,
+    under the profiler (it records only the threads it started on, so ops and allocations
+    on workers would be missing from profiles and attn.bench's CPU peaks), and under
+    torch's native thread pool (``set_num_threads`` there resizes one shared pool)."""
+    if in_worker() or torch._C._autograd._profiler_enabled() or not openmp_threads():
+        return 1
+    return torch.get_num_threads()
+
+
+def run_items(fn: Callable[[int], None], n_items: int, *, threads: int | None = None) -> None:
+    """``fn(i)`` for every ``i < n_items``, each exactly once, pulled in order of ``i`` from
+    one shared counter by the caller and ``threads - 1`` pool workers (default
+    :func:`workers_for_call`; 1: in order here). Every thread runs its items with one
+    intra-op thread, so an item computes the same bits whichever thread takes it: ``fn``
+    must write only its own outputs. The workers take the caller's grad and inference modes
+    (per thread in torch). After an exception no new item starts; the first is raised here
+    once every started item has finished, so none still writes into the outputs."""
+    n = workers_for_call() if threads is None else max(1, threads)
+    if n_items <= 0:
         return
+    if n == 1 or n_items == 1:
+        with single_thread():
+            for i in range(n_items):
+                fn(i)
+        return
+    counter = itertools.count()  # next() on it is atomic under the GIL
+    errors: list[BaseException] = []
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
-    def task(u: T) -> None:
+    def drain() -> None:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            fn(u)
+            while not errors:
+                i = next(counter)
+                if i >= n_items:
+                    return
+                try:
+                    fn(i)
+                except BaseException as exc:  # noqa: BLE001 - raised by the caller below
+                    errors.append(exc)
+                    return
 
-    pool = _pool(torch.get_num_threads())
-    futures = [pool.submit(task, u) for u in units]
-    wait(futures)  # all of them, so none still writes into the outputs when one raised
+    pool = _pool(n - 1)
+    futures = [pool.submit(drain) for _ in range(min(n - 1, n_items - 1))]
+    with single_thread():
+        drain()
     for f in futures:
-        f.result()
+        f.cancel()  # one still queued behind another caller's items has nothing left to do
+    wait(futures)
+    if errors:
+        raise errors[0]

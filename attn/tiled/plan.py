@@ -54,12 +54,27 @@ class TileConfig:
     # A band whose visited tiles are mostly partial (causal at N <= 1024: 2 of 3) wastes too
     # much of each large tile on masked scores: such calls stay batched with smaller tiles.
     unit_max_partial: float = 0.5
-    # Units run on the worker threads (one intra-op thread each) only for calls of at least
-    # this many visited scores (B·H·Nq·Nk inside the band). Smaller calls run the units in
-    # order here, each GEMM on torch's own intra-op threads: the workers share the cores with
-    # the threads OpenMP keeps spinning (~ms) after the previous torch op, a fixed cost per
-    # call measured at 10-25% of a B=1, H=8, N=1024 call and ~5% at N=4096.
-    pool_min_scores: int = 64 << 20
+    # Every eager CPU call runs as work items (attn.tiled.cpu.run_items): the forward's are
+    # (chunk, query block) pairs; the backward's (unit, run of query blocks), each run
+    # accumulating dK/dV into a partial of its own when a unit has several (summed in run
+    # order afterwards). The backward cuts a call into units (one batch row, one KV head)
+    # where it can, and each unit into as many runs as it takes to reach bwd_items items,
+    # at most bwd_max_runs (each run costs one more dK/dV-sized partial). None of these
+    # counts depends on the number of workers, so neither do the results.
+    bwd_items: int = 16
+    bwd_max_runs: int = 4
+    # Calls that visit fewer scores than this run their items in order on the caller (with
+    # one intra-op thread, so the same bits): waking the workers would cost more than the
+    # call.
+    serial_max_scores: int = 1 << 16
+    # Split-KV decoding: a call with at most split_max_q query rows per head and at least
+    # split_min_keys keys runs as (chunk, key range) items over every head of the chunk,
+    # each giving a partial output and lse that are merged in key order. Key ranges are
+    # split_min_chunk keys, doubled until there are at most split_max_chunks of them.
+    split_max_q: int = 16
+    split_min_keys: int = 2048
+    split_min_chunk: int = 512
+    split_max_chunks: int = 16
 
     def tiles(self, spec: LaunchSpec) -> LaunchSpec:
         """``spec`` with its block sizes set (its own where given, else this config's)."""
@@ -167,23 +182,32 @@ class _Plan(NamedTuple):
     chunks: list[_Chunk]
     engine: str  # "onednn": one unit per chunk, 2-D oneDNN GEMMs; "bmm": batched
     spec: LaunchSpec  # with its block sizes set: the unit path's where it runs
-    parallel: bool = False  # the chunks run on the worker threads (attn.tiled.cpu.run_units)
+    blocks: tuple = ()  # every chunk's query blocks: (m0, m1, key tiles)
+    kv_chunk: int | None = None  # split-KV decoding: keys per item (kv_split)
+    threads: int | None = None  # for cpu.run_items: None (the call's workers), 1 or 0
 
 
 def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
-          config: TileConfig = DEFAULT) -> _Plan:
+          config: TileConfig = DEFAULT, *, backward: bool = False) -> _Plan:
     """How a call runs: as units on the oneDNN engine where :func:`_unit_path` allows,
-    else batched, in batch chunks whose score tile fits ``config.tile_bytes``."""
+    else batched, in batch chunks whose score tile fits ``config.tile_bytes``; the
+    backward cuts a batched call into units too where it can (:func:`backward_items`)."""
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     unit, _, uspec, scores = _unit_path(q, k, spec, config)
     if unit:
         units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
-        return _Plan(units, "onednn", uspec, parallel=scores >= config.pool_min_scores)
+        return _finish(_Plan(units, "onednn", uspec), q, k, config, backward)
     spec = config.tiles(spec)
-    if B == 1 or spec.score_mod is not None or spec.mask_mod is not None \
+    whole = [_Chunk(0, B, 0, Hkv, B, H, Hkv)]
+    if spec.score_mod is not None or spec.mask_mod is not None \
             or spec.dropout_rows is not None:
-        return _Plan([_Chunk(0, B, 0, Hkv, B, H, Hkv)], "bmm", spec)
+        return _finish(_Plan(whole, "bmm", spec), q, k, config, backward)
+    if backward and _items_here(q):
+        units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
+        return _finish(_Plan(units, "bmm", spec), q, k, config, backward)
+    if B == 1:
+        return _finish(_Plan(whole, "bmm", spec), q, k, config, backward)
     per_row = (H * min(spec.block_m, Nq) * min(spec.block_n, Nk)
                * torch.finfo(_acc_dtype(q.dtype)).bits // 8)
     step = max(1, config.tile_bytes // per_row)
@@ -191,8 +215,80 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
         # k / v seen head-first from a (B, N, Hkv, D) cache: (B·Hkv, N, D) would be a copy of
         # the whole cache, one batch row's (Hkv, N, D) is a view
         step = 1
-    return _Plan([_Chunk(b, min(b + step, B), 0, Hkv, B, H, Hkv) for b in range(0, B, step)],
-                 "bmm", spec)
+    chunks = [_Chunk(b, min(b + step, B), 0, Hkv, B, H, Hkv) for b in range(0, B, step)]
+    return _finish(_Plan(chunks, "bmm", spec), q, k, config, backward)
+
+
+def _items_here(q: Tensor) -> bool:
+    """Whether a call runs as work items on the pool: eager, on CPU."""
+    return q.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _finish(plan: _Plan, q: Tensor, k: Tensor, config: TileConfig, backward: bool) -> _Plan:
+    """The plan's query blocks, split-KV choice (the forward's) and thread rule."""
+    Nq, Nk = q.shape[2], k.shape[2]
+    spec = plan.spec
+    kv_chunk = None
+    if not backward and spec.mask_blocks is None and spec.dropout_rows is None \
+            and spec.alibi_rows is None:
+        kv_chunk = kv_split(Nq, Nk, config)
+    blocks = tuple(_blocks(spec, Nq, Nk).query_blocks()) if kv_chunk is None else ()
+    if not _items_here(q):
+        threads = 0  # in order, torch's threads untouched (traced, or another device)
+    else:
+        visited = Nq * Nk if kv_chunk else sum(_cost(b) for b in blocks)
+        threads = 1 if visited * q.shape[0] * q.shape[1] < config.serial_max_scores else None
+    return plan._replace(blocks=blocks, kv_chunk=kv_chunk, threads=threads)
+
+
+def _cost(block) -> int:
+    """The scores one query block visits: its rows times its tiles' keys."""
+    m0, m1, key_tiles = block
+    return (m1 - m0) * sum(n1 - n0 for n0, n1, _ in key_tiles)
+
+
+def forward_items(plan: _Plan) -> list[tuple[int, int]]:
+    """The forward's work items, (chunk, query block) index pairs: every pair once, the
+    most expensive blocks first (a causal call's last rows), so the cheap ones fill in
+    around them at the end."""
+    costs = [_cost(b) for b in plan.blocks]
+    order = sorted(range(len(costs)), key=lambda i: -costs[i])
+    return [(c, i) for i in order for c in range(len(plan.chunks))]
+
+
+def backward_runs(plan: _Plan, config: TileConfig = DEFAULT) -> list[tuple[int, int]]:
+    """The backward's runs of query blocks, ``[(i0, i1), ...]`` covering every block with
+    key tiles once, in order: as many runs as it takes to give ``config.bwd_items`` items
+    over the plan's chunks (at most ``bwd_max_runs``, at most one per block), cut where
+    the visited scores are about evenly split. Shapes alone decide it."""
+    blocks = [i for i, b in enumerate(plan.blocks) if b[2]]
+    if not blocks:
+        return []
+    want = -(-config.bwd_items // len(plan.chunks))
+    n_runs = max(1, min(want, config.bwd_max_runs, len(blocks)))
+    costs = [_cost(plan.blocks[i]) for i in blocks]
+    total, runs, start, acc = sum(costs), [], 0, 0
+    for j, c in enumerate(costs):
+        acc += c
+        left = len(blocks) - j - 1  # blocks after this one
+        cut = len(runs) + 1 < n_runs and (acc * n_runs >= total * (len(runs) + 1)
+                                          or left == n_runs - len(runs) - 1)
+        if cut or j == len(blocks) - 1:
+            runs.append((blocks[start], blocks[j] + 1))
+            start = j + 1
+    return runs
+
+
+def kv_split(n_q: int, n_k: int, config: TileConfig = DEFAULT) -> int | None:
+    """Keys per split-KV item for a call of ``n_q`` query rows per head and ``n_k`` keys, or
+    None where the call is not split (too many rows, too few keys). A pure function of the
+    shapes: the same split, and the same bits, whatever the number of workers."""
+    if n_q > config.split_max_q or n_k < config.split_min_keys:
+        return None
+    chunk = config.split_min_chunk
+    while chunk * config.split_max_chunks < n_k:
+        chunk *= 2
+    return chunk
 
 
 def _heads_merge(x: Tensor) -> bool:
@@ -244,3 +340,16 @@ def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec, config: TileConfig = DEFA
         return no(why)
     return True, why, uspec, B * H * area
 
+
+def cpu_path_reason(device: str, n_q: int, n_k: int, *, split_allowed: bool = True,
+                    config: TileConfig = DEFAULT) -> str:
+    """How an eager call of this size runs, for :func:`attn.select_backend`'s reason."""
+    if torch.device(device).type != "cpu":
+        return "tiles in order"
+    if torch.compiler.is_compiling():
+        return "tiles in order (traced by torch.compile)"
+    threads = cpu.workers_for_call()
+    chunk = kv_split(n_q, n_k, config) if split_allowed else None
+    how = (f"split-KV decoding ({-(-n_k // chunk)} key ranges of {chunk})" if chunk
+           else "query blocks as work items")
+    return f"{how}, one parallel region on {threads} thread{'s' * (threads != 1)}"

@@ -1,0 +1,233 @@
+"""One parallel region per tiled CPU call (attn.tiled.cpu.run_items, attn.tiled.plan): work
+items cover every (chunk, query block) or key range exactly once, whichever thread takes
+them; results do not depend on the number of workers; split-KV decoding matches the float64
+reference; concurrent callers share the pool safely."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import attn
+from attn import tiled
+from attn.masks import Band
+from attn.testing import assert_close_to_reference
+from attn.tiled import cpu
+from attn.tiled.plan import backward_runs, forward_items, kv_split
+
+needs_workers = pytest.mark.skipif(not cpu.openmp_threads(),
+                                   reason="workers run only under OpenMP intra-op threads")
+
+
+@pytest.fixture
+def threads():
+    """Set torch's intra-op thread count inside a test; the old count comes back after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@needs_workers
+def test_run_items_takes_each_item_once_with_a_slow_worker():
+    """One worker is slowed down 20 ms per item: the others take more, none is run twice
+    or skipped, and the caller works too."""
+    seen: list[tuple[int, str]] = []
+    lock = threading.Lock()
+    cpu._pool(2)  # the pool the call below uses, made first so its first worker is known
+    slow = "attn-cpu_0"
+
+    def item(i: int) -> None:
+        name = threading.current_thread().name
+        if name.endswith(slow.split("_")[-1]) and name.startswith("attn-cpu"):
+            time.sleep(0.02)
+        with lock:
+            seen.append((i, name))
+    cpu.run_items(item, 40, threads=3)
+    assert sorted(i for i, _ in seen) == list(range(40))
+    assert threading.current_thread().name in {name for _, name in seen}
+
+
+@needs_workers
+def test_run_items_stops_after_an_error_and_raises_it():
+    started = []
+
+    def item(i: int) -> None:
+        started.append(i)
+        if i == 2:
+            raise ValueError("item 2 failed")
+        time.sleep(0.002)
+    with pytest.raises(ValueError, match="item 2 failed"):
+        cpu.run_items(item, 200, threads=2)
+    assert len(started) < 200  # no new item starts once one has failed
+
+
+def _plan(H=4, Hkv=2, Nq=100, Nk=120, band=Band(), block=(16, 32), B=2):
+    q, k = torch.empty(B, H, Nq, 16), torch.empty(B, Hkv, Nk, 16)
+    spec = tiled.LaunchSpec(qk_scale=1.0, band=band, block_m=block[0], block_n=block[1])
+    return tiled._plan(q, k, spec), tiled._plan(q, k, spec, backward=True)
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(band=Band(0, None, 0)),
+                                   dict(band=Band(20, 7, 3), Nq=37, Nk=90),
+                                   dict(band=Band(0, None, 0), Nq=130, Nk=40), dict(B=1, Hkv=4)],
+                         ids=["full", "causal", "window", "nq-gt-nk", "mha"])
+def test_items_cover_every_block_once(shape):
+    fwd, bwd = _plan(**shape)
+    items = forward_items(fwd)
+    every = {(c, b) for c in range(len(fwd.chunks)) for b in range(len(fwd.blocks))}
+    assert len(items) == len(every) and set(items) == every
+    runs = backward_runs(bwd)
+    with_keys = [i for i, b in enumerate(bwd.blocks) if b[2]]
+    covered = [i for i0, i1 in runs for i in range(i0, i1) if bwd.blocks[i][2]]
+    assert covered == with_keys  # in order, each once
+    assert all(i0 < i1 for i0, i1 in runs) and len(runs) <= tiled.DEFAULT.bwd_max_runs
+    assert all(a[1] <= b[0] for a, b in zip(runs, runs[1:]))
+
+
+def test_kv_split_depends_on_the_shapes_alone():
+    cfg = tiled.DEFAULT
+    assert kv_split(cfg.split_max_q + 1, 1 << 20) is None  # a prefill, not a decode
+    assert kv_split(1, cfg.split_min_keys - 1) is None  # too few keys to split
+    for n_k in (cfg.split_min_keys, 4096, 5000, 16384, 32768, 1 << 20):
+        chunk = kv_split(1, n_k)
+        count = -(-n_k // chunk)
+        assert chunk >= cfg.split_min_chunk and count <= cfg.split_max_chunks
+        assert chunk == cfg.split_min_chunk or -(-n_k // (chunk // 2)) > cfg.split_max_chunks
+        assert kv_split(cfg.split_max_q, n_k) == chunk
+
+
+def _inputs(B=2, H=4, Hkv=2, Nq=100, Nk=120, D=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, h, n, D, generator=g).to(dtype)
+                 for h, n in ((H, Nq), (Hkv, Nk), (Hkv, Nk)))
+
+
+def _grads(fn, q, k, v, extra):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    named = {n: (t.clone().requires_grad_(n != "alibi_slopes") if isinstance(t, torch.Tensor)
+                 and t.is_floating_point() else t) for n, t in extra.items()}
+    out = fn(*leaves, **named)
+    w = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)
+    inputs = leaves + [t for t in named.values()
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [out, *torch.autograd.grad((out * w).sum(), inputs)]
+
+
+CASES = {
+    "causal-gqa-sinks-softcap": (dict(), dict(causal=True, sinks=torch.randn(4),
+                                              softcap=torch.full((4,), 4.0))),
+    "window-float-mask": (dict(), dict(window=(30, 5), attn_mask=torch.randn(2, 1, 100, 120))),
+    "float64-alibi": (dict(dtype=torch.float64), dict(alibi_slopes=torch.rand(4), causal=True)),
+    "decode-split": (dict(Nq=3, Nk=2500), dict(causal=True, sinks=torch.randn(4),
+                                              alibi_slopes=torch.rand(2, 4))),
+    "decode-split-mask": (dict(Nq=1, Nk=2100), dict(attn_mask=torch.rand(2, 4, 1, 2100) > 0.2)),
+}
+
+
+@needs_workers
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_same_bits_with_1_2_3_workers(case, threads):
+    shape, kw = CASES[case]
+    q, k, v = _inputs(**shape)
+
+    def fn(*a, **k2):
+        return attn.attention(*a, backend="tiled", block_m=16, block_n=32, **k2)
+    results = []
+    for n in (1, 2, 3):
+        threads(n)
+        results.append(_grads(fn, q, k, v, kw))
+    for got in results[1:]:
+        for a, b in zip(results[0], got):
+            assert torch.equal(a, b)
+
+
+@needs_workers
+def test_same_bits_with_1_2_3_workers_score_mod_dropout_and_varlen(threads):
+    q, k, v = _inputs(Nq=96, Nk=96)
+    bias = torch.randn(4)
+
+    def score_mod(s, b, h, i, j):
+        return s + bias[h] * (i - j).abs() * 0.01
+
+    def flex(*a):
+        return attn.flex_attention(*a, score_mod=score_mod, enable_gqa=True, backend="tiled",
+                                   kernel_options={"BLOCK_M": 16, "BLOCK_N": 32})
+
+    def dropout(*a):
+        torch.manual_seed(5)
+        return attn.attention(*a, dropout_p=0.2, causal=True, backend="tiled", block_m=16,
+                              block_n=32)
+    cu = torch.tensor([0, 40, 90, 192], dtype=torch.int32)
+
+    def varlen(q4, k4, v4):  # three packed sequences of the (2·96, H, D) rows
+        qp, kp, vp = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (q4, k4, v4))
+        return attn.varlen_attention(qp, kp, vp, cu, cu, 102, 102, causal=True,
+                                     backend="tiled")
+    results = {}
+    for n in (1, 2, 3):
+        threads(n)
+        results[n] = [_grads(f, q, k, v, {}) for f in (flex, dropout, varlen)]
+    for n in (2, 3):
+        for a, b in zip(sum(results[1], []), sum(results[n], [])):
+            assert torch.equal(a, b)
+
+
+SPLIT = {
+    "gqa": dict(),
+    "causal-bottom-right": dict(causal=True),
+    "window-sinks": dict(window=(700, 0), sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+    "bool-mask-alibi": dict(attn_mask=torch.rand(2, 1, 3, 2500) > 0.3,
+                            alibi_slopes=torch.rand(4)),
+    "softcap-temperature": dict(softcap=3.0, temperature=0.5),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT), ids=list(SPLIT))
+def test_split_kv_decoding_matches_reference(case):
+    """A few query rows against 2500 keys: five key ranges merged (the gradients run the
+    ordinary backward with Δ from the tiles)."""
+    q, k, v = _inputs(Nq=3, Nk=2500, seed=len(case))
+    assert kv_split(3, 2500) is not None
+    call = attn.AttentionCall(device="cpu", dtype=q.dtype, head_dim=16, head_dim_v=16, n_q=3,
+                              n_k=2500)
+    assert "split-KV" in attn.select_backend(call, "tiled").reason
+    kw = {n: (t.clone().requires_grad_(n == "sinks") if isinstance(t, torch.Tensor) else t)
+          for n, t in SPLIT[case].items()}
+    assert_close_to_reference(lambda *a, **k2: attn.attention(*a, backend="tiled", **k2),
+                              q, k, v, **kw)
+
+
+@needs_workers
+def test_concurrent_callers_share_the_pool(threads):
+    """Four threads call attention (forward and backward) at once while torch runs 2
+    intra-op threads: each gets what it gets alone, and the pool is the same object after."""
+    threads(2)
+    inputs = [_inputs(B=1, Nq=200, Nk=200, seed=s) for s in range(4)]
+
+    def fn(*a):
+        return attn.attention(*a, causal=True, backend="tiled", block_m=32, block_n=64)
+    alone = [_grads(fn, *x, {}) for x in inputs]
+    pool = cpu._pool(1)
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def caller(i: int) -> None:
+        try:
+            for _ in range(2):
+                got[i] = _grads(fn, *inputs[i], {})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    workers = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in workers), "a caller hung"
+    assert not errors, errors
+    for i in range(4):
+        for a, b in zip(alone[i], got[i]):
+            assert torch.equal(a, b)
+    assert cpu._pool(1) is pool
