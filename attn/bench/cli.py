@@ -118,6 +118,13 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
                         "held 24 GB at N=16384 causal")
     p.add_argument("--no-fused", action="store_true",
                    help="--paired: leave out tiled's fused (torch.compile) steps")
+    p.add_argument("--busy-core", action="store_true",
+                   help="--paired: keep one core busy with a spinning process for the whole "
+                        "run (started and stopped here), as on a user's machine")
+    p.add_argument("--shape", choices=("square", "decode", "prefill"), default="square",
+                   help="--paired: square (B, H, N, N; default), decode (Nq=1 against Nk = "
+                        "--n, H=32, Hkv=8, D=128) or prefill (Nq=512 against Nk = --n, "
+                        "bottom-right causal, H=32, Hkv=8, D=128); -B/-H/--d override")
 
 
 def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:

@@ -16,12 +16,14 @@ over rounds of ``sdpa time / contender time`` within the round (> 1: faster than
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -57,10 +59,14 @@ def _flex(causal: bool, N: int) -> Callable:
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
-def contenders(q, k, v, *, causal: bool, bwd: bool, fused: bool,
-               flex_max_n: int) -> dict[str, Callable[[], None]]:
+def contenders(q, k, v, *, causal: bool, bwd: bool, fused: bool, flex_max_n: int,
+               variants: tuple[str, ...] = tuple(TILED_VARIANTS)
+               ) -> dict[str, Callable[[], None]]:
     """The calls of one round, SDPA first; each sets its environment, then runs (and runs
-    the backward of the output's sum when ``bwd``)."""
+    the backward of the output's sum when ``bwd``). ``causal`` is attn's (bottom-right):
+    SDPA, whose ``is_causal`` is top-left, gets the same mask as a bool tensor when
+    Nq != Nk. Nq = 1 sees every key either way. GQA (fewer k/v heads) passes
+    ``enable_gqa``."""
     def step(fn: Callable[[], torch.Tensor], env: dict[str, str] | None = None):
         def go() -> None:
             os.environ.update(env or {})
@@ -71,12 +77,18 @@ def contenders(q, k, v, *, causal: bool, bwd: bool, fused: bool,
 
     def tiled():
         return attn.attention(q, k, v, causal=causal, backend="tiled")
-    fns = {"sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))}
+    Nq, Nk = q.shape[2], k.shape[2]
+    kw: dict = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    if causal and Nq == Nk:
+        kw["is_causal"] = True
+    elif causal and Nq > 1:
+        kw["attn_mask"] = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)
+    fns = {"sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, **kw))}
     for name, env in TILED_VARIANTS.items():
-        if fused or name != "tiled fused":
+        if name in variants and (fused or name != "tiled fused"):
             fns[name] = step(tiled, env)
     N = q.shape[2]
-    if not bwd and causal and N <= flex_max_n:
+    if not bwd and causal and N <= flex_max_n and Nq == Nk and not kw.get("enable_gqa"):
         flex = _flex(causal, N)
         fns["flex (compiled)"] = step(lambda: flex(q, k, v))
     return fns
@@ -94,7 +106,39 @@ def measure(fns: dict[str, Callable[[], None]], rounds: int) -> dict:
     times = paired(fns, rounds, reps)
     return {"rounds": rounds, "reps": reps,
             "ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
-            "ratio": {n: median_ratio(times, "sdpa", n) for n in fns if n != "sdpa"}}
+            "p90_ms": {n: _quantile(t, 0.9) * 1e3 for n, t in times.items()},
+            "ratio": {n: median_ratio(times, "sdpa", n) for n in fns if n != "sdpa"},
+            "ratio_p10": {n: _quantile([b / t for b, t in zip(times["sdpa"], times[n])], 0.1)
+                          for n in fns if n != "sdpa"}}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of a few samples (linear between order statistics)."""
+    return statistics.quantiles(xs, n=10, method="inclusive")[round(q * 10) - 1] \
+        if len(xs) > 1 else xs[0]
+
+
+@contextlib.contextmanager
+def busy_core(enabled: bool) -> Iterator[int | None]:
+    """A process spinning on one core (the last this process may use) while the block runs:
+    the normal state of a user's machine. Yields the core, or None when not ``enabled``."""
+    if not enabled:
+        yield None
+        return
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    core = cores[-1]
+
+    def pin() -> None:  # in the child, before it execs
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {core})
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)  # spinning before the first measurement
+        yield core
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def markdown(header: dict, rows: list[dict]) -> str:
@@ -104,37 +148,52 @@ def markdown(header: dict, rows: list[dict]) -> str:
     lines = ["# tiled vs torch SDPA on CPU: paired ratios (sdpa time / backend time)", "",
              f"- device: {header['device_name']} ({header['cpu_count']} CPUs, "
              f"{header['torch_threads']} torch threads); torch {header['torch']}; "
-             f"{header['date']}; load at the start {header['loadavg_1min']:.2f}",
+             f"{header['date']}; load at the start {header['loadavg_1min']:.2f}; "
+             f"{header['busy']}",
              f"- command: `{header['command']}`",
              f"- shape: {header['shape']}; each round runs every backend in turn, reps calls "
              "each (~50 ms); the ratio is the median over rounds of the in-round ratio "
-             "(> 1: faster than SDPA)",
+             "(> 1: faster than SDPA), with its 10th percentile (the slow tail) in brackets; "
+             "ms: medians, and the 90th percentile of tiled's",
              f"- tiled: the default ({header['tiled_path']}); tiled bmm: ATTN_TILED_GEMM=bmm "
              "(torch.bmm GEMMs, batched over heads); tiled fused: ATTN_TILED_COMPILE=1 "
              "(per-tile steps compiled by torch.compile, bmm GEMMs)", "",
-             "| N | D | dtype | mode | causal | rounds x reps | sdpa ms | "
+             "| shape | N | D | dtype | mode | causal | rounds x reps | sdpa ms | tiled ms (p90) | "
              + " | ".join(names) + " |",
-             "|--:|--:|:--|:--|:--|--:|--:|" + "--:|" * len(names)]
+             "|:--|--:|--:|:--|:--|:--|--:|--:|--:|" + "--:|" * len(names)]
     for r in rows:
-        lines.append(f"| {r['N']} | {r['D']} | {r['dtype']} | {r['mode']} | {r['causal']} | "
-                     f"{r['rounds']} x {r['reps']} | {r['ms']['sdpa']:.1f} | "
-                     + " | ".join(f"{r['ratio'][n]:.2f}" if n in r["ratio"] else "—"
-                                  for n in names) + " |")
+        tiled = (f"{r['ms']['tiled']:.1f} ({r['p90_ms']['tiled']:.1f})" if "tiled" in r["ms"]
+                 else "—")
+        lines.append(f"| {r['shape']} | {r['N']} | {r['D']} | {r['dtype']} | {r['mode']} | "
+                     f"{r['causal']} | {r['rounds']} x {r['reps']} | {r['ms']['sdpa']:.1f} | "
+                     f"{tiled} | "
+                     + " | ".join(f"{r['ratio'][n]:.2f} ({r['ratio_p10'][n]:.2f})"
+                                  if n in r["ratio"] else "—" for n in names) + " |")
     return "\n".join(lines) + "\n"
+
+
+# --shape: (query rows, kv heads) against N keys; None: as the command line says
+SHAPES = {"square": (None, None), "decode": (1, 8), "prefill": (512, 8)}
 
 
 def _measure_shape(args, B, H, N, D, dtype, mode, causals) -> list[dict]:
     """One row per causal value: every contender on the same q, k, v."""
     bwd = mode == "fwd+bwd"
     g = torch.Generator().manual_seed(N)
-    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=DTYPES[dtype]).requires_grad_(bwd)
-               for _ in range(3))
+    n_q, h_kv = SHAPES[args.shape]
+    n_q, h_kv = n_q or N, h_kv or H
+    q = torch.randn(B, H, n_q, D, generator=g, dtype=DTYPES[dtype]).requires_grad_(bwd)
+    k, v = (torch.randn(B, h_kv, N, D, generator=g, dtype=DTYPES[dtype]).requires_grad_(bwd)
+            for _ in range(2))
+    variants = tuple(TILED_VARIANTS) if args.shape == "square" else ("tiled",)
     rows = []
     for causal in causals:
         fns = contenders(q, k, v, causal=causal, bwd=bwd, fused=not args.no_fused,
-                         flex_max_n=args.flex_max_n)
-        rows.append({"N": N, "D": D, "dtype": dtype, "B": B, "H": H, "mode": mode,
-                     "causal": causal, **measure(fns, args.repeats or _rounds(N))})
+                         flex_max_n=args.flex_max_n, variants=variants)
+        shape = args.shape if args.shape == "square" else f"{args.shape} Nq={n_q} Hkv={h_kv}"
+        rows.append({"shape": shape, "N": N, "D": D, "dtype": dtype, "B": B, "H": H,
+                     "mode": mode, "causal": causal,
+                     **measure(fns, args.repeats or _rounds(N))})
         print(N, D, dtype, mode, "causal" if causal else "full",
               " ".join(f"{n}:{r:.2f}" for n, r in rows[-1]["ratio"].items()),
               file=sys.stderr, flush=True)
@@ -155,16 +214,24 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     _check(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    square = args.shape == "square"
     B = 1 if args.batch is None else args.batch
-    H = 8 if args.heads is None else args.heads
-    causals = {"false": (False,), "true": (True,), "both": (False, True)}[args.causal or "both"]
+    H = (8 if square else 32) if args.heads is None else args.heads
+    if not square and args.d == [64]:  # the default: these shapes are D = 128
+        args.d = [128]
+    default_causal = "both" if square else "true" if args.shape == "prefill" else "false"
+    causals = {"false": (False,), "true": (True,),
+               "both": (False, True)}[args.causal or default_causal]
     modes = ("fwd", "fwd+bwd") if args.mode == "both" else (args.mode,)
     header = report.run_header("cpu", "attn " + shlex.join(argv))
     dims = ", ".join(map(str, args.d))
     header.update(shape=f"{', '.join(args.dtype)}, B={B}, H={H}, D={dims}",
                   tiled_path=report.tiled_path("cpu"))
     rows = []
-    with mock.patch.dict(os.environ):  # the contenders' settings end with the run
+    with mock.patch.dict(os.environ), busy_core(args.busy_core) as core:
+        # (the contenders' settings end with the run)
+        header["busy"] = ("quiet (no load started)" if core is None
+                          else f"one core (CPU {core}) kept busy by a spinning process")
         for dtype in args.dtype:
             for D in args.d:
                 for N in args.n or DEFAULT_N:
