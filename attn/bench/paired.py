@@ -26,11 +26,11 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 import attn
 from attn.bench import report
 from attn.bench.sweep import DTYPES
+from attn.sdpa import torch_sdpa
 from attn.timing import median_ratio, paired
 
 # the environment each tiled variant runs under (set before each of its calls)
@@ -71,7 +71,7 @@ def contenders(q, k, v, *, causal: bool, bwd: bool, fused: bool,
 
     def tiled():
         return attn.attention(q, k, v, causal=causal, backend="tiled")
-    fns = {"sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))}
+    fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, is_causal=causal))}
     for name, env in TILED_VARIANTS.items():
         if fused or name != "tiled fused":
             fns[name] = step(tiled, env)
