@@ -8,31 +8,24 @@ or ``attn --version`` should not wait a second or more for torch.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it
+# the module that defines each public name
 _EXPORTS = {
-    "AttentionCall": "attn.api",
-    "BackendChoice": "attn.api",
-    "attention": "attn.api",
-    "scaled_dot_product_attention": "attn.api",
-    "select_backend": "attn.api",
-    "create_block_mask": "attn.flex",
-    "flex_attention": "attn.flex",
-    "merge_attention": "attn.merge",
-    "varlen_attention": "attn.varlen",
-    "AttentionOptions": "attn.nn",
-    "MultiHeadAttention": "attn.nn",
-    "QKNorm": "attn.nn",
-    "QKNormConfig": "attn.nn",
-    "RotaryEmbedding": "attn.nn",
-    "SdpaPatch": "attn.patch",
-    "patch_sdpa": "attn.patch",
+    "attn.api": ("AttentionCall", "BackendChoice", "attention", "scaled_dot_product_attention",
+                 "select_backend"),
+    "attn.flex": ("create_block_mask", "flex_attention"),
+    "attn.merge": ("merge_attention",),
+    "attn.varlen": ("varlen_attention",),
+    "attn.nn": ("AttentionOptions", "MultiHeadAttention", "QKNorm", "QKNormConfig",
+                "RotaryEmbedding"),
+    "attn.patch": ("SdpaPatch", "patch_sdpa"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
 
 if TYPE_CHECKING:
     from attn.api import (AttentionCall, BackendChoice, attention, scaled_dot_product_attention,
@@ -45,23 +38,31 @@ if TYPE_CHECKING:
     from attn.varlen import varlen_attention
 
 
-def __getattr__(name: str):
-    """A public name, or a submodule (``attn.tiled`` after a bare ``import attn``), loaded
-    on first access and then cached in the package's namespace."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif not name.startswith("__"):
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise  # the submodule exists but something it imports does not
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+def _lazy(package: str, exports: dict[str, tuple[str, ...]]):
+    """``__getattr__`` and ``__dir__`` for a package whose public names (``exports``: defining
+    module -> names) and submodules load on first access, then stay in its namespace."""
+    namespace = sys.modules[package].__dict__
+    exports = {name: module for module, names in exports.items() for name in names}
+
+    def __getattr__(name: str):
+        if name in exports:
+            value = getattr(importlib.import_module(exports[name]), name)
+        elif not name.startswith("__"):
+            try:
+                value = importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{package}.{name}":
+                    raise  # the submodule exists but something it imports does not
+                raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *exports})
+
+    return __getattr__, __dir__
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = _lazy(__name__, _EXPORTS)
