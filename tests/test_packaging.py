@@ -138,18 +138,26 @@ def test_tests_import_this_checkouts_attn_and_models():
     assert attn.models.GPT is attn.models.gpt.GPT
 
 
-def test_public_names_load_on_first_use_without_torch_at_import():
-    """``import attn`` is cheap (the command's --help must not wait for torch); every public
-    name and submodule still resolves, and a wrong name is an AttributeError."""
-    code = ("import sys, attn, attn.bench\n"
+def test_help_version_and_import_attn_leave_torch_unimported():
+    """``attn --help`` and ``--version`` answer without torch (a second or more to import);
+    so does ``import attn``, whose public names and submodules still all resolve, and a
+    wrong name is an AttributeError."""
+    code = ("import sys\nfrom attn.bench.cli import main\n"
+            "for argv in (['--version'], ['--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n"
+            "        assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules, 'the command imported torch'\n"
+            "import attn, attn.bench\n"
             "assert 'torch' not in sys.modules, 'import attn imported torch'\n"
             "ns = {}\nexec('from attn import *', ns)\n"
-            "missing = [n for n in attn.__all__ if n not in ns]\n"
-            "assert not missing, missing\n"
+            "assert not [n for n in attn.__all__ if n not in ns]\n"
             "assert all(getattr(attn.bench, n) is not None for n in attn.bench.__all__)\n"
             "assert attn.tiled.__name__ == 'attn.tiled' and 'patch_sdpa' in dir(attn)\n"
             "try:\n    attn.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "module 'attn' has no attribute 'no_such_name'"
+    version, *usage, last = proc.stdout.strip().splitlines()
+    assert version == f"attn {_pyproject()['project']['version']}"
+    assert usage[0].startswith("usage: attn") and any("report" in u for u in usage)
+    assert last == "module 'attn' has no attribute 'no_such_name'"
