@@ -1,6 +1,11 @@
 """torch's own fused SDPA as a backend, for side-by-side comparison: attn's band and masks
 translated into torch's arguments. Forward only through torch (its autograd does the rest);
 no lse, no variants beyond a mask and a per-head temperature (``attn.call`` refuses the rest).
+
+``torch_sdpa`` is torch's function as it was when attn was imported. This backend, and the
+torch competitors of ``attn bench``, call it rather than looking the name up in
+``torch.nn.functional`` at call time: while :func:`attn.patch_sdpa` routes that name to attn,
+they must still reach torch's kernels, not recurse into attn.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attn.masks import Band
+
+torch_sdpa = F.scaled_dot_product_attention
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | None,
@@ -39,7 +46,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Te
         attn_mask = attn_mask.to(q.dtype)
     if isinstance(scale, Tensor):  # per-head temperature: fold into q, autograd does the rest
         q, scale = q * scale.to(q.dtype), 1.0
-    out = F.scaled_dot_product_attention(
+    out = torch_sdpa(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1])
     return out, None

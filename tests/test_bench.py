@@ -3,6 +3,7 @@ and a smoke run of ``attn report`` (the main job) so it cannot break silently.""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -454,3 +455,168 @@ def test_hf_prefill_logits_match_eager(tmp_path):
     for r in rows:
         assert r["status"] == "ok" and r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert r["logits_max_diff_vs_eager"] < 1e-4
+
+
+# -- users' functions in a sweep (--fn) --------------------------------------------------------
+
+USER_FN = '''
+import torch
+
+calls = []
+
+
+def naive(q, k, v, is_causal=False):
+    """torch style, (B, H, N, D); raises at N = 64 to stand for a function that fails."""
+    calls.append((q.shape[2], is_causal))
+    if q.shape[2] == 64:
+        raise RuntimeError("naive: no kernel for N=64")
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v
+'''
+
+
+@pytest.mark.parametrize("kind", ["speed", "memory"])
+def test_fn_is_measured_beside_the_backends_and_a_failure_stays_a_row(tmp_path, kind, capsys):
+    src = tmp_path / "mine.py"
+    src.write_text(USER_FN)
+    spec = f"{src}:naive"
+    rc = main(["bench", kind, "--fn", spec, "--backends", "sdpa", "--n", "32", "64", "--d",
+               "16", "--heads", "2", "--causal", "true", "--mode", "fwd", "--repeats", "1",
+               "--out", str(tmp_path / "out"), "--no-plots", "--no-progress"])
+    assert rc == 0  # the user's function failing at one point does not fail the run
+    assert f"--fn {spec}: called in the torch style" in capsys.readouterr().err
+    header, rows, _ = report_mod.load_json(tmp_path / "out" / "results.json")
+    by = {(r["backend"], r["N"]): r for r in rows}
+    assert by[(spec, 64)]["status"] == "failed"
+    assert "RuntimeError: naive: no kernel for N=64" in by[(spec, 64)]["note"]
+    ok = by[(spec, 32)]
+    assert ok["status"] == "ok"
+    if kind == "speed":
+        assert ok["ms"] > 0 and ok["ratio_to_sdpa"] == pytest.approx(by[("sdpa", 32)]["ms"]
+                                                                     / ok["ms"])
+    else:
+        assert ok["peak_bytes"] > 0
+    assert spec in header["config"]["functions"]
+    assert by[("sdpa", 64)]["status"] == "ok"  # the sweep went on past the failure
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert f"| 64 | {spec} | failed |" in md and f"{spec} failed at N=64" in md
+
+
+def test_sweep_config_takes_named_callables_and_calls_them_causal():
+    seen = []
+
+    def mine(q, k, v, causal=False):
+        seen.append(causal)
+        return attn.attention(q, k, v, causal=causal, backend="reference")
+
+    cfg = _tiny(n=(32,), backends=("tiled", mine), causal=(False, True), modes=("fwd",))
+    assert cfg.backends == ("tiled", "mine") and cfg.functions == {"mine": mine}
+    rows = list(run_sweep(cfg))
+    assert [r.status for r in rows] == ["ok"] * 4 and seen.count(True) >= 1
+    assert {r.causal for r in rows if r.backend == "mine"} == {False, True}
+    assert set(seen) == {False, True}
+    for bad, match in (((lambda q, k, v: q),), "needs a name"), ((mine, mine), "twice"):
+        with pytest.raises(ValueError, match=match):
+            _tiny(backends=bad)
+    mine.name = "tiled"  # an adapted function's .name wins over __name__, and must be free
+    with pytest.raises(ValueError, match="already taken"):
+        _tiny(backends=(mine,))
+
+
+def test_a_function_that_cannot_express_a_call_is_skipped_there():
+    def no_causal(q, k, v, causal=False):
+        if causal:
+            raise NotImplementedError("no_causal cannot express causal=True")
+        return attn.attention(q, k, v, backend="reference")
+
+    rows = list(run_sweep(_tiny(n=(32,), backends=(no_causal,), causal=(False, True),
+                                modes=("fwd",))))
+    assert [(r.causal, r.status) for r in rows] == [(False, "ok"), (True, "skipped")]
+    assert "cannot express causal" in rows[1].note
+
+
+# -- while it runs -----------------------------------------------------------------------------
+
+def test_report_prints_checks_first_and_each_point_as_it_finishes(tmp_path, capsys,
+                                                                    monkeypatch):
+    """The check table is out before the sweep starts, and each point's line is out before
+    the next point runs."""
+    real = sweep_mod.run_sweep
+    seen_at_start, lines_before = [], []
+
+    def watched(cfg, rows=None):
+        seen_at_start.append(capsys.readouterr())
+        err = ""
+        for row in real(cfg, rows):
+            yield row
+            err += capsys.readouterr().err  # what the consumer printed for that row
+            lines_before.append(err)
+
+    monkeypatch.setattr(sweep_mod, "run_sweep", watched)
+    rc = main(["report", "--quick", "--n", "32", "--d", "16", "--heads", "2", "--backends",
+               "tiled", "sdpa", "--mode", "fwd", "--out", str(tmp_path), "--no-plots",
+               "--no-progress"])
+    assert rc == 0
+    at_start = seen_at_start[0].out
+    assert "## Correctness against the float64 reference" in at_start
+    assert at_start.count("| tiled | B=") == len(report_mod.CHECK_SHAPES)
+    assert [f"[{i}/2]" in err for i, err in enumerate(lines_before, 1)] == [True, True]
+    assert "[1/2] tiled fwd N=32 D=16 float32:" in lines_before[0]
+    end = capsys.readouterr().out
+    assert "correctness against the float64 reference (table above): " in end
+    assert "| 32 | tiled |" in end
+
+
+def test_header_warns_of_a_busy_machine_and_says_what_to_do(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(report_mod.os, "getloadavg", lambda: (9.1234, 1.0, 1.0))
+    monkeypatch.setattr(report_mod.torch, "get_num_threads", lambda: 2)
+    header = report_mod.make_header(_tiny(), ["bench", "memory"])
+    assert header["loadavg_1min"] == 9.12
+    text = report_mod.header_text(header)
+    assert "load 9.12)" in text and "**warning**: the load average is 9.1" in text
+    assert "above the 2 cores" in text and "--threads" in text
+    # a memory sweep measures no matmul: no empty "square matmul" line
+    assert "square matmul" not in text
+    assert "square matmul TFLOP/s in this run: float32 0.500" in report_mod.header_text(
+        {**header, "matmul_tflops": {"float32": 0.5}})
+    main(["bench", "memory", "--n", "32", "--backends", "tiled", "--mode", "fwd", "--heads",
+          "2", "--out", str(tmp_path), "--no-plots", "--no-progress"])
+    assert "attn: warning: the load average is 9.1" in capsys.readouterr().err
+
+    monkeypatch.setattr(report_mod.os, "getloadavg", lambda: (1.5, 1.0, 1.0))
+    quiet = report_mod.header_text(report_mod.make_header(_tiny(), ["bench", "memory"]))
+    assert "warning" not in quiet and "load 1.50)" in quiet
+
+
+def _png_width(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[16:20], "big")  # the IHDR chunk's width
+
+
+def test_memory_fwd_draws_one_panel_and_no_warning(tmp_path):
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rc = main(["bench", "memory", "--mode", "fwd", "--n", "32", "64", "--d", "16",
+                   "--heads", "2", "--backends", "tiled", "sdpa", "--out", str(tmp_path / "f"),
+                   "--no-progress"])
+        assert rc == 0
+        main(["bench", "memory", "--n", "32", "--d", "16", "--heads", "2", "--backends",
+              "tiled", "--out", str(tmp_path / "both"), "--no-progress"])
+    one, two = (_png_width(tmp_path / d / "memory-float32-d16.png") for d in ("f", "both"))
+    assert one < 0.6 * two  # one panel where forward+backward was not measured
+
+
+# -- the command line itself -------------------------------------------------------------------
+
+def test_quick_parser_lists_every_command_of_the_full_one():
+    from attn.bench import cli
+
+    def commands(parser):
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return {name: sub._choices_actions[i].help for i, name in enumerate(sub.choices)}
+
+    assert commands(cli._quick_parser()) == commands(cli.build_parser())

@@ -1,4 +1,5 @@
-"""What an install puts on sys.path: attn and attn.models, never a top-level `models`.
+"""What an install puts on sys.path: attn and attn.models, never a top-level `models`; and
+what a wheel carries besides the code (the license, py.typed) and says about itself.
 
 The repository keeps models/ at the top level; pyproject maps it to attn.models
 (``package-dir``). These tests read pyproject and run setuptools' own PEP 517 backend on a
@@ -47,16 +48,14 @@ def test_pyproject_lists_every_package_and_no_top_level_models():
 
 def _build(tmp_path: Path, hook: str) -> Path:
     """Run setuptools.build_meta.<hook> on a copy of the sources; return the wheel."""
-    # the build backend pyproject asks for: setuptools >= 68, with `wheel` before 70.1
+    # the build backend pyproject asks for: setuptools >= 77 (PEP 639 license fields)
     setuptools = pytest.importorskip("setuptools")
     version = tuple(int(x) for x in re.findall(r"\d+", setuptools.__version__)[:2])
-    if version < (68, 0):
-        pytest.skip(f"setuptools {setuptools.__version__} < 68, the build requirement")
-    if version < (70, 1):
-        pytest.importorskip("wheel")
+    if version < (77, 0):
+        pytest.skip(f"setuptools {setuptools.__version__} < 77, the build requirement")
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("attn", "models"):
@@ -69,14 +68,53 @@ def _build(tmp_path: Path, hook: str) -> Path:
     return out / res.stdout.strip().splitlines()[-1]
 
 
-def test_wheel_ships_models_as_attn_models(tmp_path):
+def test_wheel_ships_models_as_attn_models_the_license_and_py_typed(tmp_path):
     with zipfile.ZipFile(_build(tmp_path, "build_wheel")) as whl:
         names = whl.namelist()
         top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
         assert whl.read(top_level).decode().split() == ["attn"]
+        licenses = [n for n in names if "/licenses/" in n and n.endswith("/LICENSE")]
+        assert len(licenses) == 1 and licenses[0].startswith("attn-")
+        assert whl.read(licenses[0]) == (ROOT / "LICENSE").read_bytes()
+        meta = whl.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     for mod in ("__init__", "gpt", "cache", "config", "data", "train"):
         assert f"attn/models/{mod}.py" in names
     assert not [n for n in names if n.startswith("models/")]
+    assert "attn/py.typed" in names  # PEP 561: type checkers read attn's annotations
+    assert "License-Expression: MIT" in meta.splitlines()
+    assert "Requires-Dist: torch>=2.11" in meta.splitlines()
+
+
+def test_license_is_mit_as_declared():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License") and "the attn authors" in text
+    assert _pyproject()["project"]["license"] == "MIT"
+
+
+def test_torch_floor_is_the_oldest_torch_ci_runs():
+    """pyproject's torch floor is the torch of .ci/run's second environment, not lower: an
+    older torch is promised nothing by any test."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    ci_torches = {tuple(map(int, v.split("."))) for v in re.findall(r"torch==([\d.]+)", ci)}
+    floors = [d for d in _pyproject()["project"]["dependencies"] if re.match(r"torch\b", d)]
+    assert len(floors) == 1, floors
+    floor = tuple(map(int, re.fullmatch(r"torch>=([\d.]+)", floors[0]).group(1).split(".")))
+    assert floor + (0,) * (3 - len(floor)) == min(ci_torches)
+
+
+def test_changelog_starts_at_this_version():
+    import attn
+
+    version = _pyproject()["project"]["version"]
+    headings = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert headings and headings[0] == version == attn.__version__
+
+
+def test_attn_version_is_the_packages():
+    proc = subprocess.run([sys.executable, "-m", "attn", "--version"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"attn {_pyproject()['project']['version']}"
 
 
 def test_editable_install_maps_attn_models_to_the_models_folder(tmp_path):
@@ -98,3 +136,28 @@ def test_tests_import_this_checkouts_attn_and_models():
     assert Path(attn.models.__file__).resolve().parent == ROOT / "models"
     assert Path(attn.models.gpt.__file__).resolve().parent == ROOT / "models"
     assert attn.models.GPT is attn.models.gpt.GPT
+
+
+def test_help_version_and_import_attn_leave_torch_unimported():
+    """``attn --help`` and ``--version`` answer without torch (a second or more to import);
+    so does ``import attn``, whose public names and submodules still all resolve, and a
+    wrong name is an AttributeError."""
+    code = ("import sys\nfrom attn.bench.cli import main\n"
+            "for argv in (['--version'], ['--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n"
+            "        assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules, 'the command imported torch'\n"
+            "import attn, attn.bench\n"
+            "assert 'torch' not in sys.modules, 'import attn imported torch'\n"
+            "ns = {}\nexec('from attn import *', ns)\n"
+            "assert not [n for n in attn.__all__ if n not in ns]\n"
+            "assert all(getattr(attn.bench, n) is not None for n in attn.bench.__all__)\n"
+            "assert attn.tiled.__name__ == 'attn.tiled' and 'patch_sdpa' in dir(attn)\n"
+            "try:\n    attn.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version, *usage, last = proc.stdout.strip().splitlines()
+    assert version == f"attn {_pyproject()['project']['version']}"
+    assert usage[0].startswith("usage: attn") and any("report" in u for u in usage)
+    assert last == "module 'attn' has no attribute 'no_such_name'"

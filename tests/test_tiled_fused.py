@@ -15,6 +15,12 @@ import attn
 from attn import AttentionCall, select_backend, tiled
 from attn.testing import assert_close_to_reference
 
+# The first torch.compile of a process imports torch.utils.mkldnn (through inductor), whose
+# ScriptModules use torch's own deprecated torch.jit.script_method: 14 DeprecationWarnings
+# that no code here can act on, and that would bury one that it can.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning:torch\.jit")
+
 BM, BN = 16, 32  # small tiles: full tiles and ragged edges in one call
 
 

@@ -6,6 +6,7 @@
     attn bench speed --n 2048 --d 64 128 --causal both --dtype float16 --device cuda
     attn bench speed --preset triton    # triton against torch's kernels on one GPU
     attn bench speed --paired           # tiled against torch SDPA on CPU, in-round ratios
+    attn bench speed --fn mypkg.mod:my_attention --style torch   # yours beside attn's
     attn bench decode [--compat]        # one new token against a long KV cache, vs SDPA
     attn bench hf --context 2048 8192   # a transformers Llama with attn, sdpa and eager
     attn bench train-step               # one GPT training step: peak memory and time
@@ -19,14 +20,22 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+# torch, and every module that imports it, is imported inside the functions that need it:
+# `attn --help` and `attn --version` answer from this module alone, in a fraction of the
+# second torch takes to import.
+if TYPE_CHECKING:
+    from attn.bench.sweep import Row, SweepConfig
 
-from attn.bench import plots, report
-from attn.bench.competitors import COMPETITORS
-from attn.bench.flops import MODES
-from attn.bench.sweep import DTYPES, Row, SweepConfig, all_backends, default_backends, \
-    finish, measure_matmul_rates, plan, run_sweep
+# the top level, shared by the full parser and the quick one
+DESCRIPTION = "Measure attention: correctness, memory and speed by N."
+COMMANDS = {
+    "report": "check every backend, then sweep memory and speed",
+    "bench": "a custom sweep or one of the benchmark questions",
+    "check": "run the conformance matrix on your attention function: each case correct, "
+             "not supported, wrong (diagnosed) or NaN",
+}
 
 # (N values, causal values) per device for the full and the quick report. The quick one is
 # sized to finish in about a minute on 2 CPU cores; the full CPU one reaches N = 16384, where
@@ -37,6 +46,21 @@ _REPORT_N = {("cpu", False): (512, 1024, 2048, 4096, 8192, 16384),
              ("cuda", True): (512, 1024, 2048, 4096)}
 
 
+def _version() -> str:
+    from attn import __version__
+
+    return f"attn {__version__}"
+
+
+def _quick_parser() -> argparse.ArgumentParser:
+    """The top level only (commands and --version), built without importing torch: enough
+    to answer ``attn``, ``attn --help`` and ``attn --version``."""
+    parser = argparse.ArgumentParser(prog="attn", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, what in COMMANDS.items():
+        sub.add_parser(name, help=what)
+    return parser
 
 
 def _triton_preset(device_name: str) -> dict:
@@ -44,6 +68,8 @@ def _triton_preset(device_name: str) -> dict:
     and compiled FlexAttention on one GPU, bf16, with an 8192² matmul for the ceiling. Batch
     and heads follow FlashAttention's benchmarks: a fixed 16k tokens and model width 2048
     (B = 16384 // N, H = 2048 // D), unless --batch / --heads are given."""
+    from attn.bench.competitors import COMPETITORS
+
     folder = device_name.replace(" ", "_").replace("/", "_")
     return dict(device="cuda", n=[1024, 2048, 4096, 8192, 16384], d=[64, 128], causal="both",
                 mode="both", dtype=["bfloat16"], backends=["triton", "sdpa", *COMPETITORS],
@@ -60,10 +86,15 @@ def _causal(value: str) -> tuple[bool, ...]:
 
 
 def _modes(value: str) -> tuple[str, ...]:
+    from attn.bench.flops import MODES
+
     return MODES if value == "both" else (value,)
 
 
 def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> None:
+    from attn.bench.flops import MODES
+    from attn.bench.sweep import DTYPES, all_backends
+
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--out", type=Path, default=None,
                    help="directory for results.json, results.md and the PNGs")
@@ -100,6 +131,42 @@ def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> Non
                        help="small sizes and few repeats: about 1-2 minutes on 2 CPU cores")
         p.add_argument("--no-checks", action="store_true",
                        help="skip the correctness checks against the reference")
+    else:
+        _add_function_args(p)
+
+
+def _add_function_args(p: argparse.ArgumentParser) -> None:
+    """``--fn``: users' attention functions measured beside the backends."""
+    from attn.adapters import LAYOUTS, STYLES
+
+    p.add_argument("--fn", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="your attention function, measured beside the backends (repeatable): "
+                        "mypkg.mod:fn or path/to/file.py:fn. A point where it raises is "
+                        "recorded as failed there; the sweep goes on")
+    p.add_argument("--style", choices=("auto", *STYLES), default="auto",
+                   help="how --fn functions are called: attn (attn.attention's keywords), "
+                        "torch (F.scaled_dot_product_attention's), flash (flash_attn_func's), "
+                        "hf (a transformers attention interface); default: guessed from "
+                        "each signature")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="the layout --fn functions take q, k, v in (default: the style's, "
+                        "bnhd for flash, else bhnd)")
+
+
+def _functions(args: argparse.Namespace) -> tuple:
+    """The ``--fn`` functions, adapted to attn's convention and named as given."""
+    from attn.adapters import adapt, load_target
+
+    fns = []
+    for spec in getattr(args, "fn", None) or ():
+        try:
+            fn = adapt(load_target(spec), style=args.style, layout=args.layout, name=spec)
+        except (ValueError, TypeError) as exc:
+            raise SystemExit(f"attn: --fn {spec}: {exc}") from None
+        print(f"attn: --fn {spec}: called in the {fn.style} style ({fn.detected}), "
+              f"layout {fn.layout}", file=sys.stderr)
+        fns.append(fn)
+    return tuple(fns)
 
 
 def _add_speed_args(p: argparse.ArgumentParser) -> None:
@@ -130,12 +197,12 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
 def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
     """The ``attn`` parser; ``preset`` (a :data:`PRESETS` entry's values) replaces the
     defaults of ``attn bench speed``."""
-    parser = argparse.ArgumentParser(
-        prog="attn", description="Measure attention: correctness, memory and speed by N.")
+    parser = argparse.ArgumentParser(prog="attn", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help="check every backend, then sweep memory and speed")
+    rep = sub.add_parser("report", help=COMMANDS["report"])
     _add_sweep_args(rep, report_defaults=True)
-    bench = sub.add_parser("bench", help="a custom sweep or one of the benchmark questions")
+    bench = sub.add_parser("bench", help=COMMANDS["bench"])
     kinds = bench.add_subparsers(dest="kind", required=True)
     for kind, what in (("memory", "peak bytes above the inputs"), ("speed", "ms and TFLOP/s")):
         _add_sweep_args(kinds.add_parser(kind, help=what), report_defaults=False)
@@ -155,9 +222,7 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
                                  "per rank, time per step, communication share"))
     for kind, what in _QUESTIONS.items():
         _question(kind).add_arguments(kinds.add_parser(kind, help=what))
-    _add_check_args(sub.add_parser(
-        "check", help="run the conformance matrix on your attention function: each case "
-                      "correct, not supported, wrong (diagnosed) or NaN"))
+    _add_check_args(sub.add_parser("check", help=COMMANDS["check"]))
     return parser
 
 
@@ -169,7 +234,8 @@ def _add_check_args(p: argparse.ArgumentParser) -> None:
                    help="keyword names and return convention (default: from the signature)")
     p.add_argument("--layout", default=None, choices=("bhnd", "bnhd"),
                    help="layout of q, k, v and out (default: the style's, bnhd for flash)")
-    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    p.add_argument("--dtype", default="float32",
+                   choices=("float32", "float16", "bfloat16", "float64"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--cases", nargs="+", default=None, metavar="NAME",
                    help="run only these cases (names as in the table)")
@@ -185,6 +251,7 @@ def run_check(args: argparse.Namespace) -> int:
     import json
 
     from attn import conformance
+    from attn.bench.sweep import DTYPES
     from attn.testing import conformance_cases
 
     try:
@@ -224,6 +291,10 @@ def _question(kind: str):
 
 
 def _config(args: argparse.Namespace) -> SweepConfig:
+    import torch
+
+    from attn.bench.sweep import SweepConfig, default_backends
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("attn: --device cuda, but torch sees no CUDA device")
@@ -235,7 +306,8 @@ def _config(args: argparse.Namespace) -> SweepConfig:
             raise SystemExit(f"attn: --{fixed} and --{per_point} both set the {fixed}; "
                              "give one")
     return SweepConfig(
-        n=n, backends=tuple(args.backends or default_backends(device)), d=tuple(args.d),
+        n=n, backends=(*(args.backends or default_backends(device)), *_functions(args)),
+        d=tuple(args.d),
         causal=_causal(args.causal or "false"), dtypes=tuple(args.dtype),
         modes=_modes(args.mode),
         batch=1 if args.batch is None else args.batch,
@@ -264,10 +336,26 @@ def _label(r: Row) -> str:
     return (f"{r.backend} {r.mode} N={r.N} D={r.D}{' causal' if r.causal else ''} {r.dtype}")
 
 
+def _point_line(r: Row) -> str:
+    """One finished point, as printed while the sweep runs."""
+    if r.status != "ok":
+        return f"{_label(r)}: {r.status}" + (f" ({r.note})" if r.note else "")
+    parts = []
+    if r.ms is not None:
+        parts.append(f"{r.ms:.3g} ms, {r.tflops:.3g} TFLOP/s")
+    if r.peak_bytes is not None:
+        parts.append(f"peak {r.peak_bytes / 2**20:,.1f} MiB")
+    return f"{_label(r)}: {', '.join(parts)}"
+
+
 def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
            header: dict | None = None) -> list[Row]:
-    """Run the sweep with a progress bar; after each point, rewrite ``partial`` (JSON) so
-    an interrupted hour-long sweep still leaves what it measured."""
+    """Run the sweep, printing each point as it finishes (above the progress bar, which
+    names the point now running); after each point, rewrite ``partial`` (JSON) so an
+    interrupted hour-long sweep still leaves what it measured."""
+    from attn.bench import report
+    from attn.bench.sweep import plan, run_sweep
+
     rows = plan(cfg)
     bar = _progress(len(rows), show_progress)
     if bar is not None and rows:
@@ -275,13 +363,14 @@ def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
     done = []
     for r in run_sweep(cfg, rows):
         done.append(r)
-        if bar is not None:  # name the point now running, the slow ones take minutes
-            if len(done) < len(rows):
+        line = f"[{len(done)}/{len(rows)}] {_point_line(r)}"
+        if bar is not None:
+            bar.write(line, file=sys.stderr)
+            if len(done) < len(rows):  # the slow points take minutes: say which one runs
                 bar.set_description(_label(rows[len(done)]), refresh=False)
             bar.update()
-        elif show_progress:
-            ms = f"{r.ms:.2f} ms" if r.ms is not None else r.status
-            print(f"[{len(done)}/{len(rows)}] {_label(r)}: {ms}", file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
         if partial is not None:
             report.write_json(partial, {**(header or {}), "partial": True}, done)
     if bar is not None:
@@ -289,24 +378,51 @@ def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
     return done
 
 
+def _checks(device: str, backends: tuple[str, ...]) -> list:
+    """The correctness checks, their table printed row by row as each one finishes."""
+    from attn.bench import report
+
+    print("## Correctness against the float64 reference\n")
+    print("\n".join(report.CHECKS_HEAD), flush=True)
+
+    def show(check) -> None:
+        if check.status != "skipped":
+            print(report.check_row(report.asdict(check)), flush=True)
+
+    checks = report.run_checks(device, backends, on_check=show)
+    notes = report.skipped_notes([report.asdict(c) for c in checks])
+    print("".join(f"\n{n}" for n in notes) + "\n", flush=True)
+    return checks
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    import torch
+
+    from attn.bench import plots, report
+    from attn.bench.sweep import finish, measure_matmul_rates
+
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = _config(args)
     out = args.out or Path("out") / ("report" if args.command == "report" else
                                      f"bench-{args.kind}")
     t0 = time.perf_counter()
+    # made before anything runs, so its load average is the other processes', not this run's
+    header = report.make_header(cfg, argv)
     print(f"attn {args.command}{' ' + args.kind if args.command == 'bench' else ''}: "
-          f"{report.device_name(cfg.device)} ({cfg.device}), torch {torch.__version__}",
+          f"{header['device_name']} ({cfg.device}), torch {torch.__version__}",
           file=sys.stderr)
+    warning = report.load_warning(header)
+    if warning:
+        print(f"attn: warning: {warning}", file=sys.stderr)
 
     checks = []
     if args.command == "report" and not args.no_checks:
-        print("checking each backend against the float64 reference ...", file=sys.stderr)
-        checks = report.run_checks(cfg.device, cfg.backends)
+        checks = _checks(cfg.device, cfg.backends)
     rates = measure_matmul_rates(cfg) if cfg.measure_time else {}
+    header["matmul_tflops"] = rates
     partial = out / "results.partial.json"
-    rows = _sweep(cfg, not args.no_progress, partial, report.make_header(cfg, argv, rates))
+    rows = _sweep(cfg, not args.no_progress, partial, header)
     partial.unlink(missing_ok=True)
     if cfg.measure_time:
         # again after the sweep, keeping the faster: on a shared machine one reading can
@@ -315,7 +431,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         rates = {k: max(v, after.get(k, 0.0)) for k, v in rates.items()}
     rows = finish(rows, rates)
 
-    header = report.make_header(cfg, argv, rates)
+    header["matmul_tflops"] = rates
     header["elapsed_s"] = round(time.perf_counter() - t0, 1)
     row_dicts = [r.as_dict() for r in rows]
     check_dicts = [report.asdict(c) for c in checks]
@@ -327,7 +443,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print()
     print(report.header_text(header))
     if checks:
-        print(report.checks_table(check_dicts))
+        print(report.checks_summary(check_dicts) + "\n")
     print(report.markdown_tables(row_dicts))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}"
           + "".join(f", {p}" for p in pngs) + f" in {header['elapsed_s']} s")
@@ -335,9 +451,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     for c in failed:
         print(f"FAILED check: {c.backend} {c.shape} causal={c.causal}\n{c.message}",
               file=sys.stderr)
+    for r in rows:
+        if r.status in ("error", "failed"):
+            print(f"{r.status.upper()} at {_label(r)}: {r.note}", file=sys.stderr)
+    # a user's function failing at a point is its result, not a failure of this run
     errors = [r for r in rows if r.status == "error"]
-    for r in errors:
-        print(f"ERROR at {_label(r)}: {r.note}", file=sys.stderr)
     return 1 if failed or errors else 0
 
 
@@ -348,6 +466,9 @@ def parse_args(argv: list[str], device_name: str | None = None) -> argparse.Name
     name = getattr(plain, "preset", None)
     if name is None:
         return plain
+    import torch
+
+    from attn.bench import report
     if getattr(plain, "paired", False):
         raise SystemExit("attn: --preset and --paired are two different questions; give one")
     if device_name is None:
@@ -363,6 +484,8 @@ def parse_args(argv: list[str], device_name: str | None = None) -> argparse.Name
 
 def _triton_missing() -> str | None:
     """Why ``--preset triton`` cannot run here, else None."""
+    import torch
+
     if not torch.cuda.is_available():
         return ("no CUDA device here. The triton kernels and the torch backends they are "
                 "compared with (flash, cuDNN, FlexAttention) need a GPU; run this on a CUDA "
@@ -377,6 +500,8 @@ def _triton_missing() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "--version"):
+        _quick_parser().parse_args(argv)  # prints the help, the version or the usage error
     first = build_parser().parse_args(argv)
     if first.command == "bench" and first.kind == "speed" and first.preset == "triton":
         why = _triton_missing()
@@ -387,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_check(first)
     args = parse_args(argv)
     if args.command == "bench" and args.kind == "speed" and args.paired:
+        if args.fn:
+            raise SystemExit("attn: --fn joins the sweep, not --paired; leave one out")
         from attn.bench import paired
 
         return paired.run(args, argv)

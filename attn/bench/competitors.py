@@ -10,6 +10,10 @@ Whether a forced kernel runs depends on the GPU, the build, dtype and head dim, 
 asked, not assumed: :func:`competitor_unsupported` runs the kernel once on a tiny input of
 the point's dtype, head dim and mode, and a refusal becomes the point's skip reason (with
 the warnings torch gave for it).
+
+They call :data:`attn.sdpa.torch_sdpa`, torch's function captured at import: under
+:func:`attn.patch_sdpa` the name in ``torch.nn.functional`` leads to attn, and a competitor
+must stay torch's.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import warnings
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from attn.sdpa import torch_sdpa
 
 # competitor name → the torch.nn.attention.SDPBackend member it forces
 SDPA_KERNELS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
@@ -42,7 +47,7 @@ def _sdpa_forward(name: str, causal: bool) -> Callable[[Tensor, Tensor, Tensor],
 
     def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         with sdpa_kernel(kernel):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return torch_sdpa(q, k, v, is_causal=causal)
     return forward
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 import attn
 from attn.bench import report
+from attn.sdpa import torch_sdpa
 from attn.timing import paired
 
 BASELINE = "sdpa, same cache"
@@ -80,7 +81,7 @@ def paged_copy(kc: torch.Tensor, vc: torch.Tensor, page: int, g: torch.Generator
 
 def _sdpa(q, k, v):
     """(B, H, Nq, D) queries on (B, Hkv, L, D) keys, GQA through enable_gqa when H != Hkv."""
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+    return torch_sdpa(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def attention_paths(B, H, Hkv, D, L, g) -> tuple[dict[str, Callable], torch.Tensor, Callable]:
@@ -90,7 +91,7 @@ def attention_paths(B, H, Hkv, D, L, g) -> tuple[dict[str, Callable], torch.Tens
     k_rep, v_rep = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))
     paths = {"attn tiled": lambda: attn.attention(q, k, v, backend="tiled"),
              BASELINE: lambda: _sdpa(q, k, v),
-             "sdpa, expanded cache": lambda: F.scaled_dot_product_attention(q, k_rep, v_rep)}
+             "sdpa, expanded cache": lambda: torch_sdpa(q, k_rep, v_rep)}
     want = _sdpa(*(x.double() for x in (q, k, v)))
     return paths, want[:, :, 0], lambda out: out[:, :, 0]
 

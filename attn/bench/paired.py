@@ -28,11 +28,11 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 import attn
 from attn.bench import report
 from attn.bench.sweep import DTYPES
+from attn.sdpa import torch_sdpa
 from attn.timing import median_ratio, paired
 
 # the environment each tiled variant runs under (set before each of its calls)
@@ -83,7 +83,7 @@ def contenders(q, k, v, *, causal: bool, bwd: bool, fused: bool, flex_max_n: int
         kw["is_causal"] = True
     elif causal and Nq > 1:
         kw["attn_mask"] = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)
-    fns = {"sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, **kw))}
+    fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, **kw))}
     for name, env in TILED_VARIANTS.items():
         if name in variants and (fused or name != "tiled fused"):
             fns[name] = step(tiled, env)

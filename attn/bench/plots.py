@@ -63,6 +63,20 @@ def _guides(ax, rows, mode, scale):
                 label=label)
 
 
+def _modes(rows: list[dict]) -> list[str]:
+    """The modes the rows measured, in the usual order: a forward-only sweep gets one panel,
+    not an empty forward+backward one beside it."""
+    present = {r["mode"] for r in rows}
+    return [m for m in _MODES if m in present]
+
+
+def _legend(ax) -> None:
+    """A legend when the panel has labelled lines (a panel whose points all failed or were
+    skipped has none, and matplotlib warns about an empty legend)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
 def _title(rows: list[dict], header: dict | None) -> str:
     r = rows[0]
     dev = (header or {}).get("device_name", r["device"])
@@ -74,13 +88,15 @@ def _title(rows: list[dict], header: dict | None) -> str:
 def plot_memory(rows: list[dict], path: str | Path, header: dict | None = None) -> Path:
     """Peak MiB above the inputs vs N, log–log, one panel per mode."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
-    for ax, mode in zip(axes, _MODES):
+    modes = _modes(rows)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.5), sharey=True,
+                             squeeze=False)
+    for ax, mode in zip(axes[0], modes):
         _draw(ax, rows, mode, "peak_bytes", 1 / 2**20)
         _guides(ax, rows, mode, 1 / 2**20)
         ax.set_yscale("log")
         ax.set_ylabel("peak MiB above inputs")
-        ax.legend(fontsize=8)
+        _legend(ax)
     fig.suptitle("Peak memory — " + _title(rows, header))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -91,19 +107,21 @@ def plot_memory(rows: list[dict], path: str | Path, header: dict | None = None) 
 def plot_speed(rows: list[dict], path: str | Path, header: dict | None = None) -> Path:
     """Top: median ms vs N (log–log). Bottom: TFLOP/s vs N with the matmul rate as a ceiling."""
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+    modes = _modes(rows)
+    fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 8), sharex=True,
+                             squeeze=False)
     rate = (header or {}).get("matmul_tflops", {}).get(rows[0]["dtype"])
-    for col, mode in enumerate(_MODES):
+    for col, mode in enumerate(modes):
         _draw(axes[0, col], rows, mode, "ms")
         axes[0, col].set_yscale("log")
         axes[0, col].set_ylabel("ms (median)")
-        axes[0, col].legend(fontsize=8)
+        _legend(axes[0, col])
         _draw(axes[1, col], rows, mode, "tflops")
         if rate:
             axes[1, col].axhline(rate, color="black", ls=":", lw=1, label="square matmul")
         axes[1, col].set_ylabel("TFLOP/s (4·B·H·N²·D fwd, ×3.5 fwd+bwd)")
         axes[1, col].set_ylim(bottom=0)
-        axes[1, col].legend(fontsize=8)
+        _legend(axes[1, col])
     fig.suptitle("Speed — " + _title(rows, header))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

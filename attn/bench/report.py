@@ -15,15 +15,16 @@ import os
 import platform
 import shlex
 import sys
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
 import attn
 from attn.api import AttentionCall, attention, unsupported_reason
-from attn.bench.competitors import COMPETITORS
-from attn.bench.sweep import Row, SweepConfig, device_unsupported
+from attn.bench.sweep import Row, SweepConfig, attn_backends, describe_function, \
+    device_unsupported
 from attn.masks import make_band
 from attn.timing import CPU_ERROR_BYTES
 
@@ -59,6 +60,25 @@ def tiled_path(device: str) -> str:
     return tiled.fused_path_reason(device)
 
 
+def _loadavg() -> float | None:
+    """The 1-minute load average, rounded: two decimals say all it can."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def load_warning(header: dict) -> str | None:
+    """What to do when other processes compete for the cores this run uses: the 1-minute
+    load average (taken before the run) above the torch threads it runs on."""
+    load, cores = header.get("loadavg_1min"), header.get("torch_threads")
+    if load is None or not cores or load <= cores:
+        return None
+    return (f"the load average is {load:.1f} over the last minute, above the {cores} "
+            f"core{'s' if cores != 1 else ''} this run uses: other processes are competing "
+            f"for them, so times come out slower and noisier than on a quiet machine. Wait "
+            f"until the load drops below {cores}, stop the other jobs, or give --threads the "
+            f"number of cores that are free. Ratios to sdpa, measured side by side in this "
+            f"run, suffer least.")
+
+
 def run_header(device: str, command: str) -> dict:
     """What every benchmark question's header starts with: the machine, versions, load, date
     and the command that made the numbers."""
@@ -67,7 +87,7 @@ def run_header(device: str, command: str) -> dict:
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "attn": attn.__version__,
         # other processes on the machine slow every path alike; ratios stay meaningful
-        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1min": _loadavg(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }
@@ -90,7 +110,7 @@ def make_header(cfg: SweepConfig, argv: list[str] | None = None,
         "torch_threads": torch.get_num_threads(),
         "tiled_path": tiled_path(cfg.device),
         # other processes on the machine slow every backend alike; ratios stay meaningful
-        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1min": _loadavg(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "attn " + shlex.join(argv),
         "memory_method": ("torch.cuda.max_memory_allocated above the inputs" if is_cuda else
@@ -98,8 +118,19 @@ def make_header(cfg: SweepConfig, argv: list[str] | None = None,
                           f"inputs (error <= {CPU_ERROR_BYTES} bytes on a known allocation)"),
         "flops": "4*B*H*Nq*Nk*D forward, /2 causal, x3.5 forward+backward",
         "matmul_tflops": matmul_tflops or {},
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        "config": _config_dict(cfg),
     }
+
+
+def _config_dict(cfg: SweepConfig) -> dict:
+    """The sweep's settings as JSON; a user's function as its description."""
+    config = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "functions":
+            value = {name: describe_function(fn) for name, fn in value.items()}
+        config[f.name] = list(value) if isinstance(value, tuple) else value
+    return config
 
 
 # -- correctness against the reference ---------------------------------------------------------
@@ -119,16 +150,24 @@ class Check:
     message: str = ""
 
 
-def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torch.float32
-               ) -> list[Check]:
+def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torch.float32,
+               on_check: Callable[[Check], None] | None = None) -> list[Check]:
     """Each backend against the float64 reference on :data:`CHECK_SHAPES`, through
-    ``attn.testing.compare_to_reference``: outputs, lse and the gradients of q, k, v."""
+    ``attn.testing.compare_to_reference``: outputs, lse and the gradients of q, k, v.
+    ``on_check`` is called with each check as soon as it is done (to print it then)."""
     from attn.testing import compare_to_reference, make_inputs
 
     checks = []
+
+    def add(check: Check) -> None:
+        checks.append(check)
+        if on_check is not None:
+            on_check(check)
+
     for backend in backends:
-        if backend == "reference" or backend in COMPETITORS:
-            continue  # the oracle itself, and torch's kernels (not attn's to check)
+        # the oracle itself; torch's kernels and users' functions are not attn's to check
+        if backend == "reference" or backend not in attn_backends():
+            continue
         for B, H, Hkv, N, D, causal in CHECK_SHAPES:
             shape = f"B={B} H={H} Hkv={Hkv} N={N} D={D}"
             call = AttentionCall(device=torch.device(device).type, dtype=dtype, head_dim=D,
@@ -136,7 +175,7 @@ def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torc
                                  band=make_band(N, N, causal=causal, window=None))
             why = device_unsupported(backend, device) or unsupported_reason(backend, call)
             if why is not None:
-                checks.append(Check(backend, shape, causal, "skipped", message=why))
+                add(Check(backend, shape, causal, "skipped", message=why))
                 continue
             lse_ok = unsupported_reason(backend, AttentionCall(**{**asdict(call),
                                                                    "return_lse": True})) is None
@@ -145,14 +184,14 @@ def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torc
                 rep = compare_to_reference(functools.partial(attention, backend=backend), q, k,
                                            v, causal=causal, check_lse=lse_ok)
             except Exception as exc:  # a crash is a failed check, reported, not a dead report
-                checks.append(Check(backend, shape, causal, "failed",
-                                    message=f"{type(exc).__name__}: {exc}"))
+                add(Check(backend, shape, causal, "failed",
+                          message=f"{type(exc).__name__}: {exc}"))
                 continue
             worst = max(c.error / c.budget if c.budget > 0 else float(c.error > 0)
                         for c in rep.comparisons)
             bad = [c.name for c in rep.comparisons if not c.ok]
-            checks.append(Check(backend, shape, causal, "ok" if rep.ok else "failed", worst,
-                                "" if rep.ok else f"over budget: {', '.join(bad)}\n{rep}"))
+            add(Check(backend, shape, causal, "ok" if rep.ok else "failed", worst,
+                      "" if rep.ok else f"over budget: {', '.join(bad)}\n{rep}"))
     return checks
 
 
@@ -243,31 +282,56 @@ def markdown_tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def checks_table(checks: list[dict]) -> str:
-    """Checked shapes one per line; a backend skipped for one reason on every shape, once."""
-    if not checks:
-        return ""
-    lines = ["| backend | shape | causal | result | error / budget |", "|:--|:--|:--|:--|--:|"]
+CHECKS_HEAD = ("| backend | shape | causal | result | error / budget |",
+               "|:--|:--|:--|:--|--:|")
+
+
+def check_row(c: dict) -> str:
+    return (f"| {c['backend']} | {c['shape']} | {c['causal']} | {c['status']} | "
+            f"{_fmt(c['worst'], '.2f')} |")
+
+
+def skipped_notes(checks: list[dict]) -> list[str]:
+    """One line per backend and reason for the skipped checks."""
     skipped: dict[tuple, int] = {}
     for c in checks:
         if c["status"] == "skipped":
             skipped[(c["backend"], c["message"])] = skipped.get((c["backend"], c["message"]), 0) + 1
-            continue
-        lines.append(f"| {c['backend']} | {c['shape']} | {c['causal']} | {c['status']} | "
-                     f"{_fmt(c['worst'], '.2f')} |")
-    lines += [f"\n- {b}: {n} check(s) skipped: {m}" for (b, m), n in skipped.items()]
+    return [f"- {b}: {n} check(s) skipped: {m}" for (b, m), n in skipped.items()]
+
+
+def checks_table(checks: list[dict]) -> str:
+    """Checked shapes one per line; a backend skipped for one reason on every shape, once."""
+    if not checks:
+        return ""
+    lines = [*CHECKS_HEAD, *(check_row(c) for c in checks if c["status"] != "skipped")]
+    lines += [f"\n{n}" for n in skipped_notes(checks)]
     return "\n".join(lines) + "\n"
+
+
+def checks_summary(checks: list[dict]) -> str:
+    """One line for the end of a run whose check table was printed at its start."""
+    counts: dict[str, int] = {}
+    for c in checks:
+        counts[c["status"]] = counts.get(c["status"], 0) + 1
+    return ("correctness against the float64 reference (table above): "
+            + ", ".join(f"{n} {status}" for status, n in counts.items()))
 
 
 def header_text(h: dict) -> str:
     rates = ", ".join(f"{k} {v:.3f}" for k, v in h.get("matmul_tflops", {}).items())
+    warning = load_warning(h)
+    load = h["loadavg_1min"]
     return (f"- device: {h['device_name']} ({h['device']}, {h['cpu_count']} CPUs, "
-            f"{h['torch_threads']} torch threads, load {h['loadavg_1min']})\n"
-            f"- torch {h['torch']}, triton {h['triton']}, python {h['python']}, {h['date']}\n"
+            f"{h['torch_threads']} torch threads, load "
+            f"{'unknown' if load is None else f'{load:.2f}'})\n"
+            + (f"- **warning**: {warning}\n" if warning else "")
+            + f"- torch {h['torch']}, triton {h['triton']}, python {h['python']}, {h['date']}\n"
             f"- command: `{h['command']}`\n"
             f"- tiled backend: {h.get('tiled_path', 'not recorded')}\n"
-            f"- square matmul TFLOP/s in this run: {rates}\n"
-            f"- memory: {h['memory_method']}\n"
+            # a memory-only run measures no matmul: no line rather than an empty one
+            + (f"- square matmul TFLOP/s in this run: {rates}\n" if rates else "")
+            + f"- memory: {h['memory_method']}\n"
             f"- FLOPs: {h['flops']}\n")
 
 

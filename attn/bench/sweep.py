@@ -10,6 +10,13 @@ efficient or cuDNN forced, compiled FlexAttention). A point is skipped, without 
 when its backend cannot compute the call (``attn.api.unsupported_reason``, or a competitor's
 refusal), when the device lacks the backend (triton off CUDA without ``TRITON_INTERPRET=1``),
 or when its predicted peak memory exceeds the budget.
+
+A sweep also takes users' functions (``SweepConfig(backends=(..., fn))``, ``attn bench
+--fn module:function``): ``fn(q, k, v, causal=True)`` in attn's convention (what
+``attn.adapters.adapt`` makes of any function), returning the output or ``(out, ...)``. Its
+memory is predicted as the reference's (N² scores: nothing is known about it), and a point
+where it raises is recorded as ``failed`` with the error (``skipped`` for
+NotImplementedError, the adapter's "cannot express this call"); the sweep goes on.
 """
 
 from __future__ import annotations
@@ -93,10 +100,34 @@ def default_backends(device: str = "cpu") -> tuple[str, ...]:
     return all_backends() if torch.device(device).type == "cuda" else attn_backends()
 
 
+def function_name(fn: Callable) -> str:
+    """The name a user's function goes by in a sweep's rows: its ``.name`` (an adapted
+    function's), else its ``__name__``."""
+    name = getattr(fn, "name", None) or getattr(fn, "__name__", None)
+    if not isinstance(name, str) or not name or name == "<lambda>":
+        raise ValueError(f"a function in backends needs a name for its rows: define it with "
+                         f"def, or give it a .name attribute; got {fn!r}")
+    return name
+
+
+def describe_function(fn: Callable) -> str:
+    """What a results header records about a user's function."""
+    style, layout = getattr(fn, "style", None), getattr(fn, "layout", None)
+    if style is not None:
+        return f"{function_name(fn)} ({style} style, {layout})"
+    where = getattr(fn, "__module__", None)
+    return f"{where}:{getattr(fn, '__qualname__', function_name(fn))}" if where else \
+        function_name(fn)
+
+
 @dataclass
 class SweepConfig:
+    """What a sweep measures. ``backends`` holds names (:func:`all_backends`) and users'
+    functions, each with a name (:func:`function_name`); after construction it holds names
+    only, and ``functions`` maps a user function's name to it."""
+
     n: tuple[int, ...] = (512, 1024, 2048)
-    backends: tuple[str, ...] = field(default_factory=default_backends)
+    backends: tuple[str | Callable, ...] = field(default_factory=default_backends)
     d: tuple[int, ...] = (64,)
     causal: tuple[bool, ...] = (False,)
     dtypes: tuple[str, ...] = ("float32",)
@@ -117,11 +148,26 @@ class SweepConfig:
     max_bytes: int | None = None  # skip points predicted above this; None: 60% of free memory
     matmul_n: int | None = None  # size of the square matmul giving the device's rate
     seed: int = 0
+    functions: dict[str, Callable] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.functions = dict(self.functions)
+        names = []
         for b in self.backends:
-            if b not in all_backends():
-                raise ValueError(f"backends must be among {all_backends()}, got {b!r}")
+            if callable(b):
+                name = function_name(b)
+                if name in all_backends() or self.functions.get(name, b) is not b:
+                    raise ValueError(f"backends: the function {b!r} is named {name!r}, which "
+                                     f"is already taken; give it another .name")
+                self.functions[name] = b
+                b = name
+            elif b not in all_backends() and b not in self.functions:
+                raise ValueError(f"backends must be among {all_backends()} or callables with "
+                                 f"a name, got {b!r}")
+            if b in names:
+                raise ValueError(f"backends: {b!r} is given twice")
+            names.append(b)
+        self.backends = tuple(names)
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"modes must be among {MODES}, got {m!r}")
@@ -136,7 +182,7 @@ class SweepConfig:
 
 @dataclass
 class Row:
-    backend: str
+    backend: str  # an attn backend, a torch competitor, or a user function's name
     device: str
     dtype: str
     B: int
@@ -145,7 +191,7 @@ class Row:
     D: int
     causal: bool
     mode: str
-    status: str = "ok"  # ok | skipped | oom | error
+    status: str = "ok"  # ok | skipped | oom | error | failed (a user's function raised)
     note: str = ""
     ms: float | None = None  # median
     ms_min: float | None = None
@@ -186,21 +232,27 @@ def skip_reason(row: Row, cfg: SweepConfig) -> str | None:
     Also fills the row's ``flops`` and ``predicted_bytes``."""
     row.flops = attention_flops(row.B, row.H, row.N, row.N, row.D, causal=row.causal,
                                 mode=row.mode)
-    row.predicted_bytes = predicted_peak_bytes(row.backend, row.mode, row.B, row.H, row.N,
-                                               row.D, DTYPES[row.dtype])
-    if row.backend in COMPETITORS:
+    user = row.backend in cfg.functions
+    # nothing is known of a user's function: assume it holds the N² scores, as the reference
+    row.predicted_bytes = predicted_peak_bytes("reference" if user else row.backend, row.mode,
+                                               row.B, row.H, row.N, row.D, DTYPES[row.dtype])
+    if user:
+        why = None
+    elif row.backend in COMPETITORS:
         why = competitor_unsupported(row.backend, cfg.device, DTYPES[row.dtype], row.D,
                                      row.causal, row.mode)
     else:
         why = device_unsupported(row.backend, cfg.device)
-    if why is None and row.backend not in COMPETITORS:
+    if why is None and row.backend in attn_backends():
         call = AttentionCall(device=torch.device(cfg.device).type, dtype=DTYPES[row.dtype],
                              head_dim=row.D, head_dim_v=row.D, n_q=row.N, n_k=row.N,
                              band=make_band(row.N, row.N, causal=row.causal, window=None))
         why = unsupported_reason(row.backend, call)
     if why is None and row.predicted_bytes > cfg.max_bytes:
         why = (f"predicted peak {row.predicted_bytes / 2**30:.1f} GiB > budget "
-               f"{cfg.max_bytes / 2**30:.1f} GiB")
+               f"{cfg.max_bytes / 2**30:.1f} GiB"
+               + (" (a user's function is assumed to hold N² scores; --max-mem-gb raises "
+                  "the budget)" if user else ""))
     return why
 
 
@@ -221,6 +273,13 @@ def make_call(row: Row, cfg: SweepConfig) -> Callable[[], None]:
     q, k, v, d_out = _inputs(row, cfg)
     if row.backend in COMPETITORS:
         forward = make_forward(row.backend, row.causal, row.N, cfg.device)
+    elif row.backend in cfg.functions:
+        fn = cfg.functions[row.backend]
+        causal = {"causal": True} if row.causal else {}  # a plain fn(q, k, v) runs non-causal
+
+        def forward(q, k, v):
+            out = fn(q, k, v, **causal)
+            return out[0] if isinstance(out, (tuple, list)) else out
     else:
         def forward(q, k, v):
             return attention(q, k, v, causal=row.causal, backend=row.backend)
@@ -279,6 +338,10 @@ def run_sweep(cfg: SweepConfig, rows: list[Row] | None = None) -> Iterator[Row]:
             row.status = "oom" if _is_oom(exc) else "error"
             if row.status == "error" and row.backend in COMPETITORS:
                 row.status = "skipped"  # torch's kernel refusing a shape is not attn's error
+            elif row.status == "error" and row.backend in cfg.functions:
+                # a user's function failing is its result at this point, not attn's error;
+                # NotImplementedError is the adapter's "this function cannot express it"
+                row.status = "skipped" if isinstance(exc, NotImplementedError) else "failed"
             row.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             if row.status == "oom":
                 failed.add(series)
