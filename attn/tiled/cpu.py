@@ -205,15 +205,18 @@ def workers_for_call() -> int:
 def run_items(fn: Callable[[int], None], n_items: int, *, threads: int | None = None) -> None:
     """``fn(i)`` for every ``i < n_items``, each exactly once, pulled in order of ``i`` from
     one shared counter by the caller and ``threads - 1`` pool workers (default
-    :func:`workers_for_call`; 1: in order here). Every thread runs its items with one
+    :func:`workers_for_call`; 1: in order here; 0: in order with torch's threads untouched,
+    for traced calls and other devices). Every thread runs its items with one
     intra-op thread, so an item computes the same bits whichever thread takes it: ``fn``
     must write only its own outputs. The workers take the caller's grad and inference modes
     (per thread in torch). After an exception no new item starts; the first is raised here
     once every started item has finished, so none still writes into the outputs."""
-    n = workers_for_call() if threads is None else max(1, threads)
-    if n_items <= 0:
+    if threads == 0:  # traced by torch.compile, or not on CPU: a plain loop
+        for i in range(n_items):
+            fn(i)
         return
-    if n == 1 or n_items == 1:
+    n = workers_for_call() if threads is None else threads
+    if n <= 1 or n_items <= 1:
         with single_thread():
             for i in range(n_items):
                 fn(i)
