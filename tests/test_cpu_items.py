@@ -16,6 +16,7 @@ from attn import tiled
 from attn.masks import Band
 from attn.testing import assert_close_to_reference
 from attn.tiled import cpu
+from attn.tiled.gemm import _native_bf16
 from attn.tiled.plan import backward_runs, forward_items, kv_split
 
 needs_workers = pytest.mark.skipif(not cpu.openmp_threads(),
@@ -231,3 +232,20 @@ def test_concurrent_callers_share_the_pool(threads):
         for a, b in zip(alone[i], got[i]):
             assert torch.equal(a, b)
     assert cpu._pool(1) is pool
+
+
+@pytest.mark.skipif(not _native_bf16(),
+                    reason="this CPU's oneDNN has no native bf16: tiles are upcast to fp32")
+def test_bf16_forward_runs_its_pv_gemms_in_bf16(monkeypatch):
+    """bf16 inputs: P·V in bf16 (a different rounding from the fp32 upcast, so the outputs
+    differ) and within the error budget either way, forward and gradients."""
+    q, k, v = _inputs(Nq=130, Nk=150, dtype=torch.bfloat16, seed=3)
+
+    def fn(*a, **kw):
+        return attn.attention(*a, backend="tiled", block_m=32, block_n=64, **kw)
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ATTN_TILED_BF16_GEMM", flag)
+        outs[flag] = fn(q, k, v, causal=True)
+        assert_close_to_reference(fn, q, k, v, causal=True, sinks=torch.randn(4))
+    assert not torch.equal(outs["1"], outs["0"])

@@ -16,7 +16,7 @@ from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands, operands_of
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
-from attn.tiled.gemm import _Gemm
+from attn.tiled.gemm import _Gemm, low_gemms
 from attn.merge import _merge_trusted
 from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _Chunk, _plan, backward_runs,
                              forward_items)
@@ -159,7 +159,7 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
     acc_dtype = _acc_dtype(q.dtype)
     sinks = ops.sinks
     facts = _facts(q, k, v, spec) if facts is None else facts
-    gemm = _Gemm(k, v, acc_dtype, engine)
+    gemm = _Gemm(k, v, acc_dtype, engine, low=low_gemms(q))
     tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0,
                  finite_scores=facts.finite_scores)
     sink_rows = None  # in base-2 units, like m_i

@@ -5,6 +5,9 @@ the plan picks the engine). The score pipeline (:mod:`attn.tiled.tile`) only ask
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from torch import Tensor
 
@@ -16,8 +19,8 @@ class _Gemm:
     block as ``(B·Hkv, G·BM, D)`` with the G query heads of a group stacked along rows, so
     one ``bmm`` serves the whole group."""
 
-    def __init__(self, k: Tensor, v: Tensor, acc_dtype: torch.dtype, engine: str = "bmm"
-                 ) -> None:
+    def __init__(self, k: Tensor, v: Tensor, acc_dtype: torch.dtype, engine: str = "bmm",
+                 low: bool = False) -> None:
         B, Hkv, Nk, D = k.shape
         self.acc_dtype, self.device = acc_dtype, k.device
         self.k3 = k.reshape(B * Hkv, Nk, D)  # (B·Hkv, Nk, D), a view when k is contiguous
@@ -38,6 +41,12 @@ class _Gemm:
             self.v3 = self.v3.to(acc_dtype).contiguous()
         self.k3_dq = self.k3  # the backward's dQ += dS K reads this (see _bwd_rows)
         self._buffers: dict[tuple, Tensor] = {}
+        # ``low`` (bmm engine, bf16 v): the forward's P·V takes P rounded to bf16 (P in
+        # [0, 1]: 2^-9 relative, as any bf16 attention rounds it) and the values as they
+        # are, where the CPU has native bf16 (low_gemms); its bf16 product joins the fp32
+        # accumulator. q·kᵀ stays fp32: a bf16 product is off by 2^-9 of |s|, which at
+        # logits of 1e4 is 20 and changes the softmax itself.
+        self.low = low and not self.onednn and v.dtype == torch.bfloat16
 
     def v_block(self, n0: int, n1: int) -> Tensor:
         return self.v3[:, n0:n1].to(self.acc_dtype)
@@ -49,14 +58,16 @@ class _Gemm:
             return cpu.mm_nt(self.k3[0, n0:n1], q_blk[0]).t().unsqueeze(0)
         if self.onednn:
             return cpu.mm_nt(q_blk[0], self.k3[0, n0:n1]).unsqueeze(0)
-        k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
         shape = (q_blk.shape[0], q_blk.shape[1], n1 - n0)
+        k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
         return torch.bmm(q_blk, k_blkT, out=self.buffer("s", shape))
 
     def add_pv(self, acc: Tensor, p: Tensor, n0: int, n1: int) -> None:
         """``acc += p V`` for key block [n0, n1)."""
         if self.onednn:
             acc[0].add_(cpu.mm_nt(p[0], self.v3[0, n0:n1].t()))
+        elif self.low:
+            acc.add_(torch.bmm(p.to(torch.bfloat16), self.v3[:, n0:n1]))
         else:
             acc.baddbmm_(p, self.v_block(n0, n1))
 
@@ -97,3 +108,22 @@ class _Gemm:
         if key not in self._buffers:
             self._buffers[key] = torch.empty(shape, dtype=self.acc_dtype, device=self.device)
         return self._buffers[key]
+
+
+def low_gemms(q: Tensor) -> bool:
+    """Whether a call's forward tile GEMMs run in bf16 (``_Gemm(low=True)``): bf16 inputs on a
+    CPU whose oneDNN has native bf16 (AVX-512 BF16, AMX), eager. ``ATTN_TILED_BF16_GEMM=0``
+    upcasts the tiles to fp32 instead (as every other CPU does)."""
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    if os.environ.get("ATTN_TILED_BF16_GEMM", "1").strip() == "0":
+        return False
+    return _native_bf16()
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
