@@ -1,20 +1,24 @@
-"""CPU execution for the tiled backend: which GEMM engine runs the tiles, and the worker
-threads that run independent heads side by side.
+"""CPU execution for the tiled backend: the worker pool that runs a call's work items, and
+which GEMM engine runs the tiles.
 
-Why: on CPU the tiled backend spends ~80% of its time in GEMMs. torch's ``bmm`` goes to MKL,
-and MKL's fp32 GEMM takes its AVX2 path on AMD processors: ~95 GFLOP/s per core on this
-project's Zen 5 machine, where oneDNN's AVX-512 kernels (in every x86 torch build, reached
-through ``torch.ops.mkldnn._linear_pointwise``) run the same tile GEMMs at 170-210. oneDNN's
-per-call overhead (~15 us) makes it pay only on whole-tile 2-D GEMMs, one head at a time.
-So the tiled backend cuts a call into units (one batch row, one KV head and its query group)
-and runs them here in order, each GEMM split over torch's intra-op threads, or, for large
-calls, on a small pool of worker threads with one intra-op thread each (torch releases the
-GIL inside ops), where oneDNN's weak 2-thread split of one tile GEMM no longer matters.
+Why the pool: a tiled call is hundreds of small torch ops (two GEMMs and the softmax steps per
+tile). Run op by op with torch's intra-op threads, each op is an OpenMP parallel region ending
+in a barrier, and when the OS deschedules one thread (another process on the machine) every
+region waits for it. So every eager CPU call is cut into work items (:mod:`attn.tiled.plan`)
+that the caller and the pool's workers pull from one shared counter, each thread with a
+single intra-op thread (:func:`run_items`): a thread that is slowed down takes fewer items,
+and nothing waits on it but the call's end. torch releases the GIL inside ops, so items run
+side by side.
 
-``ATTN_TILED_GEMM=auto|onednn|bmm`` picks the engine (read at each call). ``auto`` times
-both on one tile-sized GEMM the first time it is asked (~20 ms, once per process) and takes
-oneDNN only where it is clearly faster: an Intel CPU, where MKL has its AVX-512 path, keeps
-``bmm``.
+Why the engine choice: on CPU the tiled backend spends most of its time in GEMMs. torch's
+``bmm`` goes to MKL, whose fp32 GEMM takes its AVX2 path on AMD processors (~95 GFLOP/s per
+core on one Zen 5 machine), where oneDNN's AVX-512 kernels (in every x86 torch build, reached
+through ``torch.ops.mkldnn._linear_pointwise``) ran the same tile GEMMs at 170-210. oneDNN's
+per-call cost (~15 us) makes it pay only on whole-tile 2-D GEMMs, one head at a time (the
+plan's units). ``ATTN_TILED_GEMM=auto|onednn|bmm`` picks the engine (read at each call).
+``auto`` times both on one tile-sized GEMM the first time it is asked (~20 ms, once per
+process) and takes oneDNN only where it is clearly faster: an Intel CPU, where MKL has its
+AVX-512 path, and this project's Zen 4 machine (1.0x) keep ``bmm``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""How a call is cut and tiled: block sizes, batch chunks, and the unit path's rules (one
-batch row and one KV head per unit, on oneDNN)."""
+"""How a call is cut and tiled: block sizes, batch chunks, the unit path's rules (one batch
+row and one KV head per unit, on oneDNN), and the work items the CPU pool runs
+(:func:`forward_items`, :func:`backward_runs`, :func:`kv_split`): all decided from the shapes
+and the config alone, never from the number of workers, so results do not depend on it."""
 
 from __future__ import annotations
 
