@@ -33,7 +33,8 @@ import attn
 from attn.bench import report
 from attn.bench.sweep import DTYPES
 from attn.sdpa import torch_sdpa
-from attn.timing import median_ratio, paired
+from attn.bench.flops import attention_flops, matmul_tflops
+from attn.timing import benchmark, median_ratio, paired
 
 # the environment each tiled variant runs under (set before each of its calls)
 TILED_VARIANTS = {
@@ -154,22 +155,30 @@ def markdown(header: dict, rows: list[dict]) -> str:
              f"- shape: {header['shape']}; each round runs every backend in turn, reps calls "
              "each (~50 ms); the ratio is the median over rounds of the in-round ratio "
              "(> 1: faster than SDPA), with its 10th percentile (the slow tail) in brackets; "
-             "ms: medians, and the 90th percentile of tiled's",
+             "ms: medians, and the 90th percentile of tiled's; % mm: the matmul-equivalent "
+             "rate (4·B·H·Nq·Nk·D forward over the visited scores, ×3.5 with the backward) "
+             "over the best dense matmul rate (torch.mm, oneDNN) in this run: "
+             + ", ".join(f"{d} {r * 1e3:.0f} GFLOP/s" for d, r in header["matmul_tflops"].items()),
              f"- tiled: the default ({header['tiled_path']}); tiled bmm: ATTN_TILED_GEMM=bmm "
              "(torch.bmm GEMMs, batched over heads); tiled fused: ATTN_TILED_COMPILE=1 "
              "(per-tile steps compiled by torch.compile, bmm GEMMs)", "",
              "| shape | N | D | dtype | mode | causal | rounds x reps | sdpa ms | tiled ms (p90) | "
-             + " | ".join(names) + " |",
-             "|:--|--:|--:|:--|:--|:--|--:|--:|--:|" + "--:|" * len(names)]
+             "% mm sdpa / tiled | " + " | ".join(names) + " |",
+             "|:--|--:|--:|:--|:--|:--|--:|--:|--:|--:|" + "--:|" * len(names)]
     for r in rows:
         tiled = (f"{r['ms']['tiled']:.1f} ({r['p90_ms']['tiled']:.1f})" if "tiled" in r["ms"]
                  else "—")
         lines.append(f"| {r['shape']} | {r['N']} | {r['D']} | {r['dtype']} | {r['mode']} | "
                      f"{r['causal']} | {r['rounds']} x {r['reps']} | {r['ms']['sdpa']:.1f} | "
-                     f"{tiled} | "
+                     f"{tiled} | {_fraction(r, 'sdpa')} / {_fraction(r, 'tiled')} | "
                      + " | ".join(f"{r['ratio'][n]:.2f} ({r['ratio_p10'][n]:.2f})"
                                   if n in r["ratio"] else "—" for n in names) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _fraction(row: dict, name: str) -> str:
+    f = row.get("matmul_fraction", {}).get(name)
+    return "—" if f is None else f"{f:.0%}"
 
 
 # --shape: (query rows, kv heads) against N keys; None: as the command line says
@@ -191,13 +200,43 @@ def _measure_shape(args, B, H, N, D, dtype, mode, causals) -> list[dict]:
         fns = contenders(q, k, v, causal=causal, bwd=bwd, fused=not args.no_fused,
                          flex_max_n=args.flex_max_n, variants=variants)
         shape = args.shape if args.shape == "square" else f"{args.shape} Nq={n_q} Hkv={h_kv}"
-        rows.append({"shape": shape, "N": N, "D": D, "dtype": dtype, "B": B, "H": H,
-                     "mode": mode, "causal": causal,
-                     **measure(fns, args.repeats or _rounds(N))})
+        row = {"shape": shape, "N": N, "D": D, "dtype": dtype, "B": B, "H": H, "mode": mode,
+               "causal": causal, **measure(fns, args.repeats or _rounds(N))}
+        # the matmul-equivalent rate (attn.bench.flops) of each contender, as a fraction of
+        # the dense matmul rate measured in this run: the physical ceiling on this machine
+        flops = attention_flops(B, H, n_q, N, D, mode=mode) * _visited(n_q, N, causal)
+        rate = args.matmul_rates.get(dtype)
+        row["matmul_fraction"] = {n: flops / (ms * 1e-3) / 1e12 / rate if rate else None
+                                  for n, ms in row["ms"].items()}
+        rows.append(row)
         print(N, D, dtype, mode, "causal" if causal else "full",
               " ".join(f"{n}:{r:.2f}" for n, r in rows[-1]["ratio"].items()),
               file=sys.stderr, flush=True)
     return rows
+
+
+def _visited(n_q: int, n_k: int, causal: bool) -> float:
+    """The fraction of the Nq x Nk scores a bottom-right causal call visits (1 without)."""
+    if not causal:
+        return 1.0
+    seen = sum(min(n_k, max(0, i + n_k - n_q + 1)) for i in range(n_q))
+    return seen / (n_q * n_k)
+
+
+def matmul_rates(dtypes: list[str], n: int = 2048) -> dict[str, float]:
+    """TFLOP/s of an n x n matmul per dtype, the best of torch.mm and (fp32) oneDNN, at the
+    current thread count: the dense rate attention's is compared with."""
+    from attn.tiled import cpu
+
+    rates = {}
+    for name in dtypes:
+        rates[name] = matmul_tflops("cpu", DTYPES[name], n)
+        if name == "float32" and cpu._LINEAR is not None:
+            g = torch.Generator().manual_seed(0)
+            a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+            t = benchmark(lambda: cpu.mm_nt(a, b), device="cpu", warmup=2, repeats=5)
+            rates[name] = max(rates[name], 2.0 * n**3 / (t.median_ms * 1e-3) / 1e12)
+    return rates
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -232,6 +271,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         # (the contenders' settings end with the run)
         header["busy"] = ("quiet (no load started)" if core is None
                           else f"one core (CPU {core}) kept busy by a spinning process")
+        args.matmul_rates = matmul_rates(args.dtype)
+        header["matmul_tflops"] = args.matmul_rates
         for dtype in args.dtype:
             for D in args.d:
                 for N in args.n or DEFAULT_N:
