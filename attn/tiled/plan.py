@@ -60,11 +60,13 @@ class TileConfig:
     # (chunk, query block) pairs; the backward's (unit, run of query blocks), each run
     # accumulating dK/dV into a partial of its own when a unit has several (summed in run
     # order afterwards). The backward cuts a call into units (one batch row, one KV head)
-    # where it can, and each unit into as many runs as it takes to reach bwd_items items,
-    # at most bwd_max_runs (each run costs one more dK/dV-sized partial). None of these
-    # counts depends on the number of workers, so neither do the results.
+    # where the forward's chunks are too few and a unit visits at least bwd_unit_min_scores
+    # scores, and each chunk into as many runs as it takes to reach bwd_items items, at
+    # most bwd_max_runs (each run costs one more dK/dV-sized partial). None of these counts
+    # depends on the number of workers, so neither do the results.
     bwd_items: int = 16
     bwd_max_runs: int = 4
+    bwd_unit_min_scores: int = 1 << 20
     # Calls that visit fewer scores than this run their items in order on the caller (with
     # one intra-op thread, so the same bits): waking the workers would cost more than the
     # call.
@@ -205,7 +207,7 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     if spec.score_mod is not None or spec.mask_mod is not None \
             or spec.dropout_rows is not None:
         return _finish(_Plan(whole, "bmm", spec), q, k, config, backward)
-    if backward and _items_here(q):
+    if backward and _items_here(q) and _backward_units(q, k, spec, v, config):
         units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
         return _finish(_Plan(units, "bmm", spec), q, k, config, backward)
     if B == 1:
@@ -219,6 +221,23 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
         step = 1
     chunks = [_Chunk(b, min(b + step, B), 0, Hkv, B, H, Hkv) for b in range(0, B, step)]
     return _finish(_Plan(chunks, "bmm", spec), q, k, config, backward)
+
+
+def _backward_units(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None,
+                    config: TileConfig) -> bool:
+    """Whether the backward cuts a batched call into units (one batch row, one kv head):
+    where the forward's chunks are too few to give ``bwd_items`` items with at most
+    ``bwd_max_runs`` runs each, and each unit is large enough to be worth an item of its
+    own (``bwd_unit_min_scores`` visited scores: per-item costs are a fraction of a ms)."""
+    B, H, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if B * Hkv == 1:
+        return False
+    chunks = len(_plan(q, k, spec, v, config).chunks)
+    if chunks * config.bwd_max_runs >= config.bwd_items:
+        return False
+    per_unit = (H // Hkv) * sum(_cost(b) for b in _blocks(spec, Nq, Nk).query_blocks())
+    return per_unit >= config.bwd_unit_min_scores
 
 
 def _items_here(q: Tensor) -> bool:
