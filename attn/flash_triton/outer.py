@@ -85,9 +85,9 @@ def _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN: tl.constexpr):
 @triton.autotune(configs=_configs("fwd"), key=_KEY,
                  prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
-def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK, VMax,
-              QS, KS, VS, OS, MS, AS, LS, VMS, H, GROUP, N_Q, N_K, offset, left, right, scale,
-              drop_seed, DR, TUNE_N, v_log_scale, HEAD_DIM: tl.constexpr,
+def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
+              QS, KS, VS, OS, MS, AS, LS, H, GROUP, N_Q, N_K, offset, left, right, scale,
+              drop_seed, DR, TUNE_N, VMax, VMS, v_log_scale, HEAD_DIM: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -103,6 +103,7 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK, VM
         Q = _at(Q, seq_q, off_h, QS)
         K = _at(K, seq_k, off_hk, KS)
         V = _at(V, seq_k, off_hk, VS)
+        Out = _at(Out, seq_q, off_h, OS)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         BAND = (N_Q, N_K, offset, left, right)
         MASK = (_at(Mask, off_b.to(tl.int64), off_h, MS), MS[2], MS[3])
@@ -133,10 +134,10 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK, VM
 
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        _store_rows(_at(Out, seq_q, off_h, OS), offs_m, (OS[2], OS[3]), N_Q,
-                    acc / l_safe[:, None], HEAD_DIM_V, BLOCK_DV)
-        row = _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN) + offs_m
+        out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+        _store_rows(Out, offs_m, (OS[2], OS[3]), N_Q, out, HEAD_DIM_V, BLOCK_DV)
+        row = _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN) + offs_m
         tl.store(Lse + row, lse, mask=offs_m < N_Q)
         # log l relative to the row max (the value offset taken back): the backward's
         # saturation test, which lse alone cannot answer
