@@ -82,7 +82,7 @@ def test_tiled_visits_only_the_classified_tiles(monkeypatch):
     tiled_attention(q, k, v, spec)
     expected = [(m0, n0, full) for m0, _, row in spec.blocks(200, 200, 32, 32).query_blocks()
                 for n0, _, full in row]
-    assert seen == expected
+    assert sorted(seen) == sorted(expected)  # each classified tile once (work items: any order)
     assert len(seen) < (200 // 32 + 1) ** 2 // 2  # the window skips most of the grid
 
 
