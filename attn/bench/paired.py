@@ -85,8 +85,12 @@ def contenders(q, k, v, *, causal: bool, bwd: bool, fused: bool, flex_max_n: int
     elif causal and Nq > 1:
         kw["attn_mask"] = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)
     fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, **kw))}
+    from attn.tiled import cpu
+
+    same = cpu.gemm_engine()[0] == "bmm"  # then "tiled bmm" is the default path again
     for name, env in TILED_VARIANTS.items():
-        if name in variants and (fused or name != "tiled fused"):
+        if name in variants and (fused or name != "tiled fused") \
+                and not (same and name == "tiled bmm"):
             fns[name] = step(tiled, env)
     N = q.shape[2]
     if not bwd and causal and N <= flex_max_n and Nq == Nk and not kw.get("enable_gqa"):
