@@ -407,12 +407,11 @@ def test_speed_paired_writes_one_row_per_shape_with_positive_ratios(tmp_path, mo
     doc = json.loads((tmp_path / "results.json").read_text())
     assert [(r["N"], r["mode"], r["causal"]) for r in doc["rows"]] == [(48, "fwd", True),
                                                                        (80, "fwd", True)]
-    from attn.tiled import cpu
-
-    # "tiled bmm" only where the default path is another engine (else it is the same path)
-    want = {"tiled"} | ({"tiled bmm"} if cpu.gemm_engine()[0] != "bmm" else set())
     for r in doc["rows"]:
-        assert set(r["ratio"]) == want and r["rounds"] == 2
+        # "tiled bmm" only where auto took another engine (else it is the same path again);
+        # auto's choice is a timing, so either may come out here
+        assert "tiled" in r["ratio"] and set(r["ratio"]) <= {"tiled", "tiled bmm"}
+        assert r["rounds"] == 2
         assert all(math.isfinite(x) and x > 0 for x in [*r["ratio"].values(), *r["ms"].values()])
     assert doc["header"]["command"].startswith("attn bench speed --paired")
     assert "ATTN_TILED_GEMM" not in os.environ  # the contenders' settings do not leak
