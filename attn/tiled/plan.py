@@ -58,7 +58,7 @@ class TileConfig:
     unit_max_partial: float = 0.5
     # Every eager CPU call runs as work items (attn.tiled.cpu.run_items): the forward's are
     # (chunk, query block) pairs; the backward's (chunk, run of query blocks), each run
-    # accumulating dK/dV into a partial of its own when a unit has several (summed in run
+    # accumulating dK/dV into a partial of its own when a chunk has several (summed in run
     # order afterwards). Each chunk is cut into as many runs as it takes to reach bwd_items
     # items, at most bwd_max_runs (each run costs one more dK/dV-sized partial). Cutting a
     # batched call into per-head units for more items measured slower, quiet and with a core
