@@ -249,3 +249,15 @@ def test_bf16_forward_runs_its_pv_gemms_in_bf16(monkeypatch):
         outs[flag] = fn(q, k, v, causal=True)
         assert_close_to_reference(fn, q, k, v, causal=True, sinks=torch.randn(4))
     assert not torch.equal(outs["1"], outs["0"])
+
+
+def test_split_kv_with_values_near_float32_max_stays_finite():
+    """Values of 1e35 over 2500 keys: the P·V sum of a key range overflows float32 unless
+    the item looks at its values (it does so when its output comes out non-finite)."""
+    q, k, v = _inputs(B=1, Nq=2, Nk=2500, seed=4)
+    q = q * 1e-3  # nearly uniform weights: a range's Σ p·v is ~1250 · 3e35 > float32's max
+    v = v.abs().clamp(0.5, 1) * 3e35
+    out = attn.attention(q, k, v, backend="tiled")
+    want = attn.attention(q.double(), k.double(), v.double(), backend="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4 * 3e35)

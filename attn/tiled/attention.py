@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,15 +49,27 @@ class _Facts(NamedTuple):
 
 
 def _facts(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
-           per_tile_values: bool = False) -> _Facts:
+           items: bool = False) -> _Facts:
     """The call's :class:`_Facts`: the scores are looked at only where something masks
-    (unmasked calls never need the answer); ``per_tile_values`` leaves the values to each
-    tile (:meth:`_Tile.value_offset`: the same bits, read where the tile is read anyway)."""
+    (unmasked calls never need the answer). On the items path (``items``) the values are
+    not looked at here: each item runs without value offsets and looks at its own output
+    instead (:func:`_fwd_item`), which costs no pass over v."""
     masked = (not spec.local_band().is_full or ops.attn_mask is not None
               or spec.mask_mod is not None)
     finite = _scores_finite(q, k, spec) if masked else True
-    overflow = True if per_tile_values else _values_may_overflow(v, k.shape[2])
+    overflow = False if items else _values_may_overflow(v, k.shape[2])
     return _Facts(finite, overflow)
+
+
+def _fwd_item(out: Tensor, facts: _Facts, forward: Callable[[_Facts], None]) -> None:
+    """One forward item, run as ``forward(facts)``, into ``out`` (its rows). Without value
+    offsets the P·V sum overflows only where |v| is within 2·Nk of the dtype's largest value;
+    then, or where the values hold inf or NaN, the item's output is not finite, and it runs
+    again with each tile's values looked at (:meth:`_Tile.value_offset`): bit for bit what
+    looking first would give, as the offset is 0 wherever no overflow is possible."""
+    forward(facts)
+    if not facts.values_may_overflow and not bool(torch.isfinite(out).all()):
+        forward(facts._replace(values_may_overflow=True))
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
@@ -76,9 +88,11 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     lse = torch.empty(B, H, Nq, dtype=acc_dtype, device=q.device)
     lse2 = torch.empty(B, H, Nq, 2, dtype=acc_dtype, device=q.device)  # (m, log2 l)
     plan = _plan(q, k, spec, v, config)
+    if plan.threads is None:  # the call's worker count, read before _caller sets it to 1
+        plan = plan._replace(threads=cpu.workers_for_call())
     packed = spec.alibi_rows is not None
     with _caller(plan):  # its own passes too run on one thread: no parallel region
-        facts = _facts(q, k, v, spec, ops, per_tile_values=plan.kv_chunk is not None)
+        facts = _facts(q, k, v, spec, ops, items=plan.threads != 0)
         if plan.kv_chunk is not None:
             _fwd_split(q, k, v, plan, ops, facts, out, lse, lse2)
             return (out, lse, lse2) if want_lse2 else (out, lse)
@@ -87,9 +101,11 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     def run(i: int) -> None:  # each item writes its rows of the outputs
         ci, bi = items[i]
         c = plan.chunks[ci]
-        _fwd_rows(c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.operands(ops, packed),
-                  c.bh(out), c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine,
-                  blocks=plan.blocks[bi:bi + 1], facts=facts)
+        m0, m1, _ = plan.blocks[bi]
+        _fwd_item(c.bh(out)[:, :, m0:m1], facts, lambda f: _fwd_rows(
+            c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.operands(ops, packed), c.bh(out),
+            c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine,
+            blocks=plan.blocks[bi:bi + 1], facts=f))
 
     cpu.run_items(run, len(items), threads=plan.threads)
     return (out, lse, lse2) if want_lse2 else (out, lse)
@@ -129,10 +145,13 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
         if mask is not None:
             m4 = as_4d(mask)
             cops = cops._replace(attn_mask=m4[..., n0:n1] if m4.shape[3] != 1 else m4)
+        # one key tile per item: a decode tile is a few rows, so its torch ops cost about
+        # as much Python as compute, and the Python holds the GIL
         spec = dataclasses.replace(c.spec(plan.spec), block_n=step).shard(k_start=n0)
-        _fwd_rows(c.bh(q), c.kv(k)[:, :, n0:n1], c.kv(v)[:, :, n0:n1], spec, cops,
-                  c.bh(parts_out[r]), c.bh(parts_lse[r]), c.bh(scratch[r]), b0=c.b0,
-                  engine=plan.engine, facts=facts)
+        _fwd_item(c.bh(parts_out[r]), facts, lambda f: _fwd_rows(
+            c.bh(q), c.kv(k)[:, :, n0:n1], c.kv(v)[:, :, n0:n1], spec, cops,
+            c.bh(parts_out[r]), c.bh(parts_lse[r]), c.bh(scratch[r]), b0=c.b0,
+            engine=plan.engine, facts=f))
 
     cpu.run_items(run, len(items), threads=plan.threads)  # (nested: its own thread rule)
     outs, lses = list(parts_out.unbind(0)), list(parts_lse.unbind(0))
