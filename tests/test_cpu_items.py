@@ -17,7 +17,7 @@ from attn.masks import Band
 from attn.testing import assert_close_to_reference
 from attn.tiled import cpu
 from attn.tiled.gemm import _native_bf16
-from attn.tiled.plan import backward_runs, forward_items, kv_split
+from attn.tiled.plan import backward_items, backward_runs, forward_items, kv_split
 
 needs_workers = pytest.mark.skipif(not cpu.openmp_threads(),
                                    reason="workers run only under OpenMP intra-op threads")
@@ -81,6 +81,8 @@ def test_items_cover_every_block_once(shape):
     every = {(c, b) for c in range(len(fwd.chunks)) for b in range(len(fwd.blocks))}
     assert len(items) == len(every) and set(items) == every
     runs = backward_runs(bwd)
+    pairs = backward_items(bwd, runs)
+    assert sorted(pairs) == [(c, r) for c in range(len(bwd.chunks)) for r in range(len(runs))]
     with_keys = [i for i, b in enumerate(bwd.blocks) if b[2]]
     covered = [i for i0, i1 in runs for i in range(i0, i1) if bwd.blocks[i][2]]
     assert covered == with_keys  # in order, each once

@@ -18,8 +18,8 @@ from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm, low_gemms
 from attn.merge import _merge_trusted
-from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _Chunk, _plan, backward_runs,
-                             forward_items)
+from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _Chunk, _plan, backward_items,
+                             backward_runs, forward_items)
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps, _fwd_tile,
                               _fwd_tile_fused, _run_fused)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
@@ -272,7 +272,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     extra = [(torch.empty_like(into[1]), torch.empty_like(into[2])) for _ in runs[1:]]
     kw = dict(need_dmask=need_dmask, need_dcap=need_dcap, engine=plan.engine,
               finite_scores=facts.finite_scores)
-    items = [(ci, r) for r in range(len(runs)) for ci in range(len(plan.chunks))]
+    items = backward_items(plan, runs)
     parts: list[Grads | None] = [None] * len(items)
     no_sinks = ops._replace(sinks=None)  # their gradient is the call's, below
 

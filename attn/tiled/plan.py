@@ -285,6 +285,14 @@ def backward_runs(plan: _Plan, config: TileConfig = DEFAULT) -> list[tuple[int, 
     return runs
 
 
+def backward_items(plan: _Plan, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The backward's work items, (chunk, run) index pairs: every pair once, the most
+    expensive runs first (where a causal call's runs differ in cost), as the forward's."""
+    costs = [sum(_cost(b) for b in plan.blocks[i0:i1]) for i0, i1 in runs]
+    order = sorted(range(len(runs)), key=lambda r: -costs[r])
+    return [(c, r) for r in order for c in range(len(plan.chunks))]
+
+
 def kv_split(n_q: int, n_k: int, config: TileConfig = DEFAULT) -> int | None:
     """Keys per split-KV item for a call of ``n_q`` query rows per head and ``n_k`` keys, or
     None where the call is not split (too many rows, too few keys). A pure function of the
