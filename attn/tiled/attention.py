@@ -13,13 +13,13 @@ from torch import Tensor
 from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import as_4d
+from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec, Operands, operands_of
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm, low_gemms
-from attn.merge import _merge_trusted
-from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _Chunk, _plan, backward_items,
-                             backward_runs, forward_items)
+from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items, backward_runs,
+                             forward_items)
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps, _fwd_tile,
                               _fwd_tile_fused, _run_fused)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
