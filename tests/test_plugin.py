@@ -2,9 +2,19 @@
 suite, run by pytester in a fresh directory."""
 
 import tomllib
+from importlib.metadata import distributions
 from pathlib import Path
 
 pytest_plugins = ["pytester"]
+
+# Installed (pip install -e .), the pytest11 entry point loads the plugin in every pytest run;
+# loading it again with -p would register it twice (pytest refuses). From a checkout whose
+# installed metadata predates the entry point, -p loads it.
+# (every distribution is looked at, as pytest itself does: a stale attn.egg-info in the
+# checkout may shadow the installed metadata in importlib.metadata.entry_points())
+LOAD = [] if any(ep.group == "pytest11" and ep.value == "attn.pytest_plugin"
+                 for dist in distributions() for ep in dist.entry_points) \
+    else ["-p", "attn.pytest_plugin"]
 
 FUNCTIONS = '''
 import torch
@@ -34,12 +44,12 @@ def top_left(q, k, v, causal=False):
 def test_plugin_runs_the_matrix_as_items(pytester):
     pytester.makepyfile(fns=FUNCTIONS)
     pytester.syspathinsert()
-    res = pytester.runpytest("-p", "attn.pytest_plugin", "--attn-impl", "fns:top_left",
+    res = pytester.runpytest(*LOAD, "--attn-impl", "fns:top_left",
                              "--attn-quick", "-k", "causal or plain or window")
     res.assert_outcomes(passed=3, failed=2, skipped=2)  # window rows: not expressible
     res.stdout.fnmatch_lines(["*causal Nq<Nk (bottom-right): wrong*diagnosis: causal aligned "
                               "top-left*"])
-    ok = pytester.runpytest("-p", "attn.pytest_plugin", "--attn-impl", "fns.py:correct",
+    ok = pytester.runpytest(*LOAD, "--attn-impl", "fns.py:correct",
                             "--attn-quick")
     assert ok.ret == 0
     assert ok.parseoutcomes()["passed"] >= 10
@@ -47,7 +57,7 @@ def test_plugin_runs_the_matrix_as_items(pytester):
 
 def test_plugin_is_idle_without_the_option(pytester):
     pytester.makepyfile(test_mine="def test_one():\n    pass\n")
-    res = pytester.runpytest("-p", "attn.pytest_plugin")
+    res = pytester.runpytest(*LOAD)
     res.assert_outcomes(passed=1)
 
 
