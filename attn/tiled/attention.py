@@ -153,7 +153,7 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
             c.bh(parts_out[r]), c.bh(parts_lse[r]), c.bh(scratch[r]), b0=c.b0,
             engine=plan.engine, facts=f))
 
-    cpu.run_items(run, len(items), threads=plan.threads)  # (nested: its own thread rule)
+    cpu.run_items(run, len(items), threads=plan.threads)  # (the count read before _caller)
     outs, lses = list(parts_out.unbind(0)), list(parts_lse.unbind(0))
     if ops.sinks is not None:  # the sinks join the denominator once, as a key of value 0
         outs.append(torch.zeros_like(outs[0]))
