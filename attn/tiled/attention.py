@@ -166,18 +166,17 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
 
 
 def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, out: Tensor,
-              lse: Tensor, lse2: Tensor, b0: int = 0, engine: str = "bmm",
-              blocks=None, facts: _Facts | None = None) -> None:
+              lse: Tensor, lse2: Tensor, *, facts: _Facts, b0: int = 0, engine: str = "bmm",
+              blocks=None) -> None:
     """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
-    ``b0``: its first batch row's index in the call; ``engine``: the plan's), for the query
-    ``blocks`` given (all of them by default), writing only their rows. ``facts``: the
-    call's (:func:`_facts`), asked here when not given."""
+    ``facts``: the call's, :func:`_facts`; ``b0``: its first batch row's index in the call;
+    ``engine``: the plan's), for the query ``blocks`` given (all of them by default),
+    writing only their rows."""
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
     sinks = ops.sinks
-    facts = _facts(q, k, v, spec) if facts is None else facts
     gemm = _Gemm(k, v, acc_dtype, engine, low=low_gemms(q))
     tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0,
                  finite_scores=facts.finite_scores)
