@@ -330,14 +330,14 @@ def _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask, nee
 def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
               lse: Tensor, spec: LaunchSpec, ops: Operands, *,
               need_dmask: bool = False, need_dcap: bool = True,
-              lse2: Tensor | None = None, b0: int = 0,
-              into: tuple[Tensor, Tensor, Tensor] | None = None, engine: str = "bmm",
-              blocks=None, finite_scores: bool | None = None) -> Grads:
-    """:func:`_bwd` of one chunk (``b0``: its first batch row's index in the call; ``into``:
-    zeroed (dq, dk, dv) views of its part to accumulate into; ``engine``: the plan's) for
-    the query ``blocks`` given (all by default): dq of their rows, their share of dk and dv
-    and of the other gradients (the sinks' over every row: :func:`_bwd` leaves them out of
-    its items and takes them once for the call)."""
+              into: tuple[Tensor, Tensor, Tensor], blocks, finite_scores: bool,
+              lse2: Tensor | None = None, b0: int = 0, engine: str = "bmm") -> Grads:
+    """One backward item of :func:`_bwd`: a chunk (``b0``: its first batch row's index in
+    the call; ``engine``: the plan's) and a run of its query ``blocks``. Writes dq of their
+    rows into ``into[0]`` and adds their share of dk and dv into ``into[1:]`` (zeroed
+    views), and returns their share of the other gradients (not the sinks': :func:`_bwd`
+    leaves them out of its items and takes them once for the call). ``finite_scores``: the
+    call's (:class:`_Facts`)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -351,11 +351,6 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         # a masked key has dS = 0, but 0·NaN in dS K would still reach dQ: a non-finite key
         # enters dQ as 0 (a row that sees it has NaN dS anyway)
         gemm.k3_dq = _finite_or_zero(gemm.k3)
-    blocks = tuple(_blocks(spec, Nq, Nk).query_blocks()) if blocks is None else blocks
-    if into is None:
-        into = (torch.zeros(B, H, Nq, D, dtype=acc_dtype, device=q.device),
-                torch.zeros(B, Hkv, Nk, D, dtype=acc_dtype, device=q.device),
-                torch.zeros(B, Hkv, Nk, Dv, dtype=acc_dtype, device=q.device))
     dq = into[0]
     dk3, dv3 = into[1].view(B * Hkv, Nk, D), into[2].view(B * Hkv, Nk, Dv)  # row slices: views
     dsoftcap = None
