@@ -8,6 +8,10 @@ import torch
 # import attn, so the collection order of test files cannot matter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # one config per triton launch (the largest _prune keeps) instead of compiling and timing
+    # ~20 for every new set of variant flags: hours of compiling on a GPU otherwise
+    os.environ.setdefault("ATTN_TRITON_AUTOTUNE", "0")
 
 
 def _use_this_checkouts_models() -> None:

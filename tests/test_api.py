@@ -187,8 +187,10 @@ def test_backend_function_takes_operands_or_keywords_not_both(backend):
     else:
         pytest.importorskip("triton")
         from attn.flash_triton import triton_attention as fn
-    q = k = v = torch.randn(1, 2, 4, 8)
-    sinks = torch.zeros(2)
+    # compiled triton kernels take CUDA tensors; without a GPU they run in the interpreter
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    q = k = v = torch.randn(1, 2, 4, 8, device=dev)
+    sinks = torch.zeros(2, device=dev)
     with pytest.raises(TypeError, match=rf"{fn.__name__}: pass sinks inside operands"):
         fn(q, k, v, LaunchSpec(qk_scale=1.0), Operands(), sinks=sinks)
     ref = attn.attention(q, k, v, sinks=sinks, backend="reference")

@@ -111,28 +111,36 @@ def _no_key_oracle(q, k1, v1, **kw):
                           return_lse=True, backend="reference", **kw)
 
 
+def _device(backend: str) -> str:
+    """Where ``backend`` runs in this process: triton on the GPU when there is one (compiled
+    kernels take no CPU tensors), else on CPU (the interpreter); the others on CPU."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
 @pytest.mark.parametrize("backend,variant", [
     (b, var) for b in ("reference", "tiled", "triton", "sdpa")
     for var in ("plain", "causal", "sinks", "temperature")
     if not (b == "sdpa" and var == "sinks")])  # sdpa refuses sinks (test_api)
 def test_attention_without_keys_gives_zeros_on_every_backend(backend, variant):
-    q, k1, v1 = make_inputs(B=2, H=4, Hkv=2, N=5, Nk=1, D=8, Dv=6, seed=1)
+    dev = _device(backend)
+    q, k1, v1 = make_inputs(B=2, H=4, Hkv=2, N=5, Nk=1, D=8, Dv=6, seed=1, device=dev)
     q.requires_grad_()
     k, v = (t[:, :, :0].clone().requires_grad_() for t in (k1, v1))  # Nk = 0
     kw = {"causal": {"causal": True},
-          "sinks": {"sinks": torch.randn(4, dtype=torch.float32).requires_grad_()},
-          "temperature": {"temperature": (torch.rand(4) + 0.5).requires_grad_()},
+          "sinks": {"sinks": torch.randn(4, dtype=torch.float32, device=dev).requires_grad_()},
+          "temperature": {"temperature": (torch.rand(4, device=dev) + 0.5).requires_grad_()},
           "plain": {}}[variant]
     want_lse = backend != "sdpa"
     res = attn.attention(q, k, v, backend=backend, return_lse=want_lse, **kw)
     out, lse = res if want_lse else (res, None)
-    exact_out, exact_lse = _no_key_oracle(q.detach(), k1, v1, **{
-        n: (t.detach().double() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()})
+    exact_out, exact_lse = _no_key_oracle(q.detach().cpu(), k1.cpu(), v1.cpu(), **{
+        n: (t.detach().double().cpu() if isinstance(t, torch.Tensor) else t)
+        for n, t in kw.items()})
     assert out.shape == (2, 4, 5, 6) and out.dtype == q.dtype
-    torch.testing.assert_close(out.double(), exact_out, rtol=0, atol=0)
+    torch.testing.assert_close(out.double().cpu(), exact_out, rtol=0, atol=0)
     if lse is not None:
         assert lse.dtype == torch.float32
-        torch.testing.assert_close(lse.double(), exact_lse, rtol=0, atol=0)
+        torch.testing.assert_close(lse.double().cpu(), exact_lse, rtol=0, atol=0)
     # gradients: zeros for q, empty for k and v, and the sinks' through the lse alone
     loss = out.sum() + (lse.where(lse.isfinite(), 0).sum() if lse is not None else 0)
     leaves = [q, k, v] + [t for t in kw.values() if isinstance(t, torch.Tensor)]
@@ -140,14 +148,14 @@ def test_attention_without_keys_gives_zeros_on_every_backend(backend, variant):
     assert torch.equal(grads[0], torch.zeros_like(q))
     assert grads[1].shape == k.shape and grads[2].shape == v.shape
     if variant == "temperature":
-        assert torch.equal(grads[3], torch.zeros(4))
+        assert torch.equal(grads[3], torch.zeros(4, device=dev))
     if variant == "sinks":  # lse = sink on every row: d(sum lse)/d sink_h = B * Nq
-        assert torch.equal(grads[3], torch.full((4,), 2.0 * 5))
+        assert torch.equal(grads[3], torch.full((4,), 2.0 * 5, device=dev))
 
 
 @pytest.mark.parametrize("backend", ["reference", "tiled", "triton", "sdpa"])
 def test_attention_without_queries_or_batch_is_empty(backend):
-    q, k, v = make_inputs(B=2, H=4, N=5, Nk=7, D=8, Dv=6)
+    q, k, v = make_inputs(B=2, H=4, N=5, Nk=7, D=8, Dv=6, device=_device(backend))
     for qq, kk, vv in ((q[:, :, :0], k, v), (q[:0], k[:0], v[:0])):
         qq, kk, vv = (t.clone().requires_grad_() for t in (qq, kk, vv))
         out = attn.attention(qq, kk, vv, causal=True, backend=backend)

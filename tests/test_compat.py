@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 HAS_ALIBI = "alibi_slopes" in inspect.signature(attn.attention).parameters
 needs_alibi = pytest.mark.skipif(not HAS_ALIBI, reason="attn.attention has no alibi_slopes yet "
                                  "(branch alibi)")
-FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2.0 ** -8}
+FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2.0 ** -11,
+         torch.bfloat16: 2.0 ** -8}  # half the unit roundoff step of each half precision
 
 
 # -- the reference --------------------------------------------------------------------------

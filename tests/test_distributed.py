@@ -350,7 +350,9 @@ def _launch(plan: list) -> dict[tuple[int, str], dict[int, dict]]:
 
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
-    env = {"OMP_NUM_THREADS": "1"}
+    # the ranks hold CPU tensors: triton runs on them only in the interpreter, which a spawned
+    # rank must be told even where this process compiles for a GPU
+    env = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     port = _free_port()

@@ -227,8 +227,10 @@ def _triton_ready() -> str | None:
         from attn import flash_triton
     except ImportError as exc:
         return f"triton not importable: {exc}"
-    if not torch.cuda.is_available() and not flash_triton._INTERPRET:
-        return "attn.flash_triton was imported without TRITON_INTERPRET=1"
+    if not flash_triton._INTERPRET:
+        # the models and prompts here are CPU tensors, which compiled kernels do not take
+        return ("attn.flash_triton was imported without TRITON_INTERPRET=1 (on a GPU machine "
+                "it compiles for the GPU); this test runs the kernels in the interpreter on CPU")
     return None
 
 

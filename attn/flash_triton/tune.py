@@ -6,6 +6,8 @@ warps x stages fit the arch's shared memory and which spill registers heavily.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -18,6 +20,11 @@ def _configs(kind: str) -> list[triton.Config]:
         # as large as still give several (and unequal) tiles per row at the test sizes
         bm, bn = (32, 64) if kind == "dkdv" else (64, 32)
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
+    return gpu_configs(kind)
+
+
+def gpu_configs(kind: str) -> list[triton.Config]:
+    """The configs a GPU launch of ``kind`` chooses from (before ``_prune``)."""
     if kind == "fwd":
         blocks = [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
     elif kind == "dkdv":  # the key block is resident: keep it large, stream small query tiles
@@ -37,7 +44,26 @@ def _prune(configs: list[triton.Config], named_args: dict, *, kind: str,
     current device's, and is given explicitly by the ahead-of-time compile checks."""
     if arch is _THIS_DEVICE:
         arch = _device_arch()
-    return prune_for(configs, {**named_args, **kwargs}, kind=kind, arch=arch)
+    kept = prune_for(configs, {**named_args, **kwargs}, kind=kind, arch=arch)
+    return [min(kept, key=_distance_to_mid)] if autotune_off() else kept
+
+
+def autotune_off() -> bool:
+    """``ATTN_TRITON_AUTOTUNE=0``: launch one kept config (the one nearest 64 x 64 tiles,
+    4 warps, 2 stages) instead of timing every kept one. The autotuner compiles each kept
+    config once per new set of variant flags (~20 builds), which makes a test suite that
+    visits hundreds of flag sets take hours on a GPU; tests/conftest.py sets it on CUDA
+    machines. A mid-size config, not the largest: the shared-memory model under-counts some
+    float32 builds (on an H100 with triton 3.6 a float32, float-mask forward at 128 x 128
+    needed 368 KiB where ``smem_estimate`` said 209), which the autotuner survives by timing
+    the config as failed, but a single config would not."""
+    return os.environ.get("ATTN_TRITON_AUTOTUNE", "1").strip().lower() in ("0", "off", "false", "no")
+
+
+def _distance_to_mid(c: triton.Config) -> tuple:
+    bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+    return (abs(bm.bit_length() - 7) + abs(bn.bit_length() - 7), c.num_warps != 4,
+            abs(c.num_stages - 2))
 
 
 def _device_arch() -> int | None:

@@ -1,0 +1,38 @@
+"""The autotune config choice of the triton kernels (pure Python: no compile, no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from attn.flash_triton import tune  # noqa: E402
+
+
+def _args(d: int, dtype=torch.bfloat16, n: int = 4096, mask_kind: int = 0) -> dict:
+    return dict(TUNE_N=n, BLOCK_D=d, BLOCK_DV=d, Q=torch.empty(1, dtype=dtype),
+                MASK_KIND=mask_kind)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_autotune_off_launches_one_kept_config_near_64x64(kind, d, monkeypatch):
+    configs = tune.gpu_configs(kind)
+    monkeypatch.setenv("ATTN_TRITON_AUTOTUNE", "1")
+    kept = tune._prune(configs, _args(d), kind=kind, arch=90)
+    assert len(kept) > 1  # autotuning: every kept config is timed
+    monkeypatch.setenv("ATTN_TRITON_AUTOTUNE", "0")
+    (one,) = tune._prune(configs, _args(d), kind=kind, arch=90)
+    assert one in kept
+    size = one.kwargs["BLOCK_M"] * one.kwargs["BLOCK_N"]
+    assert size <= 64 * 64 and one.num_stages == 2  # never the largest, deepest config
+    if d <= 64:
+        assert (one.kwargs["BLOCK_M"], one.kwargs["BLOCK_N"], one.num_warps) == (64, 64, 4)
+
+
+@pytest.mark.parametrize("value,off", [("0", True), ("off", True), ("False", True),
+                                       ("1", False), ("", False), ("on", False)])
+def test_autotune_switch_reads_the_environment(value, off, monkeypatch):
+    monkeypatch.setenv("ATTN_TRITON_AUTOTUNE", value)
+    assert tune.autotune_off() is off
