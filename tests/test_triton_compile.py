@@ -104,3 +104,41 @@ def test_every_kernel_builds_for_sm90_and_sm80():
 @pytest.mark.slow
 def test_every_pruned_config_builds_everywhere():
     _check(_compile(FULL_CASES, every_config=True, timeout=7200))
+
+
+_FP32_CHILD = textwrap.dedent("""
+    import json, sys
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import asdict
+
+    def build(name):
+        import torch
+        from attn.bench import compile as aot
+        for launch in aot.record_launches(head_dim=128, variant="plain", dtype=torch.float32):
+            if launch.name == name:
+                cfg = aot.largest(launch.configs(arch=90))
+                return asdict(aot.compile_launch(launch, cfg, arch=90, ptxas_verbose=True))
+
+    if __name__ == "__main__":
+        with ProcessPoolExecutor(max_workers=2) as pool:
+            print(json.dumps(list(pool.map(build, sys.argv[1:]))))
+""")
+
+
+def test_float32_configs_do_not_spill():
+    """float32 dots run as exact FMAs without tensor cores, so the product tile sits in
+    registers: the largest config _prune keeps at D = 128 must build for sm_90 with at most
+    ~1.5 KiB of spills per thread (4-warp tiles spilled up to 179 KB, and ran for minutes on
+    an H100)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    kernels = ["_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"]
+    res = subprocess.run([sys.executable, "-c", _FP32_CHILD, *kernels], capture_output=True,
+                         text=True, env=env, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr[-4000:]
+    builds = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [b["kernel"] for b in builds] == kernels
+    for b in builds:
+        assert not b["error"], (_label(b), b["error"])
+        assert b["spill_bytes"] is not None and b["spill_bytes"] <= 1536, (_label(b), b)

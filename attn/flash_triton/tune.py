@@ -109,12 +109,26 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
     return (w == 4 and bn * d >= 64 * 128) or tile > 1 or (tile == 1 and s > (2 if d >= 256 else 3))
 
 
+# float32 inputs run their dots as exact fp32 FMAs (input_precision "ieee"), not on tensor
+# cores, and the product tile then lives in registers. Compiled for sm_90 (triton 3.9, ptxas
+# -v), 4 warps spill at every tile these kernels use from D = 128 (179 KB per thread for a
+# 64 x 64 forward), and 8 warps stay under ~1 KiB up to these BLOCK_M·BLOCK_N·D. On an H100
+# (triton 3.6) the float32 tests ran past 150 s each with a spilling config.
+_FP32_MAX_TILE = {"fwd": 64 * 32 * 128, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128}
+
+
+def _fp32_spills(kind: str, c: triton.Config, d: int) -> bool:
+    return c.num_warps < 8 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * d > _FP32_MAX_TILE[kind]
+
+
 def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int | None
               ) -> list[triton.Config]:
     """The autotune configs worth timing for a ``kind`` ("fwd", "dkdv", "dq") launch with
     ``args`` on compute capability ``arch`` (90 for sm_90; None when unknown): drop tiles
     longer than the sequence, configs whose shared memory does not fit the arch, and tiles
-    x warps that spill registers heavily (measured: benchmarks/results/compile-sm90)."""
+    x warps that spill registers heavily (measured: benchmarks/results/compile-sm90).
+    float32 keeps 8-warp tiles up to ``_FP32_MAX_TILE``, or where none is that small
+    (D = 256) the smallest 8-warp tiles."""
     n, d = args["TUNE_N"], max(args["BLOCK_D"], args["BLOCK_DV"])
     smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
     kept = []
@@ -133,6 +147,13 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
         if max(bm, bn) <= 32 and c.num_warps > 4:
             continue
         kept.append(c)
+    if getattr(args.get("Q"), "dtype", None) == torch.float32:
+        small = [c for c in kept if not _fp32_spills(kind, c, d)]
+        if not small:
+            wide = [c for c in kept if c.num_warps >= 8] or kept
+            least = min((c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in wide), default=0)
+            small = [c for c in wide if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] == least]
+        kept = small
     return kept or configs[:1]
 
 
