@@ -8,31 +8,24 @@ TRITON_INTERPRET=1), where the plan sees a fixed stand-in SM count
 32-key tiles, with a short last one.
 """
 
-import os
+from functools import partial
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from functools import partial  # noqa: E402
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
 import attn  # noqa: E402
-from attn import flash_triton  # noqa: E402
+from attn import flash_triton  # noqa: E402  (in interpreter mode on CPU: tests/conftest.py)
 from attn.api import AttentionCall, select_backend  # noqa: E402
 from attn.flash_triton import launch, split  # noqa: E402
 from attn.flash_triton.split import MAX_SPLITS, MIN_CHUNK, split_kv_plan  # noqa: E402
 from attn.testing import assert_close_to_reference, make_inputs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not flash_triton._INTERPRET:
-    pytest.skip("attn.flash_triton was imported before TRITON_INTERPRET=1 was set (by an "
-                "earlier module); run this file on its own", allow_module_level=True)
-
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not flash_triton._INTERPRET,
+                                reason="the triton kernels need CUDA or the interpreter "
+                                       "(TRITON_INTERPRET=1 before attn is imported)")
 tri = partial(attn.attention, backend="triton")
 
 
