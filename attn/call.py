@@ -57,6 +57,7 @@ class AttentionCall:
     mask_mod: bool = False  # a mask_mod or block mask (attn.flex)
     varlen: bool = False  # packed sequences (attn.varlen; n_q / n_k are the longest ones)
     alibi: bool = False  # ALiBi slopes
+    grad: bool = False  # grad mode on and an input requires grad (split-KV is forward-only)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,11 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
 
     ``auto`` prefers ``triton`` on CUDA and falls back to ``tiled`` (every device, every
     variant). An explicit request that cannot compute the call raises NotImplementedError.
+
+    Inside triton, decoding takes split-KV (Flash-Decoding): a call of at most 16 query rows
+    per head against at least 512 keys that needs no gradient, no dropout and is not packed
+    has its keys cut into chunks (``attn.flash_triton.split_kv_plan``: enough chunks of at
+    least 256 keys for B·Hkv·chunks to fill the SMs twice). The reason says which path runs.
     """
     if not isinstance(call, AttentionCall):
         raise TypeError(f"call must be an AttentionCall (attn.api.AttentionCall), got "
@@ -139,7 +145,9 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
                                       f"{_tiled_reason(call)}")
     why = _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
     if why is None:
-        return BackendChoice("triton", "auto: triton on CUDA")
+        from attn import flash_triton  # importable: _triton_unsupported just imported it
+        return BackendChoice("triton", f"auto: triton on CUDA, "
+                                       f"{flash_triton.split_kv_reason(call)}")
     return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}; "
                                   f"{_tiled_reason(call)}")
 
@@ -385,7 +393,10 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
         dropout=dropout_p > 0.0, return_lse=bool(return_lse),
         score_mod=score_mod is not None,
         mask_mod=mask_mod is not None or mask_blocks is not None,
-        varlen=cu_seqlens is not None, alibi=alibi_slopes is not None)
+        varlen=cu_seqlens is not None, alibi=alibi_slopes is not None,
+        grad=torch.is_grad_enabled() and any(
+            isinstance(t, Tensor) and t.requires_grad
+            for t in (q, k, v, attn_mask, temperature, softcap, sinks)))
     if dropout_seed is None:
         dropout_seed = 0 if empty else _draw_seed(dropout_p)
     spec = LaunchSpec(qk_scale=float(qk_scale), band=band,

@@ -27,8 +27,12 @@ pytest.importorskip("triton")
 # at every D; `-m slow` builds the full product and every config _prune keeps.
 DEFAULT_CASES = [(90, 64, "all"), (90, 128, "plain"), (90, 256, "all"),
                  (80, 64, "plain"), (80, 128, "all"), (80, 256, "plain")]
+# packed sequences (every flag on) and split-KV decoding (every flag its kernel takes), each
+# arch once, at head dims the dense cases pair differently
+DEFAULT_CASES += [(90, 128, "varlen"), (80, 256, "varlen"), (90, 256, "decode"),
+                  (80, 64, "decode")]
 FULL_CASES = [(a, d, v) for a in (90, 80) for d in (64, 128, 256)
-              for v in ("plain", "causal", "all")]
+              for v in ("plain", "causal", "all", "varlen", "decode")]
 
 _CHILD = textwrap.dedent("""
     import json, sys
@@ -74,7 +78,7 @@ def _label(b: dict) -> str:
 
 
 def _check(builds: list[dict]) -> None:
-    from attn.bench.compile import SMEM_LIMIT
+    from attn.bench.compile import NO_DOT, SMEM_LIMIT
 
     problems = []
     for b in builds:
@@ -84,7 +88,7 @@ def _check(builds: list[dict]) -> None:
         if b["shared"] > SMEM_LIMIT[b["arch"]]:
             problems.append(f"{_label(b)} needs {b['shared'] // 1024} KiB of shared memory, "
                             f"sm_{b['arch']} has {SMEM_LIMIT[b['arch']] // 1024} KiB")
-        if b["kernel"] == "_attn_bwd_preprocess":
+        if b["kernel"] in NO_DOT:
             continue  # a row reduction: no dots, nothing to pipeline
         if not b["tensor_cores"]:
             problems.append(f"{_label(b)}: bf16 dots did not lower to tensor-core instructions")
@@ -97,7 +101,10 @@ def _check(builds: list[dict]) -> None:
 def test_every_kernel_builds_for_sm90_and_sm80():
     builds = _compile(DEFAULT_CASES, every_config=False, timeout=600)
     kernels = {b["kernel"] for b in builds}
-    assert kernels == {"_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+    assert kernels == {"_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
+                       "_attn_fwd_split", "_attn_split_combine"}
+    built = {(b["variant"], b["kernel"]) for b in builds}
+    assert {("varlen", k) for k in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")} <= built
     _check(builds)
 
 

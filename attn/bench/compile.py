@@ -34,9 +34,14 @@ import torch
 ARCHS = (90, 80)
 # opt-in shared memory per block: H100 227 KiB, A100 163 KiB
 SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
-KERNELS = ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")
-# the variant flags a kernel can be specialized on; "all" turns every one on at once
-VARIANTS = ("plain", "causal", "all")
+KERNELS = ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
+           "_attn_fwd_split", "_attn_split_combine")
+# row reductions: no dots, nothing to pipeline
+NO_DOT = ("_attn_bwd_preprocess", "_attn_split_combine")
+# the variant flags a kernel can be specialized on; "all" turns every one on at once (ALiBi
+# included); "varlen" is "all" on packed sequences; "decode" is split-KV decoding (forward
+# only, Nq = 16) with every flag its kernel takes (all but dropout)
+VARIANTS = ("plain", "causal", "all", "varlen", "decode")
 
 
 @dataclass
@@ -62,12 +67,16 @@ class Launch:
         return {**dict(zip(self.jit_fn.arg_names, self.args)), **self.kwargs}
 
     def configs(self, *, arch: int | None = None, pruned: bool = True) -> list:
-        """The autotune configs this launch would try (after ``_prune`` for ``arch``), or one
-        empty config for a kernel without autotuning."""
+        """The autotune configs this launch would try (after ``_prune`` for ``arch``), or,
+        for a kernel without autotuning, the warps and stages the launcher passed (triton's
+        defaults, 4 and 3, where it passed none)."""
         import triton
 
-        if not self.autotuned:
-            return [triton.Config({}, num_warps=4, num_stages=3)]
+        if not self.autotuned:  # its block sizes named too, for the report
+            blocks = {k: v for k, v in self.kwargs.items() if k.startswith("BLOCK_")
+                      and k not in ("BLOCK_D", "BLOCK_DV")}
+            return [triton.Config(blocks, num_warps=self.kwargs.get("num_warps", 4),
+                                  num_stages=self.kwargs.get("num_stages", 3))]
         if not pruned:
             return list(self.kernel.configs)
         prune = self.kernel.early_config_prune  # partial(_prune, kind=...)
@@ -113,7 +122,7 @@ class _Recorder:
         return launch
 
 
-def _variant_call(variant: str, H: int, n: int, scale: float) -> tuple[Any, dict]:
+def _variant_call(variant: str, H: int, n_q: int, n_k: int, scale: float) -> tuple[Any, dict]:
     """The launch spec and tensor arguments of one variant."""
     from attn.masks import make_band
     from attn.spec import LaunchSpec
@@ -121,24 +130,67 @@ def _variant_call(variant: str, H: int, n: int, scale: float) -> tuple[Any, dict
     if variant == "plain":
         return LaunchSpec(qk_scale=scale), {}
     if variant == "causal":
-        return LaunchSpec(qk_scale=scale, band=make_band(n, n, causal=True, window=None)), {}
-    if variant == "all":  # every flag a kernel specializes on, at once
+        return LaunchSpec(qk_scale=scale, band=make_band(n_q, n_k, causal=True, window=None)), {}
+    if variant in ("all", "varlen", "decode"):  # every flag a kernel specializes on, at once
         g = torch.Generator().manual_seed(0)
-        # seed 1: the JIT would turn an int argument equal to 1 into a constant
-        spec = LaunchSpec(qk_scale=scale, band=make_band(n, n, causal=True, window=(n // 4, 0)),
-                          dropout_p=0.1, dropout_seed=1)
-        return spec, {"attn_mask": torch.rand(1, 1, n, n, generator=g) > 0.1,
-                      "softcap": torch.full((H,), 30.0, requires_grad=True),
-                      "sinks": torch.zeros(H, requires_grad=True),
-                      "alibi": 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)}
+        # seed 1: the JIT would turn an int argument equal to 1 into a constant; split-KV
+        # (decode) runs without dropout, packed sequences (varlen) without a mask
+        spec = LaunchSpec(qk_scale=scale,
+                          band=make_band(n_q, n_k, causal=True, window=(n_k // 4, 0)),
+                          dropout_p=0.0 if variant == "decode" else 0.1, dropout_seed=1)
+        tensors = {"softcap": torch.full((H,), 30.0, requires_grad=True),
+                   "sinks": torch.zeros(H, requires_grad=True),
+                   "alibi": 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)}
+        if variant != "varlen":
+            tensors["attn_mask"] = torch.rand(1, 1, n_q, n_k, generator=g) > 0.1
+        return spec, tensors
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int, H: int,
+                 H_kv: int, N: int) -> None:
+    """One call of ``tri.triton_attention`` for ``variant``: forward and backward (dense,
+    varlen) or a decoding forward (decode: 4 query rows, split-KV forced to 4 chunks)."""
+    import contextlib
+    from dataclasses import replace
+
+    from attn.spec import Operands
+
+    g = torch.Generator().manual_seed(0)
+    n_q = 16 if variant == "decode" else N  # 16 rows x a group of 4: the largest q block
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(variant != "decode")
+
+    spec, tensors = _variant_call(variant, H, n_q, N, head_dim ** -0.5)
+    if variant == "varlen":  # packed (total, H, D): an empty sequence and a short last one
+        cu = torch.tensor([0, N // 3, N // 3, N, N + 17], dtype=torch.int32)
+        q, k, v = rand(N + 17, H, head_dim), rand(N + 17, H_kv, head_dim), rand(N + 17, H_kv, head_dim)
+        spec = replace(spec, max_seqlen_q=N - N // 3, max_seqlen_k=N - N // 3)
+        ops = Operands(**tensors, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    else:
+        q, k, v = rand(B, H, n_q, head_dim), rand(B, H_kv, N, head_dim), rand(B, H_kv, N, head_dim)
+        ops = Operands(**tensors)
+    saved = os.environ.get("ATTN_TRITON_SPLIT_KV")
+    os.environ["ATTN_TRITON_SPLIT_KV"] = "4" if variant == "decode" else "0"
+    try:
+        with torch.no_grad() if variant == "decode" else contextlib.nullcontext():
+            out, lse = tri.triton_attention(q, k, v, spec, ops)
+        if variant != "decode":
+            (out.float().sum() + lse.sum()).backward()
+    finally:
+        if saved is None:
+            os.environ.pop("ATTN_TRITON_SPLIT_KV")
+        else:
+            os.environ["ATTN_TRITON_SPLIT_KV"] = saved
 
 
 def record_launches(*, head_dim: int, dtype: torch.dtype = torch.bfloat16,
                     variant: str = "plain", B: int = 2, H: int = 8, H_kv: int = 2,
                     N: int = 1024) -> list[Launch]:
     """Every kernel launch of one forward + backward of ``triton_attention`` on CPU tensors
-    (contiguous, as a typical call passes them), recorded instead of run."""
+    (contiguous, as a typical call passes them), recorded instead of run; for ``decode``,
+    the launches of one split-KV forward."""
     # the launchers look their kernels up in attn.flash_triton.launch: record them there
     from attn.flash_triton import launch as flash_triton
 
@@ -150,13 +202,8 @@ def record_launches(*, head_dim: int, dtype: torch.dtype = torch.bfloat16,
     try:
         for name, kernel in saved.items():
             setattr(flash_triton, name, _Recorder(name, kernel, sink))
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(B, H, N, head_dim, generator=g).to(dtype).requires_grad_()
-        k = torch.randn(B, H_kv, N, head_dim, generator=g).to(dtype).requires_grad_()
-        v = torch.randn(B, H_kv, N, head_dim, generator=g).to(dtype).requires_grad_()
-        spec, tensors = _variant_call(variant, H, N, head_dim ** -0.5)
-        out, lse = flash_triton.triton_attention(q, k, v, spec, **tensors)
-        (out.float().sum() + lse.sum()).backward()
+        _run_variant(flash_triton, variant, head_dim=head_dim, dtype=dtype, B=B, H=H,
+                     H_kv=H_kv, N=N)
     finally:
         for name, kernel in saved.items():
             setattr(flash_triton, name, kernel)
@@ -223,7 +270,8 @@ def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
     from triton.backends.compiler import GPUTarget
 
     named = launch.named_args()
-    q = next(a for a in launch.args if isinstance(a, torch.Tensor))
+    # the inputs' dtype (the combine kernel's first tensors are its float32 partials)
+    q = named.get("Q", named.get("Out"))
     head_dim = int(named.get("HEAD_DIM", named.get("HEAD_DIM_V", 0)))
     build = Build(kernel=launch.name, arch=arch, variant=variant, head_dim=head_dim,
                   dtype=str(q.dtype).removeprefix("torch."), config=_config_name(cfg),
@@ -245,7 +293,7 @@ def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
 
 def has_dot(launch: Launch) -> bool:
     """Kernels whose work is matrix products (the preprocess kernel is a row reduction)."""
-    return launch.name != "_attn_bwd_preprocess"
+    return launch.name not in NO_DOT
 
 
 def largest(configs: list) -> Any:
@@ -267,7 +315,7 @@ def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,
             for variant in variants:
                 launches = record_launches(head_dim=d, dtype=dtype, variant=variant)
                 for launch in launches:
-                    if launch.name == "_attn_bwd_preprocess" and variant != "plain":
+                    if launch.name in NO_DOT and variant not in ("plain", "decode"):
                         continue  # no variant flags: one build per D is enough
                     for arch in archs:
                         cfgs = launch.configs(arch=arch, pruned=pruned)
@@ -294,6 +342,9 @@ def add_arguments(p) -> None:
                    help="every autotune config (default), those _prune keeps, or the largest kept")
     p.add_argument("--no-ptxas", action="store_true", help="skip registers/spills (ptxas -v)")
     p.add_argument("--out", type=str, default="out/compile", help="folder for results.{json,md}")
+    p.add_argument("--append", action="store_true",
+                   help="merge into the report already in --out: its builds stay, those this "
+                        "run repeats (same kernel, arch, D, dtype, variant, config) are replaced")
 
 
 def _header(argv: list[str]) -> dict:
@@ -330,6 +381,21 @@ def markdown(header: dict, builds: list[Build]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _appended(old: dict, builds: list[Build], header: dict) -> tuple[list[Build], dict]:
+    """An earlier report's builds, those of this run replacing the ones it repeats, and a
+    header naming both commands (each with its date and versions)."""
+    def key(b: Build) -> tuple:
+        return b.kernel, b.arch, b.head_dim, b.dtype, b.variant, b.config
+
+    new_keys = {key(b) for b in builds}
+    kept = [b for b in (Build(**d) for d in old["builds"]) if key(b) not in new_keys]
+    prev = old["header"]
+    header = {**header, "command": f"{prev['command']}` ({prev['date']}, triton "
+                                   f"{prev['triton']}, torch {prev['torch']}), then "
+                                   f"`{header['command']}"}
+    return kept + builds, header
+
+
 def run_report(args, argv: list[str]) -> int:
     import json
     import sys
@@ -353,6 +419,9 @@ def run_report(args, argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = _header(argv)
+    if args.append and (out / "results.json").exists():
+        builds, header = _appended(json.loads((out / "results.json").read_text()), builds,
+                                   header)
     (out / "results.json").write_text(json.dumps(
         {"header": header, "builds": [asdict(b) for b in builds]}, indent=1))
     (out / "results.md").write_text(markdown(header, builds))

@@ -113,10 +113,10 @@ def _load(ptrs, ok_a, ok_b, CHECK_A: tl.constexpr, CHECK_B: tl.constexpr):
 
 
 @triton.jit
-def _stages(start, n_own, n_other, offset, left, right,
-            BLOCK_OWN: tl.constexpr, BLOCK: tl.constexpr):
+def _stages(start, n_own, n_other, offset, left, right, BLOCK_OWN, BLOCK: tl.constexpr):
     """Split the other axis for the own block [start, start + BLOCK_OWN) into tile starts
     [lo, a) masked, [a, b) full (every pair inside the band and the tensors), [b, hi) masked.
+    ``BLOCK_OWN`` may be a runtime length: the split-KV kernel's block holds every query.
 
     Written for queries as own axis (keys j with -left <= j - (i + offset) <= right); the
     key-resident backward calls it with (offset, left, right) -> (-offset, right, left).

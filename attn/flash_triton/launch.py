@@ -21,7 +21,10 @@ from torch import Tensor
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
                                      _attn_fwd)
 from attn.flash_triton.kernels import _INTERPRET
-from attn.flash_triton.tune import _tune_n
+from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_combine,
+                                     combine_block, sm_count_of, split_kv_override,
+                                     split_kv_plan, split_kv_unsupported)
+from attn.flash_triton.tune import _tune_n, split_config
 from attn.grads import Grads, sink_grad
 from attn.masks import Band, as_4d
 from attn.spec import LaunchSpec, Operands, operands_of
@@ -238,6 +241,62 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
     return (out, lse, logl) if want_logl else (out, lse)
 
 
+def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
+                   grad: bool) -> SplitPlan | None:
+    """The split-KV plan of a dense call (q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv,
+    Nk, Dv)), or None when
+    it runs the plain kernels: not eligible (``split_kv_unsupported``), or one chunk. Reads
+    ``ATTN_TRITON_SPLIT_KV`` now, at the call."""
+    why = split_kv_unsupported(n_q=q.shape[2], grad=grad, dropout=spec.dropout_p > 0.0,
+                               varlen=ops.cu_seqlens_q is not None)
+    if why is not None:
+        return None
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    _, block_n, _, _ = split_config(max(16, triton.next_power_of_2(D)),
+                                    max(16, triton.next_power_of_2(Dv)), q.element_size(),
+                                    (H // Hkv) * Nq)
+    plan = split_kv_plan(B * Hkv, Nk, Nq, sm_count_of(q.device), tile=block_n,
+                         force=split_kv_override())
+    return plan if plan.splits > 1 else None
+
+
+def _fwd_split(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, chunk: int
+               ) -> tuple[Tensor, Tensor]:
+    """Split-KV decoding (:mod:`attn.flash_triton.split`): ``(out, lse)`` of a dense,
+    forward-only call with its keys cut into chunks of ``chunk`` (whole key tiles): one
+    program per (group rows block, chunk, batch·kv head), partials in float32, then one
+    combine program per (batch, head, query) row."""
+    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
+    L = _launch_args(q, k, v, spec, ops, softcap)
+    slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
+    mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
+    rows = L.group * L.n_q
+    block_m, block_n, warps, stages = split_config(L.block_d, L.block_dv, q.element_size(), rows)
+    assert chunk % block_n == 0, (chunk, block_n)  # chunks are whole tiles: the band's stages
+    splits = triton.cdiv(L.n_k, chunk)
+    B, H, Nq, Dv = L.batch, L.H, L.n_q, L.head_dim_v
+    out_p = torch.empty(splits, B, H, Nq, Dv, dtype=torch.float32, device=q.device)
+    lse_p = torch.empty(splits, B, H, Nq, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(rows, block_m), splits, B * (H // L.group))
+    _attn_fwd_split[grid](
+        q, k, v, out_p, lse_p, mask, q if softcap is None else softcap, slopes,
+        QS=q.stride(), KS=k.stride(), VS=v.stride(), MS=mask_strides, AS=slope_strides,
+        B=B, H=H, GROUP=L.group, N_Q=Nq, N_K=L.n_k, offset=L.offset, left=L.left,
+        right=L.right, scale=L.scale, chunk=chunk, **_value_offsets(v, L, ops),
+        HEAD_DIM=L.head_dim, HEAD_DIM_V=Dv, BLOCK_D=L.block_d, BLOCK_DV=L.block_dv,
+        BANDED=L.banded, MASK_KIND=L.mask_kind, HAS_SOFTCAP=L.has_softcap,
+        HAS_ALIBI=L.has_alibi, DOT_PRECISION=L.dot_precision, BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    _attn_split_combine[(B * H * Nq,)](
+        out_p, lse_p, out, lse, lse_p if sinks is None else sinks, out.stride(), B * H * Nq,
+        H, Nq, splits, HEAD_DIM_V=Dv, BLOCK_DV=L.block_dv, BLOCK_S=combine_block(splits),
+        HAS_SINKS=sinks is not None)
+    return out, lse
+
+
 def _delta(do: Tensor, dlse: Tensor | None, out: Tensor, L: _Launch) -> Tensor:
     """Δ = rowsum(dO ∘ O) − dlse, laid out as lse: the preprocess kernel, or for packed
     sequences the same sum in torch."""
@@ -341,6 +400,24 @@ def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
             q.new_empty(B, H, Nq, dtype=torch.float32),
+            q.new_empty(B, H, Nq, dtype=torch.float32))
+
+
+@torch.library.custom_op("attn::flash_fwd_split", mutates_args=())
+def _fwd_split_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
+                  sinks: Tensor | None, softcap: Tensor | None, offset: int, left: int | None,
+                  right: int | None, scale: float, dropout_p: float, dropout_seed: int,
+                  shard: list[int], alibi: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+    """out and lse of split-KV decoding (see :func:`_fwd_split`); forward only."""
+    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
+    return _fwd_split(q, k, v, spec, Operands(attn_mask, sinks, softcap, alibi), chunk)
+
+
+@_fwd_split_op.register_fake
+def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed,
+      shard, alibi, chunk):
+    B, H, Nq, _ = q.shape
+    return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
             q.new_empty(B, H, Nq, dtype=torch.float32))
 
 
@@ -449,4 +526,10 @@ def triton_attention(
                            cu_seqlens_k=ops.cu_seqlens_k.contiguous())
     # the conversions under autograd: it sums the per-head expand back to the caller's shapes
     q, sinks, cap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, ops.attn_mask, sinks, cap))
+    plan = split_plan_for(q, k, v, spec, ops, grad=grad)
+    if plan is not None:  # decoding: forward only, no autograd node
+        return _fwd_split_op(q, k, v, ops.attn_mask, sinks, cap, *_op_args(spec), ops.alibi,
+                             plan.chunk)
     return _FlashAttention.apply(q, k, v, ops.attn_mask, sinks, cap, spec, ops)

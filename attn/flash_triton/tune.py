@@ -157,6 +157,21 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
     return kept or configs[:1]
 
 
+def split_config(block_d: int, block_dv: int, elem: int, rows: int) -> tuple[int, int, int, int]:
+    """BLOCK_M, BLOCK_N, num_warps, num_stages of the split-KV kernel (not autotuned: its
+    chunks are whole key tiles, so BLOCK_N sets the plan, which must not depend on timing).
+    ``rows`` = GQA group x Nq packed into the query block (more rows: several blocks).
+    K/V tiles of 16 KiB per stage (bf16 D = 128: 64 keys), so that two stages, the q block
+    and a float mask tile fit sm_80's shared memory at every head dim; 8 warps where the
+    accumulator would spill with 4 (see ``_spills_heavily``). The interpreter's cost is per
+    tile: 32 keys give several tiles per chunk at the test sizes."""
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    width = max(block_d, block_dv)
+    block_n = 32 if _INTERPRET else max(16, min(64, (8192 if elem <= 2 else 4096) // width))
+    warps = 8 if block_m * width >= 128 * 128 else 4
+    return block_m, block_n, warps, 2
+
+
 def _tune_n(n_q: int, n_k: int) -> int:
     # the autotune key: lengths rounded to a power of two, so varying lengths do not retune
     return triton.next_power_of_2(max(n_q, n_k))
