@@ -121,6 +121,13 @@ def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[st
     return "done", "", got
 
 
+def _say(out: Path, line: str) -> None:
+    """A line of the run itself (a stage starting or ending): on stderr and in log.txt."""
+    print(f"attn gpu-check: {line}", file=sys.stderr, flush=True)
+    with open(out / "log.txt", "a") as f:
+        f.write(f"[gpu-check] {line}\n")
+
+
 def _with_origin(rows: list[dict], header: dict) -> list[dict]:
     return [{**r, **{k: header.get(k) for k in gpu_record.ROW_ORIGIN}} for r in rows]
 
@@ -152,14 +159,14 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
         if name == "tune" and box < TUNE_MIN_S and not args.dry_run:
             doc["stages"][name] = gpu_record.stage_entry(
                 "skipped", why=f"no budget left ({box:.0f} s < {TUNE_MIN_S} s)")
-            gpu_record.write_results(out, doc)
-            continue
-        if box <= 1:
+        elif box <= 1:
             doc["stages"][name] = gpu_record.stage_entry("out of time",
                                                          why="no budget left for it")
+        if doc["stages"][name]["why"].startswith("no budget left"):
+            _say(out, f"stage {name}: {doc['stages'][name]['status']} (no budget left)")
             gpu_record.write_results(out, doc)
             continue
-        print(f"attn gpu-check: stage {name} ({box:.0f} s box)", file=sys.stderr, flush=True)
+        _say(out, f"stage {name} ({box:.0f} s box)")
         ctx = gpu_record.StageContext(
             name=name, out=str(out.resolve()), scratch=str(scratch_dir / f"{name}.jsonl"),
             deadline=time.time() + box, dry_run=args.dry_run, cores=os.cpu_count() or 1,
@@ -183,8 +190,7 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
         if any(r.get("kind") in ("speed", "decode") for r in got["rows"]):
             header["plots"] = [p.name for p in gpu_tables.plots(doc, out)]
         gpu_record.write_results(out, doc)
-        print(f"attn gpu-check: stage {name}: {status}{' (' + why + ')' if why else ''}",
-              file=sys.stderr, flush=True)
+        _say(out, f"stage {name}: {status}{' (' + why + ')' if why else ''}")
     if header["device_name"] is None:  # env not run: name the device all the same
         from attn.bench import report
 
