@@ -556,11 +556,10 @@ def _decode(ctx: StageContext) -> None:
             return
         cache = 2 * B * Hkv * nk * D * 2
         base = {"kind": "decode", "B": B, "Nq": nq, "Nk": nk}
-        g = torch.Generator().manual_seed(nk)
-        q = torch.randn(B, H, nq, D, generator=g).to(dev, torch.bfloat16) \
-            if _fits(ctx, cache, f"decode B={B} Nk={nk}") else None
-        if q is None:
+        if not _fits(ctx, cache, f"decode B={B} Nk={nk}"):
             continue
+        g = torch.Generator().manual_seed(nk)
+        q = torch.randn(B, H, nq, D, generator=g).to(dev, torch.bfloat16)
         k, v = (torch.randn(B, Hkv, nk, D, generator=g).to(dev, torch.bfloat16)
                 for _ in range(2))
         ms = {}

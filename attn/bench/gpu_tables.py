@@ -175,15 +175,11 @@ def _plot_decode(rows: list[dict], path: Path, title: str) -> Path | None:
                     if (r["path"], r["B"], r["Nq"]) == (path_name, B, nq))
         ax.plot([x for x, _ in xs], [y for _, y in xs], marker="o", ms=3,
                 label=f"{path_name} B={B} Nq={nq}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("cache length Nk")
-    ax.set_ylabel("ms per step (median)")
-    ax.set_title(title, fontsize=9)
+    ax.set(xscale="log", yscale="log", xlabel="cache length Nk", ylabel="ms per step (median)",
+           title=title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
