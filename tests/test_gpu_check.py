@@ -61,6 +61,8 @@ def test_dry_run_rows_record_what_ran_and_why_the_rest_did_not(dry_run):
         return [r for r in rows if r["kind"] == k]
 
     assert [r["outcome"] for r in kind("pytest")] == ["passed"]
+    assert [(r["file"], r["count"]) for r in kind("pytest-collected")] == [
+        ("tests/test_triton.py", 1)]
     det = [r for r in kind("check") if r["check"] == "determinism"]
     assert len(det) == 2 and all(r["status"] == "ok" for r in det)
     scanned = {r["what"].split()[0] for r in kind("check") if r["check"] == "nan scan"}
@@ -217,3 +219,18 @@ def test_plugin_writes_each_outcome_once_and_only_on_the_controller(tmp_path, mo
     monkeypatch.setattr(gpu_pytest, "_is_worker", True)  # a worker leaves it to the controller
     gpu_pytest.pytest_runtest_logreport(_report("tests/test_z.py::test_d", "call", "passed"))
     assert len(rows.read_text().splitlines()) == 3
+
+
+def test_plugin_runs_the_full_size_files_first_when_active(monkeypatch):
+    ids = ["tests/test_variants.py::test_a", "tests/test_triton_cuda.py::test_b",
+           "tests/test_other.py::test_c", "tests/test_triton.py::test_d",
+           "tests/test_variants.py::test_e"]
+    items = [SimpleNamespace(nodeid=n) for n in ids]
+    monkeypatch.delenv("ATTN_GPU_CHECK_LOG", raising=False)
+    monkeypatch.delenv("ATTN_GPU_CHECK_ROWS", raising=False)
+    gpu_pytest.pytest_collection_modifyitems(items)
+    assert [i.nodeid for i in items] == ids  # outside gpu-check it changes nothing
+    monkeypatch.setenv("ATTN_GPU_CHECK_LOG", "log.txt")
+    gpu_pytest.pytest_collection_modifyitems(items)
+    assert [i.nodeid.split("::")[1] for i in items] == ["test_b", "test_d", "test_a", "test_c",
+                                                       "test_e"]

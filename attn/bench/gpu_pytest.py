@@ -15,13 +15,62 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 _seen: set[tuple[str, str]] = set()
 _is_worker = False
+_collected_written = False
+
+# Files whose cases say most per second of compiling run first (the full-size and backend
+# checks); the big parametrized suite last. A run cut by its box has then covered the most.
+FIRST = ("test_triton_cuda.py", "test_triton.py", "test_compat.py", "test_api.py",
+         "test_api_hardening.py", "test_varlen.py", "test_flex.py", "test_masks.py",
+         "test_numerics_hardening.py", "test_compile.py", "test_distributed.py")
+
+
+def _active() -> bool:
+    return bool(os.environ.get("ATTN_GPU_CHECK_LOG") or os.environ.get("ATTN_GPU_CHECK_ROWS"))
 
 
 def pytest_configure(config) -> None:
     global _is_worker
     _is_worker = hasattr(config, "workerinput")  # pytest-xdist sets it on its workers
+
+
+def _rank(nodeid: str) -> int:
+    name = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return FIRST.index(name) if name in FIRST else len(FIRST)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    if _active():  # a stable sort: every xdist worker gets the same order
+        items.sort(key=lambda item: _rank(item.nodeid))
+
+
+def _write_collected(ids: list[str]) -> None:
+    """How many tests each file has in this run, so a cut run says how many never ran."""
+    global _collected_written
+    rows = os.environ.get("ATTN_GPU_CHECK_ROWS")
+    if _collected_written or not rows or not ids:
+        return
+    _collected_written = True
+    per_file: dict[str, int] = {}
+    for nodeid in ids:
+        per_file[nodeid.split("::")[0]] = per_file.get(nodeid.split("::")[0], 0) + 1
+    with open(rows, "a") as f:
+        for file, n in per_file.items():
+            f.write(json.dumps({"row": {"stage": "correctness", "kind": "pytest-collected",
+                                        "file": file, "count": n}}) + "\n")
+
+
+def pytest_collection_finish(session) -> None:
+    if not _is_worker:  # without xdist; under it the controller collects nothing
+        _write_collected([item.nodeid for item in session.items])
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    _write_collected(list(ids))  # every worker collects the same tests: the first says
 
 
 def outcome_of(report) -> str | None:
@@ -46,7 +95,7 @@ def _message(report) -> str:
 
 def pytest_runtest_logreport(report) -> None:
     log, rows = os.environ.get("ATTN_GPU_CHECK_LOG"), os.environ.get("ATTN_GPU_CHECK_ROWS")
-    if _is_worker or not (log or rows):
+    if _is_worker or not _active():
         return
     outcome = outcome_of(report)
     if outcome is None or (report.nodeid, report.when) in _seen:

@@ -96,17 +96,23 @@ def _ratio_section(doc: dict) -> list[str]:
 
 def _pytest_section(doc: dict) -> list[str]:
     rs = _rows(doc, "pytest")
-    if not rs:
+    if not rs and not _rows(doc, "pytest-collected"):
         return []
     per_file: dict[str, dict[str, int]] = {}
     for r in rs:
         counts = per_file.setdefault(r["file"], {})
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    out = ["## pytest, per test file", "", "| file | passed | failed | error | skipped |",
-           "|:--|--:|--:|--:|--:|"]
-    for f, c in sorted(per_file.items()):
+    collected: dict[str, int] = {}
+    for r in _rows(doc, "pytest-collected"):
+        collected[r["file"]] = collected.get(r["file"], 0) + r["count"]
+    out = ["## pytest, per test file", "",
+           "| file | passed | failed | error | skipped | not run (cut by the box) |",
+           "|:--|--:|--:|--:|--:|--:|"]
+    for f in sorted(set(per_file) | set(collected)):
+        c = per_file.get(f, {})
+        not_run = max(collected[f] - sum(c.values()), 0) if f in collected else None
         out.append(f"| {f} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
-                   f"{c.get('error', 0)} | {c.get('skipped', 0)} |")
+                   f"{c.get('error', 0)} | {c.get('skipped', 0)} | {_f(not_run, 'd')} |")
     bad = [r for r in rs if r["outcome"] in ("failed", "error")]
     if bad:
         out += ["", "Failures (full text in pytest.txt and log.txt):", ""]
@@ -126,9 +132,14 @@ def _simple_table(rs: list[dict], cols: tuple[str, ...]) -> list[str]:
 
 def markdown(doc: dict) -> str:
     h = doc["header"]
+    gpu = ", ".join(f"{label} {h[key]}" for key, label in (("sm_count", "SMs:"),
+                                                           ("memory_gib", "GiB:"),
+                                                           ("driver", "driver"))
+                    if h.get(key) is not None)
     out = [f"# attn gpu-check{' (dry run, no GPU)' if h.get('dry_run') else ''}", "",
-           f"- device: {h.get('device_name')}; torch {h.get('torch')}, triton "
-           f"{h.get('triton')}, CUDA {h.get('cuda')}, Python {h.get('python')}",
+           f"- device: {h.get('device_name')}{' (' + gpu + ')' if gpu else ''}; torch "
+           f"{h.get('torch')}, triton {h.get('triton')}, CUDA {h.get('cuda')}, Python "
+           f"{h.get('python')}",
            f"- date: {h.get('date')}; command: `{h.get('command')}`; "
            f"{h.get('elapsed_s', 0)} s of a {h.get('budget_min')} min budget", ""]
     out += _stages_table(doc) + [""]
