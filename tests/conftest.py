@@ -47,10 +47,41 @@ def _use_this_checkouts_models() -> None:
 _use_this_checkouts_models()
 
 
+def _is_triton_backend(value) -> bool:
+    """A ``backend`` parameter naming triton: the string, or a suite's backend object."""
+    name = value if isinstance(value, str) else getattr(value, "name", None)
+    return isinstance(name, str) and name.startswith("triton")
+
+
+def is_cuda_case(item, gpu: bool) -> bool:
+    """Whether ``item`` runs on CUDA on a machine where ``gpu`` says whether one is present.
+
+    Always: a ``cuda`` marker. Only with a GPU: a ``cuda_if_present`` marker (the test moves
+    its tensors to CUDA when it can), or a ``backend`` parameter naming triton (compiled
+    triton takes CUDA tensors only; without a GPU the same case runs in the interpreter on CPU
+    and must keep running there). A device parameter decides nothing: the suites name devices
+    in parameters only as bad input ("cuda:99" must raise on any machine).
+    """
+    if item.get_closest_marker("cuda") is not None:
+        return True
+    if not gpu:
+        return False
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return (item.get_closest_marker("cuda_if_present") is not None
+            or _is_triton_backend(params.get("backend")))
+
+
+def pytest_itemcollected(item):
+    # before -m deselects (pytest_collection_modifyitems), so `-m cuda` selects every case
+    # marked here, parametrized ones included
+    if is_cuda_case(item, torch.cuda.is_available()) and item.get_closest_marker("cuda") is None:
+        item.add_marker(pytest.mark.cuda)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)

@@ -360,6 +360,7 @@ def test_bad_input():
         attn.flex_attention(q, k, v, block_mask=big)
 
 
+@pytest.mark.cuda_if_present
 def test_create_block_mask_device_follows_captured_tensors():
     doc = torch.zeros(32, dtype=torch.long)
     bm = attn.create_block_mask(document(doc), None, None, 32, 32, BLOCK_SIZE=16)

@@ -43,6 +43,7 @@ def _inputs(**kw):
     return make_inputs(device=DEVICE, **kw)
 
 
+@pytest.mark.cuda_if_present
 def test_dropout_equals_reference_mask():
     # the kernel regenerates attn.masks.dropout_keep bit for bit: with dropout as the only
     # randomness, triton and the reference agree to float32 rounding for the same seed
@@ -57,6 +58,7 @@ def test_dropout_equals_reference_mask():
     assert not torch.allclose(other, outs[0], atol=1e-3)
 
 
+@pytest.mark.cuda_if_present
 def test_forward_deterministic():
     q, k, v = _inputs(B=1, H=2, N=70, D=32, dtype=torch.bfloat16, seed=4)
     a = tri(q, k, v, causal=True)
@@ -107,6 +109,7 @@ def _op_args(q, k, v):
     return (q, k, v, None, None, None, k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1])
 
 
+@pytest.mark.cuda_if_present
 def test_opcheck_forward_and_backward():
     q, k, v = _inputs(B=1, H=4, Hkv=2, N=20, Nk=30, D=16, Dv=24, seed=0)
     torch.library.opcheck(torch.ops.attn.flash_fwd.default, _op_args(q, k, v))
@@ -127,6 +130,7 @@ def test_opcheck_forward_and_backward():
                            alibi))
 
 
+@pytest.mark.cuda_if_present
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -155,6 +159,7 @@ class _TinyAttention(torch.nn.Module):
         return out.transpose(1, 2).reshape(B, N, C)
 
 
+@pytest.mark.cuda_if_present
 def test_torch_compile_matches_eager():
     torch.manual_seed(0)
     model = _TinyAttention(32, 2).to(DEVICE)

@@ -85,6 +85,7 @@ def _length_cases(full: bool):
         if d in b.dtypes and (full or b is not TRITON or d != torch.float16)]
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,dtype,causal,nq,nk",
                          [c for c in _length_cases(True) if c not in _length_cases(False)],
@@ -93,6 +94,7 @@ def test_lengths_full(backend, dtype, causal, nq, nk):
     test_lengths(backend, dtype, causal, nq, nk)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend,dtype,causal,nq,nk", _length_cases(False), ids=_ids)
 def test_lengths(backend, dtype, causal, nq, nk):
     backend.skip_unless_available()
@@ -111,6 +113,7 @@ def _head_dim_cases(full: bool):
             itertools.product(BACKENDS, [torch.float32, torch.bfloat16], enumerate(HEAD_DIMS))]
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend,dtype,causal,dims", _head_dim_cases(False), ids=_ids)
 def test_head_dims(backend, dtype, causal, dims):
     backend.skip_unless_available()
@@ -119,12 +122,14 @@ def test_head_dims(backend, dtype, causal, dims):
     assert_close_to_reference(backend.fn(), q, k, v, causal=causal)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,dtype,causal,dims", _head_dim_cases(True), ids=_ids)
 def test_head_dims_full(backend, dtype, causal, dims):
     test_head_dims(backend, dtype, causal, dims)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend,dtype,causal", [
     (b, d, c) for b, d, c in itertools.product([TILED_DEFAULT], [torch.float32, torch.bfloat16],
                                                [False, True])], ids=_ids)
@@ -229,6 +234,7 @@ def _variant_cases(full: bool):
     return cases
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend,dtype,causal,variant,heads", _variant_cases(False), ids=_ids)
 def test_variants(backend, dtype, causal, variant, heads):
     backend.skip_unless_available()
@@ -243,12 +249,14 @@ def test_variants(backend, dtype, causal, variant, heads):
     assert_close_to_reference(backend.fn(), q, k, v, causal=causal, **kwargs)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,dtype,causal,variant,heads", _variant_cases(True), ids=_ids)
 def test_variants_full(backend, dtype, causal, variant, heads):
     test_variants(backend, dtype, causal, variant, heads)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend", BACKENDS, ids=_ids)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1), (6, 2)], ids=["mha", "gqa", "mqa", "gqa3"])
 def test_gqa_groups(backend, heads):
@@ -261,6 +269,7 @@ def test_gqa_groups(backend, heads):
 
 # -- edge cases ------------------------------------------------------------------------------------
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend", [REFERENCE, TILED, TILED_DEFAULT, TRITON], ids=_ids)
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_fully_masked_rows(backend, with_sinks):
@@ -290,6 +299,7 @@ def test_fully_masked_rows(backend, with_sinks):
                               attn_mask=mask, sinks=sinks)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend,dtype", _cases([TILED, TILED_DEFAULT, TRITON],
                                                   [torch.float32, torch.bfloat16]), ids=_ids)
 def test_huge_logits(backend, dtype):
@@ -301,6 +311,7 @@ def test_huge_logits(backend, dtype):
     assert_close_to_reference(backend.fn(), q, k, v, scale=1e4 / 16, causal=True)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend", BACKENDS, ids=_ids)
 def test_single_query_single_key(backend):
     backend.skip_unless_available()
@@ -310,6 +321,7 @@ def test_single_query_single_key(backend):
     torch.testing.assert_close(lse, (q * k).sum(-1) * 16 ** -0.5)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend", BACKENDS, ids=_ids)
 @pytest.mark.parametrize("temperature", [1e-3, 1e3])
 def test_temperature_limits(backend, temperature):
@@ -318,6 +330,7 @@ def test_temperature_limits(backend, temperature):
     assert_close_to_reference(backend.fn(), q, k, v, temperature=temperature)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend", BACKENDS, ids=_ids)
 def test_non_contiguous_inputs(backend):
     backend.skip_unless_available()
@@ -368,6 +381,7 @@ def test_alibi_reference_equals_naive_loops(causal, nq, nk):
         torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("backend", BACKENDS, ids=_ids)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(45, 70), (70, 45)])
@@ -379,6 +393,7 @@ def test_alibi_lengths(backend, causal, nq, nk):
                               alibi_slopes=alibi_slopes(4).to(DEVICE))
 
 
+@pytest.mark.cuda_if_present
 def test_alibi_changes_the_output():
     """The check above can fail: the bias moves the output well past any budget."""
     q, k, v = _inputs(B=1, H=4, N=40, D=16, dtype=torch.float32, seed=4)
@@ -388,6 +403,7 @@ def test_alibi_changes_the_output():
     assert (plain - with_alibi).abs().max() > 0.1
 
 
+@pytest.mark.cuda_if_present
 def test_alibi_tiled_shards_reproduce_the_whole():
     """The tiled launcher measures distances in global positions: query and key shards
     (spec.shard) merged by their lse equal one call."""

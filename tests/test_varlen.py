@@ -391,6 +391,7 @@ TRITON_VARIANTS = {
 }
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("variant", list(TRITON_VARIANTS))
 def test_triton_varlen_equals_tiled(variant):
     """triton's varlen kernels against the tiled varlen path in fp32: out, lse and every
@@ -439,6 +440,7 @@ def test_triton_varlen_equals_tiled(variant):
         assert err <= factor * plain_err + floor, (name, err, plain_err)
 
 
+@pytest.mark.cuda_if_present
 def test_triton_varlen_is_chosen_and_refuses_what_it_cannot():
     call = attn.AttentionCall(device="cuda", dtype=torch.bfloat16, head_dim=64, head_dim_v=64,
                               n_q=512, n_k=512, varlen=True)

@@ -12,6 +12,7 @@
     attn bench train-step               # one GPT training step: peak memory and time
     attn bench context-parallel --world-sizes 1 2 4 --n 2048 8192 32768
     attn check mypkg.mod:my_attention   # the conformance matrix on your function (--json)
+    attn gpu-check --out gpu1 --stages env correctness   # on a GPU machine (docs/gpu.md)
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ COMMANDS = {
     "bench": "a custom sweep or one of the benchmark questions",
     "check": "run the conformance matrix on your attention function: each case correct, "
              "not supported, wrong (diagnosed) or NaN",
+    "gpu-check": "every GPU claim in one run of a few minutes (correctness, speed, memory, "
+                 "decode, tuning), or --dry-run on CPU",
 }
 
 # (N values, causal values) per device for the full and the quick report. The quick one is
@@ -223,6 +226,9 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
     for kind, what in _QUESTIONS.items():
         _question(kind).add_arguments(kinds.add_parser(kind, help=what))
     _add_check_args(sub.add_parser("check", help=COMMANDS["check"]))
+    from attn.bench import gpu_check
+
+    gpu_check.add_arguments(sub.add_parser("gpu-check", help=COMMANDS["gpu-check"]))
     return parser
 
 
@@ -510,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if first.command == "check":
         return run_check(first)
+    if first.command == "gpu-check":
+        from attn.bench import gpu_check
+
+        return gpu_check.run(first, argv)
     args = parse_args(argv)
     if args.command == "bench" and args.kind == "speed" and args.paired:
         if args.fn:

@@ -1,0 +1,236 @@
+"""``attn gpu-check``: one command that checks every GPU claim of attn, in at most two runs
+of 7 minutes, and writes a flat folder of at most eight files.
+
+    attn gpu-check --out gpu1 --stages env correctness                # run 1
+    attn gpu-check --out gpu2 --stages env speed varlen-decode tune context-parallel  # run 2
+    attn gpu-check --merge gpu1 gpu2 --out gpu                        # anywhere, afterwards
+    attn gpu-check --dry-run --out /tmp/gpu-dry                       # on CPU: every stage, tiny
+
+Stages, in this order: env, correctness, speed, varlen-decode, tune (only with budget left),
+context-parallel. Each runs in its own process (:mod:`attn.bench.gpu_stages`) under a time box:
+its share of what is left of ``--budget-min``, by the weights below, so time a stage does not
+use goes to the ones after it. A stage is recorded as done, skipped (why), failed (the error)
+or out of time (cut at its box; its finished points kept), and results.json / results.md are
+rewritten after every stage (:mod:`attn.bench.gpu_record`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from attn.bench import gpu_record, gpu_tables
+
+STAGES = {name: f"attn.bench.gpu_stages:{name.replace('-', '_')}"
+          for name in ("env", "correctness", "speed", "varlen-decode", "tune",
+                       "context-parallel")}
+# shares of the budget; the correctness stage's pytest is most of the first run
+WEIGHTS = {"env": 0.4, "correctness": 5.0, "speed": 3.0, "varlen-decode": 1.5, "tune": 1.5,
+           "context-parallel": 0.5}
+TUNE_MIN_S = 60  # below this the tune stage would time one config or none: skip it
+GRACE_S = 10  # after its deadline a stage gets this long to end on its own before the kill
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=None,
+                   help="the run's folder: results.json, results.md, pytest.txt, log.txt, "
+                        "up to 3 PNGs (flat; at most 8 files)")
+    p.add_argument("--budget-min", type=float, default=7.0,
+                   help="minutes for the whole run (default 7); each stage gets a share and "
+                        "drops points to fit it")
+    p.add_argument("--stages", nargs="+", default=list(STAGES), metavar="STAGE",
+                   help=f"stages to run, among {', '.join(STAGES)} (default: all)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU: every stage through its real code at tiny sizes (triton in "
+                        "the interpreter for correctness, tiled and SDPA for timing); GPU-only "
+                        "points recorded as skipped")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="join the folders of earlier runs into --out instead of running")
+    p.add_argument("--tests", type=Path, default=Path("tests"),
+                   help="the repository's tests folder (default ./tests: run from a checkout)")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.out is None:
+        raise SystemExit("attn gpu-check: --out is required (the folder for the run's files)")
+    unknown = [s for s in args.stages if s not in STAGES]
+    if unknown:
+        raise SystemExit(f"attn gpu-check: --stages: unknown {unknown}; choose among "
+                         f"{list(STAGES)}")
+    if not args.budget_min > 0:
+        raise SystemExit(f"attn gpu-check: --budget-min must be positive, got {args.budget_min}")
+
+
+def _header(args: argparse.Namespace, argv: list[str]) -> dict:
+    import datetime
+    import platform
+
+    import torch
+
+    from attn.bench import report
+
+    return {"device_name": report.device_name("cpu") if args.dry_run else None,
+            "torch": torch.__version__, "triton": report._triton_version(),
+            "python": platform.python_version(), "cuda": torch.version.cuda,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "attn " + shlex.join(argv), "dry_run": args.dry_run,
+            "budget_min": args.budget_min, "stages": list(args.stages),
+            "cores": os.cpu_count(), "elapsed_s": 0.0, "plots": []}
+
+
+def _child_env(name: str, dry_run: bool) -> dict:
+    env = dict(os.environ)
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"  # the interpreter, set before triton is imported
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    if name == "correctness":
+        env["ATTN_TRITON_AUTOTUNE"] = "0"  # right answers, not the fastest config
+    else:
+        env.pop("ATTN_TRITON_AUTOTUNE", None)  # users' setting: autotuning on
+    return env
+
+
+def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[str, str, dict]:
+    """Run one stage in its own process: (status, why, its records)."""
+    cmd = [sys.executable, "-m", "attn.bench.gpu_stages", target, json.dumps(ctx.__dict__)]
+    proc = subprocess.Popen(cmd, env=_child_env(name, ctx.dry_run), start_new_session=True)
+    try:
+        rc = proc.wait(timeout=max(ctx.left(), 0) + GRACE_S)
+        killed = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the stage and whatever it started
+        proc.wait()
+        rc, killed = None, True
+    got = gpu_record.read_scratch(ctx.scratch)
+    if killed:
+        where = f" while running {got['running']}" if got["running"] else ""
+        return "out of time", f"cut at its {ctx.budget_s:.0f} s box{where}", got
+    if rc != 0:
+        return "failed", got["error"] or f"its process ended with exit code {rc}", got
+    if got["info"].get("skipped"):
+        return "skipped", got["info"]["skipped"], got
+    return "done", "", got
+
+
+def _say(out: Path, line: str) -> None:
+    """A line of the run itself (a stage starting or ending): on stderr and in log.txt."""
+    print(f"attn gpu-check: {line}", file=sys.stderr, flush=True)
+    with open(out / "log.txt", "a") as f:
+        f.write(f"[gpu-check] {line}\n")
+
+
+def _with_origin(rows: list[dict], header: dict) -> list[dict]:
+    return [{**r, **{k: header.get(k) for k in gpu_record.ROW_ORIGIN}} for r in rows]
+
+
+def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str] | None = None
+               ) -> dict:
+    """Run the selected stages in order (``stages``: name → MODULE:FUNCTION, default
+    :data:`STAGES`), writing the folder after each; returns results.json's content."""
+    stages = STAGES if stages is None else stages
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    for name in gpu_record.FILES:  # a folder reused from an earlier run: start clean
+        (out / name).unlink(missing_ok=True)
+    t0 = time.time()
+    total = args.budget_min * 60
+    header = _header(args, argv)
+    selected = [s for s in stages if s in args.stages]
+    doc = {"schema": gpu_record.SCHEMA, "header": header, "rows": [],
+           "stages": {s: gpu_record.stage_entry(
+               "skipped", why="the run ended before this stage" if s in selected
+               else "not selected (--stages)") for s in stages}}
+    gpu_record.write_results(out, doc)
+    env_facts: dict = {}
+    scratch_dir = Path(tempfile.mkdtemp(prefix="attn-gpu-check-"))
+    for i, name in enumerate(selected):
+        left = total - (time.time() - t0)
+        weight = WEIGHTS.get(name, 1.0)
+        box = max(left, 0) * weight / sum(WEIGHTS.get(s, 1.0) for s in selected[i:])
+        if name == "tune" and box < TUNE_MIN_S and not args.dry_run:
+            doc["stages"][name] = gpu_record.stage_entry(
+                "skipped", why=f"no budget left ({box:.0f} s < {TUNE_MIN_S} s)")
+        elif box <= 1:
+            doc["stages"][name] = gpu_record.stage_entry("out of time",
+                                                         why="no budget left for it")
+        if doc["stages"][name]["why"].startswith("no budget left"):
+            _say(out, f"stage {name}: {doc['stages'][name]['status']} (no budget left)")
+            gpu_record.write_results(out, doc)
+            continue
+        _say(out, f"stage {name} ({box:.0f} s box)")
+        ctx = gpu_record.StageContext(
+            name=name, out=str(out.resolve()), scratch=str(scratch_dir / f"{name}.jsonl"),
+            deadline=time.time() + box, dry_run=args.dry_run, cores=os.cpu_count() or 1,
+            tests=str(args.tests.resolve()), budget_s=box, env=env_facts)
+        # if this process is killed now, the stage reads as what it is: unfinished
+        doc["stages"][name] = gpu_record.stage_entry(
+            "out of time", why="not finished when the run ended", budget_s=box)
+        gpu_record.write_results(out, doc)
+        started = time.time()
+        status, why, got = _run_stage(name, stages[name], ctx)
+        if name == "env":
+            env_facts.update(got["info"])
+            header.update({k: got["info"][k] for k in ("device_name", "cuda", "driver",
+                                                       "sm_count", "memory_gib")
+                           if k in got["info"]})
+        doc["rows"] += _with_origin(got["rows"], header)
+        doc["stages"][name] = gpu_record.stage_entry(
+            status, why=why, seconds=time.time() - started, dropped=got["dropped"],
+            budget_s=box)
+        header["elapsed_s"] = round(time.time() - t0, 1)
+        if any(r.get("kind") in ("speed", "decode") for r in got["rows"]):
+            header["plots"] = [p.name for p in gpu_tables.plots(doc, out)]
+        gpu_record.write_results(out, doc)
+        _say(out, f"stage {name}: {status}{' (' + why + ')' if why else ''}")
+    if header["device_name"] is None:  # env not run: name the device all the same
+        from attn.bench import report
+
+        header["device_name"] = report.device_name("cuda")
+        gpu_record.write_results(out, doc)
+    return doc
+
+
+def failures(doc: dict) -> list[str]:
+    """What makes the run's exit code 1: failed stages, failed tests and checks."""
+    bad = [f"stage {n}: {e['why']}" for n, e in doc["stages"].items() if e["status"] == "failed"]
+    bad += [f"{r.get('nodeid') or r.get('check') or r.get('kind')}: "
+            f"{r.get('message') or r.get('what') or r.get('note')}" for r in doc["rows"]
+            if r.get("outcome") in ("failed", "error") or
+            (r.get("kind") in ("check", "cp") and r.get("status") == "failed")]
+    return bad
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    _check_args(args)
+    if args.merge:
+        try:
+            doc = gpu_record.merge_folders(args.merge, args.out, "attn " + shlex.join(argv))
+        except ValueError as exc:
+            print(f"attn gpu-check: {exc}", file=sys.stderr)
+            return 2
+        print(f"merged {len(args.merge)} runs into {args.out}: "
+              + ", ".join(f"{n} {e['status']}" for n, e in doc["stages"].items()))
+        return 0
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("attn gpu-check: torch sees no CUDA device; on a machine without a GPU, "
+                  "--dry-run runs every stage at tiny sizes", file=sys.stderr)
+            return 2
+    doc = run_stages(args, argv)
+    bad = failures(doc)
+    for line in bad:
+        print(f"FAILED {line}", file=sys.stderr)
+    print(f"wrote {args.out}: " + ", ".join(sorted(p.name for p in args.out.iterdir()
+                                                   if not p.name.startswith("."))))
+    return 1 if bad else 0

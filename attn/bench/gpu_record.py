@@ -1,0 +1,165 @@
+"""What ``attn gpu-check`` records, and how: the run's flat folder, a stage's context, the
+writers of results.json and results.md, and ``--merge``.
+
+A run's folder holds at most eight files, flat (the GPU machine brings back no more):
+``results.json`` (header, every stage's status, every row), ``results.md`` (the tables, ratios
+first), ``pytest.txt`` (the correctness stage's pytest output), ``log.txt`` (one line per point
+as it happens, appended line by line so a killed run keeps it) and up to three PNGs (speed and
+memory vs N, decode latency vs cache length). results.json and results.md are rewritten after
+every stage, so a run killed in its third stage keeps the first two.
+
+Every row carries the run it came from (device, versions, date, command), so rows of merged
+runs keep their origin.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA = 1
+STATUSES = ("done", "skipped", "failed", "out of time")
+# fields of the header that every row repeats
+ROW_ORIGIN = ("device_name", "torch", "triton", "date", "command")
+FILES = ("results.json", "results.md", "pytest.txt", "log.txt", "speed.png", "memory.png",
+         "decode.png")
+
+
+@dataclass
+class StageContext:
+    """What a stage function gets in its own process: where to log and record, and its time
+    box. Rows and notes go to ``scratch`` (JSON lines outside the output folder) and reach
+    results.json when the stage ends or is cut."""
+
+    name: str
+    out: str
+    scratch: str
+    deadline: float  # time.time() at which the stage is cut
+    dry_run: bool
+    cores: int
+    tests: str  # the repository's tests folder (correctness stage)
+    budget_s: float = 0.0  # the stage's whole box, for plans that scale with it
+    env: dict = field(default_factory=dict)  # the ceilings measured by the env stage
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def log(self, line: str) -> None:
+        """One progress line: printed, and appended to log.txt at once."""
+        text = f"[{self.name}] {line}"
+        print(text, flush=True)
+        with open(Path(self.out) / "log.txt", "a") as f:
+            f.write(text + "\n")
+
+    def _put(self, record: dict) -> None:
+        with open(self.scratch, "a") as f:
+            f.write(json.dumps(record, allow_nan=False, default=str) + "\n")
+
+    def row(self, **fields) -> None:
+        self._put({"row": {"stage": self.name, **fields}})
+
+    def dropped(self, what: str, why: str) -> None:
+        """A point the stage leaves out to fit its box (or that cannot run here at all)."""
+        self._put({"dropped": f"{what}: {why}"})
+        self.log(f"dropped {what}: {why}")
+
+    def running(self, what: str) -> None:
+        """The point now running: named in the status if the box cuts the stage there."""
+        self._put({"running": what})
+
+    def info(self, **fields) -> None:
+        """Stage-level facts (the env stage's device, a pick of the autotuner)."""
+        self._put({"info": fields})
+
+
+def read_scratch(path: str | Path) -> dict:
+    """A stage's records: rows, dropped points, info, the last point started."""
+    got = {"rows": [], "dropped": [], "info": {}, "running": None, "error": None}
+    p = Path(path)
+    if not p.exists():
+        return got
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if "row" in rec:
+            got["rows"].append(rec["row"])
+        elif "dropped" in rec:
+            got["dropped"].append(rec["dropped"])
+        elif "info" in rec:
+            got["info"].update(rec["info"])
+        elif "running" in rec:
+            got["running"] = rec["running"]
+        elif "error" in rec:
+            got["error"] = rec["error"]
+    return got
+
+
+def stage_entry(status: str, *, why: str = "", seconds: float = 0.0, dropped=(),
+                budget_s: float = 0.0) -> dict:
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    return {"status": status, "why": why, "seconds": round(seconds, 1),
+            "budget_s": round(budget_s, 1), "dropped": list(dropped)}
+
+
+def write_results(out: Path, doc: dict) -> None:
+    """results.json and results.md from the run so far (after every stage)."""
+    from attn.bench import gpu_tables
+
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".results.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False, default=str) + "\n")
+    tmp.replace(out / "results.json")  # a kill mid-write leaves the previous file whole
+    (out / "results.md").write_text(gpu_tables.markdown(doc))
+
+
+def load(folder: str | Path) -> dict:
+    path = Path(folder) / "results.json"
+    if not path.is_file():
+        raise ValueError(f"--merge: {folder} has no results.json")
+    doc = json.loads(path.read_text())
+    if doc.get("schema") != SCHEMA or "stages" not in doc:
+        raise ValueError(f"--merge: {path} is not an attn gpu-check result")
+    return doc
+
+
+_RANK = {"done": 3, "failed": 2, "out of time": 1, "skipped": 0}
+
+
+def merge(docs: list[dict], command: str) -> dict:
+    """Join runs: every row of every run (each row names its run), and per stage the status
+    of the run that got furthest with it (done, then failed, then out of time, then
+    skipped); a tie goes to the later run."""
+    stages: dict[str, dict] = {}
+    for i, doc in enumerate(docs):
+        for name, entry in doc["stages"].items():
+            old = stages.get(name)
+            if old is None or _RANK[entry["status"]] >= _RANK[old["status"]]:
+                stages[name] = {**entry, "run": i}
+    header = {**docs[-1]["header"], "command": command, "merged": True,
+              "runs": [d["header"] for d in docs],
+              "elapsed_s": sum(d["header"].get("elapsed_s", 0) for d in docs)}
+    return {"schema": SCHEMA, "header": header, "stages": stages,
+            "rows": [r for d in docs for r in d["rows"]]}
+
+
+def merge_folders(folders: list[Path], out: Path, command: str) -> dict:
+    """``attn gpu-check --merge``: results.json and results.md of the joined runs, their
+    pytest.txt and log.txt one after the other, and the PNGs drawn again from all rows."""
+    from attn.bench import gpu_tables
+
+    docs = [load(f) for f in folders]
+    doc = merge(docs, command)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("pytest.txt", "log.txt"):
+        parts = [f"== {f} ==\n{(Path(f) / name).read_text()}" for f in folders
+                 if (Path(f) / name).is_file()]
+        if parts:
+            (out / name).write_text("\n".join(parts))
+    doc["header"]["plots"] = [p.name for p in gpu_tables.plots(doc, out)]
+    write_results(out, doc)
+    return doc

@@ -1,0 +1,754 @@
+"""The stages of ``attn gpu-check``, each run in a process of its own.
+
+``python -m attn.bench.gpu_stages MODULE:FUNCTION CONTEXT_JSON`` runs one stage function with
+its :class:`~attn.bench.gpu_record.StageContext`. A process per stage gives every stage a hard
+time box (the parent kills it at its deadline and keeps the rows it wrote), keeps an
+out-of-memory or a crashed driver from taking the other stages down, and lets each stage set
+the environment triton reads at import (``TRITON_INTERPRET`` for a dry run,
+``ATTN_TRITON_AUTOTUNE``) before anything imports it.
+
+Each stage lists its points in priority order, checks its box before each point, and records
+the points it leaves out (and why). In a dry run (no GPU) the same code runs at tiny sizes:
+triton in the interpreter where correctness is checked, ``tiled`` and torch SDPA where time is
+measured, and what needs a GPU is recorded as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from attn.bench.gpu_record import StageContext
+
+GPU_ONLY = "GPU only"
+# the triton outer kernels by the kind their autotune configs are listed under
+_KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
+
+
+def _device(ctx: StageContext) -> str:
+    return "cpu" if ctx.dry_run else "cuda"
+
+
+def _fits(ctx: StageContext, nbytes: float, what: str) -> bool:
+    """Whether a point predicted to need ``nbytes`` stays under 60% of free memory; when not,
+    it is recorded as skipped with the prediction (an out-of-memory kill ends the stage)."""
+    from attn.bench.sweep import available_memory_bytes
+
+    free = available_memory_bytes(_device(ctx))
+    if nbytes <= 0.6 * free:
+        return True
+    ctx.row(kind="skip", what=what, status="skipped",
+            note=f"predicted {nbytes / 2**30:.1f} GiB > 60% of {free / 2**30:.1f} GiB free")
+    ctx.log(f"{what}: skipped, predicted {nbytes / 2**30:.1f} GiB of {free / 2**30:.1f} free")
+    return False
+
+
+def _time_ms(ctx: StageContext, fn, repeats: int) -> float:
+    from attn.timing import benchmark
+
+    return benchmark(fn, device=_device(ctx), warmup=1, repeats=repeats, min_repeats=1,
+                     budget_s=0.05 if ctx.dry_run else 1.0).median_ms
+
+
+# -- 1. env ------------------------------------------------------------------------------------
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+
+
+def env(ctx: StageContext) -> None:
+    """Device, versions, and the ceilings measured now: bf16 matmul TFLOP/s and
+    device-to-device copy GB/s."""
+    import torch
+
+    from attn.bench import report
+    from attn.bench.flops import matmul_tflops
+    from attn.timing import benchmark
+
+    dev = _device(ctx)
+    facts = {"device_name": report.device_name(dev), "torch": torch.__version__,
+             "triton": report._triton_version(), "python": platform.python_version(),
+             "cuda": torch.version.cuda, "cpu_count": os.cpu_count()}
+    if dev == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info()
+        facts.update(sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",
+                     memory_gib=round(total / 2**30, 1), free_gib=round(free / 2**30, 1),
+                     driver=_driver())
+    for item, value in facts.items():
+        ctx.row(kind="env", item=item, value=value)
+    ctx.info(**facts)
+    ctx.log(", ".join(f"{k} {v}" for k, v in facts.items()))
+    n = 256 if ctx.dry_run else 8192
+    rate = matmul_tflops(dev, torch.bfloat16, n=n, repeats=2 if ctx.dry_run else 10)
+    ctx.row(kind="env", item=f"bf16 matmul {n}³, TFLOP/s", value=round(rate, 3))
+    ctx.info(matmul_tflops={"bfloat16": rate})
+    ctx.log(f"bf16 matmul {n}³: {rate:.3g} TFLOP/s")
+    nbytes = (16 if ctx.dry_run else 1024) * 2**20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = benchmark(lambda: dst.copy_(src), device=dev, warmup=2, repeats=10)
+    gbps = 2 * nbytes / (t.median_ms * 1e-3) / 1e9  # read and write
+    ctx.row(kind="env", item=f"copy {nbytes >> 20} MiB, GB/s (read + write)",
+            value=round(gbps, 1))
+    ctx.info(copy_gb_per_s=gbps)
+    ctx.log(f"copy {nbytes >> 20} MiB: {gbps:.4g} GB/s")
+
+
+# -- 2. correctness ----------------------------------------------------------------------------
+
+def _pytest_command(ctx: StageContext) -> list[str]:
+    from importlib.util import find_spec
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+           "-p", "no:benchmark", "-p", "attn.bench.gpu_pytest"]
+    if ctx.dry_run:
+        # on CPU `-m cuda` selects only tests that skip: run one interpreter case instead,
+        # through the same plugin and files
+        cmd += ["-m", "not slow", "-k", "test_forward_deterministic",
+                str(Path(ctx.tests) / "test_triton.py")]
+    else:
+        # NCCL's own test runs in the context-parallel stage, alone on the GPU: among 13
+        # other pytest workers it ran out of memory in its first call
+        cmd += ["-m", "cuda and not slow", "-k", "not test_nccl_world_size_one", ctx.tests]
+        if find_spec("xdist") is not None:
+            cmd += ["-n", str(max(1, ctx.cores - 2))]
+    if find_spec("pytest_timeout") is not None:
+        cmd += ["--timeout", "150"]
+    return cmd
+
+
+def _start_pytest(ctx: StageContext):
+    """pytest in its own process (its own session, so a kill reaches its xdist workers), its
+    output to pytest.txt; None when there is no tests folder."""
+    if not Path(ctx.tests).is_dir():
+        ctx.dropped("pytest -m cuda", f"no tests folder at {ctx.tests} (run from a checkout "
+                                      "or give --tests)")
+        return None
+    cmd = _pytest_command(ctx)
+    env = {**os.environ, "ATTN_GPU_CHECK_LOG": str(Path(ctx.out) / "log.txt"),
+           "ATTN_GPU_CHECK_ROWS": ctx.scratch}
+    ctx.log(f"{' '.join(cmd[1:])}")
+    f = open(Path(ctx.out) / "pytest.txt", "w")
+    f.write(f"$ {' '.join(cmd)}\n")
+    f.flush()
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                            cwd=Path(ctx.tests).parent, start_new_session=True)
+    return proc, f
+
+
+def _finish_pytest(ctx: StageContext, started) -> None:
+    """Wait for pytest until the box (less a few seconds to write), then cut it."""
+    import signal
+
+    if started is None:
+        return
+    proc, f = started
+    try:
+        rc = proc.wait(timeout=max(ctx.left() - 5, 1))
+        ctx.log(f"pytest exit code {rc}")
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its xdist workers too
+        proc.wait()
+        ctx.dropped("the rest of pytest -m cuda", f"cut at the stage's {ctx.budget_s:.0f} s box")
+        f.write(f"\n[attn gpu-check: pytest cut at the stage's {ctx.budget_s:.0f} s box]\n")
+    f.close()
+
+
+def _triton_inputs(ctx: StageContext, B: int, H: int, N: int, D: int, Hkv: int | None = None):
+    import torch
+
+    from attn.testing import make_inputs
+
+    q, k, v = make_inputs(B=B, H=H, Hkv=Hkv, N=N, D=D, dtype=torch.bfloat16,
+                          device=_device(ctx), seed=N)
+    return tuple(t.requires_grad_() for t in (q, k, v))
+
+
+def _determinism(ctx: StageContext) -> None:
+    """The forward and dK/dV, called again and again on the same inputs: bit for bit equal."""
+    import torch
+
+    import attn
+
+    runs = 3 if ctx.dry_run else 100
+    shape = dict(B=1, H=2, N=40, D=16) if ctx.dry_run else dict(B=2, H=8, N=2048, D=128)
+    q, k, v = _triton_inputs(ctx, **shape)
+    do = torch.randn_like(q)
+    what = ", ".join(f"{n}={x}" for n, x in shape.items()) + ", bf16, causal"
+
+    def fwd():
+        with torch.no_grad():
+            return attn.attention(q, k, v, causal=True, backend="triton")
+
+    def dkdv():
+        out = attn.attention(q, k, v, causal=True, backend="triton")
+        return torch.autograd.grad(out, (k, v), do)
+
+    for name, fn in (("forward", fwd), ("dK/dV", dkdv)):
+        first = fn()
+        first = first if isinstance(first, tuple) else (first,)
+        done, same = 1, True
+        while done < runs and ctx.left() > 10:
+            got = fn()
+            got = got if isinstance(got, tuple) else (got,)
+            same &= all(torch.equal(a, b) for a, b in zip(first, got))
+            done += 1
+        if done < runs:
+            ctx.dropped(f"determinism {name}: runs {done + 1}-{runs}", "the box ran short")
+        ctx.row(kind="check", check="determinism", what=f"{name}: {done} runs, {what}",
+                status="ok" if same else "failed",
+                note="" if same else "outputs differ between identical calls")
+        ctx.log(f"determinism {name}: {done} runs, {'bitwise equal' if same else 'DIFFER'}")
+
+
+def _variant_kwargs(name: str, H: int, N: int, dev: str) -> dict:
+    """attn.attention keywords of one variant (Hkv through the ``gqa`` name)."""
+    import torch
+
+    g = torch.Generator().manual_seed(N)
+    if name == "plain":
+        return {}
+    if name == "causal":
+        return {"causal": True}
+    if name == "softcap":
+        return {"causal": True, "softcap": 20.0}
+    if name == "sinks":
+        return {"causal": True, "sinks": torch.randn(H, generator=g).to(dev).requires_grad_()}
+    if name == "window":
+        return {"causal": True, "window": (max(N // 4, 1), 0)}
+    if name == "gqa":
+        return {"causal": True}
+    if name == "alibi":
+        slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+        return {"causal": True, "alibi_slopes": slopes.to(dev)}
+    if name == "dropout":
+        return {"causal": True, "dropout_p": 0.1}
+    if name == "float_mask":
+        mask = torch.randn(N, N, generator=g)
+        mask[torch.rand(N, N, generator=g) < 0.2] = float("-inf")
+        return {"attn_mask": mask.to(dev, torch.bfloat16)}
+    if name == "bool_mask":
+        return {"attn_mask": (torch.rand(N, N, generator=g) > 0.2).to(dev)}
+    if name == "temperature":
+        return {"causal": True, "temperature": 0.5}
+    raise ValueError(f"unknown variant {name!r}")
+
+
+VARIANTS = ("plain", "causal", "softcap", "sinks", "window", "gqa", "alibi", "dropout",
+            "float_mask", "bool_mask", "temperature")
+
+
+def _nan_scan(ctx: StageContext) -> None:
+    """Every variant on triton, forward and backward, at lengths that leave tiles partly
+    empty: out and every gradient finite."""
+    import torch
+
+    import attn
+
+    lengths = (5,) if ctx.dry_run else (17, 1, 4097, 2, 5)
+    H, D = (4, 16) if ctx.dry_run else (8, 64)
+    if ctx.dry_run:
+        ctx.dropped("NaN scan N=1, 2, 17, 4097", "dry run: the interpreter takes a second a "
+                                                 "call")
+    for N in lengths:
+        for name in VARIANTS:
+            if ctx.left() < 10:
+                ctx.dropped(f"NaN scan N={N} {name} and after", "the box ran short")
+                return
+            q, k, v = _triton_inputs(ctx, 1, H, N, D, Hkv=H // 4 if name == "gqa" else None)
+            kw = _variant_kwargs(name, H, N, _device(ctx))
+            try:
+                torch.manual_seed(0)
+                out = attn.attention(q, k, v, backend="triton", **kw)
+                leaves = [t for t in (q, k, v, kw.get("sinks")) if t is not None]
+                grads = torch.autograd.grad(out, leaves, torch.randn_like(out))
+                bad = [n for n, t in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads))
+                       if not torch.isfinite(t).all()]
+                status, note = ("failed", "not finite: " + ", ".join(bad)) if bad else ("ok", "")
+            except Exception as exc:  # a crash here is this point's result
+                status, note = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            ctx.row(kind="check", check="nan scan", what=f"{name} N={N}", status=status,
+                    note=note)
+            ctx.log(f"nan scan {name} N={N}: {status} {note}")
+
+
+def _compile_check(ctx: StageContext) -> None:
+    """torch.compile(fullgraph=True) of an attn.nn module on triton against eager."""
+    if ctx.dry_run:
+        ctx.row(kind="check", check="torch.compile", what="MultiHeadAttention, fullgraph",
+                status="skipped", note=f"{GPU_ONLY}: inductor around the triton op compiles "
+                                       "for minutes on CPU")
+        return
+    import torch
+
+    from attn.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    m = MultiHeadAttention(256, 4, backend="triton").cuda().to(torch.bfloat16)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    try:
+        eager = m(x)
+        got = torch.compile(m, fullgraph=True)(x)
+        err = (got.float() - eager.float()).abs().max().item()
+        ok = err <= 2e-2 * eager.float().abs().max().item() + 1e-3
+        status, note = ("ok" if ok else "failed"), f"max abs difference {err:.2e}"
+    except Exception as exc:
+        status, note = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    ctx.row(kind="check", check="torch.compile", what="MultiHeadAttention(256, 4), bf16, "
+            "fullgraph", status=status, note=note)
+    ctx.log(f"torch.compile fullgraph vs eager: {status} ({note})")
+
+
+def correctness(ctx: StageContext) -> None:
+    """pytest -m cuda in its own process and, beside it on the cores its workers leave free,
+    determinism, the NaN scan and the torch.compile check; both until the box ends. One
+    config per triton launch (ATTN_TRITON_AUTOTUNE=0): this stage is about right answers,
+    and the autotuner compiles ~20 configs per set of variant flags."""
+    started = _start_pytest(ctx)
+    _determinism(ctx)
+    _compile_check(ctx)
+    _nan_scan(ctx)
+    _finish_pytest(ctx, started)
+
+
+# -- 3. speed and memory -----------------------------------------------------------------------
+
+def _speed_config(ctx: StageContext):
+    from attn.bench.competitors import SDPA_KERNELS
+    from attn.bench.sweep import SweepConfig
+
+    if ctx.dry_run:
+        return SweepConfig(n=(32, 64), backends=("tiled", "sdpa", *SDPA_KERNELS), d=(16,),
+                           causal=(False, True), dtypes=("bfloat16",), batch=1, heads=2,
+                           device="cpu", repeats=2, warmup=1, min_repeats=1, budget_s=0.02)
+    from attn.bench.competitors import COMPETITORS
+
+    return SweepConfig(n=(1024, 2048, 4096, 8192, 16384), backends=("triton", "sdpa",
+                                                                     *COMPETITORS),
+                       d=(64, 128), causal=(False, True), dtypes=("bfloat16",), tokens=16384,
+                       width=2048, device="cuda", repeats=10, warmup=2, min_repeats=2,
+                       budget_s=1.0, matmul_n=8192)
+
+
+def _priority(row) -> tuple:
+    """D=128 before 64, forward before backward, non-causal first, and N 2048 and 8192
+    (the first GPU run's points) before the rest."""
+    return (-row.D, row.mode != "fwd", row.causal, row.N not in (2048, 8192), row.N)
+
+
+def autotune_picks() -> dict[str, str]:
+    """The config each triton outer kernel's autotuner used last (its ``best_config``)."""
+    try:
+        import attn.flash_triton as ft
+    except ImportError:
+        return {}
+    picks = {}
+    for kind, name in _KERNELS.items():
+        best = getattr(getattr(ft, name, None), "best_config", None)
+        if best is not None:
+            picks[kind] = str(best)
+    return picks
+
+
+def _group(row) -> str:
+    return f"{row.backend} {row.mode} D={row.D}{' causal' if row.causal else ''}"
+
+
+def speed(ctx: StageContext) -> None:
+    """Triton against torch's kernels (attn.bench.sweep, autotuning on), then the cost of each
+    variant at one shape as a ratio to plain causal."""
+    from attn.bench.sweep import finish, measure_matmul_rates, plan, run_sweep
+
+    cfg = _speed_config(ctx)
+    if ctx.dry_run:
+        ctx.dropped("triton and flex points", f"{GPU_ONLY}: the timing path runs on tiled "
+                                              "and torch SDPA here")
+    rows = sorted(plan(cfg), key=_priority)
+    rate = ctx.env.get("matmul_tflops") or measure_matmul_rates(cfg)
+    reserve = 0.25 * ctx.budget_s  # for the variant costs
+    done = []
+    if rows:
+        ctx.running(_group(rows[0]) + f" N={rows[0].N}")
+    for i, row in enumerate(run_sweep(cfg, rows)):
+        r = finish([row], rate)[0]
+        extra = autotune_picks() if r.backend == "triton" and r.status == "ok" else {}
+        ctx.row(kind="speed", **r.as_dict(), autotune=extra)
+        ctx.log(f"{r.backend} {r.mode} N={r.N} D={r.D}{' causal' if r.causal else ''}: "
+                + (f"{r.ms:.3g} ms, {r.tflops:.3g} TFLOP/s, peak "
+                   f"{(r.peak_bytes or 0) / 2**20:.1f} MiB" if r.status == "ok"
+                   else f"{r.status} ({r.note})"))
+        done.append(r)
+        if i + 1 < len(rows):
+            ctx.running(_group(rows[i + 1]) + f" N={rows[i + 1].N}")
+        if i + 1 < len(rows) and ctx.left() < reserve:
+            left: dict[str, list[int]] = {}
+            for x in rows[i + 1:]:
+                left.setdefault(_group(x), []).append(x.N)
+            for g, ns in left.items():
+                ctx.dropped(f"speed {g} N={','.join(map(str, ns))}", "the box ran short")
+            break
+    _variant_costs(ctx)
+
+
+def _variant_costs(ctx: StageContext) -> None:
+    import torch
+
+    import attn
+
+    backend = "tiled" if ctx.dry_run else "triton"
+    B, H, N, D = (1, 4, 64, 16) if ctx.dry_run else (4, 16, 4096, 128)
+    if not _fits(ctx, 8 * B * H * N * D * 2 + N * N * 2, f"variant costs N={N}"):
+        return
+    base_ms = None
+    for name in ("causal", "softcap", "sinks", "window", "gqa", "alibi", "dropout",
+                 "float_mask"):
+        if ctx.left() < 5:
+            ctx.dropped(f"variant cost {name} and after", "the box ran short")
+            return
+        ctx.running(f"variant {name}")
+        q, k, v = (t.detach() for t in _triton_inputs(ctx, B, H, N, D,
+                                                       Hkv=H // 4 if name == "gqa" else None))
+        kw = {key: (val.detach() if isinstance(val, torch.Tensor) else val)
+              for key, val in _variant_kwargs(name, H, N, _device(ctx)).items()}
+        if name == "float_mask":
+            kw["causal"] = True
+
+        def call():
+            with torch.no_grad():
+                attn.attention(q, k, v, backend=backend, **kw)
+        try:
+            ms = _time_ms(ctx, call, 3 if ctx.dry_run else 10)
+        except Exception as exc:
+            ctx.row(kind="variant", variant=name, backend=backend, status="failed",
+                    note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            continue
+        base_ms = ms if name == "causal" else base_ms
+        ratio = ms / base_ms if base_ms else None
+        ctx.row(kind="variant", variant=name, backend=backend, status="ok", ms=ms,
+                ratio=ratio, note=f"fwd, bf16, B={B} H={H} N={N} D={D}",
+                autotune=autotune_picks() if backend == "triton" else {})
+        ctx.log(f"variant {name}: {ms:.3g} ms, {ratio:.2f}x plain causal")
+
+
+# -- 4. varlen and decode ----------------------------------------------------------------------
+
+def _varlen(ctx: StageContext) -> None:
+    """Packed varlen on ours against SDPA on the same sequences padded to the longest
+    (causal: the padded keys come after every real one, so no padding mask is needed)."""
+    import torch
+
+    import attn
+    from attn.sdpa import torch_sdpa
+
+    dev = _device(ctx)
+    backend = "tiled" if ctx.dry_run else "triton"
+    H, D = (2, 16) if ctx.dry_run else (16, 128)
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 17, 33] if ctx.dry_run else torch.randint(512, 4097, (8,), generator=g).tolist()
+    total, longest = sum(lengths), max(lengths)
+    if not _fits(ctx, 12 * len(lengths) * H * longest * D * 2, "varlen"):
+        return
+    q, k, v = (torch.randn(total, H, D, generator=g).to(dev, torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device=dev)
+    padded = []
+    for x in (q, k, v):
+        p = x.new_zeros(len(lengths), H, longest, D)
+        for i, (s, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
+            p[i, :, :n] = x[s:s + n].transpose(0, 1)
+        padded.append(p)
+    shape = f"{len(lengths)} sequences, {total} tokens (longest {longest}), H={H} D={D}, bf16"
+    paths = {f"{backend} packed": lambda: attn.varlen_attention(q, k, v, cu, cu, longest,
+                                                                 longest, causal=True,
+                                                                 backend=backend),
+             "sdpa padded": lambda: torch_sdpa(*padded, is_causal=True)}
+    ms = {}
+    for name, fn in paths.items():
+        ctx.running(f"varlen {name}")
+        try:
+            with torch.no_grad():
+                ms[name] = _time_ms(ctx, fn, 3 if ctx.dry_run else 10)
+        except Exception as exc:
+            ctx.row(kind="varlen", path=name, shape=shape, status="failed",
+                    note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    for name, t in ms.items():
+        ratio = ms["sdpa padded"] / t if "sdpa padded" in ms else None
+        ctx.row(kind="varlen", path=name, shape=shape, status="ok", ms=t, ratio_to_sdpa=ratio,
+                note="fwd, causal")
+        ctx.log(f"varlen {name}: {t:.3g} ms" + (f", SDPA / this {ratio:.2f}" if ratio else ""))
+
+
+def _split_kv_missing() -> str | None:
+    try:
+        import attn.flash_triton as ft
+    except ImportError as exc:
+        return f"triton not importable: {exc}"
+    return None if hasattr(ft, "split_kv_plan") else "split-KV not built"
+
+
+def _decode_paths(ctx: StageContext) -> dict[str, str | None]:
+    """Each decode path and why it cannot run here (None: it runs)."""
+    if ctx.dry_run:
+        gpu = f"{GPU_ONLY}: compiled triton"
+        return {"split-KV triton": _split_kv_missing() or gpu, "plain triton": gpu,
+                "sdpa": None, "tiled": None}
+    return {"split-KV triton": _split_kv_missing(), "plain triton": None, "sdpa": None}
+
+
+def _decode_call(path: str, q, k, v):
+    """The step of one path; triton's split-KV override is read at call time."""
+    import attn
+    from attn.sdpa import torch_sdpa
+
+    if path == "sdpa":
+        return lambda: torch_sdpa(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+    backend = "tiled" if path == "tiled" else "triton"
+    force = {"plain triton": "0"}.get(path)
+
+    def step():
+        old = os.environ.get("ATTN_TRITON_SPLIT_KV")
+        if force is not None:
+            os.environ["ATTN_TRITON_SPLIT_KV"] = force
+        else:
+            os.environ.pop("ATTN_TRITON_SPLIT_KV", None)
+        try:
+            return attn.attention(q, k, v, backend=backend)
+        finally:
+            if old is None:
+                os.environ.pop("ATTN_TRITON_SPLIT_KV", None)
+            else:
+                os.environ["ATTN_TRITON_SPLIT_KV"] = old
+    return step
+
+
+def _decode(ctx: StageContext) -> None:
+    """One step of Nq new queries against a cache of Nk keys (GQA 32:8, D=128, bf16)."""
+    import torch
+
+    H, Hkv, D = (4, 2, 16) if ctx.dry_run else (32, 8, 128)
+    if ctx.dry_run:
+        grid = [(1, B, nk) for B in (1, 2) for nk in (64, 256)]
+        ctx.dropped("decode Nq=4, B=8/64, Nk 1k-128k", "dry run: tiny sizes")
+    else:  # B=8, Nq=1 first: the common serving case
+        grid = sorted(((nq, B, nk) for nq in (1, 4) for B in (1, 8, 64)
+                       for nk in (1024, 4096, 16384, 65536, 131072)),
+                      key=lambda p: (p[0] != 1, p[1] != 8, p[1], p[2]))
+    paths = _decode_paths(ctx)
+    dev = _device(ctx)
+    for i, (nq, B, nk) in enumerate(grid):
+        if ctx.left() < 3:
+            ctx.dropped(f"decode: {len(grid) - i} shapes from Nq={nq} B={B} Nk={nk}",
+                        "the box ran short")
+            return
+        cache = 2 * B * Hkv * nk * D * 2
+        base = {"kind": "decode", "B": B, "Nq": nq, "Nk": nk}
+        if not _fits(ctx, cache, f"decode B={B} Nk={nk}"):
+            continue
+        g = torch.Generator().manual_seed(nk)
+        q = torch.randn(B, H, nq, D, generator=g).to(dev, torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, nk, D, generator=g).to(dev, torch.bfloat16)
+                for _ in range(2))
+        ms = {}
+        for path, why in paths.items():
+            if why is None and path == "sdpa" and not _fits(ctx, cache * (1 + H // Hkv),
+                                                          f"decode sdpa B={B} Nk={nk}"):
+                why = "predicted over 60% of free memory (GQA expanded to H heads)"
+            if why is not None:
+                ctx.row(**base, path=path, status="skipped", note=why)
+                continue
+            ctx.running(f"decode {path} Nq={nq} B={B} Nk={nk}")
+            try:
+                with torch.no_grad():
+                    ms[path] = _time_ms(ctx, _decode_call(path, q, k, v),
+                                        3 if ctx.dry_run else 20)
+            except Exception as exc:
+                ctx.row(**base, path=path, status="failed",
+                        note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        for path, t in ms.items():
+            ratio = ms["sdpa"] / t if "sdpa" in ms else None
+            ctx.row(**base, path=path, status="ok", ms=t, gb_per_s=cache / (t * 1e-3) / 1e9,
+                    ratio_to_sdpa=ratio)
+        ctx.log(f"decode Nq={nq} B={B} Nk={nk}: "
+                + ", ".join(f"{p} {t:.3g} ms" for p, t in ms.items()))
+        del q, k, v
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def varlen_decode(ctx: StageContext) -> None:
+    _varlen(ctx)
+    _decode(ctx)
+
+
+# -- 5. tune -----------------------------------------------------------------------------------
+
+def _tune_configs(kind: str, N: int, D: int, arch: int | None) -> list:
+    import triton
+
+    from attn.flash_triton import tune
+
+    args = {"TUNE_N": triton.next_power_of_2(N), "BLOCK_D": D, "BLOCK_DV": D, "MASK_KIND": 0}
+    return tune.prune_for(tune.gpu_configs(kind), args, kind=kind, arch=arch)
+
+
+def _forced(kind: str, config):
+    """A context that makes one kernel launch ``config`` (the autotuner's list, set to one
+    entry, is used without timing), restoring the list after."""
+    import contextlib
+
+    import attn.flash_triton as ft
+
+    @contextlib.contextmanager
+    def ctxm():
+        tuner = getattr(ft, _KERNELS[kind])
+        saved = tuner.configs
+        tuner.configs = [config]
+        try:
+            yield
+        finally:
+            tuner.configs = saved
+    return ctxm()
+
+
+def tune(ctx: StageContext) -> None:
+    """Per shape, every config prune_for keeps for fwd, dK/dV and dQ, timed against the
+    autotuner's pick; fwd configs time the forward, dK/dV and dQ configs the forward and
+    backward with the other kernels at their picks. Changes no code."""
+    shapes = [(D, causal) for D in (128, 64) for causal in (False, True)]
+    N, B, H = 4096, 4, 16
+    if ctx.dry_run:
+        for D, causal in shapes:
+            for kind in _KERNELS:
+                n = len(_tune_configs(kind, N, D, 90))
+                ctx.row(kind="tune", kernel=kind, shape=f"D={D} causal={causal} N={N}",
+                        config=f"{n} configs kept for sm_90", status="skipped",
+                        note=f"{GPU_ONLY}: the interpreter has one config and times nothing")
+        ctx.log("planned the sweep; nothing timed without a GPU")
+        return
+    import torch
+
+    import attn
+    from attn.flash_triton.tune import _device_arch
+
+    arch = _device_arch()
+    for D, causal in shapes:
+        shape = f"D={D} causal={causal} N={N} B={B} H={H} bf16"
+        q, k, v = _triton_inputs(ctx, B, H, N, D)
+        do = torch.randn_like(q)
+
+        def fwd():
+            with torch.no_grad():
+                attn.attention(q, k, v, causal=causal, backend="triton")
+
+        def fwd_bwd():
+            out = attn.attention(q, k, v, causal=causal, backend="triton")
+            torch.autograd.grad(out, (q, k, v), do)
+
+        ctx.running(f"tune {shape}: autotuning")
+        fwd_bwd()  # the autotuner's own choice, compiled and timed by triton
+        picks = autotune_picks()
+        pick_ms = {"fwd": _time_ms(ctx, fwd, 10)}
+        pick_ms["dkdv"] = pick_ms["dq"] = _time_ms(ctx, fwd_bwd, 10)
+        for kind, fn in (("fwd", fwd), ("dkdv", fwd_bwd), ("dq", fwd_bwd)):
+            best = (None, pick_ms[kind])
+            for config in _tune_configs(kind, N, D, arch):
+                if ctx.left() < 10:
+                    ctx.dropped(f"tune {kind} {shape} and after", "the box ran short")
+                    return
+                ctx.running(f"tune {kind} {shape} {config}")
+                try:
+                    with _forced(kind, config):
+                        ms = _time_ms(ctx, fn, 10)
+                    status, note = "ok", ""
+                except Exception as exc:  # a config that does not launch here
+                    ms, status = None, "failed"
+                    note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                is_pick = str(config) == picks.get(kind)
+                ctx.row(kind="tune", kernel=kind, shape=shape, config=str(config),
+                        status=status, ms=ms, pick=is_pick, note=note)
+                if ms is not None and ms < best[1]:
+                    best = (str(config), ms)
+            ctx.row(kind="tune", kernel=kind, shape=shape, config=best[0] or "the pick",
+                    status="ok", ms=best[1], pick=best[0] is None,
+                    best_over_pick=pick_ms[kind] / best[1], note="best of the sweep")
+            ctx.log(f"tune {kind} {shape}: best {best[0] or 'the pick'}, pick / best "
+                    f"{pick_ms[kind] / best[1]:.2f}")
+
+
+# -- 6. context parallel -----------------------------------------------------------------------
+
+def context_parallel(ctx: StageContext) -> None:
+    """Ring and Ulysses through the public API on a group of one (NCCL on the GPU, gloo in a
+    dry run), forward and backward against the float64 reference; alone in its process."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    import attn.distributed as cp
+    from attn.testing import compare_to_reference, make_inputs
+
+    dev = _device(ctx)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "gloo" if ctx.dry_run else "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        if dev == "cuda":
+            torch.cuda.set_device(0)
+        dtype = torch.float32 if ctx.dry_run else torch.bfloat16
+        q, k, v = make_inputs(B=2, H=4, Hkv=2, N=65 if ctx.dry_run else 1024, D=16 if
+                              ctx.dry_run else 64, dtype=dtype, device=dev)
+        for strategy, run in (("ring", cp.ring_attention), ("ulysses", cp.ulysses_attention)):
+            ctx.running(f"{strategy} over {backend}")
+
+            def fn(q, k, v, return_lse=False, **kw):
+                out, lse = run(cp.shard_sequence(q), cp.shard_sequence(k),
+                               cp.shard_sequence(v), return_lse=True, **kw)
+                out, lse = cp.gather_sequence(out), cp.gather_sequence(lse)
+                return (out, lse) if return_lse else out
+            try:
+                rep = compare_to_reference(fn, q, k, v, causal=True)
+                worst = max(c.error for c in rep.comparisons)
+                status, note = ("ok" if rep.ok else "failed"), "" if rep.ok else str(rep)[:300]
+            except Exception as exc:
+                worst, status = None, "failed"
+                note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            ctx.row(kind="cp", strategy=strategy, backend=f"{backend}, world size 1",
+                    status=status, max_err=worst, note=note)
+            ctx.log(f"{strategy} over {backend}, world size 1: {status} {note}")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m attn.bench.gpu_stages MODULE:FUNCTION CONTEXT_JSON``."""
+    target, ctx = argv[0], StageContext(**json.loads(argv[1]))
+    module, _, name = target.partition(":")
+    try:
+        getattr(importlib.import_module(module), name)(ctx)
+    except BaseException as exc:  # recorded as the stage's failure, with its traceback
+        ctx._put({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]})
+        ctx.log("FAILED:\n" + traceback.format_exc())
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
