@@ -84,6 +84,7 @@ def test_plan_force_and_bad_input():
             split_kv_plan(**args)
 
 
+@pytest.mark.cuda_if_present
 def test_override_is_read_at_the_call(monkeypatch, splits_run):
     q, k, v = _inputs()
     monkeypatch.setenv("ATTN_TRITON_SPLIT_KV", "0")
@@ -123,6 +124,7 @@ VARIANTS = {
 SHAPES = [(4, 2, 1, torch.bfloat16), (4, 1, 4, torch.float32), (2, 2, 16, torch.float16)]
 
 
+@pytest.mark.cuda_if_present
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"H{s[0]}kv{s[1]}q{s[2]}")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_matches_reference(variant, shape, splits_run):
@@ -133,6 +135,7 @@ def test_matches_reference(variant, shape, splits_run):
     assert splits_run == [64]
 
 
+@pytest.mark.cuda_if_present
 def test_rows_that_see_no_key_in_some_chunks_or_all(splits_run):
     # window (10, 0): the last query sees keys 139..149, the first 136..146: the first two
     # chunks are empty for every row. The mask hides every key from query 2 of head 1, so
@@ -151,6 +154,7 @@ def test_rows_that_see_no_key_in_some_chunks_or_all(splits_run):
     assert splits_run == [64] * 4
 
 
+@pytest.mark.cuda_if_present
 def test_same_bits_for_the_same_shapes(splits_run):
     q, k, v = _inputs(dtype=torch.bfloat16, seed=5)
     a = tri(q, k, v, causal=True, return_lse=True)
@@ -159,6 +163,7 @@ def test_same_bits_for_the_same_shapes(splits_run):
     assert len(splits_run) == 2
 
 
+@pytest.mark.cuda_if_present
 def test_auto_plan_splits_a_long_cache(monkeypatch, splits_run):
     # no override: 1 batch row x 1 kv head against 600 keys, the stand-in's 8 SMs: the rule
     # wants 16 chunks, the 256-key floor allows 2
@@ -170,6 +175,7 @@ def test_auto_plan_splits_a_long_cache(monkeypatch, splits_run):
 
 # -- when split-KV runs ---------------------------------------------------------------------------
 
+@pytest.mark.cuda_if_present
 def test_gradients_and_dropout_take_the_plain_kernels(splits_run):
     q, k, v = _inputs()
     out = tri(q.requires_grad_(), k, v)
@@ -199,6 +205,7 @@ def test_select_backend_says_when_split_kv_runs():
         assert words in choice.reason, (kw, choice.reason)
 
 
+@pytest.mark.cuda_if_present
 def test_resolve_marks_calls_that_need_gradients():
     from attn.call import resolve
     from attn.masks import Band
@@ -210,6 +217,7 @@ def test_resolve_marks_calls_that_need_gradients():
         assert not resolve(q, k, v, band=Band())[0].grad
 
 
+@pytest.mark.cuda_if_present
 def test_split_op_fake_and_real_agree():
     q, k, v = _inputs()
     args = (q, k, v, None, None, None, k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0,
