@@ -256,6 +256,34 @@ def test_triton_llama_logits_gradients_generate():
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
 
 
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_llama_on_cuda():
+    """The interpreter test's logits and greedy decoding with the model and its prompts on a
+    GPU, triton compiled. The float64 oracle and the eager baseline stay on CPU: what is
+    compared is values, wherever they were computed."""
+    import copy
+
+    ms = models("llama")
+    m = ms[torch.float32]
+    seqs, ids, mask = prompts()
+    gpu = copy.deepcopy(m).cuda()
+    gpu.set_attn_implementation("attn_triton")
+    with torch.no_grad():
+        oracle = per_sequence(ms[torch.float64], "attn_reference", seqs)
+        base = per_sequence(m, "eager", seqs)
+        out = output(gpu, ids.cuda(), mask.cuda()).cpu()
+        cand = [out[b, -len(s):] for b, s in enumerate(seqs)]
+        assert_within(torch.float32, cand, base, oracle, "llama triton on CUDA")
+    m.set_attn_implementation("eager")
+    want = [m.generate(s[None], max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(s):]
+            for s in seqs]
+    got = gpu.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=6,
+                       do_sample=False, pad_token_id=0)[:, ids.shape[1]:].cpu()
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
 # -- the real pretrained MiniLM ---------------------------------------------------------------
 
 def test_minilm_embeddings_match_eager():
