@@ -201,15 +201,18 @@ def _page_items(pages: PageTable, page: int, chunk: int) -> tuple[list[_PagedIte
     return items, max((len(r) for r in per_row), default=0)
 
 
-def _read_pages(storage: Tensor, table_row: Tensor, page: int, it: _PagedItem) -> Tensor:
+def _read_pages(storage: Tensor, table_row: Tensor, page: int, it: _PagedItem, name: str
+                ) -> Tensor:
     """An item's keys (or values) ``(1, Hkv, n, D)``, positions ``[a, z)`` of its row: a view
     of the storage when its pages are consecutive there, else a copy of those pages only
-    (the item's own tile, never the row's other pages)."""
+    (the item's own tile, never the row's other pages) into its thread's buffer ``name``."""
     p0, p1 = it.a // page, -(-it.z // page)
     if it.first is not None:
         span = storage[it.first:it.first + p1 - p0]
     else:
-        span = storage.index_select(0, table_row[p0:p1].to(storage.device))
+        span = cpu.scratch(name, (p1 - p0,) + tuple(storage.shape[1:]), storage.dtype,
+                           storage.device)
+        torch.index_select(storage, 0, table_row[p0:p1].to(storage.device), out=span)
     # (pages, page, Hkv, D) -> (pages·page, Hkv, D) -> (1, Hkv, n, D): views
     return span.flatten(0, 1)[it.a - p0 * page:it.z - p0 * page].transpose(0, 1).unsqueeze(0)
 
@@ -274,8 +277,8 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     def run(i: int) -> None:
         it = items[i]
         b = it.b
-        k = _read_pages(k_pages, table[b], page, it)
-        v = _read_pages(v_pages, table[b], page, it)
+        k = _read_pages(k_pages, table[b], page, it, "paged k")
+        v = _read_pages(v_pages, table[b], page, it, "paged v")
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         row_band = Band(band.offset + int(n_keys[b]), band.left, band.right)
