@@ -1,38 +1,47 @@
 """Attention of new queries against the keys a KV cache holds (decoding, chunked prefill).
 
-:func:`decode` reads each sequence's keys ``[starts[b], lengths[b])`` of an
-:class:`attn.kvcache.PagedKVCache` and runs :func:`attn.attention` (or
-:func:`attn.varlen_attention`) over them. How it reads them is a choice of execution strategy,
-made from the lengths (read on the host) and the device; the result is the same up to the
-rounding of a batched versus a per-sequence GEMM:
+:func:`decode` is attn's one entry for attending from a cache object
+(:class:`attn.kvcache.PagedKVCache`); ``attn.decode(q, cache, ...)`` calls it (the module
+is callable, so the name works whether or not this module was imported first).
+``flash_attn_with_kvcache`` reads flash-attn's caches through it. Batch row i of q is
+sequence ``seq_ids[i]`` of the cache, which holds the keys ``[starts, lengths)`` of it.
 
-* **one view**: sequences of equal lengths whose keys lie in consecutive pages (a contiguous
-  cache read in order) run as one call on a view of the pages, no copy;
-* **per sequence** (CPU): one call per sequence on a view of its keys (a copy of its pages in
-  use when they span several), instead of gathering every sequence's keys;
-* **batched gather** (other devices, equal lengths): one call on the keys in use, copied
-  head-major through the block table;
-* **packed** (other devices, ragged lengths): the keys in use copied head-major end to end,
-  one sequence each, through :func:`attn.varlen_attention`.
+How the keys are read depends on the device:
+
+* **CPU**: the tiled backend reads the pages through the block table, item by item
+  (:func:`attn.tiled.paged_attention`): each work item is one row's range of keys, cut on
+  page boundaries, read as a view of its pages (a copy of that range's pages only where
+  they are not consecutive in the storage), never a dense copy of a sequence;
+* **other devices**: sequences of equal lengths whose keys lie in consecutive pages run
+  as one :func:`attn.attention` on a view; else the keys in use are copied head-major
+  through the block table and run batched (equal lengths) or packed through
+  :func:`attn.varlen_attention` (ragged lengths). A paged read inside the triton kernel is
+  a later piece.
 
 Forward only: callers run it under ``torch.no_grad()`` or ``torch.inference_mode()``.
 """
 
 from __future__ import annotations
 
+import sys
+import types
+
 import torch
 from torch import Tensor
 
+from attn import tiled
 from attn.api import attention
+from attn.call import _check_tensor, resolve
 from attn.kvcache import PagedKVCache
-from attn.spec import acc_dtype
+from attn.masks import make_band, window_pair
+from attn.spec import PageTable, acc_dtype
 from attn.varlen import varlen_attention
 
 __all__ = ["decode"]
 
-# Devices where a ragged or paged batch runs sequence by sequence (see the module docstring);
-# the tests also run the batched strategies on CPU by emptying it.
-_PER_ROW_DEVICES = ("cpu",)
+# Devices where the tiled backend reads the pages itself (see the module docstring); the
+# tests also run the other devices' strategies on CPU by emptying it.
+_PAGED_DEVICES = ("cpu",)
 
 
 def _no_keys(q: Tensor, B: int, Dv: int) -> tuple[Tensor, Tensor]:
@@ -42,67 +51,109 @@ def _no_keys(q: Tensor, B: int, Dv: int) -> tuple[Tensor, Tensor]:
             torch.full((B, H, Nq), float("-inf"), device=q.device, dtype=acc_dtype(q.dtype)))
 
 
-def decode(q: Tensor, cache: PagedKVCache, *, causal: bool = False,
-           window: tuple[int, int] | None = None, scale: float | None = None,
-           softcap: float | None = None, alibi_slopes: Tensor | None = None,
+def _seq_rows(seq_ids: object, cache: PagedKVCache, q: Tensor) -> Tensor | None:
+    """``seq_ids`` as a ``(B,)`` int64 host tensor (None: the cache's rows in order)."""
+    shape = tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__
+    if seq_ids is None:
+        if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != cache.batch:
+            raise ValueError(f"q must be (B, H, Nq, D) with B = {cache.batch} sequences of the "
+                             f"cache (or pass seq_ids), got {shape}")
+        return None
+    if isinstance(seq_ids, (list, tuple)):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in seq_ids):
+            raise TypeError(f"seq_ids must hold ints, got {list(seq_ids)[:16]}")
+        seq_ids = torch.tensor(seq_ids, dtype=torch.int64)
+    if not isinstance(seq_ids, Tensor) or seq_ids.dtype not in (torch.int32, torch.int64):
+        what = seq_ids.dtype if isinstance(seq_ids, Tensor) else type(seq_ids).__name__
+        raise TypeError(f"seq_ids must be a (B,) int32 / int64 tensor or a list of ints, got "
+                        f"{what}")
+    if not isinstance(q, Tensor) or q.dim() != 4 or tuple(seq_ids.shape) != (q.shape[0],):
+        raise ValueError(f"seq_ids must be (B,) for q (B, H, Nq, D): got seq_ids "
+                         f"{tuple(seq_ids.shape)} and q {shape}")
+    rows = seq_ids.cpu().long()
+    bad = (rows < 0) | (rows >= cache.batch)
+    if bool(bad.any()):
+        raise ValueError(f"seq_ids {rows.tolist()[:16]} must lie in [0, {cache.batch}): the "
+                         f"cache holds {cache.batch} sequences")
+    return rows
+
+
+def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None = None,
+           causal: bool = False, window: tuple[int, int] | None = None,
+           scale: float | None = None, softcap: float | None = None,
+           alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
            return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """q ``(B, H, Nq, D)`` against sequence b's cached keys ``[starts[b], lengths[b])``
-    (``N_b`` of them) → out ``(B, H, Nq, Dv)``, with ``return_lse`` also lse ``(B, H, Nq)``.
+    """q ``(B, H, Nq, D)`` against the cached keys of sequences ``seq_ids (B,)`` (default:
+    the cache's B sequences in order; sequence s holds keys ``[starts[s], lengths[s])``,
+    ``N_s`` of them) → out ``(B, H, Nq, Dv)`` in q's dtype, with ``return_lse`` also lse
+    ``(B, H, Nq)``.
 
     ``causal`` / ``window`` are bottom-right over each sequence's own keys (query i sees key
-    j iff ``j <= i + N_b − Nq``); ``scale``, ``softcap`` and ``alibi_slopes`` ``(H,)`` or
-    ``(B, H)`` mean what they mean in :func:`attn.attention`. A sequence without keys gives
-    zeros and lse −inf.
+    j iff ``j <= i + N_s − Nq``); ``scale``, ``softcap``, ``sinks (H,)`` and ``alibi_slopes``
+    ``(H,)`` or ``(B, H)`` mean what they mean in :func:`attn.attention`. A sequence without
+    keys gives zeros and lse −inf (or the sink). Pages stored in another dtype than q's are
+    converted range by range as they are read. Forward only.
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an attn.kvcache.PagedKVCache, got "
                         f"{type(cache).__name__}")
-    if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != cache.batch:
-        shape = tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__
-        raise ValueError(f"q must be (B, H, Nq, D) with B = {cache.batch} sequences of the "
-                         f"cache, got {shape}")
-    B, Dv = cache.batch, cache.v_pages.shape[-1]
+    _check_tensor("q", q)
+    rows = _seq_rows(seq_ids, cache, q)
+    B, H, Nq, D = q.shape
+    k_pages, v_pages = cache.k_pages, cache.v_pages
+    Hkv, Dv = k_pages.shape[2], v_pages.shape[-1]
+    if D != k_pages.shape[-1] or H % Hkv or q.device != k_pages.device:
+        raise ValueError(f"q (B, H, Nq, D) = {tuple(q.shape)} on {q.device} does not fit the "
+                         f"cache's pages (num_blocks, page, Hkv, D) = {tuple(k_pages.shape)} "
+                         f"on {k_pages.device}: D must match, H a multiple of Hkv, one device")
+    if q.device.type in _PAGED_DEVICES:
+        return _paged(q, cache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
+                      return_lse)
+    if rows is not None:
+        cache = cache.select(rows)
     lengths = cache.lengths - cache.starts
-    if int(lengths.max()) == 0:  # no sequence has a key
+    if B == 0 or int(lengths.max()) == 0:  # no sequence has a key
         out, lse = _no_keys(q, B, Dv)
+        if sinks is not None:
+            lse = sinks.to(lse.dtype).view(1, H, 1).expand(B, H, Nq)
         return (out, lse) if return_lse else out
-    kw = dict(causal=causal, window=window, scale=scale, softcap=softcap)
-    if cache.batch_is_view:
-        out, lse = _batched(q, cache, alibi_slopes, kw)
-    elif q.device.type in _PER_ROW_DEVICES:
-        out, lse = _per_sequence(q, cache, alibi_slopes, kw)
-    elif cache.equal_lengths:
+    kw = dict(causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks)
+    if cache.equal_lengths:  # one view when batch_is_view, else copied head-major
         out, lse = _batched(q, cache, alibi_slopes, kw)
     else:
         out, lse = _packed(q, cache, lengths, alibi_slopes, kw)
     return (out, lse) if return_lse else out
 
 
+def _paged(q, cache: PagedKVCache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
+           return_lse):
+    """The tiled backend's paged read: the variants checked and resolved as every entry's
+    are, the band counted from each sequence's end."""
+    B, H, Nq, D = q.shape
+    k_pages, v_pages = cache.k_pages, cache.v_pages
+    # one slot of the pages seen as (B, Hkv, 1, D): resolve checks the variants against it
+    kd, vd = (p[0, :1].transpose(0, 1)[None].expand(B, -1, -1, -1) for p in (k_pages, v_pages))
+    band = make_band(Nq, 0, causal=bool(causal), window=window_pair(window))
+    _, spec, ops = resolve(q, kd.to(q.dtype), vd.to(q.dtype), band=band, scale=scale,
+                           softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                           return_lse=return_lse)
+    table, starts, lengths = cache.host_table, cache.starts, cache.lengths
+    if rows is not None:
+        table, starts, lengths = table[rows], starts[rows], lengths[rows]
+    out, lse = tiled.paged_attention(q, k_pages, v_pages, spec,
+                                     ops._replace(pages=PageTable(table, starts, lengths)))
+    return (out, lse) if return_lse else out
+
+
 def _batched(q, cache: PagedKVCache, alibi_slopes, kw) -> tuple[Tensor, Tensor]:
-    k, v = cache.batch_kv()
+    k, v = (t.to(q.dtype) for t in cache.batch_kv())
     return attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **kw)
-
-
-def _per_sequence(q, cache: PagedKVCache, alibi_slopes, kw) -> tuple[Tensor, Tensor]:
-    outs, lses = [], []
-    for b in range(cache.batch):
-        if cache.lengths[b] == cache.starts[b]:
-            out, lse = _no_keys(q, 1, cache.v_pages.shape[-1])
-        else:
-            k, v = cache.sequence_kv(b)
-            slopes = (alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1
-                      else alibi_slopes[b:b + 1])
-            # (N, Hkv, D) -> (1, Hkv, N, D): views
-            out, lse = attention(q[b:b + 1], k[None].transpose(1, 2), v[None].transpose(1, 2),
-                                 alibi_slopes=slopes, return_lse=True, **kw)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
 
 
 def _packed(q, cache: PagedKVCache, lengths: Tensor, alibi_slopes, kw) -> tuple[Tensor, Tensor]:
     B, H, Nq, D = q.shape
     k, v, cu_k = cache.packed_kv()
+    k, v = k.to(q.dtype), v.to(q.dtype)
     cu_q = torch.arange(B + 1, dtype=torch.int64) * Nq
     # (B, H, Nq, D) -> (B·Nq, H, D): the packed layout, one sequence per batch row
     out, lse = varlen_attention(q.transpose(1, 2).reshape(B * Nq, H, D), k, v,
@@ -110,3 +161,14 @@ def _packed(q, cache: PagedKVCache, lengths: Tensor, alibi_slopes, kw) -> tuple[
                                 alibi_slopes=alibi_slopes, return_lse=True, **kw)
     # (B·Nq, H, Dv) -> (B, H, Nq, Dv); lse (H, B·Nq) -> (B, H, Nq)
     return out.view(B, Nq, H, -1).transpose(1, 2), lse.view(H, B, Nq).transpose(0, 1)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as :func:`decode`: importing ``attn.decode`` binds the name
+    ``decode`` of the package to the module, so ``attn.decode(q, cache)`` must work on it."""
+
+    def __call__(self, *args, **kwargs):
+        return decode(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -15,6 +15,13 @@ A contiguous cache ``(rows, L, Hkv, D)`` is the paged one whose pages are whole 
 ``page_size = L`` and ``block_table = rows_in_use[:, None]`` (:mod:`attn.compat.flash_attn`
 reads flash-attn's plain caches that way, so both kinds share every read below).
 
+A cache made by :meth:`PagedKVCache.allocate` owns its pages: it hands them out as
+sequences grow (:meth:`append`), takes them back (:meth:`free`) and shares them between
+sequences (:meth:`fork`: full pages by reference count, the last partial page copied, so
+no page is ever written while shared: appends go past a sequence's length, which lies in
+its own last page or a new one). Running out of pages raises before anything is written.
+A cache built on the caller's own block table (flash-attn's) leaves the pages to the caller.
+
 Bad input raises ValueError (TypeError for a wrong type) naming the argument as the caller
 passed it (``names``) and the shapes seen; every page id is checked, unused slots included,
 before any page is read or written (torch indexing would wrap a negative id around to another
@@ -86,9 +93,61 @@ class PagedKVCache:
         if bool((self.starts > self._lengths).any()):
             raise ValueError(f"{self._name('starts')} {_shown(self.starts)} must lie in "
                              f"[0, {self._name('lengths')}] = {_shown(self._lengths)}")
-        # every sequence holds the same positions [start, length); appends keep it so
-        self.equal_lengths = self.batch == 0 or bool(
-            (self.starts == self.starts[0]).all() and (self._lengths == self._lengths[0]).all())
+        # pages handed out by this cache (allocate): references per page, pages held per
+        # sequence, free page ids (plain Python: no tensor edited in and out of inference mode)
+        self._refs: list[int] | None = None
+        self._held: list[int] = []
+        self._free: list[int] = []
+
+    @classmethod
+    def allocate(cls, num_blocks: int, page_size: int, heads_kv: int, head_dim: int, *,
+                 max_seqs: int, max_pages: int | None = None, head_dim_v: int | None = None,
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> "PagedKVCache":
+        """An empty cache of ``max_seqs`` sequences that owns ``num_blocks`` pages of
+        ``page_size`` positions, stored in ``dtype`` (attention reads them in q's dtype,
+        converted range by range); a sequence holds at most ``max_pages`` pages (default
+        all). Pages are handed out in increasing order as sequences grow, so a sequence
+        appended in one piece lies in consecutive pages (read as one view)."""
+        for name, x in (("num_blocks", num_blocks), ("page_size", page_size),
+                        ("heads_kv", heads_kv), ("head_dim", head_dim), ("max_seqs", max_seqs),
+                        ("max_pages", max_pages or 1), ("head_dim_v", head_dim_v or 1)):
+            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                raise ValueError(f"{name} must be a positive int, got {x!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        k = torch.zeros(num_blocks, page_size, heads_kv, head_dim, dtype=dtype, device=device)
+        v = torch.zeros(num_blocks, page_size, heads_kv, head_dim_v or head_dim, dtype=dtype,
+                        device=device)
+        table = torch.zeros(max_seqs, max_pages or num_blocks, dtype=torch.int32, device=device)
+        cache = cls(k, v, table, 0)
+        cache._refs = [0] * num_blocks
+        cache._held = [0] * max_seqs
+        cache._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
+        return cache
+
+    @property
+    def equal_lengths(self) -> bool:
+        """Every sequence holds the same positions ``[start, length)``."""
+        return self.batch == 0 or bool((self.starts == self.starts[0]).all()
+                                       and (self._lengths == self._lengths[0]).all())
+
+    @property
+    def host_table(self) -> Tensor:
+        """The block table as an int64 host tensor ``(B, max_pages)``."""
+        return self._table
+
+    @property
+    def free_pages(self) -> int:
+        """Pages not held by any sequence (an :meth:`allocate`-d cache only)."""
+        return len(self._free)
+
+    def select(self, rows: Tensor) -> "PagedKVCache":
+        """Sequences ``rows`` (host int64) as a cache of their own over the same pages (it
+        shares them, and owns none)."""
+        return PagedKVCache(self.k_pages, self.v_pages, self.block_table[rows.to(
+            self.block_table.device)], self._lengths[rows], starts=self.starts[rows],
+            names=self.names)
 
     # -- sizes --
 
@@ -178,32 +237,145 @@ class PagedKVCache:
 
     # -- writes --
 
-    def append(self, k: Tensor, v: Tensor) -> None:
-        """Write ``k (B, Hkv, Nnew, D)`` and ``v (B, Hkv, Nnew, Dv)`` (cast to the pages'
-        dtype) at positions ``lengths[b] + t`` of each sequence, in place, then advance
-        ``lengths`` by Nnew. Refused before anything is written when a sequence has no room."""
+    def append(self, k: Tensor, v: Tensor, *, seq_ids: Tensor | list[int] | None = None
+               ) -> None:
+        """Write ``k (B', Hkv, Nnew, D)`` and ``v (B', Hkv, Nnew, Dv)`` (cast to the pages'
+        dtype) at positions ``lengths[s] + t`` of sequences ``s = seq_ids`` (default every
+        sequence, B' = B), in place (under inference_mode too), then advance their lengths
+        by Nnew. An :meth:`allocate`-d cache first takes the pages they need. Refused before
+        anything is written when a sequence has no room or the cache too few free pages."""
+        rows = self._rows("seq_ids", seq_ids)
         for name, t, pages in (("k", k, self.k_pages), ("v", v, self.v_pages)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if (t.dim() != 4 or t.shape[0] != self.batch or t.shape[1] != pages.shape[2]
+            if (t.dim() != 4 or t.shape[0] != len(rows) or t.shape[1] != pages.shape[2]
                     or t.shape[3] != pages.shape[3] or t.shape[2] != k.shape[2]):
-                raise ValueError(f"{name} must be (B, Hkv, Nnew, D) = ({self.batch}, "
+                raise ValueError(f"{name} must be (B, Hkv, Nnew, D) = ({len(rows)}, "
                                  f"{pages.shape[2]}, Nnew, {pages.shape[3]}) for "
                                  f"{self._shapes()}, got k {tuple(k.shape)}, v "
                                  f"{tuple(v.shape)}")
             if t.device != pages.device:
                 raise ValueError(f"{name} is on {t.device}, the pages on {pages.device}")
         n = k.shape[2]
-        self.check_room(n)
+        self._check_fit(self._lengths[rows], n)
+        if self._refs is not None:
+            self._take_pages(rows, n)
         dev, page = self.k_pages.device, self.page_size
-        pos = (self.lengths.view(-1, 1) + torch.arange(n).view(1, n)).flatten().to(dev)
-        seq = torch.arange(self.batch, device=dev).repeat_interleave(n)
-        blk, off = self.block_table[seq, pos // page].long(), pos % page
+        pos = (self._lengths[rows].view(-1, 1) + torch.arange(n).view(1, n)).flatten()
+        seq = rows.repeat_interleave(n)
+        blk = self._table[seq, pos // page].to(dev)
+        off = (pos % page).to(dev)
         with torch.no_grad():
             for pages, t in ((self.k_pages, k), (self.v_pages, v)):
-                # (B, Hkv, Nnew, D) -> (B·Nnew, Hkv, D): token-major, as the pages store it
+                # (B', Hkv, Nnew, D) -> (B'·Nnew, Hkv, D): token-major, as the pages store it
                 pages[blk, off] = t.transpose(1, 2).reshape(-1, *t.shape[1::2]).to(pages.dtype)
-        self._lengths = self._lengths + n
+        lengths = self._lengths.clone()
+        lengths[rows] += n
+        self._lengths = lengths
+
+    # -- sequences of an allocate()-d cache --
+
+    def _rows(self, name: str, seq_ids: object) -> Tensor:
+        """``seq_ids`` (None: every sequence) as distinct host int64 row indices."""
+        if seq_ids is None:
+            return torch.arange(self.batch)
+        if isinstance(seq_ids, int) and not isinstance(seq_ids, bool):
+            seq_ids = [seq_ids]
+        if isinstance(seq_ids, (list, tuple)):
+            seq_ids = torch.tensor(seq_ids, dtype=torch.int64)
+        if not isinstance(seq_ids, Tensor) or seq_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be an int, a list of ints or an int tensor, got "
+                            f"{type(seq_ids).__name__}")
+        rows = seq_ids.cpu().long().reshape(-1)
+        if bool(((rows < 0) | (rows >= self.batch)).any()) or len(set(rows.tolist())) != len(rows):
+            raise ValueError(f"{name} {rows.tolist()[:16]} must be distinct sequences of "
+                             f"[0, {self.batch})")
+        return rows
+
+    def _owned(self, what: str) -> None:
+        if self._refs is None:
+            raise ValueError(f"{what} needs a cache that owns its pages "
+                             f"(PagedKVCache.allocate); this one reads the caller's block table "
+                             f"({self._shapes()})")
+
+    def _pop_pages(self, n: int, why: str) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(f"out of pages: {why} needs {n} more pages of {self.page_size} "
+                             f"positions, {len(self._free)} of {len(self._refs)} are free; "
+                             f"free finished sequences or allocate more pages")
+        taken = [self._free.pop() for _ in range(n)]
+        for p in taken:
+            self._refs[p] += 1
+        return taken
+
+    def _set_pages(self, row: int, j0: int, ids: list[int]) -> None:
+        """Row ``row``'s pages ``j0, j0 + 1, ...`` become ``ids`` (host and device tables)."""
+        table = self._table.clone()  # edited as a copy: valid in and out of inference mode
+        table[row, j0:j0 + len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        self._table = table
+        self.block_table = table.to(self.block_table.device, self.block_table.dtype)
+        self._held[row] = j0 + len(ids)
+
+    def _take_pages(self, rows: Tensor, n: int) -> None:
+        page = self.page_size
+        need = [-(-(int(self._lengths[r]) + n) // page) - self._held[r] for r in rows.tolist()]
+        total = sum(max(0, x) for x in need)
+        pages = self._pop_pages(total, f"appending {n} tokens to sequences {rows.tolist()[:16]}")
+        for r, x in zip(rows.tolist(), need):
+            if x > 0:
+                self._set_pages(r, self._held[r], pages[:x])
+                pages = pages[x:]
+
+    def free(self, seq_ids: Tensor | list[int] | int) -> None:
+        """Give back the pages of sequences ``seq_ids`` (a page shared with a fork stays
+        until its last holder is freed); they become empty (length 0)."""
+        self._owned("free")
+        rows = self._rows("seq_ids", seq_ids)
+        for r in rows.tolist():
+            held = self._table[r, :self._held[r]].tolist()
+            for p in held:
+                self._refs[p] -= 1
+                if self._refs[p] == 0:
+                    self._free.append(p)
+            self._set_pages(r, 0, [0] * len(held))
+            self._held[r] = 0
+        lengths, starts = self._lengths.clone(), self.starts.clone()
+        lengths[rows], starts[rows] = 0, 0
+        self._lengths, self.starts = lengths, starts
+
+    def fork(self, src: int, dst: int | None = None) -> int:
+        """Sequence ``dst`` (default: the first empty sequence, no pages and length 0)
+        becomes a copy of ``src``: its full pages shared (reference counted), its last
+        partial page copied into a page of its own. Returns ``dst``."""
+        self._owned("fork")
+        (src,) = self._rows("src", src).tolist()
+        if dst is None:
+            empty = [r for r in range(self.batch) if r != src and self._held[r] == 0
+                     and int(self._lengths[r]) == 0]
+            if not empty:
+                raise ValueError(f"fork: no empty sequence left of {self.batch}; free one or "
+                                 f"pass dst")
+            dst = empty[0]
+        (dst,) = self._rows("dst", dst).tolist()
+        if dst == src or self._held[dst] or int(self._lengths[dst]):
+            raise ValueError(f"fork: dst {dst} must be an empty sequence other than src {src} "
+                             f"(it holds {self._held[dst]} pages, length "
+                             f"{int(self._lengths[dst])})")
+        length, page = int(self._lengths[src]), self.page_size
+        full = length // page
+        new = self._pop_pages(1, f"forking sequence {src}") if length % page else []
+        shared = self._table[src, :full].tolist()
+        for p in shared:
+            self._refs[p] += 1
+        if new:
+            with torch.no_grad():
+                for pages in (self.k_pages, self.v_pages):
+                    pages[new[0]] = pages[int(self._table[src, full])]
+        self._set_pages(dst, 0, shared + new)
+        lengths, starts = self._lengths.clone(), self.starts.clone()
+        lengths[dst], starts[dst] = length, starts[src]
+        self._lengths, self.starts = lengths, starts
+        return dst
 
     # -- reads: the keys [starts[b], lengths[b]) of each sequence --
 

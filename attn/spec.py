@@ -100,6 +100,18 @@ class LaunchSpec:
                        heads_total=heads_total if heads_total is not None else self.heads_total)
 
 
+class PageTable(NamedTuple):
+    """Where a paged call's keys live (:func:`attn.tiled.paged_attention`): k and v are then
+    page storage ``(num_blocks, page_size, Hkv, D)``, and batch row b reads its keys
+    ``[starts[b], lengths[b])`` in pages ``block_table[b, t // page_size]`` at slot
+    ``t % page_size``. The three are host int64 tensors (``(B, max_pages)``, ``(B,)``,
+    ``(B,)``): the plan cuts the call from them, so they are shapes, not device data."""
+
+    block_table: Tensor
+    starts: Tensor
+    lengths: Tensor
+
+
 class Operands(NamedTuple):
     """The optional tensors of one call, beside its :class:`LaunchSpec`: launchers take
     ``(q, k, v, spec, operands)``. The autograd Functions receive every field that can need a
@@ -117,6 +129,7 @@ class Operands(NamedTuple):
     # accumulation dtype: attn.call.run folds it into q (autograd carries its gradient), so
     # launchers never see it; spec.qk_scale is then 1
     q_scale: Tensor | None = None
+    pages: PageTable | None = None  # k and v are page storage read through this table
 
 
 def operands_of(caller: str, operands: Operands | None, **keywords) -> Operands:

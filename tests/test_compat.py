@@ -420,12 +420,12 @@ def test_varlen_paged_block_table(page):
 
 # -- the KV cache ------------------------------------------------------------------------------
 
-@pytest.fixture(params=["per-row", "batched"])
+@pytest.fixture(params=["paged", "batched"])
 def kv_path(request, monkeypatch):
-    """flash_attn_with_kvcache's two paths: row by row (CPU) and one batched / packed call
-    (other devices), both run here on CPU."""
+    """flash_attn_with_kvcache's two paths: pages read by the tiled items (CPU) and one
+    batched / packed call (other devices), both run here on CPU."""
     if request.param == "batched":
-        monkeypatch.setattr(importlib.import_module("attn.decode"), "_PER_ROW_DEVICES", ())
+        monkeypatch.setattr(importlib.import_module("attn.decode"), "_PAGED_DEVICES", ())
     return request.param
 
 
@@ -593,7 +593,7 @@ def test_kvcache_whole_cache_and_empty_rows(kv_path):
     q, kc, vc = randn(2, 3, 4, 16).float(), randn(2, 9, 2, 16, seed=1).float(), \
         randn(2, 9, 2, 16, seed=2).float()
     out = fa.flash_attn_with_kvcache(q, kc, vc, causal=True)  # cache_seqlens=None: all 9 keys
-    torch.testing.assert_close(out, fa.flash_attn_func(q, kc, vc, causal=True))  # per-row vs batched GEMMs: not bitwise
+    torch.testing.assert_close(out, fa.flash_attn_func(q, kc, vc, causal=True))  # paged items vs batched GEMMs: not bitwise
     seqlens = torch.tensor([0, 5], dtype=torch.int32)  # row 0 has no key
     out, lse = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
                                           return_softmax_lse=True)

@@ -116,3 +116,115 @@ def test_lengths_are_checked_and_a_full_cache_refuses_before_writing():
     with pytest.raises(ValueError, match=r"\[3, 6\] \+ 1 new tokens do not fit"):
         cache.append(torch.ones(2, HKV, 1, D), torch.ones(2, HKV, 1, D + 1))
     assert torch.equal(k_pages, before) and cache.lengths.tolist() == [3, 6]
+
+
+# -- a cache that owns its pages: allocate, append, fork, free --------------------------------
+
+def decode_matches(cache: PagedKVCache, dense: dict[int, list[torch.Tensor]], q: torch.Tensor):
+    """attn.decode of every sequence in ``dense`` (its oracle keys and values, (Hkv, N, ·))
+    against the float64 reference on those keys."""
+    import attn
+    from attn.testing import assert_close_to_reference
+    rows = sorted(dense)
+    with torch.inference_mode():
+        out, lse = attn.decode(q[rows], cache, seq_ids=rows, causal=True, return_lse=True)
+    for i, s in enumerate(rows):
+        k, v = (t[None] for t in dense[s])
+
+        def got(*_, return_lse=False, **__):
+            return (out[i:i + 1], lse[i:i + 1]) if return_lse else out[i:i + 1]
+        assert_close_to_reference(got, q[s:s + 1], k, v, grad=False, causal=True)
+
+
+def grow(cache, dense, s, n, g):
+    k, v = torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D + 1, generator=g)
+    cache.append(k, v, seq_ids=[s])
+    old = dense.get(s, [torch.zeros(HKV, 0, D), torch.zeros(HKV, 0, D + 1)])
+    dense[s] = [torch.cat([old[0], k[0]], 1), torch.cat([old[1], v[0]], 1)]
+
+
+@pytest.mark.parametrize("page", [1, 3, 16])
+def test_fork_shares_full_pages_and_copies_the_last_partial_one(page):
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKVCache.allocate(64, page, HKV, D, head_dim_v=D + 1, max_seqs=4,
+                                  max_pages=-(-40 // page))
+    q = torch.randn(4, 2 * HKV, 1, D, generator=g)
+    dense: dict[int, list[torch.Tensor]] = {}
+    grow(cache, dense, 0, 17, g)
+    used = 64 - cache.free_pages
+    assert used == -(-17 // page)
+    assert cache.fork(0) == 1  # the first empty sequence
+    dense[1] = [t.clone() for t in dense[0]]
+    assert 64 - cache.free_pages == used + (17 % page != 0)  # only the partial page copied
+    shared = cache.host_table[0, :17 // page]
+    assert torch.equal(cache.host_table[1, :17 // page], shared)
+    grow(cache, dense, 0, 5, g)  # the two now diverge, neither writing the other's keys
+    grow(cache, dense, 1, 9, g)
+    decode_matches(cache, dense, q)
+    cache.free(0)  # pages shared with sequence 1 stay
+    del dense[0]
+    assert cache.lengths[0] == 0
+    assert 64 - cache.free_pages == -(-26 // page)
+    decode_matches(cache, dense, q)
+    grow(cache, dense, 0, 30, g)  # freed pages are handed out again
+    decode_matches(cache, dense, q)
+    cache.free([0, 1])
+    assert cache.free_pages == 64
+
+
+def test_running_out_of_pages_is_refused_before_writing():
+    cache = PagedKVCache.allocate(5, 2, HKV, D, max_seqs=3)
+    cache.append(torch.ones(1, HKV, 7, D), torch.ones(1, HKV, 7, D), seq_ids=[0])  # 4 pages
+
+    def state():
+        return (cache.k_pages.clone(), cache.lengths.clone(), cache.host_table.clone(),
+                cache.free_pages)
+    before = state()
+    new = torch.full((2, HKV, 3, D), 2.0)
+    with pytest.raises(ValueError, match=r"out of pages: appending 3 tokens to sequences "
+                                         r"\[0, 1\] needs 3 more pages of 2 positions, 1 of 5 "
+                                         r"are free"):
+        cache.append(new, new, seq_ids=[0, 1])
+    after = state()
+    assert all(torch.equal(x, y) for x, y in zip(before[:3], after[:3]))
+    assert before[3] == after[3]
+    cache.append(torch.ones(1, HKV, 1, D), torch.ones(1, HKV, 1, D), seq_ids=1)  # the last
+    before = state()
+    with pytest.raises(ValueError, match=r"out of pages: forking sequence 0 needs 1 more"):
+        cache.fork(0)
+    after = state()
+    assert all(torch.equal(x, y) for x, y in zip(before[:3], after[:3]))
+    assert cache.free_pages == 0 and cache.lengths.tolist() == [7, 1, 0]
+
+
+def test_append_is_in_place_under_inference_mode_and_casts_to_the_storage_dtype():
+    cache = PagedKVCache.allocate(8, 4, HKV, D, max_seqs=2, dtype=torch.bfloat16)
+    ptr = cache.k_pages.data_ptr()
+    k = torch.randn(2, HKV, 6, D)
+    with torch.inference_mode():
+        cache.append(k, k)
+    cache.append(k[:, :, :1], k[:, :, :1])  # and outside it, after
+    assert cache.k_pages.data_ptr() == ptr and cache.k_pages.dtype == torch.bfloat16
+    got = cache.k_pages[cache.host_table[1, :2]].flatten(0, 1)[:6].transpose(0, 1)
+    assert torch.equal(got, k[1].bfloat16())
+    assert cache.lengths.tolist() == [7, 7]
+
+
+def test_allocate_free_and_fork_check_their_arguments():
+    cache = PagedKVCache.allocate(8, 4, HKV, D, max_seqs=3)
+    cache.append(torch.ones(1, HKV, 5, D), torch.ones(1, HKV, 5, D), seq_ids=[0])
+    with pytest.raises(ValueError, match=r"dst 0 must be an empty sequence other than src 0"):
+        cache.fork(0, 0)
+    with pytest.raises(ValueError, match=r"seq_ids \[3\] must be distinct sequences of \[0, 3\)"):
+        cache.free(3)
+    with pytest.raises(ValueError, match=r"seq_ids \[1, 1\] must be distinct"):
+        cache.append(torch.ones(2, HKV, 1, D), torch.ones(2, HKV, 1, D), seq_ids=[1, 1])
+    with pytest.raises(ValueError, match=r"page_size must be a positive int, got 0"):
+        PagedKVCache.allocate(8, 0, HKV, D, max_seqs=1)
+    with pytest.raises(TypeError, match=r"dtype must be a floating torch.dtype"):
+        PagedKVCache.allocate(8, 4, HKV, D, max_seqs=1, dtype=torch.int8)
+    borrowed, _ = paged([3, 2], page=2, pages_per_seq=2)
+    with pytest.raises(ValueError, match=r"fork needs a cache that owns its pages"):
+        borrowed.fork(0, 1)
+    with pytest.raises(ValueError, match=r"free needs a cache that owns its pages"):
+        borrowed.free(0)

@@ -23,11 +23,11 @@ units) and :mod:`.cpu` (GEMM engine choice, worker pool).
 from attn.grads import Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.spec import LaunchSpec
-from attn.tiled.attention import _bwd, _fwd, _TiledAttention, tiled_attention
+from attn.tiled.attention import _bwd, _fwd, _TiledAttention, paged_attention, tiled_attention
 from attn.tiled.plan import BLOCK_M, BLOCK_N, DEFAULT, SequenceBlocks, TileConfig, _plan
 from attn.tiled.steps import FUSED_DEFAULT, fused_cpu_default, fused_path_reason
 from attn.tiled.tile import LN2, LOG2E, _Tile
 
 __all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT", "FUSED_DEFAULT", "Grads", "LaunchSpec",
-           "SequenceBlocks", "TileConfig", "fused_cpu_default", "fused_path_reason", "sink_grad",
-           "tiled_attention"]
+           "SequenceBlocks", "TileConfig", "fused_cpu_default", "fused_path_reason",
+           "paged_attention", "sink_grad", "tiled_attention"]

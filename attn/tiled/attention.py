@@ -12,14 +12,14 @@ from torch import Tensor
 
 from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
-from attn.masks import as_4d
+from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
-from attn.spec import LaunchSpec, Operands, operands_of
+from attn.spec import LaunchSpec, Operands, PageTable, operands_of
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm, low_gemms
-from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items, backward_runs,
-                             forward_items)
+from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _items_here, _plan, backward_items,
+                             backward_runs, forward_items, kv_split, page_ranges)
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps, _fwd_tile,
                               _fwd_tile_fused, _run_fused)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
@@ -38,6 +38,9 @@ def _check_operands(ops: Operands) -> None:
                                   "run as a document mask (attn.varlen_attention)")
     if ops.q_scale is not None:
         raise ValueError("tiled: fold operands.q_scale into q first (attn.call.run does)")
+    if ops.pages is not None:
+        raise ValueError("tiled: paged keys (operands.pages) are read by paged_attention, "
+                         "forward only")
 
 
 class _Facts(NamedTuple):
@@ -163,6 +166,139 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
     lse.copy_(merged_lse)
     lse2[..., 0] = lse * LOG2E
     lse2[..., 1] = 0.0
+
+
+class _PagedItem(NamedTuple):
+    """One item of a paged call: batch row b's keys ``[n0, n1)`` (counted from its first
+    key), which are positions ``[a, z)`` of its pages; ``r``: the range's index, its slot
+    among the row's partials; ``first``: the first page's id when the range's pages are
+    consecutive in the storage (one view), else None (its pages copied, in table order)."""
+    b: int
+    r: int
+    n0: int
+    n1: int
+    a: int
+    z: int
+    first: int | None
+
+
+def _page_items(pages: PageTable, page: int, chunk: int) -> tuple[list[_PagedItem], int]:
+    """Every row's key ranges (:func:`attn.tiled.plan.page_ranges`) as items, range-major
+    (each row's first range, then each row's second, ...), and the most ranges of a row."""
+    table, starts, lengths = pages
+    # consecutive[b, j]: page j + 1 of row b is the storage's next page after page j
+    consecutive = table[:, 1:] == table[:, :-1] + 1
+    per_row = [page_ranges(int(s), int(e), page, chunk) for s, e in zip(starts, lengths)]
+    items = []
+    for b, ranges in enumerate(per_row):
+        s = int(starts[b])
+        for r, (a, z) in enumerate(ranges):
+            p0, p1 = a // page, -(-z // page)
+            one_view = bool(consecutive[b, p0:p1 - 1].all())
+            items.append(_PagedItem(b, r, a - s, z - s, a, z,
+                                    int(table[b, p0]) if one_view else None))
+    items.sort(key=lambda it: (it.r, it.b))
+    return items, max((len(r) for r in per_row), default=0)
+
+
+def _read_pages(storage: Tensor, table_row: Tensor, page: int, it: _PagedItem, name: str
+                ) -> Tensor:
+    """An item's keys (or values) ``(1, Hkv, n, D)``, positions ``[a, z)`` of its row: a view
+    of the storage when its pages are consecutive there, else a copy of those pages only
+    (the item's own tile, never the row's other pages) into its thread's buffer ``name``."""
+    p0, p1 = it.a // page, -(-it.z // page)
+    if it.first is not None:
+        span = storage[it.first:it.first + p1 - p0]
+    else:
+        span = cpu.scratch(name, (p1 - p0,) + tuple(storage.shape[1:]), storage.dtype,
+                           storage.device)
+        torch.index_select(storage, 0, table_row[p0:p1].to(storage.device), out=span)
+    # (pages, page, Hkv, D) -> (pages·page, Hkv, D) -> (1, Hkv, n, D): views
+    return span.flatten(0, 1)[it.a - p0 * page:it.z - p0 * page].transpose(0, 1).unsqueeze(0)
+
+
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,
+                    ops: Operands, config: TileConfig = DEFAULT) -> tuple[Tensor, Tensor]:
+    """Attention of q ``(B, H, Nq, D)`` against keys read through a page table, forward only
+    (caches serve inference) → out ``(B, H, Nq, Dv)`` in q's dtype, lse ``(B, H, Nq)``.
+
+    ``k_pages (num_blocks, page_size, Hkv, D)``, ``v_pages (…, Dv)``: page storage, read
+    through its strides; ``ops.pages`` (:class:`attn.spec.PageTable`) says which keys row b
+    reads, ``N_b`` of them. The band is per row, counted from its end: row b's is
+    ``spec.band`` with ``N_b`` added to its offset (pass the band of a call with no key,
+    ``make_band(Nq, 0, …)``, for attn's bottom-right convention). ALiBi slopes ``(B, H)``.
+
+    Work items are (row, key range) pairs, the ranges cut on page boundaries
+    (:func:`attn.tiled.plan.page_ranges`; ``kv_split``'s chunk, or ``split_min_chunk``
+    keys for longer query blocks): each item reads only its own pages, a view where they
+    are consecutive in the storage and a copy of them where not, so no row's keys are
+    gathered whole and no other row's page, nor a slot past a row's length, is ever read.
+    Each gives a partial output and lse; a row's partials (and the sinks) are merged in
+    key order, so the bits depend on the lengths and the page size, never on the number of
+    workers, nor on where the pages lie. Storage in another dtype than q's is converted
+    item by item."""
+    if ops.pages is None or ops.attn_mask is not None or ops.captured:
+        raise ValueError("paged_attention takes ops.pages, and no attn_mask or score_mod")
+    _check_operands(ops._replace(pages=None))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+        raise ValueError("paged attention is forward only (caches serve inference): run it "
+                         "under torch.no_grad() or torch.inference_mode()")
+    table, starts, lengths = ops.pages
+    B, H, Nq, _ = q.shape
+    page, Dv = k_pages.shape[1], v_pages.shape[-1]
+    acc_dtype = _acc_dtype(q.dtype)
+    n_keys = lengths - starts
+    chunk = kv_split(Nq, int(n_keys.max()) if B else 0, config) or config.split_min_chunk
+    items, R = _page_items(ops.pages, page, chunk)
+    R = max(R, 1)
+    spec = config.tiles(spec)
+    if Nq <= config.split_max_q:  # one key tile per item, as split-KV decoding's items
+        spec = dataclasses.replace(spec, block_n=-(-chunk // page) * page if page <= chunk
+                                   else chunk)
+    if not _items_here(q):
+        threads = 0
+    elif Nq * H * int(n_keys.sum()) < config.serial_max_scores:
+        threads = 1
+    else:
+        threads = cpu.workers_for_call()
+    caller = cpu.single_thread() if threads != 0 else contextlib.nullcontext()
+    with caller:
+        parts_out = torch.empty(R, B, H, Nq, Dv, dtype=acc_dtype, device=q.device)
+        parts_lse = torch.empty(R, B, H, Nq, dtype=acc_dtype, device=q.device)
+        scratch = torch.empty(R, B, H, Nq, 2, dtype=acc_dtype, device=q.device)
+        unused = torch.ones(R, B, dtype=torch.bool)  # slots of rows with fewer ranges
+        for it in items:
+            unused[it.r, it.b] = False
+        if bool(unused.any()):  # an empty partial: out 0, lse -inf (weight 0 in the merge)
+            parts_out[unused.to(q.device)] = 0.0
+            parts_lse[unused.to(q.device)] = float("-inf")
+    band = spec.band
+
+    def run(i: int) -> None:
+        it = items[i]
+        b = it.b
+        k = _read_pages(k_pages, table[b], page, it, "paged k")
+        v = _read_pages(v_pages, table[b], page, it, "paged v")
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        row_band = Band(band.offset + int(n_keys[b]), band.left, band.right)
+        ispec = dataclasses.replace(spec, band=row_band).shard(k_start=it.n0)
+        iops = Operands(softcap=ops.softcap,
+                        alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
+        qb, out = q[b:b + 1], parts_out[it.r, b:b + 1]
+        facts = _facts(qb, k, v, ispec, iops, items=True)
+        _fwd_item(out, facts, lambda f: _fwd_rows(
+            qb, k, v, ispec, iops, out, parts_lse[it.r, b:b + 1], scratch[it.r, b:b + 1],
+            facts=f))
+
+    cpu.run_items(run, len(items), threads=threads)
+    with caller:
+        outs, lses = list(parts_out.unbind(0)), list(parts_lse.unbind(0))
+        if ops.sinks is not None:  # the sinks join the denominator once, as a key of value 0
+            outs.append(torch.zeros_like(outs[0]))
+            lses.append(ops.sinks.to(acc_dtype).view(1, H, 1).expand(B, H, Nq))
+        out, lse = _merge_trusted(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+        return out.to(q.dtype), lse
 
 
 def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, out: Tensor,

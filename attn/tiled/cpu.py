@@ -206,6 +206,29 @@ def workers_for_call() -> int:
     return torch.get_num_threads()
 
 
+_SCRATCH = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+            ) -> Tensor:
+    """A buffer of the calling thread's own, reused by every item it runs (one item at a time
+    per thread, so nothing else writes it meanwhile): a multi-MiB tensor allocated per item
+    costs page faults on every call (a paged item's key copy: 1.8 ms fresh, 0.34 ms into a
+    reused buffer, 2048 keys x 8 heads x 128 fp32). One flat buffer per name, grown as asked,
+    made outside inference mode so it can be written in and out of it."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    n = 1
+    for d in shape:
+        n *= d
+    flat = bufs.get(name)
+    if flat is None or flat.numel() < n or flat.dtype != dtype or flat.device != device:
+        with torch.inference_mode(False):
+            flat = bufs[name] = torch.empty(n, dtype=dtype, device=device)
+    return flat[:n].view(shape)
+
+
 def run_items(fn: Callable[[int], None], n_items: int, *, threads: int | None = None) -> None:
     """``fn(i)`` for every ``i < n_items``, each exactly once, pulled in order of ``i`` from
     one shared counter by the caller and ``threads - 1`` pool workers (default

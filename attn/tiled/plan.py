@@ -305,6 +305,28 @@ def kv_split(n_q: int, n_k: int, config: TileConfig = DEFAULT) -> int | None:
     return chunk
 
 
+def page_ranges(start: int, stop: int, page: int, chunk: int) -> list[tuple[int, int]]:
+    """The key ranges (positions ``[a, z)`` of one sequence's ``[start, stop)``) of a paged
+    call's items, cut on page boundaries: pages smaller than ``chunk`` are grouped, ``chunk``
+    rounded up to whole pages, so an item reads whole pages (the first and last only in
+    part); a page of more than ``chunk`` keys is cut into ranges of ``chunk`` from its first
+    slot, so no range crosses into the next page. Shapes alone decide it."""
+    ranges: list[tuple[int, int]] = []
+    if page <= chunk:
+        step = -(-chunk // page) * page
+        cuts = lambda a: (a // step + 1) * step  # noqa: E731
+    else:
+        def cuts(a: int) -> int:
+            base = a // page * page
+            return min(base + ((a - base) // chunk + 1) * chunk, base + page)
+    a = start
+    while a < stop:
+        z = min(cuts(a), stop)
+        ranges.append((a, z))
+        a = z
+    return ranges
+
+
 def _heads_merge(x: Tensor) -> bool:
     """Whether ``x (B, Hkv, N, D)`` has a ``(B·Hkv, N, D)`` view (no copy)."""
     return x.shape[0] == 1 or x.shape[1] == 1 or x.stride(0) == x.shape[1] * x.stride(1)
