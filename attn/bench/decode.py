@@ -167,8 +167,9 @@ def markdown(header: dict, rows: list[dict]) -> str:
              f"- ratio: {BASELINE} (SDPA on the cache attn reads) time / path time (> 1: "
              "faster than SDPA); error: max abs difference from float64 SDPA"]
     if header["compat"]:
-        lines.append("- paged: the pages in use are gathered into a dense tensor every step "
-                     "(a copy of the used keys and values)")
+        lines.append("- paged: on CPU each work item reads its key range through the block "
+                     "table (a view where its pages lie in order, else a copy of that range "
+                     "only); other devices gather the pages in use into a dense tensor")
     if header["note"]:
         lines.append(f"- note: {header['note']}")
     lines += ["", "| cache | path | ms / step | GFLOP/s | SDPA / path | max abs err |",
