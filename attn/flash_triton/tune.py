@@ -110,11 +110,13 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
 
 
 # float32 inputs run their dots as exact fp32 FMAs (input_precision "ieee"), not on tensor
-# cores, and the product tile then lives in registers. Compiled for sm_90 (triton 3.9, ptxas
-# -v), 4 warps spill at every tile these kernels use from D = 128 (179 KB per thread for a
-# 64 x 64 forward), and 8 warps stay under ~1 KiB up to these BLOCK_M·BLOCK_N·D. On an H100
-# (triton 3.6) the float32 tests ran past 150 s each with a spilling config.
-_FP32_MAX_TILE = {"fwd": 64 * 32 * 128, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128}
+# cores, and the product tile then lives in registers. Compiled for sm_90 (ptxas -v), 4 warps
+# spill at every tile these kernels use from D = 128 (179 KB per thread for a 64 x 64 forward,
+# triton 3.9), and 8 warps stay under ~1.5 KiB up to these BLOCK_M·BLOCK_N·D with triton 3.6
+# (the GPU image's) and 3.9; past them (the forward from D = 128) the smallest 8-warp tile is
+# kept, which still spills 2.8 KB with triton 3.6 (none with 3.9). On an H100 the float32
+# tests ran past 150 s each with the spilling configs.
+_FP32_MAX_TILE = {"fwd": 64 * 32 * 64, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128}
 
 
 def _fp32_spills(kind: str, c: triton.Config, d: int) -> bool:
@@ -128,7 +130,7 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
     longer than the sequence, configs whose shared memory does not fit the arch, and tiles
     x warps that spill registers heavily (measured: benchmarks/results/compile-sm90).
     float32 keeps 8-warp tiles up to ``_FP32_MAX_TILE``, or where none is that small
-    (D = 256) the smallest 8-warp tiles."""
+    the smallest 8-warp tiles."""
     n, d = args["TUNE_N"], max(args["BLOCK_D"], args["BLOCK_DV"])
     smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
     kept = []
