@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
@@ -76,18 +78,37 @@ ON_CPU = {  # gloo ranks on CPU tensors, triton in the interpreter, GPU or not
 }
 
 
-def _collect(tmp_path: Path, fake_gpu: bool, files: list[str]) -> dict:
+def _start(tmp_path: Path, fake_gpu: bool, files: list[str]):
+    """Collect ``files`` in a child pytest (``-m cuda``), with the GPU faked or not."""
     (tmp_path / "marking_dump_plugin.py").write_text(_PLUGIN)
     dump = tmp_path / f"dump-{fake_gpu}.json"
     env = {**os.environ, "MARKING_DUMP": str(dump), "FAKE_GPU": "1" if fake_gpu else "0",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT),
                                           os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda",
          "-p", "marking_dump_plugin", "-p", "no:cacheprovider", *files],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(dump.read_text())
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, dump
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory) -> dict[bool, dict]:
+    """Both collections, run side by side (each is a child process importing the suite)."""
+    tmp = tmp_path_factory.mktemp("marking")
+    started = {True: _start(tmp, True, ["tests"]),
+               False: _start(tmp, False, ["tests/test_variants.py", "tests/test_triton.py",
+                                          "tests/test_triton_cuda.py"])}
+    got = {}
+    for fake, (proc, dump) in started.items():
+        try:
+            out, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        got[fake] = json.loads(dump.read_text())
+    return got
 
 
 def _expected_on_gpu(nodeid: str, facts: dict) -> bool:
@@ -100,8 +121,8 @@ def _expected_on_gpu(nodeid: str, facts: dict) -> bool:
     return facts["declared_cuda"] or facts["reads_gpu"] or triton
 
 
-def test_on_a_gpu_machine_minus_m_cuda_selects_every_cuda_case_and_only_those(tmp_path):
-    got = _collect(tmp_path, True, ["tests"])
+def test_on_a_gpu_machine_minus_m_cuda_selects_every_cuda_case_and_only_those(collected):
+    got = collected[True]
     items, selected = got["items"], set(got["selected"])
     expected = {n for n, facts in items.items() if _expected_on_gpu(n, facts)}
     missing = sorted(expected - selected)
@@ -117,9 +138,8 @@ def test_on_a_gpu_machine_minus_m_cuda_selects_every_cuda_case_and_only_those(tm
     assert not any(n.startswith("tests/test_triton_compile.py") for n in selected)
 
 
-def test_without_a_gpu_only_declared_cuda_tests_are_selected_and_they_skip(tmp_path):
-    files = ["tests/test_variants.py", "tests/test_triton.py", "tests/test_triton_cuda.py"]
-    got = _collect(tmp_path, False, files)
+def test_without_a_gpu_only_declared_cuda_tests_are_selected_and_they_skip(collected):
+    got = collected[False]
     items, selected = got["items"], got["selected"]
     declared = {n for n, facts in items.items() if facts["declared_cuda"]}
     assert declared and set(selected) == declared
