@@ -492,21 +492,12 @@ def _varlen(ctx: StageContext) -> None:
         ctx.log(f"varlen {name}: {t:.3g} ms" + (f", SDPA / this {ratio:.2f}" if ratio else ""))
 
 
-def _split_kv_missing() -> str | None:
-    try:
-        import attn.flash_triton as ft
-    except ImportError as exc:
-        return f"triton not importable: {exc}"
-    return None if hasattr(ft, "split_kv_plan") else "split-KV not built"
-
-
 def _decode_paths(ctx: StageContext) -> dict[str, str | None]:
     """Each decode path and why it cannot run here (None: it runs)."""
     if ctx.dry_run:
         gpu = f"{GPU_ONLY}: compiled triton"
-        return {"split-KV triton": _split_kv_missing() or gpu, "plain triton": gpu,
-                "sdpa": None, "tiled": None}
-    return {"split-KV triton": _split_kv_missing(), "plain triton": None, "sdpa": None}
+        return {"split-KV triton": gpu, "plain triton": gpu, "sdpa": None, "tiled": None}
+    return {"split-KV triton": None, "plain triton": None, "sdpa": None}
 
 
 def _decode_call(path: str, q, k, v):
@@ -694,18 +685,15 @@ def tune(ctx: StageContext) -> None:
 def context_parallel(ctx: StageContext) -> None:
     """Ring and Ulysses through the public API on a group of one (NCCL on the GPU, gloo in a
     dry run), forward and backward against the float64 reference; alone in its process."""
-    import socket
-
     import torch
     import torch.distributed as dist
 
     import attn.distributed as cp
+    from attn.bench.context_parallel import _free_port
     from attn.testing import compare_to_reference, make_inputs
 
     dev = _device(ctx)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     backend = "gloo" if ctx.dry_run else "nccl"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)

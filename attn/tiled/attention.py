@@ -18,8 +18,9 @@ from attn.spec import LaunchSpec, Operands, PageTable, operands_of
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm, low_gemms
-from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _items_here, _plan, backward_items,
-                             backward_runs, forward_items, kv_split, page_ranges)
+from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items,
+                             backward_runs, forward_items, item_threads, kv_split,
+                             page_ranges)
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps, _fwd_tile,
                               _fwd_tile_fused, _run_fused)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
@@ -121,6 +122,19 @@ def _caller(plan) -> contextlib.AbstractContextManager:
     return cpu.single_thread() if plan.threads != 0 else contextlib.nullcontext()
 
 
+def _merge_partials(parts_out: Tensor, parts_lse: Tensor, sinks: Tensor | None
+                    ) -> tuple[Tensor, Tensor]:
+    """Key ranges' partials ``(R, B, H, Nq, Dv)`` / ``(R, B, H, Nq)`` merged in range order,
+    the sinks ``(H,)`` joining the denominator once, as one more partial of value 0."""
+    outs, lses = list(parts_out.unbind(0)), list(parts_lse.unbind(0))
+    if sinks is not None:
+        _, B, H, Nq = parts_lse.shape
+        outs.append(torch.zeros_like(outs[0]))
+        lses.append(sinks.to(parts_lse.dtype).view(1, H, 1).expand(B, H, Nq))
+    # one partial is its own merge (the same values): no pass over it
+    return _merge_trusted(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+
+
 def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Facts,
                out: Tensor, lse: Tensor, lse2: Tensor) -> None:
     """Split-KV decoding: items are (chunk, key range) pairs over all of a chunk's heads (a
@@ -157,11 +171,7 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
             engine=plan.engine, facts=f))
 
     cpu.run_items(run, len(items), threads=plan.threads)  # (the count read before _caller)
-    outs, lses = list(parts_out.unbind(0)), list(parts_lse.unbind(0))
-    if ops.sinks is not None:  # the sinks join the denominator once, as a key of value 0
-        outs.append(torch.zeros_like(outs[0]))
-        lses.append(ops.sinks.to(acc_dtype).view(1, H, 1).expand(B, H, Nq))
-    merged, merged_lse = _merge_trusted(outs, lses)
+    merged, merged_lse = _merge_partials(parts_out, parts_lse, ops.sinks)
     out.copy_(merged)
     lse.copy_(merged_lse)
     lse2[..., 0] = lse * LOG2E
@@ -255,11 +265,8 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     if Nq <= config.split_max_q:  # one key tile per item, as split-KV decoding's items
         spec = dataclasses.replace(spec, block_n=-(-chunk // page) * page if page <= chunk
                                    else chunk)
-    if not _items_here(q):
-        threads = 0
-    elif Nq * H * int(n_keys.sum()) < config.serial_max_scores:
-        threads = 1
-    else:
+    threads = item_threads(q, Nq * H * int(n_keys.sum()), config)
+    if threads is None:
         threads = cpu.workers_for_call()
     caller = cpu.single_thread() if threads != 0 else contextlib.nullcontext()
     with caller:
@@ -293,11 +300,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
 
     cpu.run_items(run, len(items), threads=threads)
     with caller:
-        outs, lses = list(parts_out.unbind(0)), list(parts_lse.unbind(0))
-        if ops.sinks is not None:  # the sinks join the denominator once, as a key of value 0
-            outs.append(torch.zeros_like(outs[0]))
-            lses.append(ops.sinks.to(acc_dtype).view(1, H, 1).expand(B, H, Nq))
-        out, lse = _merge_trusted(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+        out, lse = _merge_partials(parts_out, parts_lse, ops.sinks)
         return out.to(q.dtype), lse
 
 

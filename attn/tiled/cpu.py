@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import threading
 import warnings
@@ -219,9 +220,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None:
         bufs = _SCRATCH.bufs = {}
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     flat = bufs.get(name)
     if flat is None or flat.numel() < n or flat.dtype != dtype or flat.device != device:
         with torch.inference_mode(False):

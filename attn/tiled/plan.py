@@ -239,12 +239,18 @@ def _finish(plan: _Plan, q: Tensor, k: Tensor, config: TileConfig, backward: boo
             and spec.alibi_rows is None:
         kv_chunk = kv_split(Nq, Nk, config)
     blocks = tuple(_blocks(spec, Nq, Nk).query_blocks()) if kv_chunk is None else ()
-    if not _items_here(q):
-        threads = 0  # in order, torch's threads untouched (traced, or another device)
-    else:
-        visited = Nq * Nk if kv_chunk else sum(_cost(b) for b in blocks)
-        threads = 1 if visited * q.shape[0] * q.shape[1] < config.serial_max_scores else None
+    visited = Nq * Nk if kv_chunk else sum(_cost(b) for b in blocks)
+    threads = item_threads(q, visited * q.shape[0] * q.shape[1], config)
     return plan._replace(blocks=blocks, kv_chunk=kv_chunk, threads=threads)
+
+
+def item_threads(q: Tensor, scores: int, config: TileConfig = DEFAULT) -> int | None:
+    """How a call that visits ``scores`` scores runs its items: 0 in order with torch's
+    threads untouched (traced, or another device than CPU), 1 in order on the caller (too
+    small to wake the workers), None on the pool (its size read at the call)."""
+    if not _items_here(q):
+        return 0
+    return 1 if scores < config.serial_max_scores else None
 
 
 def _cost(block) -> int:
