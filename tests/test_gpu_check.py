@@ -119,11 +119,13 @@ def failing_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu-fail")
     (tmp / "gpu_check_helpers.py").write_text(_HELPERS)
     mp = pytest.MonkeyPatch()
-    mp.setenv("PYTHONPATH", f"{tmp}:{ROOT}")
-    mp.setattr(gpu_check, "WEIGHTS", {"boom": 1.0, "slow": 0.15, "after": 1.0})
+    mp.syspath_prepend(str(tmp))  # stage processes fork with this process's sys.path
+    # boxes of about 6, 4 and 8 s: room for the first stage to start the fork server on a
+    # loaded machine, and a box the slow stage overruns by far
+    mp.setattr(gpu_check, "WEIGHTS", {"boom": 1.0, "slow": 0.5, "after": 1.0})
     mp.setattr(gpu_check, "GRACE_S", 0.5)
     stages = {n: f"gpu_check_helpers:{n}" for n in ("boom", "slow", "after")}
-    args = argparse.Namespace(out=tmp / "run", budget_min=0.15, stages=list(stages),
+    args = argparse.Namespace(out=tmp / "run", budget_min=0.25, stages=list(stages),
                               dry_run=True, tests=ROOT / "tests")
     try:
         doc = gpu_check.run_stages(args, ["gpu-check", "--out", "run"], stages)

@@ -27,50 +27,78 @@ pytest.importorskip("triton")
 # at every D; `-m slow` builds the full product and every config _prune keeps.
 DEFAULT_CASES = [(90, 64, "all"), (90, 128, "plain"), (90, 256, "all"),
                  (80, 64, "plain"), (80, 128, "all"), (80, 256, "plain")]
-# packed sequences (every flag on) and split-KV decoding (every flag its kernel takes), each
-# arch once, at head dims the dense cases pair differently
-DEFAULT_CASES += [(90, 128, "varlen"), (80, 64, "varlen"), (90, 256, "decode"),
-                  (80, 64, "decode")]
+# packed sequences (every flag on; sm_90 only here, both archs under -m slow: the varlen flag
+# changes addressing, not how the dots lower) and split-KV decoding (every flag its kernels
+# take), at head dims the dense cases pair differently
+DEFAULT_CASES += [(90, 128, "varlen"), (90, 256, "decode"), (80, 64, "decode")]
 FULL_CASES = [(a, d, v) for a in (90, 80) for d in (64, 128, 256)
               for v in ("plain", "causal", "all", "varlen", "decode")]
+# float32 at D = 128 for sm_90, each dense kernel's largest kept config, with ptxas -v
+FP32_KERNELS = ["_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"]
 
 _CHILD = textwrap.dedent("""
     import json, sys
     from concurrent.futures import ProcessPoolExecutor
     from dataclasses import asdict
 
-    def build(case):
+    def build(task):
         import torch
         from attn.bench import compile as aot
-        arch, d, variant, every = case
+        arch, d, variant, dtype, only, every = task
         out = []
-        for launch in aot.record_launches(head_dim=d, variant=variant, dtype=torch.bfloat16):
+        for launch in aot.record_launches(head_dim=d, variant=variant,
+                                          dtype=getattr(torch, dtype)):
+            if only is not None and launch.name != only:
+                continue
             cfgs = launch.configs(arch=arch)
             for cfg in (cfgs if every else [aot.largest(cfgs)]):
-                out.append(asdict(aot.compile_launch(launch, cfg, arch=arch, variant=variant)))
+                out.append(asdict(aot.compile_launch(launch, cfg, arch=arch, variant=variant,
+                                                     ptxas_verbose=only is not None)))
         return out
 
     if __name__ == "__main__":
-        cases = [tuple(c) for c in json.loads(sys.argv[1])]
+        tasks = [tuple(t) for t in json.loads(sys.argv[1])]
         with ProcessPoolExecutor(max_workers=2) as pool:
-            builds = [b for bs in pool.map(build, cases) for b in bs]
+            builds = [b for bs in pool.map(build, tasks) for b in bs]
         print(json.dumps(builds))
 """)
 
 
-def _compile(cases: list[tuple], every_config: bool, timeout: int) -> list[dict]:
+def _cost(task: list) -> float:
+    """A rough build time, to hand the two workers the longest tasks first (measured on the
+    2-core CI machine: every flag on and D = 128 cost most, a split-KV case a few seconds)."""
+    arch, d, variant, dtype, only, every = task
+    if only is not None:
+        return 8.0
+    return {"decode": 4.0, "plain": 8.0 + d / 32}.get(variant, 16.0 + d / 16)
+
+
+def _compile(cases: list[tuple], every_config: bool, timeout: int,
+             fp32_kernels: tuple[str, ...] = ()) -> list[dict]:
+    """Build ``cases`` (bf16) and, each alone with ptxas -v, the float32 D = 128 sm_90
+    ``fp32_kernels``, in one child process with two workers."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, without its warning
-    arg = json.dumps([[a, d, v, every_config] for a, d, v in cases])
+    tasks = [[a, d, v, "bfloat16", None, every_config] for a, d, v in cases]
+    tasks += [[90, 128, "plain", "float32", k, False] for k in fp32_kernels]
+    tasks.sort(key=_cost, reverse=True)
     try:
-        res = subprocess.run([sys.executable, "-c", _CHILD, arg], capture_output=True,
-                             text=True, env=env, timeout=timeout,
+        res = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(tasks)],
+                             capture_output=True, text=True, env=env, timeout=timeout,
                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     except subprocess.TimeoutExpired:
         pytest.fail(f"compiling the kernels took more than {timeout} s")
     if res.returncode != 0:
         pytest.fail(f"the compile process failed:\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def default_builds() -> list[dict]:
+    """The default cases and the float32 builds, compiled together (one child, one import of
+    torch and triton, and the two workers kept busy to the end)."""
+    return _compile(DEFAULT_CASES, every_config=False, timeout=600,
+                    fp32_kernels=tuple(FP32_KERNELS))
 
 
 def _label(b: dict) -> str:
@@ -98,8 +126,8 @@ def _check(builds: list[dict]) -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_every_kernel_builds_for_sm90_and_sm80():
-    builds = _compile(DEFAULT_CASES, every_config=False, timeout=600)
+def test_every_kernel_builds_for_sm90_and_sm80(default_builds):
+    builds = [b for b in default_builds if b["dtype"] == "bfloat16"]
     kernels = {b["kernel"] for b in builds}
     assert kernels == {"_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
                        "_attn_fwd_split", "_attn_split_combine"}
@@ -113,39 +141,13 @@ def test_every_pruned_config_builds_everywhere():
     _check(_compile(FULL_CASES, every_config=True, timeout=7200))
 
 
-_FP32_CHILD = textwrap.dedent("""
-    import json, sys
-    from concurrent.futures import ProcessPoolExecutor
-    from dataclasses import asdict
-
-    def build(name):
-        import torch
-        from attn.bench import compile as aot
-        for launch in aot.record_launches(head_dim=128, variant="plain", dtype=torch.float32):
-            if launch.name == name:
-                cfg = aot.largest(launch.configs(arch=90))
-                return asdict(aot.compile_launch(launch, cfg, arch=90, ptxas_verbose=True))
-
-    if __name__ == "__main__":
-        with ProcessPoolExecutor(max_workers=2) as pool:
-            print(json.dumps(list(pool.map(build, sys.argv[1:]))))
-""")
-
-
-def test_float32_configs_do_not_spill():
+def test_float32_configs_do_not_spill(default_builds):
     """float32 dots run as exact FMAs without tensor cores, so the product tile sits in
     registers: the largest config _prune keeps at D = 128 must build for sm_90 with at most
     3 KiB of spills per thread (4-warp tiles spilled up to 179 KB and ran for minutes on an
     H100; the forward's smallest 8-warp tile spills 2.8 KB with triton 3.6, none with 3.9)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    kernels = ["_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"]
-    res = subprocess.run([sys.executable, "-c", _FP32_CHILD, *kernels], capture_output=True,
-                         text=True, env=env, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert res.returncode == 0, res.stderr[-4000:]
-    builds = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [b["kernel"] for b in builds] == kernels
+    builds = [b for b in default_builds if b["dtype"] == "float32"]
+    assert {b["kernel"] for b in builds} == set(FP32_KERNELS)  # dQ twice: with its Δ pass too
     for b in builds:
         assert not b["error"], (_label(b), b["error"])
         assert b["spill_bytes"] is not None and b["spill_bytes"] <= 3072, (_label(b), b)

@@ -21,7 +21,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,17 +98,49 @@ def _child_env(name: str, dry_run: bool) -> dict:
     return env
 
 
+def _stage_process(target: str, ctx_json: str, env: dict) -> None:
+    """The body of a stage's process, forked from the fork server: its own process group (so
+    a kill at its deadline reaches what it started), the environment triton reads at import,
+    then :func:`attn.bench.gpu_stages.main`."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    from attn.bench import gpu_stages
+
+    sys.exit(gpu_stages.main([target, ctx_json]))
+
+
+_FORKSERVER = None
+
+
+def _stage_starter():
+    """Stage processes fork from a server that imported torch once (1.5 s a process here)
+    and nothing that reads the environment a stage sets or touches CUDA: each stage still
+    gets a fresh process and its own CUDA context."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+
+        _FORKSERVER = multiprocessing.get_context("forkserver")
+        _FORKSERVER.set_forkserver_preload(["torch"])
+    return _FORKSERVER
+
+
 def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[str, str, dict]:
     """Run one stage in its own process: (status, why, its records)."""
-    cmd = [sys.executable, "-m", "attn.bench.gpu_stages", target, json.dumps(ctx.__dict__)]
-    proc = subprocess.Popen(cmd, env=_child_env(name, ctx.dry_run), start_new_session=True)
-    try:
-        rc = proc.wait(timeout=max(ctx.left(), 0) + GRACE_S)
-        killed = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the stage and whatever it started
-        proc.wait()
-        rc, killed = None, True
+    proc = _stage_starter().Process(
+        target=_stage_process, name=f"attn gpu-check {name}",
+        args=(target, json.dumps(ctx.__dict__), _child_env(name, ctx.dry_run)))
+    proc.start()
+    proc.join(timeout=max(ctx.left(), 0) + GRACE_S)
+    killed = proc.is_alive()
+    if killed:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the stage and whatever it started
+        except ProcessLookupError:  # killed before its setsid: the process alone
+            proc.kill()
+        proc.join()
+    rc = proc.exitcode
     got = gpu_record.read_scratch(ctx.scratch)
     if killed:
         where = f" while running {got['running']}" if got["running"] else ""
@@ -151,46 +182,49 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
                else "not selected (--stages)") for s in stages}}
     gpu_record.write_results(out, doc)
     env_facts: dict = {}
-    scratch_dir = Path(tempfile.mkdtemp(prefix="attn-gpu-check-"))
-    for i, name in enumerate(selected):
-        left = total - (time.time() - t0)
-        weight = WEIGHTS.get(name, 1.0)
-        box = max(left, 0) * weight / sum(WEIGHTS.get(s, 1.0) for s in selected[i:])
-        if name == "tune" and box < TUNE_MIN_S and not args.dry_run:
+    with tempfile.TemporaryDirectory(prefix="attn-gpu-check-") as tmp:
+        scratch_dir = Path(tmp)
+        for i, name in enumerate(selected):
+            left = total - (time.time() - t0)
+            weight = WEIGHTS.get(name, 1.0)
+            box = max(left, 0) * weight / sum(WEIGHTS.get(s, 1.0) for s in selected[i:])
+            if name == "tune" and box < TUNE_MIN_S and not args.dry_run:
+                doc["stages"][name] = gpu_record.stage_entry(
+                    "skipped", why=f"no budget left ({box:.0f} s < {TUNE_MIN_S} s)")
+            elif box <= 1:
+                doc["stages"][name] = gpu_record.stage_entry("out of time",
+                                                             why="no budget left for it")
+            if doc["stages"][name]["why"].startswith("no budget left"):
+                _say(out, f"stage {name}: {doc['stages'][name]['status']} (no budget left)")
+                gpu_record.write_results(out, doc)
+                continue
+            _say(out, f"stage {name} ({box:.0f} s box)")
+            ctx = gpu_record.StageContext(
+                name=name, out=str(out.resolve()), scratch=str(scratch_dir / f"{name}.jsonl"),
+                deadline=time.time() + box, dry_run=args.dry_run, cores=os.cpu_count() or 1,
+                tests=str(args.tests.resolve()), budget_s=box, env=env_facts)
+            # if this process is killed now, the stage reads as what it is: unfinished
             doc["stages"][name] = gpu_record.stage_entry(
-                "skipped", why=f"no budget left ({box:.0f} s < {TUNE_MIN_S} s)")
-        elif box <= 1:
-            doc["stages"][name] = gpu_record.stage_entry("out of time",
-                                                         why="no budget left for it")
-        if doc["stages"][name]["why"].startswith("no budget left"):
-            _say(out, f"stage {name}: {doc['stages'][name]['status']} (no budget left)")
+                "out of time", why="not finished when the run ended", budget_s=box)
             gpu_record.write_results(out, doc)
-            continue
-        _say(out, f"stage {name} ({box:.0f} s box)")
-        ctx = gpu_record.StageContext(
-            name=name, out=str(out.resolve()), scratch=str(scratch_dir / f"{name}.jsonl"),
-            deadline=time.time() + box, dry_run=args.dry_run, cores=os.cpu_count() or 1,
-            tests=str(args.tests.resolve()), budget_s=box, env=env_facts)
-        # if this process is killed now, the stage reads as what it is: unfinished
-        doc["stages"][name] = gpu_record.stage_entry(
-            "out of time", why="not finished when the run ended", budget_s=box)
-        gpu_record.write_results(out, doc)
-        started = time.time()
-        status, why, got = _run_stage(name, stages[name], ctx)
-        if name == "env":
-            env_facts.update(got["info"])
-            header.update({k: got["info"][k] for k in ("device_name", "cuda", "driver",
-                                                       "sm_count", "memory_gib")
-                           if k in got["info"]})
-        doc["rows"] += _with_origin(got["rows"], header)
-        doc["stages"][name] = gpu_record.stage_entry(
-            status, why=why, seconds=time.time() - started, dropped=got["dropped"],
-            budget_s=box)
-        header["elapsed_s"] = round(time.time() - t0, 1)
-        if any(r.get("kind") in ("speed", "decode") for r in got["rows"]):
-            header["plots"] = [p.name for p in gpu_tables.plots(doc, out)]
-        gpu_record.write_results(out, doc)
-        _say(out, f"stage {name}: {status}{' (' + why + ')' if why else ''}")
+            started = time.time()
+            status, why, got = _run_stage(name, stages[name], ctx)
+            if name == "env":
+                env_facts.update(got["info"])
+                header.update({k: got["info"][k] for k in ("device_name", "cuda", "driver",
+                                                           "sm_count", "memory_gib")
+                               if k in got["info"]})
+            doc["rows"] += _with_origin(got["rows"], header)
+            doc["stages"][name] = gpu_record.stage_entry(
+                status, why=why, seconds=time.time() - started, dropped=got["dropped"],
+                budget_s=box)
+            header["elapsed_s"] = round(time.time() - t0, 1)
+            drawn = {r.get("kind") for r in got["rows"]} & {"speed", "decode"}
+            if drawn:  # this stage's plots; the earlier ones stay
+                gpu_tables.plots(doc, out, drawn)
+                header["plots"] = [p for p in gpu_tables.PLOTS if (out / p).is_file()]
+            gpu_record.write_results(out, doc)
+            _say(out, f"stage {name}: {status}{' (' + why + ')' if why else ''}")
     if header["device_name"] is None:  # env not run: name the device all the same
         from attn.bench import report
 

@@ -9,6 +9,8 @@ from pathlib import Path
 from attn.bench import plots as sweep_plots
 from attn.bench import report
 
+PLOTS = ("speed.png", "memory.png", "decode.png")  # gpu_record.FILES' PNGs, in order
+
 TORCH_KERNELS = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex")
 
 
@@ -195,14 +197,17 @@ def _plot_decode(rows: list[dict], path: Path, title: str) -> Path | None:
     return path
 
 
-def plots(doc: dict, out: Path) -> list[Path]:
-    """speed.png and memory.png (the largest D measured) and decode.png: at most three."""
+def plots(doc: dict, out: Path, kinds: set[str] = frozenset({"speed", "decode"})
+          ) -> list[Path]:
+    """speed.png and memory.png (the largest D measured) and decode.png: at most three.
+    ``kinds``: which to draw (``speed`` for the first two, ``decode``); the rest stay as they
+    are on disk."""
     try:
         sweep_plots._pyplot()
     except ImportError:
         return []
     made = []
-    speed = [r for r in _rows(doc, "speed") if r["status"] == "ok"]
+    speed = [r for r in _rows(doc, "speed") if r["status"] == "ok"] if "speed" in kinds else []
     title = doc["header"].get("device_name")
     if speed:
         D = max(r["D"] for r in speed)
@@ -212,7 +217,8 @@ def plots(doc: dict, out: Path) -> list[Path]:
                                                                  "device_name": title}))
         if any(r.get("peak_bytes") for r in rs):
             made.append(sweep_plots.plot_memory(rs, out / "memory.png", {"device_name": title}))
-    decode = _plot_decode(_rows(doc, "decode"), out / "decode.png", f"Decode — {title}")
+    decode = (_plot_decode(_rows(doc, "decode"), out / "decode.png", f"Decode — {title}")
+              if "decode" in kinds else None)
     if decode is not None:
         made.append(decode)
     return made
