@@ -10,7 +10,9 @@ even for float64 models), so a mistranslated keyword cannot hide in both.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -718,3 +720,114 @@ def test_packed_batch_with_a_mask_keeps_a_poisoned_sequence_apart(backend, extra
     poisoned = _run(_Module(), q, k2, v2, mask, backend=backend, **kw)
     for a, b in ((0, 5), (7, 12)):
         assert torch.equal(poisoned[:, :, a:b], clean[:, :, a:b])
+
+
+# -- continuous batching: HF's paged cache -----------------------------------------------------
+
+def _cb_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(transformers.ContinuousBatchingConfig)}
+
+
+def _cb_missing() -> str | None:
+    if not hasattr(transformers, "ContinuousBatchingConfig"):
+        return "this transformers has no continuous batching"
+    if "page_size" not in _cb_fields() and importlib.util.find_spec("psutil") is None:
+        return "transformers 5.17's continuous batching sizes a CPU cache with psutil"
+    return None
+
+
+CB_LENGTHS = (14, 9, 3, 11, 6)  # five prompts; a step takes at most three requests, 16 tokens
+CB_NEW = 6  # past the sliding window of 5, so decoding reads the sliding layers' ring
+
+
+def cb_prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (n,), generator=g).tolist() for n in CB_LENGTHS]
+
+
+def generate_batch(model, impl, prompts) -> list[list[int]]:
+    """Greedy continuous batching on pages of 4 tokens, with fewer tokens and requests per
+    step than the prompts hold: prompts are prefilled in chunks, requests join and leave
+    between steps, decodes share steps with prefills."""
+    page = "page_size" if "page_size" in _cb_fields() else "block_size"  # renamed after 5.17
+    cb = transformers.ContinuousBatchingConfig(**{page: 4}, num_blocks=64, max_batch_tokens=16,
+                                               max_requests_per_batch=3)
+    gen = transformers.GenerationConfig(max_new_tokens=CB_NEW, do_sample=False, eos_token_id=-1,
+                                        pad_token_id=0)
+    model.set_attn_implementation(impl)
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    assert model.config._attn_implementation == impl  # HF did not swap in its own attention
+    results = [out[f"req_{i}"] for i in range(len(prompts))]
+    for r in results:
+        assert r.error is None, r.error
+    return [r.generated_tokens for r in results]
+
+
+def generate_each(model, prompts) -> list[list[int]]:
+    """HF's eager attention, one prompt at a time through the default cache."""
+    model.set_attn_implementation("eager")
+    return [model.generate(torch.tensor([p]), max_new_tokens=CB_NEW, do_sample=False,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss"])
+@pytest.mark.skipif(_cb_missing() is not None, reason=str(_cb_missing()))
+def test_generate_batch_matches_generate_per_prompt(family, monkeypatch, caplog):
+    """Continuous batching on attn gives every prompt the greedy tokens generate() gives it
+    alone: GQA (all), sliding layers read from HF's ring of pages (mistral: every layer;
+    gemma2, gpt_oss: alternating with full layers, two page pools), softcap (gemma2), sinks
+    (gpt_oss). The steps are checked to hold what the test claims to cover."""
+    torch.manual_seed(0)
+    m = build(family, tie_word_embeddings=False)  # tied, a tiny Gemma 2 repeats its last token
+    prompts = cb_prompts()
+    want = generate_each(m, prompts)
+    steps = []
+    real = attn.varlen_attention
+
+    def spy(q, k, v, cu_q, cu_k, *a, **kw):
+        steps.append((cu_q.diff().tolist(), cu_k.diff().tolist()))
+        return real(q, k, v, cu_q, cu_k, *a, **kw)
+
+    monkeypatch.setattr(attn, "varlen_attention", spy)
+    with caplog.at_level("WARNING", logger="attn.integrations.hf"):
+        got = generate_batch(m, "attn", prompts)
+    assert "ignores the keyword" not in caplog.text
+    for b, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"{family} prompt {b} (length {CB_LENGTHS[b]})"
+    assert max(len(q) for q, _ in steps) > 1  # several requests in one step
+    assert any(lq > 1 and lk > lq for q, k in steps for lq, lk in zip(q, k))  # chunked prefill
+    assert any(1 in q and max(q) > 1 for q, _ in steps)  # a decode beside a prefill
+
+
+@pytest.mark.skipif(_cb_missing() is not None, reason=str(_cb_missing()))
+def test_generate_batch_keeps_a_poisoned_request_apart():
+    """One request's keys and values are NaN in every layer (its prompt holds a token whose
+    embedding is NaN): the requests that share steps and the page pool with it still get
+    exactly the tokens they get alone."""
+    torch.manual_seed(0)
+    m = build("mistral")
+    poison = V - 1
+    with torch.no_grad():
+        m.get_input_embeddings().weight[poison] = float("nan")
+    prompts = cb_prompts()
+    clean = prompts[1:]
+    want = generate_each(m, clean)
+    assert all(poison not in w for w in want)  # the other requests never produce it
+    prompts[0][3] = poison  # the first request scheduled, sharing the first steps
+    got = generate_batch(m, "attn", prompts)
+    assert got[1:] == want
+
+
+def test_paged_modes_attn_does_not_run_raise():
+    q, k, v = _qkv(B=1, Nq=3, Nk=3)
+    cu = torch.tensor([0, 1, 3])
+    with pytest.raises(NotImplementedError, match="block_table"):
+        _run(_Module(), q, k, v, cache=object(), cu_seq_lens_q=cu,
+             block_table=torch.zeros(1, 2, 4, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="static shapes"):
+        _run(_Module(), q, k, v, cache=object(), cu_seq_lens_q=torch.tensor([0, 1, 2]))
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        _run(_Module(), q, k, v, cache=object(), cu_seq_lens_q=cu,
+             position_bias=torch.zeros(1, 4, 3, 3, dtype=q.dtype))
+    with pytest.raises(ValueError, match="one row"):
+        _run(_Module(), *_qkv(B=2, Nq=3, Nk=3), cache=object(), cu_seq_lens_q=cu)

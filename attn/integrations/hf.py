@@ -30,6 +30,8 @@ bool or float 4-D mask          the mask decides, as in eager; float entries at 
 position_bias (T5-style)        float attn_mask (bias, -inf where masked)
 cu_seq_lens_q / cu_seq_lens_k,  attn.varlen_attention: a token never sees another packed sequence
 restarting position_ids (B=1)
+cache (HF's paged cache, in      the new keys and values written through ``cache.update``, then
+continuous batching)            attn.varlen_attention over what it returns (see below)
 output (B, H, Nq, Dv)           returned as (B, Nq, H, Dv) with no attention weights
 ==============================  ==============================================================
 
@@ -39,6 +41,20 @@ The mask function returns no mask at all when attn's bottom-right causal (plus t
 window keyword) already says everything, so a single unpadded prompt never materializes an
 Nq x Nk mask.
 
+Continuous batching (``model.generate_batch``, HF's ``PagedAttentionCache``): each layer
+hands the attention function the new tokens of every scheduled request packed into one row,
+the cache and its read / write indices. As HF's own paged wrappers do, attn writes the new
+keys and values with ``cache.update``, which returns every request's keys (its cached ones,
+then the new ones) packed by ``cu_seq_lens_k``; ``attn.varlen_attention`` then attends per
+request, bottom-right causal and windowed on each request's own keys. The mask HF's model
+builds over the packed queries is not read: it describes no cached key. HF's manager swaps
+any implementation but its own for one of its own when it starts (5.17: the name's "paged|"
+variant; 5.23: an error), so ``register`` wraps that step
+(``ContinuousBatchingManager.switch_to_cb_friendly_attn``) to keep the names it registered,
+leaving every other name to HF. HF's decode fast path (a block table into the pages, enabled
+only for flash attention on CUDA / XPU) and inputs padded to static shapes (CUDA graphs,
+compiled continuous batching) raise NotImplementedError.
+
 Difference to eager: a query row that may see no key (the padding rows of a left-padded
 batch) returns zeros here; eager spreads it uniformly over the masked keys. Those rows are
 padding: no loss or generated token reads them.
@@ -46,6 +62,8 @@ padding: no loss or generated token reads them.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import weakref
 from dataclasses import dataclass
@@ -81,7 +99,11 @@ _INERT = frozenset({
     "use_cache", "cache_position", "output_attentions", "output_hidden_states",
     "output_router_logits", "num_items_in_batch", "max_length_q", "max_length_k",
     "past_key_values", "past_key_value", "position_embeddings", "layer_idx", "deterministic",
+    # continuous batching: the cache's indices (read by cache.update) and the sampler's inputs
+    "read_index", "write_index", "max_seqlen_q", "max_seqlen_k", "logits_indices",
+    "logits_processor_args",
 })
+_registered: set[str] = set()  # names register() gave attn, let through HF's continuous batching
 _warned: set[str] = set()
 
 
@@ -268,6 +290,105 @@ def _per_sequence(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, plan:
     return torch.cat(outs, dim=2)
 
 
+# -- HF's paged cache (continuous batching) ---------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _update_takes_kwargs(cache_type: type) -> bool:
+    """transformers 5.23's ``PagedAttentionCache.update(..., kwargs)`` picks the layer's
+    entries out of the per-layer-type keywords itself; 5.17's takes the index lists."""
+    return "kwargs" in inspect.signature(cache_type.update).parameters
+
+
+def _paged_keys_values(module: torch.nn.Module, key: Tensor, value: Tensor, cache: object,
+                       cu_seq_lens_k: object, kwargs: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """Write this step's keys and values into HF's paged cache as HF's own paged wrappers do
+    (``cache.update``) and return what the cache reads back for attention: every request's
+    keys, its cached ones then its new ones, packed one request after another.
+
+    key/value (1, Hkv, new, D) → key/value (1, Hkv, total_k, D), cu_seq_lens_k (requests + 1,).
+    A sliding layer's cache is a ring of its last window - 1 keys; update() returns them in
+    position order, so the band on each request's own keys is still bottom-right.
+    """
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise ValueError(f"HF's paged cache is indexed by layer: {type(module).__name__} has no "
+                         f"integer layer_idx (got {layer!r})")
+    if _update_takes_kwargs(type(cache)):
+        paged = dict(kwargs, cu_seq_lens_k=cu_seq_lens_k)  # update() resolves it per layer type
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=layer,
+                                  kwargs=paged)
+        return key, value, paged["cu_seq_lens_k"]
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=layer,
+                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    # (total_k, Hkv, D) -> (1, Hkv, total_k, D)
+    key, value = (x.transpose(0, 1)[None] for x in (key, value))
+    if isinstance(cu_seq_lens_k, dict):  # one entry per layer type; the cache knows this layer's
+        kind = "full_attention" if cache.sliding_windows[layer] == 1 else "sliding_attention"
+        cu_seq_lens_k = cu_seq_lens_k[kind] if len(cu_seq_lens_k) > 1 \
+            else next(iter(cu_seq_lens_k.values()))
+    return key, value, cu_seq_lens_k
+
+
+def _paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                     cache: object, cu_seq_lens_q: object, cu_seq_lens_k: object, kwargs: dict,
+                     **options) -> Tensor:
+    """One layer of a continuous-batching step: the scheduled requests' new tokens packed into
+    one row, each request attending to its own cached and new keys only.
+
+    query (1, H, total_q, D), key/value (1, Hkv, total_q, D[v]) → (1, total_q, H, Dv).
+    """
+    if kwargs.get("block_table") is not None:
+        raise NotImplementedError(
+            "attn does not run HF's continuous-batching decode fast path (a block_table into the "
+            "pages, written by flash_attn_with_kvcache itself); HF enables it only for flash "
+            "attention on CUDA / XPU. Use ContinuousBatchingConfig(max_blocks_per_request=0)")
+    if query.shape[0] != 1:
+        raise ValueError(f"HF's paged cache packs a step's requests into one row: query must be "
+                         f"(1, H, total_q, D), got {tuple(query.shape)}")
+    n_q = query.shape[2]
+    if isinstance(cu_seq_lens_q, Tensor) and cu_seq_lens_q.dim() == 1 \
+            and cu_seq_lens_q.numel() > 0 and int(cu_seq_lens_q[-1]) != n_q:
+        raise NotImplementedError(
+            f"attn does not run continuous batching on inputs padded to static shapes (CUDA "
+            f"graphs or torch.compile): cu_seq_lens_q ends at {int(cu_seq_lens_q[-1])} of "
+            f"{n_q} packed query tokens. Use ContinuousBatchingConfig(use_cuda_graph=False) "
+            f"without compile configs")
+    key, value, cu_k = _paged_keys_values(module, key, value, cache, cu_seq_lens_k, kwargs)
+    # (1, H, total, D) -> the packed layout (total, H, D), and back
+    out = attn.varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                value[0].transpose(0, 1), cu_seq_lens_q, cu_k, **options)
+    return out[None].contiguous()
+
+
+def _let_continuous_batching_keep(name: str) -> None:
+    """Let HF's continuous batching run with attn's implementation ``name``.
+
+    Its manager switches the model to an implementation of HF's own when it starts (5.17: the
+    "paged|" variant of the name; 5.23: refuses anything but eager, sdpa and flash). Wrapped
+    once, so that it leaves the names attn registered as they are and decides for all others
+    as before.
+    """
+    _registered.add(name)
+    try:
+        from transformers.generation.continuous_batching.continuous_api import (
+            ContinuousBatchingManager,
+        )
+    except ImportError:  # a transformers without continuous batching
+        return
+    switch = ContinuousBatchingManager.switch_to_cb_friendly_attn
+    if getattr(switch, "_keeps_attn", False):
+        return
+
+    @functools.wraps(switch)
+    def keep_attn(self, model, *args, **kwargs):
+        if getattr(model.config, "_attn_implementation", None) in _registered:
+            return None
+        return switch(self, model, *args, **kwargs)
+
+    keep_attn._keeps_attn = True
+    ContinuousBatchingManager.switch_to_cb_friendly_attn = keep_attn
+
+
 # -- the attention function HF calls ----------------------------------------------------------
 
 def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -282,10 +403,6 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
 
     query (B, H, Nq, D), key/value (B, Hkv, Nk, D[v]) → ((B, Nq, H, Dv), None).
     """
-    if cache is not None:
-        raise NotImplementedError(
-            "attn's HF integration does not drive HF's paged cache (continuous batching); use "
-            "generate() with the default cache, or attn_implementation='sdpa' for paged serving")
     if kwargs.get("output_attentions"):
         _warn_once("output_attentions", "attn never materializes attention weights: "
                    "output_attentions=True returns None for them (use attn_implementation="
@@ -303,6 +420,18 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         window = hf_sliding_window(sliding_window)  # (W - 1, 0)
         if not causal:  # encoders (ModernBERT): HF's bidirectional windows are symmetric
             window = (window[0], window[0])
+
+    dropout_p = float(dropout) if module.training else 0.0
+    if cache is not None:
+        if position_bias is not None:
+            raise NotImplementedError("attn does not run HF's paged cache (continuous batching) "
+                                      "with a position_bias")
+        # HF's model drew its mask over the packed new tokens only, not knowing the cache: the
+        # requests' borders come from cu_seq_lens, the band from causal and the window
+        out = _paged_attention(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k,
+                               kwargs, causal=causal, window=window, scale=scaling,
+                               softcap=softcap, sinks=s_aux, dropout_p=dropout_p, backend=backend)
+        return out, None
 
     if attention_mask is None:
         plan = _Plan(causal, window, None)
@@ -329,7 +458,6 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     elif mask is not None and mask.is_floating_point():
         mask = mask.to(query.dtype)
 
-    dropout_p = float(dropout) if module.training else 0.0
     if plan.cu_seqlens is not None and mask is not None:
         out = _per_sequence(query, key, value, mask, plan, scale=scaling, softcap=softcap,
                             sinks=s_aux, dropout_p=dropout_p, backend=backend)
@@ -400,6 +528,8 @@ def register(name: str = "attn", backend: str = "auto") -> str:
     ``model.set_attn_implementation(name)``) runs every attention layer through
     ``attn.attention(..., backend=backend)``. Registering several names with different
     backends is fine (e.g. "attn" and "attn_tiled"); registering a name again replaces it.
+    ``model.generate_batch`` (continuous batching) then runs on attn too: HF's manager would
+    otherwise switch such a model to one of its own implementations.
     """
     if not isinstance(name, str) or not name or name in _RESERVED or "/" in name:
         raise ValueError(f"name must be a new implementation name (not one of HF's own "
@@ -415,6 +545,7 @@ def register(name: str = "attn", backend: str = "auto") -> str:
     attention_forward.__doc__ = _attention_forward.__doc__
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, _mask_function)
+    _let_continuous_batching_keep(name)
     return name
 
 
