@@ -12,11 +12,15 @@ How the keys are read depends on the device:
   (:func:`attn.tiled.paged_attention`): each work item is one row's range of keys, cut on
   page boundaries, read as a view of its pages (a copy of that range's pages only where
   they are not consecutive in the storage), never a dense copy of a sequence;
-* **other devices**: sequences of equal lengths whose keys lie in consecutive pages run
+* **CUDA** (triton installed, float16 / bfloat16 / float32 pages): the triton kernel
+  loads each key tile's page ids from the block table and reads the keys in place
+  (:func:`attn.flash_triton.paged_attention`, split-KV's grid and combine);
+* **otherwise**: sequences of equal lengths whose keys lie in consecutive pages run
   as one :func:`attn.attention` on a view; else the keys in use are copied head-major
   through the block table and run batched (equal lengths) or packed through
-  :func:`attn.varlen_attention` (ragged lengths). A paged read inside the triton kernel is
-  a later piece.
+  :func:`attn.varlen_attention` (ragged lengths).
+
+:func:`read_plan` says which of the three a call takes, and why.
 
 Forward only: callers run it under ``torch.no_grad()`` or ``torch.inference_mode()``.
 """
@@ -31,17 +35,21 @@ from torch import Tensor
 
 from attn import tiled
 from attn.api import attention
-from attn.call import _check_tensor, resolve
+from attn.call import AttentionCall, _check_tensor, resolve, unsupported_reason
 from attn.kvcache import PagedKVCache
 from attn.masks import make_band, window_pair
 from attn.spec import PageTable, acc_dtype
 from attn.varlen import varlen_attention
 
-__all__ = ["decode"]
+__all__ = ["decode", "read_plan"]
 
 # Devices where the tiled backend reads the pages itself (see the module docstring); the
 # tests also run the other devices' strategies on CPU by emptying it.
 _PAGED_DEVICES = ("cpu",)
+# Devices where the triton kernel reads the pages through the block table; the tests run it
+# on CPU in the Triton interpreter by naming "cpu" here (and emptying _PAGED_DEVICES).
+_TRITON_PAGED_DEVICES = ("cuda",)
+_TRITON_PAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _no_keys(q: Tensor, B: int, Dv: int) -> tuple[Tensor, Tensor]:
@@ -109,6 +117,9 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     if q.device.type in _PAGED_DEVICES:
         return _paged(q, cache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
                       return_lse)
+    if read_plan(q, cache)[0] == "triton":
+        return _triton_paged(q, cache, rows, causal, window, scale, softcap, alibi_slopes,
+                             sinks, return_lse)
     if rows is not None:
         cache = cache.select(rows)
     lengths = cache.lengths - cache.starts
@@ -142,6 +153,53 @@ def _paged(q, cache: PagedKVCache, rows, causal, window, scale, softcap, alibi_s
         table, starts, lengths = table[rows], starts[rows], lengths[rows]
     out, lse = tiled.paged_attention(q, k_pages, v_pages, spec,
                                      ops._replace(pages=PageTable(table, starts, lengths)))
+    return (out, lse) if return_lse else out
+
+
+def read_plan(q: Tensor, cache: PagedKVCache) -> tuple[str, str]:
+    """How :func:`decode` reads ``cache`` for ``q`` (B, H, Nq, D), and why: ``"tiled"``
+    (work items read the pages), ``"triton"`` (the kernel loads page ids from the block
+    table) or ``"copy"`` (a view, or the keys in use copied, through ``attention`` /
+    ``varlen_attention``). Pure and cheap: device, dtypes and head dims decide."""
+    dev = q.device.type
+    if dev in _PAGED_DEVICES:
+        return "tiled", (f"the tiled backend's work items read the pages through the block "
+                         f"table on {dev} (attn.tiled.paged_attention)")
+    if dev not in _TRITON_PAGED_DEVICES:
+        why = f"it runs on {_TRITON_PAGED_DEVICES}, not {dev}"
+    elif cache.k_pages.dtype not in _TRITON_PAGE_DTYPES:
+        why = f"pages stored in {cache.k_pages.dtype} (it reads float16, bfloat16, float32)"
+    else:
+        why = unsupported_reason("triton", AttentionCall(
+            device=dev, dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=cache.v_pages.shape[-1],
+            n_q=q.shape[2], n_k=cache.capacity))
+    if why is None:
+        return "triton", ("triton's paged kernel loads each key tile's page ids from the block "
+                          "table and reads the keys in place (attn.flash_triton.paged_attention"
+                          "; split-KV chunks planned for the longest sequence)")
+    return "copy", (f"a view of the pages, or the keys in use copied, through attention / "
+                    f"varlen_attention: triton's paged kernel cannot run because {why}")
+
+
+def _triton_paged(q, cache: PagedKVCache, rows, causal, window, scale, softcap, alibi_slopes,
+                  sinks, return_lse):
+    """The triton kernel's paged read: the variants resolved against one key of q's dtype
+    per row, the band counted from each sequence's end, the block table on the cache's
+    device (the rows of ``seq_ids`` picked from it: a copy of table rows, not of pages)."""
+    from attn import flash_triton  # importable: read_plan asked it
+
+    B, H, Nq, D = q.shape
+    k_pages, v_pages = cache.k_pages, cache.v_pages
+    one_key = [q.new_zeros(()).expand(B, k_pages.shape[2], 1, p.shape[-1])
+               for p in (k_pages, v_pages)]
+    _, spec, ops = resolve(q, *one_key, scale=scale, softcap=softcap, sinks=sinks,
+                           band=make_band(Nq, 0, causal=bool(causal), window=window_pair(window)),
+                           alibi_slopes=alibi_slopes, return_lse=return_lse)
+    table, starts, lengths = cache.block_table, cache.starts, cache.lengths
+    if rows is not None:
+        table, starts, lengths = table[rows.to(table.device)], starts[rows], lengths[rows]
+    out, lse = flash_triton.paged_attention(q, k_pages, v_pages, spec,
+                                            ops._replace(pages=PageTable(table, starts, lengths)))
     return (out, lse) if return_lse else out
 
 

@@ -105,7 +105,10 @@ class PageTable(NamedTuple):
     page storage ``(num_blocks, page_size, Hkv, D)``, and batch row b reads its keys
     ``[starts[b], lengths[b])`` in pages ``block_table[b, t // page_size]`` at slot
     ``t % page_size``. The three are host int64 tensors (``(B, max_pages)``, ``(B,)``,
-    ``(B,)``): the plan cuts the call from them, so they are shapes, not device data."""
+    ``(B,)``): the plan cuts the call from them, so they are shapes, not device data. The
+    triton kernel (:func:`attn.flash_triton.paged_attention`) reads the table where it lies
+    (int32 or int64, moved to q's device if it is not there); starts and lengths stay host
+    tensors there too."""
 
     block_table: Tensor
     starts: Tensor

@@ -33,6 +33,10 @@ DEFAULT_CASES = [(90, 64, "all"), (90, 128, "plain"), (90, 256, "all"),
 DEFAULT_CASES += [(90, 128, "varlen"), (90, 256, "decode"), (80, 64, "decode")]
 FULL_CASES = [(a, d, v) for a in (90, 80) for d in (64, 128, 256)
               for v in ("plain", "causal", "all", "varlen", "decode")]
+# decoding from a paged cache (its page-table load, every flag it takes): sm_90 by default,
+# sm_80 with the rest under -m slow
+DEFAULT_CASES += [(90, 128, "paged")]
+FULL_CASES += [(a, d, "paged") for a in (90, 80) for d in (64, 128, 256)]
 # float32 at D = 128 for sm_90, each dense kernel's largest kept config, with ptxas -v
 FP32_KERNELS = ["_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"]
 
@@ -70,7 +74,7 @@ def _cost(task: list) -> float:
     arch, d, variant, dtype, only, every = task
     if only is not None:
         return 8.0
-    return {"decode": 4.0, "plain": 8.0 + d / 32}.get(variant, 16.0 + d / 16)
+    return {"decode": 4.0, "paged": 6.0, "plain": 8.0 + d / 32}.get(variant, 16.0 + d / 16)
 
 
 def _compile(cases: list[tuple], every_config: bool, timeout: int,
@@ -130,7 +134,7 @@ def test_every_kernel_builds_for_sm90_and_sm80(default_builds):
     builds = [b for b in default_builds if b["dtype"] == "bfloat16"]
     kernels = {b["kernel"] for b in builds}
     assert kernels == {"_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
-                       "_attn_fwd_split", "_attn_split_combine"}
+                       "_attn_fwd_split", "_attn_split_combine", "_attn_fwd_paged"}
     built = {(b["variant"], b["kernel"]) for b in builds}
     assert {("varlen", k) for k in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")} <= built
     _check(builds)

@@ -35,13 +35,15 @@ ARCHS = (90, 80)
 # opt-in shared memory per block: H100 227 KiB, A100 163 KiB
 SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 KERNELS = ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
-           "_attn_fwd_split", "_attn_split_combine")
+           "_attn_fwd_split", "_attn_split_combine", "_attn_fwd_paged")
 # row reductions: no dots, nothing to pipeline
 NO_DOT = ("_attn_bwd_preprocess", "_attn_split_combine")
 # the variant flags a kernel can be specialized on; "all" turns every one on at once (ALiBi
 # included); "varlen" is "all" on packed sequences; "decode" is split-KV decoding (forward
-# only, Nq = 16) with every flag its kernel takes (all but dropout)
-VARIANTS = ("plain", "causal", "all", "varlen", "decode")
+# only, Nq = 16) with every flag its kernel takes (all but dropout); "paged" is decoding
+# from a paged cache (pages of 16, a shuffled block table, ragged lengths) with every flag
+# its kernel takes (all but dropout and attn_mask)
+VARIANTS = ("plain", "causal", "all", "varlen", "decode", "paged")
 
 
 @dataclass
@@ -131,36 +133,57 @@ def _variant_call(variant: str, H: int, n_q: int, n_k: int, scale: float) -> tup
         return LaunchSpec(qk_scale=scale), {}
     if variant == "causal":
         return LaunchSpec(qk_scale=scale, band=make_band(n_q, n_k, causal=True, window=None)), {}
-    if variant in ("all", "varlen", "decode"):  # every flag a kernel specializes on, at once
+    if variant in ("all", "varlen", "decode", "paged"):  # every flag a kernel takes, at once
         g = torch.Generator().manual_seed(0)
         # seed 1: the JIT would turn an int argument equal to 1 into a constant; split-KV
-        # (decode) runs without dropout, packed sequences (varlen) without a mask
+        # (decode, paged) runs without dropout, packed sequences (varlen) without a mask;
+        # a paged call's band is counted from each row's end (no keys in the spec's)
+        forward_only = variant in ("decode", "paged")
         spec = LaunchSpec(qk_scale=scale,
-                          band=make_band(n_q, n_k, causal=True, window=(n_k // 4, 0)),
-                          dropout_p=0.0 if variant == "decode" else 0.1, dropout_seed=1)
+                          band=make_band(n_q, 0 if variant == "paged" else n_k, causal=True,
+                                         window=(n_k // 4, 0)),
+                          dropout_p=0.0 if forward_only else 0.1, dropout_seed=1)
         tensors = {"softcap": torch.full((H,), 30.0, requires_grad=True),
                    "sinks": torch.zeros(H, requires_grad=True),
                    "alibi": 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)}
-        if variant != "varlen":
+        if variant not in ("varlen", "paged"):
             tensors["attn_mask"] = torch.rand(1, 1, n_q, n_k, generator=g) > 0.1
         return spec, tensors
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
+def _paged_call(tri, spec, tensors: dict, rand, *, head_dim: int, B: int, H: int,
+                H_kv: int, N: int, n_q: int) -> None:
+    """One forward of ``tri.paged_attention``: pages of 16 positions in a shuffled block
+    table, B rows of ragged lengths up to N (the last one N), split-KV forced as for decode."""
+    from attn.spec import Operands, PageTable
+
+    page = 16
+    per_row = -(-N // page)
+    g = torch.Generator().manual_seed(1)
+    table = torch.randperm(B * per_row, generator=g).view(B, per_row).to(torch.int32)
+    lengths = torch.linspace(N // 3, N, B).long()
+    pages = [rand(B * per_row, page, H_kv, head_dim) for _ in range(2)]
+    ops = Operands(**tensors, pages=PageTable(table, torch.zeros_like(lengths), lengths))
+    tri.paged_attention(rand(B, H, n_q, head_dim), *pages, spec, ops)
+
+
 def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int, H: int,
                  H_kv: int, N: int) -> None:
     """One call of ``tri.triton_attention`` for ``variant``: forward and backward (dense,
-    varlen) or a decoding forward (decode: 4 query rows, split-KV forced to 4 chunks)."""
+    varlen) or a decoding forward (decode: 16 query rows, split-KV forced to 4 chunks;
+    paged: the same through a block table)."""
     import contextlib
     from dataclasses import replace
 
     from attn.spec import Operands
 
     g = torch.Generator().manual_seed(0)
-    n_q = 16 if variant == "decode" else N  # 16 rows x a group of 4: the largest q block
+    forward_only = variant in ("decode", "paged")
+    n_q = 16 if forward_only else N  # 16 rows x a group of 4: the largest q block
 
     def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(variant != "decode")
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(not forward_only)
 
     spec, tensors = _variant_call(variant, H, n_q, N, head_dim ** -0.5)
     if variant == "varlen":  # packed (total, H, D): an empty sequence and a short last one
@@ -168,15 +191,18 @@ def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int
         q, k, v = rand(N + 17, H, head_dim), rand(N + 17, H_kv, head_dim), rand(N + 17, H_kv, head_dim)
         spec = replace(spec, max_seqlen_q=N - N // 3, max_seqlen_k=N - N // 3)
         ops = Operands(**tensors, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    else:
+    elif variant != "paged":
         q, k, v = rand(B, H, n_q, head_dim), rand(B, H_kv, N, head_dim), rand(B, H_kv, N, head_dim)
         ops = Operands(**tensors)
     saved = os.environ.get("ATTN_TRITON_SPLIT_KV")
-    os.environ["ATTN_TRITON_SPLIT_KV"] = "4" if variant == "decode" else "0"
+    os.environ["ATTN_TRITON_SPLIT_KV"] = "4" if forward_only else "0"
     try:
-        with torch.no_grad() if variant == "decode" else contextlib.nullcontext():
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            if variant == "paged":
+                return _paged_call(tri, spec, tensors, rand, head_dim=head_dim, B=B, H=H,
+                                   H_kv=H_kv, N=N, n_q=n_q)
             out, lse = tri.triton_attention(q, k, v, spec, ops)
-        if variant != "decode":
+        if not forward_only:
             (out.float().sum() + lse.sum()).backward()
     finally:
         if saved is None:
@@ -190,7 +216,7 @@ def record_launches(*, head_dim: int, dtype: torch.dtype = torch.bfloat16,
                     N: int = 1024) -> list[Launch]:
     """Every kernel launch of one forward + backward of ``triton_attention`` on CPU tensors
     (contiguous, as a typical call passes them), recorded instead of run; for ``decode``,
-    the launches of one split-KV forward."""
+    the launches of one split-KV forward, for ``paged`` of one paged forward."""
     # the launchers look their kernels up in attn.flash_triton.launch: record them there
     from attn.flash_triton import launch as flash_triton
 
@@ -315,7 +341,7 @@ def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,
             for variant in variants:
                 launches = record_launches(head_dim=d, dtype=dtype, variant=variant)
                 for launch in launches:
-                    if launch.name in NO_DOT and variant not in ("plain", "decode"):
+                    if launch.name in NO_DOT and variant not in ("plain", "decode", "paged"):
                         continue  # no variant flags: one build per D is enough
                     for arch in archs:
                         cfgs = launch.configs(arch=arch, pruned=pruned)

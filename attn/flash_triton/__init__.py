@@ -24,7 +24,9 @@ or packed by the ``VARLEN`` constexpr: one sequence-info helper is all that diff
 ``Operands(cu_seqlens_q=..., cu_seqlens_k=...)``).
 
 Decoding calls (Nq <= 16, forward only) may run split-KV instead (``split``: the keys cut
-into chunks per :func:`split_kv_plan`, partials merged by a combine kernel).
+into chunks per :func:`split_kv_plan`, partials merged by a combine kernel). A paged KV cache
+is read through its block table inside a sibling of that kernel (``paged``,
+:func:`paged_attention`, what ``attn.decode`` runs on CUDA).
 
 Runs on CUDA; on CPU only under the Triton interpreter (``TRITON_INTERPRET=1`` set before
 this module is imported), which is how the default test suite checks the kernels.
@@ -34,9 +36,10 @@ from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_pre
                                      _attn_fwd)
 from attn.flash_triton.kernels import _INTERPRET, _stages
 from attn.flash_triton.launch import (_bwd, _bwd_op, _FlashAttention, _fwd, _fwd_op, _op_args,
-                                      triton_attention, unsupported_reason, value_offset_args)
+                                      paged_attention, triton_attention, unsupported_reason,
+                                      value_offset_args)
 from attn.flash_triton.split import SplitPlan, split_kv_plan, split_kv_reason
 from attn.flash_triton.tune import _configs, _prune, prune_for, smem_estimate
 
-__all__ = ["triton_attention", "unsupported_reason", "prune_for", "smem_estimate",
-           "value_offset_args", "split_kv_plan", "SplitPlan", "split_kv_reason"]
+__all__ = ["triton_attention", "paged_attention", "unsupported_reason", "prune_for",
+           "smem_estimate", "value_offset_args", "split_kv_plan", "SplitPlan", "split_kv_reason"]

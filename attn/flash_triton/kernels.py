@@ -286,6 +286,22 @@ def _value_offset(VMax, v_log_scale, V_OFFSET: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i, voff, V_OFFSET: tl.constexpr):
+    """One key tile's step of the online softmax: the tile's p (up to 1 / l), alpha (which
+    rescales what earlier tiles gave acc), and the new l_i and m_i. Rows that have seen
+    nothing yet keep m_safe = 0; the value offset rides on the row max (_value_offset)."""
+    if V_OFFSET:
+        m_new = tl.maximum(m_i, tl.max(s, 1) + voff)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK, BAND,
                DROP, voff, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -299,16 +315,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, 
         kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
                                  HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
                                  HAS_ALIBI, DOT_PRECISION)
-        # -- online softmax (m_safe: rows that have seen nothing yet stay at 0); the value
-        # offset rides on the row max (_value_offset) --
-        if V_OFFSET:
-            m_new = tl.maximum(m_i, tl.max(s, 1) + voff)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- online softmax --
+        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, voff, V_OFFSET)
         if HAS_DROPOUT:  # the denominator counts every key, the values only the kept ones
             p = p * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
         # -- update acc --

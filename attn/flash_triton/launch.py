@@ -21,6 +21,7 @@ from torch import Tensor
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
                                      _attn_fwd)
 from attn.flash_triton.kernels import _INTERPRET
+from attn.flash_triton.paged import _attn_fwd_paged
 from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_combine,
                                      combine_block, sm_count_of, split_kv_override,
                                      split_kv_plan, split_kv_unsupported)
@@ -297,6 +298,57 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
     return out, lse
 
 
+def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, ops: Operands
+               ) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of q ``(B, H, Nq, D)`` against keys read through ``ops.pages``
+    (:mod:`attn.flash_triton.paged`): the split-KV grid and combine, the chunk count from
+    split-KV's plan for the longest row (one chunk when Nq > 16)."""
+    table, starts, lengths = ops.pages
+    q, sinks, softcap = _kernel_inputs(q, q, spec, ops.sinks, ops.softcap)  # q's dtype rules
+    B, H, Nq, D = q.shape
+    page, Hkv, Dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
+    group = H // Hkv
+    block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
+    block_m, block_n, warps, stages = split_config(block_d, block_dv, q.element_size(),
+                                                   group * Nq)
+    n_max = int((lengths - starts).max()) if B else 0
+    plan = split_kv_plan(B * Hkv, n_max, Nq, sm_count_of(q.device), tile=block_n,
+                         force=split_kv_override())
+    splits = plan.splits
+    chunk = plan.chunk if splits > 1 else block_n * max(1, triton.cdiv(n_max, block_n))
+    band = spec.local_band()
+    # each row's first key position and end, and its page ids, where the kernel reads them
+    seq = torch.stack([starts, lengths], 1).to(device=q.device, dtype=torch.int32)
+    table = table.to(q.device)
+    alibi = None if ops.alibi is None else ops.alibi.to(torch.float32).expand(B, H)
+    out_p = torch.empty(splits, B, H, Nq, Dv, dtype=torch.float32, device=q.device)
+    lse_p = torch.empty(splits, B, H, Nq, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(group * Nq, block_m), splits, B * Hkv)
+    _attn_fwd_paged[grid](
+        q, k_pages, v_pages, table, seq, out_p, lse_p, q if softcap is None else softcap,
+        q if alibi is None else alibi, QS=q.stride(), KPS=k_pages.stride(),
+        VPS=v_pages.stride(), TS=table.stride(), AS=(0, 0) if alibi is None else alibi.stride(),
+        B=B, H=H, GROUP=group, N_Q=Nq, offset=band.offset,
+        left=_UNBOUNDED if band.left is None else band.left,
+        right=_UNBOUNDED if band.right is None else band.right, scale=float(spec.qk_scale),
+        chunk=chunk, page_size=page,
+        v_log_scale=math.log(2.0 / torch.finfo(torch.float32).max), HEAD_DIM=D,
+        HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BANDED=not band.is_full,
+        HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        V_OFFSET=q.dtype != torch.float16, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages)
+    if splits == 1 and sinks is None:  # one partial is its own merge: the same values
+        return out_p[0].to(q.dtype), lse_p[0]
+    out = torch.empty(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    _attn_split_combine[(B * H * Nq,)](
+        out_p, lse_p, out, lse, lse_p if sinks is None else sinks, out.stride(), B * H * Nq,
+        H, Nq, splits, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_S=combine_block(splits),
+        HAS_SINKS=sinks is not None)
+    return out, lse
+
+
 def _delta(do: Tensor, dlse: Tensor | None, out: Tensor, L: _Launch) -> Tensor:
     """Δ = rowsum(dO ∘ O) − dlse, laid out as lse: the preprocess kernel, or for packed
     sequences the same sum in torch."""
@@ -533,3 +585,27 @@ def triton_attention(
         return _fwd_split_op(q, k, v, ops.attn_mask, sinks, cap, *_op_args(spec), ops.alibi,
                              plan.chunk)
     return _FlashAttention.apply(q, k, v, ops.attn_mask, sinks, cap, spec, ops)
+
+
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,
+                    ops: Operands) -> tuple[Tensor, Tensor]:
+    """Attention of q ``(B, H, Nq, D)`` against keys read through a page table inside the
+    kernel, forward only → out ``(B, H, Nq, Dv)`` in q's dtype, lse ``(B, H, Nq)`` float32.
+    The same protocol as :func:`attn.tiled.paged_attention` (inputs validated by the caller,
+    ``attn.decode``): ``k_pages (num_blocks, page_size, Hkv, D)`` and ``v_pages (…, Dv)``
+    float16 / bfloat16 / float32 page storage on q's device, read through their strides;
+    ``ops.pages`` (:class:`attn.spec.PageTable`) says which keys row b reads (its table may
+    already be on q's device; the starts and lengths plan the call on the host); the band is
+    per row, ``spec.band`` with ``N_b`` added to its offset; ``ops`` also carries sinks,
+    a learnable softcap and ALiBi slopes broadcastable to (B, H)."""
+    if ops.pages is None or ops.attn_mask is not None or ops.captured or ops.q_scale is not None:
+        raise ValueError("triton paged_attention takes ops.pages, and no attn_mask, score_mod "
+                         "or tensor temperature")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+        raise ValueError("paged attention is forward only (caches serve inference): run it "
+                         "under torch.no_grad() or torch.inference_mode()")
+    B, H, Nq, _ = q.shape
+    if B == 0 or Nq == 0:  # no program to launch
+        return (q.new_empty(B, H, Nq, v_pages.shape[-1]),
+                q.new_empty(B, H, Nq, dtype=torch.float32))
+    return _fwd_paged(q, k_pages, v_pages, spec, ops)

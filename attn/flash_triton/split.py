@@ -135,22 +135,18 @@ def sm_count_of(device) -> int:
 # -- kernels -------------------------------------------------------------------------------
 
 @triton.jit
-def _attn_fwd_split(Q, K, V, OutP, LseP, Mask, Softcap, Alibi, QS, KS, VS, MS, AS,
-                    B, H, GROUP, N_Q, N_K, offset, left, right, scale, chunk, VMax, VMS,
-                    v_log_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BANDED: tl.constexpr,
-                    MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    V_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One key chunk of one (batch, kv head) for a block of its group's rows: partial out
-    (splits, B, H, N_Q, HEAD_DIM_V) and lse (splits, B, H, N_Q), float32, contiguous."""
+def _split_program(Q, QS, H, GROUP, N_Q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """What a split-KV program works on, from its ids (rows block, chunk, batch·kv head):
+    its chunk, batch row (int64), kv head, and its block of the group's rows (row r is head
+    ``r // N_Q`` of the group, query ``r % N_Q``; padding rows borrow the last real head so
+    that every load stays inside the tensors, and are never stored) with their q tile.
+    Returns (split, off_b, off_hk, row_ok, offs_m, off_h, q)."""
     pid_r = tl.program_id(0)
     split = tl.program_id(1)
     pid_bhk = tl.program_id(2)
     off_b = (pid_bhk // (H // GROUP)).to(tl.int64)
     off_hk = pid_bhk % (H // GROUP)
-    # -- rows: (head g of the group, query i); padding rows borrow the last real head so
-    # every load stays inside the tensors, and are never stored --
     rows = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP * N_Q
     g = tl.minimum(rows // N_Q, GROUP - 1)
@@ -160,6 +156,51 @@ def _attn_fwd_split(Q, K, V, OutP, LseP, Mask, Softcap, Alibi, QS, KS, VS, MS, A
     q = tl.load(Q + off_b * QS[0] + off_h[:, None].to(tl.int64) * QS[1]
                 + offs_m[:, None] * QS[2] + offs_d[None, :] * QS[3],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    return split, off_b, off_hk, row_ok, offs_m, off_h, q
+
+
+@triton.jit
+def _chunk_stages(split, chunk, q0, n_rows, N_Q, N_K, offset, left, right,
+                  BLOCK_N: tl.constexpr):
+    """The band's three stages (``_stages``) for queries ``[q0, q0 + n_rows)``, clipped to
+    chunk ``split``'s keys ``[split·chunk, (split + 1)·chunk)``."""
+    n0 = split * chunk
+    n1 = tl.minimum(n0 + chunk, N_K)
+    lo, a, b, hi = _stages(q0, N_Q, N_K, offset, left, right, n_rows, BLOCK_N)
+    lo = tl.maximum(lo, n0)
+    hi = tl.maximum(tl.minimum(hi, n1), lo)
+    a = tl.minimum(tl.maximum(a, lo), hi)
+    b = tl.minimum(tl.maximum(b, a), hi)
+    return lo, a, b, hi
+
+
+@triton.jit
+def _store_partial(OutP, LseP, acc, l_i, m_i, split, off_b, off_h, offs_m, row_ok, B, H,
+                   N_Q, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """A chunk's partial out and lse into (splits, B, H, N_Q, ·) float32; a chunk a row sees
+    nothing of gives 0 and lse = -inf (weight 0 in the combine)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+    part = ((split * B + off_b) * H + off_h).to(tl.int64) * N_Q + offs_m  # (splits, B, H, N_Q)
+    tl.store(LseP + part, lse, mask=row_ok)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    tl.store(OutP + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out,
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _attn_fwd_split(Q, K, V, OutP, LseP, Mask, Softcap, Alibi, QS, KS, VS, MS, AS,
+                    B, H, GROUP, N_Q, N_K, offset, left, right, scale, chunk, VMax, VMS,
+                    v_log_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BANDED: tl.constexpr,
+                    MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    V_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key chunk of one (batch, kv head) for a block of its group's rows: partial out
+    (splits, B, H, N_Q, HEAD_DIM_V) and lse (splits, B, H, N_Q), float32, contiguous."""
+    split, off_b, off_hk, row_ok, offs_m, off_h, q = _split_program(
+        Q, QS, H, GROUP, N_Q, HEAD_DIM, BLOCK_D, BLOCK_M)
     K = _at(K, off_b, off_hk, KS)
     V = _at(V, off_b, off_hk, VS)
     BAND = (N_Q, N_K, offset, left, right)
@@ -173,13 +214,7 @@ def _attn_fwd_split(Q, K, V, OutP, LseP, Mask, Softcap, Alibi, QS, KS, VS, MS, A
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # -- the band's stages for every query of the call, clipped to this chunk's keys --
-    n0 = split * chunk
-    n1 = tl.minimum(n0 + chunk, N_K)
-    lo, a, b, hi = _stages(0, N_Q, N_K, offset, left, right, N_Q, BLOCK_N)
-    lo = tl.maximum(lo, n0)
-    hi = tl.maximum(tl.minimum(hi, n1), lo)
-    a = tl.minimum(tl.maximum(a, lo), hi)
-    b = tl.minimum(tl.maximum(b, a), hi)
+    lo, a, b, hi = _chunk_stages(split, chunk, 0, N_Q, N_Q, N_K, offset, left, right, BLOCK_N)
     for stage in tl.static_range(3):
         s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
         acc, l_i, m_i = _fwd_inner(
@@ -188,15 +223,9 @@ def _attn_fwd_split(Q, K, V, OutP, LseP, Mask, Softcap, Alibi, QS, KS, VS, MS, A
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
             MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, False, V_OFFSET, DOT_PRECISION)
 
-    # -- epilogue: a chunk a row sees nothing of gives 0 and lse = -inf --
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
-    part = ((split * B + off_b) * H + off_h).to(tl.int64) * N_Q + offs_m  # (splits, B, H, N_Q)
-    tl.store(LseP + part, lse, mask=row_ok)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    tl.store(OutP + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out,
-             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    # -- epilogue --
+    _store_partial(OutP, LseP, acc, l_i, m_i, split, off_b, off_h, offs_m, row_ok, B, H, N_Q,
+                   HEAD_DIM_V, BLOCK_DV)
 
 
 @triton.jit

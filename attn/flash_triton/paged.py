@@ -1,0 +1,150 @@
+"""Attention from a paged KV cache with the pages read through the block table in the kernel.
+
+The storage is flash-attn's paged layout, ``k_pages (num_blocks, page_size, Hkv, D)`` and
+``v_pages (…, Dv)``, read through its strides; batch row b reads the keys ``[first_b,
+end_b)`` of its sequence, key position t lying in page ``Table[b, t // page_size]`` at slot
+``t % page_size``. The grid is split-KV's (:mod:`attn.flash_triton.split`): one program per
+(block of the GQA group's rows, key chunk, batch row · kv head), its partial out and lse
+merged by the same combine kernel, sinks included. What differs is where a key tile comes
+from: each key's page id is loaded from the table (so a tile may straddle pages, of any
+size), and every load of the table, the keys and the values is masked past the row's own
+length: no slot of another sequence, nor the tail of the row's last page, is ever read.
+
+Each row has its own number of keys ``N_b``; its band and ALiBi distances are counted from
+its own end (query i sees key j iff ``j <= i + N_b − N_Q`` when causal). Pages stored in
+another dtype than q's are converted tile by tile after the load. The page addressing lives
+in :func:`_page_slots` (which page and slot) and :func:`_load_page_tile` (the load), so a
+dequantizing load is a change to the second only.
+
+The value offset that keeps ``acc`` finite for values near float32's largest
+(``_value_offset``) is taken per key tile here, from the tile's own values: the dense
+kernels read a per-(sequence, kv head) maximum computed beforehand, which for pages would be
+a pass over every page the row holds. Any offset at least that large keeps the bound, and
+the running max only grows, so each tile's own is enough.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from attn.flash_triton.kernels import (_dot, _head_consts, _load, _scores, _softmax_step,
+                                       _stage_range)
+from attn.flash_triton.split import _chunk_stages, _split_program, _store_partial
+
+
+@triton.jit
+def _page_slots(TableRow, stride_t, pos, ok, page_size, MASKED: tl.constexpr):
+    """Page id (int64) and slot of one sequence's key positions ``pos``, its page ids at
+    ``TableRow[0], TableRow[stride_t], …``. Where ``ok`` is False (past the row's length)
+    the table is not read: the ids there are 0 and never used for a load."""
+    if MASKED:
+        blk = tl.load(TableRow + (pos // page_size) * stride_t, mask=ok, other=0)
+    else:
+        blk = tl.load(TableRow + (pos // page_size) * stride_t)
+    return blk.to(tl.int64), pos % page_size
+
+
+@triton.jit
+def _load_page_tile(P, PS, blk, slot, ok, DIM: tl.constexpr, BLOCK: tl.constexpr,
+                    TRANS: tl.constexpr, MASKED: tl.constexpr):
+    """The rows at (page ``blk``, slot ``slot``) of one kv head's storage ``P`` (strides
+    ``PS`` = (block, slot, head, dim)): a (keys, BLOCK) tile, or (BLOCK, keys) with ``TRANS``
+    (a dot's right operand); masked keys and dims give 0 and are not read."""
+    at = blk * PS[0] + slot * PS[1]
+    offs_d = tl.arange(0, BLOCK)
+    if TRANS:  # one return: the compiler types every path's, even a constexpr's dead one
+        x = _load(P + at[None, :] + offs_d[:, None] * PS[3], ok[None, :],
+                  offs_d[:, None] < DIM, MASKED, BLOCK != DIM)
+    else:
+        x = _load(P + at[:, None] + offs_d[None, :] * PS[3], ok[:, None],
+                  offs_d[None, :] < DIM, MASKED, BLOCK != DIM)
+    return x
+
+
+@triton.jit
+def _tile_value_offset(v, v_log_scale, V_OFFSET: tl.constexpr):
+    """``_value_offset`` from one tile's values: log(max|v| · 2·N_b / fmax) when positive
+    and finite, else 0 (every ordinary tile)."""
+    c = 0.0
+    if V_OFFSET:
+        c = tl.log(tl.max(tl.max(tl.abs(v), 1), 0).to(tl.float32)) + v_log_scale
+        c = tl.where((c > 0.0) & (c < float("inf")), c, 0.0)
+    return c
+
+
+@triton.jit
+def _paged_inner(acc, l_i, m_i, q, KP, VP, TableRow, stride_t, first, page_size, lo, hi,
+                 offs_m, cap, slope, scale, KPS, VPS, BAND, v_log_scale,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 BANDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                 V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``_fwd_inner`` over key tiles [lo, hi) of one row whose keys are read through its
+    page table (no attn_mask, no dropout: a cache is read for inference)."""
+    N_K = BAND[1]
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        ok = offs_n < N_K
+        # -- where the tile's keys live --
+        blk, slot = _page_slots(TableRow, stride_t, first + offs_n, ok, page_size, MASKED)
+        # -- compute qk --
+        kT = _load_page_tile(KP, KPS, blk, slot, ok, HEAD_DIM, BLOCK_D, True, MASKED)
+        qk = _dot(q, kT.to(q.dtype), None, DOT_PRECISION)
+        s, _, _ = _scores(qk, offs_m[:, None], offs_n[None, :], (KP, 0, 0), cap, slope, scale,
+                          BAND, MASKED, BANDED, 0, HAS_SOFTCAP, HAS_ALIBI)
+        # -- online softmax, the value offset from this tile's values --
+        v = _load_page_tile(VP, VPS, blk, slot, ok, HEAD_DIM_V, BLOCK_DV, False,
+                            MASKED).to(q.dtype)
+        p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i,
+                                           _tile_value_offset(v, v_log_scale, V_OFFSET),
+                                           V_OFFSET)
+        # -- update acc --
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_paged(Q, KP, VP, Table, Seq, OutP, LseP, Softcap, Alibi, QS, KPS, VPS, TS, AS,
+                    B, H, GROUP, N_Q, offset, left, right, scale, chunk, page_size,
+                    v_log_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BANDED: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, V_OFFSET: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key chunk of one (batch row, kv head) read through the block table ``Table (B,
+    max_pages)``, for a block of its group's rows; ``Seq (B, 2)`` int32 holds each row's
+    first key position and end. Partials as ``_attn_fwd_split``'s."""
+    split, off_b, off_hk, row_ok, offs_m, off_h, q = _split_program(
+        Q, QS, H, GROUP, N_Q, HEAD_DIM, BLOCK_D, BLOCK_M)
+    # -- this row's keys: positions [first, first + N_K) of its pages, its band from its end --
+    first = tl.load(Seq + off_b * 2)
+    N_K = tl.load(Seq + off_b * 2 + 1) - first
+    offset = offset + N_K
+    BAND = (N_Q, N_K, offset, left, right)
+    KP = KP + off_hk.to(tl.int64) * KPS[2]
+    VP = VP + off_hk.to(tl.int64) * VPS[2]
+    cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h[:, None] * AS[1],
+                              off_h[:, None], HAS_SOFTCAP, HAS_ALIBI)
+    v_log_scale += tl.log(tl.maximum(N_K, 1).to(tl.float32))  # log(2·N_b / fmax)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    # -- the stages of this block's queries (a block across two heads: all of them) --
+    q0 = tl.min(tl.where(row_ok, offs_m, N_Q), 0)
+    q1 = tl.max(tl.where(row_ok, offs_m, 0), 0) + 1
+    lo, a, b, hi = _chunk_stages(split, chunk, q0, q1 - q0, N_Q, N_K, offset, left, right,
+                                 BLOCK_N)
+    for stage in tl.static_range(3):
+        s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
+        acc, l_i, m_i = _paged_inner(
+            acc, l_i, m_i, q, KP, VP, Table + off_b * TS[0], TS[1], first, page_size, s_lo,
+            s_hi, offs_m, cap, slope, scale, KPS, VPS, BAND, v_log_scale, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED, HAS_SOFTCAP,
+            HAS_ALIBI, V_OFFSET, DOT_PRECISION)
+
+    # -- epilogue --
+    _store_partial(OutP, LseP, acc, l_i, m_i, split, off_b, off_h, offs_m, row_ok, B, H, N_Q,
+                   HEAD_DIM_V, BLOCK_DV)
