@@ -285,6 +285,8 @@ _QUESTIONS = {
               "flash_attn_with_kvcache contiguous and paged (--compat), against torch SDPA",
     "hf": "a transformers Llama on CPU with attn_implementation attn, sdpa and eager: "
           "prefill peak memory and time, decode tokens/s",
+    "kv-accuracy": "the toy GPT's validation loss with its K/V stored in each quantized "
+                   "cache format (teacher-forced), and the bytes per token",
     "train-step": "one GPT training step (forward, backward, AdamW) per backend: peak "
                   "memory and time",
 }
