@@ -167,11 +167,15 @@ def check_finite(name: str, x: Tensor) -> None:
                          f"stores finite values only")
 
 
-def _symmetric(x: Tensor, amax: Tensor, kind: str, name: str) -> tuple[Tensor, Tensor]:
+def _symmetric(x: Tensor, amax: Tensor, kind: str, name: str, shape: tuple[int, ...]
+               ) -> tuple[Tensor, Tensor]:
     """int codes of ``x`` scaled by ``amax / qmax`` (amax broadcastable to x), and the fp16
-    scales."""
+    scales; ``name`` and ``shape``: the caller's tensor, for messages."""
     qmax = _QMAX[kind]
     big = float(amax.max()) / qmax if amax.numel() else 0.0
+    if big != big or big == float("inf"):  # max(|x|) is NaN or inf exactly when x is
+        raise ValueError(f"{name} {shape} holds non-finite values: a quantized cache stores "
+                         f"finite values only")
     if big > _FP16_MAX:
         raise ValueError(f"{name}: |values| up to {big * qmax:.3g} need {kind} scales past "
                          f"fp16's {_FP16_MAX:.0f}")
@@ -188,11 +192,11 @@ def quantize(x: Tensor, kind: str, group: int | None = None, *, name: str = "x"
     """int8 / int4 codes of ``x (…, D)`` with one scale per ``group`` elements of its last dim
     (None: all D) → codes ``(…, Dc)`` (int8, or uint8 two per byte for int4) and fp16 scales
     ``(…, D / group)``. ValueError (naming ``name``) for non-finite values."""
-    check_finite(name, x)
     g = x.shape[-1] if group is None else group
     # (…, D) -> (…, G, group): one amax per group
     xg = x.unflatten(-1, (x.shape[-1] // g, g))
-    codes, scales = _symmetric(xg, xg.abs().amax(-1, keepdim=True), kind, name)
+    codes, scales = _symmetric(xg, xg.abs().amax(-1, keepdim=True), kind, name,
+                               tuple(x.shape))
     return codes.flatten(-2), scales.squeeze(-1)
 
 
@@ -200,8 +204,7 @@ def quantize_channels(x: Tensor, kind: str, *, name: str = "x") -> tuple[Tensor,
     """int8 / int4 codes of full pages ``x (pages, page, Hkv, D)`` with one scale per
     (page, head, channel) over the page's tokens (KIVI's keys) → codes ``(pages, page, Hkv,
     Dc)`` and fp16 scales ``(pages, 1, Hkv, D)``."""
-    check_finite(name, x)
-    return _symmetric(x, x.abs().amax(1, keepdim=True), kind, name)
+    return _symmetric(x, x.abs().amax(1, keepdim=True), kind, name, tuple(x.shape))
 
 
 def quantize_fp8(x: Tensor, scale: Tensor, *, name: str = "x") -> Tensor:
