@@ -458,16 +458,14 @@ class PagedKVCache:
             kvquant.check_finite(name, t)
         new = old + n
         f_old, f_new = self.recent_from(rows), (-(-new // page) - W).clamp(min=0)
-        taken = self._pop_pages(int((f_new - f_old).sum()),
-                                f"appending {n} tokens to sequences {rows.tolist()[:16]}")
-        quantized: list[tuple[int, int, list[int]]] = []
         # pages leaving the window: the ring's content plus the new tokens, quantized whole
+        # (all of them before a page is taken or written: quantizing may refuse the values)
         leaving = j < f_new[torch.arange(len(rows)).repeat_interleave(n)]
+        coded = []
         for i, r in enumerate(rows.tolist()):
             a, z = int(f_old[i]), int(f_new[i])
             if z == a:
                 continue
-            ids, taken = taken[:z - a], taken[z - a:]
             stage = [torch.empty(z - a, page, self.heads_kv, d, dtype=self.storage_dtype,
                                  device=dev) for d in self._dims]
             in_ring = torch.arange(a, min(z, -(-int(old[i]) // page)))
@@ -477,8 +475,13 @@ class PagedKVCache:
                 st[:len(in_ring)] = rec[ring]
                 st[(j[mine] - a).to(dev), (pos[mine] % page).to(dev)] = t[mine.to(dev)].to(
                     st.dtype)
-            self._write_codes(torch.tensor(ids, device=dev), None,
-                              self._quantize(*stage, k_pages=True))
+            coded.append((r, a, self._quantize(*stage, k_pages=True)))
+        taken = self._pop_pages(int((f_new - f_old).sum()),
+                                f"appending {n} tokens to sequences {rows.tolist()[:16]}")
+        quantized: list[tuple[int, int, list[int]]] = []
+        for r, a, codes in coded:
+            ids, taken = taken[:len(codes[0])], taken[len(codes[0]):]
+            self._write_codes(torch.tensor(ids, device=dev), None, codes)
             quantized.append((r, a, ids))
         # the tokens still in the window go to the ring, slot r·W + j % W for page j
         stay = ~leaving

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import attn
-from attn.kvcache import KVQuant, PagedKVCache
+from attn.kvcache import PagedKVCache
 from attn.testing import assert_close_to_reference
 from attn.tiled import cpu
+from test_kvquant import FORMATS
 
 H, HKV, D = 4, 2, 16
 # 0 keys, one key, an awkward length, and one past kv_split's 2048-key chunk (two items)
@@ -242,20 +243,12 @@ def test_bad_input_names_the_argument():
 
 # -- quantized caches: attention on the dequantized values ------------------------------------
 
-QUANTS = {
-    "int8": KVQuant("int8"),
-    "int8 g32": KVQuant("int8", group=32),
-    "int4": KVQuant("int4"),
-    "fp8": KVQuant("fp8_e4m3"),
-    "int4 kivi": KVQuant("int4", k_per_channel=True, recent_pages=2),
-    "int8 recent": KVQuant("int8", group=32, recent_pages=1),
-}
 DQ = 64  # quantized caches: head dims split into groups of 32 (Dv = 96)
 
 
 def quantized(lengths, page: int, quant: str, *, heads=(H, HKV), seed: int = 0,
               dtype=torch.float32, rounds: int = 3):
-    """An allocated cache of format ``QUANTS[quant]`` holding ``lengths`` keys per sequence,
+    """An allocated cache of format ``FORMATS[quant]`` holding ``lengths`` keys per sequence,
     appended in ``rounds`` interleaved pieces of random sizes (so a sequence's pages are
     consecutive within a piece and not across pieces), fp8 scales per head; and a generator
     for the queries."""
@@ -263,7 +256,7 @@ def quantized(lengths, page: int, quant: str, *, heads=(H, HKV), seed: int = 0,
     B, Hkv = len(lengths), heads[1]
     pages = sum(-(-n // page) for n in lengths) + 2 * B + 2
     cache = PagedKVCache.allocate(pages, page, Hkv, DQ, head_dim_v=DQ + 32, max_seqs=B,
-                                  quant=QUANTS[quant], dtype=dtype,
+                                  quant=FORMATS[quant], dtype=dtype,
                                   fp8_scales=(0.02 + 0.01 * torch.arange(Hkv), 0.015))
     cuts = [sorted(torch.randint(0, n + 1, (rounds - 1,), generator=g).tolist()) for n in lengths]
     bounds = [[0, *c, n] for c, n in zip(cuts, lengths)]
@@ -283,7 +276,7 @@ def shared_quantized(lengths: tuple[int, ...], page: int, quant: str) -> PagedKV
     return quantized(lengths, page, quant)[0]
 
 
-@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("quant", list(FORMATS))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_quantized_decode_matches_the_reference_on_dequantized_values(variant, quant):
     lengths = (0, 1, 97, 700)
@@ -357,7 +350,7 @@ def test_quantized_sequences_are_isolated(quant):
     kw = dict(softcap=3.0, sinks=torch.randn(H, generator=g))
     with torch.no_grad():
         clean = attn.decode(q, cache, return_lse=True, **kw)
-    page, W = cache.page_size, QUANTS[quant].recent_pages
+    page, W = cache.page_size, FORMATS[quant].recent_pages
     coded = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool)
     ring = torch.zeros(cache.batch * W, page, dtype=torch.bool)
     recent_from = cache.recent_from()
@@ -404,7 +397,7 @@ def test_decode_after_freeing_pages_outside_the_window(quant):
     freed positions filled with zeros, which the window masks); a wider window raises."""
     g = torch.Generator().manual_seed(5)
     page, left, Dq = 4, 16, DQ if quant else D
-    kw = dict(quant=QUANTS[quant]) if quant else {}
+    kw = dict(quant=FORMATS[quant]) if quant else {}
     cache = PagedKVCache.allocate(64, page, HKV, Dq, max_seqs=3, **kw)
     for s, n in enumerate((90, 5, 41)):
         cache.append(torch.randn(1, HKV, n, Dq, generator=g),

@@ -7,6 +7,7 @@ import torch
 
 from attn import kvquant
 from attn.kvcache import KVQuant, PagedKVCache
+from test_kvquant import FORMATS
 
 HKV, D = 2, 4
 
@@ -234,14 +235,6 @@ def test_allocate_free_and_fork_check_their_arguments():
 # -- quantized pages -----------------------------------------------------------------------------
 
 QD = 64  # quantized: head dims split into groups of 32 (values: QD + 32)
-FORMATS = {
-    "int8": KVQuant("int8"),
-    "int8 g32": KVQuant("int8", group=32),
-    "int4": KVQuant("int4"),
-    "fp8": KVQuant("fp8_e4m3"),
-    "int4 kivi": KVQuant("int4", k_per_channel=True, recent_pages=2),
-    "int8 recent": KVQuant("int8", recent_pages=1),
-}
 
 
 def expected_values(quant: KVQuant, x: torch.Tensor, page: int, recent_from: int, *,
@@ -426,3 +419,16 @@ def test_free_outside_window_returns_pages_no_query_can_see(name):
     borrowed, _ = paged([3, 2], page=2, pages_per_seq=2)
     with pytest.raises(ValueError, match=r"free_outside_window needs a cache that owns"):
         borrowed.free_outside_window((2, 0))
+
+
+def test_a_quantized_append_past_fp16_scales_writes_nothing():
+    """int8 scales of |values| past 127 · 65504 do not fit fp16: refused before any page is
+    taken, also when the values sat in the full-precision window and are quantized now."""
+    cache, _ = fill_quantized("int8 recent", [3], 4, spare=3)
+    free, table = cache.free_pages, cache.host_table.clone()
+    k = torch.full((1, HKV, 6, QD), 1e7)
+    with pytest.raises(ValueError, match=r"k \(pages\): \|values\| up to 1e\+07 need int8 "
+                                         r"scales past fp16's 65504"):
+        cache.append(k, torch.ones(1, HKV, 6, QD + 32), seq_ids=[0])
+    assert cache.free_pages == free and torch.equal(cache.host_table, table)
+    assert cache.lengths.tolist() == [3, 0]

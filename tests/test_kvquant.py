@@ -10,6 +10,17 @@ import torch
 from attn import kvquant
 from attn.kvquant import KVQuant
 
+# the formats the cache and decode tests (test_kvcache.py, test_decode.py) run: each kind,
+# groups along D, KIVI's per-channel keys with two full-precision pages, and a window of one
+FORMATS = {
+    "int8": KVQuant("int8"),
+    "int8 g32": KVQuant("int8", group=32),
+    "int4": KVQuant("int4"),
+    "fp8": KVQuant("fp8_e4m3"),
+    "int4 kivi": KVQuant("int4", k_per_channel=True, recent_pages=2),
+    "int8 recent": KVQuant("int8", group=32, recent_pages=1),
+}
+
 
 def sample(*shape, seed=0):
     """Values with a spread of magnitudes per row (so groups differ), a zero group included."""
