@@ -22,7 +22,13 @@ How the keys are read depends on the device:
 
 :func:`read_plan` says which of the three a call takes, and why.
 
-Forward only: callers run it under ``torch.no_grad()`` or ``torch.inference_mode()``.
+A quantized cache (:mod:`attn.kvquant`) is read the same ways: on CPU each item
+dequantizes its own range into its thread's buffer before the tile math; on other devices
+the keys in use are dequantized into the copy those strategies make (a quantized read
+inside the triton kernel is a later piece).
+
+Forward only: callers run it under ``torch.no_grad()`` or ``torch.inference_mode()`` (a
+quantized cache raises otherwise, on every device).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from attn.api import attention
 from attn.call import AttentionCall, _check_tensor, resolve, unsupported_reason
 from attn.kvcache import PagedKVCache
 from attn.masks import make_band, window_pair
-from attn.spec import PageTable, acc_dtype
+from attn.spec import PageTable, QuantPages, acc_dtype
 from attn.varlen import varlen_attention
 
 __all__ = ["decode", "read_plan"]
@@ -100,7 +106,9 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     j iff ``j <= i + N_s − Nq``); ``scale``, ``softcap``, ``sinks (H,)`` and ``alibi_slopes``
     ``(H,)`` or ``(B, H)`` mean what they mean in :func:`attn.attention`. A sequence without
     keys gives zeros and lse −inf (or the sink). Pages stored in another dtype than q's are
-    converted range by range as they are read. Forward only.
+    converted range by range as they are read, quantized pages dequantized likewise.
+    Forward only. After :meth:`~attn.kvcache.PagedKVCache.free_outside_window`, a call whose
+    window reaches keys given back raises ValueError.
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an attn.kvcache.PagedKVCache, got "
@@ -108,12 +116,19 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     _check_tensor("q", q)
     rows = _seq_rows(seq_ids, cache, q)
     B, H, Nq, D = q.shape
-    k_pages, v_pages = cache.k_pages, cache.v_pages
-    Hkv, Dv = k_pages.shape[2], v_pages.shape[-1]
-    if D != k_pages.shape[-1] or H % Hkv or q.device != k_pages.device:
+    k_pages = cache.k_pages
+    Hkv, Dv = cache.heads_kv, cache.head_dim_v
+    if D != cache.head_dim or H % Hkv or q.device != k_pages.device:
+        pages = (*k_pages.shape[:3], cache.head_dim)
         raise ValueError(f"q (B, H, Nq, D) = {tuple(q.shape)} on {q.device} does not fit the "
-                         f"cache's pages (num_blocks, page, Hkv, D) = {tuple(k_pages.shape)} "
+                         f"cache's pages (num_blocks, page, Hkv, D) = {pages} "
                          f"on {k_pages.device}: D must match, H a multiple of Hkv, one device")
+    if cache.quant is not None and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, cache.k_scales, cache.v_scales,
+                                                        cache.recent_k, cache.recent_v)):
+        raise ValueError("a quantized cache is forward only (it serves inference): run "
+                         "attn.decode under torch.no_grad() or torch.inference_mode()")
+    cache.check_reach(rows, Nq, window_pair(window))
     if q.device.type in _PAGED_DEVICES:
         return _paged(q, cache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
                       return_lse)
@@ -142,17 +157,21 @@ def _paged(q, cache: PagedKVCache, rows, causal, window, scale, softcap, alibi_s
     are, the band counted from each sequence's end."""
     B, H, Nq, D = q.shape
     k_pages, v_pages = cache.k_pages, cache.v_pages
-    # one slot of the pages seen as (B, Hkv, 1, D): resolve checks the variants against it
-    kd, vd = (p[0, :1].transpose(0, 1)[None].expand(B, -1, -1, -1) for p in (k_pages, v_pages))
+    # one key and value seen as (B, Hkv, 1, D): resolve checks the variants against them
+    kd, vd = (q.new_zeros(1, cache.heads_kv, 1, d).expand(B, -1, -1, -1)
+              for d in (cache.head_dim, cache.head_dim_v))
     band = make_band(Nq, 0, causal=bool(causal), window=window_pair(window))
-    _, spec, ops = resolve(q, kd.to(q.dtype), vd.to(q.dtype), band=band, scale=scale,
-                           softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-                           return_lse=return_lse)
+    _, spec, ops = resolve(q, kd, vd, band=band, scale=scale, softcap=softcap, sinks=sinks,
+                           alibi_slopes=alibi_slopes, return_lse=return_lse)
     table, starts, lengths = cache.host_table, cache.starts, cache.lengths
     if rows is not None:
         table, starts, lengths = table[rows], starts[rows], lengths[rows]
-    out, lse = tiled.paged_attention(q, k_pages, v_pages, spec,
-                                     ops._replace(pages=PageTable(table, starts, lengths)))
+    quant = None
+    if cache.quant is not None:
+        quant = QuantPages(cache.quant.kind, cache.k_scales, cache.v_scales,
+                           cache.recent_from(rows), cache.recent_k, cache.recent_v)
+    out, lse = tiled.paged_attention(q, k_pages, v_pages, spec, ops._replace(
+        pages=PageTable(table, starts, lengths), quant=quant))
     return (out, lse) if return_lse else out
 
 

@@ -115,6 +115,24 @@ class PageTable(NamedTuple):
     lengths: Tensor
 
 
+class QuantPages(NamedTuple):
+    """A quantized paged call's scales and full-precision pages, beside its :class:`PageTable`
+    (formats: :mod:`attn.kvquant`): k and v are then code storage, int8 or uint8 ``(num_blocks,
+    page_size, Hkv, Dc)``. Row b's pages ``j < recent_from[b]`` are codes, dequantized as
+    ``code · scale``; pages ``j >= recent_from[b]`` are ids into ``recent_k`` / ``recent_v``
+    (full precision, the most recent tokens). Plain tensors and a kind name, so a kernel can
+    read them as they are."""
+
+    kind: str  # "int8", "int4" (two codes per byte) or "fp8_e4m3" (bytes)
+    # fp16; (num_blocks, page_size, Hkv, D // group) per token / group, (num_blocks, 1, Hkv, D)
+    # per channel over a page's tokens, or (Hkv,) per kv head
+    k_scales: Tensor
+    v_scales: Tensor
+    recent_from: Tensor  # (B,) host int64: row b's first full-precision page
+    recent_k: Tensor | None = None  # (slots, page_size, Hkv, D) in the cache's storage dtype
+    recent_v: Tensor | None = None
+
+
 class Operands(NamedTuple):
     """The optional tensors of one call, beside its :class:`LaunchSpec`: launchers take
     ``(q, k, v, spec, operands)``. The autograd Functions receive every field that can need a
@@ -133,6 +151,7 @@ class Operands(NamedTuple):
     # launchers never see it; spec.qk_scale is then 1
     q_scale: Tensor | None = None
     pages: PageTable | None = None  # k and v are page storage read through this table
+    quant: QuantPages | None = None  # the pages hold codes: their scales, recent pages
 
 
 def operands_of(caller: str, operands: Operands | None, **keywords) -> Operands:

@@ -5,6 +5,9 @@ order and shuffled), every variant decode takes, isolation of sequences, the sam
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ import attn
 from attn.kvcache import PagedKVCache
 from attn.testing import assert_close_to_reference
 from attn.tiled import cpu
+from test_kvquant import FORMATS
 
 H, HKV, D = 4, 2, 16
 # 0 keys, one key, an awkward length, and one past kv_split's 2048-key chunk (two items)
@@ -38,7 +42,10 @@ def paged(lengths, page: int, *, shuffled: bool, starts=None, heads=(H, HKV), se
 
 
 def dense_kv(cache: PagedKVCache, s: int):
-    """Sequence s's keys and values as (1, Hkv, N_s, D): the oracle's copy."""
+    """Sequence s's keys and values as (1, Hkv, N_s, D): the oracle's copy (of a quantized
+    cache: its dequantized values, checked against the appended ones in test_kvcache.py)."""
+    if cache.quant is not None:
+        return tuple(t.transpose(0, 1)[None] for t in cache.sequence_kv(s))
     a, z = int(cache.starts[s]), int(cache.lengths[s])
     ids = cache.host_table[s]
     return tuple(p[ids].flatten(0, 1)[a:z].transpose(0, 1)[None].clone()
@@ -232,3 +239,191 @@ def test_bad_input_names_the_argument():
         attn.decode(q, cache, alibi_slopes=torch.rand(3))
     with pytest.raises(ValueError, match=r"forward only"):
         attn.decode(q.requires_grad_(), cache)
+
+
+# -- quantized caches: attention on the dequantized values ------------------------------------
+
+DQ = 64  # quantized caches: head dims split into groups of 32 (Dv = 96)
+
+
+def quantized(lengths, page: int, quant: str, *, heads=(H, HKV), seed: int = 0,
+              dtype=torch.float32, rounds: int = 3):
+    """An allocated cache of format ``FORMATS[quant]`` holding ``lengths`` keys per sequence,
+    appended in ``rounds`` interleaved pieces of random sizes (so a sequence's pages are
+    consecutive within a piece and not across pieces), fp8 scales per head; and a generator
+    for the queries."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv = len(lengths), heads[1]
+    pages = sum(-(-n // page) for n in lengths) + 2 * B + 2
+    cache = PagedKVCache.allocate(pages, page, Hkv, DQ, head_dim_v=DQ + 32, max_seqs=B,
+                                  quant=FORMATS[quant], dtype=dtype,
+                                  fp8_scales=(0.02 + 0.01 * torch.arange(Hkv), 0.015))
+    cuts = [sorted(torch.randint(0, n + 1, (rounds - 1,), generator=g).tolist()) for n in lengths]
+    bounds = [[0, *c, n] for c, n in zip(cuts, lengths)]
+    with torch.inference_mode():
+        for r in range(rounds):
+            for s in range(B):
+                m = bounds[s][r + 1] - bounds[s][r]
+                if m:
+                    cache.append(torch.randn(1, Hkv, m, DQ, generator=g),
+                                 torch.randn(1, Hkv, m, DQ + 32, generator=g), seq_ids=[s])
+    return cache, g
+
+
+@functools.lru_cache(maxsize=8)
+def shared_quantized(lengths: tuple[int, ...], page: int, quant: str) -> PagedKVCache:
+    """:func:`quantized`, built once for the tests that only read it."""
+    return quantized(lengths, page, quant)[0]
+
+
+@pytest.mark.parametrize("quant", list(FORMATS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_quantized_decode_matches_the_reference_on_dequantized_values(variant, quant):
+    lengths = (0, 1, 97, 700)
+    cache = shared_quantized(lengths, 16, quant)
+    g = torch.Generator().manual_seed(len(variant))
+    q = torch.randn(len(lengths), H, 1, DQ, generator=g)
+    kw = variant_kwargs(variant, len(lengths), g)
+    with torch.no_grad():
+        out, lse = attn.decode(q, cache, return_lse=True, **kw)
+    check_rows(q, cache, out, lse, **kw)
+
+
+# each format on two page sizes, each page size with three formats: one key, pages of a few
+# keys, pages longer than the 2048-key ranges of the items (cut inside the page)
+PAGE_CASES = [(1, "int8"), (1, "fp8"), (1, "int4 kivi"), (3, "int8 g32"), (3, "int4"),
+              (3, "int8 recent"), (64, "int8"), (64, "fp8"), (64, "int4 kivi"),
+              (3000, "int8 g32"), (3000, "int4"), (3000, "int8 recent")]
+
+
+@pytest.mark.parametrize("page,quant", PAGE_CASES)
+def test_quantized_pages_of_any_size(quant, page):
+    cache, g = quantized([2500, 0, 97, 40], page, quant, seed=page)
+    q = torch.randn(4, H, 1, DQ, generator=g)
+    with torch.no_grad():
+        out, lse = attn.decode(q, cache, causal=True, return_lse=True)
+    check_rows(q, cache, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4 kivi"])
+def test_quantized_chunked_prefill_gqa_and_bf16(quant):
+    """Nq = 5 with seq_ids in another order, causal and windowed; GQA / MQA; bf16 q over bf16
+    full-precision pages."""
+    cache, g = quantized([2300, 40, 0, 131], 16, quant)
+    seq_ids = torch.tensor([3, 0, 1, 3, 2])
+    q = torch.randn(5, H, 5, DQ, generator=g)
+    for kw in ({"causal": True}, {"causal": True, "window": (60, 1)}):
+        with torch.inference_mode():
+            out, lse = attn.decode(q, cache, seq_ids=seq_ids, return_lse=True, **kw)
+        check_rows(q, cache, out, lse, rows=seq_ids.tolist(), **kw)
+    for heads, dtype in (((8, 1), torch.float32), ((4, 4), torch.float32),
+                         ((4, 2), torch.bfloat16)):
+        cache, g = quantized([300, 2100], 16, quant, heads=heads, dtype=dtype)
+        q = torch.randn(2, heads[0], 2, DQ, generator=g).to(dtype)
+        with torch.no_grad():
+            out, lse = attn.decode(q, cache, causal=True, return_lse=True)
+        assert out.dtype == dtype
+        check_rows(q, cache, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("quant", ["int8 g32", "int4 kivi", "fp8"])
+def test_quantized_cache_on_the_other_devices_strategies(monkeypatch, quant):
+    """Where the tiles do not read pages (other devices; emptied here), the keys in use are
+    dequantized into the batched (equal lengths) or packed (ragged) copy."""
+    monkeypatch.setattr(importlib.import_module("attn.decode"), "_PAGED_DEVICES", ())
+    for lengths in ([300, 300], [300, 2100, 7]):
+        cache, g = quantized(lengths, 16, quant)
+        q = torch.randn(len(lengths), H, 2, DQ, generator=g)
+        kw = dict(causal=True, sinks=torch.randn(H, generator=g))
+        with torch.no_grad():
+            out, lse = attn.decode(q, cache, return_lse=True, **kw)
+        check_rows(q, cache, out, lse, **kw)
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8", "int4 kivi"])
+def test_quantized_sequences_are_isolated(quant):
+    """NaN in every scale and full-precision slot no sequence uses (spare pages, slots past
+    a length) never changes an output bit; NaN in one sequence's scales changes only its
+    row."""
+    cache, g = quantized([2200, 33, 0, 70], 3, quant)
+    q = torch.randn(4, H, 2, DQ, generator=g)
+    kw = dict(softcap=3.0, sinks=torch.randn(H, generator=g))
+    with torch.no_grad():
+        clean = attn.decode(q, cache, return_lse=True, **kw)
+    page, W = cache.page_size, FORMATS[quant].recent_pages
+    coded = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool)
+    ring = torch.zeros(cache.batch * W, page, dtype=torch.bool)
+    recent_from = cache.recent_from()
+    for s in range(4):
+        for t in range(int(cache.lengths[s])):
+            at = (cache.host_table[s, t // page], t % page)
+            (ring if t // page >= recent_from[s] else coded)[at] = True
+    for scales in (cache.k_scales, cache.v_scales):
+        if scales.dim() == 4 and scales.shape[1] == page:
+            scales[~coded] = float("nan")
+        elif scales.dim() == 4:  # per channel: a page's one row
+            scales[~coded.any(1)] = float("nan")
+    for t in (cache.recent_k, cache.recent_v):
+        if t is not None:
+            t[~ring] = float("nan")
+    with torch.no_grad():
+        dirty = attn.decode(q, cache, return_lse=True, **kw)
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a, b)
+    if cache.k_scales.dim() == 4:  # sequence 3's own pages: only its row changes
+        cache.k_scales[cache.host_table[3, :int(recent_from[3])]] = float("nan")
+        with torch.no_grad():
+            out, lse = attn.decode(q, cache, return_lse=True, **kw)
+        assert torch.equal(out[:3], clean[0][:3]) and torch.equal(lse[:3], clean[1][:3])
+        assert out[3].isnan().all()
+
+
+def test_quantized_decode_is_forward_only():
+    cache, g = quantized([5, 40], 16, "int4 kivi")
+    q = torch.randn(2, H, 1, DQ, generator=g, requires_grad=True)
+    with pytest.raises(ValueError, match=r"a quantized cache is forward only .* torch.no_grad"):
+        attn.decode(q, cache)
+    cache.recent_k.requires_grad_()
+    with pytest.raises(ValueError, match=r"a quantized cache is forward only"):
+        attn.decode(q.detach(), cache)
+    with torch.no_grad():  # under no_grad both read
+        attn.decode(q, cache)
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4 kivi"])
+def test_decode_after_freeing_pages_outside_the_window(quant):
+    """Pages freed outside the window (16, 0): later steps, with keys appended and every
+    query's window inside what was kept, equal the reference on the whole sequences (the
+    freed positions filled with zeros, which the window masks); a wider window raises."""
+    g = torch.Generator().manual_seed(5)
+    page, left, Dq = 4, 16, DQ if quant else D
+    kw = dict(quant=FORMATS[quant]) if quant else {}
+    cache = PagedKVCache.allocate(64, page, HKV, Dq, max_seqs=3, **kw)
+    for s, n in enumerate((90, 5, 41)):
+        cache.append(torch.randn(1, HKV, n, Dq, generator=g),
+                     torch.randn(1, HKV, n, Dq, generator=g), seq_ids=[s])
+    assert cache.free_outside_window((left, 0)) > 0
+    window = dict(causal=True, window=(left, 0))
+    for n_new in (1, 3):  # a decode step, then a chunk of three queries
+        cache.append(torch.randn(3, HKV, n_new, Dq, generator=g),
+                     torch.randn(3, HKV, n_new, Dq, generator=g))
+        q = torch.randn(3, H, n_new, Dq, generator=g)
+        with torch.no_grad():
+            out, lse = attn.decode(q, cache, return_lse=True, **window,
+                                   sinks=torch.zeros(H))
+        for s in range(3):
+            k, v = dense_kv(cache, s)
+            gone = int(cache.starts[s])
+            k, v = (torch.cat([t.new_zeros(1, HKV, gone, Dq), t], 2) for t in (k, v))
+
+            def got(*_, return_lse=False, i=s, **__):
+                return (out[i:i + 1], lse[i:i + 1]) if return_lse else out[i:i + 1]
+            assert_close_to_reference(got, q[s:s + 1], k, v, grad=False, **window,
+                                      sinks=torch.zeros(H))
+        cache.free_outside_window((left, 0))
+    q = torch.randn(3, H, 1, Dq, generator=g)
+    with pytest.raises(ValueError, match=r"window \(17, 0\) with 1 queries reaches key .* "
+                                         r"given back by free_outside_window"):
+        attn.decode(q, cache, causal=True, window=(17, 0))
+    with pytest.raises(ValueError, match=r"window None with 1 queries reaches every key"):
+        attn.decode(q, cache, causal=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn.kvcache import PagedKVCache
+from attn import kvquant
+from attn.kvcache import KVQuant, PagedKVCache
+from test_kvquant import FORMATS
 
 HKV, D = 2, 4
 
@@ -228,3 +230,205 @@ def test_allocate_free_and_fork_check_their_arguments():
         borrowed.fork(0, 1)
     with pytest.raises(ValueError, match=r"free needs a cache that owns its pages"):
         borrowed.free(0)
+
+
+# -- quantized pages -----------------------------------------------------------------------------
+
+QD = 64  # quantized: head dims split into groups of 32 (values: QD + 32)
+
+
+def expected_values(quant: KVQuant, x: torch.Tensor, page: int, recent_from: int, *,
+                    keys: bool, fp8_scale=None) -> torch.Tensor:
+    """What a sequence's cache must hold for its appended values ``x (N, Hkv, D)``: each
+    token quantized and dequantized by attn.kvquant (tested against the formulas), keys per
+    channel page by page, and the full-precision pages (from ``recent_from``) as they are."""
+    n = x.shape[0]
+    want = x.clone()
+    coded = min(n, recent_from * page)
+    xs = x[:coded]
+    if quant.kind == "fp8_e4m3":
+        deq = kvquant.dequantize(kvquant.quantize_fp8(xs, fp8_scale), fp8_scale.view(1, -1, 1),
+                                 quant.kind)
+    elif keys and quant.k_per_channel:
+        # (pages·page, Hkv, D) -> (pages, page, Hkv, D): whole pages, scaled per channel
+        pages = xs.view(-1, page, *xs.shape[1:])
+        deq = kvquant.dequantize(*kvquant.quantize_channels(pages, quant.kind), quant.kind)
+        deq = deq.flatten(0, 1)
+    else:
+        deq = kvquant.dequantize(*kvquant.quantize(xs, quant.kind, quant.group), quant.kind)
+    want[:coded] = deq
+    return want
+
+
+def fill_quantized(name: str, lengths: list[int], page: int, *, seed: int = 0, spare: int = 4):
+    """An allocated quantized cache filled in interleaved pieces, and the appended values per
+    sequence (the oracle), ``(N, Hkv, D)``."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lengths)
+    num = sum(-(-n // page) for n in lengths) + spare
+    cache = PagedKVCache.allocate(num, page, HKV, QD, head_dim_v=QD + 32, max_seqs=B + 1,
+                                  quant=FORMATS[name], fp8_scales=(torch.tensor([0.02, 0.03]),
+                                                                   0.01))
+    sent = [[torch.zeros(0, HKV, QD), torch.zeros(0, HKV, QD + 32)] for _ in lengths]
+    done = [0] * B
+    for piece in (0.3, 0.5, 1.0):
+        for s, n in enumerate(lengths):
+            m = int(n * piece) - done[s]
+            if m:
+                k, v = torch.randn(1, HKV, m, QD, generator=g), torch.randn(1, HKV, m, QD + 32,
+                                                                          generator=g)
+                cache.append(k, v, seq_ids=[s])
+                sent[s] = [torch.cat([sent[s][0], k[0].transpose(0, 1)]),
+                           torch.cat([sent[s][1], v[0].transpose(0, 1)])]
+                done[s] += m
+    return cache, sent
+
+
+def assert_holds(cache: PagedKVCache, name: str, s: int, sent) -> None:
+    page, quant = cache.page_size, FORMATS[name]
+    f = int(cache.recent_from()[s])
+    got = cache.sequence_kv(s)
+    for x, g_, keys, scale in ((sent[0], got[0], True, cache.k_scales),
+                               (sent[1], got[1], False, cache.v_scales)):
+        assert torch.equal(g_, expected_values(quant, x, page, f, keys=keys, fp8_scale=scale))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("page", [1, 5, 16])
+def test_a_quantized_cache_holds_each_tokens_codes(name, page):
+    """Every token of every sequence reads back as its own quantized value, whatever the
+    interleaving of appends; the recent pages in full precision, the older ones quantized as
+    they left the window (keys per channel over their whole page)."""
+    cache, sent = fill_quantized(name, [0, 1, 37, 101], page)
+    W = FORMATS[name].recent_pages
+    for s in range(4):
+        n = int(cache.lengths[s])
+        assert int(cache.recent_from()[s]) == max(0, -(-n // page) - W)
+        assert_holds(cache, name, s, sent[s])
+    held = cache.k_pages.shape[0] - cache.free_pages
+    assert held == sum(max(0, -(-n // page) - W) for n in (0, 1, 37, 101))
+
+
+@pytest.mark.parametrize("name", ["int8 g32", "fp8", "int4 kivi"])
+def test_quantized_fork_and_free(name):
+    page = 4
+    cache, sent = fill_quantized(name, [0, 23, 10], page)
+    total, W = cache.k_pages.shape[0], FORMATS[name].recent_pages
+    used = total - cache.free_pages
+    assert cache.fork(1, 0) == 0
+    # full coded pages shared; the partial page copied (no window) or the ring (with one)
+    assert total - cache.free_pages == used + (0 if W else 1)
+    sent[0] = [t.clone() for t in sent[1]]
+    assert_holds(cache, name, 0, sent[0])
+    g = torch.Generator().manual_seed(3)
+    for s, m in ((0, 9), (1, 2)):  # the two diverge, neither writing the other's tokens
+        k, v = torch.randn(1, HKV, m, QD, generator=g), torch.randn(1, HKV, m, QD + 32,
+                                                                  generator=g)
+        cache.append(k, v, seq_ids=[s])
+        sent[s] = [torch.cat([sent[s][0], k[0].transpose(0, 1)]),
+                   torch.cat([sent[s][1], v[0].transpose(0, 1)])]
+    for s in range(3):
+        assert_holds(cache, name, s, sent[s])
+    cache.free(1)
+    assert_holds(cache, name, 0, sent[0])
+    cache.free([0, 2])
+    assert cache.free_pages == total
+
+
+def test_a_quantized_append_with_non_finite_values_writes_nothing():
+    for name in ("int8", "fp8", "int4 kivi"):
+        cache, sent = fill_quantized(name, [7, 3], 4)
+        state = [t.clone() for t in (cache.k_pages, cache.k_scales, cache.host_table)]
+        free = cache.free_pages
+        k = torch.ones(2, HKV, 9, QD)
+        k[1, 0, 8, 3] = float("inf")
+        with pytest.raises(ValueError, match=r"k .* holds non-finite values"):
+            cache.append(k, torch.ones(2, HKV, 9, QD + 32), seq_ids=[0, 1])
+        assert all(torch.equal(a, b) for a, b in zip(
+            state, (cache.k_pages, cache.k_scales, cache.host_table)))
+        assert cache.free_pages == free and cache.lengths.tolist() == [7, 3, 0]
+
+
+def test_quantized_allocate_checks_its_arguments():
+    with pytest.raises(ValueError, match=r"int4 groups of 32 must divide head_dim_v = 40"):
+        PagedKVCache.allocate(4, 4, HKV, 64, head_dim_v=40, max_seqs=1, quant="int4")
+    with pytest.raises(TypeError, match=r"quant must be an attn.kvquant.KVQuant"):
+        PagedKVCache.allocate(4, 4, HKV, 64, max_seqs=1, quant=8)
+    with pytest.raises(ValueError, match=r"fp8_scales\[0\] must be a float or an \(Hkv,\) = "
+                                         r"\(2,\) tensor, got \(3,\)"):
+        PagedKVCache.allocate(4, 4, HKV, 64, max_seqs=1, quant="fp8_e4m3",
+                              fp8_scales=(torch.ones(3), 1.0))
+    with pytest.raises(ValueError, match=r"fp8_scales\[1\] \[0.0, 0.0\] must be positive"):
+        PagedKVCache.allocate(4, 4, HKV, 64, max_seqs=1, quant="fp8_e4m3",
+                              fp8_scales=(1.0, 0.0))
+
+
+def test_bytes_per_token_of_a_cache():
+    plain = PagedKVCache.allocate(4, 16, 8, 128, max_seqs=1)
+    assert plain.bytes_per_token() == 8 * 2 * 128 * 4
+    bf16 = PagedKVCache.allocate(4, 16, 8, 128, max_seqs=1, dtype=torch.bfloat16)
+    assert bf16.bytes_per_token() == 8 * 2 * 128 * 2
+    for quant in FORMATS.values():
+        cache = PagedKVCache.allocate(4, 16, 8, 128, max_seqs=1, quant=quant)
+        assert cache.bytes_per_token() == kvquant.bytes_per_token(quant, 8, 128, page_size=16)
+        # what the storage holds per position: codes and per-token scales, per-page scales
+        # spread over a page's positions
+        per_page = sum(t[0].numel() * t.element_size() for t in (
+            cache.k_pages, cache.v_pages, cache.k_scales, cache.v_scales) if t.dim() == 4)
+        assert cache.bytes_per_token() == per_page / 16
+
+
+# -- pages outside every sliding window -------------------------------------------------------
+
+@pytest.mark.parametrize("name", [None, "int8", "int4 kivi"])
+def test_free_outside_window_returns_pages_no_query_can_see(name):
+    """Page 4, window (9, 0). Sequence 0 grows to 50 keys after sequence 2 forked it at 30;
+    sequence 1 holds 6. Queries still to come see keys >= length - 9: sequence 0 gives back
+    its pages before key 41 (table slots 0..9), sequence 2 those before key 21 (slots 0..4),
+    so the pages both shared (slots 0..4) go, and those only sequence 2 still sees (slots 5,
+    6) stay. Without a full-precision window that is 3 pages of sequence 0's own (slots 7..9)
+    and 5 shared; with two recent pages (KIVI) sequence 0's coded slots 6..9 and the same 5
+    shared, the recent pages being each sequence's own ring."""
+    page = 4
+    g = torch.Generator().manual_seed(0)
+    kw = dict(quant=FORMATS[name]) if name else {}
+    D_ = QD if name else D
+    cache = PagedKVCache.allocate(40, page, HKV, D_, max_seqs=3, **kw)
+
+    def grow(s, n):
+        cache.append(torch.randn(1, HKV, n, D_, generator=g),
+                     torch.randn(1, HKV, n, D_, generator=g), seq_ids=[s])
+    grow(0, 30)
+    grow(1, 6)
+    assert cache.fork(0, 2) == 2
+    grow(0, 20)
+    held = 40 - cache.free_pages
+    W = FORMATS[name].recent_pages if name else 0
+    assert held == (16 if W == 0 else 11)
+    returned = cache.free_outside_window((9, 0))
+    assert returned == (8 if W == 0 else 9)
+    assert 40 - cache.free_pages == held - returned
+    assert cache.starts.tolist() == [40, 0, 20]
+    assert cache.free_outside_window((9, 0)) == 0  # nothing more to give back
+    cache.free([0, 1, 2])
+    assert cache.free_pages == 40
+    with pytest.raises(ValueError, match=r"an unbounded left \(-1\) keeps every key"):
+        cache.free_outside_window((-1, 0))
+    with pytest.raises(TypeError, match=r"window must be a pair of ints"):
+        cache.free_outside_window(9)
+    borrowed, _ = paged([3, 2], page=2, pages_per_seq=2)
+    with pytest.raises(ValueError, match=r"free_outside_window needs a cache that owns"):
+        borrowed.free_outside_window((2, 0))
+
+
+def test_a_quantized_append_past_fp16_scales_writes_nothing():
+    """int8 scales of |values| past 127 · 65504 do not fit fp16: refused before any page is
+    taken, also when the values sat in the full-precision window and are quantized now."""
+    cache, _ = fill_quantized("int8 recent", [3], 4, spare=3)
+    free, table = cache.free_pages, cache.host_table.clone()
+    k = torch.full((1, HKV, 6, QD), 1e7)
+    with pytest.raises(ValueError, match=r"k \(pages\): \|values\| up to 1e\+07 need int8 "
+                                         r"scales past fp16's 65504"):
+        cache.append(k, torch.ones(1, HKV, 6, QD + 32), seq_ids=[0])
+    assert cache.free_pages == free and torch.equal(cache.host_table, table)
+    assert cache.lengths.tolist() == [3, 0]

@@ -14,7 +14,8 @@ from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
-from attn.spec import LaunchSpec, Operands, PageTable, operands_of
+from attn.kvquant import dequantize
+from attn.spec import LaunchSpec, Operands, PageTable, QuantPages, operands_of
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm, low_gemms
@@ -39,9 +40,9 @@ def _check_operands(ops: Operands) -> None:
                                   "run as a document mask (attn.varlen_attention)")
     if ops.q_scale is not None:
         raise ValueError("tiled: fold operands.q_scale into q first (attn.call.run does)")
-    if ops.pages is not None:
-        raise ValueError("tiled: paged keys (operands.pages) are read by paged_attention, "
-                         "forward only")
+    if ops.pages is not None or ops.quant is not None:
+        raise ValueError("tiled: paged keys (operands.pages, .quant) are read by "
+                         "paged_attention, forward only")
 
 
 class _Facts(NamedTuple):
@@ -227,6 +228,36 @@ def _read_pages(storage: Tensor, table_row: Tensor, page: int, it: _PagedItem, n
     return span.flatten(0, 1)[it.a - p0 * page:it.z - p0 * page].transpose(0, 1).unsqueeze(0)
 
 
+def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: QuantPages,
+                table_row: Tensor, recent_from: int, page: int, it: _PagedItem, name: str,
+                dtype: torch.dtype) -> Tensor:
+    """A quantized item's keys (or values) ``(1, Hkv, n, D)`` in ``dtype``, positions ``[a,
+    z)`` of its row, in its thread's buffer ``name``: the range's coded pages dequantized
+    into it (their codes and scales only: a view where the pages are consecutive, else a
+    copy of them), its full-precision recent pages copied after them."""
+    p0, p1 = it.a // page, -(-it.z // page)
+    pq = min(max(recent_from, p0), p1)  # pages [p0, pq) hold codes, [pq, p1) full precision
+    D = codes.shape[-1] * (2 if quant.kind == "int4" else 1)
+    span = cpu.scratch(name, (p1 - p0, page, codes.shape[2], D), dtype, codes.device)
+    if pq > p0:
+        ids = table_row[p0:pq]
+        if bool((ids[1:] == ids[:-1] + 1).all()):  # consecutive pages: views
+            at = slice(int(ids[0]), int(ids[0]) + pq - p0)
+            c = codes[at]
+        else:
+            at = ids.to(codes.device)
+            c = cpu.scratch(name + " codes", (pq - p0,) + tuple(codes.shape[1:]), codes.dtype,
+                            codes.device)
+            torch.index_select(codes, 0, at, out=c)
+        # per head (Hkv,) -> (1, 1, Hkv, 1); per token or per channel: the pages' own rows
+        s = scales.view(1, 1, -1, 1) if scales.dim() == 1 else scales[at]
+        dequantize(c, s, quant.kind, out=span[:pq - p0])
+    if p1 > pq:
+        span[pq - p0:] = recent[table_row[pq:p1].to(recent.device)]
+    # (pages, page, Hkv, D) -> (pages·page, Hkv, D) -> (1, Hkv, n, D): views
+    return span.flatten(0, 1)[it.a - p0 * page:it.z - p0 * page].transpose(0, 1).unsqueeze(0)
+
+
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,
                     ops: Operands, config: TileConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """Attention of q ``(B, H, Nq, D)`` against keys read through a page table, forward only
@@ -246,16 +277,26 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     Each gives a partial output and lse; a row's partials (and the sinks) are merged in
     key order, so the bits depend on the lengths and the page size, never on the number of
     workers, nor on where the pages lie. Storage in another dtype than q's is converted
-    item by item."""
+    item by item.
+
+    With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold codes: each item
+    dequantizes its own range (codes and scales of its pages, and its row's full-precision
+    recent pages) into its thread's buffer in q's dtype before the tile math, so neither a
+    sequence nor the cache is ever dequantized whole."""
     if ops.pages is None or ops.attn_mask is not None or ops.captured:
         raise ValueError("paged_attention takes ops.pages, and no attn_mask or score_mod")
-    _check_operands(ops._replace(pages=None))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+    _check_operands(ops._replace(pages=None, quant=None))
+    quant = ops.quant
+    held = (q, k_pages, v_pages) if quant is None else (q, k_pages, v_pages, *(
+        t for t in quant[1:] if isinstance(t, Tensor)))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in held):
         raise ValueError("paged attention is forward only (caches serve inference): run it "
                          "under torch.no_grad() or torch.inference_mode()")
     table, starts, lengths = ops.pages
     B, H, Nq, _ = q.shape
     page, Dv = k_pages.shape[1], v_pages.shape[-1]
+    if quant is not None and quant.kind == "int4":
+        Dv *= 2  # two codes per byte
     acc_dtype = _acc_dtype(q.dtype)
     n_keys = lengths - starts
     chunk = kv_split(Nq, int(n_keys.max()) if B else 0, config) or config.split_min_chunk
@@ -284,8 +325,15 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     def run(i: int) -> None:
         it = items[i]
         b = it.b
-        k = _read_pages(k_pages, table[b], page, it, "paged k")
-        v = _read_pages(v_pages, table[b], page, it, "paged v")
+        if quant is not None:
+            at = (table[b], int(quant.recent_from[b]), page, it)
+            k = _read_codes(k_pages, quant.k_scales, quant.recent_k, quant, *at, "paged k",
+                            q.dtype)
+            v = _read_codes(v_pages, quant.v_scales, quant.recent_v, quant, *at, "paged v",
+                            q.dtype)
+        else:
+            k = _read_pages(k_pages, table[b], page, it, "paged k")
+            v = _read_pages(v_pages, table[b], page, it, "paged v")
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         row_band = Band(band.offset + int(n_keys[b]), band.left, band.right)
