@@ -62,7 +62,6 @@ class _RoundTrip:
         pages = -(-T // page)
         self.cache = PagedKVCache.allocate(B * pages, page, Hkv, D, max_seqs=B,
                                            max_pages=pages, dtype=dtype, quant=quant)
-        self.cache.append(torch.zeros(B, Hkv, 0, D), torch.zeros(B, Hkv, 0, D))
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
