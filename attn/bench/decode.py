@@ -20,6 +20,8 @@ shared), and each gets its median ms, GFLOP/s (4·B·H·L·D per step) and the r
 
     attn bench decode --out benchmarks/results/decode_cpu
     attn bench decode --compat --cache 4096 --batch 8 --out benchmarks/results/decode_compat_cpu
+
+``--caches``: decoding from each stored cache format (:mod:`attn.bench.decode_caches`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", "-H", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--d", "--head-dim", dest="d", type=int, default=128, help="head dim D")
+    p.add_argument("--caches", nargs="*", default=None, metavar="FORMAT",
+                   choices=("fp32", "bf16", "int8", "int4", "fp8"),
+                   help="step through attn.decode from caches stored in these formats "
+                        "(none named: all five), contiguous and paged, against SDPA on dense "
+                        "fp32 and bf16 caches (default lengths 4096 16384 32768, B 1 and 8)")
+    p.add_argument("--page", type=int, default=16, help="--caches: positions per page of the "
+                                                         "paged caches")
     p.add_argument("--pages", type=int, nargs="*", default=[256, 16],
                    help="--compat: page sizes of the paged caches")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 1; 2 "
@@ -182,6 +191,13 @@ def markdown(header: dict, rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.caches is not None:
+        from attn.bench import decode_caches
+
+        if args.compat:
+            raise SystemExit("attn: --caches and --compat are two questions: give one")
+        args.caches = args.caches or list(decode_caches.FORMATS)
+        return decode_caches.run(args, argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     B = args.batch or (8 if args.compat else 1)

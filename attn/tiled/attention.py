@@ -228,18 +228,43 @@ def _read_pages(storage: Tensor, table_row: Tensor, page: int, it: _PagedItem, n
     return span.flatten(0, 1)[it.a - p0 * page:it.z - p0 * page].transpose(0, 1).unsqueeze(0)
 
 
+def _dequantize_rows(c: Tensor, s: Tensor, kind: str, lo: int, out: Tensor) -> None:
+    """Rows ``[lo, lo + m)`` of the coded pages ``c (P, page, Hkv, Dc)`` read end to end,
+    dequantized into ``out (m, Hkv, D)``: whole pages in one call, a partial first or last
+    page on its own, so a range inside one long page dequantizes only its own rows. ``s``:
+    the pages' scales, ``(P, page, Hkv, G)`` per token, ``(P, 1, Hkv, D)`` per channel, or
+    ``(1, 1, Hkv, 1)`` per head."""
+    page, m = c.shape[1], out.shape[0]
+    j, r, done = lo // page, lo % page, 0
+    while done < m:
+        sj = s if s.shape[0] == 1 else s[j:]
+        if r == 0 and m - done >= page:  # whole pages, as many as the range holds
+            n = (m - done) // page
+            dequantize(c[j:j + n], sj[:n] if s.shape[0] > 1 else sj,
+                       kind, out=out[done:done + n * page].view(n, page, *out.shape[1:]))
+            done, j = done + n * page, j + n
+            continue
+        take = min(page - r, m - done)
+        sp = sj[0]  # (page or 1, Hkv, G): this page's scales
+        dequantize(c[j, r:r + take], sp[r:r + take] if sp.shape[0] == page else sp, kind,
+                   out=out[done:done + take])
+        done, j, r = done + take, j + 1, 0
+
+
 def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: QuantPages,
                 table_row: Tensor, recent_from: int, page: int, it: _PagedItem, name: str,
                 dtype: torch.dtype) -> Tensor:
     """A quantized item's keys (or values) ``(1, Hkv, n, D)`` in ``dtype``, positions ``[a,
-    z)`` of its row, in its thread's buffer ``name``: the range's coded pages dequantized
-    into it (their codes and scales only: a view where the pages are consecutive, else a
-    copy of them), its full-precision recent pages copied after them."""
+    z)`` of its row, in its thread's buffer ``name``: the range's rows of its coded pages
+    dequantized into it (their codes and scales only: a view where the pages are consecutive,
+    else a copy of them), the rows of its full-precision recent pages copied after them."""
     p0, p1 = it.a // page, -(-it.z // page)
     pq = min(max(recent_from, p0), p1)  # pages [p0, pq) hold codes, [pq, p1) full precision
     D = codes.shape[-1] * (2 if quant.kind == "int4" else 1)
-    span = cpu.scratch(name, (p1 - p0, page, codes.shape[2], D), dtype, codes.device)
-    if pq > p0:
+    n = it.z - it.a
+    span = cpu.scratch(name, (n, codes.shape[2], D), dtype, codes.device)
+    coded = max(min(it.z, pq * page) - it.a, 0)  # rows [0, coded) come from codes
+    if coded:
         ids = table_row[p0:pq]
         if bool((ids[1:] == ids[:-1] + 1).all()):  # consecutive pages: views
             at = slice(int(ids[0]), int(ids[0]) + pq - p0)
@@ -251,11 +276,13 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
             torch.index_select(codes, 0, at, out=c)
         # per head (Hkv,) -> (1, 1, Hkv, 1); per token or per channel: the pages' own rows
         s = scales.view(1, 1, -1, 1) if scales.dim() == 1 else scales[at]
-        dequantize(c, s, quant.kind, out=span[:pq - p0])
-    if p1 > pq:
-        span[pq - p0:] = recent[table_row[pq:p1].to(recent.device)]
-    # (pages, page, Hkv, D) -> (pages·page, Hkv, D) -> (1, Hkv, n, D): views
-    return span.flatten(0, 1)[it.a - p0 * page:it.z - p0 * page].transpose(0, 1).unsqueeze(0)
+        _dequantize_rows(c, s, quant.kind, it.a - p0 * page, span[:coded])
+    if coded < n:  # the recent pages' rows, from position pq · page on
+        rows = recent[table_row[pq:p1].to(recent.device)].flatten(0, 1)
+        first = it.a + coded - pq * page
+        span[coded:] = rows[first:first + n - coded]
+    # (n, Hkv, D) -> (1, Hkv, n, D): a view
+    return span.transpose(0, 1).unsqueeze(0)
 
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,

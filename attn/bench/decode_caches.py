@@ -1,0 +1,198 @@
+"""``attn bench decode --caches``: one decoding step from each cache format, contiguous and
+paged, against torch SDPA on a dense fp32 and a dense bf16 cache (CPU).
+
+Each step: q ``(B, H, 1, D)`` in float32 against the whole cache of L keys per sequence
+(Hkv kv heads, GQA) through :func:`attn.decode`. A cache is an
+:meth:`attn.kvcache.PagedKVCache.allocate`-d one holding the same random keys and values in
+each storage: fp32, bf16, int8 (one scale per token and head), int4 (groups of 32), fp8
+e4m3 (one scale per kv head). "contiguous": one page per sequence; "paged": pages of
+``--page`` positions, each sequence's pages interleaved with a filler sequence's so that
+none lies next to its predecessor in the storage (every range an item reads is a copy of
+its pages, the paged path's worst case).
+
+Each path's output is compared with float64 SDPA on **the values its cache holds**
+(dequantized): that error must stay within fp32 rounding; the error against the original
+values (quantization) is reported beside it. Then the paths take turns, median of
+``--repeats`` rounds; ratio = SDPA on the dense fp32 cache / path (> 1: faster).
+
+    attn bench decode --caches --out benchmarks/results/decode_caches_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import attn
+from attn.bench import report
+from attn.kvcache import KVQuant, PagedKVCache
+from attn.sdpa import torch_sdpa
+from attn.timing import paired
+
+FORMATS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+           "int8": (torch.float32, KVQuant("int8")), "int4": (torch.float32, KVQuant("int4")),
+           "fp8": (torch.float32, KVQuant("fp8_e4m3"))}
+BASELINE = "sdpa, dense fp32"
+TOLERANCE = 1e-4  # against float64 on the cache's own values: beyond fp32 rounding is a bug
+
+
+def _fill(k: torch.Tensor, v: torch.Tensor, page: int, dtype, quant, interleave: bool
+          ) -> PagedKVCache:
+    """A cache of B sequences holding k, v ``(B, Hkv, L, D)``; with ``interleave``, a filler
+    sequence takes a page after each page of theirs."""
+    B, Hkv, L, D = k.shape
+    pages = -(-L // page)
+    cache = PagedKVCache.allocate((B + interleave) * pages, page, Hkv, D, max_seqs=B + 1,
+                                  max_pages=pages, dtype=dtype, quant=quant)
+    rows = list(range(B))
+    for t in range(0, L, page):
+        cache.append(k[:, :, t:t + page], v[:, :, t:t + page], seq_ids=rows)
+        if interleave:
+            cache.append(k[:1, :, t:t + page], v[:1, :, t:t + page], seq_ids=[B])
+    return cache
+
+
+def _dense(cache: PagedKVCache, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the cache holds for its first B sequences, (B, Hkv, L, D) float64."""
+    kv = [cache.sequence_kv(b) for b in range(B)]
+    return tuple(torch.stack([x[i] for x in kv]).transpose(1, 2).double() for i in (0, 1))
+
+
+def cache_paths(B, H, Hkv, D, L, page, formats, g):
+    """The paths, each path's float64 answer on its own values, and the answer on the
+    original values."""
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    exact = torch_sdpa(q.double(), k.double(), v.double(), enable_gqa=True)
+    paths: dict[str, Callable] = {
+        BASELINE: lambda: torch_sdpa(q, k, v, enable_gqa=True),
+        "sdpa, dense bf16": lambda: torch_sdpa(qb, kb, vb, enable_gqa=True)}
+    wants = {BASELINE: exact,
+             "sdpa, dense bf16": torch_sdpa(*(x.double() for x in (qb, kb, vb)),
+                                            enable_gqa=True)}
+    sizes = {}
+    for name in formats:
+        dtype, quant = FORMATS[name]
+        for layout, interleave in (("contiguous", False), ("paged", True)):
+            cache = _fill(k, v, L if layout == "contiguous" else page, dtype, quant, interleave)
+            seq = list(range(B))
+            path = f"attn {name} {layout}"
+            paths[path] = (lambda c=cache, s=seq: attn.decode(q, c, seq_ids=s))
+            wants[path] = torch_sdpa(q.double(), *_dense(cache, B), enable_gqa=True)
+            sizes[name] = cache.bytes_per_token()
+    return paths, wants, exact, sizes
+
+
+def add_rows(args: argparse.Namespace, B: int, H: int, Hkv: int, D: int, lengths, warmup,
+             repeats) -> list[dict]:
+    rows = []
+    for L in lengths:
+        g = torch.Generator().manual_seed(L)
+        paths, wants, exact, sizes = cache_paths(B, H, Hkv, D, L, args.page, args.caches, g)
+        outs = {n: fn() for n, fn in paths.items()}
+        err = {n: (outs[n].double() - wants[n]).abs().max().item() for n in paths}
+        quant_err = {n: (outs[n].double() - exact).abs().max().item() for n in paths}
+        for _ in range(warmup):
+            for fn in paths.values():
+                fn()
+        times = paired(paths, repeats)
+        ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+        rows.append({"B": B, "cache": L, "ms": ms,
+                     "ratio_to_sdpa": {n: ms[BASELINE] / t for n, t in ms.items()},
+                     "max_abs_err": err, "err_vs_original": quant_err,
+                     "bytes_per_token": sizes})
+        print(f"B={B} L={L}: " + ", ".join(f"{n} {t:.2f} ms" for n, t in ms.items()),
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(header: dict, rows: list[dict]) -> str:
+    s = header["shape"]
+    lines = ["# Decoding on CPU from each cache format, contiguous and paged, vs torch SDPA", "",
+             f"- device: {header['device_name']} ({header['cpu_count']} CPUs, "
+             f"{header['torch_threads']} torch threads); load at the start "
+             f"{header['loadavg_1min']:.2f}",
+             f"- torch {header['torch']}, python {header['python']}, attn {header['attn']}, "
+             f"{header['date']}",
+             f"- command: `{header['command']}`",
+             f"- step: Nq=1, H={s['H']}, Hkv={s['Hkv']}, D={s['D']}, q float32, attending to "
+             f"the whole cache; paged: pages of {header['page']} interleaved with a filler "
+             f"sequence's; median of {header['repeats']} rounds after {header['warmup']} "
+             "warm-up, the paths taking turns",
+             f"- ratio: {BASELINE} time / path time (> 1: faster than SDPA on a dense fp32 "
+             "cache); err: max abs difference from float64 SDPA on the values that cache "
+             "holds; vs original: from float64 SDPA on the fp32 values (quantization error "
+             "included)", "",
+             "bytes per token (K and V, all kv heads, scales included): " + ", ".join(
+                 f"{n} {b:.0f}" for n, b in rows[0]["bytes_per_token"].items()), "",
+             "| B | L | path | ms / step | SDPA fp32 / path | err | vs original |",
+             "|--:|--:|:--|--:|--:|--:|--:|"]
+    for r in rows:
+        lines += [f"| {r['B']} | {r['cache']} | {n} | {t:.2f} | {r['ratio_to_sdpa'][n]:.2f} | "
+                  f"{r['max_abs_err'][n]:.1e} | {r['err_vs_original'][n]:.1e} |"
+                  for n, t in r["ms"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    """step.png (ms per step vs L, one line per path, a panel per B) and bytes.png."""
+    try:
+        from attn.bench.plots import _pyplot
+
+        plt = _pyplot()
+    except ImportError:
+        return []
+    batches = sorted({r["B"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    for ax, B in zip(axes[0], batches):
+        rs = sorted((r for r in rows if r["B"] == B), key=lambda r: r["cache"])
+        for path in rs[0]["ms"]:
+            ax.plot([r["cache"] for r in rs], [r["ms"][path] for r in rs], marker="o", ms=3,
+                    label=path, ls="--" if path.startswith("sdpa") else "-")
+        ax.set(xscale="log", yscale="log", xlabel="cache length L", ylabel="ms per step",
+               title=f"B={B}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.savefig(out / "step.png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    sizes = rows[0]["bytes_per_token"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(list(sizes), list(sizes.values()))
+    ax.set(ylabel="bytes per token (K+V, all kv heads)", title="cache size per token")
+    fig.savefig(out / "bytes.png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return [out / "step.png", out / "bytes.png"]
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    H, Hkv, D = args.heads, args.kv_heads, args.d
+    lengths = args.cache or [4096, 16384, 32768]
+    batches = [args.batch] if args.batch else [1, 8]
+    warmup = args.warmup if args.warmup is not None else 1
+    repeats = args.repeats or 9
+    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    header.update(shape={"H": H, "Hkv": Hkv, "D": D, "Nq": 1}, page=args.page, warmup=warmup,
+                  repeats=repeats, note=args.note)
+    with torch.inference_mode():
+        rows = [r for B in batches
+                for r in add_rows(args, B, H, Hkv, D, lengths, warmup, repeats)]
+    md = markdown(header, rows)
+    written = report.write_results(args.out, header, rows, md)
+    written += tuple(plots(rows, Path(args.out)))
+    print(md)
+    print("wrote " + ", ".join(map(str, written)))
+    bad = [(r["B"], r["cache"], n, e) for r in rows for n, e in r["max_abs_err"].items()
+           if n != "sdpa, dense bf16" and not e <= TOLERANCE]
+    for B, L, n, e in bad:
+        print(f"ERROR: {n} at B={B} L={L} is {e:.1e} from float64 on its own values",
+              file=sys.stderr)
+    return 1 if bad else 0
