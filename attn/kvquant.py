@@ -139,6 +139,33 @@ def _decode(codes: Tensor, kind: str) -> Tensor:
     return codes
 
 
+_E4M3_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _e4m3_table(device: torch.device) -> Tensor:
+    """The 256 e4m3fn values as float32, indexed by their byte (a lookup reads a byte 4x
+    faster than torch's own fp8 cast on CPU)."""
+    table = _E4M3_TABLES.get(device)
+    if table is None:
+        table = _E4M3_TABLES[device] = e4m3_to_float(torch.arange(256, dtype=torch.uint8,
+                                                                  device=device))
+    return table
+
+
+def _decode_into(codes: Tensor, kind: str, out: Tensor) -> None:
+    """Codes as numbers written straight into float32 ``out`` (same leading shape,
+    contiguous): no float32 temporary the size of the range."""
+    if kind == "int8":
+        out.copy_(codes)
+    elif kind == "int4":  # element 2i from the low nibble, 2i + 1 from the high one
+        out[..., 0::2].copy_(codes & 15)
+        out[..., 1::2].copy_(codes >> 4)
+        out.sub_(8)
+    else:
+        torch.index_select(_e4m3_table(codes.device), 0, codes.flatten().int(),
+                           out=out.view(-1))
+
+
 def dequantize(codes: Tensor, scales: Tensor, kind: str, *, out: Tensor | None = None
                ) -> Tensor:
     """``code · scale`` as float32 (or into ``out``, any float dtype, rounded once).
@@ -146,8 +173,13 @@ def dequantize(codes: Tensor, scales: Tensor, kind: str, *, out: Tensor | None =
     ``codes (…, T, Hkv, Dc)``; ``scales`` fp16 ``(…, T or 1, Hkv, G)``: G groups of the head
     dim per token (or one per token and head), G = D channels over the tokens (per channel),
     or ``(1, Hkv, 1)`` per head. Leading dims broadcast."""
-    x = _decode(codes, kind)
     G = scales.shape[-1]
+    if (out is not None and out.dtype == torch.float32 and out.is_contiguous()
+            and out.shape[:-1] == codes.shape[:-1]):  # the tiled items' case: in place
+        _decode_into(codes, kind, out)
+        out.unflatten(-1, (G, out.shape[-1] // G)).mul_(scales.float().unsqueeze(-1))
+        return out
+    x = _decode(codes, kind)
     # (…, D) -> (…, G, D / G): each group times its scale
     x = x.unflatten(-1, (G, x.shape[-1] // G))
     s = scales.float().unsqueeze(-1)
