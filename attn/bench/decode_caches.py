@@ -58,10 +58,12 @@ def _fill(k: torch.Tensor, v: torch.Tensor, page: int, dtype, quant, interleave:
     return cache
 
 
-def _dense(cache: PagedKVCache, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the cache holds for its first B sequences, (B, Hkv, L, D) float64."""
-    kv = [cache.sequence_kv(b) for b in range(B)]
-    return tuple(torch.stack([x[i] for x in kv]).transpose(1, 2).double() for i in (0, 1))
+def _answer(q: torch.Tensor, rows) -> torch.Tensor:
+    """float64 SDPA of q ``(B, H, 1, D)`` on each row's keys and values ``(L, Hkv, D)``, one
+    row at a time (a whole float64 batch of 32k keys is gigabytes)."""
+    return torch.cat([torch_sdpa(q[b:b + 1].double(), *(x.transpose(0, 1)[None].double()
+                                                        for x in kv), enable_gqa=True)
+                      for b, kv in enumerate(rows)])
 
 
 def cache_paths(B, H, Hkv, D, L, page, formats, g):
@@ -70,13 +72,13 @@ def cache_paths(B, H, Hkv, D, L, page, formats, g):
     q = torch.randn(B, H, 1, D, generator=g)
     k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
-    exact = torch_sdpa(q.double(), k.double(), v.double(), enable_gqa=True)
+    exact = _answer(q, ((k[b].transpose(0, 1), v[b].transpose(0, 1)) for b in range(B)))
     paths: dict[str, Callable] = {
         BASELINE: lambda: torch_sdpa(q, k, v, enable_gqa=True),
         "sdpa, dense bf16": lambda: torch_sdpa(qb, kb, vb, enable_gqa=True)}
     wants = {BASELINE: exact,
-             "sdpa, dense bf16": torch_sdpa(*(x.double() for x in (qb, kb, vb)),
-                                            enable_gqa=True)}
+             "sdpa, dense bf16": _answer(qb, ((kb[b].transpose(0, 1), vb[b].transpose(0, 1))
+                                              for b in range(B)))}
     sizes = {}
     for name in formats:
         dtype, quant = FORMATS[name]
@@ -85,7 +87,7 @@ def cache_paths(B, H, Hkv, D, L, page, formats, g):
             seq = list(range(B))
             path = f"attn {name} {layout}"
             paths[path] = (lambda c=cache, s=seq: attn.decode(q, c, seq_ids=s))
-            wants[path] = torch_sdpa(q.double(), *_dense(cache, B), enable_gqa=True)
+            wants[path] = _answer(q, (cache.sequence_kv(b) for b in range(B)))
             sizes[name] = cache.bytes_per_token()
     return paths, wants, exact, sizes
 
