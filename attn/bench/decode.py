@@ -183,10 +183,9 @@ def markdown(header: dict, rows: list[dict]) -> str:
         lines.append(f"- note: {header['note']}")
     lines += ["", "| cache | path | ms / step | GFLOP/s | SDPA / path | max abs err |",
               "|--:|:--|--:|--:|--:|--:|"]
-    for r in rows:
-        lines += [f"| {r['cache']} | {n} | {ms:.2f} | {r['gflops'][n]:.1f} | "
-                  f"{r['ratio_to_sdpa'][n]:.2f} | {r['max_abs_err'][n]:.1e} |"
-                  for n, ms in r["ms"].items()]
+    lines += report.per_path_lines(rows, lambda r, n, ms: (
+        str(r["cache"]), n, f"{ms:.2f}", f"{r['gflops'][n]:.1f}",
+        f"{r['ratio_to_sdpa'][n]:.2f}", f"{r['max_abs_err'][n]:.1e}"))
     return "\n".join(lines) + "\n"
 
 

@@ -136,10 +136,9 @@ def markdown(header: dict, rows: list[dict]) -> str:
                  f"{n} {b:.0f}" for n, b in rows[0]["bytes_per_token"].items()), "",
              "| B | L | path | ms / step | SDPA fp32 / path | err | vs original |",
              "|--:|--:|:--|--:|--:|--:|--:|"]
-    for r in rows:
-        lines += [f"| {r['B']} | {r['cache']} | {n} | {t:.2f} | {r['ratio_to_sdpa'][n]:.2f} | "
-                  f"{r['max_abs_err'][n]:.1e} | {r['err_vs_original'][n]:.1e} |"
-                  for n, t in r["ms"].items()]
+    lines += report.per_path_lines(rows, lambda r, n, t: (
+        str(r["B"]), str(r["cache"]), n, f"{t:.2f}", f"{r['ratio_to_sdpa'][n]:.2f}",
+        f"{r['max_abs_err'][n]:.1e}", f"{r['err_vs_original'][n]:.1e}"))
     return "\n".join(lines) + "\n"
 
 

@@ -237,6 +237,12 @@ def _mib(b: int | None) -> str:
     return f"{b / 2**20:,.1f}" if b < 10 * 2**30 else f"{b / 2**30:,.1f} GiB"
 
 
+def per_path_lines(rows: list[dict], cells) -> list[str]:
+    """Markdown rows, one per (row, path) of a question whose rows time several paths
+    (``row["ms"]``: path -> ms): ``cells(row, path, ms)`` gives that line's cells."""
+    return ["| " + " | ".join(cells(r, n, ms)) + " |" for r in rows for n, ms in r["ms"].items()]
+
+
 def group_key(r: dict) -> tuple:
     return (r["dtype"], r["D"], r["causal"], r["mode"])
 
