@@ -129,12 +129,10 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
         raise ValueError("a quantized cache is forward only (it serves inference): run "
                          "attn.decode under torch.no_grad() or torch.inference_mode()")
     cache.check_reach(rows, Nq, window_pair(window))
-    if q.device.type in _PAGED_DEVICES:
-        return _paged(q, cache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
+    read = read_plan(q, cache)[0]
+    if read != "copy":
+        return _paged(q, cache, rows, read, causal, window, scale, softcap, alibi_slopes, sinks,
                       return_lse)
-    if read_plan(q, cache)[0] == "triton":
-        return _triton_paged(q, cache, rows, causal, window, scale, softcap, alibi_slopes,
-                             sinks, return_lse)
     if rows is not None:
         cache = cache.select(rows)
     lengths = cache.lengths - cache.starts
@@ -151,27 +149,33 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     return (out, lse) if return_lse else out
 
 
-def _paged(q, cache: PagedKVCache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
-           return_lse):
-    """The tiled backend's paged read: the variants checked and resolved as every entry's
-    are, the band counted from each sequence's end."""
+def _paged(q, cache: PagedKVCache, rows, read: str, causal, window, scale, softcap,
+           alibi_slopes, sinks, return_lse):
+    """The pages read through the block table (``read``: :func:`read_plan`'s "tiled" or
+    "triton"): the variants checked and resolved as every entry's are, against one key per
+    row, the band counted from each sequence's end, the rows of ``seq_ids`` picked from the
+    table (a copy of table rows, not of pages; on triton's device for triton)."""
     B, H, Nq, D = q.shape
-    k_pages, v_pages = cache.k_pages, cache.v_pages
-    # one key and value seen as (B, Hkv, 1, D): resolve checks the variants against them
-    kd, vd = (q.new_zeros(1, cache.heads_kv, 1, d).expand(B, -1, -1, -1)
-              for d in (cache.head_dim, cache.head_dim_v))
+    one_key = [q.new_zeros(()).expand(B, cache.heads_kv, 1, d)
+               for d in (cache.head_dim, cache.head_dim_v)]
     band = make_band(Nq, 0, causal=bool(causal), window=window_pair(window))
-    _, spec, ops = resolve(q, kd, vd, band=band, scale=scale, softcap=softcap, sinks=sinks,
+    _, spec, ops = resolve(q, *one_key, band=band, scale=scale, softcap=softcap, sinks=sinks,
                            alibi_slopes=alibi_slopes, return_lse=return_lse)
-    table, starts, lengths = cache.host_table, cache.starts, cache.lengths
+    table = cache.host_table if read == "tiled" else cache.block_table
+    starts, lengths = cache.starts, cache.lengths
     if rows is not None:
-        table, starts, lengths = table[rows], starts[rows], lengths[rows]
-    quant = None
-    if cache.quant is not None:
-        quant = QuantPages(cache.quant.kind, cache.k_scales, cache.v_scales,
-                           cache.recent_from(rows), cache.recent_k, cache.recent_v)
-    out, lse = tiled.paged_attention(q, k_pages, v_pages, spec, ops._replace(
-        pages=PageTable(table, starts, lengths), quant=quant))
+        table, starts, lengths = table[rows.to(table.device)], starts[rows], lengths[rows]
+    ops = ops._replace(pages=PageTable(table, starts, lengths))
+    if read == "triton":  # read_plan sends only float pages there
+        from attn import flash_triton  # importable: read_plan asked it
+
+        out, lse = flash_triton.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
+    else:
+        if cache.quant is not None:
+            ops = ops._replace(quant=QuantPages(
+                cache.quant.kind, cache.k_scales, cache.v_scales, cache.recent_from(rows),
+                cache.recent_k, cache.recent_v))
+        out, lse = tiled.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
     return (out, lse) if return_lse else out
 
 
@@ -198,28 +202,6 @@ def read_plan(q: Tensor, cache: PagedKVCache) -> tuple[str, str]:
                           "; split-KV chunks planned for the longest sequence)")
     return "copy", (f"a view of the pages, or the keys in use copied, through attention / "
                     f"varlen_attention: triton's paged kernel cannot run because {why}")
-
-
-def _triton_paged(q, cache: PagedKVCache, rows, causal, window, scale, softcap, alibi_slopes,
-                  sinks, return_lse):
-    """The triton kernel's paged read: the variants resolved against one key of q's dtype
-    per row, the band counted from each sequence's end, the block table on the cache's
-    device (the rows of ``seq_ids`` picked from it: a copy of table rows, not of pages)."""
-    from attn import flash_triton  # importable: read_plan asked it
-
-    B, H, Nq, D = q.shape
-    k_pages, v_pages = cache.k_pages, cache.v_pages
-    one_key = [q.new_zeros(()).expand(B, k_pages.shape[2], 1, p.shape[-1])
-               for p in (k_pages, v_pages)]
-    _, spec, ops = resolve(q, *one_key, scale=scale, softcap=softcap, sinks=sinks,
-                           band=make_band(Nq, 0, causal=bool(causal), window=window_pair(window)),
-                           alibi_slopes=alibi_slopes, return_lse=return_lse)
-    table, starts, lengths = cache.block_table, cache.starts, cache.lengths
-    if rows is not None:
-        table, starts, lengths = table[rows.to(table.device)], starts[rows], lengths[rows]
-    out, lse = flash_triton.paged_attention(q, k_pages, v_pages, spec,
-                                            ops._replace(pages=PageTable(table, starts, lengths)))
-    return (out, lse) if return_lse else out
 
 
 def _batched(q, cache: PagedKVCache, alibi_slopes, kw) -> tuple[Tensor, Tensor]:

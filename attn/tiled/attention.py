@@ -180,22 +180,25 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
 
 
 class _PagedItem(NamedTuple):
-    """One item of a paged call: batch row b's keys ``[n0, n1)`` (counted from its first
-    key), which are positions ``[a, z)`` of its pages; ``r``: the range's index, its slot
-    among the row's partials; ``first``: the first page's id when the range's pages are
-    consecutive in the storage (one view), else None (its pages copied, in table order)."""
+    """One item of a paged call: batch row b's keys from its ``n0``-th on (counted from its
+    first key), positions ``[a, z)`` of its pages; ``r``: the range's index, its slot among
+    the row's partials; ``first``: the first page's id when the range's stored pages (its
+    coded ones, in a quantized cache) are consecutive in the storage (one view), else None
+    (its pages copied, in table order)."""
     b: int
     r: int
     n0: int
-    n1: int
     a: int
     z: int
     first: int | None
 
 
-def _page_items(pages: PageTable, page: int, chunk: int) -> tuple[list[_PagedItem], int]:
+def _page_items(pages: PageTable, page: int, chunk: int, coded_until: Tensor | None = None
+                ) -> tuple[list[_PagedItem], int]:
     """Every row's key ranges (:func:`attn.tiled.plan.page_ranges`) as items, range-major
-    (each row's first range, then each row's second, ...), and the most ranges of a row."""
+    (each row's first range, then each row's second, ...), and the most ranges of a row.
+    ``coded_until (B,)``: a quantized cache's first full-precision page per row, whose table
+    entries name ring slots, not storage pages: ``first`` looks at the pages before it."""
     table, starts, lengths = pages
     # consecutive[b, j]: page j + 1 of row b is the storage's next page after page j
     consecutive = table[:, 1:] == table[:, :-1] + 1
@@ -205,9 +208,10 @@ def _page_items(pages: PageTable, page: int, chunk: int) -> tuple[list[_PagedIte
         s = int(starts[b])
         for r, (a, z) in enumerate(ranges):
             p0, p1 = a // page, -(-z // page)
-            one_view = bool(consecutive[b, p0:p1 - 1].all())
-            items.append(_PagedItem(b, r, a - s, z - s, a, z,
-                                    int(table[b, p0]) if one_view else None))
+            if coded_until is not None:
+                p1 = min(max(int(coded_until[b]), p0), p1)
+            one_view = p1 > p0 and bool(consecutive[b, p0:p1 - 1].all())
+            items.append(_PagedItem(b, r, a - s, a, z, int(table[b, p0]) if one_view else None))
     items.sort(key=lambda it: (it.r, it.b))
     return items, max((len(r) for r in per_row), default=0)
 
@@ -265,12 +269,11 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
     span = cpu.scratch(name, (n, codes.shape[2], D), dtype, codes.device)
     coded = max(min(it.z, pq * page) - it.a, 0)  # rows [0, coded) come from codes
     if coded:
-        ids = table_row[p0:pq]
-        if bool((ids[1:] == ids[:-1] + 1).all()):  # consecutive pages: views
-            at = slice(int(ids[0]), int(ids[0]) + pq - p0)
+        if it.first is not None:  # consecutive pages: views
+            at = slice(it.first, it.first + pq - p0)
             c = codes[at]
         else:
-            at = ids.to(codes.device)
+            at = table_row[p0:pq].to(codes.device)
             c = cpu.scratch(name + " codes", (pq - p0,) + tuple(codes.shape[1:]), codes.dtype,
                             codes.device)
             torch.index_select(codes, 0, at, out=c)
@@ -327,7 +330,8 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     acc_dtype = _acc_dtype(q.dtype)
     n_keys = lengths - starts
     chunk = kv_split(Nq, int(n_keys.max()) if B else 0, config) or config.split_min_chunk
-    items, R = _page_items(ops.pages, page, chunk)
+    items, R = _page_items(ops.pages, page, chunk,
+                           None if quant is None else quant.recent_from)
     R = max(R, 1)
     spec = config.tiles(spec)
     if Nq <= config.split_max_q:  # one key tile per item, as split-KV decoding's items
