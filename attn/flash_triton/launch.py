@@ -289,11 +289,21 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
         BANDED=L.banded, MASK_KIND=L.mask_kind, HAS_SOFTCAP=L.has_softcap,
         HAS_ALIBI=L.has_alibi, DOT_PRECISION=L.dot_precision, BLOCK_M=block_m,
         BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    out = torch.empty(B, H, Nq, Dv, dtype=v.dtype, device=q.device)
-    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    return _combine(out_p, lse_p, sinks, v.dtype, L.block_dv)
+
+
+def _combine(out_p: Tensor, lse_p: Tensor, sinks: Tensor | None, dtype: torch.dtype,
+             block_dv: int) -> tuple[Tensor, Tensor]:
+    """The chunks' float32 partials ``(splits, B, H, Nq, Dv)`` / ``(splits, B, H, Nq)`` merged
+    in chunk order (the sinks as one more partial of value 0) → out in ``dtype``, lse."""
+    splits, B, H, Nq, Dv = out_p.shape
+    if splits == 1 and sinks is None:  # one partial is its own merge: the same values
+        return out_p[0].to(dtype), lse_p[0]
+    out = torch.empty(B, H, Nq, Dv, dtype=dtype, device=out_p.device)
+    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=out_p.device)
     _attn_split_combine[(B * H * Nq,)](
         out_p, lse_p, out, lse, lse_p if sinks is None else sinks, out.stride(), B * H * Nq,
-        H, Nq, splits, HEAD_DIM_V=Dv, BLOCK_DV=L.block_dv, BLOCK_S=combine_block(splits),
+        H, Nq, splits, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_S=combine_block(splits),
         HAS_SINKS=sinks is not None)
     return out, lse
 
@@ -338,15 +348,7 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         V_OFFSET=q.dtype != torch.float16, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages)
-    if splits == 1 and sinks is None:  # one partial is its own merge: the same values
-        return out_p[0].to(q.dtype), lse_p[0]
-    out = torch.empty(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
-    _attn_split_combine[(B * H * Nq,)](
-        out_p, lse_p, out, lse, lse_p if sinks is None else sinks, out.stride(), B * H * Nq,
-        H, Nq, splits, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_S=combine_block(splits),
-        HAS_SINKS=sinks is not None)
-    return out, lse
+    return _combine(out_p, lse_p, sinks, q.dtype, block_dv)
 
 
 def _delta(do: Tensor, dlse: Tensor | None, out: Tensor, L: _Launch) -> Tensor:
