@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["KINDS", "KVQuant", "bytes_per_token", "check_finite", "dequantize", "e4m3_to_float",
+__all__ = ["KINDS", "KVQuant", "bytes_per_token", "check_finite", "decode_codes", "dequantize", "e4m3_to_float",
            "pack_int4", "quantize", "quantize_channels", "quantize_fp8", "unpack_int4"]
 
 KINDS = ("int8", "int4", "fp8_e4m3")
@@ -164,6 +164,19 @@ def _decode_into(codes: Tensor, kind: str, out: Tensor) -> None:
     else:
         torch.index_select(_e4m3_table(codes.device), 0, codes.flatten().int(),
                            out=out.view(-1))
+
+
+def decode_codes(codes: Tensor, kind: str, *, out: Tensor) -> Tensor:
+    """Codes ``(…, Dc)`` as the numbers they stand for before their scale (int4 unpacked,
+    fp8 bytes as their e4m3 values) written into ``out (…, D)``, any float dtype: exact, as
+    every code is an integer below 2^8 or an e4m3 value (3 mantissa bits)."""
+    if out.dtype == torch.float32 and out.is_contiguous():
+        _decode_into(codes, kind, out)
+    elif kind == "int8":
+        out.copy_(codes)
+    else:
+        out.copy_(_decode(codes, kind))
+    return out
 
 
 def dequantize(codes: Tensor, scales: Tensor, kind: str, *, out: Tensor | None = None

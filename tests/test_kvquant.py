@@ -19,6 +19,7 @@ FORMATS = {
     "fp8": KVQuant("fp8_e4m3"),
     "int4 kivi": KVQuant("int4", k_per_channel=True, recent_pages=2),
     "int8 recent": KVQuant("int8", group=32, recent_pages=1),
+    "int8 t recent": KVQuant("int8", recent_pages=1),  # per token: scales fold into the GEMMs
 }
 
 

@@ -14,7 +14,7 @@ from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
-from attn.kvquant import dequantize
+from attn.kvquant import decode_codes, dequantize
 from attn.spec import LaunchSpec, Operands, PageTable, QuantPages, operands_of
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
@@ -255,18 +255,31 @@ def _dequantize_rows(c: Tensor, s: Tensor, kind: str, lo: int, out: Tensor) -> N
         done, j, r = done + take, j + 1, 0
 
 
+def _per_key(scales: Tensor, page: int) -> bool:
+    """Whether ``scales`` give one multiplier per key and kv head (per token with one group,
+    ``(P, page, Hkv, 1)``, or per kv head, ``(Hkv,)``): then an item keeps the bare codes and
+    the tile GEMMs apply the scales to q kᵀ's and P's columns (``_Gemm(key_scales=)``)."""
+    return scales.dim() == 1 or (scales.shape[1] == page and scales.shape[-1] == 1)
+
+
 def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: QuantPages,
                 table_row: Tensor, recent_from: int, page: int, it: _PagedItem, name: str,
-                dtype: torch.dtype) -> Tensor:
+                dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """A quantized item's keys (or values) ``(1, Hkv, n, D)`` in ``dtype``, positions ``[a,
     z)`` of its row, in its thread's buffer ``name``: the range's rows of its coded pages
     dequantized into it (their codes and scales only: a view where the pages are consecutive,
-    else a copy of them), the rows of its full-precision recent pages copied after them."""
+    else a copy of them), the rows of its full-precision recent pages copied after them.
+
+    Where the scales are one per key and kv head (:func:`_per_key`), the rows hold the bare
+    codes (as numbers) and the second result is each row's multiplier ``(Hkv, n)`` float32
+    (1 for the recent rows), for the GEMMs to apply; else it is None."""
     p0, p1 = it.a // page, -(-it.z // page)
     pq = min(max(recent_from, p0), p1)  # pages [p0, pq) hold codes, [pq, p1) full precision
     D = codes.shape[-1] * (2 if quant.kind == "int4" else 1)
-    n = it.z - it.a
-    span = cpu.scratch(name, (n, codes.shape[2], D), dtype, codes.device)
+    n, Hkv = it.z - it.a, codes.shape[2]
+    span = cpu.scratch(name, (n, Hkv, D), dtype, codes.device)
+    fold = _per_key(scales, page)
+    mult = cpu.scratch(name + " scales", (Hkv, n), torch.float32, codes.device) if fold else None
     coded = max(min(it.z, pq * page) - it.a, 0)  # rows [0, coded) come from codes
     if coded:
         if it.first is not None:  # consecutive pages: views
@@ -277,15 +290,26 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
             c = cpu.scratch(name + " codes", (pq - p0,) + tuple(codes.shape[1:]), codes.dtype,
                             codes.device)
             torch.index_select(codes, 0, at, out=c)
-        # per head (Hkv,) -> (1, 1, Hkv, 1); per token or per channel: the pages' own rows
-        s = scales.view(1, 1, -1, 1) if scales.dim() == 1 else scales[at]
-        _dequantize_rows(c, s, quant.kind, it.a - p0 * page, span[:coded])
+        lo = it.a - p0 * page
+        if fold:
+            # (P, page, Hkv, Dc) -> (P·page, Hkv, Dc): the range's rows, decoded as they are
+            decode_codes(c.flatten(0, 1)[lo:lo + coded], quant.kind, out=span[:coded])
+            if scales.dim() == 1:  # per kv head: (Hkv,) -> (Hkv, coded)
+                mult[:, :coded] = scales.float()[:, None]
+            else:  # per token: (P, page, Hkv, 1) -> (Hkv, coded)
+                mult[:, :coded] = scales[at].flatten(0, 1)[lo:lo + coded, :, 0].t()
+        else:
+            # per token with groups (P, page, Hkv, G), per channel (P, 1, Hkv, D): as they
+            # lie; their multipliers vary along D, so they are applied here
+            _dequantize_rows(c, scales[at], quant.kind, lo, span[:coded])
     if coded < n:  # the recent pages' rows, from position pq · page on
         rows = recent[table_row[pq:p1].to(recent.device)].flatten(0, 1)
         first = it.a + coded - pq * page
         span[coded:] = rows[first:first + n - coded]
+        if fold:
+            mult[:, coded:] = 1.0
     # (n, Hkv, D) -> (1, Hkv, n, D): a view
-    return span.transpose(0, 1).unsqueeze(0)
+    return span.transpose(0, 1).unsqueeze(0), mult
 
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,
@@ -356,12 +380,13 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     def run(i: int) -> None:
         it = items[i]
         b = it.b
+        k_mult = v_mult = None
         if quant is not None:
             at = (table[b], int(quant.recent_from[b]), page, it)
-            k = _read_codes(k_pages, quant.k_scales, quant.recent_k, quant, *at, "paged k",
-                            q.dtype)
-            v = _read_codes(v_pages, quant.v_scales, quant.recent_v, quant, *at, "paged v",
-                            q.dtype)
+            k, k_mult = _read_codes(k_pages, quant.k_scales, quant.recent_k, quant, *at,
+                                    "paged k", q.dtype)
+            v, v_mult = _read_codes(v_pages, quant.v_scales, quant.recent_v, quant, *at,
+                                    "paged v", q.dtype)
         else:
             k = _read_pages(k_pages, table[b], page, it, "paged k")
             v = _read_pages(v_pages, table[b], page, it, "paged v")
@@ -373,9 +398,11 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
                         alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
         qb, out = q[b:b + 1], parts_out[it.r, b:b + 1]
         facts = _facts(qb, k, v, ispec, iops, items=True)
+        if k_mult is not None:  # the bound _facts took is of the codes, not of the keys
+            facts = facts._replace(finite_scores=False)
         _fwd_item(out, facts, lambda f: _fwd_rows(
             qb, k, v, ispec, iops, out, parts_lse[it.r, b:b + 1], scratch[it.r, b:b + 1],
-            facts=f))
+            facts=f, key_scales=(k_mult, v_mult)))
 
     cpu.run_items(run, len(items), threads=threads)
     with caller:
@@ -385,17 +412,19 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
 
 def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, out: Tensor,
               lse: Tensor, lse2: Tensor, *, facts: _Facts, b0: int = 0, engine: str = "bmm",
-              blocks=None) -> None:
+              blocks=None, key_scales: tuple[Tensor | None, Tensor | None] = (None, None)
+              ) -> None:
     """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
     ``facts``: the call's, :func:`_facts`; ``b0``: its first batch row's index in the call;
-    ``engine``: the plan's), for the query ``blocks`` given (all of them by default),
+    ``engine``: the plan's; ``key_scales``: per-key multipliers of k and v, ``_Gemm``'s),
+    for the query ``blocks`` given (all of them by default),
     writing only their rows."""
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
     sinks = ops.sinks
-    gemm = _Gemm(k, v, acc_dtype, engine, low=low_gemms(q))
+    gemm = _Gemm(k, v, acc_dtype, engine, low=low_gemms(q), key_scales=key_scales)
     tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0,
                  finite_scores=facts.finite_scores)
     sink_rows = None  # in base-2 units, like m_i

@@ -20,7 +20,8 @@ class _Gemm:
     one ``bmm`` serves the whole group."""
 
     def __init__(self, k: Tensor, v: Tensor, acc_dtype: torch.dtype, engine: str = "bmm",
-                 low: bool = False) -> None:
+                 low: bool = False, key_scales: tuple[Tensor | None, Tensor | None] = (None, None)
+                 ) -> None:
         B, Hkv, Nk, D = k.shape
         self.acc_dtype, self.device = acc_dtype, k.device
         self.k3 = k.reshape(B * Hkv, Nk, D)  # (B·Hkv, Nk, D), a view when k is contiguous
@@ -46,7 +47,15 @@ class _Gemm:
         # are, where the CPU has native bf16 (low_gemms); its bf16 product joins the fp32
         # accumulator. q·kᵀ stays fp32: a bf16 product is off by 2^-9 of |s|, which at
         # logits of 1e4 is 20 and changes the softmax itself.
-        self.low = low and not self.onednn and v.dtype == torch.bfloat16
+        self.low = (low and not self.onednn and v.dtype == torch.bfloat16
+                    and key_scales[1] is None)
+        # ``key_scales`` (forward, bmm engine): per-key multipliers ``(B·Hkv, Nk)`` of k and
+        # of v (either may be None), a quantized cache's per-token or per-head scales: the
+        # tiles then hold the bare codes, and q kᵀ's columns and P's columns carry the scales
+        # (G·BM products per key instead of D: one pass over the keys fewer)
+        self.k_scale, self.v_scale = key_scales
+        if (self.k_scale is not None or self.v_scale is not None) and engine != "bmm":
+            raise AssertionError(f"key_scales need the bmm engine, got {engine!r}")
 
     def v_block(self, n0: int, n1: int) -> Tensor:
         return self.v3[:, n0:n1].to(self.acc_dtype)
@@ -60,7 +69,10 @@ class _Gemm:
             return cpu.mm_nt(q_blk[0], self.k3[0, n0:n1]).unsqueeze(0)
         shape = (q_blk.shape[0], q_blk.shape[1], n1 - n0)
         k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
-        return torch.bmm(q_blk, k_blkT, out=self.buffer("s", shape))
+        s = torch.bmm(q_blk, k_blkT, out=self.buffer("s", shape))
+        if self.k_scale is not None:
+            s.mul_(self.k_scale[:, None, n0:n1])
+        return s
 
     def add_pv(self, acc: Tensor, p: Tensor, n0: int, n1: int) -> None:
         """``acc += p V`` for key block [n0, n1)."""
@@ -68,6 +80,8 @@ class _Gemm:
             acc[0].add_(cpu.mm_nt(p[0], self.v3[0, n0:n1].t()))
         elif self.low:
             acc.add_(torch.bmm(p.to(torch.bfloat16), self.v3[:, n0:n1]))
+        elif self.v_scale is not None:
+            acc.baddbmm_(p * self.v_scale[:, None, n0:n1], self.v_block(n0, n1))
         else:
             acc.baddbmm_(p, self.v_block(n0, n1))
 
