@@ -436,12 +436,14 @@ def test_decode_matches_float64_sdpa_on_every_path(tmp_path, compat):
 
 
 def test_decode_caches_match_float64_on_the_values_each_cache_holds(tmp_path):
+    """One decoding step (Nq = 1) and a chunked-prefill chunk (Nq = 5, causal from the end)."""
     rc = main(["bench", "decode", "--caches", "--cache", "40", "97", "--batch", "2", "--heads",
-               "4", "--kv-heads", "2", "--d", "32", "--page", "16", "--warmup", "0",
-               "--repeats", "1", "--out", str(tmp_path)])
+               "4", "--kv-heads", "2", "--d", "32", "--page", "16", "--nq", "1", "5",
+               "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)])
     assert rc == 0
     doc = json.loads((tmp_path / "results.json").read_text())
-    assert [(r["B"], r["cache"]) for r in doc["rows"]] == [(2, 40), (2, 97)]
+    assert [(r["B"], r["Nq"], r["cache"]) for r in doc["rows"]] == [
+        (2, 1, 40), (2, 1, 97), (2, 5, 40), (2, 5, 97)]
     formats = ("fp32", "bf16", "int8", "int4", "fp8")
     for r in doc["rows"]:
         assert set(r["ms"]) == {"sdpa, dense fp32", "sdpa, dense bf16"} | {

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="step through attn.decode from caches stored in these formats "
                         "(none named: all five), contiguous and paged, against SDPA on dense "
                         "fp32 and bf16 caches (default lengths 4096 16384 32768, B 1 and 8)")
+    p.add_argument("--nq", type=int, nargs="+", default=None,
+                   help="--caches: queries per step (default 1; more: a chunked-prefill chunk "
+                        "of that many, causal from the cache's end)")
     p.add_argument("--page", type=int, default=16, help="--caches: positions per page of the "
                                                          "paged caches")
     p.add_argument("--pages", type=int, nargs="*", default=[256, 16],

@@ -1,8 +1,11 @@
-"""``attn bench decode --caches``: one decoding step from each cache format, contiguous and
-paged, against torch SDPA on a dense fp32 and a dense bf16 cache (CPU).
+"""``attn bench decode --caches``: one decoding step (or a chunked-prefill chunk) from each
+cache format, contiguous and paged, against torch SDPA on a dense fp32 and a dense bf16 cache
+(CPU).
 
-Each step: q ``(B, H, 1, D)`` in float32 against the whole cache of L keys per sequence
-(Hkv kv heads, GQA) through :func:`attn.decode`. A cache is an
+Each step: q ``(B, H, Nq, D)`` in float32 against the whole cache of L keys per sequence
+(Hkv kv heads, GQA) through :func:`attn.decode`, causal from the cache's end (``--nq``: 1 by
+default, a decoding step; more, a prefill chunk whose own keys are the cache's last; SDPA
+takes that mask as a bool tensor). A cache is an
 :meth:`attn.kvcache.PagedKVCache.allocate`-d one holding the same random keys and values in
 each storage: fp32, bf16, int8 (one scale per token and head), int4 (groups of 32), fp8
 e4m3 (one scale per kv head). "contiguous": one page per sequence; "paged": pages of
@@ -16,6 +19,8 @@ values (quantization) is reported beside it. Then the paths take turns, median o
 ``--repeats`` rounds; ratio = SDPA on the dense fp32 cache / path (> 1: faster).
 
     attn bench decode --caches --out benchmarks/results/decode_caches_cpu
+    attn bench decode --caches --nq 128 1024 --cache 8192 --batch 1 \
+        --out benchmarks/results/prefill_caches_cpu
 """
 
 from __future__ import annotations
@@ -58,24 +63,42 @@ def _fill(k: torch.Tensor, v: torch.Tensor, page: int, dtype, quant, interleave:
     return cache
 
 
+def _bottom_right(n_q: int, n_k: int) -> torch.Tensor | None:
+    """The causal mask of ``n_q`` new queries whose keys are the last of ``n_k`` (query i sees
+    key j iff ``j <= i + n_k − n_q``), as SDPA takes it; None for one query (it sees all)."""
+    if n_q == 1:
+        return None
+    return torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+
+
 def _answer(q: torch.Tensor, rows) -> torch.Tensor:
-    """float64 SDPA of q ``(B, H, 1, D)`` on each row's keys and values ``(L, Hkv, D)``, one
-    row at a time (a whole float64 batch of 32k keys is gigabytes)."""
-    return torch.cat([torch_sdpa(q[b:b + 1].double(), *(x.transpose(0, 1)[None].double()
-                                                        for x in kv), enable_gqa=True)
-                      for b, kv in enumerate(rows)])
+    """float64 SDPA of q ``(B, H, Nq, D)`` on each row's keys and values ``(L, Hkv, D)``,
+    causal from the end for Nq > 1, one row and one kv head's group at a time (a whole
+    float64 batch of 32k keys is gigabytes)."""
+    outs = []
+    for b, (k, v) in enumerate(rows):
+        Hkv = k.shape[1]
+        G = q.shape[1] // Hkv
+        mask = _bottom_right(q.shape[2], k.shape[0])
+        outs.append(torch.cat([torch_sdpa(q[b:b + 1, h * G:(h + 1) * G].double(),
+                                          *(x[:, h:h + 1].transpose(0, 1)[None].double()
+                                            for x in (k, v)), attn_mask=mask, enable_gqa=True)
+                               for h in range(Hkv)], dim=1))
+    return torch.cat(outs)
 
 
-def cache_paths(B, H, Hkv, D, L, page, formats, g):
+def cache_paths(B, H, Hkv, D, L, page, formats, g, n_q: int = 1):
     """The paths, each path's float64 answer on its own values, and the answer on the
-    original values."""
-    q = torch.randn(B, H, 1, D, generator=g)
+    original values. ``n_q`` > 1: a prefill chunk of that many queries, causal from the end
+    of the cache (which holds the chunk's own keys last)."""
+    q = torch.randn(B, H, n_q, D, generator=g)
     k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
     exact = _answer(q, ((k[b].transpose(0, 1), v[b].transpose(0, 1)) for b in range(B)))
+    mask = _bottom_right(n_q, L)
     paths: dict[str, Callable] = {
-        BASELINE: lambda: torch_sdpa(q, k, v, enable_gqa=True),
-        "sdpa, dense bf16": lambda: torch_sdpa(qb, kb, vb, enable_gqa=True)}
+        BASELINE: lambda: torch_sdpa(q, k, v, attn_mask=mask, enable_gqa=True),
+        "sdpa, dense bf16": lambda: torch_sdpa(qb, kb, vb, attn_mask=mask, enable_gqa=True)}
     wants = {BASELINE: exact,
              "sdpa, dense bf16": _answer(qb, ((kb[b].transpose(0, 1), vb[b].transpose(0, 1))
                                               for b in range(B)))}
@@ -86,18 +109,19 @@ def cache_paths(B, H, Hkv, D, L, page, formats, g):
             cache = _fill(k, v, L if layout == "contiguous" else page, dtype, quant, interleave)
             seq = list(range(B))
             path = f"attn {name} {layout}"
-            paths[path] = (lambda c=cache, s=seq: attn.decode(q, c, seq_ids=s))
+            paths[path] = (lambda c=cache, s=seq: attn.decode(q, c, seq_ids=s, causal=True))
             wants[path] = _answer(q, (cache.sequence_kv(b) for b in range(B)))
             sizes[name] = cache.bytes_per_token()
     return paths, wants, exact, sizes
 
 
 def add_rows(args: argparse.Namespace, B: int, H: int, Hkv: int, D: int, lengths, warmup,
-             repeats) -> list[dict]:
+             repeats, n_q: int = 1) -> list[dict]:
     rows = []
     for L in lengths:
         g = torch.Generator().manual_seed(L)
-        paths, wants, exact, sizes = cache_paths(B, H, Hkv, D, L, args.page, args.caches, g)
+        paths, wants, exact, sizes = cache_paths(B, H, Hkv, D, L, args.page, args.caches, g,
+                                                 n_q)
         outs = {n: fn() for n, fn in paths.items()}
         err = {n: (outs[n].double() - wants[n]).abs().max().item() for n in paths}
         quant_err = {n: (outs[n].double() - exact).abs().max().item() for n in paths}
@@ -106,11 +130,11 @@ def add_rows(args: argparse.Namespace, B: int, H: int, Hkv: int, D: int, lengths
                 fn()
         times = paired(paths, repeats)
         ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-        rows.append({"B": B, "cache": L, "ms": ms,
+        rows.append({"B": B, "Nq": n_q, "cache": L, "ms": ms,
                      "ratio_to_sdpa": {n: ms[BASELINE] / t for n, t in ms.items()},
                      "max_abs_err": err, "err_vs_original": quant_err,
                      "bytes_per_token": sizes})
-        print(f"B={B} L={L}: " + ", ".join(f"{n} {t:.2f} ms" for n, t in ms.items()),
+        print(f"B={B} Nq={n_q} L={L}: " + ", ".join(f"{n} {t:.2f} ms" for n, t in ms.items()),
               file=sys.stderr, flush=True)
     return rows
 
@@ -124,8 +148,9 @@ def markdown(header: dict, rows: list[dict]) -> str:
              f"- torch {header['torch']}, python {header['python']}, attn {header['attn']}, "
              f"{header['date']}",
              f"- command: `{header['command']}`",
-             f"- step: Nq=1, H={s['H']}, Hkv={s['Hkv']}, D={s['D']}, q float32, attending to "
-             f"the whole cache; paged: pages of {header['page']} interleaved with a filler "
+             f"- step: Nq={', '.join(map(str, s['Nq']))}, H={s['H']}, Hkv={s['Hkv']}, "
+             f"D={s['D']}, q float32, attending to the whole cache (Nq > 1: a chunked-prefill "
+             "chunk, causal from the cache's end; SDPA takes that mask as a bool tensor); paged: pages of {header['page']} interleaved with a filler "
              f"sequence's; median of {header['repeats']} rounds after {header['warmup']} "
              "warm-up, the paths taking turns",
              f"- ratio: {BASELINE} time / path time (> 1: faster than SDPA on a dense fp32 "
@@ -134,10 +159,10 @@ def markdown(header: dict, rows: list[dict]) -> str:
              "included)", "",
              "bytes per token (K and V, all kv heads, scales included): " + ", ".join(
                  f"{n} {b:.0f}" for n, b in rows[0]["bytes_per_token"].items()), "",
-             "| B | L | path | ms / step | SDPA fp32 / path | err | vs original |",
-             "|--:|--:|:--|--:|--:|--:|--:|"]
+             "| B | Nq | L | path | ms / step | SDPA fp32 / path | err | vs original |",
+             "|--:|--:|--:|:--|--:|--:|--:|--:|"]
     lines += report.per_path_lines(rows, lambda r, n, t: (
-        str(r["B"]), str(r["cache"]), n, f"{t:.2f}", f"{r['ratio_to_sdpa'][n]:.2f}",
+        str(r["B"]), str(r.get("Nq", 1)), str(r["cache"]), n, f"{t:.2f}", f"{r['ratio_to_sdpa'][n]:.2f}",
         f"{r['max_abs_err'][n]:.1e}", f"{r['err_vs_original'][n]:.1e}"))
     return "\n".join(lines) + "\n"
 
@@ -150,15 +175,16 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         plt = _pyplot()
     except ImportError:
         return []
-    batches = sorted({r["B"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
-    for ax, B in zip(axes[0], batches):
-        rs = sorted((r for r in rows if r["B"] == B), key=lambda r: r["cache"])
+    panels = sorted({(r["B"], r.get("Nq", 1)) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (B, n_q) in zip(axes[0], panels):
+        rs = sorted((r for r in rows if (r["B"], r.get("Nq", 1)) == (B, n_q)),
+                    key=lambda r: r["cache"])
         for path in rs[0]["ms"]:
             ax.plot([r["cache"] for r in rs], [r["ms"][path] for r in rs], marker="o", ms=3,
                     label=path, ls="--" if path.startswith("sdpa") else "-")
         ax.set(xscale="log", yscale="log", xlabel="cache length L", ylabel="ms per step",
-               title=f"B={B}")
+               title=f"B={B}" + (f", Nq={n_q}" if n_q > 1 else ""))
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=6)
     fig.savefig(out / "step.png", dpi=100, bbox_inches="tight")
@@ -181,11 +207,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     warmup = args.warmup if args.warmup is not None else 1
     repeats = args.repeats or 9
     header = report.run_header("cpu", "attn " + shlex.join(argv))
-    header.update(shape={"H": H, "Hkv": Hkv, "D": D, "Nq": 1}, page=args.page, warmup=warmup,
-                  repeats=repeats, note=args.note)
+    n_qs = args.nq or [1]
+    header.update(shape={"H": H, "Hkv": Hkv, "D": D, "Nq": n_qs}, page=args.page,
+                  warmup=warmup, repeats=repeats, note=args.note)
     with torch.inference_mode():
-        rows = [r for B in batches
-                for r in add_rows(args, B, H, Hkv, D, lengths, warmup, repeats)]
+        rows = [r for B in batches for n_q in n_qs
+                for r in add_rows(args, B, H, Hkv, D, lengths, warmup, repeats, n_q)]
     md = markdown(header, rows)
     written = report.write_results(args.out, header, rows, md)
     written += tuple(plots(rows, Path(args.out)))
