@@ -97,6 +97,23 @@ def test_e4m3_bytes_decode_by_arithmetic():
     assert torch.equal(got[~nan], b.view(torch.float8_e4m3fn).float()[~nan])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_codes_gives_each_codes_number_up_to_the_factor_it_returns(dtype):
+    """What the tiled read keeps in its buffer when the scales fold into the GEMMs: every
+    code's number (e4m3's by arithmetic, int8 as is, int4 unpacked), divided by the returned
+    power of two. fp8: every byte but the two NaNs, which the quantizer never writes."""
+    fp8 = torch.arange(256, dtype=torch.uint8)
+    fp8 = fp8[(fp8 & 127) != 127].view(2, 127)
+    int8 = torch.arange(-127, 128, dtype=torch.int8).view(5, 51)
+    int4 = kvquant.pack_int4(torch.arange(-7, 8).repeat(4).view(2, 30))
+    cases = ((fp8, "fp8_e4m3", kvquant.e4m3_to_float(fp8)), (int8, "int8", int8.float()),
+             (int4, "int4", kvquant.unpack_int4(int4).float()))
+    for codes, kind, want in cases:
+        out = torch.empty(want.shape, dtype=dtype)
+        unit = kvquant.decode_codes(codes, kind, out=out)
+        assert torch.equal(out.double() * unit, want.double()), kind
+
+
 def test_fp8_rounds_to_the_nearest_e4m3_value_and_saturates():
     x = sample(6, 2, 64, seed=1) * 10
     x[1, 0, :3] = torch.tensor([1e4, -1e4, 5000.0])  # past 448 · scale: saturate

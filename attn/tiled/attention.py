@@ -293,11 +293,12 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
         lo = it.a - p0 * page
         if fold:
             # (P, page, Hkv, Dc) -> (P·page, Hkv, Dc): the range's rows, decoded as they are
-            decode_codes(c.flatten(0, 1)[lo:lo + coded], quant.kind, out=span[:coded])
+            unit = decode_codes(c.flatten(0, 1)[lo:lo + coded], quant.kind, out=span[:coded])
             if scales.dim() == 1:  # per kv head: (Hkv,) -> (Hkv, coded)
-                mult[:, :coded] = scales.float()[:, None]
+                mult[:, :coded] = scales.float()[:, None] * unit
             else:  # per token: (P, page, Hkv, 1) -> (Hkv, coded)
-                mult[:, :coded] = scales[at].flatten(0, 1)[lo:lo + coded, :, 0].t()
+                torch.mul(scales[at].flatten(0, 1)[lo:lo + coded, :, 0].t(), unit,
+                          out=mult[:, :coded])
         else:
             # per token with groups (P, page, Hkv, G), per channel (P, 1, Hkv, D): as they
             # lie; their multipliers vary along D, so they are applied here
