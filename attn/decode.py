@@ -96,7 +96,8 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
            causal: bool = False, window: tuple[int, int] | None = None,
            scale: float | None = None, softcap: float | None = None,
            alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
-           return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+           return_lse: bool = False, quantized_q: bool = False
+           ) -> Tensor | tuple[Tensor, Tensor]:
     """q ``(B, H, Nq, D)`` against the cached keys of sequences ``seq_ids (B,)`` (default:
     the cache's B sequences in order; sequence s holds keys ``[starts[s], lengths[s])``,
     ``N_s`` of them) → out ``(B, H, Nq, Dv)`` in q's dtype, with ``return_lse`` also lse
@@ -109,6 +110,11 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     converted range by range as they are read, quantized pages dequantized likewise.
     Forward only. After :meth:`~attn.kvcache.PagedKVCache.free_outside_window`, a call whose
     window reaches keys given back raises ValueError.
+
+    ``quantized_q`` (opt-in; an int8 cache with one scale per token, read on CPU): each query
+    row is rounded to int8 with its own scale and scored against the int8 keys by integer
+    products (llama.cpp's way), so the keys are never converted; q's rounding (half a step
+    of ``max|row| / 127`` per element) adds to the cache's quantization error.
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an attn.kvcache.PagedKVCache, got "
@@ -130,9 +136,11 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
                          "attn.decode under torch.no_grad() or torch.inference_mode()")
     cache.check_reach(rows, Nq, window_pair(window))
     read = read_plan(q, cache)[0]
+    if quantized_q:
+        _check_quantized_q(cache, read)
     if read != "copy":
         return _paged(q, cache, rows, read, causal, window, scale, softcap, alibi_slopes, sinks,
-                      return_lse)
+                      return_lse, quantized_q)
     if rows is not None:
         cache = cache.select(rows)
     lengths = cache.lengths - cache.starts
@@ -149,8 +157,18 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     return (out, lse) if return_lse else out
 
 
+def _check_quantized_q(cache: PagedKVCache, read: str) -> None:
+    quant = cache.quant
+    if quant is None or quant.kind != "int8" or quant.group is not None or quant.k_per_channel:
+        raise ValueError(f"quantized_q scores int8 keys with one scale per token (KVQuant("
+                         f"'int8')), but the cache holds {quant or cache.storage_dtype}")
+    if read != "tiled":
+        raise ValueError(f"quantized_q runs on the tiled read (on {_PAGED_DEVICES}); this call "
+                         f"reads the cache by {read!r}")
+
+
 def _paged(q, cache: PagedKVCache, rows, read: str, causal, window, scale, softcap,
-           alibi_slopes, sinks, return_lse):
+           alibi_slopes, sinks, return_lse, quantized_q: bool = False):
     """The pages read through the block table (``read``: :func:`read_plan`'s "tiled" or
     "triton"): the variants checked and resolved as every entry's are, against one key per
     row, the band counted from each sequence's end, the rows of ``seq_ids`` picked from the
@@ -174,7 +192,7 @@ def _paged(q, cache: PagedKVCache, rows, read: str, causal, window, scale, softc
         if cache.quant is not None:
             ops = ops._replace(quant=QuantPages(
                 cache.quant.kind, cache.k_scales, cache.v_scales, cache.recent_from(rows),
-                cache.recent_k, cache.recent_v))
+                cache.recent_k, cache.recent_v, quantized_q))
         out, lse = tiled.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
     return (out, lse) if return_lse else out
 

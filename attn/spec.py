@@ -131,6 +131,9 @@ class QuantPages(NamedTuple):
     recent_from: Tensor  # (B,) host int64: row b's first full-precision page
     recent_k: Tensor | None = None  # (slots, page_size, Hkv, D) in the cache's storage dtype
     recent_v: Tensor | None = None
+    # int8 keys with one scale per token scored against q rounded to int8 per row (integer
+    # products; attn.decode's quantized_q)
+    int8_scores: bool = False
 
 
 class Operands(NamedTuple):

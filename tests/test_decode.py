@@ -427,3 +427,71 @@ def test_decode_after_freeing_pages_outside_the_window(quant):
         attn.decode(q, cache, causal=True, window=(17, 0))
     with pytest.raises(ValueError, match=r"window None with 1 queries reaches every key"):
         attn.decode(q, cache, causal=True)
+
+
+@pytest.mark.parametrize("quant,page", [("int8", 16), ("int8 t recent", 3)])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap+scale", "alibi", "sinks"])
+def test_quantized_q_is_exact_for_a_q_that_int8_holds(variant, quant, page):
+    """Query rows of integers in [-127, 127] reaching 127 are their own int8 codes (whatever
+    scale q is multiplied by first): ``quantized_q`` must then match float64 attention on the
+    dequantized keys within the usual budget, pages shuffled, ragged, GQA, recent pages."""
+    lengths = [0, 1, 97, 2500]
+    cache, g = quantized(lengths, page, quant, seed=page)
+    Nq = 3 if variant == "window" else 1
+    q = torch.randint(-127, 128, (len(lengths), H, Nq, DQ), generator=g).float()
+    q[..., 5] = 127.0
+    kw = {"scale": 0.004, **variant_kwargs(variant, len(lengths), g)}
+    with torch.no_grad():
+        out, lse = attn.decode(q, cache, return_lse=True, quantized_q=True, **kw)
+    check_rows(q, cache, out, lse, **kw)
+
+
+@pytest.mark.parametrize("quant,page", [("int8", 16), ("int8 t recent", 3)])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap+scale", "sinks"])
+def test_quantized_q_scores_int8_keys_within_what_rounding_q_moves(variant, quant, page):
+    """``quantized_q``: q rounded to int8 per row (step ``max|row| / 127``) moves each score
+    ``scale·q·k_j`` by at most ``δ = scale · max|row| / 254 · Σ_d |k_jd|`` (softcap is
+    1-Lipschitz; ALiBi, masks and sinks do not move), so each output by at most
+    ``(e^{2δ} − 1) · max|v|``: the result must sit within that of float64 attention on the
+    dequantized keys (plus fp32 rounding), and it must differ from the unrounded decode's."""
+    lengths = [0, 1, 97, 2500]
+    cache, g = quantized(lengths, page, quant, seed=page)
+    Nq = 3 if variant == "window" else 1
+    q = torch.randn(len(lengths), H, Nq, DQ, generator=g)
+    kw = variant_kwargs(variant, len(lengths), g)
+    with torch.no_grad():
+        out = attn.decode(q, cache, quantized_q=True, **kw)
+        plain = attn.decode(q, cache, **kw)
+    if not (variant == "window" and FORMATS[quant].recent_pages):  # (a window inside the
+        assert not torch.equal(out, plain)  # full-precision pages reads no codes)
+    scale = kw.get("scale", DQ ** -0.5)
+    for s in range(len(lengths)):
+        k, v = dense_kv(cache, s)
+        want = attn.attention(q[s:s + 1].double(), k.double(), v.double(), backend="reference",
+                              **kw)
+        if k.shape[2] == 0:
+            assert torch.equal(out[s], torch.zeros_like(out[s]))
+            continue
+        G = H // HKV
+        # (1, H, Nq, 1) max|row| x (1, Hkv, 1, Nk) sum |k| -> the largest move per row
+        k1 = k.abs().sum(-1).repeat_interleave(G, dim=1)[:, :, None]
+        delta = (scale * q[s:s + 1].abs().amax(-1, keepdim=True).double() / 254
+                 * k1.double()).amax(-1)
+        bound = (torch.exp(2 * delta) - 1) * v.abs().max().double() + 1e-5
+        err = (out[s:s + 1].double() - want).abs().amax(-1)
+        assert (err <= bound).all(), (err.max().item(), bound.min().item())
+
+
+def test_quantized_q_is_refused_where_it_cannot_run(monkeypatch):
+    q = torch.randn(2, H, 1, DQ)
+    for name in ("int8 g32", "int4", "fp8"):
+        cache = shared_quantized((5, 40), 16, name)
+        with torch.no_grad(), pytest.raises(ValueError, match=r"quantized_q scores int8 keys "
+                                                                r"with one scale per token"):
+            attn.decode(q, cache, quantized_q=True)
+    plain, _ = paged([5, 40], 16, shuffled=False)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"but the cache holds torch.float32"):
+        attn.decode(torch.randn(2, H, 1, D), plain, quantized_q=True)
+    monkeypatch.setattr(importlib.import_module("attn.decode"), "_PAGED_DEVICES", ())
+    with torch.no_grad(), pytest.raises(ValueError, match=r"quantized_q runs on the tiled read"):
+        attn.decode(q, shared_quantized((5, 40), 16, "int8"), quantized_q=True)

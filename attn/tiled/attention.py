@@ -264,7 +264,7 @@ def _per_key(scales: Tensor, page: int) -> bool:
 
 def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: QuantPages,
                 table_row: Tensor, recent_from: int, page: int, it: _PagedItem, name: str,
-                dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+                dtype: torch.dtype, raw: bool = False) -> tuple[Tensor, Tensor | None]:
     """A quantized item's keys (or values) ``(1, Hkv, n, D)`` in ``dtype``, positions ``[a,
     z)`` of its row, in its thread's buffer ``name``: the range's rows of its coded pages
     dequantized into it (their codes and scales only: a view where the pages are consecutive,
@@ -272,15 +272,17 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
 
     Where the scales are one per key and kv head (:func:`_per_key`), the rows hold the bare
     codes (as numbers) and the second result is each row's multiplier ``(Hkv, n)`` float32
-    (1 for the recent rows), for the GEMMs to apply; else it is None."""
+    (1 for the recent rows), for the GEMMs to apply; else it is None. With ``raw`` too (int8
+    keys scored against an int8 q), a range of codes only comes back as the codes themselves
+    (a view of the storage where its pages are consecutive), never converted."""
     p0, p1 = it.a // page, -(-it.z // page)
     pq = min(max(recent_from, p0), p1)  # pages [p0, pq) hold codes, [pq, p1) full precision
     D = codes.shape[-1] * (2 if quant.kind == "int4" else 1)
     n, Hkv = it.z - it.a, codes.shape[2]
-    span = cpu.scratch(name, (n, Hkv, D), dtype, codes.device)
     fold = _per_key(scales, page)
     mult = cpu.scratch(name + " scales", (Hkv, n), torch.float32, codes.device) if fold else None
     coded = max(min(it.z, pq * page) - it.a, 0)  # rows [0, coded) come from codes
+    span = None
     if coded:
         if it.first is not None:  # consecutive pages: views
             at = slice(it.first, it.first + pq - p0)
@@ -291,9 +293,14 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
                             codes.device)
             torch.index_select(codes, 0, at, out=c)
         lo = it.a - p0 * page
-        if fold:
-            # (P, page, Hkv, Dc) -> (P·page, Hkv, Dc): the range's rows, decoded as they are
-            unit = decode_codes(c.flatten(0, 1)[lo:lo + coded], quant.kind, out=span[:coded])
+        # (P, page, Hkv, Dc) -> (P·page, Hkv, Dc): the range's rows
+        rows = c.flatten(0, 1)[lo:lo + coded]
+        if raw and fold and coded == n:  # (n, Hkv, D) -> (1, Hkv, n, D): views
+            mult.copy_(scales[at].flatten(0, 1)[lo:lo + n, :, 0].t())
+            return rows.transpose(0, 1).unsqueeze(0), mult
+        span = cpu.scratch(name, (n, Hkv, D), dtype, codes.device)
+        if fold:  # decoded as they are
+            unit = decode_codes(rows, quant.kind, out=span[:coded])
             if scales.dim() == 1:  # per kv head: (Hkv,) -> (Hkv, coded)
                 mult[:, :coded] = scales.float()[:, None] * unit
             else:  # per token: (P, page, Hkv, 1) -> (Hkv, coded)
@@ -303,6 +310,8 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
             # per token with groups (P, page, Hkv, G), per channel (P, 1, Hkv, D): as they
             # lie; their multipliers vary along D, so they are applied here
             _dequantize_rows(c, scales[at], quant.kind, lo, span[:coded])
+    if span is None:
+        span = cpu.scratch(name, (n, Hkv, D), dtype, codes.device)
     if coded < n:  # the recent pages' rows, from position pq · page on
         rows = recent[table_row[pq:p1].to(recent.device)].flatten(0, 1)
         first = it.a + coded - pq * page
@@ -385,14 +394,16 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
         if quant is not None:
             at = (table[b], int(quant.recent_from[b]), page, it)
             k, k_mult = _read_codes(k_pages, quant.k_scales, quant.recent_k, quant, *at,
-                                    "paged k", q.dtype)
+                                    "paged k", q.dtype, raw=quant.int8_scores)
             v, v_mult = _read_codes(v_pages, quant.v_scales, quant.recent_v, quant, *at,
                                     "paged v", q.dtype)
         else:
             k = _read_pages(k_pages, table[b], page, it, "paged k")
             v = _read_pages(v_pages, table[b], page, it, "paged v")
-        if k.dtype != q.dtype:
-            k, v = k.to(q.dtype), v.to(q.dtype)
+        if k.dtype != q.dtype and k.dtype != torch.int8:  # int8: codes scored as they are
+            k = k.to(q.dtype)
+        if v.dtype != q.dtype:
+            v = v.to(q.dtype)
         row_band = Band(band.offset + int(n_keys[b]), band.left, band.right)
         ispec = dataclasses.replace(spec, band=row_band).shard(k_start=it.n0)
         iops = Operands(softcap=ops.softcap,

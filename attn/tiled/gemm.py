@@ -68,11 +68,28 @@ class _Gemm:
         if self.onednn:
             return cpu.mm_nt(q_blk[0], self.k3[0, n0:n1]).unsqueeze(0)
         shape = (q_blk.shape[0], q_blk.shape[1], n1 - n0)
-        k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32/fp64
-        s = torch.bmm(q_blk, k_blkT, out=self.buffer("s", shape))
+        if self.k3.dtype == torch.int8:  # int8 codes: scored against q rounded to int8
+            s = self._int8_scores(q_blk, n0, n1, self.buffer("s", shape))
+        else:
+            k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32
+            s = torch.bmm(q_blk, k_blkT, out=self.buffer("s", shape))
         if self.k_scale is not None:
             s.mul_(self.k_scale[:, None, n0:n1])
         return s
+
+    def _int8_scores(self, q_blk: Tensor, n0: int, n1: int, s: Tensor) -> Tensor:
+        """``q_blk kᵀ`` into ``s`` with k int8 codes (their scales are ``k_scale``'s): each
+        query row rounded to int8 with its own scale ``max|row| / 127`` (half to even, as the
+        cache's codes), the products in int32 (exact), then both scales. The keys are read as
+        they are stored, never converted; q's rounding is the error this adds."""
+        amax = q_blk.abs().amax(-1, keepdim=True)
+        q_scale = amax / 127.0
+        q8 = torch.round(q_blk / torch.where(amax > 0, q_scale, 1.0)).clamp_(-127, 127)
+        q8 = q8.to(torch.int8)
+        prod = torch.empty(s.shape, dtype=torch.int32, device=s.device)
+        for u in range(q_blk.shape[0]):  # _int_mm is 2-D: one (batch row, kv head) at a time
+            torch._int_mm(q8[u], self.k3[u, n0:n1].t(), out=prod[u])
+        return torch.mul(prod, q_scale, out=s)  # NaN in q stays NaN (its scale is NaN)
 
     def add_pv(self, acc: Tensor, p: Tensor, n0: int, n1: int) -> None:
         """``acc += p V`` for key block [n0, n1)."""
