@@ -29,6 +29,11 @@ inside the triton kernel is a later piece).
 
 Forward only: callers run it under ``torch.no_grad()`` or ``torch.inference_mode()`` (a
 quantized cache raises otherwise, on every device).
+
+Under ``torch.compile`` (call :func:`decode`, the function: dynamo does not call this module
+object), a traced call checks what needs no data and hands the cache's tensors to the opaque
+op ``attn::paged_decode``, whose real implementation, at run time, is the eager call: the
+same data checks, the same read, the same bits (docs/kvcache.md, "Under torch.compile").
 """
 
 from __future__ import annotations
@@ -236,6 +241,7 @@ def _packed(q, cache: PagedKVCache, lengths: Tensor, alibi_slopes, kw) -> tuple[
 
 
 def _op_float(name: str, x: object) -> float | None:
+    """``scale`` / ``softcap`` as the op's schema takes them (a float or None)."""
     if x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)):
         return None if x is None else float(x)
     raise TypeError(f"{name} must be a float (or None) when attn.decode runs under "
