@@ -29,6 +29,11 @@ inside the triton kernel is a later piece).
 
 Forward only: callers run it under ``torch.no_grad()`` or ``torch.inference_mode()`` (a
 quantized cache raises otherwise, on every device).
+
+Under ``torch.compile`` (call :func:`decode`, the function: dynamo does not call this module
+object), a traced call checks what needs no data and hands the cache's tensors to the opaque
+op ``attn::paged_decode``, whose real implementation, at run time, is the eager call: the
+same data checks, the same read, the same bits (docs/kvcache.md, "Under torch.compile").
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from torch import Tensor
 from attn import tiled
 from attn.api import attention
 from attn.call import AttentionCall, _check_tensor, resolve, unsupported_reason
-from attn.kvcache import PagedKVCache
+from attn.kvcache import KVQuant, PagedKVCache
 from attn.masks import make_band, window_pair
 from attn.spec import PageTable, QuantPages, acc_dtype
 from attn.varlen import varlen_attention
@@ -85,6 +90,8 @@ def _seq_rows(seq_ids: object, cache: PagedKVCache, q: Tensor) -> Tensor | None:
         raise ValueError(f"seq_ids must be (B,) for q (B, H, Nq, D): got seq_ids "
                          f"{tuple(seq_ids.shape)} and q {shape}")
     rows = seq_ids.cpu().long()
+    if torch.compiler.is_compiling():  # data: attn::paged_decode checks it when it runs
+        return rows
     bad = (rows < 0) | (rows >= cache.batch)
     if bool(bad.any()):
         raise ValueError(f"seq_ids {rows.tolist()[:16]} must lie in [0, {cache.batch}): the "
@@ -134,6 +141,9 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
                                                         cache.recent_k, cache.recent_v)):
         raise ValueError("a quantized cache is forward only (it serves inference): run "
                          "attn.decode under torch.no_grad() or torch.inference_mode()")
+    if torch.compiler.is_compiling():  # traced: the data checks and the read run in an op
+        return _traced(q, cache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
+                       return_lse)
     cache.check_reach(rows, Nq, window_pair(window))
     read = read_plan(q, cache)[0]
     if quantized_q:
@@ -238,6 +248,78 @@ def _packed(q, cache: PagedKVCache, lengths: Tensor, alibi_slopes, kw) -> tuple[
                                 alibi_slopes=alibi_slopes, return_lse=True, **kw)
     # (B·Nq, H, Dv) -> (B, H, Nq, Dv); lse (H, B·Nq) -> (B, H, Nq)
     return out.view(B, Nq, H, -1).transpose(1, 2), lse.view(H, B, Nq).transpose(0, 1)
+
+
+# -- under torch.compile: one opaque op ------------------------------------------------------
+# decode's data checks (seq_ids in range, keys given back, the table's page ids) and the work
+# items' plan branch on host tensors' values, which a traced graph cannot do. A traced decode
+# checks what needs no data and hands the cache's tensors to attn::paged_decode; its real
+# implementation runs at execution time, outside the graph: the eager decode on a cache
+# rebuilt around those tensors (the same storage), so it checks and reads as eager does.
+
+
+def _op_float(name: str, x: object) -> float | None:
+    """``scale`` / ``softcap`` as the op's schema takes them (a float or None)."""
+    if x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)):
+        return None if x is None else float(x)
+    raise TypeError(f"{name} must be a float (or None) when attn.decode runs under "
+                    f"torch.compile, got {type(x).__name__}")
+
+
+def _traced(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window, scale, softcap,
+            alibi_slopes, sinks, return_lse):
+    """decode inside a traced graph: q, seq_ids and the cache's shapes, dtypes and devices
+    are checked already; :func:`_paged_decode` does the rest when the graph runs."""
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    pair = window_pair(window)
+    quant = cache.quant
+    out, lse = _paged_decode(
+        q, cache.k_pages, cache.v_pages, cache.host_table, cache.starts, cache.lengths,
+        cache._trimmed, rows, cache.k_scales, cache.v_scales, cache.recent_k, cache.recent_v,
+        alibi_slopes, sinks, [cache.head_dim, cache.head_dim_v],
+        None if quant is None else quant.kind, None if quant is None else quant.group,
+        quant is not None and quant.k_per_channel, 0 if quant is None else quant.recent_pages,
+        bool(causal), None if pair is None else list(pair), _op_float("scale", scale),
+        _op_float("softcap", softcap))
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("attn::paged_decode", mutates_args=())
+def _paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                  starts: Tensor, lengths: Tensor, trimmed: Tensor, seq_ids: Tensor | None,
+                  k_scales: Tensor | None, v_scales: Tensor | None, recent_k: Tensor | None,
+                  recent_v: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None,
+                  dims: list[int], quant_kind: str | None, quant_group: int | None,
+                  k_per_channel: bool, recent_pages: int, causal: bool,
+                  window: list[int] | None, scale: float | None, softcap: float | None
+                  ) -> tuple[Tensor, Tensor]:
+    """out ``(B, H, Nq, Dv)`` and lse ``(B, H, Nq)`` of :func:`decode` on the cache these
+    tensors make up (``block_table``, ``starts``, ``lengths``, ``trimmed``: its host
+    tensors; the scales, recent pages and ``quant_*`` its format when quantized)."""
+    cache = PagedKVCache(k_pages, v_pages, block_table, lengths, starts=starts)
+    cache._trimmed = trimmed  # which starts free_outside_window moved (check_reach)
+    if quant_kind is not None:
+        cache.quant = KVQuant(quant_kind, quant_group, k_per_channel, recent_pages)
+        cache.k_scales, cache.v_scales = k_scales, v_scales
+        cache.recent_k, cache.recent_v = recent_k, recent_v
+        cache._dims = (dims[0], dims[1])  # int4 codes are half as wide as the values
+    out, lse = decode(q, cache, seq_ids=seq_ids, causal=causal,
+                      window=None if window is None else (window[0], window[1]), scale=scale,
+                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True)
+    # a custom op's outputs must not share memory with its inputs (a row with no key's lse
+    # may be a view of the sinks)
+    held = {t.untyped_storage().data_ptr() for t in (q, alibi_slopes, sinks) if t is not None}
+    return tuple(t.clone() if t.untyped_storage().data_ptr() in held else t for t in (out, lse))
+
+
+@_paged_decode.register_fake
+def _(q, k_pages, v_pages, block_table, starts, lengths, trimmed, seq_ids, k_scales, v_scales,
+      recent_k, recent_v, alibi_slopes, sinks, dims, quant_kind, quant_group, k_per_channel,
+      recent_pages, causal, window, scale, softcap):
+    B, H, Nq, _ = q.shape
+    return q.new_empty(B, H, Nq, dims[1]), q.new_empty(B, H, Nq, dtype=acc_dtype(q.dtype))
 
 
 class _CallableModule(types.ModuleType):
