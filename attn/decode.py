@@ -143,7 +143,7 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
                          "attn.decode under torch.no_grad() or torch.inference_mode()")
     if torch.compiler.is_compiling():  # traced: the data checks and the read run in an op
         return _traced(q, cache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
-                       return_lse)
+                       return_lse, quantized_q)
     cache.check_reach(rows, Nq, window_pair(window))
     read = read_plan(q, cache)[0]
     if quantized_q:
@@ -267,7 +267,7 @@ def _op_float(name: str, x: object) -> float | None:
 
 
 def _traced(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window, scale, softcap,
-            alibi_slopes, sinks, return_lse):
+            alibi_slopes, sinks, return_lse, quantized_q):
     """decode inside a traced graph: q, seq_ids and the cache's shapes, dtypes and devices
     are checked already; :func:`_paged_decode` does the rest when the graph runs."""
     for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
@@ -282,7 +282,7 @@ def _traced(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window,
         None if quant is None else quant.kind, None if quant is None else quant.group,
         quant is not None and quant.k_per_channel, 0 if quant is None else quant.recent_pages,
         bool(causal), None if pair is None else list(pair), _op_float("scale", scale),
-        _op_float("softcap", softcap))
+        _op_float("softcap", softcap), bool(quantized_q))
     return (out, lse) if return_lse else out
 
 
@@ -293,8 +293,8 @@ def _paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tens
                   recent_v: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None,
                   dims: list[int], quant_kind: str | None, quant_group: int | None,
                   k_per_channel: bool, recent_pages: int, causal: bool,
-                  window: list[int] | None, scale: float | None, softcap: float | None
-                  ) -> tuple[Tensor, Tensor]:
+                  window: list[int] | None, scale: float | None, softcap: float | None,
+                  quantized_q: bool) -> tuple[Tensor, Tensor]:
     """out ``(B, H, Nq, Dv)`` and lse ``(B, H, Nq)`` of :func:`decode` on the cache these
     tensors make up (``block_table``, ``starts``, ``lengths``, ``trimmed``: its host
     tensors; the scales, recent pages and ``quant_*`` its format when quantized)."""
@@ -307,7 +307,8 @@ def _paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tens
         cache._dims = (dims[0], dims[1])  # int4 codes are half as wide as the values
     out, lse = decode(q, cache, seq_ids=seq_ids, causal=causal,
                       window=None if window is None else (window[0], window[1]), scale=scale,
-                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True)
+                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True,
+                      quantized_q=quantized_q)
     # a custom op's outputs must not share memory with its inputs (a row with no key's lse
     # may be a view of the sinks)
     held = {t.untyped_storage().data_ptr() for t in (q, alibi_slopes, sinks) if t is not None}
@@ -317,7 +318,7 @@ def _paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tens
 @_paged_decode.register_fake
 def _(q, k_pages, v_pages, block_table, starts, lengths, trimmed, seq_ids, k_scales, v_scales,
       recent_k, recent_v, alibi_slopes, sinks, dims, quant_kind, quant_group, k_per_channel,
-      recent_pages, causal, window, scale, softcap):
+      recent_pages, causal, window, scale, softcap, quantized_q):
     B, H, Nq, _ = q.shape
     return q.new_empty(B, H, Nq, dims[1]), q.new_empty(B, H, Nq, dtype=acc_dtype(q.dtype))
 

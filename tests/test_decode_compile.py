@@ -43,13 +43,18 @@ def _case(name: str):
         kw = {"sinks": torch.randn(H, generator=g), "alibi_slopes": torch.rand(3, H, generator=g),
               "softcap": 2.0, "scale": 0.7, "causal": True}
         return torch.randn(3, H, 1, D, generator=g), cache, None, kw
+    if name == "int8, quantized_q":  # integer rows reaching 127: their own int8 codes
+        cache, g = quantized([0, 97, 700], 16, "int8")
+        q = torch.randint(-127, 128, (3, H, 1, cache.head_dim), generator=g).float()
+        q[..., 0] = 127.0
+        return q, cache, None, {"causal": True, "scale": 0.004, "quantized_q": True}
     cache, g = quantized([0, 97, 700], 16, name)  # "int8", "int4 kivi"
     return (torch.randn(3, H, 1, cache.head_dim, generator=g), cache, None,
             {"causal": True, "window": (300, 0)})
 
 
 CASES = ["plain", "causal+window, Nq 5, seq_ids", "mqa", "sinks+alibi+softcap", "int8",
-         "int4 kivi"]
+         "int4 kivi", "int8, quantized_q"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -60,6 +65,7 @@ def test_compiled_decode_equals_eager_and_the_reference(name):
         want = _step(q, cache, seq_ids, kw)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     rows = None if seq_ids is None else seq_ids.tolist()
+    kw.pop("quantized_q", None)
     check_rows(q, cache, out, lse, rows=rows, **kw)
 
 
