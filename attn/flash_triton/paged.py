@@ -39,9 +39,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attn.flash_triton.kernels import (_dot, _head_consts, _load, _scores, _softmax_step,
-                                       _stage_range)
+from attn.flash_triton.kernels import (_INTERPRET, _dot, _head_consts, _load, _scores,
+                                       _softmax_step, _stage_range)
 from attn.flash_triton.split import _chunk_stages, _split_program, _store_partial
+
+# The interpreter turns float32 into bfloat16 by truncation where a GPU rounds to nearest
+# even: a dequantized tile would then differ from the tiled backend's (and the oracle's)
+# values by an ulp, so under the interpreter the rounding is done by hand first.
+_RTNE_BF16 = tl.constexpr(_INTERPRET)
 
 
 @triton.jit
@@ -104,6 +109,15 @@ def _codes_to_float(c, nibble, QUANT: tl.constexpr):
         x = tl.where((b & 127) == 127, float("nan"), x)
         x = tl.where(b >= 128, -x, x)
     return x
+
+
+@triton.jit
+def _as_dtype_of(x, like):
+    """float32 ``x`` in ``like``'s dtype, rounded to nearest even (see ``_RTNE_BF16``)."""
+    if _RTNE_BF16 and like.dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)  # half an ulp, ties to even, then truncated
+        x = (b + 0x7FFF + ((b >> 16) & 1)).to(tl.float32, bitcast=True)
+    return x.to(like.dtype)
 
 
 @triton.jit
@@ -183,8 +197,9 @@ def _paged_inner(acc, l_i, m_i, q, KP, VP, KQ, VQ, TableRow, stride_t, first, pa
         if QUANT == 0:
             kT = _load_page_tile(KP, KPS, blk, slot, ok, HEAD_DIM, BLOCK_D, True, MASKED)
         else:
-            kT = _load_quant_tile(KP, KPS, KQ[0], KQ[1], KQ[2], KQ[3], blk, slot, ok, recent,
-                                  HEAD_DIM, BLOCK_D, True, MASKED, QUANT, K_GROUP, HAS_RECENT)
+            kT = _as_dtype_of(_load_quant_tile(
+                KP, KPS, KQ[0], KQ[1], KQ[2], KQ[3], blk, slot, ok, recent, HEAD_DIM, BLOCK_D,
+                True, MASKED, QUANT, K_GROUP, HAS_RECENT), q)
         qk = _dot(q, kT.to(q.dtype), None, DOT_PRECISION)
         s, _, _ = _scores(qk, offs_m[:, None], offs_n[None, :], (KP, 0, 0), cap, slope, scale,
                           BAND, MASKED, BANDED, 0, HAS_SOFTCAP, HAS_ALIBI)
@@ -193,9 +208,9 @@ def _paged_inner(acc, l_i, m_i, q, KP, VP, KQ, VQ, TableRow, stride_t, first, pa
             v = _load_page_tile(VP, VPS, blk, slot, ok, HEAD_DIM_V, BLOCK_DV, False,
                                 MASKED).to(q.dtype)
         else:
-            v = _load_quant_tile(VP, VPS, VQ[0], VQ[1], VQ[2], VQ[3], blk, slot, ok, recent,
-                                 HEAD_DIM_V, BLOCK_DV, False, MASKED, QUANT, V_GROUP,
-                                 HAS_RECENT).to(q.dtype)
+            v = _as_dtype_of(_load_quant_tile(
+                VP, VPS, VQ[0], VQ[1], VQ[2], VQ[3], blk, slot, ok, recent, HEAD_DIM_V,
+                BLOCK_DV, False, MASKED, QUANT, V_GROUP, HAS_RECENT), q)
         p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i,
                                            _tile_value_offset(v, v_log_scale, V_OFFSET),
                                            V_OFFSET)
