@@ -30,7 +30,7 @@ from attn import flash_triton  # noqa: E402  (in interpreter mode on CPU: tests/
 from attn.flash_triton import launch  # noqa: E402
 from attn import kvquant  # noqa: E402
 from attn.kvcache import KVQuant, PagedKVCache  # noqa: E402
-from test_decode import D, H, check_rows, paged  # noqa: E402  (the cache and the oracle)
+from test_decode import D, H, check_rows, paged, poison_unused  # noqa: E402
 from test_kvquant import FORMATS  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -340,28 +340,10 @@ def test_quantized_foreign_slots_never_reach_a_row(quant, triton_reads, monkeypa
     q = torch.randn(4, H, 2, QD, generator=g).to(DEVICE)
     kw = dict(softcap=3.0, sinks=torch.randn(H, generator=g).to(DEVICE))
     clean = run(q, cache, **kw)
-    page, W = cache.page_size, QFORMATS[quant].recent_pages
-    coded = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool)
-    ring = torch.zeros(max(cache.batch * W, 1), page, dtype=torch.bool)
-    recent_from = cache.recent_from()
-    for s in range(cache.batch):
-        for t in range(int(cache.lengths[s])):
-            j = t // page
-            (ring if j >= recent_from[s] else coded)[cache.host_table[s, j], t % page] = True
-    coded, ring = coded.to(DEVICE), ring.to(DEVICE)
-    for codes in (cache.k_pages, cache.v_pages):
-        codes[~coded] = 0x7F if quant == "fp8" else 0  # int codes have no NaN
-    for scales in (cache.k_scales, cache.v_scales):
-        if scales.dim() == 4 and scales.shape[1] == page:  # per token
-            scales[~coded] = float("nan")
-        elif scales.dim() == 4:  # per channel: a page's one row
-            scales[~coded.any(1)] = float("nan")
-    for t in (cache.recent_k, cache.recent_v):
-        if t is not None:
-            t[~ring] = float("nan")
+    poison_unused(cache, 0x7F if quant == "fp8" else None)  # int codes have no NaN
     dirty = run(q, cache, **kw)
     assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
-    own = cache.host_table[3, :int(recent_from[3])].to(DEVICE)  # sequence 3's coded pages
+    own = cache.host_table[3, :int(cache.recent_from()[3])].to(DEVICE)  # its coded pages
     if quant == "fp8":
         cache.k_pages[own] = 0x7F
     else:
