@@ -12,9 +12,9 @@ How the keys are read depends on the device:
   (:func:`attn.tiled.paged_attention`): each work item is one row's range of keys, cut on
   page boundaries, read as a view of its pages (a copy of that range's pages only where
   they are not consecutive in the storage), never a dense copy of a sequence;
-* **CUDA** (triton installed, float16 / bfloat16 / float32 pages): the triton kernel
-  loads each key tile's page ids from the block table and reads the keys in place
-  (:func:`attn.flash_triton.paged_attention`, split-KV's grid and combine);
+* **CUDA** (triton installed, float16 / bfloat16 / float32 pages, or a quantized cache):
+  the triton kernel loads each key tile's page ids from the block table and reads the keys
+  in place (:func:`attn.flash_triton.paged_attention`, split-KV's grid and combine);
 * **otherwise**: sequences of equal lengths whose keys lie in consecutive pages run
   as one :func:`attn.attention` on a view; else the keys in use are copied head-major
   through the block table and run batched (equal lengths) or packed through
@@ -23,9 +23,10 @@ How the keys are read depends on the device:
 :func:`read_plan` says which of the three a call takes, and why.
 
 A quantized cache (:mod:`attn.kvquant`) is read the same ways: on CPU each item
-dequantizes its own range into its thread's buffer before the tile math; on other devices
-the keys in use are dequantized into the copy those strategies make (a quantized read
-inside the triton kernel is a later piece).
+dequantizes its own range into its thread's buffer before the tile math; on CUDA the triton
+kernel takes the codes, their fp16 scales and the full-precision recent pages as operands
+(:class:`attn.spec.QuantPages`) and dequantizes each key and value tile right after its
+load; elsewhere the keys in use are dequantized into the copy those strategies make.
 
 Forward only: callers run it under ``torch.no_grad()`` or ``torch.inference_mode()`` (a
 quantized cache raises otherwise, on every device).
@@ -194,15 +195,15 @@ def _paged(q, cache: PagedKVCache, rows, read: str, causal, window, scale, softc
     if rows is not None:
         table, starts, lengths = table[rows.to(table.device)], starts[rows], lengths[rows]
     ops = ops._replace(pages=PageTable(table, starts, lengths))
-    if read == "triton":  # read_plan sends only float pages there
+    if cache.quant is not None:
+        ops = ops._replace(quant=QuantPages(
+            cache.quant.kind, cache.k_scales, cache.v_scales, cache.recent_from(rows),
+            cache.recent_k, cache.recent_v, quantized_q))
+    if read == "triton":  # read_plan sends only float pages, or codes, there
         from attn import flash_triton  # importable: read_plan asked it
 
         out, lse = flash_triton.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
     else:
-        if cache.quant is not None:
-            ops = ops._replace(quant=QuantPages(
-                cache.quant.kind, cache.k_scales, cache.v_scales, cache.recent_from(rows),
-                cache.recent_k, cache.recent_v, quantized_q))
         out, lse = tiled.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
     return (out, lse) if return_lse else out
 
@@ -216,18 +217,25 @@ def read_plan(q: Tensor, cache: PagedKVCache) -> tuple[str, str]:
     if dev in _PAGED_DEVICES:
         return "tiled", (f"the tiled backend's work items read the pages through the block "
                          f"table on {dev} (attn.tiled.paged_attention)")
+    # the values it loads as they are: the pages, or a quantized cache's recent pages (its
+    # codes are the kernel's to decode)
+    stored = cache.k_pages.dtype if cache.quant is None else (
+        None if cache.recent_k is None else cache.recent_k.dtype)
     if dev not in _TRITON_PAGED_DEVICES:
         why = f"it runs on {_TRITON_PAGED_DEVICES}, not {dev}"
-    elif cache.k_pages.dtype not in _TRITON_PAGE_DTYPES:
-        why = f"pages stored in {cache.k_pages.dtype} (it reads float16, bfloat16, float32)"
+    elif stored is not None and stored not in _TRITON_PAGE_DTYPES:
+        what = "pages" if cache.quant is None else "full-precision recent pages"
+        why = f"{what} stored in {stored} (it reads float16, bfloat16, float32)"
     else:
         why = unsupported_reason("triton", AttentionCall(
-            device=dev, dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=cache.v_pages.shape[-1],
+            device=dev, dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=cache.head_dim_v,
             n_q=q.shape[2], n_k=cache.capacity))
     if why is None:
+        codes = ("" if cache.quant is None else
+                 f", dequantizing {cache.quant.kind} codes tile by tile after the load")
         return "triton", ("triton's paged kernel loads each key tile's page ids from the block "
-                          "table and reads the keys in place (attn.flash_triton.paged_attention"
-                          "; split-KV chunks planned for the longest sequence)")
+                          f"table and reads the keys in place{codes} (attn.flash_triton."
+                          "paged_attention; split-KV chunks planned for the longest sequence)")
     return "copy", (f"a view of the pages, or the keys in use copied, through attention / "
                     f"varlen_attention: triton's paged kernel cannot run because {why}")
 

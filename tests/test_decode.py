@@ -340,6 +340,32 @@ def test_quantized_cache_on_the_other_devices_strategies(monkeypatch, quant):
         check_rows(q, cache, out, lse, **kw)
 
 
+def poison_unused(cache: PagedKVCache, code: int | None = None) -> None:
+    """NaN in every scale and full-precision slot no sequence of a quantized ``cache`` holds
+    (spare pages, slots past a length), and ``code`` (e.g. fp8's NaN byte) in every such
+    code slot."""
+    page, W = cache.page_size, cache.quant.recent_pages
+    coded = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool)
+    ring = torch.zeros(cache.batch * W, page, dtype=torch.bool)
+    recent_from = cache.recent_from()
+    for s in range(cache.batch):
+        for t in range(int(cache.lengths[s])):
+            at = (cache.host_table[s, t // page], t % page)
+            (ring if t // page >= recent_from[s] else coded)[at] = True
+    coded, ring = coded.to(cache.k_pages.device), ring.to(cache.k_pages.device)
+    if code is not None:
+        for codes in (cache.k_pages, cache.v_pages):
+            codes[~coded] = code
+    for scales in (cache.k_scales, cache.v_scales):
+        if scales.dim() == 4 and scales.shape[1] == page:
+            scales[~coded] = float("nan")
+        elif scales.dim() == 4:  # per channel: a page's one row
+            scales[~coded.any(1)] = float("nan")
+    for t in (cache.recent_k, cache.recent_v):
+        if t is not None:
+            t[~ring] = float("nan")
+
+
 @pytest.mark.parametrize("quant", ["int8", "fp8", "int4 kivi"])
 def test_quantized_sequences_are_isolated(quant):
     """NaN in every scale and full-precision slot no sequence uses (spare pages, slots past
@@ -350,22 +376,8 @@ def test_quantized_sequences_are_isolated(quant):
     kw = dict(softcap=3.0, sinks=torch.randn(H, generator=g))
     with torch.no_grad():
         clean = attn.decode(q, cache, return_lse=True, **kw)
-    page, W = cache.page_size, FORMATS[quant].recent_pages
-    coded = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool)
-    ring = torch.zeros(cache.batch * W, page, dtype=torch.bool)
+    poison_unused(cache)
     recent_from = cache.recent_from()
-    for s in range(4):
-        for t in range(int(cache.lengths[s])):
-            at = (cache.host_table[s, t // page], t % page)
-            (ring if t // page >= recent_from[s] else coded)[at] = True
-    for scales in (cache.k_scales, cache.v_scales):
-        if scales.dim() == 4 and scales.shape[1] == page:
-            scales[~coded] = float("nan")
-        elif scales.dim() == 4:  # per channel: a page's one row
-            scales[~coded.any(1)] = float("nan")
-    for t in (cache.recent_k, cache.recent_v):
-        if t is not None:
-            t[~ring] = float("nan")
     with torch.no_grad():
         dirty = attn.decode(q, cache, return_lse=True, **kw)
     for a, b in zip(clean, dirty):

@@ -37,6 +37,10 @@ FULL_CASES = [(a, d, v) for a in (90, 80) for d in (64, 128, 256)
 # sm_80 with the rest under -m slow
 DEFAULT_CASES += [(90, 128, "paged")]
 FULL_CASES += [(a, d, "paged") for a in (90, 80) for d in (64, 128, 256)]
+# ... and from a quantized cache (int4 codes, per-channel key scales, recent pages: the most
+# of its dequantizing load), likewise
+DEFAULT_CASES += [(90, 128, "paged_int4")]
+FULL_CASES += [(a, d, "paged_int4") for a in (90, 80) for d in (64, 128, 256)]
 # float32 at D = 128 for sm_90, each dense kernel's largest kept config, with ptxas -v
 FP32_KERNELS = ["_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"]
 
@@ -74,7 +78,8 @@ def _cost(task: list) -> float:
     arch, d, variant, dtype, only, every = task
     if only is not None:
         return 8.0
-    return {"decode": 4.0, "paged": 6.0, "plain": 8.0 + d / 32}.get(variant, 16.0 + d / 16)
+    return {"decode": 4.0, "paged": 6.0, "paged_int4": 8.0,
+            "plain": 8.0 + d / 32}.get(variant, 16.0 + d / 16)
 
 
 def _compile(cases: list[tuple], every_config: bool, timeout: int,

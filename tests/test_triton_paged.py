@@ -8,6 +8,12 @@ tiled backend would otherwise read the pages), forces split-KV to 2 chunks so th
 rows (150 keys) give two chunks of several 32-key tiles (the second empty for short rows),
 and records every launch so that no case passes on another path. Pages of 1, 3 and 16
 positions with 32-key tiles: tiles straddle pages, and pages straddle chunks.
+
+Quantized caches (every format of :mod:`attn.kvquant`, KIVI's per-channel keys, recent
+full-precision pages) are read by the same kernel, which dequantizes each tile after its
+load: the oracle is the float64 reference on the cache's dequantized values
+(``sequence_kv``), so the check is exact up to DESIGN.md's budget and the quantization error
+itself is not part of it.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ pytest.importorskip("triton")
 import attn  # noqa: E402
 from attn import flash_triton  # noqa: E402  (in interpreter mode on CPU: tests/conftest.py)
 from attn.flash_triton import launch  # noqa: E402
-from attn.kvcache import PagedKVCache  # noqa: E402
-from test_decode import D, H, check_rows, paged  # noqa: E402  (the cache and the oracle)
+from attn import kvquant  # noqa: E402
+from attn.kvcache import KVQuant, PagedKVCache  # noqa: E402
+from test_decode import D, H, check_rows, paged, poison_unused  # noqa: E402
+from test_kvquant import FORMATS  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not flash_triton._INTERPRET,
@@ -245,3 +253,119 @@ def test_read_plan_names_the_kernel_and_why_not(monkeypatch):
 def test_the_kernel_is_exported():
     assert flash_triton.paged_attention is launch.paged_attention
     assert "paged_attention" in flash_triton.__all__
+
+
+# -- quantized caches: codes and scales dequantized inside the kernel -------------------------
+
+# int4 with groups of 16 and Dv = 48: dims padded to the tile (BLOCK_DV 64) in packed bytes
+QFORMATS = {**FORMATS, "int4 g16": KVQuant("int4", group=16)}
+QD = 32  # head dims small for the interpreter; Dv = 64 (48 for "int4 g16")
+
+
+def quantized_cache(lengths, page, quant, *, heads=(H, 2), dtype=torch.float32, seed=0):
+    """An allocated cache of ``QFORMATS[quant]`` on DEVICE holding ``lengths`` keys per
+    sequence, its pages handed out in a random order (as a long-running cache's free list
+    would: shuffled tables) but page 0 kept spare (the kernel reads a masked key's page id as
+    0: a load that ignored its mask would read there), the sequences appended piece by piece
+    in turn; and a generator."""
+    g = torch.Generator().manual_seed(seed)
+    fmt, Hkv = QFORMATS[quant], heads[1]
+    Dv = 48 if quant == "int4 g16" else 64
+    num_blocks = sum(-(-n // page) for n in lengths) + 4
+    cache = PagedKVCache.allocate(num_blocks, page, Hkv, QD, head_dim_v=Dv,
+                                  max_seqs=len(lengths), quant=fmt, dtype=dtype, device=DEVICE,
+                                  fp8_scales=(0.02 + 0.01 * torch.arange(Hkv), 0.015))
+    cache._free = [0] + (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # popped
+    done = [0] * len(lengths)
+    with torch.inference_mode():
+        while done != list(lengths):
+            for s, n in enumerate(lengths):
+                m = min(n - done[s], int(torch.randint(1, 40, (), generator=g)))
+                if m:
+                    k = torch.randn(1, Hkv, m, QD, generator=g)
+                    v = torch.randn(1, Hkv, m, Dv, generator=g)
+                    cache.append(k.to(DEVICE), v.to(DEVICE), seq_ids=[s])
+                    done[s] += m
+    return cache, g
+
+
+# (format, variant, page, (H, Hkv), dtype): every format; per-token, per-group, per-channel
+# and per-head scales; recent pages with a tile straddling codes and ring (150 keys: the
+# ring starts at key 144 with pages of 3 or 16); GQA, MQA and MHA in the three dtypes
+QCASES = [("int8", "plain", 3, (H, 2), torch.float32),
+          ("int8 g32", "causal", 16, (H, 1), torch.bfloat16),
+          ("int4", "softcap+scale", 1, (H, H), torch.float16),
+          ("fp8", "sinks", 3, (H, 2), torch.float32),
+          ("int4 kivi", "window", 3, (H, 2), torch.float32),
+          ("int8 recent", "alibi", 16, (H, 2), torch.float16),
+          ("int4 g16", "everything", 16, (H, 1), torch.bfloat16)]
+
+
+@pytest.mark.cuda_if_present
+@pytest.mark.parametrize("quant,name,page,heads,dtype", QCASES,
+                         ids=[f"{c[0]}-{c[1]}-page{c[2]}" for c in QCASES])
+def test_quantized_matches_reference_on_dequantized_values(quant, name, page, heads, dtype,
+                                                           triton_reads):
+    cache, g = quantized_cache(LENGTHS, page, quant, heads=heads, dtype=dtype, seed=page)
+    q = torch.randn(len(LENGTHS), heads[0], 1, QD, generator=g).to(dtype).to(DEVICE)
+    kw = variant(name, len(LENGTHS), g)
+    out, lse = run(q, cache, **kw)
+    assert out.dtype == dtype and out.shape[-1] == cache.head_dim_v
+    check_rows(q, cache, out, lse, **kw)  # the oracle reads sequence_kv: dequantized
+    assert triton_reads == [2]
+
+
+@pytest.mark.cuda_if_present
+def test_quantized_prefill_rows_and_seq_ids(triton_reads):
+    """Five queries per head, rows naming the sequences out of order (one twice), KIVI keys
+    with a recent window: each row's recent ring is its own."""
+    cache, g = quantized_cache([150, 45, 0, 131], 3, "int4 kivi", seed=5)
+    seq_ids = [3, 0, 1, 3, 2]
+    q = torch.randn(5, H, 5, QD, generator=g).to(DEVICE)
+    kw = {"causal": True, "window": (70, 1)}
+    with torch.no_grad():
+        out, lse = attn.decode(q, cache, seq_ids=torch.tensor(seq_ids), return_lse=True, **kw)
+    check_rows(q, cache, out, lse, rows=seq_ids, **kw)
+    assert triton_reads == [2]
+
+
+@pytest.mark.cuda_if_present
+@pytest.mark.parametrize("quant", ["fp8", "int4 kivi"])
+def test_quantized_foreign_slots_never_reach_a_row(quant, triton_reads, monkeypatch):
+    """NaN in every code, scale and recent slot no sequence holds (fp8's NaN byte 0x7f for
+    codes) never changes an output bit; NaN in one sequence's scales or codes changes its
+    row only. Nothing is dequantized outside the kernel."""
+    monkeypatch.setattr(kvquant, "dequantize", lambda *a, **k: pytest.fail("dequantized"))
+    cache, g = quantized_cache([150, 33, 0, 70], 3, quant, seed=7)
+    q = torch.randn(4, H, 2, QD, generator=g).to(DEVICE)
+    kw = dict(softcap=3.0, sinks=torch.randn(H, generator=g).to(DEVICE))
+    clean = run(q, cache, **kw)
+    poison_unused(cache, 0x7F if quant == "fp8" else None)  # int codes have no NaN
+    dirty = run(q, cache, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(clean, dirty))
+    own = cache.host_table[3, :int(cache.recent_from()[3])].to(DEVICE)  # its coded pages
+    if quant == "fp8":
+        cache.k_pages[own] = 0x7F
+    else:
+        cache.k_scales[own] = float("nan")
+    out, lse = run(q, cache, **kw)
+    assert torch.equal(out[:3], clean[0][:3]) and torch.equal(lse[:3], clean[1][:3])
+    assert out[3].isnan().all()
+    assert len(triton_reads) == 3
+
+
+def test_read_plan_sends_quantized_caches_to_the_kernel(monkeypatch):
+    monkeypatch.setattr(decode_module, "_PAGED_DEVICES", ())
+    monkeypatch.setattr(decode_module, "_TRITON_PAGED_DEVICES", ("cpu",))
+    q = torch.zeros(2, H, 1, QD)
+    cache = PagedKVCache.allocate(4, 3, 2, QD, max_seqs=2, quant=QFORMATS["int4 kivi"])
+    plan, why = decode_module.read_plan(q, cache)
+    assert plan == "triton" and "dequantizing int4 codes" in why, why
+    wide = PagedKVCache.allocate(4, 3, 2, QD, max_seqs=2, quant=QFORMATS["int4 kivi"],
+                                 dtype=torch.float64)
+    plan, why = decode_module.read_plan(q, wide)
+    assert plan == "copy" and "recent pages stored in torch.float64" in why, why
+    # without a recent window only codes are read: their storage dtype does not matter
+    codes_only = PagedKVCache.allocate(4, 3, 2, QD, max_seqs=2, quant="int8",
+                                       dtype=torch.float64)
+    assert decode_module.read_plan(q, codes_only)[0] == "triton"

@@ -42,8 +42,12 @@ NO_DOT = ("_attn_bwd_preprocess", "_attn_split_combine")
 # included); "varlen" is "all" on packed sequences; "decode" is split-KV decoding (forward
 # only, Nq = 16) with every flag its kernel takes (all but dropout); "paged" is decoding
 # from a paged cache (pages of 16, a shuffled block table, ragged lengths) with every flag
-# its kernel takes (all but dropout and attn_mask)
-VARIANTS = ("plain", "causal", "all", "varlen", "decode", "paged")
+# its kernel takes (all but dropout and attn_mask); "paged_int4" is the same from a quantized
+# cache, the format that takes the most of the kernel's code (int4 codes, KIVI's per-channel
+# key scales, per-group value scales, two full-precision recent pages)
+VARIANTS = ("plain", "causal", "all", "varlen", "decode", "paged", "paged_int4")
+_PAGED = ("paged", "paged_int4")
+_FORWARD_ONLY = ("decode", *_PAGED)
 
 
 @dataclass
@@ -133,38 +137,54 @@ def _variant_call(variant: str, H: int, n_q: int, n_k: int, scale: float) -> tup
         return LaunchSpec(qk_scale=scale), {}
     if variant == "causal":
         return LaunchSpec(qk_scale=scale, band=make_band(n_q, n_k, causal=True, window=None)), {}
-    if variant in ("all", "varlen", "decode", "paged"):  # every flag a kernel takes, at once
+    if variant in ("all", "varlen", *_FORWARD_ONLY):  # every flag a kernel takes, at once
         g = torch.Generator().manual_seed(0)
         # seed 1: the JIT would turn an int argument equal to 1 into a constant; split-KV
         # (decode, paged) runs without dropout, packed sequences (varlen) without a mask;
         # a paged call's band is counted from each row's end (no keys in the spec's)
-        forward_only = variant in ("decode", "paged")
+        forward_only = variant in _FORWARD_ONLY
         spec = LaunchSpec(qk_scale=scale,
-                          band=make_band(n_q, 0 if variant == "paged" else n_k, causal=True,
+                          band=make_band(n_q, 0 if variant in _PAGED else n_k, causal=True,
                                          window=(n_k // 4, 0)),
                           dropout_p=0.0 if forward_only else 0.1, dropout_seed=1)
         tensors = {"softcap": torch.full((H,), 30.0, requires_grad=True),
                    "sinks": torch.zeros(H, requires_grad=True),
                    "alibi": 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)}
-        if variant not in ("varlen", "paged"):
+        if variant not in ("varlen", *_PAGED):
             tensors["attn_mask"] = torch.rand(1, 1, n_q, n_k, generator=g) > 0.1
         return spec, tensors
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
 def _paged_call(tri, spec, tensors: dict, rand, *, head_dim: int, B: int, H: int,
-                H_kv: int, N: int, n_q: int) -> None:
+                H_kv: int, N: int, n_q: int, quant: bool = False) -> None:
     """One forward of ``tri.paged_attention``: pages of 16 positions in a shuffled block
-    table, B rows of ragged lengths up to N (the last one N), split-KV forced as for decode."""
-    from attn.spec import Operands, PageTable
+    table, B rows of ragged lengths up to N (the last one N), split-KV forced as for decode.
+    ``quant``: the pages hold int4 codes, keys scaled per channel and values per group of
+    32, each row's last two pages full-precision ids into a ring of its own."""
+    from attn.spec import Operands, PageTable, QuantPages
 
     page = 16
     per_row = -(-N // page)
     g = torch.Generator().manual_seed(1)
     table = torch.randperm(B * per_row, generator=g).view(B, per_row).to(torch.int32)
     lengths = torch.linspace(N // 3, N, B).long()
-    pages = [rand(B * per_row, page, H_kv, head_dim) for _ in range(2)]
+    shape = (B * per_row, page, H_kv, head_dim)
     ops = Operands(**tensors, pages=PageTable(table, torch.zeros_like(lengths), lengths))
+    if quant:
+        W = 2
+        recent_from = (-(-lengths // page) - W).clamp(min=0)
+        for b in range(B):  # the ring slots b·W + j % W of row b's recent pages
+            j = torch.arange(int(recent_from[b]), -(-int(lengths[b]) // page))
+            table[b, j] = (b * W + j % W).to(torch.int32)
+        ops = ops._replace(quant=QuantPages(
+            "int4", torch.rand(shape[0], 1, H_kv, head_dim, generator=g).half(),
+            torch.rand(*shape[:3], head_dim // 32, generator=g).half(), recent_from,
+            rand(B * W, *shape[1:]), rand(B * W, *shape[1:])))
+        pages = [torch.randint(0, 256, (*shape[:3], head_dim // 2), generator=g,
+                               dtype=torch.uint8) for _ in range(2)]  # two codes per byte
+    else:
+        pages = [rand(*shape) for _ in range(2)]
     tri.paged_attention(rand(B, H, n_q, head_dim), *pages, spec, ops)
 
 
@@ -172,14 +192,14 @@ def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int
                  H_kv: int, N: int) -> None:
     """One call of ``tri.triton_attention`` for ``variant``: forward and backward (dense,
     varlen) or a decoding forward (decode: 16 query rows, split-KV forced to 4 chunks;
-    paged: the same through a block table)."""
+    paged: the same through a block table; paged_int4: from a quantized cache)."""
     import contextlib
     from dataclasses import replace
 
     from attn.spec import Operands
 
     g = torch.Generator().manual_seed(0)
-    forward_only = variant in ("decode", "paged")
+    forward_only = variant in _FORWARD_ONLY
     n_q = 16 if forward_only else N  # 16 rows x a group of 4: the largest q block
 
     def rand(*shape):
@@ -191,16 +211,16 @@ def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int
         q, k, v = rand(N + 17, H, head_dim), rand(N + 17, H_kv, head_dim), rand(N + 17, H_kv, head_dim)
         spec = replace(spec, max_seqlen_q=N - N // 3, max_seqlen_k=N - N // 3)
         ops = Operands(**tensors, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    elif variant != "paged":
+    elif variant not in _PAGED:
         q, k, v = rand(B, H, n_q, head_dim), rand(B, H_kv, N, head_dim), rand(B, H_kv, N, head_dim)
         ops = Operands(**tensors)
     saved = os.environ.get("ATTN_TRITON_SPLIT_KV")
     os.environ["ATTN_TRITON_SPLIT_KV"] = "4" if forward_only else "0"
     try:
         with torch.no_grad() if forward_only else contextlib.nullcontext():
-            if variant == "paged":
+            if variant in _PAGED:
                 return _paged_call(tri, spec, tensors, rand, head_dim=head_dim, B=B, H=H,
-                                   H_kv=H_kv, N=N, n_q=n_q)
+                                   H_kv=H_kv, N=N, n_q=n_q, quant=variant == "paged_int4")
             out, lse = tri.triton_attention(q, k, v, spec, ops)
         if not forward_only:
             (out.float().sum() + lse.sum()).backward()
@@ -342,6 +362,7 @@ def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,
                 launches = record_launches(head_dim=d, dtype=dtype, variant=variant)
                 for launch in launches:
                     if launch.name in NO_DOT and variant not in ("plain", "decode", "paged"):
+                        # (paged_int4's combine is paged's: the codes are the paged kernel's)
                         continue  # no variant flags: one build per D is enough
                     for arch in archs:
                         cfgs = launch.configs(arch=arch, pruned=pruned)

@@ -308,6 +308,41 @@ def _combine(out_p: Tensor, lse_p: Tensor, sinks: Tensor | None, dtype: torch.dt
     return out, lse
 
 
+_QUANT_KINDS = {"int8": 1, "int4": 2, "fp8_e4m3": 3}  # the paged kernel's QUANT constexpr
+
+
+def _paged_dv(v_pages: Tensor, quant) -> int:
+    """Dv of paged values: int4 codes hold two dims per byte."""
+    return v_pages.shape[-1] * (2 if quant is not None and quant.kind == "int4" else 1)
+
+
+def _scale_strides(scales: Tensor, dim: int, page: int) -> tuple[tuple[int, ...], int]:
+    """The paged kernel's four scale strides (page, slot, kv head, group) and dims per scale
+    for ``scales`` of a head dim ``dim``: per token or group ``(blocks, page, Hkv, G)`` as
+    they are; per channel ``(blocks, 1, Hkv, D)`` with the slot's stride 0 (a page's one
+    row); per kv head ``(Hkv,)`` with only the head's."""
+    if scales.dim() == 1:
+        return (0, 0, scales.stride(0), 0), dim
+    s0, s1, s2, s3 = scales.stride()
+    return (s0, s1 if scales.shape[1] == page else 0, s2, s3), dim // scales.shape[-1]
+
+
+def _quant_args(quant, q: Tensor, D: int, Dv: int, page: int) -> dict:
+    """The paged kernel's quantization arguments for ``quant`` (an
+    :class:`attn.spec.QuantPages`, or None: QUANT = 0 and placeholders it never reads)."""
+    if quant is None:
+        return dict(KS=q, VS=q, RK=q, RV=q, KSS=(0,) * 4, VSS=(0,) * 4, RKS=(0,) * 4,
+                    RVS=(0,) * 4, QUANT=0, K_GROUP=D, V_GROUP=Dv, HAS_RECENT=False)
+    kss, k_group = _scale_strides(quant.k_scales, D, page)
+    vss, v_group = _scale_strides(quant.v_scales, Dv, page)
+    recent = quant.recent_k is not None
+    rk, rv = (quant.recent_k, quant.recent_v) if recent else (q, q)
+    return dict(KS=quant.k_scales, VS=quant.v_scales, RK=rk, RV=rv, KSS=kss, VSS=vss,
+                RKS=rk.stride() if recent else (0,) * 4,
+                RVS=rv.stride() if recent else (0,) * 4, QUANT=_QUANT_KINDS[quant.kind],
+                K_GROUP=k_group, V_GROUP=v_group, HAS_RECENT=recent)
+
+
 def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, ops: Operands
                ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of q ``(B, H, Nq, D)`` against keys read through ``ops.pages``
@@ -316,7 +351,8 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     table, starts, lengths = ops.pages
     q, sinks, softcap = _kernel_inputs(q, q, spec, ops.sinks, ops.softcap)  # q's dtype rules
     B, H, Nq, D = q.shape
-    page, Hkv, Dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[-1]
+    page, Hkv, Dv = k_pages.shape[1], k_pages.shape[2], _paged_dv(v_pages, ops.quant)
+    quant = _quant_args(ops.quant, q, D, Dv, page)
     group = H // Hkv
     block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
     block_m, block_n, warps, stages = split_config(block_d, block_dv, q.element_size(),
@@ -327,8 +363,10 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     splits = plan.splits
     chunk = plan.chunk if splits > 1 else block_n * max(1, triton.cdiv(n_max, block_n))
     band = spec.local_band()
-    # each row's first key position and end, and its page ids, where the kernel reads them
-    seq = torch.stack([starts, lengths], 1).to(device=q.device, dtype=torch.int32)
+    # each row's first key position, end and first full-precision page, and its page ids,
+    # where the kernel reads them
+    recent_from = lengths if ops.quant is None else ops.quant.recent_from
+    seq = torch.stack([starts, lengths, recent_from], 1).to(device=q.device, dtype=torch.int32)
     table = table.to(q.device)
     alibi = None if ops.alibi is None else ops.alibi.to(torch.float32).expand(B, H)
     out_p = torch.empty(splits, B, H, Nq, Dv, dtype=torch.float32, device=q.device)
@@ -338,6 +376,7 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         q, k_pages, v_pages, table, seq, out_p, lse_p, q if softcap is None else softcap,
         q if alibi is None else alibi, QS=q.stride(), KPS=k_pages.stride(),
         VPS=v_pages.stride(), TS=table.stride(), AS=(0, 0) if alibi is None else alibi.stride(),
+        **quant,
         B=B, H=H, GROUP=group, N_Q=Nq, offset=band.offset,
         left=_UNBOUNDED if band.left is None else band.left,
         right=_UNBOUNDED if band.right is None else band.right, scale=float(spec.qk_scale),
@@ -599,15 +638,21 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     ``ops.pages`` (:class:`attn.spec.PageTable`) says which keys row b reads (its table may
     already be on q's device; the starts and lengths plan the call on the host); the band is
     per row, ``spec.band`` with ``N_b`` added to its offset; ``ops`` also carries sinks,
-    a learnable softcap and ALiBi slopes broadcastable to (B, H)."""
+    a learnable softcap and ALiBi slopes broadcastable to (B, H).
+
+    With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold int8 / uint8 codes
+    (int4: ``Dv / 2`` bytes), its scales and recent ring on q's device too: each tile is
+    dequantized after its load, in float32, then converted to q's dtype."""
     if ops.pages is None or ops.attn_mask is not None or ops.captured or ops.q_scale is not None:
         raise ValueError("triton paged_attention takes ops.pages, and no attn_mask, score_mod "
                          "or tensor temperature")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pages, v_pages)):
+    held = (q, k_pages, v_pages) + (() if ops.quant is None else tuple(
+        t for t in ops.quant[1:] if isinstance(t, Tensor)))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in held):
         raise ValueError("paged attention is forward only (caches serve inference): run it "
                          "under torch.no_grad() or torch.inference_mode()")
     B, H, Nq, _ = q.shape
     if B == 0 or Nq == 0:  # no program to launch
-        return (q.new_empty(B, H, Nq, v_pages.shape[-1]),
+        return (q.new_empty(B, H, Nq, _paged_dv(v_pages, ops.quant)),
                 q.new_empty(B, H, Nq, dtype=torch.float32))
     return _fwd_paged(q, k_pages, v_pages, spec, ops)
