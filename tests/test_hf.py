@@ -945,3 +945,25 @@ def test_quantized_cache_refuses_what_it_cannot_serve():
         cache(page_size=0)
     with pytest.raises(TypeError, match="quant"):
         hf.AttnQuantizedCache(m.config, 8, max_tokens=8)
+
+
+def test_bench_hf_quant_reports_the_quantization_error(tmp_path):
+    """``attn bench hf-quant`` on one tiny model: the fp32 row is the baseline itself (exact
+    agreement, no logit difference), every quantized row reports a non-zero logit difference
+    (the error is shown, not hidden), int8 loses less than int4, and quanto's rows are either
+    measured or carry the error that stopped them."""
+    import json
+
+    from attn.bench.cli import main
+
+    rc = main(["bench", "hf-quant", "--families", "llama", "--batch", "2", "--new", "4",
+               "--steps", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["cache"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    base = rows["fp32 (DynamicCache)"]
+    assert base["agreement"] == 1.0 and base["max_dlogit"] == 0.0
+    for label in ("attn int8", "attn int4", "attn fp8_e4m3", "bf16"):
+        assert 0 < rows[label]["max_dlogit"] < rows[label]["logit_scale"], label
+    assert rows["attn int8"]["mean_dlogit"] < rows["attn int4"]["mean_dlogit"]
+    assert all("error" in r or 0 <= r["agreement"] <= 1 for r in rows.values())
+    assert (tmp_path / "results.md").read_text().count("| llama |") == len(rows)

@@ -55,6 +55,12 @@ leaving every other name to HF. HF's decode fast path (a block table into the pa
 only for flash attention on CUDA / XPU) and inputs padded to static shapes (CUDA graphs,
 compiled continuous batching) raise NotImplementedError.
 
+A quantized cache for ``generate()`` (:class:`AttnQuantizedCache`): each layer's keys and
+values are quantized into an :class:`attn.kvcache.PagedKVCache`, and attention is
+``attn.decode`` on those pages. HF hands the attention function only what ``cache.update``
+returned (not the cache, not the layer index), so ``update`` returns storage-less stand-ins
+(:class:`_CachedKV`) that name their layer; every other use of them raises.
+
 Difference to eager: a query row that may see no key (the padding rows of a left-padded
 batch) returns zeros here; eager spreads it uniformly over the masked keys. Those rows are
 padding: no loss or generated token reads them.
