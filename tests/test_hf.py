@@ -916,6 +916,28 @@ def test_quantized_cache_generate_matches_the_dequantized_reference(family, kind
     assert_within(torch.float32, [logits], [base], [oracle], f"{family} {kind} logits")
 
 
+
+def test_quantized_cache_with_spare_rows_and_reset():
+    """Pages allocated for more sequences than the batch (max_batch), and the same cache
+    reset and used again: the reference's tokens both times, and a sliding layer gives the
+    pages before its window back."""
+    torch.manual_seed(0)
+    m = build("mistral")
+    quant = QUANTS["int8"]
+    with torch.no_grad():
+        want, _ = _quant_generate(m, "eager", _round_trip(m, quant))
+    cache = hf.AttnQuantizedCache(m.config, quant, max_tokens=Q_TOKENS, page_size=Q_PAGE,
+                                  max_batch=3)
+    for _ in range(2):
+        got, _ = _quant_generate(m, "attn", cache)
+        assert got.tolist() == want.tolist()
+        pages = cache.layers[0].pages
+        # each of the 2 rows keeps at most the 2 pages its window of 5 reaches (its last
+        # one in the full-precision ring), the rest of the 3 rows' pages are free
+        assert pages.batch == 3 and pages.free_pages >= 3 * Q_TOKENS // Q_PAGE - 2 * 2
+        cache.reset()
+
+
 def test_quantized_cache_refuses_what_it_cannot_serve():
     """Another attention implementation, gradients, a mask that is not left padding, a full
     cache, beams: each a clear error, never attention over nothing."""
