@@ -831,3 +831,161 @@ def test_paged_modes_attn_does_not_run_raise():
              position_bias=torch.zeros(1, 4, 3, 3, dtype=q.dtype))
     with pytest.raises(ValueError, match="one row"):
         _run(_Module(), *_qkv(B=2, Nq=3, Nk=3), cache=object(), cu_seq_lens_q=cu)
+
+
+# -- attn's quantized cache in generate() ------------------------------------------------------
+
+from attn.kvcache import PagedKVCache  # noqa: E402
+from attn.kvquant import KVQuant  # noqa: E402
+
+Q_PAGE, Q_TOKENS, Q_NEW = 4, 24, 8  # pages of 4: prompts (14) and new tokens span several
+
+
+class _RoundTripLayer(transformers.cache_utils.DynamicLayer):
+    """The reference's cache layer: keys and values go through a PagedKVCache of the same
+    format (the same codes and scales as AttnQuantizedCache's) and come back dequantized,
+    dense (B, Hkv, N, D), for HF's own attention to read."""
+
+    def __init__(self, quant: KVQuant):
+        super().__init__()
+        self.quant, self.pages = quant, None
+
+    def update(self, k, v, *args, **kwargs):
+        if self.pages is None:
+            self.lazy_initialization(k, v)
+            n = Q_TOKENS // Q_PAGE
+            self.pages = PagedKVCache.allocate(k.shape[0] * n, Q_PAGE, k.shape[1], k.shape[3],
+                                               max_seqs=k.shape[0], max_pages=n, dtype=k.dtype,
+                                               quant=self.quant)
+        self.pages.append(k, v)
+        self.keys, self.values = (x.to(k.dtype) for x in self.pages.batch_kv())
+        return self.keys, self.values
+
+
+def _quant_generate(model, impl, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens (B, Q_NEW) of the left-padded prompts, and the logits (B, Q_NEW, V)."""
+    _, ids, mask = prompts()
+    model.set_attn_implementation(impl)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=Q_NEW,
+                         do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                         output_logits=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+
+
+def _round_trip(model, quant):
+    layers = model.config.num_hidden_layers
+    return transformers.cache_utils.Cache(layers=[_RoundTripLayer(quant) for _ in range(layers)])
+
+
+QUANTS = {"int8": KVQuant("int8", recent_pages=1),
+          "int4": KVQuant("int4", group=16, recent_pages=2),
+          "fp8": KVQuant("fp8_e4m3", recent_pages=1),
+          "int4 K per channel": KVQuant("int4", group=16, k_per_channel=True, recent_pages=1)}
+
+
+@pytest.mark.parametrize("family,kind", [("llama", "int8"), ("llama", "int4 K per channel"),
+                                         ("mistral", "fp8"), ("gemma2", "int4"),
+                                         ("gpt_oss", "int8")])
+def test_quantized_cache_generate_matches_the_dequantized_reference(family, kind, monkeypatch):
+    """generate() with AttnQuantizedCache (attn.decode reading the quantized pages) against
+    the same model whose keys and values take the same quantize-dequantize round trip and
+    are attended densely: by HF's eager (the baseline) and by attn's reference in float64
+    (the oracle: the float64 model, its K/V through the same format). Tokens equal; logits
+    within twice eager's error of the oracle plus a rounding floor (DESIGN's budget: the
+    runs differ only by rounding on the same dequantized values). What the quantization
+    itself costs is in benchmarks/results/hf_quant_agreement_cpu, not budgeted here.
+
+    GQA (all), sliding layers (mistral: every one; gemma2 and gpt_oss: alternating),
+    softcap and scaling (gemma2), sinks (gpt_oss); left padding in every case."""
+    torch.manual_seed(0)
+    m32 = build(family, tie_word_embeddings=False)  # tied, a tiny Gemma 2 repeats its token
+    m64 = build(family, torch.float64, tie_word_embeddings=False)
+    m64.load_state_dict({k: v.double() for k, v in m32.state_dict().items()})
+    quant = QUANTS[kind]
+    with torch.no_grad():
+        _, oracle = _quant_generate(m64, "attn_reference", _round_trip(m64, quant))
+        want, base = _quant_generate(m32, "eager", _round_trip(m32, quant))
+    for read in ("batch_kv", "packed_kv", "sequence_kv", "_values_at"):  # no dense copy
+        monkeypatch.setattr(PagedKVCache, read, lambda *a, **k: pytest.fail("dense read"))
+    cache = hf.AttnQuantizedCache(m32.config, quant, max_tokens=Q_TOKENS, page_size=Q_PAGE)
+    got, logits = _quant_generate(m32, "attn", cache)
+    layer = cache.layers[0].pages
+    assert layer.k_pages.dtype == (torch.int8 if quant.kind == "int8" else torch.uint8)
+    assert layer.quant == quant
+    assert got.tolist() == want.tolist(), f"{family} {kind}"
+    assert_within(torch.float32, [logits], [base], [oracle], f"{family} {kind} logits")
+
+
+
+def test_quantized_cache_with_spare_rows_and_reset():
+    """Pages allocated for more sequences than the batch (max_batch), and the same cache
+    reset and used again: the reference's tokens both times, and a sliding layer gives the
+    pages before its window back."""
+    torch.manual_seed(0)
+    m = build("mistral")
+    quant = QUANTS["int8"]
+    with torch.no_grad():
+        want, _ = _quant_generate(m, "eager", _round_trip(m, quant))
+    cache = hf.AttnQuantizedCache(m.config, quant, max_tokens=Q_TOKENS, page_size=Q_PAGE,
+                                  max_batch=3)
+    for _ in range(2):
+        got, _ = _quant_generate(m, "attn", cache)
+        assert got.tolist() == want.tolist()
+        pages = cache.layers[0].pages
+        # each of the 2 rows keeps at most the 2 pages its window of 5 reaches (its last
+        # one in the full-precision ring), the rest of the 3 rows' pages are free
+        assert pages.batch == 3 and pages.free_pages >= 3 * Q_TOKENS // Q_PAGE - 2 * 2
+        cache.reset()
+
+
+def test_quantized_cache_refuses_what_it_cannot_serve():
+    """Another attention implementation, gradients, a mask that is not left padding, a full
+    cache, beams: each a clear error, never attention over nothing."""
+    m = build("llama")
+    seqs, ids, mask = prompts()
+
+    def cache(**kw):
+        return hf.AttnQuantizedCache(m.config, "int8", **{"max_tokens": Q_TOKENS, **kw})
+
+    m.set_attn_implementation("eager")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="attn_implementation='attn'"):
+        m.generate(ids, attention_mask=mask, past_key_values=cache(), max_new_tokens=2)
+    m.set_attn_implementation("attn")
+    with pytest.raises(ValueError, match="forward only"):
+        m(input_ids=ids, attention_mask=mask, past_key_values=cache())
+    holes = mask.clone()
+    holes[0, -3] = 0  # a masked key after real tokens: not left padding
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="left-padded"):
+        m(input_ids=ids, attention_mask=holes, past_key_values=cache())
+    with torch.no_grad(), pytest.raises(ValueError, match="max_tokens=16"):
+        m.generate(ids, attention_mask=mask, past_key_values=cache(max_tokens=16),
+                   max_new_tokens=4, pad_token_id=0)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="beam"):
+        m.generate(ids, attention_mask=mask, past_key_values=cache(), max_new_tokens=2,
+                   num_beams=2, pad_token_id=0)
+    with pytest.raises(ValueError, match="page_size"):
+        cache(page_size=0)
+    with pytest.raises(TypeError, match="quant"):
+        hf.AttnQuantizedCache(m.config, 8, max_tokens=8)
+
+
+def test_bench_hf_quant_reports_the_quantization_error(tmp_path):
+    """``attn bench hf-quant`` on one tiny model: the fp32 row is the baseline itself (exact
+    agreement, no logit difference), every quantized row reports a non-zero logit difference
+    (the error is shown, not hidden), int8 loses less than int4, and quanto's rows are either
+    measured or carry the error that stopped them."""
+    import json
+
+    from attn.bench.cli import main
+
+    rc = main(["bench", "hf-quant", "--families", "llama", "--batch", "2", "--new", "4",
+               "--steps", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["cache"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    base = rows["fp32 (DynamicCache)"]
+    assert base["agreement"] == 1.0 and base["max_dlogit"] == 0.0
+    for label in ("attn int8", "attn int4", "attn fp8_e4m3", "bf16"):
+        assert 0 < rows[label]["max_dlogit"] < rows[label]["logit_scale"], label
+    assert rows["attn int8"]["mean_dlogit"] < rows["attn int4"]["mean_dlogit"]
+    assert all("error" in r or 0 <= r["agreement"] <= 1 for r in rows.values())
+    assert (tmp_path / "results.md").read_text().count("| llama |") == len(rows)

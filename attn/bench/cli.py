@@ -285,6 +285,8 @@ _QUESTIONS = {
               "flash_attn_with_kvcache contiguous and paged (--compat), against torch SDPA",
     "hf": "a transformers Llama on CPU with attn_implementation attn, sdpa and eager: "
           "prefill peak memory and time, decode tokens/s",
+    "hf-quant": "greedy-token agreement and logit differences of HF decoders with quantized "
+                "KV caches (attn's, quanto's) against fp32; decode step times",
     "kv-accuracy": "the toy GPT's validation loss with its K/V stored in each quantized "
                    "cache format (teacher-forced), and the bytes per token",
     "train-step": "one GPT training step (forward, backward, AdamW) per backend: peak "

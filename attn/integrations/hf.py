@@ -55,6 +55,12 @@ leaving every other name to HF. HF's decode fast path (a block table into the pa
 only for flash attention on CUDA / XPU) and inputs padded to static shapes (CUDA graphs,
 compiled continuous batching) raise NotImplementedError.
 
+A quantized cache for ``generate()`` (:class:`AttnQuantizedCache`): each layer's keys and
+values are quantized into an :class:`attn.kvcache.PagedKVCache`, and attention is
+``attn.decode`` on those pages. HF hands the attention function only what ``cache.update``
+returned (not the cache, not the layer index), so ``update`` returns storage-less stand-ins
+(:class:`_CachedKV`) that name their layer; every other use of them raises.
+
 Difference to eager: a query row that may see no key (the padding rows of a left-padded
 batch) returns zeros here; eager spreads it uniformly over the masked keys. Those rows are
 padding: no loss or generated token reads them.
@@ -73,6 +79,7 @@ from torch import Tensor
 
 try:
     from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.masking_utils import (
         AttentionMaskInterface,
         prepare_padding_mask,
@@ -85,6 +92,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 import attn
 from attn.api import BACKENDS
+from attn.kvcache import PagedKVCache
+from attn.kvquant import KVQuant
 from attn.masks import hf_sliding_window, make_band, split_band_padding
 
 _log = logging.getLogger(__name__)
@@ -389,6 +398,258 @@ def _let_continuous_batching_keep(name: str) -> None:
     ContinuousBatchingManager.switch_to_cb_friendly_attn = keep_attn
 
 
+# -- attn's quantized cache for generate() ----------------------------------------------------
+
+class _CachedKV(Tensor):
+    """What :class:`AttnQuantizedCache` returns from ``update`` in place of the keys (or
+    values): a tensor with the shape, dtype and device of the cached states ``(B, Hkv, N, D)``
+    and no storage. HF's attention layers hand it, untouched, to the attention function,
+    where attn's recognises it and reads the layer's pages (:func:`attn.decode`). Any other
+    attention (eager, sdpa, ...) would have to read it as data: every operation on it
+    raises, so a model not running attn fails loudly instead of attending over nothing."""
+
+    layer: "_QuantizedLayer"
+
+    @staticmethod
+    def __new__(cls, layer: "_QuantizedLayer", like: Tensor, n: int) -> "_CachedKV":
+        shape = (*like.shape[:2], n, like.shape[3])
+        t = Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device)
+        t.layer = layer
+        return t
+
+    def __repr__(self) -> str:
+        return f"AttnQuantizedCache keys/values of layer {self.layer.index} {tuple(self.shape)}"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(
+            f"AttnQuantizedCache holds its keys and values quantized in pages that only attn's "
+            f"attention function reads (attn.decode); something else ran {func} on them. Load "
+            f"the model with attn_implementation='attn' (after attn.integrations.hf.register()) "
+            f"or use one of HF's own caches")
+
+
+class _QuantizedLayer(CacheLayerMixin):
+    """One attention layer's keys and values in an :class:`attn.kvcache.PagedKVCache` of
+    quantized pages (allocated at the first update, from the states' shapes).
+
+    Every position stays addressed (sliding layers included): HF's masks are laid over all
+    of them (``get_mask_sizes``), attn's window does the sliding, and pages wholly outside a
+    sliding layer's window go back to the pool after each step's attention."""
+
+    is_sliding = False  # every position stays addressed; see the class docstring
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, index: int, quant: KVQuant, page_size: int, max_tokens: int,
+                 max_batch: int | None, fp8_scales) -> None:
+        super().__init__()
+        self.index, self.quant, self.page_size = index, quant, page_size
+        self.max_tokens, self.max_batch, self.fp8_scales = max_tokens, max_batch, fp8_scales
+        self.pages: PagedKVCache | None = None
+        self.batch = 0
+        self.length = 0
+        self.pad_starts: Tensor | None = None  # (batch,) first real key of each row
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        B, Hkv, _, D = key_states.shape
+        rows = self.max_batch or B
+        if B > rows:
+            raise ValueError(f"AttnQuantizedCache(max_batch={rows}) got a batch of {B} "
+                             f"sequences (key_states {tuple(key_states.shape)})")
+        per_seq = -(-self.max_tokens // self.page_size)
+        self.pages = PagedKVCache.allocate(
+            rows * per_seq, self.page_size, Hkv, D, max_seqs=rows, max_pages=per_seq,
+            head_dim_v=value_states.shape[-1], dtype=key_states.dtype,
+            device=key_states.device, quant=self.quant, fp8_scales=self.fp8_scales)
+        self.batch = B
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    @property
+    def rows(self) -> list[int] | None:
+        """The cache rows this batch uses (None: all of them)."""
+        return None if self.batch == self.pages.batch else list(range(self.batch))
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
+               ) -> tuple[Tensor, Tensor]:
+        """Quantize ``key_states`` / ``value_states`` ``(B, Hkv, Nnew, D)`` into the pages;
+        return stand-ins for the layer's keys and values (:class:`_CachedKV`)."""
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            raise ValueError("AttnQuantizedCache is forward only (a quantized cache serves "
+                             "inference): run the model under torch.no_grad() or "
+                             "torch.inference_mode(), as generate() does")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        if key_states.shape[0] != self.batch:
+            raise ValueError(f"AttnQuantizedCache layer {self.index} holds {self.batch} "
+                             f"sequences, got key_states {tuple(key_states.shape)}")
+        if self.length + n > self.max_tokens:
+            raise ValueError(f"AttnQuantizedCache(max_tokens={self.max_tokens}) is full: "
+                             f"{self.length} cached + {n} new tokens; pass a larger max_tokens "
+                             f"(prompt length + max_new_tokens)")
+        with torch.no_grad():
+            self.pages.append(key_states, value_states, seq_ids=self.rows)
+        self.length += n
+        return _CachedKV(self, key_states, self.length), _CachedKV(self, value_states,
+                                                                   self.length)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_tokens
+
+    def reset(self) -> None:
+        if self.pages is not None:
+            self.pages.free(list(range(self.pages.batch)))
+        self.length, self.pad_starts = 0, None
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"AttnQuantizedCache does not {what} (its pages are "
+                                  f"quantized as written): use greedy or sampling generate() "
+                                  f"without beams, assistants or several sequences per prompt")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("crop (assisted decoding)")
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self._unsupported("reorder sequences (beam search)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("repeat sequences (num_return_sequences, beams)")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._unsupported("select sequences")
+
+    def offload(self):
+        self._unsupported("offload")
+
+    # -- the padding HF's masks describe, as per-row starts --
+
+    def check_padding(self, mask: Tensor | None, n_q: int, causal: bool,
+                      window: tuple[int, int] | None) -> None:
+        """Left padding from HF's mask, as each row's first real key (set on the layer's
+        first call, checked on every later one): the keys before it are read by no query.
+        Any other mask raises NotImplementedError rather than being ignored."""
+        n_k = self.length
+        padding = None
+        if mask is not None:
+            plan = _plan_for_mask(mask, n_q, n_k, causal, window)
+            if plan.causal != causal or (plan.attn_mask is not None
+                                         and plan.attn_mask.shape[-2:] != (1, n_k)):
+                raise NotImplementedError(
+                    f"AttnQuantizedCache runs causal (and sliding-window) attention over "
+                    f"left-padded rows; HF's mask {tuple(mask.shape)} for layer {self.index} "
+                    f"is something else (a custom or bidirectional pattern)")
+            if plan.attn_mask is not None:
+                padding = plan.attn_mask.reshape(plan.attn_mask.shape[0], n_k).cpu()
+        if padding is None:
+            padding = torch.ones(self.batch, n_k, dtype=torch.bool)
+        if padding.shape[0] != self.batch:
+            raise ValueError(f"attention_mask covers {padding.shape[0]} rows, the cache "
+                             f"{self.batch}")
+        band = make_band(n_q, n_k, causal=causal, window=window)
+        allowed = band.mask(torch.arange(n_q), torch.arange(n_k))
+        seen = torch.ones(n_k, dtype=torch.bool) if allowed is None else allowed.any(0)
+        if self.pad_starts is None:  # the first call: every key is some query's own
+            self.pad_starts = (~padding).long().cumprod(1).sum(1)
+            starts = self.pages.starts.clone()
+            starts[:self.batch] = self.pad_starts
+            self.pages.starts = starts
+        expected = torch.arange(n_k)[None, :] >= self.pad_starts[:, None]
+        bad = ((padding != expected) & seen).any(1)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0])
+            raise NotImplementedError(
+                f"AttnQuantizedCache reads left-padded batches: each row's masked keys must be "
+                f"the ones before its first real token. Row {b} of the mask for layer "
+                f"{self.index} (keys {n_k}) masks {(~padding[b]).nonzero().flatten().tolist()[:16]}"
+                f", its padding ends at {int(self.pad_starts[b])}")
+
+
+class AttnQuantizedCache(Cache):
+    """A KV cache for ``model.generate(past_key_values=...)`` that stores every layer's keys
+    and values quantized (:mod:`attn.kvquant`: int8, int4, fp8_e4m3, optionally keys per
+    channel and a full-precision window of recent pages) in an
+    :class:`attn.kvcache.PagedKVCache`, and whose attention reads the quantized pages tile
+    by tile (:func:`attn.decode`): no dequantized copy of the cache is ever built.
+
+        attn.integrations.hf.register()
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
+        cache = AttnQuantizedCache(model.config, quant="int4", max_tokens=4096)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+
+    ``quant``: an :class:`attn.kvquant.KVQuant` or its kind. ``max_tokens``: positions per
+    sequence (prompt, padding included, plus new tokens); ``page_size``: positions per page;
+    ``max_batch``: sequences the pages are allocated for (default: the first batch's size);
+    ``fp8_scales``: fp8's fixed per-kv-head scales ``(k, v)``. Pages are allocated at each
+    layer's first update, in the dtype and on the device of its keys (the storage of the
+    full-precision recent pages).
+
+    Needs the model to run attn's attention implementation (``register()``): ``update``
+    returns stand-ins that only it reads, and any other implementation raises. Forward only
+    (under ``torch.no_grad()``, as ``generate`` runs). Batches: equal or left-padded prompts
+    (HF's padding mask becomes each row's first key); beam search, assisted decoding and
+    ``crop`` raise NotImplementedError.
+    """
+
+    def __init__(self, config, quant: KVQuant | str = "int8", *, max_tokens: int,
+                 page_size: int = 16, max_batch: int | None = None,
+                 fp8_scales: tuple = (1.0, 1.0)) -> None:
+        if isinstance(quant, str):
+            quant = KVQuant(quant)
+        if not isinstance(quant, KVQuant):
+            raise TypeError(f"quant must be an attn.kvquant.KVQuant or a kind name, got "
+                            f"{type(quant).__name__}")
+        for name, x in (("max_tokens", max_tokens), ("page_size", page_size),
+                        ("max_batch", max_batch or 1)):
+            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                raise ValueError(f"{name} must be a positive int, got {x!r}")
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n_layers = getattr(text, "num_hidden_layers", None)
+        if not isinstance(n_layers, int) or n_layers < 1:
+            raise ValueError(f"config must be a decoder's config with num_hidden_layers, got "
+                             f"{type(config).__name__} with num_hidden_layers={n_layers!r}")
+        self.quant = quant
+        super().__init__(layers=[_QuantizedLayer(i, quant, page_size, max_tokens, max_batch,
+                                                 fp8_scales) for i in range(n_layers)])
+
+    def bytes_per_token(self) -> float:
+        """Bytes a cached token costs over all layers (keys and values, scales included)."""
+        return sum(layer.pages.bytes_per_token() for layer in self.layers
+                   if layer.pages is not None)
+
+
+def _quantized_cache_attention(module, query: Tensor, key: _CachedKV, value: Tensor,
+                               attention_mask: Tensor | None, causal: bool,
+                               window: tuple[int, int] | None, scaling, softcap, s_aux,
+                               dropout_p: float, refused: dict) -> Tensor:
+    """One layer's attention over an :class:`AttnQuantizedCache`: ``attn.decode`` on its
+    pages. query (B, H, Nq, D) → (B, Nq, H, Dv)."""
+    layer = key.layer
+    if not isinstance(value, _CachedKV) or value.layer is not layer:
+        raise ValueError("key and value must both come from one AttnQuantizedCache layer")
+    for name, x in refused.items():
+        if x is not None:
+            raise NotImplementedError(f"attn does not run {name} with an AttnQuantizedCache")
+    if dropout_p:
+        raise NotImplementedError("AttnQuantizedCache is for inference: no attention dropout")
+    layer.check_padding(attention_mask, query.shape[2], causal, window)
+    out = attn.decode(query, layer.pages, seq_ids=layer.rows, causal=causal, window=window,
+                      scale=scaling, softcap=softcap, sinks=s_aux)
+    if causal and window is not None and window[0] >= 0:
+        # the next queries sit past every cached key: pages before their windows are done
+        layer.pages.free_outside_window(window)
+    return out.transpose(1, 2).contiguous()  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
+
+
 # -- the attention function HF calls ----------------------------------------------------------
 
 def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -422,6 +683,13 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
             window = (window[0], window[0])
 
     dropout_p = float(dropout) if module.training else 0.0
+    if isinstance(key, _CachedKV):
+        out = _quantized_cache_attention(
+            module, query, key, value, attention_mask, causal, window, scaling, softcap, s_aux,
+            dropout_p, {"a position_bias": position_bias, "packed sequences (cu_seq_lens)":
+                        cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k,
+                        "HF's paged cache": cache})
+        return out, None
     if cache is not None:
         if position_bias is not None:
             raise NotImplementedError("attn does not run HF's paged cache (continuous batching) "
@@ -549,4 +817,4 @@ def register(name: str = "attn", backend: str = "auto") -> str:
     return name
 
 
-__all__ = ["register"]
+__all__ = ["AttnQuantizedCache", "register"]
