@@ -59,8 +59,10 @@ def _facts(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
     (unmasked calls never need the answer). On the items path (``items``) the values are
     not looked at here: each item runs without value offsets and looks at its own output
     instead (:func:`_fwd_item`), which costs no pass over v."""
-    masked = (not spec.local_band().is_full or ops.attn_mask is not None
-              or spec.mask_mod is not None)
+    # a band that cuts no (query, key) pair of this call (a causal decoding step: its one
+    # query sees every key) masks nothing, and asks no pass over q and k
+    masked = (not spec.local_band().tile_is_full(0, q.shape[2], 0, k.shape[2])
+              or ops.attn_mask is not None or spec.mask_mod is not None)
     finite = _scores_finite(q, k, spec) if masked else True
     overflow = False if items else _values_may_overflow(v, k.shape[2])
     return _Facts(finite, overflow)
