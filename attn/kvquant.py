@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["KINDS", "KVQuant", "bytes_per_token", "check_finite", "decode_codes", "dequantize", "e4m3_to_float",
-           "pack_int4", "quantize", "quantize_channels", "quantize_fp8", "unpack_int4"]
+__all__ = ["KINDS", "KVQuant", "bytes_per_token", "check_finite", "decode_codes", "dequantize",
+           "e4m3_to_float", "pack_int4", "quantize", "quantize_channels", "quantize_fp8",
+           "unpack_int4"]
 
 KINDS = ("int8", "int4", "fp8_e4m3")
 _QMAX = {"int8": 127, "int4": 7}

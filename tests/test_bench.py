@@ -460,6 +460,9 @@ def test_decode_caches_match_float64_on_the_values_each_cache_holds(tmp_path):
         assert lost["attn fp32 paged"] < 1e-5 < lost["attn int8 paged"] < lost["attn int4 paged"]
         assert list(r["bytes_per_token"]) == list(formats)
     assert {"step.png", "bytes.png"} <= {p.name for p in tmp_path.iterdir()}
+    md = (tmp_path / "results.md").read_text()
+    assert "Nq=1, 5, H=4, Hkv=2, D=32" in md and "paged: pages of 16 interleaved" in md
+    assert "| 2 | 5 | 97 | attn int8 paged, int8 q |" in md
 
 
 def test_kv_accuracy_on_the_committed_checkpoint(tmp_path):

@@ -153,11 +153,13 @@ def markdown(header: dict, rows: list[dict]) -> str:
              f"- torch {header['torch']}, python {header['python']}, attn {header['attn']}, "
              f"{header['date']}",
              f"- command: `{header['command']}`",
+             *([f"- note: {header['note']}"] if header.get("note") else []),
              f"- step: Nq={', '.join(map(str, s['Nq']))}, H={s['H']}, Hkv={s['Hkv']}, "
              f"D={s['D']}, q float32, attending to the whole cache (Nq > 1: a chunked-prefill "
-             "chunk, causal from the cache's end; SDPA takes that mask as a bool tensor); paged: pages of {header['page']} interleaved with a filler "
-             f"sequence's; median of {header['repeats']} rounds after {header['warmup']} "
-             "warm-up, the paths taking turns",
+             "chunk, causal from the cache's end; SDPA takes that mask as a bool tensor); "
+             f"paged: pages of {header['page']} interleaved with a filler sequence's; median "
+             f"of {header['repeats']} rounds after {header['warmup']} warm-up, the paths "
+             "taking turns",
              f"- ratio: {BASELINE} time / path time (> 1: faster than SDPA on a dense fp32 "
              "cache); err: max abs difference from float64 SDPA on the values that cache "
              "holds; vs original: from float64 SDPA on the fp32 values (quantization error "
@@ -168,7 +170,8 @@ def markdown(header: dict, rows: list[dict]) -> str:
              "| B | Nq | L | path | ms / step | SDPA fp32 / path | err | vs original |",
              "|--:|--:|--:|:--|--:|--:|--:|--:|"]
     lines += report.per_path_lines(rows, lambda r, n, t: (
-        str(r["B"]), str(r.get("Nq", 1)), str(r["cache"]), n, f"{t:.2f}", f"{r['ratio_to_sdpa'][n]:.2f}",
+        str(r["B"]), str(r.get("Nq", 1)), str(r["cache"]), n, f"{t:.2f}",
+        f"{r['ratio_to_sdpa'][n]:.2f}",
         f"{r['max_abs_err'][n]:.1e}", f"{r['err_vs_original'][n]:.1e}"))
     return "\n".join(lines) + "\n"
 
