@@ -917,6 +917,28 @@ def test_quantized_cache_generate_matches_the_dequantized_reference(family, kind
 
 
 
+def test_quantized_cache_with_quantized_q_scores_on_int8_codes(monkeypatch):
+    """quantized_q=True: every layer's scores come from integer products (torch._int_mm, its
+    calls counted), and the logits move from the default read's by q's rounding only:
+    within 2 % of the logits' range (int8 rounding of q is 0.4 % of a row's max per
+    element)."""
+    torch.manual_seed(0)
+    m = build("llama", tie_word_embeddings=False)
+    quant = KVQuant("int8")
+    with torch.no_grad():
+        cache = hf.AttnQuantizedCache(m.config, quant, max_tokens=Q_TOKENS, page_size=Q_PAGE)
+        _, want = _quant_generate(m, "attn", cache)
+        calls = []
+        int_mm = torch._int_mm
+        monkeypatch.setattr(torch, "_int_mm", lambda *a, **k: calls.append(1) or int_mm(*a, **k))
+        cache = hf.AttnQuantizedCache(m.config, quant, max_tokens=Q_TOKENS, page_size=Q_PAGE,
+                                      quantized_q=True)
+        _, got = _quant_generate(m, "attn", cache)
+    assert len(calls) >= m.config.num_hidden_layers * Q_NEW
+    spread = float(want.max() - want.min())
+    assert 0 < float((got - want).abs().max()) < 0.02 * spread
+
+
 def test_quantized_cache_with_spare_rows_and_reset():
     """Pages allocated for more sequences than the batch (max_batch), and the same cache
     reset and used again: the reference's tokens both times, and a sliding layer gives the
@@ -967,6 +989,8 @@ def test_quantized_cache_refuses_what_it_cannot_serve():
         cache(page_size=0)
     with pytest.raises(TypeError, match="quant"):
         hf.AttnQuantizedCache(m.config, 8, max_tokens=8)
+    with pytest.raises(ValueError, match="quantized_q scores int8 keys"):
+        hf.AttnQuantizedCache(m.config, "int4", max_tokens=8, quantized_q=True)
 
 
 def test_bench_hf_quant_reports_the_quantization_error(tmp_path):

@@ -444,10 +444,11 @@ class _QuantizedLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, index: int, quant: KVQuant, page_size: int, max_tokens: int,
-                 max_batch: int | None, fp8_scales) -> None:
+                 max_batch: int | None, fp8_scales, quantized_q: bool = False) -> None:
         super().__init__()
         self.index, self.quant, self.page_size = index, quant, page_size
         self.max_tokens, self.max_batch, self.fp8_scales = max_tokens, max_batch, fp8_scales
+        self.quantized_q = quantized_q
         self.pages: PagedKVCache | None = None
         self.batch = 0
         self.length = 0
@@ -589,7 +590,10 @@ class AttnQuantizedCache(Cache):
     ``quant``: an :class:`attn.kvquant.KVQuant` or its kind. ``max_tokens``: positions per
     sequence (prompt, padding included, plus new tokens); ``page_size``: positions per page;
     ``max_batch``: sequences the pages are allocated for (default: the first batch's size);
-    ``fp8_scales``: fp8's fixed per-kv-head scales ``(k, v)``. Pages are allocated at each
+    ``fp8_scales``: fp8's fixed per-kv-head scales ``(k, v)``. ``quantized_q``: score the
+    int8 keys (one scale per token) against each query row rounded to int8, by integer
+    products (``attn.decode``'s opt-in; CPU): faster, with q's rounding added to the
+    cache's quantization error. Pages are allocated at each
     layer's first update, in the dtype and on the device of its keys (the storage of the
     full-precision recent pages).
 
@@ -602,12 +606,16 @@ class AttnQuantizedCache(Cache):
 
     def __init__(self, config, quant: KVQuant | str = "int8", *, max_tokens: int,
                  page_size: int = 16, max_batch: int | None = None,
-                 fp8_scales: tuple = (1.0, 1.0)) -> None:
+                 fp8_scales: tuple = (1.0, 1.0), quantized_q: bool = False) -> None:
         if isinstance(quant, str):
             quant = KVQuant(quant)
         if not isinstance(quant, KVQuant):
             raise TypeError(f"quant must be an attn.kvquant.KVQuant or a kind name, got "
                             f"{type(quant).__name__}")
+        if quantized_q and (quant.kind != "int8" or quant.group is not None
+                            or quant.k_per_channel):
+            raise ValueError(f"quantized_q scores int8 keys with one scale per token "
+                             f"(KVQuant('int8')), got quant={quant}")
         for name, x in (("max_tokens", max_tokens), ("page_size", page_size),
                         ("max_batch", max_batch or 1)):
             if not isinstance(x, int) or isinstance(x, bool) or x < 1:
@@ -617,9 +625,10 @@ class AttnQuantizedCache(Cache):
         if not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"config must be a decoder's config with num_hidden_layers, got "
                              f"{type(config).__name__} with num_hidden_layers={n_layers!r}")
-        self.quant = quant
+        self.quant, self.quantized_q = quant, bool(quantized_q)
         super().__init__(layers=[_QuantizedLayer(i, quant, page_size, max_tokens, max_batch,
-                                                 fp8_scales) for i in range(n_layers)])
+                                                 fp8_scales, self.quantized_q)
+                                 for i in range(n_layers)])
 
     def bytes_per_token(self) -> float:
         """Bytes a cached token costs over all layers (keys and values, scales included)."""
@@ -643,7 +652,8 @@ def _quantized_cache_attention(module, query: Tensor, key: _CachedKV, value: Ten
         raise NotImplementedError("AttnQuantizedCache is for inference: no attention dropout")
     layer.check_padding(attention_mask, query.shape[2], causal, window)
     out = attn.decode(query, layer.pages, seq_ids=layer.rows, causal=causal, window=window,
-                      scale=scaling, softcap=softcap, sinks=s_aux)
+                      scale=scaling, softcap=softcap, sinks=s_aux,
+                      quantized_q=layer.quantized_q)
     if causal and window is not None and window[0] >= 0:
         # the next queries sit past every cached key: pages before their windows are done
         layer.pages.free_outside_window(window)
