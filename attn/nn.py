@@ -27,6 +27,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
+from attn.decode import decode
 from attn.masks import module_window
 from attn.spec import acc_dtype
 from attn.varlen import position_ids, varlen_attention
@@ -183,7 +184,12 @@ class RotaryEmbedding(nn.Module):
 
 
 class KVCacheLike(Protocol):
-    """What :class:`MultiHeadAttention` needs from a KV cache (``attn.models.KVCache`` is one)."""
+    """What :class:`MultiHeadAttention` needs from a KV cache (``attn.models.KVCache`` is one).
+
+    A cache that also has ``paged() -> attn.kvcache.PagedKVCache`` (the same keys, no copy)
+    is read by :func:`attn.decode.decode` when the call allows it (no gradient, backend
+    "auto", float scale, temperature and softcap); otherwise the views ``append`` returns go
+    through :func:`attn.attention`."""
 
     @property
     def length(self) -> int: ...  # keys cached so far = position of the next query
@@ -454,7 +460,10 @@ class MultiHeadAttention(nn.Module):
         opts = dict(causal=self.causal, scale=self.scale, temperature=self._tau(),
                     softcap=self._cap(), window=self.window, sinks=self.sinks,
                     dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
-        if cu_seqlens is not None:
+        y = self._decode(q, kv_cache, opts) if kv_cache is not None else None
+        if y is not None:
+            y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
+        elif cu_seqlens is not None:
             # (B, H, N, D) -> packed (B·N, H, D): rows laid end to end
             qp, kp, vp = (rearrange(t, "b h n d -> (b n) h d") for t in (q, k, v))
             y = varlen_attention(qp, kp, vp, cu_seqlens, cu_seqlens, **opts)
@@ -463,6 +472,21 @@ class MultiHeadAttention(nn.Module):
             y = (attention if cp is None else cp.attention)(q, k, v, **opts)
             y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
         return self.proj(y)
+
+    def _decode(self, q: Tensor, kv_cache: KVCacheLike, opts: dict) -> Tensor | None:
+        """The new queries against a cache that can be read as pages (``kv_cache.paged()``)
+        through :func:`attn.decode.decode`, or None where the call needs what decoding from
+        a cache does not take: a gradient, a chosen backend, a tensor scale, temperature or
+        softcap (learned ones), dropout."""
+        paged = getattr(kv_cache, "paged", None)
+        tau, cap = opts["temperature"], opts["softcap"]
+        if (paged is None or torch.is_grad_enabled() or opts["backend"] != "auto"
+                or opts["dropout_p"] or any(isinstance(x, Tensor)
+                                            for x in (tau, cap, self.scale))):
+            return None
+        scale = (self.scale if self.scale is not None else self.head_dim ** -0.5) / tau
+        return decode(q, paged(), causal=self.causal, window=self.window, scale=scale,
+                      softcap=cap, sinks=self.sinks)
 
     def extra_repr(self) -> str:
         parts = [f"dim={self.dim}", f"heads={self.heads}", f"kv_heads={self.kv_heads}",

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+import attn.nn as nn_module
+from attn.decode import decode
 from attn.nn import (QK_NORM_KINDS, AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig,
                      RotaryEmbedding, default_l2_scale)
 from attn.models.cache import KVCache
@@ -49,9 +51,13 @@ def _mha(seed: int = 0, dim: int = 32, heads: int = 4, **kw) -> MultiHeadAttenti
     return m.eval()
 
 
-@pytest.mark.parametrize("backend", ["reference", "tiled"])
+@pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_cached_decoding_matches_full_forward(variant: str, backend: str) -> None:
+def test_cached_decoding_matches_full_forward(variant: str, backend: str, monkeypatch) -> None:
+    """With backend "auto" the cached steps read the cache's pages through attn.decode
+    (counted), except where a learned temperature or softcap needs attn.attention."""
+    calls = []
+    monkeypatch.setattr(nn_module, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
     m = _mha(backend=backend, **VARIANTS[variant])
     B, N = 2, 11
     x = torch.randn(B, N, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -64,6 +70,9 @@ def test_cached_decoding_matches_full_forward(variant: str, backend: str) -> Non
     cached = torch.cat(pieces, dim=1)
     assert cache.length == N
     torch.testing.assert_close(cached, full, rtol=1e-12, atol=1e-12)
+    learned = (m.log_tau is not None or m.log_softcap is not None
+               or isinstance(m.scale, torch.Tensor))
+    assert len(calls) == (0 if backend != "auto" or learned else 2 + N - 8)
 
 
 @pytest.mark.parametrize("backend", ["reference", "tiled"])
