@@ -170,7 +170,7 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
 
 def _check_quantized_q(cache: PagedKVCache, read: str) -> None:
     quant = cache.quant
-    if quant is None or quant.kind != "int8" or quant.group is not None or quant.k_per_channel:
+    if quant is None or not quant.int8_per_token:
         raise ValueError(f"quantized_q scores int8 keys with one scale per token (KVQuant("
                          f"'int8')), but the cache holds {quant or cache.storage_dtype}")
     if read != "tiled":

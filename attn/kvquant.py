@@ -87,6 +87,12 @@ class KVQuant:
             raise ValueError("k_per_channel quantizes a page once it is full, so the partial "
                              "last page must stay in full precision: pass recent_pages >= 1")
 
+    @property
+    def int8_per_token(self) -> bool:
+        """int8 keys with one scale per token and kv head (no group, not per channel): the
+        format ``attn.decode(quantized_q=True)`` scores by integer products."""
+        return self.kind == "int8" and self.group is None and not self.k_per_channel
+
     def group_of(self, dim: int) -> int:
         """Elements per scale along a head dim of ``dim`` (fp8's per-head scale: all of it)."""
         return dim if self.group is None else self.group

@@ -612,8 +612,7 @@ class AttnQuantizedCache(Cache):
         if not isinstance(quant, KVQuant):
             raise TypeError(f"quant must be an attn.kvquant.KVQuant or a kind name, got "
                             f"{type(quant).__name__}")
-        if quantized_q and (quant.kind != "int8" or quant.group is not None
-                            or quant.k_per_channel):
+        if quantized_q and not quant.int8_per_token:
             raise ValueError(f"quantized_q scores int8 keys with one scale per token "
                              f"(KVQuant('int8')), got quant={quant}")
         for name, x in (("max_tokens", max_tokens), ("page_size", page_size),
