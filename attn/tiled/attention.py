@@ -218,18 +218,29 @@ def _page_items(pages: PageTable, page: int, chunk: int, coded_until: Tensor | N
     return items, max((len(r) for r in per_row), default=0)
 
 
+def _page_span(storage: Tensor, table_row: Tensor, p0: int, p1: int, first: int | None,
+               name: str) -> tuple[Tensor, slice | Tensor]:
+    """Pages ``[p0, p1)`` of one row ``(p1 - p0, page, Hkv, ·)``: a view of the storage from
+    page ``first`` when they are consecutive there (``first`` not None), else a copy of those
+    pages only into the thread's buffer ``name``; and where they lie in the storage (a slice,
+    or their ids), for whatever else is stored per page (a quantized cache's scales)."""
+    if first is not None:
+        at = slice(first, first + p1 - p0)
+        return storage[at], at
+    at = table_row[p0:p1].to(storage.device)
+    span = cpu.scratch(name, (p1 - p0,) + tuple(storage.shape[1:]), storage.dtype,
+                       storage.device)
+    torch.index_select(storage, 0, at, out=span)
+    return span, at
+
+
 def _read_pages(storage: Tensor, table_row: Tensor, page: int, it: _PagedItem, name: str
                 ) -> Tensor:
-    """An item's keys (or values) ``(1, Hkv, n, D)``, positions ``[a, z)`` of its row: a view
-    of the storage when its pages are consecutive there, else a copy of those pages only
-    (the item's own tile, never the row's other pages) into its thread's buffer ``name``."""
+    """An item's keys (or values) ``(1, Hkv, n, D)``, positions ``[a, z)`` of its row: its
+    pages (:func:`_page_span`: a view, or a copy of the item's own pages, never the row's
+    other pages)."""
     p0, p1 = it.a // page, -(-it.z // page)
-    if it.first is not None:
-        span = storage[it.first:it.first + p1 - p0]
-    else:
-        span = cpu.scratch(name, (p1 - p0,) + tuple(storage.shape[1:]), storage.dtype,
-                           storage.device)
-        torch.index_select(storage, 0, table_row[p0:p1].to(storage.device), out=span)
+    span, _ = _page_span(storage, table_row, p0, p1, it.first, name)
     # (pages, page, Hkv, D) -> (pages·page, Hkv, D) -> (1, Hkv, n, D): views
     return span.flatten(0, 1)[it.a - p0 * page:it.z - p0 * page].transpose(0, 1).unsqueeze(0)
 
@@ -284,36 +295,25 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
     fold = _per_key(scales, page)
     mult = cpu.scratch(name + " scales", (Hkv, n), torch.float32, codes.device) if fold else None
     coded = max(min(it.z, pq * page) - it.a, 0)  # rows [0, coded) come from codes
-    span = None
+    keep_codes = raw and fold and coded == n  # the codes themselves, not converted
+    span = None if keep_codes else cpu.scratch(name, (n, Hkv, D), dtype, codes.device)
     if coded:
-        if it.first is not None:  # consecutive pages: views
-            at = slice(it.first, it.first + pq - p0)
-            c = codes[at]
-        else:
-            at = table_row[p0:pq].to(codes.device)
-            c = cpu.scratch(name + " codes", (pq - p0,) + tuple(codes.shape[1:]), codes.dtype,
-                            codes.device)
-            torch.index_select(codes, 0, at, out=c)
+        c, at = _page_span(codes, table_row, p0, pq, it.first, name + " codes")
         lo = it.a - p0 * page
         # (P, page, Hkv, Dc) -> (P·page, Hkv, Dc): the range's rows
         rows = c.flatten(0, 1)[lo:lo + coded]
-        if raw and fold and coded == n:  # (n, Hkv, D) -> (1, Hkv, n, D): views
-            mult.copy_(scales[at].flatten(0, 1)[lo:lo + n, :, 0].t())
-            return rows.transpose(0, 1).unsqueeze(0), mult
-        span = cpu.scratch(name, (n, Hkv, D), dtype, codes.device)
-        if fold:  # decoded as they are
-            unit = decode_codes(rows, quant.kind, out=span[:coded])
-            if scales.dim() == 1:  # per kv head: (Hkv,) -> (Hkv, coded)
-                mult[:, :coded] = scales.float()[:, None] * unit
-            else:  # per token: (P, page, Hkv, 1) -> (Hkv, coded)
-                torch.mul(scales[at].flatten(0, 1)[lo:lo + coded, :, 0].t(), unit,
-                          out=mult[:, :coded])
+        if fold:
+            unit = 1.0 if keep_codes else decode_codes(rows, quant.kind, out=span[:coded])
+            # per kv head (Hkv,) -> (Hkv, 1); per token (P, page, Hkv, 1) -> (Hkv, coded)
+            s = (scales[:, None] if scales.dim() == 1
+                 else scales[at].flatten(0, 1)[lo:lo + coded, :, 0].t())
+            mult[:, :coded] = s.float() * unit
+            if keep_codes:  # (n, Hkv, D) -> (1, Hkv, n, D): views
+                return rows.transpose(0, 1).unsqueeze(0), mult
         else:
             # per token with groups (P, page, Hkv, G), per channel (P, 1, Hkv, D): as they
             # lie; their multipliers vary along D, so they are applied here
             _dequantize_rows(c, scales[at], quant.kind, lo, span[:coded])
-    if span is None:
-        span = cpu.scratch(name, (n, Hkv, D), dtype, codes.device)
     if coded < n:  # the recent pages' rows, from position pq · page on
         rows = recent[table_row[pq:p1].to(recent.device)].flatten(0, 1)
         first = it.a + coded - pq * page
