@@ -135,6 +135,11 @@ class QuantPages(NamedTuple):
     # products; attn.decode's quantized_q)
     int8_scores: bool = False
 
+    def dim(self, stored: int) -> int:
+        """The head dim of pages storing ``stored`` codes per token and head (int4: two per
+        byte)."""
+        return stored * 2 if self.kind == "int4" else stored
+
 
 class Operands(NamedTuple):
     """The optional tensors of one call, beside its :class:`LaunchSpec`: launchers take
@@ -167,6 +172,18 @@ def operands_of(caller: str, operands: Operands | None, **keywords) -> Operands:
     if given:
         raise TypeError(f"{caller}: pass {', '.join(given)} inside operands, not beside it")
     return operands
+
+
+def check_paged_forward_only(q: Tensor, k_pages: Tensor, v_pages: Tensor, ops: Operands
+                             ) -> None:
+    """ValueError when a paged call (a backend's ``paged_attention``) would need a gradient:
+    under grad mode, q, the pages, or a quantized cache's scales or recent pages requiring
+    one. Caches serve inference; the paged reads are forward only."""
+    held = (q, k_pages, v_pages) + (() if ops.quant is None else tuple(
+        t for t in ops.quant[1:] if isinstance(t, Tensor)))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in held):
+        raise ValueError("paged attention is forward only (caches serve inference): run it "
+                         "under torch.no_grad() or torch.inference_mode()")
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

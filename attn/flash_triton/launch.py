@@ -28,7 +28,7 @@ from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_com
 from attn.flash_triton.tune import _tune_n, split_config
 from attn.grads import Grads, sink_grad
 from attn.masks import Band, as_4d
-from attn.spec import LaunchSpec, Operands, operands_of
+from attn.spec import LaunchSpec, Operands, check_paged_forward_only, operands_of
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -312,8 +312,8 @@ _QUANT_KINDS = {"int8": 1, "int4": 2, "fp8_e4m3": 3}  # the paged kernel's QUANT
 
 
 def _paged_dv(v_pages: Tensor, quant) -> int:
-    """Dv of paged values: int4 codes hold two dims per byte."""
-    return v_pages.shape[-1] * (2 if quant is not None and quant.kind == "int4" else 1)
+    """Dv of paged values (int4 codes hold two dims per byte)."""
+    return v_pages.shape[-1] if quant is None else quant.dim(v_pages.shape[-1])
 
 
 def _scale_strides(scales: Tensor, dim: int, page: int) -> tuple[tuple[int, ...], int]:
@@ -646,11 +646,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     if ops.pages is None or ops.attn_mask is not None or ops.captured or ops.q_scale is not None:
         raise ValueError("triton paged_attention takes ops.pages, and no attn_mask, score_mod "
                          "or tensor temperature")
-    held = (q, k_pages, v_pages) + (() if ops.quant is None else tuple(
-        t for t in ops.quant[1:] if isinstance(t, Tensor)))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in held):
-        raise ValueError("paged attention is forward only (caches serve inference): run it "
-                         "under torch.no_grad() or torch.inference_mode()")
+    check_paged_forward_only(q, k_pages, v_pages, ops)
     B, H, Nq, _ = q.shape
     if B == 0 or Nq == 0:  # no program to launch
         return (q.new_empty(B, H, Nq, _paged_dv(v_pages, ops.quant)),

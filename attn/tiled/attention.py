@@ -15,7 +15,8 @@ from attn.grads import reduce_to as _reduce_to
 from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
 from attn.kvquant import decode_codes, dequantize
-from attn.spec import LaunchSpec, Operands, PageTable, QuantPages, operands_of
+from attn.spec import (LaunchSpec, Operands, PageTable, QuantPages, check_paged_forward_only,
+                       operands_of)
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm, low_gemms
@@ -290,7 +291,7 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
     (a view of the storage where its pages are consecutive), never converted."""
     p0, p1 = it.a // page, -(-it.z // page)
     pq = min(max(recent_from, p0), p1)  # pages [p0, pq) hold codes, [pq, p1) full precision
-    D = codes.shape[-1] * (2 if quant.kind == "int4" else 1)
+    D = quant.dim(codes.shape[-1])
     n, Hkv = it.z - it.a, codes.shape[2]
     fold = _per_key(scales, page)
     mult = cpu.scratch(name + " scales", (Hkv, n), torch.float32, codes.device) if fold else None
@@ -352,17 +353,13 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     if ops.pages is None or ops.attn_mask is not None or ops.captured:
         raise ValueError("paged_attention takes ops.pages, and no attn_mask or score_mod")
     _check_operands(ops._replace(pages=None, quant=None))
+    check_paged_forward_only(q, k_pages, v_pages, ops)
     quant = ops.quant
-    held = (q, k_pages, v_pages) if quant is None else (q, k_pages, v_pages, *(
-        t for t in quant[1:] if isinstance(t, Tensor)))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in held):
-        raise ValueError("paged attention is forward only (caches serve inference): run it "
-                         "under torch.no_grad() or torch.inference_mode()")
     table, starts, lengths = ops.pages
     B, H, Nq, _ = q.shape
     page, Dv = k_pages.shape[1], v_pages.shape[-1]
-    if quant is not None and quant.kind == "int4":
-        Dv *= 2  # two codes per byte
+    if quant is not None:
+        Dv = quant.dim(Dv)
     acc_dtype = _acc_dtype(q.dtype)
     n_keys = lengths - starts
     chunk = kv_split(Nq, int(n_keys.max()) if B else 0, config) or config.split_min_chunk
