@@ -306,13 +306,12 @@ def _paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tens
     """out ``(B, H, Nq, Dv)`` and lse ``(B, H, Nq)`` of :func:`decode` on the cache these
     tensors make up (``block_table``, ``starts``, ``lengths``, ``trimmed``: its host
     tensors; the scales, recent pages and ``quant_*`` its format when quantized)."""
-    cache = PagedKVCache(k_pages, v_pages, block_table, lengths, starts=starts)
-    cache._trimmed = trimmed  # which starts free_outside_window moved (check_reach)
-    if quant_kind is not None:
-        cache.quant = KVQuant(quant_kind, quant_group, k_per_channel, recent_pages)
-        cache.k_scales, cache.v_scales = k_scales, v_scales
-        cache.recent_k, cache.recent_v = recent_k, recent_v
-        cache._dims = (dims[0], dims[1])  # int4 codes are half as wide as the values
+    quant = (None if quant_kind is None
+             else KVQuant(quant_kind, quant_group, k_per_channel, recent_pages))
+    cache = PagedKVCache.over(k_pages, v_pages, block_table, lengths, starts=starts,
+                              trimmed=trimmed, quant=quant, dims=(dims[0], dims[1]),
+                              k_scales=k_scales, v_scales=v_scales, recent_k=recent_k,
+                              recent_v=recent_v)
     out, lse = decode(q, cache, seq_ids=seq_ids, causal=causal,
                       window=None if window is None else (window[0], window[1]), scale=scale,
                       softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True,

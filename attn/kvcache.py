@@ -130,6 +130,26 @@ class PagedKVCache:
         self.storage_dtype = k_pages.dtype  # of the values (a quantized cache: its recent pages)
 
     @classmethod
+    def over(cls, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: Tensor, *,
+             starts: Tensor, trimmed: Tensor, quant: KVQuant | None = None,
+             dims: tuple[int, int] | None = None, k_scales: Tensor | None = None,
+             v_scales: Tensor | None = None, recent_k: Tensor | None = None,
+             recent_v: Tensor | None = None) -> "PagedKVCache":
+        """A cache reading the tensors another cache holds (``trimmed``: its sequences whose
+        starts :meth:`free_outside_window` moved; a quantized one's format, head dims ``(D,
+        Dv)``, scales and recent ring): a reader that owns no page, as
+        ``attn::paged_decode`` rebuilds one from the tensors a compiled graph passes it."""
+        cache = cls(k_pages, v_pages, block_table, lengths, starts=starts)
+        cache._trimmed = trimmed
+        if quant is not None:
+            cache.quant, cache._dims = quant, dims
+            cache.k_scales, cache.v_scales = k_scales, v_scales
+            cache.recent_k, cache.recent_v = recent_k, recent_v
+            if recent_k is not None:
+                cache.storage_dtype = recent_k.dtype
+        return cache
+
+    @classmethod
     def allocate(cls, num_blocks: int, page_size: int, heads_kv: int, head_dim: int, *,
                  max_seqs: int, max_pages: int | None = None, head_dim_v: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
