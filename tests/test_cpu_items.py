@@ -238,18 +238,43 @@ def test_concurrent_callers_share_the_pool(threads):
 
 @pytest.mark.skipif(not _native_bf16(),
                     reason="this CPU's oneDNN has no native bf16: tiles are upcast to fp32")
-def test_bf16_forward_runs_its_pv_gemms_in_bf16(monkeypatch):
-    """bf16 inputs: P·V in bf16 (a different rounding from the fp32 upcast, so the outputs
-    differ) and within the error budget either way, forward and gradients."""
-    q, k, v = _inputs(Nq=130, Nk=150, dtype=torch.bfloat16, seed=3)
+@pytest.mark.parametrize("shape", ["square", "decode"])
+def test_bf16_tile_gemms_run_in_bf16(monkeypatch, shape):
+    """bf16 inputs: the forward's q·kᵀ and P·V and the backward's q·kᵀ and dO·Vᵀ take bf16
+    operands (torch.bmm watched; D = 40, Dv = 24 and 64-key tiles tell the GEMMs apart by
+    their inner dimension), ATTN_TILED_BF16_GEMM=0 upcasts every tile, and both are within
+    the error budget, forward and gradients (decoding: a split-KV call, forward only)."""
+    Nq, Nk = (130, 150) if shape == "square" else (1, 2500)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, Nq, 40, generator=g).bfloat16()
+    k = torch.randn(2, 2, Nk, 40, generator=g).bfloat16()
+    v = torch.randn(2, 2, Nk, 24, generator=g).bfloat16()
+    grad = shape == "square"
 
     def fn(*a, **kw):
         return attn.attention(*a, backend="tiled", block_m=32, block_n=64, **kw)
+    bmm, inner = torch.bmm, []
+
+    def watched(a, b, **kw):
+        if a.dtype == b.dtype == torch.bfloat16:
+            inner.append(a.shape[-1])
+        return bmm(a, b, **kw)
+    monkeypatch.setattr(torch, "bmm", watched)
     outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("ATTN_TILED_BF16_GEMM", flag)
-        outs[flag] = fn(q, k, v, causal=True)
-        assert_close_to_reference(fn, q, k, v, causal=True, sinks=torch.randn(4))
+        inner.clear()
+        q_ = q.clone().requires_grad_(grad)
+        outs[flag] = fn(q_, k, v, causal=True)
+        if grad:
+            outs[flag].sum().backward()
+        # q·kᵀ (inner D = 40), P·V (a tile's keys: 64, or a split range's, more), dO·Vᵀ (24)
+        if flag == "0":
+            assert not inner, sorted(set(inner))
+        else:
+            assert ({40, 24, 64} if grad else {40}) <= set(inner), sorted(set(inner))
+            assert max(inner) >= 64, sorted(set(inner))
+        assert_close_to_reference(fn, q, k, v, causal=True, sinks=torch.randn(4), grad=grad)
     assert not torch.equal(outs["1"], outs["0"])
 
 

@@ -477,17 +477,17 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
         torch.mul(part.sum(-1), LN2, out=lse[:, :, m0:m1])
 
 
-def _softmax_delta(tile: _Tile, q_blk: Tensor, do_blk: Tensor, lse_blk: Tensor, m0: int,
+def _softmax_delta(tile: _Tile, q_blk: Tensor, dp_of, lse_blk: Tensor, m0: int,
                    m1: int, key_tiles) -> Tensor:
     """``Σ_j p_ij dp_ij`` over a query block's tiles, ``(B·Hkv, G·BM, 1)``: p = exp2(s − m)
-    and dp = ``do_blk`` Vᵀ (dropout-scaled) exactly as the backward's tile loop forms them,
-    so a saturated row's dS = p∘(dp − Δ) is 0 where its exact value rounds to 0."""
+    and dp = ``dp_of(n0, n1)`` (dropout-scaled) exactly as the backward's tile loop forms
+    them, so a saturated row's dS = p∘(dp − Δ) is 0 where its exact value rounds to 0."""
     spec = tile.spec
-    delta = torch.zeros(do_blk.shape[:2] + (1,), dtype=tile.acc_dtype, device=do_blk.device)
+    delta = torch.zeros(q_blk.shape[:2] + (1,), dtype=tile.acc_dtype, device=q_blk.device)
     for n0, n1, full in key_tiles:
         s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
         p = s.sub_(lse_blk).exp2_()
-        dp = tile.gemm.dp(do_blk, n0, n1)
+        dp = dp_of(n0, n1)
         if spec.dropout_p > 0.0:
             dp = dp * tile.dropout_scale(m0, m1, n0, n1)
         delta += (p * dp).sum(dim=-1, keepdim=True)
@@ -601,7 +601,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
     attn_mask, sinks, softcap, captured = ops.attn_mask, ops.sinks, ops.softcap, ops.captured
-    gemm = _Gemm(k, v, acc_dtype, engine)
+    gemm = _Gemm(k, v, acc_dtype, engine, low=low_gemms(q))  # q·kᵀ as the forward's
     gemm.keys_major = gemm.onednn
     tile = _Tile(q, k, spec, gemm, attn_mask, softcap, ops.alibi, b0=b0,
                  finite_scores=finite_scores)
@@ -646,14 +646,26 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             continue
         BM = m1 - m0
         q_blk = tile.q_block(m0, m1)  # (B·Hkv, G·BM, D)
+        q_dk = q_blk.to(acc_dtype) if gemm.low_qk else q_blk  # raw bf16 q: scaled at the end
         do_blk = do[:, :, m0:m1].to(acc_dtype).reshape(B * Hkv, G * BM, Dv)
         lse_blk = tile.rows(lse_m, m0, m1)
         delta_blk = tile.rows(delta, m0, m1)
+        inv_l_blk = None
         if inv_l is not None:  # dO/l and Δ/l: the dP GEMM then yields dP/l
             inv_l_blk = tile.rows(inv_l, m0, m1)
             do_blk, delta_blk = do_blk * inv_l_blk, delta_blk * inv_l_blk
+        if gemm.low and do.dtype == torch.bfloat16:  # dP in bf16 from dO as it is, 1/l
+            # joining as it is converted
+            do_low = do[:, :, m0:m1].contiguous().view(B * Hkv, G * BM, Dv)
+
+            def dp_of(n0, n1, do_low=do_low, rows=inv_l_blk):
+                return gemm.dp(do_low, n0, n1, rows)
+        else:
+            def dp_of(n0, n1, do_blk=do_blk):
+                return gemm.dp(do_blk, n0, n1)
+        if inv_l is not None:
             if saturated is not None and bool(saturated[m0:m1].any()):
-                delta_blk = _softmax_delta(tile, q_blk, do_blk, lse_blk, m0, m1, key_tiles)
+                delta_blk = _softmax_delta(tile, q_blk, dp_of, lse_blk, m0, m1, key_tiles)
                 delta_blk.mul_(inv_l_blk)
                 if dlse is not None:
                     delta_blk.sub_(tile.rows(dlse.to(acc_dtype), m0, m1) * inv_l_blk)
@@ -662,7 +674,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             BN = n1 - n0
             s, u, t = tile.scores(q_blk, m0, m1, n0, n1, full, track=track)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
-            dp = gemm.dp(do_blk, n0, n1)
+            dp = dp_of(n0, n1)
             step = None
             if fused and _fusable(s):
                 step = _run_fused(_bwd_tile_fused, s, dp, u, t, lse_blk, delta_blk, z,
@@ -685,10 +697,12 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
                         dcaptured[i] = g if dcaptured[i] is None else dcaptured[i] + g
             # -- dQ += dS K, dK += dSᵀ Q (q_blk carries the scale; dQ gets it at the end) --
             gemm.add_dq(dq_blk, ds_raw, n0, n1)
-            gemm.add_tn(dk3[:, n0:n1], ds_raw, q_blk, "dk")
+            gemm.add_tn(dk3[:, n0:n1], ds_raw, q_dk, "dk")
         dq[:, :, m0:m1] = dq_blk.view(B, H, BM, D) * spec.qk_scale
 
-    if tile.fold_log2:  # q_blk carried log2 e: dK = Σ dSᵀ q·scale needs it taken out
+    if gemm.low_qk:  # q_blk was q as it is: dK = Σ dSᵀ q·scale
+        dk3.mul_(spec.qk_scale)
+    elif tile.fold_log2:  # q_blk carried log2 e: dK = Σ dSᵀ q·scale needs it taken out
         dk3.mul_(LN2)
     dsinks = None if sinks is None else sink_grad(sinks, lse.to(acc_dtype), delta)
     return Grads(dq, dk3.view(B, Hkv, Nk, D), dv3.view(B, Hkv, Nk, Dv), dmask, dsinks,

@@ -42,13 +42,21 @@ class _Gemm:
             self.v3 = self.v3.to(acc_dtype).contiguous()
         self.k3_dq = self.k3  # the backward's dQ += dS K reads this (see _bwd_rows)
         self._buffers: dict[tuple, Tensor] = {}
-        # ``low`` (bmm engine, bf16 v): the forward's P·V takes P rounded to bf16 (P in
-        # [0, 1]: 2^-9 relative, as any bf16 attention rounds it) and the values as they
-        # are, where the CPU has native bf16 (low_gemms); its bf16 product joins the fp32
-        # accumulator. q·kᵀ stays fp32: a bf16 product is off by 2^-9 of |s|, which at
-        # logits of 1e4 is 20 and changes the softmax itself.
+        # ``low`` (bmm engine, where the CPU has native bf16: low_gemms):
+        # - the forward's P·V takes P rounded to bf16 (P in [0, 1]: 2^-9 relative, as any
+        #   bf16 attention rounds it) and bf16 values as they are; the product joins the
+        #   fp32 accumulator;
+        # - q·kᵀ (bf16 k) multiplies the raw bf16 queries (_Tile.q_block) by the keys as
+        #   they are, accumulating in fp32 inside oneDNN; the product comes out rounded
+        #   to bf16 (torch's CPU GEMMs have no fp32 output for bf16 operands), 2^-9 of |s|
+        #   as in plain bf16 attention, and the scale joins in fp32 as it is converted.
+        #   The backward recomputes its scores the same way, so its P matches the
+        #   forward's lse even where that rounding is large (logits of 1e4: 20)
         self.low = (low and not self.onednn and v.dtype == torch.bfloat16
                     and key_scales[1] is None)
+        self.low_qk = (low and not self.onednn and k.dtype == torch.bfloat16
+                       and key_scales[0] is None)
+        self.qk_scale = 1.0  # with low_qk: q·kᵀ's multiplier (set by _Tile)
         # ``key_scales`` (forward, bmm engine): per-key multipliers ``(B·Hkv, Nk)`` of k and
         # of v (either may be None), a quantized cache's per-token or per-head scales: the
         # tiles then hold the bare codes, and q kᵀ's columns and P's columns carry the scales
@@ -68,7 +76,11 @@ class _Gemm:
         if self.onednn:
             return cpu.mm_nt(q_blk[0], self.k3[0, n0:n1]).unsqueeze(0)
         shape = (q_blk.shape[0], q_blk.shape[1], n1 - n0)
-        if self.k3.dtype == torch.int8:  # int8 codes: scored against q rounded to int8
+        if self.low_qk:  # q_blk: the raw bf16 queries
+            s16 = torch.bmm(q_blk, self._low_tile(self.k3, n0, n1).transpose(1, 2),
+                            out=self.buffer("s16", shape, torch.bfloat16))
+            s = torch.mul(s16, self.qk_scale, out=self.buffer("s", shape))
+        elif self.k3.dtype == torch.int8:  # int8 codes: scored against q rounded to int8
             s = self._int8_scores(q_blk, n0, n1, self.buffer("s", shape))
         else:
             k_blkT = self.k3[:, n0:n1].to(self.acc_dtype).transpose(1, 2)  # a view for fp32
@@ -91,19 +103,42 @@ class _Gemm:
             torch._int_mm(q8[u], self.k3[u, n0:n1].t(), out=prod[u])
         return torch.mul(prod, q_scale, out=s)  # NaN in q stays NaN (its scale is NaN)
 
+    def _low_tile(self, x3: Tensor, n0: int, n1: int) -> Tensor:
+        """Rows [n0, n1) of bf16 ``x3`` as a contiguous tile (a reused buffer unless the
+        slice is one already): a transposed bf16 operand whose batch stride is not the
+        tile's own sends torch's bmm to a path 4-6x slower than copying the tile first
+        (measured at the decode and square shapes)."""
+        tile = x3[:, n0:n1]
+        if tile.is_contiguous():
+            return tile
+        return self.buffer("x16", tile.shape, torch.bfloat16).copy_(tile)
+
     def add_pv(self, acc: Tensor, p: Tensor, n0: int, n1: int) -> None:
         """``acc += p V`` for key block [n0, n1)."""
         if self.onednn:
             acc[0].add_(cpu.mm_nt(p[0], self.v3[0, n0:n1].t()))
         elif self.low:
-            acc.add_(torch.bmm(p.to(torch.bfloat16), self.v3[:, n0:n1]))
+            p16 = self.buffer("p16", p.shape, torch.bfloat16).copy_(p)
+            pv = torch.bmm(p16, self._low_tile(self.v3, n0, n1),
+                           out=self.buffer("pv16", acc.shape, torch.bfloat16))
+            acc.add_(pv)
         elif self.v_scale is not None:
             acc.baddbmm_(p * self.v_scale[:, None, n0:n1], self.v_block(n0, n1))
         else:
             acc.baddbmm_(p, self.v_block(n0, n1))
 
-    def dp(self, do_blk: Tensor, n0: int, n1: int) -> Tensor:
-        """``dO Vᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``."""
+    def dp(self, do_blk: Tensor, n0: int, n1: int, rows: Tensor | None = None) -> Tensor:
+        """``dO Vᵀ`` for key block [n0, n1): ``(B·Hkv, G·BM, BN)``. A bf16 ``do_blk`` (the
+        backward's dO as it is, where :attr:`low`) runs a bf16 GEMM, rounded to bf16 once as
+        q·kᵀ is, and ``rows`` ``(B·Hkv, G·BM, 1)`` (1/l) join it in fp32 as it is
+        converted."""
+        if do_blk.dtype == torch.bfloat16 and self.low:
+            shape = (do_blk.shape[0], do_blk.shape[1], n1 - n0)
+            dp16 = torch.bmm(do_blk, self._low_tile(self.v3, n0, n1).transpose(1, 2),
+                             out=self.buffer("dp16", shape, torch.bfloat16))
+            if rows is None:
+                return dp16.to(self.acc_dtype)
+            return torch.mul(dp16, rows, out=self.buffer("dp", shape))
         if self.keys_major:
             return cpu.mm_nt(self.v3[0, n0:n1], do_blk[0]).t().unsqueeze(0)
         if self.onednn:
@@ -133,18 +168,22 @@ class _Gemm:
             shape = (a.shape[0], a.shape[2], b.shape[2])
             dst.add_(torch.bmm(a.transpose(1, 2), b, out=self.buffer(name, shape)))
 
-    def buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        """A tile-sized scratch tensor reused across tiles: no allocator churn per tile."""
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+               ) -> Tensor:
+        """A tile-sized scratch tensor reused across tiles (in the accumulation dtype by
+        default): no allocator churn per tile."""
         key = (name, shape)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty(shape, dtype=self.acc_dtype, device=self.device)
+            self._buffers[key] = torch.empty(shape, dtype=dtype or self.acc_dtype,
+                                             device=self.device)
         return self._buffers[key]
 
 
 def low_gemms(q: Tensor) -> bool:
-    """Whether a call's forward tile GEMMs run in bf16 (``_Gemm(low=True)``): bf16 inputs on a
-    CPU whose oneDNN has native bf16 (AVX-512 BF16, AMX), eager. ``ATTN_TILED_BF16_GEMM=0``
-    upcasts the tiles to fp32 instead (as every other CPU does)."""
+    """Whether a call's q·kᵀ and P·V tile GEMMs run in bf16 (``_Gemm(low=True)``; the
+    backward's q·kᵀ follows): bf16 inputs on a CPU whose oneDNN has native bf16 (AVX-512
+    BF16, AMX), eager. ``ATTN_TILED_BF16_GEMM=0`` upcasts the tiles to fp32 instead (as
+    every other CPU does); read at each call, forward and backward alike."""
     if q.dtype != torch.bfloat16 or q.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     if os.environ.get("ATTN_TILED_BF16_GEMM", "1").strip() == "0":

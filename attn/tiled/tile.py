@@ -178,8 +178,13 @@ class _Tile:
 
     def q_block(self, m0: int, m1: int) -> Tensor:
         """Scaled queries ``(B·Hkv, G·BM, D)`` in the accumulation dtype (a fresh copy); the
-        scale carries log2 e when :attr:`fold_log2`."""
+        scale carries log2 e when :attr:`fold_log2`. Where the GEMMs run q·kᵀ in bf16
+        (``gemm.low_qk``), the queries as they are, and the scale goes to the GEMM."""
         scale = self.spec.qk_scale * (LOG2E if self.fold_log2 else 1.0)
+        if self.gemm.low_qk:
+            self.gemm.qk_scale = scale
+            q_blk = self.q[:, :, m0:m1].contiguous()
+            return q_blk.view(self.B * self.Hkv, self.G * (m1 - m0), q_blk.shape[-1])
         q_blk = self.q[:, :, m0:m1].to(self.acc_dtype) * scale  # (B, H, BM, D)
         return q_blk.reshape(self.B * self.Hkv, self.G * (m1 - m0), q_blk.shape[-1])
 
