@@ -56,7 +56,7 @@ class _Gemm:
                     and key_scales[1] is None)
         self.low_qk = (low and not self.onednn and k.dtype == torch.bfloat16
                        and key_scales[0] is None)
-        self.qk_scale = 1.0  # with low_qk: q·kᵀ's multiplier (set by _Tile)
+        self.qk_scale = 1.0  # with low_qk: q·kᵀ's multiplier (_Tile sets it once)
         # ``key_scales`` (forward, bmm engine): per-key multipliers ``(B·Hkv, Nk)`` of k and
         # of v (either may be None), a quantized cache's per-token or per-head scales: the
         # tiles then hold the bare codes, and q kᵀ's columns and P's columns carry the scales

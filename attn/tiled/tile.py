@@ -115,6 +115,8 @@ class _Tile:
         # log2 e in the q scale when every step up to the softmax is linear in s or a -inf fill
         self.fold_log2 = (spec.score_mod is None and spec.softcap is None and softcap_t is None
                           and self.mask5 is None)
+        if gemm.low_qk:  # q blocks stay raw bf16 (q_block): q·kᵀ's conversion takes the scale
+            gemm.qk_scale = spec.qk_scale * (LOG2E if self.fold_log2 else 1.0)
         self.cap5 = None
         if softcap_t is not None:
             self.cap5 = softcap_t.to(acc).expand(H).reshape(1, Hkv, self.G, 1, 1)
@@ -180,11 +182,10 @@ class _Tile:
         """Scaled queries ``(B·Hkv, G·BM, D)`` in the accumulation dtype (a fresh copy); the
         scale carries log2 e when :attr:`fold_log2`. Where the GEMMs run q·kᵀ in bf16
         (``gemm.low_qk``), the queries as they are, and the scale goes to the GEMM."""
-        scale = self.spec.qk_scale * (LOG2E if self.fold_log2 else 1.0)
         if self.gemm.low_qk:
-            self.gemm.qk_scale = scale
             q_blk = self.q[:, :, m0:m1].contiguous()
             return q_blk.view(self.B * self.Hkv, self.G * (m1 - m0), q_blk.shape[-1])
+        scale = self.spec.qk_scale * (LOG2E if self.fold_log2 else 1.0)
         q_blk = self.q[:, :, m0:m1].to(self.acc_dtype) * scale  # (B, H, BM, D)
         return q_blk.reshape(self.B * self.Hkv, self.G * (m1 - m0), q_blk.shape[-1])
 
