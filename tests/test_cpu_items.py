@@ -240,10 +240,11 @@ def test_concurrent_callers_share_the_pool(threads):
                     reason="this CPU's oneDNN has no native bf16: tiles are upcast to fp32")
 @pytest.mark.parametrize("shape", ["square", "decode"])
 def test_bf16_tile_gemms_run_in_bf16(monkeypatch, shape):
-    """bf16 inputs: the forward's q·kᵀ and P·V and the backward's q·kᵀ and dO·Vᵀ take bf16
-    operands (torch.bmm watched; D = 40, Dv = 24 and 64-key tiles tell the GEMMs apart by
-    their inner dimension), ATTN_TILED_BF16_GEMM=0 upcasts every tile, and both are within
-    the error budget, forward and gradients (decoding: a split-KV call, forward only)."""
+    """bf16 inputs: every tile GEMM takes bf16 operands, forward (q·kᵀ, P·V) and backward
+    (q·kᵀ, dO·Vᵀ, dV += Pᵀ dO, dK += dSᵀ q, dQ += dS K); torch.bmm is watched, and D = 40,
+    Dv = 24, G·BM = 48 and 64-key tiles tell the GEMMs apart by their (M, K, N) sizes.
+    ATTN_TILED_BF16_GEMM=0 upcasts every tile, and both are within the error budget, forward
+    and gradients (decoding: a split-KV call, forward only)."""
     Nq, Nk = (130, 150) if shape == "square" else (1, 2500)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, Nq, 40, generator=g).bfloat16()
@@ -252,28 +253,30 @@ def test_bf16_tile_gemms_run_in_bf16(monkeypatch, shape):
     grad = shape == "square"
 
     def fn(*a, **kw):
-        return attn.attention(*a, backend="tiled", block_m=32, block_n=64, **kw)
-    bmm, inner = torch.bmm, []
+        return attn.attention(*a, backend="tiled", block_m=24, block_n=64, **kw)
+    bmm, sizes = torch.bmm, set()
 
     def watched(a, b, **kw):
         if a.dtype == b.dtype == torch.bfloat16:
-            inner.append(a.shape[-1])
+            sizes.add((a.shape[-2], a.shape[-1], b.shape[-1]))  # (M, K, N)
         return bmm(a, b, **kw)
     monkeypatch.setattr(torch, "bmm", watched)
+    # full tiles (G·BM = 2·24 query rows by 64 keys)
+    fwd = {(48, 40, 64), (48, 64, 24)}  # q·kᵀ, P·V
+    bwd = {(48, 24, 64), (64, 48, 24), (64, 48, 40), (48, 64, 40)}  # dO·Vᵀ, dV, dK, dQ
     outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("ATTN_TILED_BF16_GEMM", flag)
-        inner.clear()
+        sizes.clear()
         q_ = q.clone().requires_grad_(grad)
         outs[flag] = fn(q_, k, v, causal=True)
         if grad:
             outs[flag].sum().backward()
-        # q·kᵀ (inner D = 40), P·V (a tile's keys: 64, or a split range's, more), dO·Vᵀ (24)
-        if flag == "0":
-            assert not inner, sorted(set(inner))
-        else:
-            assert ({40, 24, 64} if grad else {40}) <= set(inner), sorted(set(inner))
-            assert max(inner) >= 64, sorted(set(inner))
+            assert fwd | bwd <= sizes if flag == "1" else not sizes, sorted(sizes)
+        else:  # G = 2 query rows against split-KV key ranges of n keys: q·kᵀ, P·V
+            ranges = {n for m, kk, n in sizes if (m, kk) == (2, 40)}
+            assert not sizes if flag == "0" else (
+                ranges and {(2, n, 24) for n in ranges} <= sizes), sorted(sizes)
         assert_close_to_reference(fn, q, k, v, causal=True, sinks=torch.randn(4), grad=grad)
     assert not torch.equal(outs["1"], outs["0"])
 

@@ -640,13 +640,17 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
     fused = _fused_steps(q) and engine == "bmm"
+    # bf16 dV += Pᵀ dO, dK += dSᵀ q and dQ += dS K (where the forward's GEMMs are bf16):
+    # P, dS and dO/l each rounded to bf16 once per tile (per query block for dO/l)
+    low_bwd = gemm.low and gemm.low_qk and do.dtype == torch.bfloat16
 
     for m0, m1, key_tiles in blocks:
         if not key_tiles:
             continue
         BM = m1 - m0
         q_blk = tile.q_block(m0, m1)  # (B·Hkv, G·BM, D)
-        q_dk = q_blk.to(acc_dtype) if gemm.low_qk else q_blk  # raw bf16 q: scaled at the end
+        # raw bf16 q (low_qk): scaled at the end
+        q_dk = q_blk.to(acc_dtype) if gemm.low_qk and not low_bwd else q_blk
         do_blk = do[:, :, m0:m1].to(acc_dtype).reshape(B * Hkv, G * BM, Dv)
         lse_blk = tile.rows(lse_m, m0, m1)
         delta_blk = tile.rows(delta, m0, m1)
@@ -654,6 +658,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         if inv_l is not None:  # dO/l and Δ/l: the dP GEMM then yields dP/l
             inv_l_blk = tile.rows(inv_l, m0, m1)
             do_blk, delta_blk = do_blk * inv_l_blk, delta_blk * inv_l_blk
+        do_dv = do_blk.to(torch.bfloat16) if low_bwd else do_blk  # dV's dO (/l)
         if gemm.low and do.dtype == torch.bfloat16:  # dP in bf16 from dO as it is, 1/l
             # joining as it is converted
             do_low = do[:, :, m0:m1].contiguous().view(B * Hkv, G * BM, Dv)
@@ -683,7 +688,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
                 step = _bwd_tile(s, u, t, lse_blk, delta_blk, dp, z, dsoftcap is not None)
             pd, ds, ds_raw, dc_terms = step
             # -- dV += Pᵈᵀ dO (Pᵀ sums over the GQA group) --
-            gemm.add_tn(dv3[:, n0:n1], pd, do_blk, "dv")
+            gemm.add_tn(dv3[:, n0:n1], gemm.low_operand(pd, "pd16") if low_bwd else pd,
+                        do_dv, "dv")
             if dmask is not None:
                 rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
                 cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
@@ -696,6 +702,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
                     if g is not None:
                         dcaptured[i] = g if dcaptured[i] is None else dcaptured[i] + g
             # -- dQ += dS K, dK += dSᵀ Q (q_blk carries the scale; dQ gets it at the end) --
+            if low_bwd:
+                ds_raw = gemm.low_operand(ds_raw, "ds16")
             gemm.add_dq(dq_blk, ds_raw, n0, n1)
             gemm.add_tn(dk3[:, n0:n1], ds_raw, q_dk, "dk")
         dq[:, :, m0:m1] = dq_blk.view(B, H, BM, D) * spec.qk_scale

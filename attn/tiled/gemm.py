@@ -148,10 +148,23 @@ class _Gemm:
         return torch.bmm(do_blk, self.v_block(n0, n1).transpose(1, 2),
                          out=self.buffer("dp", shape))
 
+    def low_operand(self, x: Tensor, name: str) -> Tensor:
+        """``x`` (a tile in the accumulation dtype) rounded to bf16 once, into a reused
+        buffer: the backward's P (in [0, 1], as the forward's P·V rounds it) and dS (bf16
+        keeps fp32's exponent range, so only 2^-9 of each entry is lost, as in any bf16
+        attention backward) for :meth:`add_tn` and :meth:`add_dq`'s bf16 GEMMs."""
+        return self.buffer(name, x.shape, torch.bfloat16).copy_(x)
+
     def add_dq(self, dq_blk: Tensor, ds: Tensor, n0: int, n1: int) -> None:
-        """``dq_blk += dS K`` for key block [n0, n1)."""
+        """``dq_blk += dS K`` for key block [n0, n1). A bf16 ``ds`` (:meth:`low_operand`)
+        multiplies the bf16 keys as they are; the product, rounded to bf16 once, joins the
+        fp32 ``dq_blk``."""
         k3 = self.k3_dq
-        if self.keys_major:  # dS is keys-major: dQᵀ = Kᵀ dSᵀ takes it as it lies
+        if ds.dtype == torch.bfloat16:
+            prod = torch.bmm(ds, self._low_tile(k3, n0, n1),
+                             out=self.buffer("dq16", dq_blk.shape, torch.bfloat16))
+            dq_blk.add_(prod)
+        elif self.keys_major:  # dS is keys-major: dQᵀ = Kᵀ dSᵀ takes it as it lies
             dq_blk[0].add_(cpu.mm_nt(k3[0, n0:n1].t(), ds[0]).t())
         elif self.onednn:
             dq_blk[0].add_(cpu.mm_nt(ds[0], k3[0, n0:n1].t()))
@@ -162,8 +175,14 @@ class _Gemm:
         """``dst += aᵀ b``: dV += Pᵀ dO and dK += dSᵀ Q for one tile, ``a (·, G·BM, BN)``,
         ``b (·, G·BM, D)``. Both engines add a contiguous product into the slice (a GEMM
         into a column slice of (B·Hkv, Nk, D) runs as one addmm per batch entry, ~10%
-        slower). On oneDNN ``a`` is keys-major (:attr:`keys_major`): ``aᵀ`` is row-major."""
-        if self.onednn:
+        slower). On oneDNN ``a`` is keys-major (:attr:`keys_major`): ``aᵀ`` is row-major.
+        bf16 ``a`` and ``b`` (:meth:`low_operand`, the raw bf16 q, dO/l rounded) run a bf16
+        GEMM whose product, rounded to bf16 once, joins the fp32 ``dst``."""
+        if a.dtype == torch.bfloat16:
+            shape = (a.shape[0], a.shape[2], b.shape[2])
+            dst.add_(torch.bmm(a.transpose(1, 2), b,
+                               out=self.buffer(name + "16", shape, torch.bfloat16)))
+        elif self.onednn:
             dst[0].add_(cpu.mm_nt(a[0].t(), b[0].t()))
         else:
             shape = (a.shape[0], a.shape[2], b.shape[2])
