@@ -668,3 +668,40 @@ def test_quick_parser_lists_every_command_of_the_full_one():
         return {name: sub._choices_actions[i].help for i, name in enumerate(sub.choices)}
 
     assert commands(cli._quick_parser()) == commands(cli.build_parser())
+
+
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of a process, in clock ticks (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def test_busy_core_spins_one_pinned_process_for_the_run_and_stops_it(monkeypatch, tmp_path):
+    """--busy-core: a process spinning on one core, pinned to it, burning CPU while the
+    benchmark runs and gone after; without the flag none is started. The results say which."""
+    from attn.bench import paired
+    started = []
+    popen = subprocess.Popen
+
+    def watched(*a, **kw):
+        started.append(popen(*a, **kw))
+        return started[-1]
+    monkeypatch.setattr(paired.subprocess, "Popen", watched)
+    with paired.busy_core(False) as core:
+        assert core is None and not started
+    with paired.busy_core(True) as core:
+        (proc,) = started
+        assert proc.poll() is None  # running
+        if hasattr(os, "sched_getaffinity"):
+            assert os.sched_getaffinity(proc.pid) == {core}
+        if Path(f"/proc/{proc.pid}/stat").exists():
+            t0 = _cpu_ticks(proc.pid)
+            time.sleep(0.3)
+            assert _cpu_ticks(proc.pid) > t0  # spinning, not sleeping
+    assert proc.returncode is not None  # killed and reaped
+    rc = main(["bench", "speed", "--paired", "--busy-core", "--n", "48", "--d", "16",
+               "--heads", "2", "--mode", "fwd", "--causal", "true", "--no-fused",
+               "--flex-max-n", "0", "--repeats", "2", "--out", str(tmp_path)])
+    assert rc == 0 and len(started) == 2 and started[1].returncode is not None
+    header = json.loads((tmp_path / "results.json").read_text())["header"]
+    assert "kept busy by a spinning process" in header["busy"]
