@@ -296,7 +296,8 @@ def test_split_kv_with_values_near_float32_max_stays_finite():
 def test_chunked_prefill_runs_as_items_in_one_region(monkeypatch):
     """A prefill chunk (96 query rows against 700 cached keys, bottom-right causal, GQA 2:1):
     forward and backward each run as one parallel region of work items (at least one per
-    query block; the backward may add one to join its dK/dV partials), not the batched op-by-op path, and match the float64 reference."""
+    query block; the backward may add one to join its dK/dV partials), not the batched
+    op-by-op path, and match the float64 reference."""
     calls = []
     run_items = cpu.run_items
 
