@@ -651,8 +651,9 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
     fused = _fused_steps(q) and engine == "bmm"
-    # bf16 dV += Pᵀ dO, dK += dSᵀ q and dQ += dS K (where the forward's GEMMs are bf16):
-    # P, dS and dO/l each rounded to bf16 once per tile (per query block for dO/l)
+    # bf16 dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ q and dQ += dS K (where the forward's GEMMs
+    # are bf16; q, k, v share a dtype, so gemm.low and gemm.low_qk agree): P, dS and dO/l
+    # each rounded to bf16 once per tile (per query block for dO/l)
     low_bwd = gemm.low and gemm.low_qk and do.dtype == torch.bfloat16
 
     for m0, m1, key_tiles in blocks:
@@ -670,8 +671,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             inv_l_blk = tile.rows(inv_l, m0, m1)
             do_blk, delta_blk = do_blk * inv_l_blk, delta_blk * inv_l_blk
         do_dv = do_blk.to(torch.bfloat16) if low_bwd else do_blk  # dV's dO (/l)
-        if gemm.low and do.dtype == torch.bfloat16:  # dP in bf16 from dO as it is, 1/l
-            # joining as it is converted
+        if low_bwd:  # dP in bf16 from dO as it is, 1/l joining as it is converted
             do_low = do[:, :, m0:m1].contiguous().view(B * Hkv, G * BM, Dv)
 
             def dp_of(n0, n1, do_low=do_low, rows=inv_l_blk):

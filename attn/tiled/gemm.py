@@ -77,8 +77,7 @@ class _Gemm:
             return cpu.mm_nt(q_blk[0], self.k3[0, n0:n1]).unsqueeze(0)
         shape = (q_blk.shape[0], q_blk.shape[1], n1 - n0)
         if self.low_qk:  # q_blk: the raw bf16 queries
-            s16 = torch.bmm(q_blk, self._low_tile(self.k3, n0, n1).transpose(1, 2),
-                            out=self.buffer("s16", shape, torch.bfloat16))
+            s16 = self._bmm16(q_blk, self._low_tile(self.k3, n0, n1).transpose(1, 2), "s16")
             s = torch.mul(s16, self.qk_scale, out=self.buffer("s", shape))
         elif self.k3.dtype == torch.int8:  # int8 codes: scored against q rounded to int8
             s = self._int8_scores(q_blk, n0, n1, self.buffer("s", shape))
@@ -103,6 +102,13 @@ class _Gemm:
             torch._int_mm(q8[u], self.k3[u, n0:n1].t(), out=prod[u])
         return torch.mul(prod, q_scale, out=s)  # NaN in q stays NaN (its scale is NaN)
 
+    def _bmm16(self, a: Tensor, b: Tensor, name: str) -> Tensor:
+        """``a b`` of bf16 operands into the reused bf16 buffer ``name``: oneDNN accumulates
+        in fp32 and rounds the product to bf16 once (torch's CPU GEMMs give no fp32 output
+        for bf16 operands)."""
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+        return torch.bmm(a, b, out=self.buffer(name, shape, torch.bfloat16))
+
     def _low_tile(self, x3: Tensor, n0: int, n1: int) -> Tensor:
         """Rows [n0, n1) of bf16 ``x3`` as a contiguous tile (a reused buffer unless the
         slice is one already): a transposed bf16 operand whose batch stride is not the
@@ -119,10 +125,8 @@ class _Gemm:
         if self.onednn:
             acc[0].add_(cpu.mm_nt(p[0], self.v3[0, n0:n1].t()))
         elif self.low:
-            p16 = self.buffer("p16", p.shape, torch.bfloat16).copy_(p)
-            pv = torch.bmm(p16, self._low_tile(self.v3, n0, n1),
-                           out=self.buffer("pv16", acc.shape, torch.bfloat16))
-            acc.add_(pv)
+            acc.add_(self._bmm16(self.low_operand(p, "p16"), self._low_tile(self.v3, n0, n1),
+                                 "pv16"))
         elif self.v_scale is not None:
             acc.baddbmm_(p * self.v_scale[:, None, n0:n1], self.v_block(n0, n1))
         else:
@@ -134,12 +138,10 @@ class _Gemm:
         q·kᵀ is, and ``rows`` ``(B·Hkv, G·BM, 1)`` (1/l) join it in fp32 as it is
         converted."""
         if do_blk.dtype == torch.bfloat16 and self.low:
-            shape = (do_blk.shape[0], do_blk.shape[1], n1 - n0)
-            dp16 = torch.bmm(do_blk, self._low_tile(self.v3, n0, n1).transpose(1, 2),
-                             out=self.buffer("dp16", shape, torch.bfloat16))
+            dp16 = self._bmm16(do_blk, self._low_tile(self.v3, n0, n1).transpose(1, 2), "dp16")
             if rows is None:
                 return dp16.to(self.acc_dtype)
-            return torch.mul(dp16, rows, out=self.buffer("dp", shape))
+            return torch.mul(dp16, rows, out=self.buffer("dp", dp16.shape))
         if self.keys_major:
             return cpu.mm_nt(self.v3[0, n0:n1], do_blk[0]).t().unsqueeze(0)
         if self.onednn:
@@ -150,7 +152,7 @@ class _Gemm:
 
     def low_operand(self, x: Tensor, name: str) -> Tensor:
         """``x`` (a tile in the accumulation dtype) rounded to bf16 once, into a reused
-        buffer: the backward's P (in [0, 1], as the forward's P·V rounds it) and dS (bf16
+        buffer: P (in [0, 1]) for the forward's P·V and the backward's dV, and dS (bf16
         keeps fp32's exponent range, so only 2^-9 of each entry is lost, as in any bf16
         attention backward) for :meth:`add_tn` and :meth:`add_dq`'s bf16 GEMMs."""
         return self.buffer(name, x.shape, torch.bfloat16).copy_(x)
@@ -161,9 +163,7 @@ class _Gemm:
         fp32 ``dq_blk``."""
         k3 = self.k3_dq
         if ds.dtype == torch.bfloat16:
-            prod = torch.bmm(ds, self._low_tile(k3, n0, n1),
-                             out=self.buffer("dq16", dq_blk.shape, torch.bfloat16))
-            dq_blk.add_(prod)
+            dq_blk.add_(self._bmm16(ds, self._low_tile(k3, n0, n1), "dq16"))
         elif self.keys_major:  # dS is keys-major: dQᵀ = Kᵀ dSᵀ takes it as it lies
             dq_blk[0].add_(cpu.mm_nt(k3[0, n0:n1].t(), ds[0]).t())
         elif self.onednn:
@@ -179,9 +179,7 @@ class _Gemm:
         bf16 ``a`` and ``b`` (:meth:`low_operand`, the raw bf16 q, dO/l rounded) run a bf16
         GEMM whose product, rounded to bf16 once, joins the fp32 ``dst``."""
         if a.dtype == torch.bfloat16:
-            shape = (a.shape[0], a.shape[2], b.shape[2])
-            dst.add_(torch.bmm(a.transpose(1, 2), b,
-                               out=self.buffer(name + "16", shape, torch.bfloat16)))
+            dst.add_(self._bmm16(a.transpose(1, 2), b, name + "16"))
         elif self.onednn:
             dst[0].add_(cpu.mm_nt(a[0].t(), b[0].t()))
         else:
