@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attn import mods, tiled
+from attn import fused, mods, tiled
 from attn.tiled.plan import cpu_path_reason
 from attn.masks import Band, simplify_mask
 from attn.reference import reference_attention, reference_packed
@@ -31,7 +31,7 @@ from attn.sdpa import sdpa_attention
 from attn.spec import LaunchSpec, Operands, acc_dtype
 
 
-BACKENDS = ("auto", "reference", "tiled", "triton", "sdpa")
+BACKENDS = ("auto", "reference", "tiled", "fused", "triton", "sdpa")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -109,6 +109,8 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
         return _mods_unsupported(call) or _sdpa_unsupported(call)
     if backend == "triton":
         return _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
+    if backend == "fused":
+        return fused.call_reason(call)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -473,7 +475,13 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         # plain q, autograd handles τ
         acc = acc_dtype(q.dtype)
         q, ops = q.to(acc) * ops.q_scale.to(acc), ops._replace(q_scale=None)
-    if backend == "tiled":
+        if backend == "fused":  # torch's kernel takes q, k, v in one dtype: rounded once
+            q = q.to(k.dtype)
+    if backend == "fused" and not _fused_keys_ok(k, spec, ops):
+        backend = "tiled"  # a masked non-finite key: tiled keeps it out of every row
+    if backend == "fused":
+        out, lse = fused.fused_attention(q, k, v, spec, ops, lse_backward=_lse_backward)
+    elif backend == "tiled":
         if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
             spec, captured = mods.mod_spec(spec, q, k, spec.score_mod, spec.mask_mod,
                                            spec.mask_blocks)
@@ -488,6 +496,24 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         else:
             out, lse = triton_attention(q, k, v, spec, ops)
     return out.to(v.dtype), lse
+
+
+def _fused_keys_ok(k: Tensor, spec: LaunchSpec, ops: Operands) -> bool:
+    """Whether the fused backend may run a call with these keys: every key finite, or nothing
+    masked. torch's kernel adds a mask to the scores, so a NaN or inf key that a mask hides
+    would still reach its row (0 * NaN); such calls run on tiled, which never reads a masked
+    key's score. One summing pass over k on CPU (a finite sum proves every key finite; an
+    overflowing one only sends the call to tiled)."""
+    masked = ops.attn_mask is not None or not spec.band.is_full
+    if not masked or k.device.type != "cpu" or torch.compiler.is_compiling():
+        return True
+    return math.isfinite(k.sum(dtype=acc_dtype(k.dtype)).item())
+
+
+def _lse_backward(do, dlse, q, k, v, out, lse, spec, ops):
+    """The fused backend's backward when the lse output has a gradient (torch's backward op
+    has no lse term): tiled's, from the same saved tensors."""
+    return tiled._bwd(do, dlse, q, k, v, out, lse, spec, ops)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, backend: str, return_lse: bool, **options):

@@ -1,14 +1,6 @@
-"""CPU execution for the tiled backend: the worker pool that runs a call's work items, and
-which GEMM engine runs the tiles.
-
-Why the pool: a tiled call is hundreds of small torch ops (two GEMMs and the softmax steps per
-tile). Run op by op with torch's intra-op threads, each op is an OpenMP parallel region ending
-in a barrier, and when the OS deschedules one thread (another process on the machine) every
-region waits for it. So every eager CPU call is cut into work items (:mod:`attn.tiled.plan`)
-that the caller and the pool's workers pull from one shared counter, each thread with a
-single intra-op thread (:func:`run_items`): a thread that is slowed down takes fewer items,
-and nothing waits on it but the call's end. torch releases the GIL inside ops, so items run
-side by side.
+"""CPU execution for the tiled backend: which GEMM engine runs the tiles, and the worker pool
+that runs a call's work items (:mod:`attn.workers`, shared with the fused backend; its names
+are importable from here).
 
 Why the engine choice: on CPU the tiled backend spends most of its time in GEMMs. torch's
 ``bmm`` goes to MKL, whose fp32 GEMM takes its AVX2 path on AMD processors (~95 GFLOP/s per
@@ -23,19 +15,19 @@ AVX-512 path, and this project's Zen 4 machine (1.0x) keep ``bmm``.
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from attn.timing import median_ratio, paired
+# the worker pool lives in shared ground (the fused backend runs items too); its names stay
+# importable from here, where the tiled backend and its tests reach them
+from attn.workers import (_forget_pools, _pool, in_worker, openmp_threads,  # noqa: F401
+                          run_items, scratch, single_thread, workers_for_call)
 
 ENGINES = ("auto", "onednn", "bmm")
 # auto takes oneDNN when it runs the calibration GEMMs at least this much faster than bmm
@@ -58,14 +50,6 @@ def _linear_op() -> Callable | None:
         return torch.ops.mkldnn._linear_pointwise.default
     except (AttributeError, RuntimeError):
         return None
-
-
-@functools.cache
-def openmp_threads() -> bool:
-    """Whether intra-op threads are OpenMP's: then ``torch.set_num_threads`` in a worker
-    thread sets that thread's own count (OpenMP keeps it per thread, as MKL and oneDNN do).
-    Under torch's native pool it would resize the one shared pool, so workers are not used."""
-    return "OpenMP" in torch.__config__.parallel_info()
 
 
 def _row_major(x: Tensor) -> Tensor:
@@ -131,144 +115,3 @@ def _calibrate() -> tuple[str, str]:
         return "bmm", f"oneDNN failed: {type(exc).__name__}"
 
 
-# -- the worker pool --------------------------------------------------------------------------
-#
-# A tiled call on CPU is a list of work items (see attn.tiled.plan): the caller and the pool's
-# workers pull them from one shared counter until none is left, each thread with a single
-# intra-op thread, so no op inside an item opens a parallel region and a thread the OS has
-# descheduled simply takes fewer items. torch releases the GIL inside every op, so the items'
-# GEMMs and elementwise passes run side by side. One pool per worker count is made once and
-# never shut down: concurrent callers share it, each draining its own items itself too.
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOL_LOCK = threading.Lock()
-_WORKER = threading.local()
-
-
-def _one_thread(barrier: threading.Barrier) -> None:
-    torch.get_num_threads()  # torch's lazy per-thread init first, so it cannot undo the next
-    torch.set_num_threads(1)
-    _WORKER.active = True
-    barrier.wait()
-
-
-def _pool(n: int) -> ThreadPoolExecutor:
-    """A pool of ``n`` worker threads, each with one intra-op thread (made once per n)."""
-    with _POOL_LOCK:
-        pool = _POOLS.get(n)
-        if pool is None:
-            caller = torch.get_num_threads()
-            pool = ThreadPoolExecutor(n, thread_name_prefix="attn-cpu")
-            barrier = threading.Barrier(n)  # one task per thread: every worker sets its count
-            for f in [pool.submit(_one_thread, barrier) for _ in range(n)]:
-                f.result()
-            # set_num_threads also stores a process-wide default, which threads that have not
-            # started yet read: give the caller's back (each worker keeps its own 1)
-            torch.set_num_threads(caller)
-            _POOLS[n] = pool
-    return pool
-
-
-def _forget_pools() -> None:  # a forked child has the pool objects but none of their threads
-    _POOLS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pools)
-
-
-def in_worker() -> bool:
-    return getattr(_WORKER, "active", False)
-
-
-class single_thread:
-    """The calling thread's intra-op threads set to 1 for a block, then given back: its items
-    then run as a worker's do (same ops, same bits), and none of its ops wakes OpenMP's
-    team. Only under OpenMP, where the count is the calling thread's own."""
-
-    def __enter__(self) -> None:
-        self.saved = torch.get_num_threads()
-        if self.saved != 1 and openmp_threads():
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc) -> None:
-        if self.saved != 1 and openmp_threads():
-            torch.set_num_threads(self.saved)
-
-
-def workers_for_call() -> int:
-    """How many threads a call's items run on: torch's intra-op thread count now (the caller
-    is one of them), or 1 where items must run in order on the caller: inside a worker,
-    under the profiler (it records only the threads it started on, so ops and allocations
-    on workers would be missing from profiles and attn.bench's CPU peaks), and under
-    torch's native thread pool (``set_num_threads`` there resizes one shared pool)."""
-    if in_worker() or torch._C._autograd._profiler_enabled() or not openmp_threads():
-        return 1
-    return torch.get_num_threads()
-
-
-_SCRATCH = threading.local()
-
-
-def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-            ) -> Tensor:
-    """A buffer of the calling thread's own, reused by every item it runs (one item at a time
-    per thread, so nothing else writes it meanwhile): a multi-MiB tensor allocated per item
-    costs page faults on every call (a paged item's key copy: 1.8 ms fresh, 0.34 ms into a
-    reused buffer, 2048 keys x 8 heads x 128 fp32). One flat buffer per name, grown as asked,
-    made outside inference mode so it can be written in and out of it."""
-    bufs = getattr(_SCRATCH, "bufs", None)
-    if bufs is None:
-        bufs = _SCRATCH.bufs = {}
-    n = math.prod(shape)
-    flat = bufs.get(name)
-    if flat is None or flat.numel() < n or flat.dtype != dtype or flat.device != device:
-        with torch.inference_mode(False):
-            flat = bufs[name] = torch.empty(n, dtype=dtype, device=device)
-    return flat[:n].view(shape)
-
-
-def run_items(fn: Callable[[int], None], n_items: int, *, threads: int | None = None) -> None:
-    """``fn(i)`` for every ``i < n_items``, each exactly once, pulled in order of ``i`` from
-    one shared counter by the caller and ``threads - 1`` pool workers (default
-    :func:`workers_for_call`; 1: in order here; 0: in order with torch's threads untouched,
-    for traced calls and other devices). Every thread runs its items with one
-    intra-op thread, so an item computes the same bits whichever thread takes it: ``fn``
-    must write only its own outputs. The workers take the caller's grad and inference modes
-    (per thread in torch). After an exception no new item starts; the first is raised here
-    once every started item has finished, so none still writes into the outputs."""
-    if threads == 0:  # traced by torch.compile, or not on CPU: a plain loop
-        for i in range(n_items):
-            fn(i)
-        return
-    n = workers_for_call() if threads is None else threads
-    if n <= 1 or n_items <= 1:
-        with single_thread():
-            for i in range(n_items):
-                fn(i)
-        return
-    counter = itertools.count()  # next() on it is atomic under the GIL
-    errors: list[BaseException] = []
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-
-    def drain() -> None:
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            while not errors:
-                i = next(counter)
-                if i >= n_items:
-                    return
-                try:
-                    fn(i)
-                except BaseException as exc:  # noqa: BLE001 - raised by the caller below
-                    errors.append(exc)
-                    return
-
-    pool = _pool(n - 1)
-    futures = [pool.submit(drain) for _ in range(min(n - 1, n_items - 1))]
-    with single_thread():
-        drain()
-    for f in futures:
-        f.cancel()  # one still queued behind another caller's items has nothing left to do
-    wait(futures)
-    if errors:
-        raise errors[0]
