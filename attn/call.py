@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attn import fused, mods, tiled
+from attn import choose, fused, mods, tiled
 from attn.tiled.plan import cpu_path_reason
 from attn.masks import Band, simplify_mask
 from attn.reference import reference_attention, reference_packed
@@ -118,7 +118,9 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
     """The backend that runs ``call``: pure, cheap, and it explains itself.
 
     ``auto`` prefers ``triton`` on CUDA and falls back to ``tiled`` (every device, every
-    variant). An explicit request that cannot compute the call raises NotImplementedError.
+    variant); off CUDA it takes ``fused`` (torch's CPU kernel per block) where that can
+    compute the call and the committed, measured table of :mod:`attn.choose` prefers it for
+    the call's class and dtype on this kind of CPU. An explicit request that cannot compute the call raises NotImplementedError.
 
     Inside triton, decoding takes split-KV (Flash-Decoding): a call of at most 16 query rows
     per head against at least 512 keys that needs no gradient, no dropout and is not packed
@@ -143,8 +145,7 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
             return BackendChoice("tiled", f"requested explicitly; {_tiled_reason(call)}")
         return BackendChoice(requested, "requested explicitly")
     if call.device != "cuda":
-        return BackendChoice("tiled", f"auto: tiled on {call.device} (triton needs CUDA); "
-                                      f"{_tiled_reason(call)}")
+        return _auto_off_cuda(call)
     why = _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
     if why is None:
         from attn import flash_triton  # importable: _triton_unsupported just imported it
@@ -152,6 +153,23 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
                                        f"{flash_triton.split_kv_reason(call)}")
     return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}; "
                                   f"{_tiled_reason(call)}")
+
+
+def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
+    """``auto`` off CUDA: fused where it can compute the call and the committed table
+    (:mod:`attn.choose`) prefers it for this kind of CPU, the call's dtype and class; else
+    tiled."""
+    why = fused.call_reason(call)
+    if why is None and torch.compiler.is_compiling():
+        why = "traced by torch.compile (fused runs eager items)"
+    if why is not None:
+        return BackendChoice("tiled", f"auto: tiled, because fused cannot: {why}; "
+                                      f"{_tiled_reason(call)}")
+    cls = choose.call_class(call.n_q, call.grad, call.mask is not None)
+    name, because = choose.preferred(choose.cpu_kind(), call.dtype, cls)
+    if name == "fused":
+        return BackendChoice("fused", f"auto: fused, torch's CPU kernel per block ({because})")
+    return BackendChoice("tiled", f"auto: tiled ({because}); {_tiled_reason(call)}")
 
 
 def _tiled_reason(call: AttentionCall) -> str:
@@ -480,7 +498,7 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
     if backend == "fused" and not _fused_keys_ok(k, spec, ops):
         backend = "tiled"  # a masked non-finite key: tiled keeps it out of every row
     if backend == "fused":
-        out, lse = fused.fused_attention(q, k, v, spec, ops, lse_backward=_lse_backward)
+        out, lse = fused.fused_attention(q, k, v, spec, ops)
     elif backend == "tiled":
         if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
             spec, captured = mods.mod_spec(spec, q, k, spec.score_mod, spec.mask_mod,
@@ -508,12 +526,6 @@ def _fused_keys_ok(k: Tensor, spec: LaunchSpec, ops: Operands) -> bool:
     if not masked or k.device.type != "cpu" or torch.compiler.is_compiling():
         return True
     return math.isfinite(k.sum(dtype=acc_dtype(k.dtype)).item())
-
-
-def _lse_backward(do, dlse, q, k, v, out, lse, spec, ops):
-    """The fused backend's backward when the lse output has a gradient (torch's backward op
-    has no lse term): tiled's, from the same saved tensors."""
-    return tiled._bwd(do, dlse, q, k, v, out, lse, spec, ops)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, backend: str, return_lse: bool, **options):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from typing import Callable, NamedTuple
 
@@ -114,19 +113,19 @@ SPEC_DECISIONS: dict[str, str] = {
     "k_start": "read",
     "head_start": "read",  # only dropout and ALiBi read heads, and neither runs here
     "heads_total": "read",
-    "block_m": "read",  # the tiled backend's tile sizes: ignored (torch tiles itself)
-    "block_n": "read",
+    "block_m": "read",  # query rows per block, where set
+    "block_n": "read",  # ignored: torch's kernel tiles the keys itself
     "score_mod": "default",
     "mask_mod": "default",  # not yet evaluated per piece
     "mask_blocks": "default",
     "dropout_rows": "default",
-    "alibi_rows": "default",
-    "max_seqlen_q": "default",  # packed sequences: not yet
-    "max_seqlen_k": "default",
+    "alibi_rows": "default",  # packed ALiBi reads operands.alibi per sequence instead
+    "max_seqlen_q": "read",  # packed sequences: one item per sequence, never a tile of two
+    "max_seqlen_k": "read",
 }
 
 # Operands the fused backend reads; the others must be None / empty.
-_OPERANDS_READ = ("attn_mask", "sinks")
+_OPERANDS_READ = ("attn_mask", "sinks", "alibi", "cu_seqlens_q", "cu_seqlens_k")
 
 
 def spec_reason(spec: LaunchSpec, ops: Operands) -> str | None:
@@ -160,10 +159,9 @@ def call_reason(call) -> str | None:
         return "dropout (attn's reproducible hash dropout cannot be handed to torch's kernel)"
     if call.mask_grad:
         return "a float mask's gradient (the tiled backend computes it)"
-    if call.alibi:
-        return "alibi_slopes (not yet a block-sized bias here)"
-    if call.varlen:
-        return "packed varlen sequences (not yet)"
+    if call.alibi and call.dtype not in (torch.float32, torch.float64):
+        return ("alibi_slopes in a 16-bit dtype (torch's kernel would add the bias rounded "
+                "to it; the tiled backend adds it in float32)")
     if call.head_dim != call.head_dim_v:
         return (f"a value head dim ({call.head_dim_v}) other than the query's "
                 f"({call.head_dim}): torch's fused kernel needs them equal")
@@ -174,19 +172,25 @@ def call_reason(call) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
-    """How the fused backend cuts a call. Counts depend on shapes and the model's heads only."""
+    """How the fused backend cuts a call. Every count depends on a sequence's own lengths and
+    the model's heads, never on the batch or the number of workers."""
 
-    # a bandless or causal call without a mask is cut into query blocks only for parallelism:
-    # about this many items per batch row (kv heads x query blocks), blocks of at least
-    # min_block_m query rows
+    # a call whose pieces need no mask (bandless, causal) is cut into query blocks only for
+    # parallelism: about items_per_row items per sequence (kv heads x query blocks), blocks
+    # of at least min_block_m query rows
     items_per_row: int = 8
     min_block_m: int = 256
-    # a call with a masked piece (a window's left edge, a user mask) takes blocks of this
-    # many query rows, so each mask is block-sized
+    # a call with masked pieces (a window's left edge, a user mask, ALiBi's bias) takes
+    # blocks of masked_block_m query rows and masked pieces of at most masked_block_n keys,
+    # so each mask is block-sized. spec.block_m, where set, wins.
     masked_block_m: int = 256
-    # split-KV decoding: at most split_max_q query rows per head and at least
-    # split_min_keys keys: key ranges of split_min_chunk, doubled until at most
-    # split_max_chunks
+    masked_block_n: int = 1024
+    # the backward: a sequence's query blocks are cut into runs (each with dK/dV partials of
+    # its own, summed in run order) to give about items_per_row items over the kv heads, at
+    # most bwd_max_runs
+    bwd_max_runs: int = 4
+    # split-KV decoding: at most split_max_q query rows per head and at least split_min_keys
+    # keys: key ranges of split_min_chunk, doubled until at most split_max_chunks
     split_max_q: int = 16
     split_min_keys: int = 8192
     split_min_chunk: int = 4096
@@ -237,6 +241,22 @@ def pieces(band: Band, m0: int, m1: int, n_k: int) -> list[Piece]:
     return out
 
 
+def _cut(ps: list[Piece], width: int) -> list[Piece]:
+    """Pieces whose mask will be built (masked, or any piece when everything is masked)
+    cut into runs of at most ``width`` keys, so no mask outgrows a block."""
+    out = []
+    for p in ps:
+        if p.n1 - p.n0 <= width:
+            out.append(p)
+            continue
+        for n0 in range(p.n0, p.n1, width):
+            n1 = min(n0 + width, p.n1)
+            # a causal diagonal cut: its first run keeps torch's top-left alignment
+            out.append(Piece(n0, n1, p.causal and n0 == p.n0,
+                             p.masked or (p.causal and n0 != p.n0)))
+    return out
+
+
 def kv_split(n_q: int, n_k: int, config: FusedConfig = DEFAULT) -> int | None:
     """Keys per range of a split-KV decoding call, or None (the shapes alone decide)."""
     if n_q > config.split_max_q or n_k < config.split_min_keys:
@@ -247,197 +267,280 @@ def kv_split(n_q: int, n_k: int, config: FusedConfig = DEFAULT) -> int | None:
     return chunk
 
 
-def query_blocks(band: Band, n_q: int, n_k: int, hkv: int, masked: bool,
-                 config: FusedConfig = DEFAULT) -> list[tuple[int, int]]:
-    """The query blocks of one (batch row, kv head): block-sized where a piece is masked,
-    else as few as give ``items_per_row`` items over the kv heads."""
-    if masked or band.left is not None:
+class Seq(NamedTuple):
+    """One sequence of a call: batch row ``b`` (0 in the packed layout), query rows
+    ``[q0, q1)`` and keys ``[k0, k1)`` of that row, its band in its own positions, and its
+    row of the ALiBi slopes."""
+    b: int
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    band: Band
+    slopes_row: int
+
+
+def sequences(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> list[Seq]:
+    """The call's sequences: each batch row, or each packed sequence (its band counted from
+    its own end, as attn.varlen's convention says)."""
+    if ops.cu_seqlens_q is None:
+        band = spec.local_band()
+        return [Seq(b, 0, q.shape[2], 0, k.shape[2], band, b) for b in range(q.shape[0])]
+    cq, ck = ops.cu_seqlens_q.tolist(), ops.cu_seqlens_k.tolist()
+    b0 = spec.band
+    return [Seq(0, cq[s], cq[s + 1], ck[s], ck[s + 1],
+                Band(b0.offset + (ck[s + 1] - ck[s]) - (cq[s + 1] - cq[s]), b0.left, b0.right),
+                s) for s in range(len(cq) - 1)]
+
+
+class _Plan(NamedTuple):
+    blocks: list[tuple[int, int]]  # query blocks in the sequence's positions
+    ranges: list[tuple[int, int]]  # key ranges (split-KV), else [(0, Nk)]
+    masked: bool  # every piece gets a mask (a user mask, ALiBi)
+
+
+def plan(seq: Seq, hkv: int, spec: LaunchSpec, ops: Operands, config: FusedConfig = DEFAULT,
+         *, backward: bool = False) -> _Plan:
+    """How one sequence is cut: its query blocks and (forward, decoding) key ranges."""
+    n_q, n_k = seq.q1 - seq.q0, seq.k1 - seq.k0
+    every = ops.attn_mask is not None or ops.alibi is not None
+    chunk = None if backward else kv_split(n_q, n_k, config)
+    if chunk is not None:
+        return _Plan([(0, n_q)], [(n0, min(n0 + chunk, n_k)) for n0 in range(0, n_k, chunk)],
+                     every)
+    if spec.block_m:
+        bm = spec.block_m
+    elif every or seq.band.left is not None:
         bm = config.masked_block_m
     else:
         want = max(1, -(-config.items_per_row // hkv))
         bm = max(config.min_block_m, -(-n_q // want))
-    return [(m0, min(m0 + bm, n_q)) for m0 in range(0, n_q, bm)]
+    return _Plan([(m0, min(m0 + bm, n_q)) for m0 in range(0, n_q, bm)], [(0, n_k)], every)
+
+
+def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
+                 config: FusedConfig = DEFAULT) -> list[Piece]:
+    """The pieces of query block ``[m0, m1)`` within keys ``[n_lo, n_hi)``, masked ones (or
+    all, where everything is masked) cut to at most ``masked_block_n`` keys."""
+    out = []
+    for pc in pieces(seq.band, m0, m1, seq.k1 - seq.k0):
+        n0, n1 = max(pc.n0, n_lo), min(pc.n1, n_hi)
+        if n0 >= n1:
+            continue
+        if (n0, n1) != (pc.n0, pc.n1):  # a split-KV range cuts the piece
+            causal = pc.causal and n0 == pc.n0
+            pc = Piece(n0, n1, causal, pc.masked or (pc.causal and not causal))
+        if p.masked:  # a mask is built for every piece: the band joins it
+            pc = Piece(pc.n0, pc.n1, False, pc.masked or pc.causal)
+        out.append(pc)
+    return _cut(out, config.masked_block_n) if p.masked or any(x.masked for x in out) else out
 
 
 # -- launchers ---------------------------------------------------------------------------------
 
-def _piece_mask(spec_band: Band, mask4: Tensor | None, b: int, heads: slice, m0: int, m1: int,
-                p: Piece, dtype: torch.dtype, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: slice,
+                m0: int, m1: int, pc: Piece, dtype: torch.dtype, device: torch.device
+                ) -> tuple[Tensor | None, Tensor | None]:
     """The additive mask of one piece ``(1, G or 1, rows, keys)`` in q's dtype (0 / -inf for
-    bool masks and the band, a float mask's values), and which rows see no key of the piece
-    ``(G or 1, rows)`` (None when every row sees one)."""
-    keep = None
-    if p.masked or (p.causal and mask4 is not None):  # a user mask: the band joins it
-        keep = spec_band.mask(torch.arange(m0, m1, device=device),
-                              torch.arange(p.n0, p.n1, device=device))[None, None]
+    bool masks and the band, a float mask's values, ALiBi's bias), and which rows see no key
+    of the piece ``(G or 1, rows)`` (None when every row sees one)."""
+    if not pc.masked and mask4 is None and slopes is None:
+        return None, None
+    rows = torch.arange(m0, m1, device=device)
+    cols = torch.arange(pc.n0, pc.n1, device=device)
+    keep = seq.band.mask(rows, cols)  # (rows, keys), None for a bandless call
+    keep = None if keep is None else keep[None, None]
     add = None
     if mask4 is not None:
-        user = mask4[b if mask4.shape[0] > 1 else 0, heads if mask4.shape[1] > 1 else slice(None)]
-        user = user[:, m0:m1] if user.shape[1] > 1 else user
-        user = user[..., p.n0:p.n1] if user.shape[2] > 1 else user
+        user = mask4[seq.b if mask4.shape[0] > 1 else 0,
+                     heads if mask4.shape[1] > 1 else slice(None)]
+        user = user[:, seq.q0 + m0:seq.q0 + m1] if user.shape[1] > 1 else user
+        user = user[..., seq.k0 + pc.n0:seq.k0 + pc.n1] if user.shape[2] > 1 else user
         user = user[None]  # (1, G or 1, rows or 1, keys or 1)
         if user.dtype == torch.bool:
             keep = user if keep is None else keep & user
         else:
             add = user.to(dtype)
-    if keep is None and add is None:
-        return None, None
+    if slopes is not None:  # ALiBi: -slope_h |j - (i + offset)|, built in float32
+        dist = (cols[None, :] - (rows[:, None] + seq.band.offset)).abs().float()
+        bias = -slopes[seq.slopes_row, heads].float().view(1, -1, 1, 1) * dist
+        add = bias.to(dtype) if add is None else add + bias.to(dtype)
+    shape = (1, 1, m1 - m0, pc.n1 - pc.n0)
+    if add is None:
+        add = torch.zeros(shape, dtype=dtype, device=device)
     if keep is not None:
-        shape = torch.broadcast_shapes(keep.shape, (1, 1, m1 - m0, p.n1 - p.n0))
-        band_add = torch.zeros(shape, dtype=dtype, device=device).masked_fill_(
-            ~keep.expand(shape), float("-inf"))
-        add = band_add if add is None else band_add + add
-    add = add.expand(*add.shape[:2], m1 - m0, p.n1 - p.n0)
+        add = add.masked_fill(~keep, float("-inf"))
+    add = add.expand(*add.shape[:2], *shape[2:])
     empty = ~(add[0] > float("-inf")).any(-1)  # (G or 1, rows): rows that see no key here
     return add, (empty if bool(empty.any()) else None)
 
 
-def _item_forward(ops_cpu: _CpuOps, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
-                  band: Band, mask4: Tensor | None, b: int, hk: int, G: int, m0: int, m1: int,
-                  n_lo: int, n_hi: int) -> tuple[Tensor, Tensor] | None:
-    """One item's forward: rows [m0, m1) of batch row b, kv head hk's G query heads, against
-    keys [n_lo, n_hi) → (out (G, rows, Dv) in the accumulation dtype or q's, lse (G, rows)),
-    or None when the band leaves the item no key."""
-    heads = slice(hk * G, (hk + 1) * G)
-    qb = q[b:b + 1, heads, m0:m1]  # (1, G, rows, D)
-    outs, lses = [], []
-    for p in pieces(band, m0, m1, k.shape[2]):
-        n0, n1 = max(p.n0, n_lo), min(p.n1, n_hi)
-        if n0 >= n1:
-            continue
-        if (n0, n1) != (p.n0, p.n1):  # a split-KV range cuts the piece
-            causal = p.causal and n0 == p.n0
-            p = Piece(n0, n1, causal, p.masked or (p.causal and not causal))
-        add, empty = _piece_mask(band, mask4, b, heads, m0, m1, p, q.dtype, q.device)
-        kb = k[b:b + 1, hk:hk + 1, p.n0:p.n1]
-        vb = v[b:b + 1, hk:hk + 1, p.n0:p.n1]
-        o, lse = ops_cpu.fwd(qb, kb, vb, 0.0, p.causal and add is None, attn_mask=add,
-                             scale=spec.qk_scale)
-        o, lse = o[0], lse[0]
-        if empty is not None:  # torch's kernel gives lse 0 to a row that saw no key
-            lse = lse.masked_fill(empty.expand_as(lse), float("-inf"))
-        outs.append(o)
-        lses.append(lse)
-    if not outs:
-        return None
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    return _merge_trusted(outs, lses)
+def _check_ops() -> _CpuOps:
+    ops_cpu = _cpu_ops()
+    if isinstance(ops_cpu, str):
+        raise NotImplementedError(f"backend='fused' is off: {ops_cpu}")
+    return ops_cpu
 
 
-def _plan_items(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: FusedConfig):
+def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
+         config: FusedConfig = DEFAULT) -> tuple[Tensor, Tensor]:
+    """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
+    Items are (sequence, kv head, query block, key range); a sequence's key ranges (split-KV)
+    and the sinks are merged in key order after the items."""
+    ops_cpu = _check_ops()
     B, H, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    band = spec.local_band()
-    chunk = kv_split(Nq, Nk, config)
-    if chunk is not None:
-        blocks = [(0, Nq)]
-        ranges = [(n0, min(n0 + chunk, Nk)) for n0 in range(0, Nk, chunk)]
-    else:
-        blocks = query_blocks(band, Nq, Nk, Hkv, ops.attn_mask is not None, config)
-        ranges = [(0, Nk)]
-    return band, blocks, ranges
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    G = H // Hkv
+    acc = _acc_dtype(q.dtype)
+    mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
+    seqs = sequences(q, k, spec, ops)
+    plans = [plan(s, Hkv, spec, ops, config) for s in seqs]
+    R = max((len(p.ranges) for p in plans), default=1)
+    out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
+    parts_out = parts_lse = None
+    if R > 1:  # key ranges' partials, merged after the items (-inf: a range a row lacks)
+        parts_out = torch.zeros(R, B, H, Nq, Dv, dtype=q.dtype, device=q.device)
+        parts_lse = torch.full((R, B, H, Nq), float("-inf"), dtype=acc, device=q.device)
+    items = [(si, hk, bi, r) for si, p in enumerate(plans) for bi in range(len(p.blocks))
+             for r in range(len(p.ranges)) for hk in range(Hkv)]
+
+    def run(i: int) -> None:
+        si, hk, bi, r = items[i]
+        s, p = seqs[si], plans[si]
+        m0, m1 = p.blocks[bi]
+        heads = slice(hk * G, (hk + 1) * G)
+        qb = q[s.b:s.b + 1, heads, s.q0 + m0:s.q0 + m1]  # (1, G, rows, D)
+        outs, lses = [], []
+        for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config):
+            add, empty = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype,
+                                     q.device)
+            kb = k[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
+            vb = v[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
+            o, l_ = ops_cpu.fwd(qb, kb, vb, 0.0, pc.causal and add is None, attn_mask=add,
+                                scale=spec.qk_scale)
+            o, l_ = o[0], l_[0]
+            if empty is not None:  # torch's kernel gives lse 0 to a row that saw no key
+                l_ = l_.masked_fill(empty.expand_as(l_), float("-inf"))
+            outs.append(o)
+            lses.append(l_)
+        if not outs:  # the band leaves the block no key: zeros and -inf, as allocated
+            return
+        o, l_ = (outs[0], lses[0]) if len(outs) == 1 else _merge_trusted(outs, lses)
+        o_to, l_to = (out, lse) if parts_out is None else (parts_out[r], parts_lse[r])
+        o_to[s.b, heads, s.q0 + m0:s.q0 + m1] = o
+        l_to[s.b, heads, s.q0 + m0:s.q0 + m1] = l_
+
+    scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
+    workers.run_items(run, len(items), threads=_threads(scores, config))
+    if parts_out is not None or ops.sinks is not None:
+        outs = [out] if parts_out is None else list(parts_out.unbind(0))
+        lses = [lse] if parts_out is None else list(parts_lse.unbind(0))
+        if ops.sinks is not None:  # one more partial of value 0, in the denominator once
+            outs.append(torch.zeros_like(outs[0]))
+            lses.append(ops.sinks.to(acc).view(1, H, 1).expand(B, H, Nq))
+        merged, lse = _merge_trusted(outs, lses)
+        out.copy_(merged)
+    return out, lse
 
 
-def _threads(q: Tensor, scores: int, config: FusedConfig) -> int | None:
+def _threads(scores: int, config: FusedConfig) -> int | None:
     if torch.compiler.is_compiling():
         return 0
     return 1 if scores < config.serial_max_scores else None
 
 
-def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
-         config: FusedConfig = DEFAULT) -> tuple[Tensor, Tensor]:
-    """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``."""
-    ops_cpu = _cpu_ops()
-    if isinstance(ops_cpu, str):
-        raise NotImplementedError(f"backend='fused' is off: {ops_cpu}")
-    B, H, Nq, _ = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = H // Hkv
-    acc = _acc_dtype(q.dtype)
-    band, blocks, ranges = _plan_items(q, k, spec, ops, config)
-    mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
-    R = len(ranges)
-    out = torch.empty(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, Nq, dtype=acc, device=q.device)
-    if R > 1:
-        parts_out = torch.empty(R, B, H, Nq, Dv, dtype=q.dtype, device=q.device)
-        parts_lse = torch.empty(R, B, H, Nq, dtype=acc, device=q.device)
-    items = [(b, hk, bi, r) for bi in range(len(blocks)) for r in range(R)
-             for b in range(B) for hk in range(Hkv)]
-
-    def run(i: int) -> None:
-        b, hk, bi, r = items[i]
-        m0, m1 = blocks[bi]
-        heads = slice(hk * G, (hk + 1) * G)
-        res = _item_forward(ops_cpu, q, k, v, spec, band, mask4, b, hk, G, m0, m1, *ranges[r])
-        o_to, l_to = (out, lse) if R == 1 else (parts_out[r], parts_lse[r])
-        if res is None:
-            o_to[b, heads, m0:m1] = 0.0
-            l_to[b, heads, m0:m1] = float("-inf")
-        else:
-            o_to[b, heads, m0:m1] = res[0]
-            l_to[b, heads, m0:m1] = res[1]
-
-    workers.run_items(run, len(items), threads=_threads(q, B * H * Nq * Nk, config))
-    if R > 1 or ops.sinks is not None:
-        outs = [out] if R == 1 else list(parts_out.unbind(0))
-        lses = [lse] if R == 1 else list(parts_lse.unbind(0))
-        if ops.sinks is not None:  # one more partial of value 0, in the denominator once
-            outs.append(torch.zeros_like(outs[0]))
-            lses.append(ops.sinks.to(acc).view(1, H, 1).expand(B, H, Nq))
-        merged, merged_lse = _merge_trusted(outs, lses)
-        out.copy_(merged)
-        lse = merged_lse
-    return out, lse
+def bwd_runs(n_blocks: int, hkv: int, config: FusedConfig = DEFAULT) -> list[tuple[int, int]]:
+    """A sequence's query blocks cut into runs for the backward (each run its own item with
+    dK/dV partials): about ``items_per_row`` items over the kv heads, at most
+    ``bwd_max_runs``; shapes and heads alone decide."""
+    n = max(1, min(-(-config.items_per_row // hkv), config.bwd_max_runs, n_blocks))
+    cuts = [round(i * n_blocks / n) for i in range(n + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(n)]
 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT) -> Grads:
     """Gradients of a fused forward from its merged ``out`` and ``lse``: dq, dk, dv in the
-    accumulation dtype, and the sinks'. ``dlse`` must be None (the autograd.Function hands a
-    call whose lse output has a gradient to the tiled backward)."""
-    assert dlse is None, "a gradient through the lse is the tiled backward's"
-    ops_cpu = _cpu_ops()
+    accumulation dtype, and the sinks'. Items are (sequence, kv head, run of query blocks); a
+    run's dK/dV go into a partial of its own when the sequence has several, summed in run
+    order afterwards.
+
+    A gradient ``dlse`` of the lse output adds ``dlse_i · P_ij`` to dS, which torch's
+    backward op has no argument for: it gets it through two extra head-dim columns (zeros
+    in q, k, v; ``-dlse`` split into a high and a low part of q's dtype in out, ones in dO),
+    so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse`` and nothing else changes."""
+    ops_cpu = _check_ops()
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    band = spec.local_band()
-    blocks = query_blocks(band, Nq, Nk, Hkv, ops.attn_mask is not None, config)
     mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
+    seqs = sequences(q, k, spec, ops)
+    plans = [plan(s, Hkv, spec, ops, config, backward=True) for s in seqs]
+    runs = [bwd_runs(len(p.blocks), Hkv, config) for p in plans]
     # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
     lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
-    dq = torch.empty(B, H, Nq, D, dtype=acc, device=q.device)
+    do = do.to(q.dtype)
+    pad = None
+    if dlse is not None and bool((dlse != 0).any()):
+        minus = -dlse.to(acc)
+        hi = minus.to(q.dtype)
+        pad = torch.stack([hi, (minus - hi.to(acc)).to(q.dtype)], -1)  # (B, H, Nq, 2)
+    dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
     dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)
-    items = [(b, hk) for b in range(B) for hk in range(Hkv)]
-    do = do.to(q.dtype)
+    items = [(si, hk, r) for si in range(len(seqs)) for r in range(len(runs[si]))
+             for hk in range(Hkv)]
+    extra: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
 
     def run(i: int) -> None:
-        b, hk = items[i]
+        si, hk, r = items[i]
+        s, p = seqs[si], plans[si]
         heads = slice(hk * G, (hk + 1) * G)
-        for m0, m1 in blocks:
-            dq_blk = dq[b, heads, m0:m1]
-            dq_blk.zero_()
-            qb, dob, ob = (t[b:b + 1, heads, m0:m1] for t in (q, do, out))
-            lb = lse_in[b:b + 1, heads, m0:m1]
-            for p in pieces(band, m0, m1, Nk):
-                add, _ = _piece_mask(band, mask4, b, heads, m0, m1, p, q.dtype, q.device)
-                kb = k[b:b + 1, hk:hk + 1, p.n0:p.n1]
-                vb = v[b:b + 1, hk:hk + 1, p.n0:p.n1]
+        keys = slice(s.k0, s.k1)
+        if r == 0:
+            dk_to, dv_to = dk[s.b, hk, keys], dv[s.b, hk, keys]
+        else:  # a later run's partial, joined in run order below
+            dk_to = torch.zeros(s.k1 - s.k0, D, dtype=acc, device=q.device)
+            dv_to = torch.zeros(s.k1 - s.k0, Dv, dtype=acc, device=q.device)
+            extra[si, hk, r] = (dk_to, dv_to)
+        b0, b1 = runs[si][r]
+        for m0, m1 in p.blocks[b0:b1]:
+            rows = slice(s.q0 + m0, s.q0 + m1)
+            qb, dob, ob = (t[s.b:s.b + 1, heads, rows] for t in (q, do, out))
+            lb = lse_in[s.b:s.b + 1, heads, rows]
+            if pad is not None:  # Δ - dlse through two more columns (the docstring)
+                qb = torch.nn.functional.pad(qb, (0, 2))
+                ob = torch.cat([ob, pad[s.b:s.b + 1, heads, rows]], -1)
+                dob = torch.nn.functional.pad(dob, (0, 2), value=1.0)
+            dq_blk = dq[s.b, heads, rows]
+            for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config):
+                add, _ = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype,
+                                     q.device)
+                kb = k[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
+                vb = v[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
+                if pad is not None:
+                    kb, vb = (torch.nn.functional.pad(t, (0, 2)) for t in (kb, vb))
                 gq, gk, gv = ops_cpu.bwd(dob, qb, kb, vb, ob, lb, 0.0,
-                                         p.causal and add is None, attn_mask=add,
+                                         pc.causal and add is None, attn_mask=add,
                                          scale=spec.qk_scale)
-                dq_blk += gq[0]
-                dk[b, hk, p.n0:p.n1] += gk[0, 0]
-                dv[b, hk, p.n0:p.n1] += gv[0, 0]
+                dq_blk += gq[0, ..., :D]
+                dk_to[pc.n0:pc.n1] += gk[0, 0, :, :D]
+                dv_to[pc.n0:pc.n1] += gv[0, 0, :, :Dv]
 
-    workers.run_items(run, len(items), threads=_threads(q, B * H * Nq * Nk, config))
+    scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
+    workers.run_items(run, len(items), threads=_threads(scores, config))
+    for si, hk, r in sorted(extra):  # runs' partials in run order: fixed, whatever finished
+        s = seqs[si]
+        dk[s.b, hk, s.k0:s.k1] += extra[si, hk, r][0]
+        dv[s.b, hk, s.k0:s.k1] += extra[si, hk, r][1]
     dsinks = None
     if ops.sinks is not None:
         delta = (do.to(acc) * out.to(acc)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(acc)
         dsinks = sink_grad(ops.sinks, lse.to(acc), delta)
     return Grads(dq, dk, dv, None, dsinks, None, ())
 
@@ -445,50 +548,42 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 # -- autograd and the public function ----------------------------------------------------------
 
 class _FusedAttention(torch.autograd.Function):
-    """Saves q, k, v, out, lse (and the mask, sinks); the backward runs torch's backward op
-    per piece. A gradient reaching the lse output goes to the tiled backward instead, through
-    ``lse_backward`` (the caller's: this backend does not import another)."""
+    """Saves q, k, v, out, lse (and the mask, sinks, constants); the backward runs torch's
+    backward op per piece."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: LaunchSpec, config: FusedConfig, lse_backward, attn_mask,
-                sinks):
-        ops = Operands(attn_mask=attn_mask, sinks=sinks)
+    def forward(ctx, q, k, v, spec: LaunchSpec, config: FusedConfig, consts: Operands,
+                attn_mask, sinks):
+        ops = consts._replace(attn_mask=attn_mask, sinks=sinks)
         out, lse = _fwd(q, k, v, spec, ops, config=config)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
-        ctx.spec, ctx.config, ctx.lse_backward = spec, config, lse_backward
+        ctx.spec, ctx.config, ctx.consts = spec, config, consts
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
-        ops = Operands(attn_mask=attn_mask, sinks=sinks)
-        do = torch.zeros_like(out) if dout is None else dout.contiguous()
-        if dlse is not None and bool((dlse != 0).any()):
-            if ctx.lse_backward is None:
-                raise NotImplementedError(
-                    "backend='fused': the lse output has a gradient, which torch's backward "
-                    "op does not take; attn.attention hands it to the tiled backward")
-            g = ctx.lse_backward(do, dlse, q, k, v, out, lse, ctx.spec, ops)
-        else:
-            g = _bwd(do, None, q, k, v, out, lse, ctx.spec, ops, config=ctx.config)
+        ops = ctx.consts._replace(attn_mask=attn_mask, sinks=sinks)
+        do = torch.zeros_like(out) if dout is None else dout
+        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), None, None, None, None,
                 dsinks)
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
-                    operands: Operands | None = None, *, config: FusedConfig = DEFAULT,
-                    lse_backward: Callable | None = None) -> tuple[Tensor, Tensor]:
+                    operands: Operands | None = None, *, config: FusedConfig = DEFAULT
+                    ) -> tuple[Tensor, Tensor]:
     """Exact attention on torch's fused kernels, per piece of attn's plan. Inputs validated.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, D) → out (B, H, Nq, D) in q's dtype,
     lse (B, H, Nq) float32 (float64 for float64). ``spec`` as the other backends' (a tensor
     temperature already folded into q); ``operands``: a bool or float mask (no gradient),
-    sinks (H,). ``lse_backward(do, dlse, q, k, v, out, lse, spec, ops) -> Grads``: the
-    backward used when the lse output receives a gradient (torch's backward op has no lse
-    term); without it such a gradient raises."""
+    sinks (H,), ALiBi slopes (B, H) (packed: (sequences, H)), packed sequences'
+    ``cu_seqlens_q`` / ``_k`` with q, k, v laid out as one batch row (1, H, total, D)."""
     ops = operands or Operands()
     why = spec_reason(spec, ops) or ops_reason(q.device.type)
     if why is not None:
         raise NotImplementedError(f"backend='fused' cannot compute this call: {why}")
-    return _FusedAttention.apply(q, k, v, spec, config, lse_backward, ops.attn_mask, ops.sinks)
+    consts = ops._replace(attn_mask=None, sinks=None)
+    return _FusedAttention.apply(q, k, v, spec, config, consts, ops.attn_mask, ops.sinks)

@@ -64,10 +64,16 @@ def _call(**kw):
     return AttentionCall(**{**base, **kw})
 
 
-def test_auto_on_cpu_is_tiled_and_says_why():
+def test_auto_on_cpu_takes_fused_or_tiled_and_says_why():
+    # auto on CPU used to be tiled always; since the fused backend (torch's CPU kernel per
+    # block) it is what attn.choose's committed table prefers for the call's class, among
+    # the backends that can compute it: fused or tiled, never another, with the reason
     choice = select_backend(_call())
-    assert choice.name == "tiled"
-    assert "cpu" in choice.reason
+    assert choice.name in ("fused", "tiled")
+    assert "auto" in choice.reason and ("measured" in choice.reason or "default" in choice.reason)
+    # a call fused cannot express stays on tiled, and says why
+    choice = select_backend(_call(softcap="fixed"))
+    assert choice.name == "tiled" and "fused cannot: softcap" in choice.reason
 
 
 def test_auto_on_cuda_explains_fallback_when_triton_cannot():

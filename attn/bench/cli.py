@@ -281,6 +281,8 @@ def run_check(args: argparse.Namespace) -> int:
 # The benchmark questions with a module of their own (attn.bench.<kind, '-' as '_'>), each
 # with add_arguments(parser) and run(args, argv).
 _QUESTIONS = {
+    "auto-table": "fused against tiled per class of call and dtype on this CPU: the measured "
+                  "entry backend='auto' reads (attn/auto_table.json)",
     "decode": "one new token against a long KV cache on CPU: attn.attention, or "
               "flash_attn_with_kvcache contiguous and paged (--compat), against torch SDPA",
     "hf": "a transformers Llama on CPU with attn_implementation attn, sdpa and eager: "

@@ -1,0 +1,90 @@
+"""What ``backend="auto"`` prefers on a CPU, read from a committed table of measurements.
+
+Among the backends that can compute a call exactly, ``auto`` takes the one the table prefers
+for the call's class on this kind of CPU. The table (``auto_table.json`` beside this module)
+is written by ``attn bench auto-table`` on a machine of each kind and committed with the CPU
+model and the medians behind each entry; nothing is timed at call time.
+
+Kinds of CPU are told apart by the instruction sets that decide attention's speed there:
+``amx`` (AMX tiles: bf16 GEMMs ~8x fp32's), ``avx512-bf16`` (native bf16 dot products, e.g.
+Zen 4), ``avx512`` (AVX-512 without bf16, e.g. Cascade Lake), ``avx2``, ``other``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+TABLE_PATH = Path(__file__).with_name("auto_table.json")
+CLASSES = ("decode", "dense", "train", "masked")
+# Where the table has no entry for this kind of CPU: torch's kernel (fused) for what it
+# expresses, except decoding, where tiled's split-KV read the keys faster on every CPU
+# measured so far.
+FALLBACK = {"decode": "tiled", "dense": "fused", "train": "fused", "masked": "fused"}
+
+
+def _flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def cpu_kind() -> str:
+    """This machine's kind of CPU (``ATTN_CPU_KIND`` overrides it, for tests and to try
+    another kind's entries)."""
+    forced = os.environ.get("ATTN_CPU_KIND")
+    if forced:
+        return forced
+    flags = _flags()
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags:
+        return "avx2"
+    cap = torch.backends.cpu.get_cpu_capability().lower()  # non-Linux: torch's own view
+    return {"avx512": "avx512", "avx2": "avx2"}.get(cap, "other")
+
+
+def call_class(n_q: int, grad: bool, masked: bool) -> str:
+    """A call's class for the table: ``decode`` (at most 16 query rows per head), ``train``
+    (a gradient will be asked), ``masked`` (a user mask), else ``dense``."""
+    if n_q <= 16 and not grad:
+        return "decode"
+    if grad:
+        return "train"
+    return "masked" if masked else "dense"
+
+
+@functools.cache
+def load_table(path: str = str(TABLE_PATH)) -> dict:
+    """The committed table: ``{kind: {"cpu": model, "entries": {dtype: {class: {"backend":
+    name, "ratio": fused time / tiled time}}}}}``; empty when the file is missing."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def preferred(kind: str, dtype: torch.dtype, cls: str) -> tuple[str, str]:
+    """``(backend, why)``: the table's choice between fused and tiled for a call of this
+    class and dtype on this kind of CPU, or :data:`FALLBACK`'s where it has none."""
+    name = str(dtype).removeprefix("torch.")
+    entry = load_table().get(kind, {}).get("entries", {}).get(name, {}).get(cls)
+    if entry is None:
+        return FALLBACK[cls], f"no measured entry for {cls} {name} on {kind} CPUs (default)"
+    return entry["backend"], (f"measured on {kind} ({load_table()[kind].get('cpu', '?')}): "
+                              f"{cls} {name} fused/tiled time {entry['ratio']:.2f}")
