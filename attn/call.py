@@ -498,7 +498,7 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
     if backend == "fused" and not _fused_keys_ok(k, spec, ops):
         backend = "tiled"  # a masked non-finite key: tiled keeps it out of every row
     if backend == "fused":
-        out, lse = fused.fused_attention(q, k, v, spec, ops)
+        out, lse = fused.fused_attention(q, k, v, spec, ops, precise=_precise_backward)
     elif backend == "tiled":
         if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
             spec, captured = mods.mod_spec(spec, q, k, spec.score_mod, spec.mask_mod,
@@ -526,6 +526,14 @@ def _fused_keys_ok(k: Tensor, spec: LaunchSpec, ops: Operands) -> bool:
     if not masked or k.device.type != "cpu" or torch.compiler.is_compiling():
         return True
     return math.isfinite(k.sum(dtype=acc_dtype(k.dtype)).item())
+
+
+def _precise_backward(do, dlse, q, k, v, spec, ops):
+    """The fused backend's backward where its lse is too large for torch's backward op to
+    rebuild the probabilities within budget: tiled's forward again (its row max and
+    denominator kept apart) and tiled's backward from them."""
+    out, lse, lse2 = tiled._fwd(q, k, v, spec, ops, want_lse2=True)
+    return tiled._bwd(do, dlse, q, k, v, out, lse, spec, ops, lse2=lse2)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, backend: str, return_lse: bool, **options):

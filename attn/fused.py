@@ -130,7 +130,7 @@ _OPERANDS_READ = ("attn_mask", "sinks", "alibi", "cu_seqlens_q", "cu_seqlens_k")
 
 def spec_reason(spec: LaunchSpec, ops: Operands) -> str | None:
     """Why the fused backend cannot compute a call with this spec and these operands."""
-    for f in dataclasses.fields(LaunchSpec):
+    for f in dataclasses.fields(spec):
         decision = SPEC_DECISIONS.get(f.name)
         if decision is None:
             return f"LaunchSpec.{f.name} has no fused decision yet"
@@ -459,9 +459,57 @@ def bwd_runs(n_blocks: int, hkv: int, config: FusedConfig = DEFAULT) -> list[tup
     return [(cuts[i], cuts[i + 1]) for i in range(n)]
 
 
+# |lse| from which torch's backward op, which rebuilds P = exp(s - lse) from one rounded lse,
+# loses more than the error budget allows (P's relative error is about |lse| · 2^-24 in
+# float32; one-hot rows at logits of 1e4 came out 4e-3 off in dV): such calls recompute
+# through ``precise`` (the tiled backward keeps a row's max and denominator apart)
+LSE_PRECISE_LIMIT = {torch.float32: 64.0, torch.float16: 4096.0, torch.bfloat16: 4096.0}
+
+
+def lse_too_large(lse: Tensor, dtype: torch.dtype) -> bool:
+    """Whether any finite |lse| passes :data:`LSE_PRECISE_LIMIT` for ``dtype`` (one host
+    read; never for float64)."""
+    limit = LSE_PRECISE_LIMIT.get(dtype)
+    if limit is None or lse.numel() == 0:
+        return False
+    return bool((lse.abs() > limit).logical_and_(torch.isfinite(lse)).any())
+
+
+def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: LaunchSpec,
+                 ops: Operands) -> Grads:
+    """The backward through ``precise(do, dlse, q, k, v, spec, ops) -> Grads`` (the caller's
+    dense backward), sequence by sequence: each its own slices, band and operands."""
+    B, H, Nq, D = q.shape
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    dsinks = None
+    for s in seqs:
+        rows, keys, b = slice(s.q0, s.q1), slice(s.k0, s.k1), slice(s.b, s.b + 1)
+        if s.q1 == s.q0:
+            continue
+        mask = None
+        if ops.attn_mask is not None:
+            m4 = as_4d(ops.attn_mask)
+            mask = m4[b if m4.shape[0] > 1 else slice(None)]
+        alibi = None if ops.alibi is None else ops.alibi[s.slopes_row:s.slopes_row + 1]
+        sspec = dataclasses.replace(spec, band=s.band, q_start=0, k_start=0,
+                                    max_seqlen_q=None, max_seqlen_k=None)
+        sops = Operands(attn_mask=mask, sinks=ops.sinks, alibi=alibi)
+        g = precise(do[b, :, rows], None if dlse is None else dlse[b, :, rows], q[b, :, rows],
+                    k[b, :, keys], v[b, :, keys], sspec, sops)
+        dq[b, :, rows] = g.dq
+        dk[b, :, keys] += g.dk
+        dv[b, :, keys] += g.dv
+        if g.dsinks is not None:
+            dsinks = g.dsinks if dsinks is None else dsinks + g.dsinks
+    return Grads(dq, dk, dv, None, dsinks, None, ())
+
+
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
-         config: FusedConfig = DEFAULT) -> Grads:
+         config: FusedConfig = DEFAULT, precise: Callable | None = None) -> Grads:
     """Gradients of a fused forward from its merged ``out`` and ``lse``: dq, dk, dv in the
     accumulation dtype, and the sinks'. Items are (sequence, kv head, run of query blocks); a
     run's dK/dV go into a partial of its own when the sequence has several, summed in run
@@ -478,6 +526,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     acc = _acc_dtype(q.dtype)
     mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
     seqs = sequences(q, k, spec, ops)
+    if precise is not None and lse_too_large(lse, q.dtype):
+        return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
     plans = [plan(s, Hkv, spec, ops, config, backward=True) for s in seqs]
     runs = [bwd_runs(len(p.blocks), Hkv, config) for p in plans]
     # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
@@ -553,11 +603,11 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, spec: LaunchSpec, config: FusedConfig, consts: Operands,
-                attn_mask, sinks):
+                precise, attn_mask, sinks):
         ops = consts._replace(attn_mask=attn_mask, sinks=sinks)
         out, lse = _fwd(q, k, v, spec, ops, config=config)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
-        ctx.spec, ctx.config, ctx.consts = spec, config, consts
+        ctx.spec, ctx.config, ctx.consts, ctx.precise = spec, config, consts, precise
         return out, lse
 
     @staticmethod
@@ -565,25 +615,31 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
         ops = ctx.consts._replace(attn_mask=attn_mask, sinks=sinks)
         do = torch.zeros_like(out) if dout is None else dout
-        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config)
+        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
+                 precise=ctx.precise)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), None, None, None, None,
-                dsinks)
+                None, dsinks)
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
-                    operands: Operands | None = None, *, config: FusedConfig = DEFAULT
-                    ) -> tuple[Tensor, Tensor]:
+                    operands: Operands | None = None, *, config: FusedConfig = DEFAULT,
+                    precise: Callable | None = None) -> tuple[Tensor, Tensor]:
     """Exact attention on torch's fused kernels, per piece of attn's plan. Inputs validated.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, D) → out (B, H, Nq, D) in q's dtype,
     lse (B, H, Nq) float32 (float64 for float64). ``spec`` as the other backends' (a tensor
     temperature already folded into q); ``operands``: a bool or float mask (no gradient),
     sinks (H,), ALiBi slopes (B, H) (packed: (sequences, H)), packed sequences'
-    ``cu_seqlens_q`` / ``_k`` with q, k, v laid out as one batch row (1, H, total, D)."""
+    ``cu_seqlens_q`` / ``_k`` with q, k, v laid out as one batch row (1, H, total, D).
+    ``precise(do, dlse, q, k, v, spec, ops) -> Grads``: a dense backward that recomputes the
+    forward itself, used where the lse is too large for torch's backward op to rebuild the
+    probabilities within budget (:data:`LSE_PRECISE_LIMIT`); without it they are rebuilt
+    anyway."""
     ops = operands or Operands()
     why = spec_reason(spec, ops) or ops_reason(q.device.type)
     if why is not None:
         raise NotImplementedError(f"backend='fused' cannot compute this call: {why}")
     consts = ops._replace(attn_mask=None, sinks=None)
-    return _FusedAttention.apply(q, k, v, spec, config, consts, ops.attn_mask, ops.sinks)
+    return _FusedAttention.apply(q, k, v, spec, config, consts, precise, ops.attn_mask,
+                                 ops.sinks)

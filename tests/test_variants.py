@@ -51,7 +51,21 @@ TILED_DEFAULT = Backend("tiled-default", (("backend", "tiled"),), tuple(ALL_DTYP
 TRITON = Backend("triton", (("backend", "triton"),),
                  (torch.float32, torch.bfloat16, torch.float16))
 REFERENCE = Backend("reference", (("backend", "reference"),), tuple(ALL_DTYPES))
-BACKENDS = [TILED, TRITON]
+# torch's fused CPU kernel per block of attn's plan; 16-row query blocks, so awkward sizes
+# cross many blocks and every kind of band piece (full, causal diagonal, masked strip) runs
+FUSED = Backend("fused", (("backend", "fused"), ("block_m", 16)), tuple(ALL_DTYPES))
+BACKENDS = [TILED, TRITON, FUSED]
+
+
+def _fused_refuses(variant: str, dtype: torch.dtype, d: int = 32, dv: int = 32) -> bool:
+    """What the fused backend's allow-list leaves to tiled (attn.fused.call_reason): score
+    transforms, attn's dropout, a float mask's gradient, ALiBi in 16 bits, Dv != D."""
+    if variant.startswith("softcap") or variant in ("dropout", "float_mask_grad",
+                                                    "alibi_softcap", "everything"):
+        return True
+    if variant.startswith("alibi") and dtype in (torch.float16, torch.bfloat16):
+        return True
+    return dv != d
 
 
 def _ids(x):
@@ -81,7 +95,7 @@ def _length_cases(full: bool):
     # the interpreter is slow: triton's float16 lengths run under -m slow (float16 on plain
     # and everything-at-once stays in the default variant set)
     return [(b, d, c, nq, nk) for b, d, c, (nq, nk) in itertools.product(
-        [TILED, TILED_DEFAULT, TRITON], ALL_DTYPES, [False, True], LENGTHS)
+        [TILED, TILED_DEFAULT, TRITON, FUSED], ALL_DTYPES, [False, True], LENGTHS)
         if d in b.dtypes and (full or b is not TRITON or d != torch.float16)]
 
 
@@ -119,6 +133,10 @@ def test_head_dims(backend, dtype, causal, dims):
     backend.skip_unless_available()
     d, dv = dims  # 40 and 80 are not powers of two; Dv != D
     q, k, v = _inputs(B=1, H=1, N=33, Nk=40, D=d, Dv=dv, dtype=dtype, seed=d)
+    if backend is FUSED and _fused_refuses("plain", dtype, d, dv):
+        with pytest.raises(NotImplementedError, match="fused"):
+            backend.fn()(q, k, v, causal=causal)
+        return
     assert_close_to_reference(backend.fn(), q, k, v, causal=causal)
 
 
@@ -242,7 +260,8 @@ def test_variants(backend, dtype, causal, variant, heads):
     nq, nk = 45, 70
     q, k, v = _inputs(B=2, H=H, Hkv=Hkv, N=nq, Nk=nk, D=32, dtype=dtype, seed=11)
     kwargs = _variant_kwargs(variant, H, nq, nk, dtype)
-    if (backend.name, variant) in REFUSED:
+    if (backend.name, variant) in REFUSED or (backend is FUSED
+                                              and _fused_refuses(variant, dtype)):
         with pytest.raises(NotImplementedError, match=backend.name):
             backend.fn()(q, k, v, causal=causal, **kwargs)
         return
@@ -264,13 +283,14 @@ def test_gqa_groups(backend, heads):
     H, Hkv = heads
     q, k, v = _inputs(B=2, H=H, Hkv=Hkv, N=40, Nk=50, D=16, dtype=torch.float32, seed=H * Hkv)
     sinks = torch.randn(H, device=DEVICE).requires_grad_()
-    assert_close_to_reference(backend.fn(), q, k, v, causal=True, sinks=sinks, softcap=5.0)
+    softcap = {} if backend is FUSED else {"softcap": 5.0}  # fused has no score transform
+    assert_close_to_reference(backend.fn(), q, k, v, causal=True, sinks=sinks, **softcap)
 
 
 # -- edge cases ------------------------------------------------------------------------------------
 
 @pytest.mark.cuda_if_present
-@pytest.mark.parametrize("backend", [REFERENCE, TILED, TILED_DEFAULT, TRITON], ids=_ids)
+@pytest.mark.parametrize("backend", [REFERENCE, TILED, TILED_DEFAULT, TRITON, FUSED], ids=_ids)
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_fully_masked_rows(backend, with_sinks):
     backend.skip_unless_available()
@@ -300,7 +320,7 @@ def test_fully_masked_rows(backend, with_sinks):
 
 
 @pytest.mark.cuda_if_present
-@pytest.mark.parametrize("backend,dtype", _cases([TILED, TILED_DEFAULT, TRITON],
+@pytest.mark.parametrize("backend,dtype", _cases([TILED, TILED_DEFAULT, TRITON, FUSED],
                                                   [torch.float32, torch.bfloat16]), ids=_ids)
 def test_huge_logits(backend, dtype):
     backend.skip_unless_available()

@@ -1,0 +1,289 @@
+"""The fused backend (attn.fused): torch's fused CPU kernel called per piece of attn's plan.
+
+Its variants run against the float64 reference in tests/test_variants.py (FUSED); here: the
+band's pieces against the band itself, the kernel calls a plan makes, packed sequences and
+split-KV decoding, isolation of poisoned neighbours, bits across worker counts and batch
+compositions, the allow-list and the schema check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import attn
+from attn import fused
+from attn.masks import Band
+from attn.spec import LaunchSpec
+from attn.testing import assert_close_to_reference, make_inputs
+from attn.tiled import cpu
+
+needs_workers = pytest.mark.skipif(not cpu.openmp_threads(),
+                                   reason="worker threads need OpenMP intra-op threads")
+
+
+# -- the plan ----------------------------------------------------------------------------------
+
+def _covered(band: Band, m0: int, m1: int, n_k: int) -> torch.Tensor:
+    """What the pieces of rows [m0, m1) let each row see, as a bool (rows, n_k) grid."""
+    seen = torch.zeros(m1 - m0, n_k, dtype=torch.int)
+    rows = torch.arange(m0, m1)
+    for p in fused.pieces(band, m0, m1, n_k):
+        assert p.n0 < p.n1, p
+        cols = torch.arange(p.n0, p.n1)
+        if p.masked:
+            keep = band.mask(rows, cols)
+        elif p.causal:  # torch's top-left causal on the piece
+            keep = cols[None, :] - p.n0 <= (rows - m0)[:, None]
+        else:
+            keep = torch.ones(len(rows), len(cols), dtype=torch.bool)
+        seen[:, p.n0:p.n1] += keep.int()
+    return seen
+
+
+BANDS = [Band(), Band(0, None, 0), Band(5, None, 0), Band(-7, None, 0), Band(0, 3, 0),
+         Band(2, 9, 4), Band(-3, None, 6), Band(4, 0, None), Band(0, 40, 0), Band(-60, None, 0)]
+
+
+@pytest.mark.parametrize("band", BANDS, ids=str)
+def test_pieces_cover_the_band_exactly_once(band):
+    # every (row, key) the band allows is seen by exactly one piece, nothing else is, for
+    # blocks at every offset: the merge over pieces is then attention over the band
+    n_k = 37
+    for m0, m1 in [(0, 8), (3, 11), (13, 29), (30, 45), (0, 45)]:
+        seen = _covered(band, m0, m1, n_k)
+        want = band.mask(torch.arange(m0, m1), torch.arange(n_k))
+        want = torch.ones_like(seen, dtype=torch.bool) if want is None else want
+        assert torch.equal(seen, want.int()), (band, m0, m1)
+
+
+def test_causal_pieces_need_no_mask():
+    # causal, either alignment: the keys every row sees and torch's top-left diagonal, so
+    # no mask is ever built; a window's left edge is the only masked strip
+    for off in (0, 100, 1000):
+        for m0 in range(0, 1024, 256):
+            ps = fused.pieces(Band(off, None, 0), m0, m0 + 256, 1024 + off)
+            assert not any(p.masked for p in ps) and ps[-1].causal
+    ps = fused.pieces(Band(0, 300, 0), 512, 768, 1024)
+    assert [p.masked for p in ps] == [True, False, False] and ps[-1].causal
+
+
+def _counting(monkeypatch):
+    calls = []
+    real = fused._cpu_ops()
+
+    def fwd(q, k, v, p, causal, *, attn_mask=None, scale=None):
+        calls.append(("fwd", q.shape[2], k.shape[2], causal, attn_mask is not None))
+        return real.fwd(q, k, v, p, causal, attn_mask=attn_mask, scale=scale)
+
+    def bwd(*args, attn_mask=None, scale=None):
+        calls.append(("bwd", args[1].shape[2], args[2].shape[2], args[7], attn_mask is not None))
+        return real.bwd(*args, attn_mask=attn_mask, scale=scale)
+    monkeypatch.setattr(fused, "_cpu_ops", lambda: fused._CpuOps(fwd, bwd))
+    return calls
+
+
+def test_causal_plan_skips_empty_blocks_and_masks_nothing(monkeypatch):
+    calls = _counting(monkeypatch)
+    q, k, v = (t.requires_grad_() for t in make_inputs(B=2, H=4, Hkv=2, N=512, D=16, seed=1))
+    out = attn.attention(q, k, v, causal=True, backend="fused", block_m=128)
+    out.sum().backward()
+    fwd = [c for c in calls if c[0] == "fwd"]
+    # per (batch row, kv head): block 0 is its diagonal alone, blocks 1-3 a full piece and
+    # a diagonal; no piece above the diagonal is ever called, none gets a mask
+    assert len(fwd) == 2 * 2 * (1 + 2 * 3)
+    assert not any(c[4] for c in calls)
+    assert sorted(c[2] for c in fwd if c[3]) == [128] * 16  # diagonals: 128 keys each
+    assert sum(c[1] * c[2] for c in fwd if not c[3]) == 2 * 2 * 128 * (128 + 256 + 384)
+    assert len([c for c in calls if c[0] == "bwd"]) == len(fwd)
+
+
+def test_window_masks_only_its_left_strip(monkeypatch):
+    calls = _counting(monkeypatch)
+    q, k, v = make_inputs(B=1, H=2, N=1024, D=16, seed=2)
+    attn.attention(q, k, v, window=(300, 0), backend="fused", block_m=256)
+    masked = [c for c in calls if c[4]]
+    # per kv head: block 0 has no strip (its keys start at 0), block 1's is cut at key 0
+    # (keys [0, 211)), blocks 2-3 have 255 keys each
+    assert sorted(c[2] for c in masked) == [211] * 2 + [255] * 4
+    assert sum(not c[4] for c in calls) == 2 * (1 + 2 * 3)
+
+
+# -- against the reference: what test_variants does not reach -------------------------------------
+
+@pytest.mark.parametrize("dtype,variant", [
+    (d, v) for d, v in itertools.product([torch.float32, torch.bfloat16],
+                                         ["causal", "window", "alibi", "sinks"])
+    if not (v == "alibi" and d == torch.bfloat16)])  # 16-bit ALiBi: tiled's (the allow-list)
+def test_packed_sequences_match_the_reference(dtype, variant):
+    lengths_q, lengths_k = [5, 40, 1, 23], [9, 40, 30, 23]
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lengths_q)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lengths_k)), dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D = 4, 2, 16
+    q, k, v = (torch.randn(n, h, D, generator=g, dtype=torch.float64)
+               for n, h in ((cu_q[-1], H), (cu_k[-1], Hkv), (cu_k[-1], Hkv)))
+    kw = {"causal": True}
+    if variant == "window":
+        kw = {"causal": True, "window": (6, 0)}
+    if variant == "alibi":
+        kw["alibi_slopes"] = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+    if variant == "sinks":
+        kw["sinks"] = torch.randn(H, generator=g).requires_grad_()
+
+    def run(backend, dt):
+        qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+        extra = dict(kw)
+        if "sinks" in extra:
+            extra["sinks"] = kw["sinks"].detach().clone().requires_grad_()
+        out, lse = attn.varlen_attention(qq, kk, vv, cu_q, cu_k, backend=backend,
+                                         return_lse=True, **extra)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(dt)
+        wl = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5))
+        (out.float() * w.float()).sum().add((torch.where(torch.isfinite(lse), lse, 0) * wl)
+                                            .sum()).backward()
+        grads = [qq.grad, kk.grad, vv.grad] + ([extra["sinks"].grad] if "sinks" in extra else [])
+        return [out, lse] + grads
+
+    exact = run("reference", torch.float64)
+    plain = run("reference", dtype)
+    got = run("fused", dtype)
+    floor = 1e-6 if dtype == torch.float32 else 2e-3
+    for name, e, p, f in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], exact, plain, got):
+        err = (f.double() - e.double()).nan_to_num(posinf=0, neginf=0).abs().max().item()
+        ref = (p.double() - e.double()).nan_to_num(posinf=0, neginf=0).abs().max().item()
+        assert err <= 3 * ref + floor, (name, err, ref)
+    assert torch.equal(torch.isinf(got[1]), torch.isinf(exact[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_decoding_matches_reference(dtype):
+    config = fused.FusedConfig(split_min_keys=64, split_min_chunk=48, split_max_chunks=4)
+    assert fused.kv_split(3, 300, config) == 96  # 48 doubled until at most 4 ranges
+    q, k, v = make_inputs(B=2, H=8, Hkv=2, N=3, Nk=300, D=32, dtype=dtype, seed=5)
+    sinks = torch.randn(8)
+
+    def fn(q, k, v, **kw):
+        call, spec, ops = attn.api.resolve(q, k, v, band=Band(297, None, 0),
+                                           sinks=kw.get("sinks"), return_lse=True)
+        return fused.fused_attention(q, k, v, spec, ops, config=config)
+    assert_close_to_reference(fn, q, k, v, causal=True, sinks=sinks, grad=False)
+
+
+# -- isolation and bits --------------------------------------------------------------------------
+
+def test_poisoned_batch_rows_and_packed_neighbours_change_nothing():
+    # no band and no mask, so NaN keys do not send the call to tiled (nothing hides them)
+    q, k, v = make_inputs(B=3, H=4, Hkv=2, N=70, D=16, seed=6)
+    clean = attn.attention(q, k, v, backend="fused", block_m=32)
+    for t in (q, k, v):
+        t[1] = float("nan")
+    poisoned = attn.attention(q, k, v, backend="fused", block_m=32)
+    assert torch.isnan(poisoned[1]).all()
+    assert torch.equal(poisoned[0], clean[0]) and torch.equal(poisoned[2], clean[2])
+    # packed: sequence 1's NaN keys and values never reach sequences 0 and 2
+    cu = torch.tensor([0, 30, 50, 90], dtype=torch.int32)
+    qp, kp, vp = (torch.randn(90, 4, 16, generator=torch.Generator().manual_seed(i))
+                  for i in range(3))
+    ref = attn.varlen_attention(qp, kp, vp, cu, cu, backend="fused")
+    kp[30:50], vp[30:50] = float("nan"), float("nan")
+    got = attn.varlen_attention(qp, kp, vp, cu, cu, backend="fused")
+    keep = torch.cat([torch.arange(0, 30), torch.arange(50, 90)])
+    assert torch.isnan(got[30:50]).all() and torch.equal(got[keep], ref[keep])
+
+
+def test_a_masked_nan_key_sends_the_call_to_tiled():
+    q, k, v = make_inputs(B=1, H=2, N=40, D=16, seed=7)
+    k[0, :, 39] = float("nan")  # the last key: causal hides it from every row but the last
+    out = attn.attention(q, k, v, causal=True, backend="fused")
+    assert torch.isfinite(out[:, :, :39]).all()
+    torch.testing.assert_close(out[:, :, :39],
+                               attn.attention(q, k, v, causal=True, backend="tiled")[:, :, :39])
+
+
+def _grads(q, k, v, **kw):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = attn.attention(q, k, v, backend="fused", return_lse=True, **kw)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out, lse, q.grad, k.grad, v.grad
+
+
+@needs_workers
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bits_do_not_depend_on_threads_or_batch(dtype):
+    q, k, v = make_inputs(B=3, H=4, Hkv=1, N=300, D=32, dtype=dtype, seed=8)
+    kw = dict(causal=True, window=(100, 0))
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(_grads(q, k, v, **kw))
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    # batch row 1 alone, and among other rows in another order: the same bits
+    alone = _grads(q[1:2], k[1:2], v[1:2], **kw)
+    for a, b in zip(alone, runs[0]):
+        assert torch.equal(a[0], b[1])
+    mixed = _grads(q[[2, 1]], k[[2, 1]], v[[2, 1]], **kw)
+    for a, b in zip(mixed, runs[0]):
+        assert torch.equal(a[1], b[1])
+
+
+# -- what it expresses ---------------------------------------------------------------------------
+
+def test_every_launchspec_field_has_a_fused_decision():
+    # a new LaunchSpec field makes every call inexpressible on fused until it is decided
+    missing = {f.name for f in dataclasses.fields(LaunchSpec)} - set(fused.SPEC_DECISIONS)
+    assert not missing, f"decide in attn.fused.SPEC_DECISIONS: {sorted(missing)}"
+
+    @dataclasses.dataclass(frozen=True)
+    class Wider(LaunchSpec):
+        score_bias: float = 0.0
+    why = fused.spec_reason(Wider(qk_scale=1.0), attn.spec.Operands())
+    assert why is not None and "score_bias" in why and "no fused decision" in why
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"softcap": 5.0}, "softcap"), ({"dropout_p": 0.1}, "dropout"),
+    ({"score_mod": lambda s, b, h, i, j: s * 2}, "score_mod"),
+])
+def test_explicit_fused_refuses_what_it_cannot_compute(kwargs, needle):
+    q, k, v = make_inputs(B=1, H=2, N=17, D=16, seed=9)
+    with pytest.raises(NotImplementedError, match=f"backend='fused'.*{needle}.*tiled"):
+        attn.attention(q, k, v, backend="fused", **kwargs)
+    # auto computes it elsewhere, and says why not fused
+    call, _, _ = attn.api.resolve(q, k, v, band=Band(), **{
+        n: x for n, x in kwargs.items() if n != "score_mod"}, score_mod=kwargs.get("score_mod"))
+    choice = attn.select_backend(call)
+    assert choice.name == "tiled" and needle in choice.reason
+
+
+def test_a_schema_mismatch_turns_fused_off_with_one_warning(monkeypatch):
+    assert not isinstance(fused._cpu_ops(), str), fused._cpu_ops()  # this torch's schemas fit
+    fused._cpu_ops.cache_clear()
+    name = next(iter(fused._CPU_SCHEMAS))
+    monkeypatch.setitem(fused._CPU_SCHEMAS, name, fused._CPU_SCHEMAS[name] + " (another)")
+    try:
+        with pytest.warns(RuntimeWarning, match="fused backend is off"):
+            why = fused.ops_reason("cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per process, not per call
+            assert fused.ops_reason("cpu") == why
+        q, k, v = make_inputs(B=1, H=2, N=17, D=16, seed=10)
+        call, _, _ = attn.api.resolve(q, k, v, band=Band())
+        choice = attn.select_backend(call)
+        assert choice.name == "tiled" and "another schema" in choice.reason
+        with pytest.raises(NotImplementedError, match="another schema"):
+            attn.attention(q, k, v, backend="fused")
+    finally:
+        monkeypatch.undo()
+        fused._cpu_ops.cache_clear()
+    assert not isinstance(fused._cpu_ops(), str)
