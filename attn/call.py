@@ -175,7 +175,7 @@ def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
 def _tiled_reason(call: AttentionCall) -> str:
     """The tiled path a call will take: steps and GEMM engine, and how the call is cut."""
     split = not (call.mask_mod or call.varlen)
-    return (f"{tiled.fused_path_reason(call.device)}; "
+    return (f"{tiled.steps_path_reason(call.device)}; "
             f"{cpu_path_reason(call.device, call.n_q, call.n_k, split_allowed=split)}")
 
 

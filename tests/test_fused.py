@@ -216,7 +216,7 @@ def _grads(q, k, v, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bits_do_not_depend_on_threads_or_batch(dtype):
     q, k, v = make_inputs(B=3, H=4, Hkv=1, N=300, D=32, dtype=dtype, seed=8)
-    kw = dict(causal=True, window=(100, 0))
+    kw = dict(causal=True, window=(100, 0), block_m=32)  # 10 blocks: backward runs
     threads = torch.get_num_threads()
     try:
         runs = []

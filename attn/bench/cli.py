@@ -179,15 +179,16 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
                         "H = 2048 // D, out benchmarks/results/triton/<GPU>); flags given "
                         "override it")
     p.add_argument("--paired", action="store_true",
-                   help="CPU: tiled (default, bmm GEMMs, fused steps) and compiled flex against "
+                   help="CPU: attn auto, the fused backend, tiled (default, bmm GEMMs, compiled tiled steps) and compiled flex against "
                         "torch SDPA, taking turns round after round; reports the median of the "
                         "in-round ratios (--repeats: rounds, default 9/5/3 by N; --causal "
                         "defaults to both)")
     p.add_argument("--flex-max-n", type=int, default=4096,
                    help="--paired: compiled flex (causal forward) up to this N; its CPU path "
                         "held 24 GB at N=16384 causal")
-    p.add_argument("--no-fused", action="store_true",
-                   help="--paired: leave out tiled's fused (torch.compile) steps")
+    p.add_argument("--no-compiled", "--no-fused", dest="no_compiled", action="store_true",
+                   help="--paired: leave out the compiled tiled steps (torch.compile; "
+                        "--no-fused is its older name)")
     p.add_argument("--busy-core", action="store_true",
                    help="--paired: keep one core busy with a spinning process for the whole "
                         "run (started and stopped here), as on a user's machine")

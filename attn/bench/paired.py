@@ -2,10 +2,11 @@
 
 ``attn bench speed`` times each backend in a block, one after the other; on a shared machine
 a slow minute can land on one backend only. Here the contenders take turns, round after
-round: torch SDPA, tiled as it runs by default (eager steps, GEMM engine per
+round: torch SDPA, ``attn.attention`` as a user calls it (``auto``), the fused backend (torch's
+CPU kernel per block of attn's plan), tiled as it runs by default (eager steps, GEMM engine per
 ``ATTN_TILED_GEMM=auto``), tiled with torch.bmm GEMMs only (``ATTN_TILED_GEMM=bmm``: no unit
-path), tiled with the fused (compiled) steps (``ATTN_TILED_COMPILE=1``, unless
-``--no-fused``), and compiled FlexAttention for the causal forward up to ``--flex-max-n``
+path), tiled with the compiled steps (``ATTN_TILED_COMPILE=1``, unless ``--no-compiled``),
+and compiled FlexAttention for the causal forward up to ``--flex-max-n``
 (it has no CPU backward). A contender's sample in a round is ``reps`` calls in a row (enough
 for ~50 ms, chosen at warm-up, the same for every contender); the reported ratio is the median
 over rounds of ``sdpa time / contender time`` within the round (> 1: faster than SDPA).
@@ -40,7 +41,7 @@ from attn.timing import benchmark, median_ratio, paired
 TILED_VARIANTS = {
     "tiled": {"ATTN_TILED_COMPILE": "0", "ATTN_TILED_GEMM": "auto"},
     "tiled bmm": {"ATTN_TILED_COMPILE": "0", "ATTN_TILED_GEMM": "bmm"},
-    "tiled fused": {"ATTN_TILED_COMPILE": "1", "ATTN_TILED_GEMM": "auto"},
+    "tiled compiled": {"ATTN_TILED_COMPILE": "1", "ATTN_TILED_GEMM": "auto"},
 }
 DEFAULT_N = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -60,7 +61,7 @@ def _flex(causal: bool, N: int) -> Callable:
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
-def contenders(q, k, v, *, causal: bool, bwd: bool, fused: bool, flex_max_n: int,
+def contenders(q, k, v, *, causal: bool, bwd: bool, compiled: bool, flex_max_n: int,
                variants: tuple[str, ...] = tuple(TILED_VARIANTS)
                ) -> dict[str, Callable[[], None]]:
     """The calls of one round, SDPA first; each sets its environment, then runs (and runs
@@ -85,11 +86,14 @@ def contenders(q, k, v, *, causal: bool, bwd: bool, fused: bool, flex_max_n: int
     elif causal and Nq > 1:
         kw["attn_mask"] = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)
     fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, **kw))}
+    for name in ("auto", "fused"):
+        fns[name] = step(lambda name=name: attn.attention(q, k, v, causal=causal, backend=name),
+                         TILED_VARIANTS["tiled"])  # tiled's defaults, should auto take it
     from attn.tiled import cpu
 
     same = cpu.gemm_engine()[0] == "bmm"  # then "tiled bmm" is the default path again
     for name, env in TILED_VARIANTS.items():
-        if name in variants and (fused or name != "tiled fused") \
+        if name in variants and (compiled or name != "tiled compiled") \
                 and not (same and name == "tiled bmm"):
             fns[name] = step(tiled, env)
     N = q.shape[2]
@@ -163,8 +167,10 @@ def markdown(header: dict, rows: list[dict]) -> str:
              "rate (4·B·H·Nq·Nk·D forward over the visited scores, ×3.5 with the backward) "
              "over the best dense matmul rate (torch.mm, oneDNN) in this run: "
              + ", ".join(f"{d} {r * 1e3:.0f} GFLOP/s" for d, r in header["matmul_tflops"].items()),
+             "- auto: attn.attention as a user calls it (the backend attn.choose's table "
+             "prefers); fused: torch's CPU attention kernel per block of attn's plan",
              f"- tiled: the default ({header['tiled_path']}); tiled bmm: ATTN_TILED_GEMM=bmm "
-             "(torch.bmm GEMMs, batched over heads); tiled fused: ATTN_TILED_COMPILE=1 "
+             "(torch.bmm GEMMs, batched over heads); tiled compiled: ATTN_TILED_COMPILE=1 "
              "(per-tile steps compiled by torch.compile, bmm GEMMs)", "",
              "| shape | N | D | dtype | mode | causal | rounds x reps | sdpa ms | tiled ms (p90) | "
              "% mm sdpa / tiled | " + " | ".join(names) + " |",
@@ -201,7 +207,7 @@ def _measure_shape(args, B, H, N, D, dtype, mode, causals) -> list[dict]:
     variants = tuple(TILED_VARIANTS) if args.shape == "square" else ("tiled",)
     rows = []
     for causal in causals:
-        fns = contenders(q, k, v, causal=causal, bwd=bwd, fused=not args.no_fused,
+        fns = contenders(q, k, v, causal=causal, bwd=bwd, compiled=not args.no_compiled,
                          flex_max_n=args.flex_max_n, variants=variants)
         shape = args.shape if args.shape == "square" else f"{args.shape} Nq={n_q} Hkv={h_kv}"
         row = {"shape": shape, "N": N, "D": D, "dtype": dtype, "B": B, "H": H, "mode": mode,

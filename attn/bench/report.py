@@ -55,9 +55,9 @@ def _triton_version() -> str | None:
 
 
 def tiled_path(device: str) -> str:
-    """Which tiled path (eager or fused steps, GEMM engine) a call on ``device`` takes."""
+    """Which tiled path (eager or compiled tiled steps, GEMM engine) a call on ``device`` takes."""
     from attn import tiled
-    return tiled.fused_path_reason(device)
+    return tiled.steps_path_reason(device)
 
 
 def _loadavg() -> float | None:

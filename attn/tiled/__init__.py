@@ -25,9 +25,9 @@ from attn.grads import reduce_to as _reduce_to
 from attn.spec import LaunchSpec
 from attn.tiled.attention import _bwd, _fwd, _TiledAttention, paged_attention, tiled_attention
 from attn.tiled.plan import BLOCK_M, BLOCK_N, DEFAULT, SequenceBlocks, TileConfig, _plan
-from attn.tiled.steps import FUSED_DEFAULT, fused_cpu_default, fused_path_reason
+from attn.tiled.steps import COMPILED_DEFAULT, compiled_steps_default, steps_path_reason
 from attn.tiled.tile import LN2, LOG2E, _Tile
 
-__all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT", "FUSED_DEFAULT", "Grads", "LaunchSpec",
-           "SequenceBlocks", "TileConfig", "fused_cpu_default", "fused_path_reason",
+__all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT", "COMPILED_DEFAULT", "Grads", "LaunchSpec",
+           "SequenceBlocks", "TileConfig", "compiled_steps_default", "steps_path_reason",
            "paged_attention", "sink_grad", "tiled_attention"]

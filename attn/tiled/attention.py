@@ -24,8 +24,8 @@ from attn.tiled.gemm import _Gemm, low_gemms
 from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items,
                              backward_runs, forward_items, item_threads, kv_split,
                              page_ranges)
-from attn.tiled.steps import (_bwd_tile, _bwd_tile_fused, _fusable, _fused_steps, _fwd_tile,
-                              _fwd_tile_fused, _run_fused)
+from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps, _fwd_tile,
+                              _fwd_tile_compiled, _run_compiled)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
                              _values_may_overflow)
 
@@ -456,7 +456,7 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
     lowest = torch.finfo(acc_dtype).min
     if blocks is None:
         blocks = _blocks(spec, Nq, Nk).query_blocks()
-    fused = _fused_steps(q) and engine == "bmm"
+    compiled = _compiled_steps(q) and engine == "bmm"
     tile.values_may_overflow = facts.values_may_overflow
 
     for m0, m1, key_tiles in blocks:
@@ -475,8 +475,8 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
             s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
             c = tile.value_offset(n0, n1)
-            step = (_run_fused(_fwd_tile_fused, m_i, l_i, s, z)
-                    if fused and c is None and _fusable(s) else None)
+            step = (_run_compiled(_fwd_tile_compiled, m_i, l_i, s, z)
+                    if compiled and c is None and _compilable(s) else None)
             p, m_i, l_i, alpha = step if step is not None else _fwd_tile(m_i, l_i, s, z, c)
             gemm.add_pv(acc.mul_(alpha), p, n0, n1)
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
@@ -650,7 +650,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         saturated = (lse2[..., 1] < SATURATED_LOG2L).flatten(0, 1).any(0).cpu()
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
-    fused = _fused_steps(q) and engine == "bmm"
+    compiled = _compiled_steps(q) and engine == "bmm"
     # bf16 dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ q and dQ += dS K (where the forward's GEMMs
     # are bf16; q, k, v share a dtype, so gemm.low and gemm.low_qk agree): P, dS and dO/l
     # each rounded to bf16 once per tile (per query block for dO/l)
@@ -692,8 +692,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             z = tile.dropout_scale(m0, m1, n0, n1) if spec.dropout_p > 0.0 else None
             dp = dp_of(n0, n1)
             step = None
-            if fused and _fusable(s):
-                step = _run_fused(_bwd_tile_fused, s, dp, u, t, lse_blk, delta_blk, z,
+            if compiled and _compilable(s):
+                step = _run_compiled(_bwd_tile_compiled, s, dp, u, t, lse_blk, delta_blk, z,
                                   dsoftcap is not None)
             if step is None:
                 step = _bwd_tile(s, u, t, lse_blk, delta_blk, dp, z, dsoftcap is not None)

@@ -15,7 +15,7 @@ from attn.masks import Blocks, as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
-from attn.tiled.steps import fused_cpu_default
+from attn.tiled.steps import compiled_steps_default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,7 +361,7 @@ def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec, config: TileConfig = DEFA
         return no("score_mod / mask_mod run batched")
     if spec.dropout_rows is not None or spec.alibi_rows is not None:
         return no("packed sequences run batched")
-    if fused_cpu_default():
+    if compiled_steps_default():
         return no("ATTN_TILED_COMPILE=1 compiles the batched steps")
     if torch.compiler.is_compiling():
         return no("under torch.compile")

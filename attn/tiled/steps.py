@@ -1,5 +1,5 @@
 """The per-tile steps of the online softmax (forward update, backward dS), each in exactly one
-place, and the fused CPU path that runs the same steps compiled by torch.compile."""
+place, and the compiled tiled steps: the same steps compiled by torch.compile on CPU."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def _softcap_chain(ds: Tensor, u: Tensor | None, t: Tensor | None, need_dc: bool
     return ds * one_m_t2, dc_terms
 
 
-# -- the fused CPU path: the same two steps, compiled ---------------------------------------
+# -- the compiled tiled steps: the same two steps, compiled ----------------------------------
 # torch.compile (inductor's C++ backend) turns each step's elementwise chain into two loops
 # over the tile (row max, then exp2 / sum / dS) instead of one pass per op, and drops the
 # per-op dispatch. The GEMMs stay eager (torch's bmm). Shapes are symbolic (dynamic=True:
@@ -73,7 +73,7 @@ def _softcap_chain(ds: Tensor, u: Tensor | None, t: Tensor | None, need_dc: bool
 # recompile; each combination of dtype, step variant and size-1 dims compiles once per
 # process, in a code object of its own so that no combination eats another's recompile budget.
 
-def _fwd_tile_fused(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
+def _fwd_tile_compiled(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_fwd_tile` without the P·V GEMM, functional (for torch.compile): returns
     ``(p, m_new, l_new, alpha)``; ``acc ← alpha·acc + p V`` stays with the caller."""
@@ -86,7 +86,7 @@ def _fwd_tile_fused(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
     return p, m_new, l_new, alpha
 
 
-def _bwd_tile_fused(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
+def _bwd_tile_compiled(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
                     delta_blk: Tensor, z: Tensor | None, need_dc: bool
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """:func:`_bwd_tile` after the dP GEMM, functional (for torch.compile)."""
@@ -100,32 +100,32 @@ def _bwd_tile_fused(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None, l
 
 
 _COMPILED: dict[str, Callable] = {}
-_FUSED_FAILED: str | None = None  # why the fused path is off for this process, once it failed
+_COMPILED_FAILED: str | None = None  # why the compiled steps are off for this process, once it failed
 
 
-def fused_cpu_default() -> bool:
-    """Whether the fused path is on: ``ATTN_TILED_COMPILE=0|1``, read at each call."""
-    flag = os.environ.get("ATTN_TILED_COMPILE", "1" if FUSED_DEFAULT else "0").strip()
+def compiled_steps_default() -> bool:
+    """Whether the compiled tiled steps are on: ``ATTN_TILED_COMPILE=0|1``, read at each call."""
+    flag = os.environ.get("ATTN_TILED_COMPILE", "1" if COMPILED_DEFAULT else "0").strip()
     if flag not in ("0", "1"):
         raise ValueError(f"ATTN_TILED_COMPILE must be 0 or 1, got {flag!r}")
     return flag == "1"
 
 
 # Chosen by measurement (benchmarks/results/cpu/, README "CPU speed").
-FUSED_DEFAULT = False
+COMPILED_DEFAULT = False
 
 
-def fused_path_reason(device: torch.device | str) -> str:
+def steps_path_reason(device: torch.device | str) -> str:
     """Which tiled path a call on ``device`` will try, for :func:`attn.select_backend`: the
     per-tile steps (eager or compiled) and the GEMM engine."""
     if torch.device(device).type != "cpu":
-        return "eager tiled steps (the fused path is CPU only)"
-    if not fused_cpu_default():
+        return "eager tiled steps (the compiled steps are CPU only)"
+    if not compiled_steps_default():
         steps = "eager tiled steps (ATTN_TILED_COMPILE=0)"
-    elif _FUSED_FAILED is not None:
-        steps = f"eager tiled steps (the fused path failed earlier: {_FUSED_FAILED})"
+    elif _COMPILED_FAILED is not None:
+        steps = f"eager tiled steps (the compiled steps failed earlier: {_COMPILED_FAILED})"
     else:
-        return "fused CPU steps (torch.compile, ATTN_TILED_COMPILE=1); GEMMs: torch.bmm"
+        return "compiled tiled steps (torch.compile, ATTN_TILED_COMPILE=1); GEMMs: torch.bmm"
     if torch.compiler.is_compiling():  # traced into a graph: no worker threads, no timing
         return f"{steps}; GEMMs: torch.bmm (under torch.compile)"
     engine, why = cpu.gemm_engine()
@@ -135,9 +135,9 @@ def fused_path_reason(device: torch.device | str) -> str:
     return f"{steps}; GEMMs: torch.bmm ({why})"
 
 
-def _fused_steps(q: Tensor) -> bool:
+def _compiled_steps(q: Tensor) -> bool:
     """Whether this call's full-size tiles take the compiled steps."""
-    return (q.device.type == "cpu" and _FUSED_FAILED is None and fused_cpu_default()
+    return (q.device.type == "cpu" and _COMPILED_FAILED is None and compiled_steps_default()
             and not torch.compiler.is_compiling())
 
 
@@ -150,18 +150,18 @@ def _compiled(fn: Callable, key: tuple) -> Callable:
     return _COMPILED[key]
 
 
-def _fusable(s: Tensor) -> bool:
+def _compilable(s: Tensor) -> bool:
     """A tile with one row or one column (decoding, N ≡ 1 mod the block) stays eager: it is
     tiny, and a size-1 dim would make dynamo build one more graph."""
     return s.shape[1] > 1 and s.shape[2] > 1
 
 
-def _run_fused(fn: Callable, *args):
-    """``fn(*args)`` compiled, or None when compiling or running it fails: then the fused
+def _run_compiled(fn: Callable, *args):
+    """``fn(*args)`` compiled, or None when compiling or running it fails: then the compiled
     path is switched off with one warning and the caller runs the eager step. The compiled
     functions are functional, so a failed call changed nothing."""
-    global _FUSED_FAILED
-    if _FUSED_FAILED is not None:  # failed on an earlier tile of this call
+    global _COMPILED_FAILED
+    if _COMPILED_FAILED is not None:  # failed on an earlier tile of this call
         return None
     # contiguous inputs: a stride that follows N (a row slice of lse) would recompile
     args = tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args)
@@ -180,9 +180,9 @@ def _run_fused(fn: Callable, *args):
             return _compiled(fn, key)(*args)
     except Exception as exc:  # no C++ compiler, an inductor error: eager is always exact
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        _FUSED_FAILED = f"{type(exc).__name__}: {first}"
-        warnings.warn(f"attn: the fused CPU path of the tiled backend could not run "
-                      f"({_FUSED_FAILED}); using the eager tiled path for the rest of this "
+        _COMPILED_FAILED = f"{type(exc).__name__}: {first}"
+        warnings.warn(f"attn: the compiled tiled steps could not run "
+                      f"({_COMPILED_FAILED}); using the eager tiled path for the rest of this "
                       f"process. Set ATTN_TILED_COMPILE=0 to silence this.", RuntimeWarning,
                       stacklevel=3)
         return None

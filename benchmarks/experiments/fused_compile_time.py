@@ -42,7 +42,7 @@ def main(argv=None):
     second = step(1, args.n)
     graphs = counters["stats"]["unique_graphs"]
     others = [step(B, n) for B, n in ((1, args.n + 300), (2, args.n // 2 + 77), (3, 1000))]
-    print(f"fused path: {tiled.fused_path_reason('cpu')}")
+    print(f"fused path: {tiled.steps_path_reason('cpu')}")
     print(f"first fwd+bwd call (compiles): {first:.1f} s; second: {second:.2f} s; "
           f"one-time compile cost ~{first - second:.1f} s")
     print(f"graphs after the first shape: {graphs}; after 3 more lengths/batches: "

@@ -41,15 +41,15 @@ def _tiled(**fixed):
 @pytest.fixture
 def fused(monkeypatch):
     monkeypatch.setenv("ATTN_TILED_COMPILE", "1")
-    monkeypatch.setattr(tiled.steps, "_FUSED_FAILED", None)
+    monkeypatch.setattr(tiled.steps, "_COMPILED_FAILED", None)
     calls = []
-    real = tiled.attention._run_fused
+    real = tiled.attention._run_compiled
 
     def counting(fn, *args):
         out = real(fn, *args)
         calls.append(out is not None)
         return out
-    monkeypatch.setattr(tiled.attention, "_run_fused", counting)
+    monkeypatch.setattr(tiled.attention, "_run_compiled", counting)
     return calls
 
 
@@ -127,7 +127,7 @@ def test_compile_failure_warns_once_and_falls_back(fused, monkeypatch):
 
 def test_switch_and_reason(monkeypatch):
     call = AttentionCall(device="cpu", dtype=torch.float32, head_dim=16, head_dim_v=16, n_q=8, n_k=8)
-    monkeypatch.setattr(tiled.steps, "_FUSED_FAILED", None)
+    monkeypatch.setattr(tiled.steps, "_COMPILED_FAILED", None)
     monkeypatch.setenv("ATTN_TILED_COMPILE", "0")
     assert "eager" in select_backend(call).reason
     assert "eager" in select_backend(call, "tiled").reason
@@ -140,12 +140,12 @@ def test_switch_and_reason(monkeypatch):
     with pytest.raises(ValueError, match="ATTN_TILED_COMPILE"):
         select_backend(call)
     monkeypatch.delenv("ATTN_TILED_COMPILE")
-    assert ("fused" in select_backend(call).reason) == tiled.FUSED_DEFAULT
+    assert ("fused" in select_backend(call).reason) == tiled.COMPILED_DEFAULT
 
 
 def test_eager_path_runs_no_compiled_step(monkeypatch):
     monkeypatch.setenv("ATTN_TILED_COMPILE", "0")
-    monkeypatch.setattr(tiled.attention, "_run_fused", lambda *a: pytest.fail("fused step ran"))
+    monkeypatch.setattr(tiled.attention, "_run_compiled", lambda *a: pytest.fail("fused step ran"))
     q, k, v = _inputs(seed=8)
     assert_close_to_reference(_tiled(), q, k, v, causal=True)
 
