@@ -14,7 +14,7 @@ import torch
 import attn
 from attn import tiled
 from attn.masks import Band
-from attn.testing import assert_close_to_reference
+from attn.testing import assert_close_to_reference, make_inputs
 from attn.tiled import cpu
 from attn.tiled.gemm import _native_bf16
 from attn.tiled.plan import backward_items, backward_runs, forward_items, kv_split
@@ -88,6 +88,37 @@ def test_items_cover_every_block_once(shape):
     assert covered == with_keys  # in order, each once
     assert all(i0 < i1 for i0, i1 in runs) and len(runs) <= tiled.DEFAULT.bwd_max_runs
     assert all(a[1] <= b[0] for a, b in zip(runs, runs[1:]))
+
+
+@pytest.mark.parametrize("Hkv", [1, 2, 4, 8])
+def test_backward_cut_depends_on_the_heads_not_the_batch(Hkv):
+    # each batch row and kv-head group is its own chunk, and the runs of query blocks fill
+    # what the heads do not give: the same cut for one sequence alone and in a batch of 6,
+    # and no dK/dV partial (one run) where there are 4 kv heads or more
+    cuts = []
+    for B in (1, 6):
+        _, bwd = _plan(H=8, Hkv=Hkv, Nq=300, Nk=300, band=Band(0, None, 0), B=B)
+        rows = [[(c.h0, c.h1) for c in bwd.chunks if c.b0 == b] for b in range(B)]
+        assert all(c.b1 == c.b0 + 1 for c in bwd.chunks) and all(r == rows[0] for r in rows)
+        cuts.append((rows[0], backward_runs(bwd)))
+    assert cuts[0] == cuts[1]
+    groups, runs = cuts[0]
+    assert len(groups) == min(Hkv, 4) and len(runs) == -(-4 // min(Hkv, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_bits_do_not_depend_on_the_batch(dtype):
+    q, k, v = make_inputs(B=6, H=8, Hkv=2, N=300, D=32, dtype=dtype, seed=1)
+
+    def grads(q, k, v):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = attn.attention(q, k, v, causal=True, backend="tiled", return_lse=True)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out, lse, q.grad, k.grad, v.grad
+    full, alone, mixed = grads(q, k, v), grads(q[2:3], k[2:3], v[2:3]), grads(
+        q[[4, 2]], k[[4, 2]], v[[4, 2]])
+    for f, a, m in zip(full, alone, mixed):
+        assert torch.equal(a[0], f[2]) and torch.equal(m[1], f[2])
 
 
 def test_kv_split_depends_on_the_shapes_alone():

@@ -59,14 +59,15 @@ class TileConfig:
     # Every eager CPU call runs as work items (attn.tiled.cpu.run_items): the forward's are
     # (chunk, query block) pairs; the backward's (chunk, run of query blocks), each run
     # accumulating dK/dV into a partial of its own when a chunk has several (summed in run
-    # order afterwards). Each chunk is cut into as many runs as it takes to reach bwd_items
-    # items, at most bwd_max_runs (each run costs one more dK/dV-sized partial). Cutting a
-    # batched call into per-head units for more items measured slower, quiet and with a core
-    # busy (B=1, H=8, N=4096 causal fwd+bwd on 2 Zen 4 cores: 0.86 / 0.87 of SDPA against
-    # 0.87-0.90 / 0.90 with 4 runs of the batched chunk): per-head tiles are 8x the torch
-    # ops, and the Python between them holds the GIL. None of these counts depends on the
-    # number of workers, so neither do the results.
-    bwd_items: int = 16
+    # order afterwards). The backward gets about bwd_items items per batch chunk from its kv
+    # heads first: a batched chunk is cut into min(Hkv, bwd_items) head groups, each writing
+    # its own dK/dV rows (no partial), and only what the heads cannot give comes from runs
+    # of query blocks (at most bwd_max_runs; each run beyond the first costs a dK/dV partial,
+    # small where there are few kv heads). The former rule, runs filling 16 items over the
+    # chunks, held up to 3 partials of the whole dK/dV (2.1x SDPA's fwd+bwd peak at
+    # B=1, H=8) and cut differently at another batch size; head groups and runs depend on
+    # the kv heads and the blocks only, never on the batch or the number of workers.
+    bwd_items: int = 4
     bwd_max_runs: int = 4
     # Calls that visit fewer scores than this run their items in order on the caller (with
     # one intra-op thread, so the same bits): waking the workers would cost more than the
@@ -207,6 +208,13 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     if unit:
         units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
         return _finish(_Plan(units, "onednn", uspec), q, k, config, backward)
+    if backward and _items_here(q) and spec.mask_blocks is None and spec.mask_mod is None:
+        # the forward's chunks cut into head groups (a block mask is classified in one
+        # call's own positions and heads: it keeps whole chunks)
+        plan = _plan(q, k, spec, v, config)
+        return plan._replace(chunks=head_groups(plan.chunks, config), kv_chunk=None,
+                             blocks=tuple(_blocks(plan.spec, q.shape[2], k.shape[2])
+                                          .query_blocks()))
     spec = config.tiles(spec)
     whole = [_Chunk(0, B, 0, Hkv, B, H, Hkv)]
     if spec.score_mod is not None or spec.mask_mod is not None \
@@ -270,13 +278,16 @@ def forward_items(plan: _Plan) -> list[tuple[int, int]]:
 
 def backward_runs(plan: _Plan, config: TileConfig = DEFAULT) -> list[tuple[int, int]]:
     """The backward's runs of query blocks, ``[(i0, i1), ...]`` covering every block with
-    key tiles once, in order: as many runs as it takes to give ``config.bwd_items`` items
-    over the plan's chunks (at most ``bwd_max_runs``, at most one per block), cut where
-    the visited scores are about evenly split. Shapes alone decide it."""
+    key tiles once, in order: as many as ``config.bwd_items`` items per batch chunk need
+    beyond its head groups (:func:`head_groups`; the unit path's single heads), at most
+    ``bwd_max_runs`` and one per block, cut where the visited scores are about evenly split.
+    The kv heads and the blocks alone decide it, never the batch."""
     blocks = [i for i, b in enumerate(plan.blocks) if b[2]]
     if not blocks:
         return []
-    want = -(-config.bwd_items // len(plan.chunks))
+    # chunks per batch chunk: the same for every batch size (head groups, or unit heads)
+    groups = len(plan.chunks) // len({(c.b0, c.b1) for c in plan.chunks})
+    want = -(-config.bwd_items // groups)
     n_runs = max(1, min(want, config.bwd_max_runs, len(blocks)))
     costs = [_cost(plan.blocks[i]) for i in blocks]
     total, runs, start, acc = sum(costs), [], 0, 0
@@ -289,6 +300,25 @@ def backward_runs(plan: _Plan, config: TileConfig = DEFAULT) -> list[tuple[int, 
             runs.append((blocks[start], blocks[j] + 1))
             start = j + 1
     return runs
+
+
+def head_groups(chunks: list[_Chunk], config: TileConfig = DEFAULT) -> list[_Chunk]:
+    """The backward's chunks: each batched chunk cut into its batch rows, and each row's kv
+    heads into ``min(Hkv, bwd_items)`` groups of consecutive heads (each writes its own dK/dV
+    rows). So every tile GEMM of a sequence is the same whatever else shares its batch (a
+    batched GEMM over one matrix or over several may round differently); chunks already
+    narrower (the unit path's single heads) stay."""
+    out = []
+    for c in chunks:
+        n = c.h1 - c.h0
+        if n < c.Hkv:
+            out.append(c)
+            continue
+        groups = min(n, config.bwd_items)
+        cuts = [c.h0 + round(i * n / groups) for i in range(groups + 1)]
+        out += [c._replace(b0=b, b1=b + 1, h0=h0, h1=h1) for b in range(c.b0, c.b1)
+                for h0, h1 in zip(cuts, cuts[1:])]
+    return out
 
 
 def backward_items(plan: _Plan, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
