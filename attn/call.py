@@ -522,7 +522,8 @@ def _fused_keys_ok(k: Tensor, spec: LaunchSpec, ops: Operands) -> bool:
     would still reach its row (0 * NaN); such calls run on tiled, which never reads a masked
     key's score. One summing pass over k on CPU (a finite sum proves every key finite; an
     overflowing one only sends the call to tiled)."""
-    masked = ops.attn_mask is not None or not spec.band.is_full
+    masked = (ops.attn_mask is not None or not spec.band.is_full or spec.mask_mod is not None
+              or spec.mask_blocks is not None)
     if not masked or k.device.type != "cpu" or torch.compiler.is_compiling():
         return True
     return math.isfinite(k.sum(dtype=acc_dtype(k.dtype)).item())

@@ -43,7 +43,8 @@ from torch import Tensor
 
 from attn import workers
 from attn.grads import Grads, sink_grad
-from attn.masks import Band, as_4d
+from attn.masks import EMPTY, FULL, PARTIAL, Band, Blocks, as_4d, band_kinds, combine_kinds
+from attn.mods import mask_mod_kinds
 from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
@@ -116,8 +117,8 @@ SPEC_DECISIONS: dict[str, str] = {
     "block_m": "read",  # query rows per block, where set
     "block_n": "read",  # ignored: torch's kernel tiles the keys itself
     "score_mod": "default",
-    "mask_mod": "default",  # not yet evaluated per piece
-    "mask_blocks": "default",
+    "mask_mod": "read",  # evaluated per partial piece into a bool mask
+    "mask_blocks": "read",  # which tiles are skipped, full (no mask) or partial
     "dropout_rows": "default",
     "alibi_rows": "default",  # packed ALiBi reads operands.alibi per sequence instead
     "max_seqlen_q": "read",  # packed sequences: one item per sequence, never a tile of two
@@ -151,8 +152,6 @@ def call_reason(call) -> str | None:
     or None: the allow-list over its fields, then the device's ops."""
     if call.score_mod:
         return "score_mod (torch's fused kernel has no score transform)"
-    if call.mask_mod:
-        return "mask_mod / block masks (not yet evaluated per piece)"
     if call.softcap is not None:
         return "softcap (torch's fused kernel has no score transform)"
     if call.dropout:
@@ -297,12 +296,68 @@ class _Plan(NamedTuple):
     blocks: list[tuple[int, int]]  # query blocks in the sequence's positions
     ranges: list[tuple[int, int]]  # key ranges (split-KV), else [(0, Nk)]
     masked: bool  # every piece gets a mask (a user mask, ALiBi)
+    # a mask_mod / block mask's pieces per query block (tiles grouped: full runs without a
+    # mask, partial runs masked), None where the band alone cuts the blocks
+    mask_pieces: list[list[Piece]] | None = None
+
+
+MASK_BLOCK = 128  # the tiles a mask_mod is classified over (spec.block_m / _n win)
+
+
+def _mask_plan(seq: Seq, spec: LaunchSpec, H: int) -> _Plan:
+    """A call with a mask_mod or a block mask: its tile classification (a block mask's own,
+    else the mask_mod evaluated over this sequence's rows, every head) combined with the
+    band; query blocks are its rows of tiles, each cut into pieces of consecutive full tiles
+    (no mask) and consecutive partial ones (band and mask_mod evaluated); empty tiles are
+    never called. A mask_mod is classified per batch row, so no other row changes the cut."""
+    n_q, n_k = seq.q1 - seq.q0, seq.k1 - seq.k0
+    mb = spec.mask_blocks
+    if isinstance(mb, Blocks):
+        bm, bn = mb.block_m, mb.block_n
+        kinds = combine_kinds(mb.kinds(), band_kinds(seq.band, n_q, n_k, bm, bn))
+    else:
+        bm, bn = spec.block_m or MASK_BLOCK, spec.block_n or MASK_BLOCK
+        kinds = band_kinds(seq.band, n_q, n_k, bm, bn)
+        if spec.mask_mod is not None:
+            visit, full = mask_mod_kinds(_global_mask_mod(spec, seq), 1, H, n_q, n_k, bm, bn)
+            grid = torch.where(full.all(1)[0], FULL,
+                               torch.where(visit.any(1)[0], PARTIAL, EMPTY)).to(torch.int8)
+            kinds = combine_kinds(kinds, grid)
+    blocks, per_block = [], []
+    for i in range(kinds.shape[0]):
+        m0, m1 = i * bm, min((i + 1) * bm, n_q)
+        ps: list[Piece] = []
+        for j in range(kinds.shape[1]):
+            kind = int(kinds[i, j])
+            if kind == EMPTY:
+                continue
+            n0, n1, masked = j * bn, min((j + 1) * bn, n_k), kind != FULL
+            if ps and ps[-1].n1 == n0 and ps[-1].masked == masked:
+                ps[-1] = ps[-1]._replace(n1=n1)
+            else:
+                ps.append(Piece(n0, n1, masked=masked))
+        blocks.append((m0, m1))
+        per_block.append(ps)
+    return _Plan(blocks, [(0, n_k)], False, per_block)
+
+
+def _global_mask_mod(spec: LaunchSpec, seq: Seq) -> Callable:
+    """The call's mask_mod seen from one sequence's own positions (batch row 0, its rows
+    and keys from 0): it reads the global batch row, heads and positions."""
+    mask_mod = spec.mask_mod
+
+    def local(b, h, q_idx, kv_idx):
+        return mask_mod(b + seq.b, h + spec.head_start, q_idx + spec.q_start,
+                        kv_idx + spec.k_start)
+    return local
 
 
 def plan(seq: Seq, hkv: int, spec: LaunchSpec, ops: Operands, config: FusedConfig = DEFAULT,
-         *, backward: bool = False) -> _Plan:
+         *, backward: bool = False, heads: int | None = None) -> _Plan:
     """How one sequence is cut: its query blocks and (forward, decoding) key ranges."""
     n_q, n_k = seq.q1 - seq.q0, seq.k1 - seq.k0
+    if spec.mask_mod is not None or spec.mask_blocks is not None:
+        return _mask_plan(seq, spec, hkv if heads is None else heads)
     every = ops.attn_mask is not None or ops.alibi is not None
     chunk = None if backward else kv_split(n_q, n_k, config)
     if chunk is not None:
@@ -323,6 +378,10 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
     """The pieces of query block ``[m0, m1)`` within keys ``[n_lo, n_hi)``, masked ones (or
     all, where everything is masked) cut to at most ``masked_block_n`` keys."""
     out = []
+    if p.mask_pieces is not None:  # a mask's tiles: its own pieces, already cut
+        ps = p.mask_pieces[p.blocks.index((m0, m1))]
+        return _cut([pc for pc in ps if pc.masked], config.masked_block_n) + [
+            pc for pc in ps if not pc.masked]
     for pc in pieces(seq.band, m0, m1, seq.k1 - seq.k0):
         n0, n1 = max(pc.n0, n_lo), min(pc.n1, n_hi)
         if n0 >= n1:
@@ -339,8 +398,8 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
 # -- launchers ---------------------------------------------------------------------------------
 
 def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: slice,
-                m0: int, m1: int, pc: Piece, dtype: torch.dtype, device: torch.device
-                ) -> tuple[Tensor | None, Tensor | None]:
+                m0: int, m1: int, pc: Piece, dtype: torch.dtype, device: torch.device,
+                mask_mod: Callable | None = None) -> tuple[Tensor | None, Tensor | None]:
     """The additive mask of one piece ``(1, G or 1, rows, keys)`` in q's dtype (0 / -inf for
     bool masks and the band, a float mask's values, ALiBi's bias), and which rows see no key
     of the piece ``(G or 1, rows)`` (None when every row sees one)."""
@@ -350,6 +409,11 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
     cols = torch.arange(pc.n0, pc.n1, device=device)
     keep = seq.band.mask(rows, cols)  # (rows, keys), None for a bandless call
     keep = None if keep is None else keep[None, None]
+    if mask_mod is not None and pc.masked:  # (1, G or 1, rows, keys) in the call's positions
+        hs = torch.arange(heads.start, heads.stop, device=device).view(1, -1, 1, 1)
+        mm = mask_mod(torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device), hs,
+                      rows.view(1, 1, -1, 1), cols.view(1, 1, 1, -1))
+        keep = mm if keep is None else keep & mm
     add = None
     if mask4 is not None:
         user = mask4[seq.b if mask4.shape[0] > 1 else 0,
@@ -368,8 +432,8 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
     shape = (1, 1, m1 - m0, pc.n1 - pc.n0)
     if add is None:
         add = torch.zeros(shape, dtype=dtype, device=device)
-    if keep is not None:
-        add = add.masked_fill(~keep, float("-inf"))
+    if keep is not None:  # (a per-head keep widens the mask to the heads)
+        add = torch.where(keep, add, torch.tensor(float("-inf"), dtype=dtype, device=device))
     add = add.expand(*add.shape[:2], *shape[2:])
     empty = ~(add[0] > float("-inf")).any(-1)  # (G or 1, rows): rows that see no key here
     return add, (empty if bool(empty.any()) else None)
@@ -394,7 +458,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     acc = _acc_dtype(q.dtype)
     mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
     seqs = sequences(q, k, spec, ops)
-    plans = [plan(s, Hkv, spec, ops, config) for s in seqs]
+    plans = [plan(s, Hkv, spec, ops, config, heads=H) for s in seqs]
+    mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
     R = max((len(p.ranges) for p in plans), default=1)
     out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
@@ -414,7 +479,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         outs, lses = [], []
         for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config):
             add, empty = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype,
-                                     q.device)
+                                     q.device, mask_mods[si])
             kb = k[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
             vb = v[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
             o, l_ = ops_cpu.fwd(qb, kb, vb, 0.0, pc.causal and add is None, attn_mask=add,
@@ -528,7 +593,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     seqs = sequences(q, k, spec, ops)
     if precise is not None and lse_too_large(lse, q.dtype):
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
-    plans = [plan(s, Hkv, spec, ops, config, backward=True) for s in seqs]
+    plans = [plan(s, Hkv, spec, ops, config, backward=True, heads=H) for s in seqs]
+    mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
     runs = [bwd_runs(len(p.blocks), Hkv, config) for p in plans]
     # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
     lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
@@ -568,7 +634,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             dq_blk = dq[s.b, heads, rows]
             for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config):
                 add, _ = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype,
-                                     q.device)
+                                     q.device, mask_mods[si])
                 kb = k[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
                 vb = v[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
                 if pad is not None:

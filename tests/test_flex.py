@@ -121,6 +121,22 @@ def test_gym_examples_match_reference(name, dtype, small_tiles):
     assert_close_to_reference(small_tiles, q, k, v, **kw)
 
 
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "document", "dilated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gym_masks_on_the_fused_backend(name, dtype):
+    # torch's fused kernel per piece: the mask's empty tiles skipped, its full ones run
+    # without a mask, its partial ones with the mask_mod evaluated there (16 x 16 tiles)
+    q, k, v = make_inputs(B=2, H=4, N=97, Nk=83, D=16, Hkv=2, dtype=dtype, seed=1)
+    kw, _ = gym_case(name, 2, 4, 97, 83, dtype=torch.float32, grad=False)
+    fused = functools.partial(attn.attention, backend="fused", block_m=16, block_n=16)
+    assert_close_to_reference(fused, q, k, v, **kw)
+    # a torch BlockMask too: its own tiles
+    bm = attn.create_block_mask(kw["mask_mod"], 2, 1, 97, 83, BLOCK_SIZE=32)
+    assert_close_to_reference(lambda q, k, v, mask_mod, **a: attn.flex_attention(
+        q, k, v, block_mask=bm, enable_gqa=True, backend="fused", return_lse=True), q, k, v,
+        mask_mod=kw["mask_mod"])  # the reference applies the mask_mod; fused, the BlockMask
+
+
 @pytest.mark.parametrize("name", ["alibi", "relative_bias"])
 def test_captured_gradients_match_reference_and_repeat_bit_for_bit(name, small_tiles):
     """The captured table's gradient is within budget of the float64 one (3x plain fp32's
