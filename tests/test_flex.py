@@ -295,7 +295,7 @@ def test_document_mask_skips_empty_tiles(monkeypatch):
     block_mask = attn.create_block_mask(same_doc, None, None, N, N, BLOCK_SIZE=bs)
     counts["mask"] = 0
     q, k, v = make_inputs(B=1, H=2, N=N, D=8, seed=10)
-    attn.flex_attention(q, k, v, block_mask=block_mask)
+    attn.flex_attention(q, k, v, block_mask=block_mask, backend="tiled")  # tiled's tiles
     assert counts == {"tiles": n_docs, "mask": 0}  # the diagonal only, all full
 
     # shifted documents: every diagonal tile straddles a boundary and evaluates the mask

@@ -287,3 +287,43 @@ def test_a_schema_mismatch_turns_fused_off_with_one_warning(monkeypatch):
         monkeypatch.undo()
         fused._cpu_ops.cache_clear()
     assert not isinstance(fused._cpu_ops(), str)
+
+
+# -- auto's table ----------------------------------------------------------------------------------
+
+def test_auto_reads_the_committed_table_per_cpu_kind_dtype_and_class(monkeypatch, tmp_path):
+    from attn import choose
+    table = {"testkind": {"cpu": "a test CPU", "entries": {
+        "float32": {"dense": {"backend": "tiled", "ratio": 1.3},
+                    "decode": {"backend": "fused", "ratio": 0.8}}}}}
+    path = tmp_path / "table.json"
+    path.write_text(__import__("json").dumps(table))
+    monkeypatch.setattr(choose, "cpu_kind", lambda: "testkind")
+    monkeypatch.setattr(choose, "load_table", lambda: table)
+
+    def choice(**kw):
+        base = dict(device="cpu", dtype=torch.float32, head_dim=64, head_dim_v=64, n_q=512,
+                    n_k=512)
+        return attn.select_backend(attn.AttentionCall(**{**base, **kw}))
+    dense, decode = choice(), choice(n_q=1, n_k=16384)
+    assert dense.name == "tiled" and "measured on testkind (a test CPU)" in dense.reason
+    assert decode.name == "fused" and "decode float32 fused/tiled time 0.80" in decode.reason
+    # a cell the table lacks: the documented fallback, and the reason says so
+    train = choice(grad=True)
+    assert train.name == choose.FALLBACK["train"] and "no measured entry" in train.reason
+    bf16 = choice(dtype=torch.bfloat16, n_q=1, n_k=16384)
+    assert bf16.name == choose.FALLBACK["decode"] and "default" in bf16.reason
+    # what fused cannot compute never takes it, whatever the table says
+    assert choice(n_q=1, n_k=16384, softcap="fixed").name == "tiled"
+
+
+def test_the_committed_table_is_well_formed():
+    from attn import choose
+    table = choose.load_table()
+    for kind, entry in table.items():
+        assert isinstance(entry["cpu"], str) and entry["cpu"], kind
+        for dtype, cells in entry["entries"].items():
+            assert isinstance(getattr(torch, dtype), torch.dtype)
+            for cls, cell in cells.items():
+                assert cls in choose.CLASSES and cell["backend"] in ("fused", "tiled")
+                assert cell["ratio"] > 0
