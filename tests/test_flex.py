@@ -302,7 +302,7 @@ def test_document_mask_skips_empty_tiles(monkeypatch):
     doc = (torch.arange(N) + bs // 2) // bs
     block_mask = attn.create_block_mask(same_doc, None, None, N, N, BLOCK_SIZE=bs)
     counts.update(tiles=0, mask=0)
-    attn.flex_attention(q, k, v, block_mask=block_mask)
+    attn.flex_attention(q, k, v, block_mask=block_mask, backend="tiled")
     visited = int((block_mask.kv_num_blocks + block_mask.full_kv_num_blocks).sum())
     assert counts["tiles"] == visited < (N // bs) ** 2
     assert counts["mask"] == int(block_mask.kv_num_blocks.sum()) > 0
