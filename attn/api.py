@@ -88,6 +88,11 @@ def attention(
     by measurement); the other backends ignore them (triton autotunes its own).
     """
     _validate_qkv(q, k, v, allow_empty=True)
+    if isinstance(attn_mask, _CausalBias):  # its tensor data is not a mask: never read it
+        raise TypeError(f"attn_mask is a torch CausalBias ({attn_mask.variant.name}), which "
+                        f"attn.attention does not take: pass causal=True (bottom-right, "
+                        f"causal_lower_right's alignment), or give the bias to "
+                        f"attn.scaled_dot_product_attention, torch's drop-in")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))

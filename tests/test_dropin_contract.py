@@ -111,6 +111,12 @@ def test_patch_routes_a_bias_from_sdpa_bound_before_it(variant, L, S):
     torch.testing.assert_close(late, theirs, rtol=1e-12, atol=1e-12)
 
 
+def test_attention_refuses_a_causal_bias_it_would_misread():
+    q, k, v = _qkv((1, 2), 4, 6, seed=3, requires_grad=False)
+    with pytest.raises(TypeError, match="CausalBias.*causal=True"):
+        attn.attention(q, k, v, attn_mask=causal_lower_right(4, 6))
+
+
 # -- attn_mask with is_causal ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
