@@ -223,3 +223,30 @@ def test_export_with_dynamic_lengths_runs_at_other_lengths(case):
         for a, b in zip(torch.autograd.grad(got, (q, k, v), do),
                         torch.autograd.grad(exact, (q64, k64, v64), do.double())):
             torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+class _WithLse(torch.nn.Module):
+    def forward(self, q, k, v):
+        return attn.attention(q, k, v, causal=True, return_lse=True)
+
+
+def test_export_carries_the_lse_and_its_gradient():
+    """attn.attention(return_lse=True) exported: the lse at another length, and a loss on
+    it reaching q and k through the exported backward."""
+    from torch.export import Dim, export
+
+    n = Dim("n", min=2, max=4096)
+    g = torch.Generator().manual_seed(8)
+    example = tuple(torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    program = export(_WithLse(), example, dynamic_shapes=({2: n},) * 3).module()
+    q, k, v = (torch.randn(1, 2, 70, 8, generator=g).requires_grad_() for _ in range(3))
+    out, lse = program(q, k, v)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = attn.attention(q64, k64, v64, causal=True, return_lse=True,
+                                  backend="reference")
+    torch.testing.assert_close(lse.double(), lse64, rtol=2e-5, atol=2e-5)
+    w = torch.randn(lse.shape, generator=g)
+    for a, b in zip(torch.autograd.grad((out.sum() + (lse * w).sum()), (q, k, v)),
+                    torch.autograd.grad((out64.sum() + (lse64 * w.double()).sum()),
+                                        (q64, k64, v64))):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)

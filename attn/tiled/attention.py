@@ -800,18 +800,19 @@ def _(q, k, v, attn_mask, scale, offset, left, right, softcap, block_m, block_n)
 
 
 @torch.library.custom_op("attn::tiled_bwd", mutates_args=())
-def _bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-            attn_mask: Tensor | None, scale: float, offset: int, left: int | None,
-            right: int | None, softcap: float | None, block_m: int | None,
+def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+            lse: Tensor, attn_mask: Tensor | None, scale: float, offset: int,
+            left: int | None, right: int | None, softcap: float | None, block_m: int | None,
             block_n: int | None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (see :func:`_bwd`)."""
     spec = _export_spec(scale, offset, left, right, softcap, block_m, block_n)
-    g = _bwd(do.contiguous(), None, q, k, v, out, lse, spec, Operands(attn_mask=attn_mask))
+    g = _bwd(do.contiguous(), dlse, q, k, v, out, lse, spec, Operands(attn_mask=attn_mask))
     return g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype)
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, out, lse, attn_mask, scale, offset, left, right, softcap, block_m, block_n):
+def _(do, dlse, q, k, v, out, lse, attn_mask, scale, offset, left, right, softcap, block_m,
+      block_n):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -821,9 +822,9 @@ def _fwd_op_setup(ctx, inputs, output) -> None:
 
 
 def _fwd_op_backward(ctx, dout, dlse):
-    # the lse is the drop-in's by-product, never an output of its own: no gradient flows in
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, attn_mask, *ctx.fields)
+    do = torch.zeros_like(out) if dout is None else dout  # only the lse was used
+    dq, dk, dv = _bwd_op(do, dlse, q, k, v, out, lse, attn_mask, *ctx.fields)
     return (dq, dk, dv) + (None,) * (1 + len(ctx.fields))
 
 
