@@ -11,14 +11,16 @@ import math
 
 import torch
 from torch import Tensor
+from torch.nn.attention.bias import CausalBias as _CausalBias
+from torch.nn.attention.bias import CausalVariant as _CausalVariant
 
 # the checks and the backend choice live in attn.call; their names stay importable from here
 from attn.call import (BACKENDS, _FLOAT_DTYPES, AttentionCall, BackendChoice,  # noqa: F401
                        _check_mods, _check_tensor, _draw_seed, _positive, _validate_alibi,
                        _validate_dropout, _validate_mask, _validate_qkv, _validate_sinks,
-                       acc_dtype, attend, resolve, run, select_backend,
+                       acc_dtype, attend, resolve, run, sdpa_errors, select_backend,
                        unsupported_reason)
-from attn.masks import make_band, window_pair
+from attn.masks import Band, make_band, window_pair
 
 
 def attention(
@@ -86,6 +88,11 @@ def attention(
     by measurement); the other backends ignore them (triton autotunes its own).
     """
     _validate_qkv(q, k, v, allow_empty=True)
+    if isinstance(attn_mask, _CausalBias):  # its tensor data is not a mask: never read it
+        raise TypeError(f"attn_mask is a torch CausalBias ({attn_mask.variant.name}), which "
+                        f"attn.attention does not take: pass causal=True (bottom-right, "
+                        f"causal_lower_right's alignment), or give the bias to "
+                        f"attn.scaled_dot_product_attention, torch's drop-in")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))
@@ -112,12 +119,35 @@ def scaled_dot_product_attention(
 
     Same arguments and semantics as torch's: inputs (..., H, L, E) / (..., Hkv, S, E)
     (3 or more dims), ``is_causal`` aligned top-left (query i sees keys j <= i), bool mask
-    True = attend, float mask added, ``enable_gqa`` required when H != Hkv. Rows that see
-    no key give zeros. Dropout draws its mask from attn's hash RNG, not torch's. Empty
-    inputs as in torch: L = 0 (or an empty batch) gives an empty output, S = 0 zeros, with
-    torch's (zero) gradients; H = 0 or E = 0 raise ValueError (torch answers those too, but
-    no model has them, and the default scale 1/sqrt(E) does not exist at E = 0).
+    True = attend, float mask added, ``enable_gqa`` required when H != Hkv. ``attn_mask``
+    may be one of torch's causal biases (``torch.nn.attention.bias.causal_upper_left`` /
+    ``causal_lower_right``): it becomes attn's top-left or bottom-right causal band, never a
+    dense mask. An ``attn_mask`` together with ``is_causal=True`` is refused, as torch's
+    contract says (``attn.attention(causal=True, attn_mask=...)`` combines them).
+
+    Input errors are :class:`attn.call.SdpaInputError`, both a ValueError and the
+    RuntimeError torch raises (:class:`attn.call.SdpaTypeError`, also a TypeError, for a
+    wrong type or dtype); they name the argument and the shapes. Rows that see no key give
+    zeros. Dropout draws its mask from attn's hash RNG, not torch's. Empty inputs as in
+    torch: L = 0 (or an empty batch) gives an empty output, S = 0 zeros, with torch's
+    (zero) gradients; H = 0 or E = 0 raise (torch answers those too, but no model has them,
+    and the default scale 1/sqrt(E) does not exist at E = 0).
     """
+    with sdpa_errors():
+        q4, k4, v4, mask4, band = _sdpa_operands(query, key, value, attn_mask, is_causal,
+                                                 enable_gqa)
+        out = attend(q4, k4, v4, band=band, attn_mask=mask4, scale=scale, temperature=1.0,
+                     softcap=None, sinks=None, dropout_p=dropout_p, return_lse=False,
+                     backend=backend, q_name="query")
+    return out.reshape(*query.shape[:-1], value.shape[-1])
+
+
+def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
+                   is_causal: bool, enable_gqa: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Band]:
+    """The drop-in's arguments in attn's terms: (B, H, L, E) views of query, key, value
+    (leading batch dims flattened), the mask as (B, H, L, S) or broadcastable, and the band
+    (top-left ``is_causal``, or a causal bias's alignment)."""
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
         _check_tensor(name, t)
@@ -147,9 +177,18 @@ def scaled_dot_product_attention(
     q4, k4, v4 = to4d(query), to4d(key), to4d(value)
     _validate_qkv(q4, k4, v4, names, "(..., H, L, E)", allow_empty=True,
                   shown=(query, key, value))
+    if isinstance(attn_mask, _CausalBias):
+        return q4, k4, v4, None, _bias_band(attn_mask, L, S, is_causal)
     mask4 = None
     if attn_mask is not None:
         _check_tensor("attn_mask", attn_mask)
+        if type(attn_mask).__module__.startswith("torch.nn.attention"):
+            raise TypeError(f"attn_mask of type {type(attn_mask).__name__} is a torch "
+                            f"attention bias attn does not know: pass a bool or float tensor")
+        if is_causal:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} given with "
+                             f"is_causal=True: Explicit attn_mask should not be set when "
+                             f"is_causal=True (AND the causal mask into attn_mask instead)")
         scores = (*lead, *query.shape[-3:-2], L, S) if query.dim() >= 4 else (*lead, L, S)
         try:  # broadcasts *to* the scores: the mask may not grow them
             full = torch.broadcast_shapes(attn_mask.shape, scores)
@@ -165,7 +204,24 @@ def scaled_dot_product_attention(
         else:  # flatten leading batch dims: (..., H, L, S) -> (B, H, L, S)
             mask4 = attn_mask.expand(*query.shape[:-1], S).reshape(B, *query.shape[-3:-1], S)
     band = make_band(L, S, causal=bool(is_causal), window=None, top_left=True)
-    out = attend(q4, k4, v4, band=band, attn_mask=mask4, scale=scale, temperature=1.0,
-                     softcap=None, sinks=None, dropout_p=dropout_p, return_lse=False,
-                     backend=backend, q_name="query")
-    return out.reshape(*query.shape[:-1], value.shape[-1])
+    return q4, k4, v4, mask4, band
+
+
+def _bias_band(bias: _CausalBias, L: int, S: int, is_causal: bool) -> Band:
+    """A torch causal bias as attn's band, the way torch reads it: upper-left (or a square
+    bias) is ``is_causal``'s top-left causal over the call's own lengths; lower-right is
+    causal aligned to the bottom-right corner (query i sees keys j <= i + S - L), so it
+    must be the call's (L, S)."""
+    if is_causal:
+        raise ValueError(f"attn_mask is a CausalBias ({bias.variant.name}, "
+                         f"{bias.seq_len_q} x {bias.seq_len_kv}) and is_causal=True: pass "
+                         f"only one of them")
+    if bias.variant == _CausalVariant.UPPER_LEFT or bias.seq_len_q == bias.seq_len_kv:
+        return make_band(L, S, causal=True, window=None, top_left=True)
+    if bias.variant != _CausalVariant.LOWER_RIGHT:
+        raise ValueError(f"attn_mask is a CausalBias of unknown variant {bias.variant!r}")
+    if (bias.seq_len_q, bias.seq_len_kv) != (L, S):
+        raise ValueError(f"attn_mask is a lower-right CausalBias of {bias.seq_len_q} x "
+                         f"{bias.seq_len_kv}, but query and key have lengths L = {L}, "
+                         f"S = {S}")
+    return make_band(L, S, causal=True, window=None, top_left=False)

@@ -17,7 +17,9 @@ seed) settled before. The backends sit below.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +182,31 @@ def _tiled_reason(call: AttentionCall) -> str:
 
 
 # -- validation --------------------------------------------------------------------------------
+
+class SdpaInputError(ValueError, RuntimeError):
+    """Bad input to the drop-in :func:`attn.scaled_dot_product_attention`: a ValueError
+    (attn's convention) and a RuntimeError (what torch's function raises, and what code
+    written for it catches). Every input error of the drop-in is one."""
+
+
+class SdpaTypeError(SdpaInputError, TypeError):
+    """A wrong type or dtype given to the drop-in: an :class:`SdpaInputError` that is also
+    the TypeError attn's own functions raise for it."""
+
+
+@contextlib.contextmanager
+def sdpa_errors() -> Iterator[None]:
+    """The drop-in's contract for errors: attn's ValueErrors (and TypeErrors) raised by the
+    checks below, as :class:`SdpaInputError` (:class:`SdpaTypeError`), message unchanged."""
+    try:
+        yield
+    except SdpaInputError:
+        raise
+    except TypeError as exc:
+        raise SdpaTypeError(str(exc)) from exc
+    except ValueError as exc:
+        raise SdpaInputError(str(exc)) from exc
+
 
 def _check_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):

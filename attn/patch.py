@@ -5,7 +5,12 @@ each call (``F.scaled_dot_product_attention(q, k, v, ...)``), so replacing that 
 them to :func:`attn.scaled_dot_product_attention`, which takes the same arguments, without
 editing their code. Code that bound the function to a name of its own before the patch
 (``from torch.nn.functional import scaled_dot_product_attention`` at import time) keeps
-torch's and is not reached.
+torch's and is not reached, except with one of torch's causal biases as ``attn_mask``
+(``torch.nn.attention.bias.causal_lower_right``): the bias routes the call itself, from its
+``__torch_function__``, by asking whether the function called *is* the one on
+``torch.nn.functional``. While a patch is on that question would answer no and torch would
+read the bias as a dense tensor of garbage, so the patch also hooks the bias class: a call
+of torch's function with a bias goes to attn too.
 
 attn's ``sdpa`` backend and the torch competitors of ``attn bench`` call
 :data:`attn.sdpa.torch_sdpa`, torch's function as captured when attn was imported, so while a
@@ -18,9 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias
 
 from attn.api import BACKENDS, scaled_dot_product_attention
-from attn.sdpa import torch_sdpa  # noqa: F401  (captured before any patch can be installed)
+from attn.sdpa import torch_sdpa  # captured before any patch can be installed
 
 
 class SdpaPatch:
@@ -44,7 +50,17 @@ class SdpaPatch:
                           f"attn.scaled_dot_product_attention (backend={backend!r}) by "
                           f"attn.patch_sdpa")
         self._routed = routed
+        self._previous_hook = CausalBias.__dict__.get("__torch_function__")
+        previous_hook = CausalBias.__torch_function__.__func__
+
+        def bias_hook(cls, func, types, args=(), kwargs=None):
+            if func is torch_sdpa:  # torch's function, bound before the patch went on
+                return routed(*args, **(kwargs or {}))
+            return previous_hook(cls, func, types, args, kwargs)
+
+        self._hook = classmethod(bias_hook)
         F.scaled_dot_product_attention = routed
+        CausalBias.__torch_function__ = self._hook
 
     @property
     def active(self) -> bool:
@@ -53,13 +69,18 @@ class SdpaPatch:
     def restore(self) -> None:
         if not self._active:
             return
-        if F.scaled_dot_product_attention is not self._routed:
+        if F.scaled_dot_product_attention is not self._routed \
+                or CausalBias.__dict__.get("__torch_function__") is not self._hook:
             # another patch went on after this one and is still on: putting ours back would
             # silently drop it, or leave it pointing at a function that is gone
             raise RuntimeError("attn.patch_sdpa: torch.nn.functional.scaled_dot_product_"
                                "attention was replaced again after this patch; restore "
                                "patches in the reverse order of installing them")
         F.scaled_dot_product_attention = self._previous
+        if self._previous_hook is None:
+            del CausalBias.__torch_function__
+        else:
+            CausalBias.__torch_function__ = self._previous_hook
         self._active = False
 
     def __enter__(self) -> SdpaPatch:

@@ -155,11 +155,11 @@ def test_sdpa_dropin_matches_torch(case, dtype):
         kw["enable_gqa"] = True
     if case == "scale":
         kw["scale"] = 0.07
-    if case == "causal_and_mask":  # torch refuses both; compare with the mask ANDed in by hand
-        theirs = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=kw["attn_mask"] & torch.ones(13, 21, dtype=torch.bool).tril())
-    else:
-        theirs = F.scaled_dot_product_attention(q, k, v, **kw)
+    if case == "causal_and_mask":  # torch's contract refuses both (attn.attention ANDs them)
+        with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal"):
+            attn.scaled_dot_product_attention(q, k, v, **kw)
+        return
+    theirs = F.scaled_dot_product_attention(q, k, v, **kw)
     ours = attn.scaled_dot_product_attention(q, k, v, **kw)
     tol = 1e-12 if dtype == torch.float64 else 2e-6
     torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)

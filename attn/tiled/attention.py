@@ -762,6 +762,75 @@ class _TiledAttention(torch.autograd.Function):
                 dsoftcap, None, *dcaptured)
 
 
+# -- torch.export: the call as one opaque op --------------------------------------------------
+# The tile loops run over the lengths, so traced they would fix each length as a constant:
+# while exporting, a call whose spec is plain values (and a constant mask) runs as the op
+# attn::tiled_fwd instead, whose fake shapes follow any symbolic length, and whose backward
+# is attn::tiled_bwd. Op schemas take flat values: the spec travels as its fields.
+
+def _exportable(spec: LaunchSpec, ops: Operands, config: TileConfig) -> bool:
+    return (config is DEFAULT and not spec.sharded and spec.dropout_p == 0.0
+            and all(f is None for f in (spec.score_mod, spec.mask_mod, spec.mask_blocks,
+                                        spec.dropout_rows, spec.alibi_rows, spec.max_seqlen_q,
+                                        ops.sinks, ops.softcap, ops.alibi))
+            and not ops.captured
+            and (ops.attn_mask is None or not ops.attn_mask.requires_grad))
+
+
+def _export_spec(scale: float, offset: int, left: int | None, right: int | None,
+                 softcap: float | None, block_m: int | None, block_n: int | None) -> LaunchSpec:
+    return LaunchSpec(qk_scale=scale, band=Band(offset, left, right), softcap=softcap,
+                      block_m=block_m, block_n=block_n)
+
+
+@torch.library.custom_op("attn::tiled_fwd", mutates_args=())
+def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float,
+            offset: int, left: int | None, right: int | None, softcap: float | None,
+            block_m: int | None, block_n: int | None) -> tuple[Tensor, Tensor]:
+    """out and lse (see :func:`_fwd`)."""
+    spec = _export_spec(scale, offset, left, right, softcap, block_m, block_n)
+    return _fwd(q, k, v, spec, Operands(attn_mask=attn_mask))
+
+
+@_fwd_op.register_fake
+def _(q, k, v, attn_mask, scale, offset, left, right, softcap, block_m, block_n):
+    B, H, Nq, _ = q.shape
+    return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
+            q.new_empty(B, H, Nq, dtype=_acc_dtype(q.dtype)))
+
+
+@torch.library.custom_op("attn::tiled_bwd", mutates_args=())
+def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+            lse: Tensor, attn_mask: Tensor | None, scale: float, offset: int,
+            left: int | None, right: int | None, softcap: float | None, block_m: int | None,
+            block_n: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (see :func:`_bwd`)."""
+    spec = _export_spec(scale, offset, left, right, softcap, block_m, block_n)
+    g = _bwd(do.contiguous(), dlse, q, k, v, out, lse, spec, Operands(attn_mask=attn_mask))
+    return g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype)
+
+
+@_bwd_op.register_fake
+def _(do, dlse, q, k, v, out, lse, attn_mask, scale, offset, left, right, softcap, block_m,
+      block_n):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_op_setup(ctx, inputs, output) -> None:
+    q, k, v, attn_mask, *ctx.fields = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], attn_mask)
+
+
+def _fwd_op_backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    do = torch.zeros_like(out) if dout is None else dout  # only the lse was used
+    dq, dk, dv = _bwd_op(do, dlse, q, k, v, out, lse, attn_mask, *ctx.fields)
+    return (dq, dk, dv) + (None,) * (1 + len(ctx.fields))
+
+
+_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup)
+
+
 def tiled_attention(
     q: Tensor,
     k: Tensor,
@@ -794,6 +863,10 @@ def tiled_attention(
     operands = operands_of("tiled_attention", operands, attn_mask=attn_mask, softcap=softcap,
                            sinks=sinks, captured=tuple(captured), alibi=alibi)
     _check_operands(operands)
+    if torch.compiler.is_exporting() and _exportable(spec, operands, config):
+        b = spec.band
+        return _fwd_op(q, k, v, operands.attn_mask, spec.qk_scale, b.offset, b.left, b.right,
+                       spec.softcap, spec.block_m, spec.block_n)
     if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
         mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
         spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
