@@ -23,6 +23,8 @@ class AttentionConfig(AttentionOptions):
     """The GPT's attention: every :class:`attn.nn.AttentionOptions` field, plus the layers
     the window applies to. ``causal`` must stay True (the GPT predicts the next token)."""
 
+    causal: bool = opt_field(True, "bottom-right causal mask; must stay on (the GPT predicts "
+                             "the next token)")
     # Local layers interleaved with global ones as in Gemma 2/3 and gpt-oss; a window of 1
     # on layer 0 hands each position its predecessor.
     window_layers: list[int] | None = opt_field(
