@@ -32,7 +32,8 @@ def _temperature(s: str) -> float | str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_flags(p, TrainConfig, skip=NOT_FLAGS, required=("task",),
-              parse={"temperature": _temperature})
+              parse={"temperature": _temperature},
+              helps={"temperature": "or 'learned': --learn-temperature from 1"})
     p.add_argument("--out", type=Path, required=True, help="run directory")
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     p.add_argument("--no-progress", action="store_true")
