@@ -167,3 +167,23 @@ def test_readme_block_runs(page, line, code, tmp_path):
             pytest.skip(f"{page} block at line {line} needs {missing}, an optional extra")
         pytest.fail(f"{page} block at line {line} failed (exit {res.returncode}):\n"
                      f"{code}\n--- stderr ---\n{res.stderr[-4000:]}")
+
+
+def test_readmes_own_attention_passes_attn_check():
+    """The function README offers as the model of "your attention" passes ``attn check``'s
+    quick matrix, not only the one case (Nq = Nk) its block checks: bottom-right causal with
+    Nq != Nk both ways, GQA, rows without keys."""
+    import ast
+
+    from attn.conformance import check
+    from attn.testing import conformance_cases
+
+    code = next(c for _, _, c in python_blocks([README]) if "def my_attention(" in c)
+    tree = ast.parse(code)
+    tree.body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom,
+                                                        ast.FunctionDef))]
+    ns: dict = {}
+    exec(compile(tree, "README.md", "exec"), ns)
+    result = check(ns["my_attention"], cases=conformance_cases(quick=True), name="README")
+    assert result.ok, result.table()
+    assert "attn check my_attn.py:my_attention" in README.read_text()
