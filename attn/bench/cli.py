@@ -332,8 +332,9 @@ def _config(args: argparse.Namespace) -> SweepConfig:
 
 
 def _progress(total: int, enabled: bool):
-    """A tqdm bar when tqdm is installed and wanted, else None (one line per point)."""
-    if not enabled:
+    """A tqdm bar when tqdm is installed and wanted and stderr is a terminal, else None (one
+    line per point: redirected to a file, a bar's redraws would interleave with them)."""
+    if not enabled or not sys.stderr.isatty():
         return None
     try:
         from tqdm import tqdm
@@ -455,6 +456,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if checks:
         print(report.checks_summary(check_dicts) + "\n")
     print(report.markdown_tables(row_dicts))
+    if args.command == "report":
+        print("## Conclusion\n\n" + "\n".join(report.conclusion(header, row_dicts,
+                                                                   check_dicts)) + "\n")
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}"
           + "".join(f", {p}" for p in pngs) + f" in {header['elapsed_s']} s")
     failed = [c for c in checks if c.status == "failed"]
