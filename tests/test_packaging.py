@@ -85,6 +85,8 @@ def test_wheel_ships_models_as_attn_models_the_license_and_py_typed(tmp_path):
     assert "attn/py.typed" in names  # PEP 561: type checkers read attn's annotations
     assert "License-Expression: MIT" in meta.splitlines()
     assert "Requires-Dist: torch>=2.11" in meta.splitlines()
+    # transformers sizes a continuous-batching CPU cache with psutil (docs/hf.md)
+    assert 'Requires-Dist: psutil>=5; extra == "hf"' in meta.splitlines()
 
 
 def test_license_is_mit_as_declared():

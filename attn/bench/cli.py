@@ -36,8 +36,8 @@ COMMANDS = {
     "bench": "a custom sweep or one of the benchmark questions",
     "check": "run the conformance matrix on your attention function: each case correct, "
              "not supported, wrong (diagnosed) or NaN",
-    "gpu-check": "every GPU claim in one run of a few minutes (correctness, speed, memory, "
-                 "decode, tuning), or --dry-run on CPU",
+    "gpu-check": "every GPU claim in at most two runs of 7 minutes (correctness, speed, "
+                 "memory, decode, tuning), or --dry-run on CPU",
 }
 
 # (N values, causal values) per device for the full and the quick report. The quick one is
