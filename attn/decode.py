@@ -116,8 +116,9 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     ``(H,)`` or ``(B, H)`` mean what they mean in :func:`attn.attention`. A sequence without
     keys gives zeros and lse −inf (or the sink); a sequence that
     :meth:`~attn.kvcache.PagedKVCache.free` emptied, with nothing appended since, raises
-    ValueError instead (eager calls; a slip rather than a row to skip). Pages stored in another dtype than q's are
-    converted range by range as they are read, quantized pages dequantized likewise.
+    ValueError instead (eager calls; a slip rather than a row to skip). Pages stored in
+    another dtype than q's are converted range by range as they are read, quantized pages
+    dequantized likewise.
     Forward only. After :meth:`~attn.kvcache.PagedKVCache.free_outside_window`, a call whose
     window reaches keys given back raises ValueError.
 

@@ -169,10 +169,11 @@ def test_help_version_and_import_attn_leave_torch_unimported():
 
 def test_scripts_run_from_the_checkout_against_a_non_editable_install(tmp_path):
     """README's path: ``pip install .``, then ``python scripts/train.py`` from the checkout
-    (generate.py imports the same way; tests/test_train.py runs it). The wheel is installed into a folder of its own (``pip install
-    --target``), outside the editable install the suite itself runs on, and comes first on
-    the path: the scripts must import that installed attn and its attn.models, not the
-    checkout's source attn/, which has no models/ folder."""
+    (generate.py imports the same way; tests/test_train.py runs it). The wheel is installed
+    into a folder of its own (``pip install --target``), outside the editable install the
+    suite itself runs on, and comes first on the path: the scripts must import that
+    installed attn and its attn.models, not the checkout's source attn/, which has no
+    models/ folder."""
     site = tmp_path / "site"
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
                           "--quiet", "--target", str(site), str(_build(tmp_path, "build_wheel"))],
