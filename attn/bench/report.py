@@ -340,7 +340,7 @@ def noisy_points(rows: list[dict]) -> list[str]:
         if r["status"] != "ok" or r.get("ms") is None:
             continue
         if r.get("ms_min") and r["ms"] > NOISY_SPREAD * r["ms_min"]:
-            found.append(f"{_where(r)}: median {r['ms']:.3g} ms is {r['ms'] / r['ms_min']:.1f}× "
+            found.append(f"{_where(r)}: median {_ms(r['ms'])} ms is {r['ms'] / r['ms_min']:.1f}× "
                          f"its fastest run")
         if (r.get("matmul_fraction") or 0) > 1.0:
             found.append(f"{_where(r)}: {100 * r['matmul_fraction']:.0f} % of the matmul rate, "
@@ -353,9 +353,14 @@ def noisy_points(rows: list[dict]) -> list[str]:
             if a["flops"] and b["flops"] and a["ms"] > 0:
                 grew, work = b["ms"] / a["ms"], b["flops"] / a["flops"]
                 if grew > NOISY_JUMP * work:
-                    found.append(f"{_where(b)}: {b['ms']:.3g} ms, {grew:.1f}× N={a['N']}'s "
-                                 f"{a['ms']:.3g} ms for {work:.1f}× the FLOPs")
+                    found.append(f"{_where(b)}: {_ms(b['ms'])} ms, {grew:.1f}× N={a['N']}'s "
+                                 f"{_ms(a['ms'])} ms for {work:.1f}× the FLOPs")
     return found
+
+
+def _ms(x: float) -> str:
+    """Three significant digits, without an exponent for the long points."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def _where(r: dict) -> str:
@@ -367,7 +372,7 @@ def _checked(backend: str, checks: list[dict]) -> str:
     mine = [c for c in checks if c["backend"] == backend and c["status"] != "skipped"]
     failed = sum(c["status"] == "failed" for c in mine)
     if backend == "reference":
-        return "the float64 oracle itself"
+        return "the oracle the others are checked against"
     if not mine:
         return "not checked in this run"
     if failed:
@@ -419,7 +424,7 @@ def conclusion(header: dict, rows: list[dict], checks: list[dict]) -> list[str]:
             memory = (r["peak_bytes"] / s["peak_bytes"] if r.get("peak_bytes")
                       and s.get("peak_bytes") else None)
             if speed is not None:
-                what.append(f"{speed:.2f}× SDPA's speed ({r['ms']:.3g} vs {s['ms']:.3g} ms)")
+                what.append(f"{speed:.2f}× SDPA's speed ({_ms(r['ms'])} vs {_ms(s['ms'])} ms)")
             if memory is not None:
                 what.append(f"{memory:.2f}× SDPA's peak memory ({_mib(r['peak_bytes'])} vs "
                             f"{_mib(s['peak_bytes'])} MiB)")
