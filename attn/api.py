@@ -7,6 +7,7 @@ argument for argument so existing code switches by changing one import.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,7 +23,27 @@ from attn.call import (BACKENDS, _FLOAT_DTYPES, AttentionCall, BackendChoice,  #
                        unsupported_reason)
 from attn.masks import Band, make_band, window_pair
 
+# keywords of torch's and flash-attn's signatures that attention() spells its own way
+_FOREIGN = {"is_causal": "attention() takes causal=True (aligned bottom-right); for torch's "
+                         "signature and its top-left is_causal, use "
+                         "attn.scaled_dot_product_attention",
+            "window_size": "attention() takes window=(left, right), -1 for unbounded"}
 
+
+def _foreign_keywords(fn):
+    """Python's bare 'unexpected keyword argument' for another library's names, with how
+    attn spells them."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for name in _FOREIGN:  # plain loop and `in`: torch.compile traces it without a break
+            if name in kwargs:
+                raise TypeError(f"{fn.__name__}() got an unexpected keyword argument "
+                                f"{name!r}: {_FOREIGN[name]}")
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@_foreign_keywords
 def attention(
     q: Tensor,
     k: Tensor,

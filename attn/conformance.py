@@ -21,6 +21,7 @@ The run passes when no row is wrong, NaN or error.
 from __future__ import annotations
 
 import math
+import re
 import traceback
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,7 +33,8 @@ from torch import Tensor
 from attn.adapters import Adapted, adapt, load_target
 from attn.api import attention
 from attn.masks import make_band
-from attn.testing import Case, check_dropout, compare_to_reference, conformance_cases, dtype_name
+from attn.testing import (DROPOUT_UNSCALED, Case, check_dropout, compare_to_reference,
+                          conformance_cases, dtype_name)
 
 STATUSES = ("correct", "not supported", "wrong", "NaN", "error")
 _UNSUPPORTED = (NotImplementedError, TypeError, ValueError)
@@ -88,15 +90,44 @@ class CheckResult:
                           "diagnosis": r.diagnosis, "where": r.where} for r in self.rows]}
 
     def table(self) -> str:
-        width = max(len(r.case) for r in self.rows) + 2
+        """One line per case, except the cases the function does not support: one line per
+        reason, naming the cases and the keywords it could not express."""
+        shown = [r for r in self.rows if r.status != "not supported"]
+        width = max([len(r.case) for r in shown] + [len("not supported")]) + 2
         lines = [f"attn check {self.target}: style {self.detected}; layout {self.layout}; "
                  f"{self.dtype} on {self.device}", "",
                  f"{'case':<{width}}result"]
-        lines += [f"{r.case:<{width}}{r.text()}" for r in self.rows]
+        lines += [f"{r.case:<{width}}{r.text()}" for r in shown]
+        for reason, (cases, keywords) in _unsupported_groups(self.rows).items():
+            head, why = reason
+            what = f"{head} {', '.join(keywords)}{why}" if keywords else head
+            lines.append(f"{'not supported':<{width}}{len(cases)} case"
+                         f"{'s' if len(cases) > 1 else ''} ({', '.join(cases)}): {what}")
         counts = {s: sum(r.status == s for r in self.rows) for s in STATUSES}
         lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items() if n)
                   + (" — passed" if self.ok else " — FAILED")]
         return "\n".join(lines)
+
+
+# an adapter's refusal: "raised NotImplementedError: f (attn style) cannot express
+# window=(8, 0): its signature has no such parameter" -> head, keyword, value, why
+_REFUSAL = re.compile(r"^(?P<head>.*cannot express) (?P<keyword>\w+)(?P<value>[^:]*)"
+                      r"(?P<why>: .*)?$")
+
+
+def _unsupported_groups(rows: list[Row]) -> dict[tuple[str, str], tuple[list[str], list[str]]]:
+    """The not-supported rows grouped by reason: (head, why) -> (cases, keywords)."""
+    groups: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
+    for r in rows:
+        if r.status != "not supported":
+            continue
+        m = _REFUSAL.match(r.detail)
+        reason = (m["head"], m["why"] or "") if m else (r.detail, "")
+        cases, keywords = groups.setdefault(reason, ([], []))
+        cases.append(r.case)
+        if m and m["keyword"] not in keywords:
+            keywords.append(m["keyword"])
+    return groups
 
 
 # -- hypotheses: the exact answer with one known mistake -------------------------------------
@@ -183,6 +214,19 @@ def _empty_uniform(q, k, v, kw):
     return torch.where(empty[..., None], mean_v, out)
 
 
+def _no_causal(q, k, v, kw):
+    if not kw.get("causal"):
+        return None
+    return _exact(q, k, v, {**kw, "causal": False})
+
+
+def _mask_inverted(q, k, v, kw):
+    mask = kw.get("attn_mask")
+    if mask is None or mask.dtype != torch.bool:
+        return None  # True read as "masked", as torch.nn.MultiheadAttention's masks mean
+    return _exact(q, k, v, {**kw, "attn_mask": ~mask})
+
+
 def _without(name):
     def hypothesis(q, k, v, kw):
         return None if kw.get(name) is None else _exact(q, k, v, {**kw, name: None})
@@ -203,6 +247,10 @@ HYPOTHESES: dict[str, Callable] = {
     "instead of returning zeros": _empty_uniform,
     "sinks ignored": _without("sinks"),
     "softcap ignored": _without("softcap"),
+    "causal mask missing (causal=True ignored: every query sees every key)": _no_causal,
+    "attn_mask ignored": _without("attn_mask"),
+    "bool attn_mask inverted (True read as masked out; attn's True means attend)":
+        _mask_inverted,
 }
 
 
@@ -264,6 +312,30 @@ def _diagnose_out(got: Tensor, q, k, v, kw, tol: float) -> tuple[list[str], str]
     return names, ("" if names else where(bad))
 
 
+def _lse_fits(got: Tensor, want: Tensor | None, empty: Tensor, tol: float) -> bool:
+    """``got`` is ``want`` on every row with a key (no row of ``want`` is judged elsewhere)."""
+    return (want is not None and want.shape == got.shape and not empty.all()
+            and torch.equal(torch.isinf(got) & empty, empty)
+            and (got[~empty] - want[~empty]).abs().max().item() <= tol)
+
+
+def _row_max(q, k, kw) -> Tensor | None:
+    """max_j of each row's scores (the online softmax's m_i), -inf on rows without a key;
+    None where a variant (softcap, a float mask, sinks, ALiBi, temperature) changes them."""
+    if any(kw.get(n) is not None for n in ("softcap", "sinks", "alibi_slopes", "score_mod",
+                                            "mask_mod")) or kw.get("temperature", 1.0) != 1.0:
+        return None
+    mask = kw.get("attn_mask")
+    if mask is not None and mask.dtype != torch.bool:
+        return None
+    g = q.shape[1] // k.shape[1]
+    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * _scale(q, kw)  # (B, H, Nq, Nk)
+    keep = _keep(q, k, kw)
+    if keep is not None:
+        s = s.masked_fill(~keep, -math.inf)
+    return s.amax(-1)
+
+
 def _diagnose_lse(got: Tensor, q, k, v, kw, tol: float) -> list[str]:
     _, exact = _exact(q, k, v, kw, lse=True)
     empty = torch.isinf(exact)
@@ -271,6 +343,14 @@ def _diagnose_lse(got: Tensor, q, k, v, kw, tol: float) -> list[str]:
     if torch.equal(torch.isinf(got), empty) and (got[~empty] - exact[~empty] / math.log(2)
                                                  ).abs().max().item() <= tol / math.log(2):
         names.append("lse in base 2 (log2 instead of the natural log)")
+    m_i = _row_max(q, k, kw)
+    if m_i is not None and _lse_fits(got, exact - m_i, empty, tol):
+        names.append("lse of the scores scaled down by their row max (log l_i without m_i "
+                     "added back: lse = m_i + log l_i)")
+    if _scale(q, kw) != 1.0 and _lse_fits(got, _exact(q, k, v, {**kw, "scale": 1.0},
+                                                       lse=True)[1], empty, tol):
+        names.append("lse of the unscaled scores (q·k before the scale; the output uses the "
+                     "scaled ones)")
     if empty.any() and (got[empty] == math.inf).all() and (
             got[~empty] - exact[~empty]).abs().max().item() <= tol:
         names.append("lse +inf on rows with no key (flash-attn's convention; attn's is -inf)")
@@ -298,7 +378,10 @@ def run_case(fn: Adapted | Callable, case: Case, dtype: torch.dtype = torch.floa
             return Row(case.name, "error", _short_(e))
         if problem is None:
             return Row(case.name, "correct")
-        return Row(case.name, "NaN" if "NaN" in problem else "wrong", problem)
+        row = Row(case.name, "NaN" if "NaN" in problem else "wrong", problem)
+        if problem.startswith(DROPOUT_UNSCALED):
+            row.diagnosis.append(DROPOUT_UNSCALED)
+        return row
 
     try:
         with torch.no_grad():

@@ -114,8 +114,11 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     ``causal`` / ``window`` are bottom-right over each sequence's own keys (query i sees key
     j iff ``j <= i + N_s − Nq``); ``scale``, ``softcap``, ``sinks (H,)`` and ``alibi_slopes``
     ``(H,)`` or ``(B, H)`` mean what they mean in :func:`attn.attention`. A sequence without
-    keys gives zeros and lse −inf (or the sink). Pages stored in another dtype than q's are
-    converted range by range as they are read, quantized pages dequantized likewise.
+    keys gives zeros and lse −inf (or the sink); a sequence that
+    :meth:`~attn.kvcache.PagedKVCache.free` emptied, with nothing appended since, raises
+    ValueError instead (eager calls; a slip rather than a row to skip). Pages stored in
+    another dtype than q's are converted range by range as they are read, quantized pages
+    dequantized likewise.
     Forward only. After :meth:`~attn.kvcache.PagedKVCache.free_outside_window`, a call whose
     window reaches keys given back raises ValueError.
 
@@ -146,6 +149,7 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
         return _traced(q, cache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
                        return_lse, quantized_q)
     cache.check_reach(rows, Nq, window_pair(window))
+    cache.check_not_freed(rows)
     read = read_plan(q, cache)[0]
     if quantized_q:
         _check_quantized_q(cache, read)

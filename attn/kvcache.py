@@ -120,6 +120,8 @@ class PagedKVCache:
         self._free: list[int] = []
         # free_outside_window moved these sequences' starts past keys a wider window needs
         self._trimmed = torch.zeros(self.batch, dtype=torch.bool)
+        # free() emptied these sequences and nothing was appended since: reading one is a slip
+        self._freed = torch.zeros(self.batch, dtype=torch.bool)
         # a quantized cache (allocate(quant=...)): the format, scales, full-precision ring
         self.quant: KVQuant | None = None
         self.k_scales: Tensor | None = None
@@ -256,9 +258,27 @@ class PagedKVCache:
         sub._table = self._table[rows]
         sub.block_table = self.block_table[rows.to(self.block_table.device)]
         sub._lengths, sub.starts = self._lengths[rows], self.starts[rows]
-        sub._trimmed = self._trimmed[rows]
+        sub._trimmed, sub._freed = self._trimmed[rows], self._freed[rows]
         sub._refs, sub._held, sub._first, sub._free = None, [], [], []
         return sub
+
+    def __repr__(self) -> str:
+        """Sizes, lengths and, for a cache that owns its pages, how many pages are free."""
+        parts = [f"batch={self.batch}", f"page_size={self.page_size}",
+                 f"heads_kv={self.heads_kv}", f"head_dim={self.head_dim}"]
+        if self.head_dim_v != self.head_dim:
+            parts.append(f"head_dim_v={self.head_dim_v}")
+        parts.append(f"dtype={self.storage_dtype}".replace("torch.", ""))
+        if self.quant is not None:
+            parts.append(f"quant={self.quant}")
+        parts += [f"device={self.k_pages.device}", f"capacity={self.capacity}",
+                  f"lengths={_shown(self._lengths)}{'...' if self.batch > 16 else ''}"]
+        if bool(self.starts.any()):
+            parts.append(f"starts={_shown(self.starts)}")
+        n = self.k_pages.shape[0]
+        parts.append(f"free_pages={self.free_pages} of {n}" if self._refs is not None
+                     else f"pages={n} (the caller's block table)")
+        return f"PagedKVCache({', '.join(parts)})"
 
     # -- sizes --
 
@@ -420,6 +440,8 @@ class PagedKVCache:
         lengths = self._lengths.clone()
         lengths[rows] += n
         self._lengths = lengths
+        if n:
+            self._freed[rows] = False
 
     # -- quantized writes --
 
@@ -589,6 +611,7 @@ class PagedKVCache:
         lengths[rows], starts[rows] = 0, 0
         self._lengths, self.starts = lengths, starts
         self._trimmed[rows] = False
+        self._freed[rows] = True
 
     def _release(self, row: int, j0: int, j1: int) -> None:
         """Drop row's references to its pages ``[j0, j1)``: a page nobody holds is free."""
@@ -625,6 +648,20 @@ class PagedKVCache:
             self._trimmed[r] = True
         self.starts = starts
         return len(self._free) - before
+
+    def check_not_freed(self, rows: Tensor | None) -> None:
+        """ValueError when a call reads a sequence that :meth:`free` emptied and nothing was
+        appended to since: it would attend to nothing and give zeros, silently. (A sequence
+        never written to reads as any row without keys: zeros, lse -inf, as DESIGN's rule
+        for empty rows says and ragged batches rely on.)"""
+        freed = self._freed if rows is None else self._freed[rows]
+        hit = freed.nonzero().flatten()
+        if hit.numel():
+            seqs = (hit if rows is None else rows[hit]).tolist()
+            raise ValueError(f"sequences {seqs[:16]} of the cache were freed and hold no keys: "
+                             f"decoding them would attend to nothing and return zeros; append "
+                             f"their keys first, or leave them out of seq_ids (lengths "
+                             f"{_shown(self._lengths)})")
 
     def check_reach(self, rows: Tensor | None, n_q: int, window) -> None:
         """ValueError when a query of a call (``n_q`` queries per sequence, bottom-right,
@@ -691,7 +728,7 @@ class PagedKVCache:
         lengths, starts = self._lengths.clone(), self.starts.clone()
         lengths[dst], starts[dst] = length, starts[src]
         self._lengths, self.starts = lengths, starts
-        self._trimmed[dst] = self._trimmed[src]
+        self._trimmed[dst], self._freed[dst] = self._trimmed[src], self._freed[src]
         return dst
 
     # -- reads: the keys [starts[b], lengths[b]) of each sequence --

@@ -67,6 +67,11 @@ def window_pair(window: object, *, name: str = "window") -> tuple[int, int] | No
     is a TypeError there (its meaning depends on causality, see :func:`module_window`)."""
     if window is None:
         return None
+    if isinstance(window, int) and not isinstance(window, bool) and window >= 0:
+        raise TypeError(f"{name} must be a pair of ints (left, right), -1 for unbounded, "
+                        f"got the int {window}: ({window}, 0) for each query and the {window} "
+                        f"keys before it (a causal sliding window), ({window}, {window}) for "
+                        f"{window} on each side")
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
         raise TypeError(f"{name} must be a pair of ints (left, right), -1 for unbounded, "

@@ -253,7 +253,10 @@ class AttentionOptions:
         False, "a learnable per-head sink logit joining the softmax denominator "
         "(Xiao et al. 2023)")
     rope: bool = opt_field(True, "rotary position embedding on q and k (Su et al. 2021)")
-    causal: bool = opt_field(True, "bottom-right causal mask")
+    # off by default, as in torch.nn.MultiheadAttention and attn.attention: an encoder built
+    # from the defaults must not be silently causal; a decoder says causal=True (the GPT does)
+    causal: bool = opt_field(False, "bottom-right causal mask (a decoder's); off = every "
+                             "query sees every key, as in torch.nn.MultiheadAttention")
     dropout: float = opt_field(0.0, "attention-probability dropout, in training mode only")
     backend: str = opt_field("auto", "the attn.attention backend", choices=BACKENDS)
     bias: bool = opt_field(False, "biases on the qkv and output projections")
@@ -339,6 +342,12 @@ class MultiHeadAttention(nn.Module):
     learnable per-head temperature and softcap; a sliding window (an int w is ``(w, 0)`` when
     causal and ``(w, w)`` when not); learnable sinks; RoPE; dropout of the attention
     probabilities in training mode.
+
+    Defaults: ``heads=4``, ``causal=False`` (as in torch: a decoder passes ``causal=True``),
+    ``rope=True`` (torch's module has no position encoding: ``rope=False`` for that), no bias
+    on the projections (torch's has one: ``bias=True``), kv_heads = heads, no QK-norm,
+    temperature 1, no softcap, window, sinks or dropout, ``backend="auto"``. The module's
+    repr shows them.
 
     ``forward(x, kv_cache)``: with a cache (see :class:`KVCacheLike`) the new keys/values are
     appended and the new queries, at positions ``cache.length …``, attend to everything
@@ -429,8 +438,9 @@ class MultiHeadAttention(nn.Module):
             offset = cp.positions(x.device)  # (N,) global positions of this shard
         if kv_cache is not None:
             if not self.causal:
-                raise ValueError("a KV cache needs causal attention: without it earlier "
-                                 "queries would have to see later keys")
+                raise ValueError("a KV cache needs causal attention (build the module with "
+                                 "causal=True): without it earlier queries would have to see "
+                                 "later keys")
             offset = kv_cache.length
         if cu_seqlens is not None:
             if kv_cache is not None:
@@ -490,7 +500,8 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         parts = [f"dim={self.dim}", f"heads={self.heads}", f"kv_heads={self.kv_heads}",
-                 f"causal={self.causal}", f"backend={self.backend!r}"]
+                 f"causal={self.causal}", f"rope={self.rope is not None}",
+                 f"backend={self.backend!r}"]
         if self.log_tau is not None:
             parts.append("temperature=learned")
         elif self.temperature != 1.0:
@@ -503,4 +514,6 @@ class MultiHeadAttention(nn.Module):
             parts.append(f"window={self.window}")
         if self.sinks is not None:
             parts.append("sinks=True")
+        if self.dropout:
+            parts.append(f"dropout={self.dropout}")
         return ", ".join(parts)

@@ -420,6 +420,10 @@ def conformance_cases(names: list[str] | tuple[str, ...] | None = None, *,
     return [known[n] for n in names]
 
 
+DROPOUT_UNSCALED = ("dropout without rescaling (kept probabilities not divided by 1 - p: "
+                    "the mean output is (1 - p) times the exact one)")
+
+
 def check_dropout(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float,
                   samples: int = 64, **kwargs) -> str | None:
     """Dropout judged by its statistics, since its mask is ``fn``'s own: over ``samples``
@@ -447,6 +451,9 @@ def check_dropout(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, dropout_p: f
     mean_err = (outs.mean(dim=0) - exact).abs()
     bound = 5 * spread / samples ** 0.5 + _FLOOR[q.dtype] * max(1.0, exact.abs().max().item())
     worst = (mean_err / bound).max().item()
+    if worst > 1.0 and ((outs.mean(dim=0) - (1 - dropout_p) * exact).abs() / bound
+                        ).max().item() <= 1.0:
+        return f"{DROPOUT_UNSCALED}, p = {dropout_p}"
     if worst > 1.0:
         return (f"the mean of {samples} dropout outputs is {worst:.1f}x further from the exact "
                 f"output than 5 standard errors (max |mean - exact| "

@@ -23,6 +23,8 @@ class AttentionConfig(AttentionOptions):
     """The GPT's attention: every :class:`attn.nn.AttentionOptions` field, plus the layers
     the window applies to. ``causal`` must stay True (the GPT predicts the next token)."""
 
+    causal: bool = opt_field(True, "bottom-right causal mask; must stay on (the GPT predicts "
+                             "the next token)")
     # Local layers interleaved with global ones as in Gemma 2/3 and gpt-oss; a window of 1
     # on layer 0 hands each position its predecessor.
     window_layers: list[int] | None = opt_field(
@@ -90,16 +92,17 @@ def _with_message(convert, name: str):
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
               required: tuple[str, ...] = (),
-              parse: dict[str, Callable[[str], Any]] | None = None) -> None:
+              parse: dict[str, Callable[[str], Any]] | None = None,
+              helps: dict[str, str] | None = None) -> None:
     """One ``--flag`` per field of the dataclass ``cls`` (``qk_norm`` → ``--qk-norm``).
 
     The type decides the flag: bool → ``--x`` / ``--no-x``; int, float, str → a value
     (``none`` for fields that may be None); ``list[int]`` → one or more values; other types
     need a ``parse`` entry in the field's metadata (see :func:`attn.nn.opt_field`), which also
     supplies ``help`` and ``choices``; ``parse`` here overrides it per field, for a command
-    line that accepts more spellings than the field. Nested dataclasses and ``skip`` get no
-    flag. Defaults stay the dataclass's own: a flag not given is absent from the parsed
-    namespace."""
+    line that accepts more spellings than the field, and ``helps`` then says how. Nested
+    dataclasses and ``skip`` get no flag. Defaults stay the dataclass's own: a flag not given
+    is absent from the parsed namespace; a ``required`` flag shows no default."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -113,8 +116,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
         if dataclasses.is_dataclass(base):
             continue
         flag = "--" + f.name.replace("_", "-")
-        help = f.metadata.get("help")
-        if f.default is not dataclasses.MISSING and base is not bool:
+        help = "; ".join(filter(None, (f.metadata.get("help"), (helps or {}).get(f.name))))
+        if f.name in required:
+            help = f"{help} (required)"
+        elif f.default is not dataclasses.MISSING and base is not bool:
             shown = "none" if f.default is None else f.default
             help = f"{help} (default: {shown})" if help else f"default: {shown}"
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help)

@@ -2,20 +2,18 @@
 
 Text checkpoints take a string prompt; recall checkpoints answer a freshly drawn recall
 sequence (the prompt is its pairs and first query) and print whether the answer is right.
+It runs the installed attn, as scripts/train.py does.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from attn.models.data import RecallTask, decode, encode  # noqa: E402
-from attn.models.gpt import model_from_checkpoint  # noqa: E402
+from attn.models.data import RecallTask, decode, encode
+from attn.models.gpt import model_from_checkpoint
 
 
 def main(argv: list[str] | None = None) -> str:

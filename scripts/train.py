@@ -5,6 +5,9 @@ of ``attn.models.train.TrainConfig`` is a flag (attention options included: ``--
 ``--dropout 0.1``, ``--learn-temperature``, ``--window 64`` ...); see ``--help``.
 ``--context-parallel P`` shards every sequence across P processes (ring attention): it spawns
 them on this machine, or joins the group when started by ``torchrun --nproc-per-node P``.
+
+It runs the installed attn (``pip install .`` or, to edit models/, ``pip install -e .``): the
+checkout's source attn/ has no models/ folder, which installs as ``attn.models``.
 """
 
 from __future__ import annotations
@@ -12,13 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-
-from attn.models.config import add_flags, flag_values  # noqa: E402
-from attn.models.train import TrainConfig, train  # noqa: E402
+from attn.models.config import add_flags, flag_values
+from attn.models.train import TrainConfig, train
 
 # the GPT is causal by construction: a --no-causal flag could only fail
 NOT_FLAGS = ("causal",)
@@ -32,7 +32,8 @@ def _temperature(s: str) -> float | str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_flags(p, TrainConfig, skip=NOT_FLAGS, required=("task",),
-              parse={"temperature": _temperature})
+              parse={"temperature": _temperature},
+              helps={"temperature": "or 'learned': --learn-temperature from 1"})
     p.add_argument("--out", type=Path, required=True, help="run directory")
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     p.add_argument("--no-progress", action="store_true")

@@ -36,7 +36,7 @@ def _qkv(**kw):
     (_qkv, {"attn_mask": torch.ones(8, 9, dtype=torch.bool)}, ValueError, r"attn_mask of shape \(8, 9\) does not broadcast to \(B, H, Nq, Nk\) = \(2, 4, 8, 8\)"),
     (_qkv, {"attn_mask": torch.ones(1, 2, 3, 8, 8, dtype=torch.bool)}, ValueError, r"attn_mask of shape"),
     (_qkv, {"attn_mask": torch.ones(8, 8, dtype=torch.int64)}, TypeError, r"attn_mask must be bool"),
-    (_qkv, {"window": 3}, TypeError, r"window must be a pair"),
+    (_qkv, {"window": 3}, TypeError, r"window must be a pair.*got the int 3: \(3, 0\) for each query and the 3 keys before it.*\(3, 3\)"),
     (_qkv, {"window": (3, -2)}, ValueError, r"window sides must be >= 0, or -1"),
     (_qkv, {"window": (1.5, 2)}, TypeError, r"window must be a pair"),
     (_qkv, {"sinks": torch.zeros(3)}, ValueError, r"sinks must have shape \(H,\) = \(4,\), got \(3,\)"),
@@ -50,6 +50,8 @@ def _qkv(**kw):
     (_qkv, {"alibi_slopes": torch.ones(4, device="meta")}, ValueError, r"alibi_slopes is on meta"),
     (_qkv, {"backend": "cudnn"}, ValueError, r"backend must be one of"),
     (_qkv, {"causal": 1}, TypeError, r"causal must be a bool"),
+    (_qkv, {"is_causal": True}, TypeError, r"unexpected keyword argument 'is_causal': attention\(\) takes causal=True.*attn.scaled_dot_product_attention"),
+    (_qkv, {"window_size": (3, 0)}, TypeError, r"unexpected keyword argument 'window_size': attention\(\) takes window=\(left, right\)"),
 ])
 def test_bad_input_raises_naming_argument(make, kwargs, exc, match):
     q, k, v = make()

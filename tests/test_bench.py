@@ -707,3 +707,70 @@ def test_busy_core_spins_one_pinned_process_for_the_run_and_stops_it(monkeypatch
     assert rc == 0 and len(started) == 2 and started[1].returncode is not None
     header = json.loads((tmp_path / "results.json").read_text())["header"]
     assert "kept busy by a spinning process" in header["busy"]
+
+
+# -- the conclusion ----------------------------------------------------------------------------
+
+def _row(backend, N, mode, ms, peak, *, ms_min=None, causal=False, frac=None):
+    """A finished sweep row as results.json holds it, with hand-picked numbers."""
+    return {"backend": backend, "device": "cpu", "dtype": "float32", "B": 1, "H": 8, "N": N,
+            "D": 64, "causal": causal, "mode": mode, "status": "ok", "note": "", "ms": ms,
+            "ms_min": ms if ms_min is None else ms_min, "repeats": 5,
+            "flops": attention_flops(1, 8, N, N, 64, causal=causal, mode=mode),
+            "tflops": None, "matmul_fraction": frac, "peak_bytes": peak,
+            "predicted_bytes": 0, "ratio_to_sdpa": None}
+
+
+def test_conclusion_compares_each_backend_with_sdpa_at_the_largest_n():
+    """Hand-made rows (not measured) whose ratios are known: the conclusion takes the largest
+    N both ran, states speed and memory against SDPA, the checks' verdict and what it means;
+    a busy machine and noisy points are named."""
+    MiB = 2**20
+    rows = [_row("tiled", 1024, "fwd+bwd", 100.0, 30 * MiB), _row("sdpa", 1024, "fwd+bwd",
+                                                                  80.0, 12 * MiB),
+            _row("tiled", 4096, "fwd+bwd", 200.0, 24 * MiB), _row("sdpa", 4096, "fwd+bwd",
+                                                                  400.0, 96 * MiB),
+            _row("tiled", 4096, "fwd", 90.0, 8 * MiB), _row("sdpa", 4096, "fwd", 60.0,
+                                                            4 * MiB),
+            {**_row("tiled", 8192, "fwd", None, None), "status": "skipped"}]
+    checks = [{"backend": "tiled", "status": "ok"}] * 3
+    quiet = {"loadavg_1min": 0.5, "torch_threads": 2}
+    lines = report_mod.conclusion(quiet, rows, checks)
+    assert len(lines) == 2, lines
+    bwd = next(ln for ln in lines if "fwd+bwd" in ln)
+    assert bwd.startswith("- **tiled** fwd+bwd, N=4096 float32 D=64: 2.00× SDPA's speed")
+    assert "0.25× SDPA's peak memory (24.0 vs 96.0 MiB)" in bwd
+    assert "correct (3 of 3 checks" in bwd and "Better than SDPA on this machine" in bwd
+    fwd = next(ln for ln in lines if " fwd," in ln)
+    assert "0.67× SDPA's speed" in fwd and "2.00× SDPA's peak memory" in fwd
+    assert "SDPA is the better choice here; tiled is for what SDPA lacks" in fwd
+
+    failed = report_mod.conclusion(quiet, rows, [*checks[:2], {"backend": "tiled",
+                                                               "status": "failed"}])
+    assert all("WRONG: 1 of 3 checks" in ln for ln in failed)
+
+    noisy = rows + [_row("sdpa", 256, "fwd", 7.5, 2 * MiB), _row("sdpa", 512, "fwd", 72.0,
+                                                                 4 * MiB, ms_min=20.0),
+                    _row("sdpa", 128, "fwd", 1.0, MiB, frac=1.14)]
+    last = report_mod.conclusion({"loadavg_1min": 3.2, "torch_threads": 2}, noisy, checks)[-1]
+    assert last.startswith("- **times not to trust as they are**: the machine was loaded "
+                           "(load 3.20 over 2 threads)")
+    assert "sdpa fwd N=512 float32: median 72 ms is 3.6× its fastest run" in last
+    assert "sdpa fwd N=512 float32: 72 ms, 9.6× N=256's 7.5 ms for 4.0× the FLOPs" in last
+    assert "sdpa fwd N=128 float32: 114 % of the matmul rate" in last
+    assert not any("trust" in ln for ln in lines)
+
+
+def test_report_log_has_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
+    """Redirected (pytest's capture is not a terminal), the report prints one line per point
+    and no tqdm bar, even without --no-progress; it ends with its conclusion."""
+    rc = main(["report", "--quick", "--n", "32", "--d", "16", "--heads", "2", "--backends",
+               "tiled", "sdpa", "--mode", "fwd", "--out", str(tmp_path), "--no-plots",
+               "--no-checks"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "\r" not in captured.err and "pt/s" not in captured.err, captured.err
+    assert "[1/2] tiled fwd N=32" in captured.err and "[2/2] sdpa fwd N=32" in captured.err
+    tail = captured.out[captured.out.index("## Conclusion"):]
+    assert "- **tiled** fwd, N=32 float32 D=16:" in tail and "not checked in this run" in tail
+    assert "## Conclusion" in (tmp_path / "results.md").read_text()

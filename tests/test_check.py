@@ -61,6 +61,59 @@ def planted_lse_log2(q, k, v, causal=False, return_lse=False):
     return (out, lse / math.log(2)) if return_lse else out
 
 
+def planted_no_causal(q, k, v, causal=False, scale=None):
+    return _softmax_attention(q, k, v, False, scale)  # takes causal, ignores it
+
+
+def planted_wrong_axis(q, k, v, causal=False):
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        n, m = q.shape[2], k.shape[2]
+        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool).tril(m - n), float("-inf"))
+    return torch.softmax(s, -2).nan_to_num(0.0) @ v  # over the queries
+
+
+def _masked(q, k, v, attn_mask, *, true_means_masked=False):
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        s = s.masked_fill(attn_mask if true_means_masked else ~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        s = s + attn_mask
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def planted_mask_ignored(q, k, v, attn_mask=None):
+    return _masked(q, k, v, None)
+
+
+def planted_mask_inverted(q, k, v, attn_mask=None):
+    return _masked(q, k, v, attn_mask, true_means_masked=True)
+
+
+def planted_dropout_unscaled(q, k, v, dropout_p=0.0):
+    p = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
+    return (p * (torch.rand_like(p) >= dropout_p)) @ v  # kept, but not divided by 1 - p
+
+
+def _lse_planted(q, k, v, causal, return_lse, *, add_max=True, scale=True):
+    out, _ = attention(q, k, v, causal=causal, return_lse=True)
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale else 1.0)
+    if causal:
+        n, m = q.shape[2], k.shape[2]
+        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool).tril(m - n), float("-inf"))
+    m_i = s.amax(-1, keepdim=True)
+    lse = ((s - m_i).exp().sum(-1).log() + (m_i[..., 0] if add_max else 0.0))
+    return (out, lse) if return_lse else out
+
+
+def planted_lse_no_max(q, k, v, causal=False, return_lse=False):
+    return _lse_planted(q, k, v, causal, return_lse, add_max=False)
+
+
+def planted_lse_unscaled(q, k, v, causal=False, return_lse=False):
+    return _lse_planted(q, k, v, causal, return_lse, scale=False)
+
+
 def torch_style(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
@@ -105,6 +158,14 @@ def _named(diagnosis, start):
      "causal aligned top-left"),
     ("planted_gqa_repeat", ["GQA", "gradients causal GQA"], "GQA heads grouped by repeat"),
     ("planted_no_scale", ["plain", "causal"], "scale missing"),
+    ("planted_no_causal", ["causal", "causal Nq<Nk (bottom-right)", "gradients causal GQA"],
+     "causal mask missing"),
+    ("planted_wrong_axis", ["plain", "causal"], "softmax over the wrong axis"),
+    ("planted_mask_ignored", ["mask bool", "mask float"], "attn_mask ignored"),
+    ("planted_mask_inverted", ["mask bool"], "bool attn_mask inverted"),
+    ("planted_dropout_unscaled", ["dropout"], "dropout without rescaling"),
+    ("planted_lse_no_max", ["lse"], "lse of the scores scaled down by their row max"),
+    ("planted_lse_unscaled", ["lse"], "lse of the unscaled scores"),
 ])
 def test_planted_bug_is_diagnosed_by_name(fn, cases, hypothesis, capsys):
     code, rows = _check_json(fn, "plain", "MQA", *cases, capsys=capsys)
@@ -115,7 +176,7 @@ def test_planted_bug_is_diagnosed_by_name(fn, cases, hypothesis, capsys):
         # only the hypothesis that explains it
         assert len(rows[case]["diagnosis"]) == 1, rows[case]["diagnosis"]
     # the bug shows only where it should: one kv head makes repeat and interleave agree
-    untouched = "correct" if fn != "planted_no_scale" else "wrong"
+    untouched = "wrong" if fn in ("planted_no_scale", "planted_wrong_axis") else "correct"
     assert rows["MQA"]["status"] == rows["plain"]["status"] == untouched
 
 
@@ -124,7 +185,11 @@ def test_correct_function_exits_zero_and_says_what_it_cannot_express(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "passed" in out
-    assert "window (4, 4)  " in out and "not supported (raised NotImplementedError" in out
+    # the cases its signature cannot express: one line, naming them and the keywords
+    line = next(ln for ln in out.splitlines() if ln.startswith("not supported"))
+    assert "window (4, 4)" in line and "(attn style) cannot express window, softcap" in line
+    assert line.endswith("its signature has no such parameter")
+    assert sum("not supported" in ln for ln in out.splitlines()) == 2  # and the summary
     assert "style attn, from its signature (parameters 'causal')" in out
 
 
@@ -212,7 +277,7 @@ def test_dropout_judged_by_statistics():
     assert "changed nothing" in ignored
     unscaled = check_dropout(lambda q, k, v, dropout_p, **kw: attention(
         q, k, v, dropout_p=dropout_p, **kw) * (1 - dropout_p), q, k, v, **kw)
-    assert "rescaled" in unscaled
+    assert unscaled.startswith("dropout without rescaling")
 
 
 def test_make_inputs_logit_scale():

@@ -236,3 +236,18 @@ def test_plugin_runs_the_full_size_files_first_when_active(monkeypatch):
     gpu_pytest.pytest_collection_modifyitems(items)
     assert [i.nodeid.split("::")[1] for i in items] == ["test_b", "test_d", "test_a", "test_c",
                                                        "test_e"]
+
+
+def test_help_readme_and_docs_agree_on_the_runs():
+    """`attn --help`, the module, README and docs/gpu.md say the same: two runs of 7 minutes,
+    the default --budget-min."""
+    from attn.bench.cli import COMMANDS
+
+    root = Path(__file__).resolve().parent.parent
+    assert "at most two runs of 7 minutes" in COMMANDS["gpu-check"]
+    assert "at most two runs\nof 7 minutes" in gpu_check.__doc__
+    assert "in two runs of 7 minutes" in (root / "README.md").read_text()
+    assert "two runs of at most 7 minutes each" in (root / "docs" / "gpu.md").read_text()
+    p = argparse.ArgumentParser()
+    gpu_check.add_arguments(p)
+    assert p.parse_args([]).budget_min == 7.0

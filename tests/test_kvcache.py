@@ -432,3 +432,37 @@ def test_a_quantized_append_past_fp16_scales_writes_nothing():
         cache.append(k, torch.ones(1, HKV, 6, QD + 32), seq_ids=[0])
     assert cache.free_pages == free and torch.equal(cache.host_table, table)
     assert cache.lengths.tolist() == [3, 0]
+
+
+def test_decoding_a_freed_sequence_raises() -> None:
+    """A freed sequence holds no key: decoding it raises and names it, where it used to
+    return zeros; appended to again, it decodes to the float64 reference over its new keys.
+    A sequence never written to stays a row without keys (zeros), as ragged batches use."""
+    import attn
+
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKVCache.allocate(8, 4, HKV, D, max_seqs=3, max_pages=2)
+    kv = [torch.randn(1, HKV, 5, D, generator=g) for _ in range(4)]
+    q = torch.randn(1, 2 * HKV, 1, D, generator=g)
+    with torch.no_grad():
+        cache.append(kv[0], kv[1], seq_ids=[1])
+        cache.free(1)
+        with pytest.raises(ValueError, match=r"sequences \[1\] of the cache were freed"):
+            attn.decode(q.expand(3, -1, -1, -1), cache)
+        with pytest.raises(ValueError, match=r"sequences \[1\] .* hold no keys"):
+            attn.decode(q, cache, seq_ids=[1])
+        assert not attn.decode(q, cache, seq_ids=[2]).any()  # never written: zeros
+        cache.append(kv[2], kv[3], seq_ids=[1])
+        got = attn.decode(q, cache, seq_ids=[1])
+    want = attn.attention(q.double(), kv[2].double(), kv[3].double(), backend="reference")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_repr_shows_sizes_lengths_and_free_pages() -> None:
+    cache = PagedKVCache.allocate(8, 4, HKV, D, max_seqs=3, max_pages=2)
+    cache.append(torch.zeros(1, HKV, 5, D), torch.zeros(1, HKV, 5, D), seq_ids=[0])
+    assert repr(cache) == ("PagedKVCache(batch=3, page_size=4, heads_kv=2, head_dim=4, "
+                           "dtype=float32, device=cpu, capacity=8, lengths=[5, 0, 0], "
+                           "free_pages=6 of 8)")
+    over = PagedKVCache(cache.k_pages, cache.v_pages, cache.block_table[:1], 5)
+    assert "pages=8 (the caller's block table)" in repr(over)

@@ -12,6 +12,7 @@ from attn.decode import decode
 from attn.nn import (QK_NORM_KINDS, AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig,
                      RotaryEmbedding, default_l2_scale)
 from attn.models.cache import KVCache
+from attn.models.config import AttentionConfig
 
 # Every attention variant the module offers, each alone, plus everything at once.
 VARIANTS = {
@@ -37,7 +38,9 @@ VARIANTS = {
 
 
 def _mha(seed: int = 0, dim: int = 32, heads: int = 4, **kw) -> MultiHeadAttention:
-    """A float64 module whose every parameter is random, so gains, g, τ and sinks matter."""
+    """A float64 module whose every parameter is random, so gains, g, τ and sinks matter;
+    causal unless told (the decoder these tests mostly check)."""
+    kw.setdefault("causal", True)
     torch.manual_seed(seed)
     m = MultiHeadAttention(dim, heads, **kw).double()
     with torch.no_grad():
@@ -262,7 +265,7 @@ def test_options_object_and_keywords_build_the_same_module() -> None:
     opts = AttentionOptions(heads=4, kv_heads=2, qk_norm="l2", qk_norm_g_init=3.0,
                             learn_temperature=True, temperature=0.5, softcap=4.0,
                             learn_softcap=True, window=3, sinks=True, dropout=0.1,
-                            backend="tiled", bias=True)
+                            causal=True, backend="tiled", bias=True)
     a = MultiHeadAttention(32, options=opts)
     b = MultiHeadAttention(32, **{f: getattr(opts, f) for f in opts.__dataclass_fields__})
     assert a.options == b.options == opts
@@ -368,3 +371,22 @@ def test_qk_norm_eps_must_be_positive_and_finite(eps: float) -> None:
 def test_heads_defaults_to_the_documented_value() -> None:
     assert MultiHeadAttention(32).heads == AttentionOptions().heads == 4
     assert "4" in MultiHeadAttention.__doc__
+
+
+def test_defaults_are_torchs_non_causal_and_the_repr_shows_them() -> None:
+    """Built from its defaults, MultiHeadAttention is an encoder's, as torch's
+    nn.MultiheadAttention is: the first position sees the last (the output at 0 moves with
+    x at N - 1). The toy GPT's AttentionConfig stays causal. The repr names causal and rope."""
+    m = MultiHeadAttention(32).double().eval()
+    x = torch.randn(1, 6, 32, dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, -1] += 1.0
+    with torch.no_grad():
+        moved = (m(x2) - m(x))[0, 0].abs().max().item()
+    assert moved > 1e-3, "position 0 ignored the last one: the default is causal"
+    text = repr(m)
+    assert "causal=False" in text and "rope=True" in text and "heads=4" in text, text
+    assert "causal=True" in repr(MultiHeadAttention(32, causal=True))
+    assert AttentionConfig().causal and not AttentionOptions().causal
+    with pytest.raises(ValueError, match="causal=True"):
+        m(x, KVCache(1, m.kv_heads, 8, m.head_dim, torch.float64))

@@ -10,6 +10,8 @@ without installing anything.
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -83,6 +85,8 @@ def test_wheel_ships_models_as_attn_models_the_license_and_py_typed(tmp_path):
     assert "attn/py.typed" in names  # PEP 561: type checkers read attn's annotations
     assert "License-Expression: MIT" in meta.splitlines()
     assert "Requires-Dist: torch>=2.11" in meta.splitlines()
+    # transformers sizes a continuous-batching CPU cache with psutil (docs/hf.md)
+    assert 'Requires-Dist: psutil>=5; extra == "hf"' in meta.splitlines()
 
 
 def test_license_is_mit_as_declared():
@@ -161,3 +165,38 @@ def test_help_version_and_import_attn_leave_torch_unimported():
     assert version == f"attn {_pyproject()['project']['version']}"
     assert usage[0].startswith("usage: attn") and any("report" in u for u in usage)
     assert last == "module 'attn' has no attribute 'no_such_name'"
+
+
+def test_scripts_run_from_the_checkout_against_a_non_editable_install(tmp_path):
+    """README's path: ``pip install .``, then ``python scripts/train.py`` from the checkout
+    (generate.py imports the same way; tests/test_train.py runs it). The wheel is installed
+    into a folder of its own (``pip install --target``), outside the editable install the
+    suite itself runs on, and comes first on the path: the scripts must import that
+    installed attn and its attn.models, not the checkout's source attn/, which has no
+    models/ folder."""
+    site = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
+                          "--quiet", "--target", str(site), str(_build(tmp_path, "build_wheel"))],
+                         capture_output=True, text=True, timeout=120)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    # python -S: the site-packages folders stay on the path (torch, numpy ...), after the
+    # install, but their .pth files are not run, so no editable install's finder can supply
+    # attn.models
+    others = [p for p in sys.path if p and Path(p).is_dir()]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *others]))
+
+    def run(*args: str, cwd: Path = ROOT) -> str:
+        res = subprocess.run([sys.executable, "-S", *args], cwd=cwd, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, f"{args}: exit {res.returncode}\n{res.stderr[-3000:]}"
+        return res.stdout
+
+    where = run("-c", "import attn, attn.models; print(attn.__file__, attn.models.__file__)",
+                cwd=tmp_path)
+    assert all(Path(f).is_relative_to(site) for f in where.split()), where
+    assert "--task" in run("scripts/train.py", "--help")
+    out = tmp_path / "run"
+    run("scripts/train.py", "--task", "text", "--steps", "2", "--batch-size", "2",
+        "--block-size", "16", "--n-layer", "1", "--dim", "32", "--out", str(out),
+        "--no-progress")
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 2

@@ -1,17 +1,20 @@
-"""Every ```python block of the documentation (README.md, docs/*.md, models/README.md) runs
-as written, each in a fresh interpreter, and every relative link in it points at a file (and
-heading) that exists.
+"""Every Python block of the documentation (README.md, docs/*.md, models/README.md) runs as
+written, in the order a reader runs it: one fresh interpreter per page, the page's blocks one
+after another in one namespace (a block may use what an earlier one defined); and every
+relative link in it points at a file (and heading) that exists.
 
 Conventions for authors:
-- ```python blocks run here (so keep them small: seconds on a 2-core CPU);
-- ```py blocks are shown, not run: for code that needs a GPU, several processes, or files a
-  reader has but the test does not;
-- a ```python block whose only failure is a missing optional extra (``transformers``,
-  ``triton``: ModuleNotFoundError for that top-level module) is skipped, not failed.
+- ```python and ```py blocks both run here (so keep them small: seconds on a 2-core CPU);
+- a block that cannot run here says why in its info string, ```py needs=REASON, REASON one of
+  ``gpu``, ``processes`` or ``hub`` (a GPU, several processes, downloaded weights); the tag is
+  checked: an unknown reason, or a block that shows no sign of needing it, fails;
+- a page whose run stops only at a missing optional extra (``transformers``, ``triton``,
+  ``psutil``: ModuleNotFoundError for that top-level module) is skipped from there, not failed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -24,8 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # the pages whose blocks run: a new page under docs/ joins without being listed here
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "models" / "README.md"]
-TIMEOUT_S = 60  # each block should take seconds; this only stops a hung one
-OPTIONAL = ("transformers", "triton")  # the hf and triton extras
+TIMEOUT_S = 60  # per block: each should take seconds; this only stops a hung page
+OPTIONAL = ("transformers", "triton", "psutil")  # the hf and triton extras
+# why a block may stay unrun, and what in its code shows that it needs that
+NEEDS = {"gpu": re.compile(r"cuda|triton"),
+         "processes": re.compile(r"torch\.distributed|torchrun|init_process_group|spawn"),
+         "hub": re.compile(r"from_pretrained")}
 FENCE = re.compile(r"^(`{3,})([^`]*)$")
 
 
@@ -60,10 +67,24 @@ def name_of(page: Path) -> str:
     return page.relative_to(ROOT).as_posix()
 
 
-def python_blocks(pages: list[Path] | None = None) -> list[tuple[str, int, str]]:
-    """(page, line of the opening fence, code) for every ```python block of ``pages``."""
+def needs(info: str) -> str | None:
+    """The reason a Python block's info string gives for not running it (``py needs=gpu``),
+    or None when it runs. ValueError for a tag outside :data:`NEEDS`."""
+    tags = dict(part.partition("=")[::2] for part in info.split()[1:])
+    reason = tags.pop("needs", None)
+    if tags or (reason is not None and reason not in NEEDS):
+        raise ValueError(f"info string {info!r}: the only tag is needs=REASON, REASON one of "
+                         f"{sorted(NEEDS)}")
+    return reason
+
+
+def python_blocks(pages: list[Path] | None = None, *, tagged: bool = False
+                  ) -> list[tuple[str, int, str]]:
+    """(page, line of the opening fence, code) for every Python block of ``pages`` that runs
+    (``tagged``: those that say why they do not)."""
     return [(name_of(page), line, code) for page in (pages or DOCS)
-            for line, info, code in fenced_blocks(page.read_text()) if info == "python"]
+            for line, info, code in fenced_blocks(page.read_text())
+            if info.split()[:1] in (["python"], ["py"]) and (needs(info) is not None) == tagged]
 
 
 # -- links ------------------------------------------------------------------------------------
@@ -150,20 +171,83 @@ def test_relative_links_resolve(page):
     assert not broken_links(page)
 
 
-@pytest.mark.parametrize("page, line, code", python_blocks(),
-                         ids=[f"{page}:line{line}" for page, line, _ in python_blocks()])
-def test_readme_block_runs(page, line, code, tmp_path):
+def test_needs_tags_are_checked():
+    assert needs("py") is None and needs("python") is None and needs("py needs=gpu") == "gpu"
+    for bad in ("py needs=time", "py skip=gpu", "python needs=gpu extra=1"):
+        with pytest.raises(ValueError, match="the only tag is needs=REASON"):
+            needs(bad)
+    text = "```py needs=hub\nm = AutoModel.from_pretrained(p)\n```\n```py\nx = 1\n```\n"
+    page = ROOT / "tests" / "_page.md"
+    try:
+        page.write_text(text)
+        assert python_blocks([page], tagged=True) == [("tests/_page.md", 1, "m = AutoModel."
+                                                       "from_pretrained(p)\n")]
+        assert python_blocks([page]) == [("tests/_page.md", 4, "x = 1\n")]
+    finally:
+        page.unlink()
+
+
+@pytest.mark.parametrize("page, line, code", python_blocks(tagged=True),
+                         ids=[f"{p}:line{n}" for p, n, _ in python_blocks(tagged=True)])
+def test_a_block_left_unrun_shows_what_it_needs(page, line, code):
+    """``needs=gpu`` on a block that never names CUDA or triton, say, is a stale excuse."""
+    info = next(i for n, i, _ in fenced_blocks((ROOT / page).read_text()) if n == line)
+    reason = needs(info)
+    assert NEEDS[reason].search(code), (f"{page}:{line} says needs={reason}, but nothing in it "
+                                        f"needs that: let it run (plain ```py)")
+
+
+# one interpreter per page: each block compiled with the page's name and its own line numbers
+# (so a traceback points into the page), run in one namespace, after a marker naming it
+DRIVER = """import json, sys
+page, blocks = json.loads(sys.stdin.read())
+ns = {"__name__": "__main__"}
+for line, code in blocks:
+    print(f"@@ {page} block at line {line}", file=sys.stderr, flush=True)
+    exec(compile("\\n" * line + code, page, "exec"), ns)
+"""
+
+PAGES = sorted({page for page, _, _ in python_blocks()}, key=[name_of(p) for p in DOCS].index)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_runs_in_reading_order(page, tmp_path):
+    blocks = [(line, code) for p, line, code in python_blocks() if p == page]
     env = dict(os.environ)
     # import the attn of this checkout, whatever the working directory
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    limit = TIMEOUT_S * len(blocks)
     try:
-        res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=TIMEOUT_S)
+        res = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps([page, blocks]),
+                             cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=limit)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{page} block at line {line} ran past {TIMEOUT_S} s:\n{code}")
+        pytest.fail(f"{page}: its {len(blocks)} blocks ran past {limit} s")
     if res.returncode != 0:
+        at = re.findall(r"^@@ (.*)$", res.stderr, re.M)
+        where = at[-1] if at else f"{page}, before its first block"
         missing = missing_extra(res.stderr)
         if missing is not None:
-            pytest.skip(f"{page} block at line {line} needs {missing}, an optional extra")
-        pytest.fail(f"{page} block at line {line} failed (exit {res.returncode}):\n"
-                     f"{code}\n--- stderr ---\n{res.stderr[-4000:]}")
+            pytest.skip(f"{where} needs {missing}, an optional extra (the page stops there)")
+        pytest.fail(f"{where} failed (exit {res.returncode}):\n--- stderr ---\n"
+                    f"{res.stderr[-4000:]}")
+
+
+def test_readmes_own_attention_passes_attn_check():
+    """The function README offers as the model of "your attention" passes ``attn check``'s
+    quick matrix, not only the one case (Nq = Nk) its block checks: bottom-right causal with
+    Nq != Nk both ways, GQA, rows without keys."""
+    import ast
+
+    from attn.conformance import check
+    from attn.testing import conformance_cases
+
+    code = next(c for _, _, c in python_blocks([README]) if "def my_attention(" in c)
+    tree = ast.parse(code)
+    tree.body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom,
+                                                        ast.FunctionDef))]
+    ns: dict = {}
+    exec(compile(tree, "README.md", "exec"), ns)
+    result = check(ns["my_attention"], cases=conformance_cases(quick=True), name="README")
+    assert result.ok, result.table()
+    assert "attn check my_attn.py:my_attention" in README.read_text()

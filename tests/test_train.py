@@ -105,6 +105,15 @@ def test_cli_flags_are_the_config_fields() -> None:
     assert flags - {"out", "resume", "no_progress"} == expected
 
 
+def test_help_shows_what_the_command_line_accepts() -> None:
+    """--task is required, so its help shows no default; --temperature also takes 'learned'."""
+    text = " ".join(_train_script().build_parser().format_help().split())
+    task = text[text.rindex("--task {text,recall} "):]  # its help, after the usage line
+    assert task.split("--steps")[0].rstrip().endswith("(required)"), task[:200]
+    assert "(default: recall)" not in text
+    assert "head's initial value; or 'learned'" in text  # argparse may wrap the rest
+
+
 def test_a_new_option_field_becomes_a_flag() -> None:
     @dataclasses.dataclass
     class Extended(AttentionOptions):

@@ -36,8 +36,8 @@ COMMANDS = {
     "bench": "a custom sweep or one of the benchmark questions",
     "check": "run the conformance matrix on your attention function: each case correct, "
              "not supported, wrong (diagnosed) or NaN",
-    "gpu-check": "every GPU claim in one run of a few minutes (correctness, speed, memory, "
-                 "decode, tuning), or --dry-run on CPU",
+    "gpu-check": "every GPU claim in at most two runs of 7 minutes (correctness, speed, "
+                 "memory, decode, tuning), or --dry-run on CPU",
 }
 
 # (N values, causal values) per device for the full and the quick report. The quick one is
@@ -335,8 +335,9 @@ def _config(args: argparse.Namespace) -> SweepConfig:
 
 
 def _progress(total: int, enabled: bool):
-    """A tqdm bar when tqdm is installed and wanted, else None (one line per point)."""
-    if not enabled:
+    """A tqdm bar when tqdm is installed and wanted and stderr is a terminal, else None (one
+    line per point: redirected to a file, a bar's redraws would interleave with them)."""
+    if not enabled or not sys.stderr.isatty():
         return None
     try:
         from tqdm import tqdm
@@ -458,6 +459,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if checks:
         print(report.checks_summary(check_dicts) + "\n")
     print(report.markdown_tables(row_dicts))
+    if args.command == "report":
+        print("## Conclusion\n\n" + "\n".join(report.conclusion(header, row_dicts,
+                                                                   check_dicts)) + "\n")
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}"
           + "".join(f", {p}" for p in pngs) + f" in {header['elapsed_s']} s")
     failed = [c for c in checks if c.status == "failed"]

@@ -298,7 +298,7 @@ def _compile_check(ctx: StageContext) -> None:
     from attn.nn import MultiHeadAttention
 
     torch.manual_seed(0)
-    m = MultiHeadAttention(256, 4, backend="triton").cuda().to(torch.bfloat16)
+    m = MultiHeadAttention(256, 4, causal=True, backend="triton").cuda().to(torch.bfloat16)
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
     try:
         eager = m(x)

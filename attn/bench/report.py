@@ -324,6 +324,134 @@ def checks_summary(checks: list[dict]) -> str:
             + ", ".join(f"{n} {status}" for status, n in counts.items()))
 
 
+# -- the conclusion: what the tables say, in a few lines ----------------------------------------
+
+NOISY_SPREAD = 1.5  # a point whose median time is this many times its fastest run is noisy
+NOISY_JUMP = 2.0  # time growing this many times faster than the FLOPs from one N to the next
+
+
+def noisy_points(rows: list[dict]) -> list[str]:
+    """Measurements not to trust as they are: a median far above the point's fastest run, a
+    time that grows much faster than the FLOPs from one N to the next (a busy moment), and a
+    share of the matmul rate above 100 % (the ceiling was read in a busy moment)."""
+    found = []
+    series: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["status"] != "ok" or r.get("ms") is None:
+            continue
+        if r.get("ms_min") and r["ms"] > NOISY_SPREAD * r["ms_min"]:
+            found.append(f"{_where(r)}: median {_ms(r['ms'])} ms is {r['ms'] / r['ms_min']:.1f}× "
+                         f"its fastest run")
+        if (r.get("matmul_fraction") or 0) > 1.0:
+            found.append(f"{_where(r)}: {100 * r['matmul_fraction']:.0f} % of the matmul rate, "
+                         f"above 100 %: the matmul ceiling was read in a busy moment")
+        series.setdefault((r["backend"], r["dtype"], r["D"], r["causal"], r["mode"]), []
+                          ).append(r)
+    for rs in series.values():
+        rs.sort(key=lambda r: r["N"])
+        for a, b in zip(rs, rs[1:]):
+            if a["flops"] and b["flops"] and a["ms"] > 0:
+                grew, work = b["ms"] / a["ms"], b["flops"] / a["flops"]
+                if grew > NOISY_JUMP * work:
+                    found.append(f"{_where(b)}: {_ms(b['ms'])} ms, {grew:.1f}× N={a['N']}'s "
+                                 f"{_ms(a['ms'])} ms for {work:.1f}× the FLOPs")
+    return found
+
+
+def _ms(x: float) -> str:
+    """Three significant digits, without an exponent for the long points."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _where(r: dict) -> str:
+    return (f"{r['backend']} {r['mode']} N={r['N']}{' causal' if r['causal'] else ''} "
+            f"{r['dtype']}")
+
+
+def _checked(backend: str, checks: list[dict]) -> str:
+    mine = [c for c in checks if c["backend"] == backend and c["status"] != "skipped"]
+    failed = sum(c["status"] == "failed" for c in mine)
+    if backend == "reference":
+        return "the oracle the others are checked against"
+    if not mine:
+        return "not checked in this run"
+    if failed:
+        return f"WRONG: {failed} of {len(mine)} checks against the float64 reference failed"
+    return f"correct ({len(mine)} of {len(mine)} checks against the float64 reference)"
+
+
+def _meaning(backend: str, speed: float, memory: float | None) -> str:
+    faster, slower = speed >= 1.05, speed <= 0.95
+    if memory is None:
+        return ("faster than SDPA here" if faster else "slower than SDPA here" if slower
+                else "as fast as SDPA here")
+    smaller, larger = memory <= 0.95, memory >= 1.05
+    if faster and not larger:
+        return "better than SDPA on this machine at this size"
+    if slower and larger:
+        return (f"slower and larger than SDPA on this machine at this size: for calls SDPA "
+                f"can run, SDPA is the better choice here; {backend} is for what SDPA lacks "
+                f"(softcap, sinks, lse, attn's masks and windows)")
+    if slower and smaller:
+        return "slower than SDPA but smaller: worth it where memory limits N"
+    if faster and larger:
+        return "faster than SDPA but larger: worth it where memory is not the limit"
+    return "about even with SDPA at this size" if not larger else "as fast as SDPA but larger"
+
+
+def conclusion(header: dict, rows: list[dict], checks: list[dict]) -> list[str]:
+    """The report's answer, as markdown list items: for each backend and mode, its speed and
+    peak memory against SDPA at the largest N both ran, whether its checks passed, and what
+    that means on this machine; then what makes the numbers less trustworthy."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    sdpa = {(r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"], r["mode"]): r
+            for r in ok if r["backend"] == "sdpa"}
+    lines = []
+    backends = list(dict.fromkeys(r["backend"] for r in ok if r["backend"] != "sdpa"))
+    modes = list(dict.fromkeys(r["mode"] for r in ok))
+    for backend in backends:
+        for mode in modes:
+            pairs = [(r, sdpa.get((r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"],
+                                   mode)))
+                     for r in ok if r["backend"] == backend and r["mode"] == mode]
+            pairs = [(r, s) for r, s in pairs if s is not None and r.get("ms") and s.get("ms")
+                     or s is not None and r.get("peak_bytes") and s.get("peak_bytes")]
+            if not pairs:
+                continue
+            r, s = max(pairs, key=lambda p: (p[0]["N"], not p[0]["causal"]))
+            what = []
+            speed = s["ms"] / r["ms"] if r.get("ms") and s.get("ms") else None
+            memory = (r["peak_bytes"] / s["peak_bytes"] if r.get("peak_bytes")
+                      and s.get("peak_bytes") else None)
+            if speed is not None:
+                what.append(f"{speed:.2f}× SDPA's speed ({_ms(r['ms'])} vs {_ms(s['ms'])} ms)")
+            if memory is not None:
+                what.append(f"{memory:.2f}× SDPA's peak memory ({_mib(r['peak_bytes'])} vs "
+                            f"{_mib(s['peak_bytes'])} MiB)")
+            line = (f"- **{backend}** {mode}, N={r['N']}{' causal' if r['causal'] else ''} "
+                    f"{r['dtype']} D={r['D']}: {', '.join(what)}; {_checked(backend, checks)}")
+            if backend != "reference" and speed is not None:
+                meaning = _meaning(backend, speed, memory)
+                line += f". {meaning[0].upper()}{meaning[1:]}."
+            elif backend == "reference":
+                line += " (exact, not meant to be fast)."
+            lines.append(line)
+    if not lines:
+        lines.append("- no backend ran beside sdpa at a common point: nothing to compare")
+    warning = load_warning(header)
+    noisy = noisy_points(rows)
+    if warning or noisy:
+        lines.append("- **times not to trust as they are**"
+                     + (f": the machine was loaded (load {header['loadavg_1min']:.2f} over "
+                        f"{header['torch_threads']} threads)" if warning else "")
+                     + (f"; {len(noisy)} noisy measurement{'s' if len(noisy) > 1 else ''}: "
+                        + "; ".join(noisy[:4]) + (" ..." if len(noisy) > 4 else "")
+                        if noisy else "")
+                     + ". Re-run on a quiet machine before acting on speed; memory and "
+                       "correctness do not depend on load.")
+    return lines
+
+
 def header_text(h: dict) -> str:
     rates = ", ".join(f"{k} {v:.3f}" for k, v in h.get("matmul_tflops", {}).items())
     warning = load_warning(h)
@@ -345,7 +473,8 @@ def write_markdown(path: str | Path, header: dict, rows: list[dict],
                    checks: list[dict] | None = None, plots: list[str] | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    parts = ["# attn report\n", header_text(header)]
+    parts = ["# attn report\n", header_text(header),
+             "## Conclusion\n", "\n".join(conclusion(header, rows, checks or [])) + "\n"]
     if checks:
         parts += ["## Correctness against the float64 reference\n", checks_table(checks)]
     parts += ["## Memory and speed\n", markdown_tables(rows)]

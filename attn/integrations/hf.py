@@ -576,16 +576,16 @@ class _QuantizedLayer(CacheLayerMixin):
 
 
 class AttnQuantizedCache(Cache):
-    """A KV cache for ``model.generate(past_key_values=...)`` that stores every layer's keys
-    and values quantized (:mod:`attn.kvquant`: int8, int4, fp8_e4m3, optionally keys per
-    channel and a full-precision window of recent pages) in an
-    :class:`attn.kvcache.PagedKVCache`, and whose attention reads the quantized pages tile
-    by tile (:func:`attn.decode`): no dequantized copy of the cache is ever built.
+    """A KV cache for ``model.generate(cache=...)`` (``past_key_values=`` before transformers
+    5.24) that stores every layer's keys and values quantized (:mod:`attn.kvquant`: int8,
+    int4, fp8_e4m3, optionally keys per channel and a full-precision window of recent pages)
+    in an :class:`attn.kvcache.PagedKVCache`, and whose attention reads the quantized pages
+    tile by tile (:func:`attn.decode`): no dequantized copy of the cache is ever built.
 
         attn.integrations.hf.register()
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
         cache = AttnQuantizedCache(model.config, quant="int4", max_tokens=4096)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+        out = model.generate(ids, cache=cache, max_new_tokens=256)
 
     ``quant``: an :class:`attn.kvquant.KVQuant` or its kind. ``max_tokens``: positions per
     sequence (prompt, padding included, plus new tokens); ``page_size``: positions per page;
