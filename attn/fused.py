@@ -295,7 +295,7 @@ def sequences(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> list[Seq
 class _Plan(NamedTuple):
     blocks: list[tuple[int, int]]  # query blocks in the sequence's positions
     ranges: list[tuple[int, int]]  # key ranges (split-KV), else [(0, Nk)]
-    masked: bool  # every piece gets a mask (a user mask, ALiBi)
+    masked: bool  # every piece gets a mask (a user mask)
     # a mask_mod / block mask's pieces per query block (tiles grouped: full runs without a
     # mask, partial runs masked), None where the band alone cuts the blocks
     mask_pieces: list[list[Piece]] | None = None
@@ -358,14 +358,14 @@ def plan(seq: Seq, hkv: int, spec: LaunchSpec, ops: Operands, config: FusedConfi
     n_q, n_k = seq.q1 - seq.q0, seq.k1 - seq.k0
     if spec.mask_mod is not None or spec.mask_blocks is not None:
         return _mask_plan(seq, spec, hkv if heads is None else heads)
-    every = ops.attn_mask is not None or ops.alibi is not None
+    every = ops.attn_mask is not None
     chunk = None if backward else kv_split(n_q, n_k, config)
     if chunk is not None:
         return _Plan([(0, n_q)], [(n0, min(n0 + chunk, n_k)) for n0 in range(0, n_k, chunk)],
                      every)
     if spec.block_m:
         bm = spec.block_m
-    elif every or seq.band.left is not None:
+    elif every or seq.band.left is not None or ops.alibi is not None:
         bm = config.masked_block_m
     else:
         want = max(1, -(-config.items_per_row // hkv))
@@ -374,10 +374,29 @@ def plan(seq: Seq, hkv: int, spec: LaunchSpec, ops: Operands, config: FusedConfi
 
 
 def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
-                 config: FusedConfig = DEFAULT) -> list[Piece]:
+                 config: FusedConfig = DEFAULT, alibi: bool = False) -> list[Piece]:
     """The pieces of query block ``[m0, m1)`` within keys ``[n_lo, n_hi)``, masked ones (or
-    all, where everything is masked) cut to at most ``masked_block_n`` keys."""
+    all, where everything is masked) cut to at most ``masked_block_n`` keys. With ``alibi``
+    a piece every row sees that crosses the block's diagonal is cut into the keys on its
+    left, the square around it (masked: ALiBi's bias there is |j - i|), and the keys on its
+    right, and the causal diagonal is masked too, so that the keys off the block's diagonal
+    take the bias folded into q and k (:func:`_fold`) and the masks stay block-sized."""
     out = []
+    if alibi and p.mask_pieces is None and not p.masked:
+        off = seq.band.offset
+        for pc in block_pieces(seq, p, m0, m1, n_lo, n_hi, config):
+            if pc.causal:  # the diagonal: its bias as a block-sized mask, the band with it
+                out.append(Piece(pc.n0, pc.n1, False, True))
+                continue
+            if pc.masked or _side(pc, m0, m1, off) != 0:
+                out.append(pc)
+                continue
+            a = max(pc.n0, min(pc.n1, m0 + off + 1))  # keys left of every row's diagonal
+            b = min(pc.n1, max(a, m1 - 1 + off))  # keys right of every row's diagonal
+            out += [x for x in (Piece(pc.n0, a), Piece(a, b, masked=True), Piece(b, pc.n1))
+                    if x.n1 > x.n0]
+        return _cut([x for x in out if x.masked], config.masked_block_n) + [
+            x for x in out if not x.masked]
     if p.mask_pieces is not None:  # a mask's tiles: its own pieces, already cut
         ps = p.mask_pieces[p.blocks.index((m0, m1))]
         return _cut([pc for pc in ps if pc.masked], config.masked_block_n) + [
@@ -407,14 +426,17 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
         return None, None
     rows = torch.arange(m0, m1, device=device)
     cols = torch.arange(pc.n0, pc.n1, device=device)
-    keep = seq.band.mask(rows, cols)  # (rows, keys), None for a bandless call
-    keep = None if keep is None else keep[None, None]
+    keep = None  # the band only where it cuts the piece: elsewhere every pair is inside it
+    if pc.masked:
+        keep = seq.band.mask(rows, cols)  # (rows, keys), None for a bandless call
+        keep = None if keep is None else keep[None, None]
     if mask_mod is not None and pc.masked:  # (1, G or 1, rows, keys) in the call's positions
         hs = torch.arange(heads.start, heads.stop, device=device).view(1, -1, 1, 1)
         mm = mask_mod(torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device), hs,
                       rows.view(1, 1, -1, 1), cols.view(1, 1, 1, -1))
         keep = mm if keep is None else keep & mm
     add = None
+    may_hide = keep is not None  # whether a row may see no key of the piece
     if mask4 is not None:
         user = mask4[seq.b if mask4.shape[0] > 1 else 0,
                      heads if mask4.shape[1] > 1 else slice(None)]
@@ -425,9 +447,12 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
             keep = user if keep is None else keep & user
         else:
             add = user.to(dtype)
+        may_hide = True
     if slopes is not None:  # ALiBi: -slope_h |j - (i + offset)|, built in float32
-        dist = (cols[None, :] - (rows[:, None] + seq.band.offset)).abs().float()
-        bias = -slopes[seq.slopes_row, heads].float().view(1, -1, 1, 1) * dist
+        dist = (torch.arange(pc.n0, pc.n1, dtype=torch.float32, device=device)[None, :]
+                - torch.arange(m0 + seq.band.offset, m1 + seq.band.offset,
+                               dtype=torch.float32, device=device)[:, None]).abs_()
+        bias = dist * -slopes[seq.slopes_row, heads].float().view(1, -1, 1, 1)
         add = bias.to(dtype) if add is None else add + bias.to(dtype)
     shape = (1, 1, m1 - m0, pc.n1 - pc.n0)
     if add is None:
@@ -435,8 +460,64 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
     if keep is not None:  # (a per-head keep widens the mask to the heads)
         add = torch.where(keep, add, torch.tensor(float("-inf"), dtype=dtype, device=device))
     add = add.expand(*add.shape[:2], *shape[2:])
+    if not may_hide:
+        return add, None
     empty = ~(add[0] > float("-inf")).any(-1)  # (G or 1, rows): rows that see no key here
     return add, (empty if bool(empty.any()) else None)
+
+
+def _side(pc: Piece, m0: int, m1: int, off: int) -> int:
+    """+1 when every key of the piece is at or left of every row's diagonal (``j <= i + off``),
+    -1 when at or right of it, 0 when the piece crosses it (or is the causal diagonal, which
+    it reaches)."""
+    if pc.causal:
+        return 0
+    if pc.n1 - 1 <= m0 + off:
+        return 1
+    if pc.n0 >= m1 - 1 + off:
+        return -1
+    return 0
+
+
+class _Folded(NamedTuple):
+    """q, k, v of one piece with ALiBi's bias folded in as G more head-dim columns, and the
+    per-row constant the folded scores carry: ``lse = lse_folded - shift``."""
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    shift: Tensor  # (G, rows), accumulation dtype
+
+
+def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor, seq: Seq, m0: int, m1: int,
+          pc: Piece, scale: float) -> _Folded:
+    """ALiBi's ``-s_h |j - (i + off)|`` on a piece on one side of every row's diagonal
+    (:func:`_side`) is ``side·s_h·(j - c) - side·s_h·(i + off - c)``: a term per key, which
+    G more columns fold into the scores (a one-hot per query head in q, ``side·s_h·(j -
+    c) / scale`` per head in k, zeros in v), and a term per row, which the softmax ignores and
+    the lse gives back. ``c`` is the piece's edge nearest the diagonal, so the folded terms
+    stay as small as the bias itself where the probabilities are."""
+    side = _side(pc, m0, m1, seq.band.offset)
+    G, rows, n = qb.shape[1], m1 - m0, pc.n1 - pc.n0
+    c = pc.n1 if side > 0 else pc.n0
+    s = slopes[seq.slopes_row].float()  # (G,)
+    j = torch.arange(pc.n0 - c, pc.n1 - c, dtype=torch.float32, device=qb.device)
+    cols = (side / scale) * j[:, None] * s[None, :]  # (keys, G)
+    eye = torch.eye(G, dtype=qb.dtype, device=qb.device).view(1, G, 1, G)
+    q2 = torch.cat([qb, eye.expand(1, G, rows, G)], -1)
+    k2 = torch.cat([kb, cols.to(kb.dtype).view(1, 1, n, G)], -1)
+    v2 = torch.nn.functional.pad(vb, (0, k2.shape[-1] - vb.shape[-1]))
+    i = torch.arange(m0 + seq.band.offset - c, m1 + seq.band.offset - c, dtype=torch.float32,
+                     device=qb.device)
+    shift = side * s[:, None] * i[None, :]  # (G, rows)
+    return _Folded(q2, k2, v2, shift)
+
+
+def _foldable(slopes: Tensor | None, pc: Piece, p: _Plan, mask_mod, m0: int, m1: int,
+              seq: Seq) -> bool:
+    """Whether ALiBi folds into this piece's q and k (:func:`_fold`): a piece the band does
+    not cut, no other mask on it, on one side of every row's diagonal."""
+    return (slopes is not None and not pc.masked and not p.masked and mask_mod is None
+            and _side(pc, m0, m1, seq.band.offset) != 0)
 
 
 def _check_ops() -> _CpuOps:
@@ -477,14 +558,22 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         heads = slice(hk * G, (hk + 1) * G)
         qb = q[s.b:s.b + 1, heads, s.q0 + m0:s.q0 + m1]  # (1, G, rows, D)
         outs, lses = [], []
-        for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config):
-            add, empty = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype,
-                                     q.device, mask_mods[si])
+        slopes = None if ops.alibi is None else ops.alibi[:, heads]
+        for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config,
+                               alibi=slopes is not None):
             kb = k[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
             vb = v[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
-            o, l_ = ops_cpu.fwd(qb, kb, vb, 0.0, pc.causal and add is None, attn_mask=add,
+            folded = None
+            if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
+                folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
+            add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
+                                     pc, q.dtype, q.device, mask_mods[si])
+            qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
+            o, l_ = ops_cpu.fwd(qf, kf, vf, 0.0, pc.causal and add is None, attn_mask=add,
                                 scale=spec.qk_scale)
-            o, l_ = o[0], l_[0]
+            o, l_ = o[0, ..., :Dv], l_[0]
+            if folded is not None:
+                l_ = l_ - folded.shift
             if empty is not None:  # torch's kernel gives lse 0 to a row that saw no key
                 l_ = l_.masked_fill(empty.expand_as(l_), float("-inf"))
             outs.append(o)
@@ -623,22 +712,30 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             dv_to = torch.zeros(s.k1 - s.k0, Dv, dtype=acc, device=q.device)
             extra[si, hk, r] = (dk_to, dv_to)
         b0, b1 = runs[si][r]
+        slopes = None if ops.alibi is None else ops.alibi[:, heads]
         for m0, m1 in p.blocks[b0:b1]:
             rows = slice(s.q0 + m0, s.q0 + m1)
-            qb, dob, ob = (t[s.b:s.b + 1, heads, rows] for t in (q, do, out))
-            lb = lse_in[s.b:s.b + 1, heads, rows]
-            if pad is not None:  # Δ - dlse through two more columns (the docstring)
-                qb = torch.nn.functional.pad(qb, (0, 2))
-                ob = torch.cat([ob, pad[s.b:s.b + 1, heads, rows]], -1)
-                dob = torch.nn.functional.pad(dob, (0, 2), value=1.0)
+            qb0, dob0, ob0 = (t[s.b:s.b + 1, heads, rows] for t in (q, do, out))
+            lb0 = lse_in[s.b:s.b + 1, heads, rows]
             dq_blk = dq[s.b, heads, rows]
-            for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config):
-                add, _ = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype,
-                                     q.device, mask_mods[si])
+            for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
+                                   alibi=slopes is not None):
+                qb, dob, ob, lb = qb0, dob0, ob0, lb0
                 kb = k[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
                 vb = v[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
-                if pad is not None:
-                    kb, vb = (torch.nn.functional.pad(t, (0, 2)) for t in (kb, vb))
+                folded = None
+                if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
+                    folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
+                    qb, kb, vb = folded[:3]
+                    G_ = folded.shift.shape[0]  # zeros in out and dO: Δ unchanged
+                    ob, dob = (torch.nn.functional.pad(t, (0, G_)) for t in (ob, dob))
+                    lb = lb + folded.shift.to(lb.dtype)  # (+inf rows stay +inf)
+                add, _ = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
+                                     pc, q.dtype, q.device, mask_mods[si])
+                if pad is not None:  # Δ - dlse through two more columns (the docstring)
+                    qb, kb, vb = (torch.nn.functional.pad(t, (0, 2)) for t in (qb, kb, vb))
+                    ob = torch.cat([ob, pad[s.b:s.b + 1, heads, rows]], -1)
+                    dob = torch.nn.functional.pad(dob, (0, 2), value=1.0)
                 gq, gk, gv = ops_cpu.bwd(dob, qb, kb, vb, ob, lb, 0.0,
                                          pc.causal and add is None, attn_mask=add,
                                          scale=spec.qk_scale)
