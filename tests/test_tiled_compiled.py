@@ -118,29 +118,29 @@ def test_compile_failure_warns_once_and_falls_back(fused, monkeypatch):
         warnings.simplefilter("always")
         assert_close_to_reference(_tiled(), q, k, v, causal=True)
         attn.attention(q, k, v, backend="tiled")
-    ours = [w for w in caught if "fused CPU path" in str(w.message)]
+    ours = [w for w in caught if "compiled tiled steps could not run" in str(w.message)]
     assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
     assert "simulated" in str(ours[0].message)
     call = AttentionCall(device="cpu", dtype=torch.float32, head_dim=16, head_dim_v=16, n_q=8, n_k=8)
-    assert "failed earlier" in select_backend(call).reason
+    assert "failed earlier" in select_backend(call, "tiled").reason
 
 
 def test_switch_and_reason(monkeypatch):
     call = AttentionCall(device="cpu", dtype=torch.float32, head_dim=16, head_dim_v=16, n_q=8, n_k=8)
     monkeypatch.setattr(tiled.steps, "_COMPILED_FAILED", None)
     monkeypatch.setenv("ATTN_TILED_COMPILE", "0")
-    assert "eager" in select_backend(call).reason
     assert "eager" in select_backend(call, "tiled").reason
     monkeypatch.setenv("ATTN_TILED_COMPILE", "1")
-    assert "fused" in select_backend(call).reason
+    assert "compiled tiled steps" in select_backend(call, "tiled").reason
     cuda = AttentionCall(device="cuda", dtype=torch.float32, head_dim=16, head_dim_v=16,
                          n_q=8, n_k=8)
     assert "CPU only" in select_backend(cuda, "tiled").reason
     monkeypatch.setenv("ATTN_TILED_COMPILE", "yes")
     with pytest.raises(ValueError, match="ATTN_TILED_COMPILE"):
-        select_backend(call)
+        select_backend(call, "tiled")
     monkeypatch.delenv("ATTN_TILED_COMPILE")
-    assert ("fused" in select_backend(call).reason) == tiled.COMPILED_DEFAULT
+    assert ("compiled tiled steps" in select_backend(call, "tiled").reason) \
+        == tiled.COMPILED_DEFAULT
 
 
 def test_eager_path_runs_no_compiled_step(monkeypatch):
