@@ -95,20 +95,26 @@ def test_backward_cut_depends_on_the_heads_not_the_batch(Hkv):
     # each batch row and kv-head group is its own chunk, and the runs of query blocks fill
     # what the heads do not give: the same cut for one sequence alone and in a batch of 6,
     # and no dK/dV partial (one run) where there are 4 kv heads or more
-    cuts = []
+    cuts, small = [], []
     for B in (1, 6):
-        _, bwd = _plan(H=8, Hkv=Hkv, Nq=300, Nk=300, band=Band(0, None, 0), B=B)
+        _, bwd = _plan(H=8, Hkv=Hkv, Nq=600, Nk=600, band=Band(0, None, 0), B=B)
         rows = [[(c.h0, c.h1) for c in bwd.chunks if c.b0 == b] for b in range(B)]
         assert all(c.b1 == c.b0 + 1 for c in bwd.chunks) and all(r == rows[0] for r in rows)
         cuts.append((rows[0], backward_runs(bwd)))
-    assert cuts[0] == cuts[1]
+        # a short sequence keeps batched chunks (no head groups): its runs alone fill the
+        # items, the same number at any batch size
+        _, bwd = _plan(H=8, Hkv=Hkv, Nq=100, Nk=100, band=Band(0, None, 0), B=B)
+        assert all(c.h1 - c.h0 == Hkv for c in bwd.chunks)
+        small.append(backward_runs(bwd))
+    assert cuts[0] == cuts[1] and small[0] == small[1] and len(small[0]) == 4
     groups, runs = cuts[0]
     assert len(groups) == min(Hkv, 4) and len(runs) == -(-4 // min(Hkv, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_bits_do_not_depend_on_the_batch(dtype):
-    q, k, v = make_inputs(B=6, H=8, Hkv=2, N=300, D=32, dtype=dtype, seed=1)
+    # long enough for one batch row per backward chunk (TileConfig.bwd_row_min_scores)
+    q, k, v = make_inputs(B=4, H=8, Hkv=2, N=520, D=32, dtype=dtype, seed=1)
 
     def grads(q, k, v):
         q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -116,7 +122,7 @@ def test_backward_bits_do_not_depend_on_the_batch(dtype):
         (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         return out, lse, q.grad, k.grad, v.grad
     full, alone, mixed = grads(q, k, v), grads(q[2:3], k[2:3], v[2:3]), grads(
-        q[[4, 2]], k[[4, 2]], v[[4, 2]])
+        q[[3, 2]], k[[3, 2]], v[[3, 2]])
     for f, a, m in zip(full, alone, mixed):
         assert torch.equal(a[0], f[2]) and torch.equal(m[1], f[2])
 

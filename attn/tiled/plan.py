@@ -69,6 +69,13 @@ class TileConfig:
     # the kv heads and the blocks only, never on the batch or the number of workers.
     bwd_items: int = 4
     bwd_max_runs: int = 4
+    # A sequence of at least this many query x key pairs runs its backward one batch row per
+    # chunk, cut into head groups (so no other row shares its tile GEMMs, which a batched
+    # GEMM over more matrices may round differently); shorter ones keep the forward's
+    # batched chunks, with runs for their items (their partials are small), where per-row
+    # items measured up to 9x slower (B=32, H=4, N=64 fwd+bwd: 25 -> 217 ms on 2 Cascade
+    # Lake cores): their tiles are too small to pay a Python step each.
+    bwd_row_min_scores: int = 1 << 18
     # Calls that visit fewer scores than this run their items in order on the caller (with
     # one intra-op thread, so the same bits): waking the workers would cost more than the
     # call.
@@ -212,7 +219,9 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
         # the forward's chunks cut into head groups (a block mask is classified in one
         # call's own positions and heads: it keeps whole chunks)
         plan = _plan(q, k, spec, v, config)
-        return plan._replace(chunks=head_groups(plan.chunks, config), kv_chunk=None,
+        per_row = q.shape[2] * k.shape[2] >= config.bwd_row_min_scores
+        return plan._replace(chunks=head_groups(plan.chunks, config, per_row=per_row),
+                             kv_chunk=None,
                              blocks=tuple(_blocks(plan.spec, q.shape[2], k.shape[2])
                                           .query_blocks()))
     spec = config.tiles(spec)
@@ -302,16 +311,18 @@ def backward_runs(plan: _Plan, config: TileConfig = DEFAULT) -> list[tuple[int, 
     return runs
 
 
-def head_groups(chunks: list[_Chunk], config: TileConfig = DEFAULT) -> list[_Chunk]:
-    """The backward's chunks: each batched chunk cut into its batch rows, and each row's kv
-    heads into ``min(Hkv, bwd_items)`` groups of consecutive heads (each writes its own dK/dV
-    rows). So every tile GEMM of a sequence is the same whatever else shares its batch (a
-    batched GEMM over one matrix or over several may round differently); chunks already
-    narrower (the unit path's single heads) stay."""
+def head_groups(chunks: list[_Chunk], config: TileConfig = DEFAULT, *,
+                per_row: bool = True) -> list[_Chunk]:
+    """The backward's chunks. With ``per_row``: each batch row its own chunk (so every tile
+    GEMM of a sequence is the same whatever else shares its batch: a batched GEMM over one
+    matrix or over several may round differently), its kv heads cut into
+    ``min(Hkv, bwd_items)`` groups of consecutive heads (each writes its own dK/dV rows).
+    Without: the chunks as they are (a head slice of several rows would not be one view).
+    Chunks already narrower (the unit path's single heads) stay."""
     out = []
     for c in chunks:
         n = c.h1 - c.h0
-        if n < c.Hkv:
+        if n < c.Hkv or not per_row:
             out.append(c)
             continue
         groups = min(n, config.bwd_items)
