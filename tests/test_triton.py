@@ -105,8 +105,17 @@ def test_cpu_needs_the_interpreter(monkeypatch):
 
 # -- torch.library registration: fake tensors and torch.compile ------------------------------------
 
+def _spec_args(q, k):
+    """A causal spec of scale 0.25 as the custom ops' spec arguments."""
+    from attn.masks import Band
+    from attn.spec import LaunchSpec
+
+    return flash_triton.launch._op_args(
+        LaunchSpec(qk_scale=0.25, band=Band(k.shape[2] - q.shape[2], None, 0)))
+
+
 def _op_args(q, k, v):
-    return (q, k, v, None, None, None, k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1])
+    return (q, k, v, None, None, None, *_spec_args(q, k))
 
 
 @pytest.mark.cuda_if_present
@@ -117,17 +126,16 @@ def test_opcheck_forward_and_backward():
     do = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, None, None,
-                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False))
+                           *_spec_args(q, k), False))
     sinks = torch.randn(q.shape[1], device=DEVICE)
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, sinks, None,
-                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False))
+                           *_spec_args(q, k), False))
     alibi = torch.rand(1, q.shape[1], device=DEVICE)  # ALiBi slopes: the last, optional argument
     torch.library.opcheck(torch.ops.attn.flash_fwd.default, (*_op_args(q, k, v), alibi))
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, None, None,
-                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False,
-                           alibi))
+                           *_spec_args(q, k), False, alibi))
 
 
 @pytest.mark.cuda_if_present
@@ -142,6 +150,114 @@ def test_fake_tensor_shapes():
         assert logl.shape == lse.shape and logl.dtype == torch.float32
         assert out.shape == (2, 8, 100, 48) and out.dtype == torch.bfloat16
         assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
+
+
+# -- the spec through the custom ops: every LaunchSpec field arrives ----------------------------
+
+def _spec_values(cls):
+    """A spec of ``cls`` per field, each with that one field off its default (by its type),
+    and one with all of them off; callables (which no op schema carries) stay None."""
+    import dataclasses
+    import typing
+
+    from attn.masks import Band
+
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for i, f in enumerate(dataclasses.fields(cls)):
+        hint = hints[f.name]
+        kinds = set(typing.get_args(hint)) or {hint}
+        if any(typing.get_origin(a) is not None or a is typing.Callable for a in kinds) \
+                or any(getattr(a, "__name__", "") == "Blocks" for a in kinds):
+            continue  # a callable or block mask: refused on the ops' path (test below)
+        if Band in kinds:
+            values[f.name] = Band(3 + i, 2, 1)
+        elif float in kinds:
+            values[f.name] = 0.375 + i
+        elif int in kinds:
+            values[f.name] = 5 + i
+        else:
+            raise AssertionError(f"give LaunchSpec.{f.name} ({hint}) a test value here")
+    base = dict(qk_scale=0.5)
+    singles = [cls(**{**base, name: value}) for name, value in values.items()]
+    return singles + [cls(**{**base, **values})]
+
+
+def _specs_the_ops_see(monkeypatch, spec, q, k, v):
+    """The spec each custom op (forward, split forward, backward) hands its launcher when
+    called with ``launch._op_args(spec)``; the launchers are stubs: nothing runs."""
+    from attn.grads import Grads
+
+    launch = flash_triton.launch
+    seen = []
+    out = lambda: torch.empty(*q.shape[:-1], v.shape[-1])  # noqa: E731
+    lse = lambda: torch.empty(q.shape[:-1])  # noqa: E731
+
+    def fwd(q, k, v, spec, ops, want_logl=False):
+        seen.append(spec)
+        return out(), lse(), lse()
+
+    def fwd_split(q, k, v, spec, ops, chunk):
+        seen.append(spec)
+        return out(), lse()
+
+    def bwd(*args, **kw):
+        seen.append(args[7])
+        return Grads(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None,
+                     None)
+
+    monkeypatch.setattr(launch, "_fwd", fwd)
+    monkeypatch.setattr(launch, "_fwd_split", fwd_split)
+    monkeypatch.setattr(launch, "_bwd", bwd)
+    args = launch._op_args(spec)
+    o, l, _ = torch.ops.attn.flash_fwd(q, k, v, None, None, None, *args)
+    torch.ops.attn.flash_fwd_split(q, k, v, None, None, None, *args, None, 64)
+    torch.ops.attn.flash_bwd(torch.ones_like(o), None, q, k, v, o, l, None, None, None, *args,
+                             False)
+    return seen
+
+
+def test_triton_custom_ops_carry_every_spec_field(monkeypatch):
+    from attn.spec import LaunchSpec
+
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    for spec in _spec_values(LaunchSpec):
+        assert _specs_the_ops_see(monkeypatch, spec, q, k, v) == [spec] * 3, spec
+
+
+def test_triton_custom_ops_carry_a_new_spec_field(monkeypatch):
+    """A field added to LaunchSpec (here by a subclass, as a new variant would add one)
+    arrives with no edit to the ops."""
+    import dataclasses
+
+    from attn.spec import LaunchSpec
+
+    @dataclasses.dataclass(frozen=True)
+    class BiasSpec(LaunchSpec):
+        score_bias: float = 0.0
+        bias_heads: int | None = None
+
+    monkeypatch.setattr(flash_triton.launch, "LaunchSpec", BiasSpec)
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    for spec in _spec_values(BiasSpec)[-3:]:
+        assert _specs_the_ops_see(monkeypatch, spec, q, k, v) == [spec] * 3, spec
+
+
+def test_triton_custom_ops_refuse_what_they_cannot_carry():
+    import dataclasses
+
+    from attn.spec import LaunchSpec
+
+    launch = flash_triton.launch
+    with pytest.raises(NotImplementedError, match="score_mod"):
+        launch._op_args(LaunchSpec(qk_scale=1.0, score_mod=lambda s, b, h, i, j: s))
+
+    @dataclasses.dataclass(frozen=True)
+    class TableSpec(LaunchSpec):
+        table: tuple = ()
+
+    with pytest.raises(TypeError, match="'table'"):
+        launch._op_args(TableSpec(qk_scale=1.0))
 
 
 class _TinyAttention(torch.nn.Module):
