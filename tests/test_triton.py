@@ -21,6 +21,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import attn  # noqa: E402
 from attn import flash_triton  # noqa: E402
 from attn.api import AttentionCall, select_backend  # noqa: E402
@@ -292,3 +295,96 @@ def test_torch_compile_matches_eager():
     torch.testing.assert_close(out, eager)
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g)
+
+
+# -- the toy-variant drill of docs/adding-a-variant.md -----------------------------------------
+# A static score variant, score_bias = b added to every unmasked score, put in through its
+# places (the LaunchSpec field, the tiled score step, the triton score step), with nothing
+# else patched: the launchers, outer kernels, inner loops and custom ops carry it as they
+# are. The public keyword and its check are api/call code this drill does not exercise; the
+# oracle is the reference with the same bias as a score_mod. In the interpreter only: there a
+# jit helper's globals are read when it runs, so a patched _scores reaches every caller.
+
+_plain_scores = flash_triton.kernels._scores
+_plain_score_args = flash_triton.kernels.score_args
+
+
+def _score_args_with_bias(spec, *, softcap, alibi):
+    """score_args with the drill's value and flag appended (its edit in kernels.py)."""
+    args = _plain_score_args(spec, softcap=softcap, alibi=alibi)
+    return dict(SC=args["SC"] + (float(spec.score_bias),),
+                SCORE=args["SCORE"] + (spec.score_bias != 0.0,))
+
+
+@triton.jit
+def _scores_with_bias(qk, om, on, MASK, cap, slope, SC, BAND, MASKED: tl.constexpr,
+                      BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr):
+    """_scores with the drill's stage (its edit in kernels._scores: ``if SCORE[2]: s = s +
+    SC[1]`` before the masks; after them here, where a masked -inf stays -inf)."""
+    s, u, t = _plain_scores(qk, om, on, MASK, cap, slope, SC, BAND, MASKED, BANDED, MASK_KIND,
+                            SCORE)
+    if SCORE[2]:
+        s = s + SC[1]
+    return s, u, t
+
+
+@pytest.mark.skipif(not flash_triton._INTERPRET, reason="patches jit helpers: interpreter only")
+@pytest.mark.parametrize("split", [False, True], ids=["dense", "split_kv"])
+def test_triton_toy_variant_drill(monkeypatch, split):
+    import dataclasses
+
+    from attn.masks import Band
+    from attn.reference import reference_attention
+    from attn.spec import LaunchSpec, Operands
+    from attn.tiled import tiled_attention
+    from attn.tiled.tile import LOG2E, _Tile
+
+    @dataclasses.dataclass(frozen=True)
+    class BiasSpec(LaunchSpec):  # the field in attn/spec.py
+        score_bias: float = 0.0
+
+    plain_tile_scores = _Tile.scores
+
+    def tile_scores(self, *args, **kwargs):  # the stage in attn/tiled/tile.py
+        s, u, t = plain_tile_scores(self, *args, **kwargs)
+        return s.add_(self.spec.score_bias * LOG2E), u, t  # base-2 units, after the masks
+
+    monkeypatch.setattr(flash_triton.launch, "LaunchSpec", BiasSpec)  # the ops decode it
+    monkeypatch.setattr(_Tile, "scores", tile_scores)
+    monkeypatch.setattr(flash_triton.kernels, "score_args", _score_args_with_bias)
+    monkeypatch.setattr(flash_triton.launch, "score_args", _score_args_with_bias)
+    for mod in (flash_triton.kernels, flash_triton.paged):  # paged imports _scores by name
+        monkeypatch.setattr(mod, "_scores", _scores_with_bias)
+    if split:
+        monkeypatch.setenv("ATTN_TRITON_SPLIT_KV", "2")
+
+    bias = 0.5
+    torch.manual_seed(0)
+    Nq = 3 if split else 17
+    q = torch.randn(1, 4, Nq, 16, dtype=torch.float64)
+    k = torch.randn(1, 2, 70, 16, dtype=torch.float64)
+    v = torch.randn(1, 2, 70, 16, dtype=torch.float64)
+    sinks = torch.randn(4, dtype=torch.float64)  # the bias then moves out, not only lse
+    band = Band(70 - Nq, 40, 0)  # causal, a window of 40 keys
+    spec = BiasSpec(qk_scale=0.25, band=band, score_bias=bias)
+    ref = [t.requires_grad_() for t in (q, k, v)]
+    out_r, lse_r = reference_attention(*ref, band=band, scale=0.25, sinks=sinks,
+                                       score_mod=lambda s, b, h, i, j: s + bias)
+    do = torch.randn_like(out_r)
+    grads_r = torch.autograd.grad(out_r, ref, do)
+    with torch.no_grad():  # the bias moves the lse by +0.5 where the sink is far
+        plain = reference_attention(q, k, v, band=band, scale=0.25, sinks=sinks)[1]
+        assert (lse_r - plain).abs().max() > 0.1
+
+    for backend in ("tiled", "triton"):
+        dtype = torch.float64 if backend == "tiled" else torch.float32
+        xs = [t.detach().to(dtype).requires_grad_(not split) for t in (q, k, v)]
+        ops = Operands(sinks=sinks.to(torch.float32 if backend == "triton" else dtype))
+        run = tiled_attention if backend == "tiled" else flash_triton.triton_attention
+        out, lse = run(*xs, spec, ops)
+        tol = 1e-10 if backend == "tiled" else 2e-5
+        torch.testing.assert_close(out.double(), out_r.detach(), atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), lse_r.detach(), atol=tol, rtol=tol)
+        if not split:
+            for g, g_r in zip(torch.autograd.grad(out, xs, do.to(dtype)), grads_r):
+                torch.testing.assert_close(g.double(), g_r, atol=10 * tol, rtol=10 * tol)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
                                      _attn_fwd)
-from attn.flash_triton.kernels import _INTERPRET
+from attn.flash_triton.kernels import _INTERPRET, score_args
 from attn.flash_triton.paged import _attn_fwd_paged
 from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_combine,
                                      combine_block, sm_count_of, split_kv_override,
@@ -72,7 +72,7 @@ class _Launch:
     offset: int
     left: int
     right: int
-    scale: float
+    score: dict  # the score pipeline's bundles, SC and SCORE (kernels.score_args)
     drop_seed: int
     drop_threshold: int
     inv_keep: float
@@ -87,8 +87,6 @@ class _Launch:
     block_dv: int
     banded: bool
     mask_kind: int
-    has_softcap: bool
-    has_alibi: bool
     has_dropout: bool
     dot_precision: str
     varlen: bool
@@ -98,16 +96,15 @@ class _Launch:
         dropout = (self.drop_threshold, self.inv_keep, self.drop_row0, self.drop_col0,
                    self.drop_heads, self.drop_head0)
         return dict(H=self.H, GROUP=self.group, N_Q=self.n_q, N_K=self.n_k, offset=self.offset,
-                    left=self.left, right=self.right, scale=self.scale,
+                    left=self.left, right=self.right, SC=self.score["SC"],
                     drop_seed=self.drop_seed, DR=dropout, TUNE_N=self.tune_n)
 
     def constexprs(self) -> dict:
         # head dims are padded to powers of two inside the kernels (masked loads), not in memory
         return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                     BLOCK_DV=self.block_dv, BANDED=self.banded, MASK_KIND=self.mask_kind,
-                    HAS_SOFTCAP=self.has_softcap, HAS_ALIBI=self.has_alibi,
-                    HAS_DROPOUT=self.has_dropout, DOT_PRECISION=self.dot_precision,
-                    VARLEN=self.varlen)
+                    SCORE=self.score["SCORE"], HAS_DROPOUT=self.has_dropout,
+                    DOT_PRECISION=self.dot_precision, VARLEN=self.varlen)
 
     def strides(self, t: Tensor) -> tuple[int, int, int, int]:
         """(sequence, head, row, dim) strides of q, k, v, out or their gradients: a packed
@@ -147,14 +144,15 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operand
         batch=batch, H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=band.offset,
         left=_UNBOUNDED if band.left is None else band.left,
         right=_UNBOUNDED if band.right is None else band.right,
-        scale=float(spec.qk_scale), drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
+        score=score_args(spec, softcap=softcap is not None, alibi=ops.alibi is not None),
+        drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
         drop_threshold=int(p * 2**32), inv_keep=1.0 / (1.0 - p),
         drop_row0=spec.q_start, drop_col0=spec.k_start, drop_heads=spec.heads_total or H,
         drop_head0=spec.head_start, tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
         block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
         banded=not band.is_full,
         mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
-        has_softcap=softcap is not None, has_alibi=ops.alibi is not None, has_dropout=p > 0.0,
+        has_dropout=p > 0.0,
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32", varlen=varlen)
 
 
@@ -172,7 +170,7 @@ def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tu
 
 def _alibi_arg(alibi: Tensor | None, q: Tensor, L: _Launch) -> tuple[Tensor, tuple[int, int]]:
     """The slopes as float32 (sequences, H) (an expanded view keeps its stride 0), or q and
-    zero strides when there are none (never read: HAS_ALIBI = False)."""
+    zero strides when there are none (never read: SCORE's ALiBi flag off)."""
     if alibi is None:
         return q, (0, 0)
     a = alibi.to(torch.float32).expand(L.batch, L.H)
@@ -287,11 +285,10 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
         q, k, v, out_p, lse_p, mask, q if softcap is None else softcap, slopes,
         QS=q.stride(), KS=k.stride(), VS=v.stride(), MS=mask_strides, AS=slope_strides,
         B=B, H=H, GROUP=L.group, N_Q=Nq, N_K=L.n_k, offset=L.offset, left=L.left,
-        right=L.right, scale=L.scale, chunk=chunk, **_value_offsets(v, L, ops),
+        right=L.right, **L.score, chunk=chunk, **_value_offsets(v, L, ops),
         HEAD_DIM=L.head_dim, HEAD_DIM_V=Dv, BLOCK_D=L.block_d, BLOCK_DV=L.block_dv,
-        BANDED=L.banded, MASK_KIND=L.mask_kind, HAS_SOFTCAP=L.has_softcap,
-        HAS_ALIBI=L.has_alibi, DOT_PRECISION=L.dot_precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        BANDED=L.banded, MASK_KIND=L.mask_kind, DOT_PRECISION=L.dot_precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return _combine(out_p, lse_p, sinks, v.dtype, L.block_dv)
 
 
@@ -382,11 +379,11 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         **quant,
         B=B, H=H, GROUP=group, N_Q=Nq, offset=band.offset,
         left=_UNBOUNDED if band.left is None else band.left,
-        right=_UNBOUNDED if band.right is None else band.right, scale=float(spec.qk_scale),
+        right=_UNBOUNDED if band.right is None else band.right,
+        **score_args(spec, softcap=softcap is not None, alibi=alibi is not None),
         chunk=chunk, page_size=page,
         v_log_scale=math.log(2.0 / torch.finfo(torch.float32).max), HEAD_DIM=D,
         HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BANDED=not band.is_full,
-        HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         V_OFFSET=q.dtype != torch.float16, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages)
