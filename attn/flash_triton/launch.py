@@ -585,7 +585,8 @@ def _(q, k, v, attn_mask, sinks, softcap, spec_ints, spec_floats, alibi=None):
 @torch.library.custom_op("attn::flash_fwd_split", mutates_args=())
 def _fwd_split_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                   sinks: Tensor | None, softcap: Tensor | None, spec_ints: list[int],
-                  spec_floats: list[float], alibi: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+                  spec_floats: list[float], alibi: Tensor | None, chunk: int
+                  ) -> tuple[Tensor, Tensor]:
     """out and lse of split-KV decoding (see :func:`_fwd_split`); forward only."""
     spec = _spec_of(spec_ints, spec_floats)
     return _fwd_split(q, k, v, spec, Operands(attn_mask, sinks, softcap, alibi), chunk)

@@ -94,8 +94,9 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
               drop_seed, DR, TUNE_N, VMax, VMS, v_log_scale, HEAD_DIM: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr, V_OFFSET: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+              HAS_SINKS: tl.constexpr, V_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     off_b, off_h, off_hk, seq_q, seq_k, N_Q, N_K, offset = _q_program(
         CuQ, CuK, H, GROUP, N_Q, N_K, offset, VARLEN)
     start_m = tl.program_id(0) * BLOCK_M

@@ -178,8 +178,9 @@ def _paged_inner(acc, l_i, m_i, q, KP, VP, KQ, VQ, TableRow, stride_t, first, pa
                  recent_from, lo, hi, offs_m, cap, slope, SC, KPS, VPS, BAND, v_log_scale,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 BANDED: tl.constexpr, SCORE: tl.constexpr, V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                 K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, HAS_RECENT: tl.constexpr):
+                 BANDED: tl.constexpr, SCORE: tl.constexpr, V_OFFSET: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, K_GROUP: tl.constexpr,
+                 V_GROUP: tl.constexpr, HAS_RECENT: tl.constexpr):
     """``_fwd_inner`` over key tiles [lo, hi) of one row whose keys are read through its
     page table (no attn_mask, no dropout: a cache is read for inference). A quantized
     cache's ``KQ`` / ``VQ``: (scales, their strides, recent ring, its strides)."""
@@ -224,9 +225,10 @@ def _attn_fwd_paged(Q, KP, VP, Table, Seq, OutP, LseP, Softcap, Alibi, KS, VS, R
                     KPS, VPS, TS, AS, KSS, VSS, RKS, RVS, B, H, GROUP, N_Q, offset, left,
                     right, SC, chunk, page_size, v_log_scale, HEAD_DIM: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BANDED: tl.constexpr, SCORE: tl.constexpr, DOT_PRECISION: tl.constexpr, V_OFFSET: tl.constexpr, QUANT: tl.constexpr,
-                    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, HAS_RECENT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BANDED: tl.constexpr, SCORE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    V_OFFSET: tl.constexpr, QUANT: tl.constexpr, K_GROUP: tl.constexpr,
+                    V_GROUP: tl.constexpr, HAS_RECENT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """One key chunk of one (batch row, kv head) read through the block table ``Table (B,
     max_pages)``, for a block of its group's rows; ``Seq (B, 3)`` int32 holds each row's
     first key position, end and first full-precision page. With ``QUANT``, ``KP`` / ``VP``
