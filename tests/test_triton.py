@@ -21,6 +21,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import attn  # noqa: E402
 from attn import flash_triton  # noqa: E402
 from attn.api import AttentionCall, select_backend  # noqa: E402
@@ -105,8 +108,17 @@ def test_cpu_needs_the_interpreter(monkeypatch):
 
 # -- torch.library registration: fake tensors and torch.compile ------------------------------------
 
+def _spec_args(q, k):
+    """A causal spec of scale 0.25 as the custom ops' spec arguments."""
+    from attn.masks import Band
+    from attn.spec import LaunchSpec
+
+    return flash_triton.launch._op_args(
+        LaunchSpec(qk_scale=0.25, band=Band(k.shape[2] - q.shape[2], None, 0)))
+
+
 def _op_args(q, k, v):
-    return (q, k, v, None, None, None, k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1])
+    return (q, k, v, None, None, None, *_spec_args(q, k))
 
 
 @pytest.mark.cuda_if_present
@@ -117,17 +129,16 @@ def test_opcheck_forward_and_backward():
     do = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, None, None,
-                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False))
+                           *_spec_args(q, k), False))
     sinks = torch.randn(q.shape[1], device=DEVICE)
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, sinks, None,
-                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False))
+                           *_spec_args(q, k), False))
     alibi = torch.rand(1, q.shape[1], device=DEVICE)  # ALiBi slopes: the last, optional argument
     torch.library.opcheck(torch.ops.attn.flash_fwd.default, (*_op_args(q, k, v), alibi))
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, None, None,
-                           k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0, [0, 0, 0, -1], False,
-                           alibi))
+                           *_spec_args(q, k), False, alibi))
 
 
 @pytest.mark.cuda_if_present
@@ -142,6 +153,114 @@ def test_fake_tensor_shapes():
         assert logl.shape == lse.shape and logl.dtype == torch.float32
         assert out.shape == (2, 8, 100, 48) and out.dtype == torch.bfloat16
         assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
+
+
+# -- the spec through the custom ops: every LaunchSpec field arrives ----------------------------
+
+def _spec_values(cls):
+    """A spec of ``cls`` per field, each with that one field off its default (by its type),
+    and one with all of them off; callables (which no op schema carries) stay None."""
+    import dataclasses
+    import typing
+
+    from attn.masks import Band
+
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for i, f in enumerate(dataclasses.fields(cls)):
+        hint = hints[f.name]
+        kinds = set(typing.get_args(hint)) or {hint}
+        if any(typing.get_origin(a) is not None or a is typing.Callable for a in kinds) \
+                or any(getattr(a, "__name__", "") == "Blocks" for a in kinds):
+            continue  # a callable or block mask: refused on the ops' path (test below)
+        if Band in kinds:
+            values[f.name] = Band(3 + i, 2, 1)
+        elif float in kinds:
+            values[f.name] = 0.375 + i
+        elif int in kinds:
+            values[f.name] = 5 + i
+        else:
+            raise AssertionError(f"give LaunchSpec.{f.name} ({hint}) a test value here")
+    base = dict(qk_scale=0.5)
+    singles = [cls(**{**base, name: value}) for name, value in values.items()]
+    return singles + [cls(**{**base, **values})]
+
+
+def _specs_the_ops_see(monkeypatch, spec, q, k, v):
+    """The spec each custom op (forward, split forward, backward) hands its launcher when
+    called with ``launch._op_args(spec)``; the launchers are stubs: nothing runs."""
+    from attn.grads import Grads
+
+    launch = flash_triton.launch
+    seen = []
+    out = lambda: torch.empty(*q.shape[:-1], v.shape[-1])  # noqa: E731
+    lse = lambda: torch.empty(q.shape[:-1])  # noqa: E731
+
+    def fwd(q, k, v, spec, ops, want_logl=False):
+        seen.append(spec)
+        return out(), lse(), lse()
+
+    def fwd_split(q, k, v, spec, ops, chunk):
+        seen.append(spec)
+        return out(), lse()
+
+    def bwd(*args, **kw):
+        seen.append(args[7])
+        return Grads(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None,
+                     None)
+
+    monkeypatch.setattr(launch, "_fwd", fwd)
+    monkeypatch.setattr(launch, "_fwd_split", fwd_split)
+    monkeypatch.setattr(launch, "_bwd", bwd)
+    args = launch._op_args(spec)
+    o, l, _ = torch.ops.attn.flash_fwd(q, k, v, None, None, None, *args)
+    torch.ops.attn.flash_fwd_split(q, k, v, None, None, None, *args, None, 64)
+    torch.ops.attn.flash_bwd(torch.ones_like(o), None, q, k, v, o, l, None, None, None, *args,
+                             False)
+    return seen
+
+
+def test_triton_custom_ops_carry_every_spec_field(monkeypatch):
+    from attn.spec import LaunchSpec
+
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    for spec in _spec_values(LaunchSpec):
+        assert _specs_the_ops_see(monkeypatch, spec, q, k, v) == [spec] * 3, spec
+
+
+def test_triton_custom_ops_carry_a_new_spec_field(monkeypatch):
+    """A field added to LaunchSpec (here by a subclass, as a new variant would add one)
+    arrives with no edit to the ops."""
+    import dataclasses
+
+    from attn.spec import LaunchSpec
+
+    @dataclasses.dataclass(frozen=True)
+    class BiasSpec(LaunchSpec):
+        score_bias: float = 0.0
+        bias_heads: int | None = None
+
+    monkeypatch.setattr(flash_triton.launch, "LaunchSpec", BiasSpec)
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    for spec in _spec_values(BiasSpec)[-3:]:
+        assert _specs_the_ops_see(monkeypatch, spec, q, k, v) == [spec] * 3, spec
+
+
+def test_triton_custom_ops_refuse_what_they_cannot_carry():
+    import dataclasses
+
+    from attn.spec import LaunchSpec
+
+    launch = flash_triton.launch
+    with pytest.raises(NotImplementedError, match="score_mod"):
+        launch._op_args(LaunchSpec(qk_scale=1.0, score_mod=lambda s, b, h, i, j: s))
+
+    @dataclasses.dataclass(frozen=True)
+    class TableSpec(LaunchSpec):
+        table: tuple = ()
+
+    with pytest.raises(TypeError, match="'table'"):
+        launch._op_args(TableSpec(qk_scale=1.0))
 
 
 class _TinyAttention(torch.nn.Module):
@@ -176,3 +295,96 @@ def test_torch_compile_matches_eager():
     torch.testing.assert_close(out, eager)
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g)
+
+
+# -- the toy-variant drill of docs/adding-a-variant.md -----------------------------------------
+# A static score variant, score_bias = b added to every unmasked score, put in through its
+# places (the LaunchSpec field, the tiled score step, the triton score step), with nothing
+# else patched: the launchers, outer kernels, inner loops and custom ops carry it as they
+# are. The public keyword and its check are api/call code this drill does not exercise; the
+# oracle is the reference with the same bias as a score_mod. In the interpreter only: there a
+# jit helper's globals are read when it runs, so a patched _scores reaches every caller.
+
+_plain_scores = flash_triton.kernels._scores
+_plain_score_args = flash_triton.kernels.score_args
+
+
+def _score_args_with_bias(spec, *, softcap, alibi):
+    """score_args with the drill's value and flag appended (its edit in kernels.py)."""
+    args = _plain_score_args(spec, softcap=softcap, alibi=alibi)
+    return dict(SC=args["SC"] + (float(spec.score_bias),),
+                SCORE=args["SCORE"] + (spec.score_bias != 0.0,))
+
+
+@triton.jit
+def _scores_with_bias(qk, om, on, MASK, cap, slope, SC, BAND, MASKED: tl.constexpr,
+                      BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr):
+    """_scores with the drill's stage (its edit in kernels._scores: ``if SCORE[2]: s = s +
+    SC[1]`` before the masks; after them here, where a masked -inf stays -inf)."""
+    s, u, t = _plain_scores(qk, om, on, MASK, cap, slope, SC, BAND, MASKED, BANDED, MASK_KIND,
+                            SCORE)
+    if SCORE[2]:
+        s = s + SC[1]
+    return s, u, t
+
+
+@pytest.mark.skipif(not flash_triton._INTERPRET, reason="patches jit helpers: interpreter only")
+@pytest.mark.parametrize("split", [False, True], ids=["dense", "split_kv"])
+def test_triton_toy_variant_drill(monkeypatch, split):
+    import dataclasses
+
+    from attn.masks import Band
+    from attn.reference import reference_attention
+    from attn.spec import LaunchSpec, Operands
+    from attn.tiled import tiled_attention
+    from attn.tiled.tile import LOG2E, _Tile
+
+    @dataclasses.dataclass(frozen=True)
+    class BiasSpec(LaunchSpec):  # the field in attn/spec.py
+        score_bias: float = 0.0
+
+    plain_tile_scores = _Tile.scores
+
+    def tile_scores(self, *args, **kwargs):  # the stage in attn/tiled/tile.py
+        s, u, t = plain_tile_scores(self, *args, **kwargs)
+        return s.add_(self.spec.score_bias * LOG2E), u, t  # base-2 units, after the masks
+
+    monkeypatch.setattr(flash_triton.launch, "LaunchSpec", BiasSpec)  # the ops decode it
+    monkeypatch.setattr(_Tile, "scores", tile_scores)
+    monkeypatch.setattr(flash_triton.kernels, "score_args", _score_args_with_bias)
+    monkeypatch.setattr(flash_triton.launch, "score_args", _score_args_with_bias)
+    for mod in (flash_triton.kernels, flash_triton.paged):  # paged imports _scores by name
+        monkeypatch.setattr(mod, "_scores", _scores_with_bias)
+    if split:
+        monkeypatch.setenv("ATTN_TRITON_SPLIT_KV", "2")
+
+    bias = 0.5
+    torch.manual_seed(0)
+    Nq = 3 if split else 17
+    q = torch.randn(1, 4, Nq, 16, dtype=torch.float64)
+    k = torch.randn(1, 2, 70, 16, dtype=torch.float64)
+    v = torch.randn(1, 2, 70, 16, dtype=torch.float64)
+    sinks = torch.randn(4, dtype=torch.float64)  # the bias then moves out, not only lse
+    band = Band(70 - Nq, 40, 0)  # causal, a window of 40 keys
+    spec = BiasSpec(qk_scale=0.25, band=band, score_bias=bias)
+    ref = [t.requires_grad_() for t in (q, k, v)]
+    out_r, lse_r = reference_attention(*ref, band=band, scale=0.25, sinks=sinks,
+                                       score_mod=lambda s, b, h, i, j: s + bias)
+    do = torch.randn_like(out_r)
+    grads_r = torch.autograd.grad(out_r, ref, do)
+    with torch.no_grad():  # the bias moves the lse by +0.5 where the sink is far
+        plain = reference_attention(q, k, v, band=band, scale=0.25, sinks=sinks)[1]
+        assert (lse_r - plain).abs().max() > 0.1
+
+    for backend in ("tiled", "triton"):
+        dtype = torch.float64 if backend == "tiled" else torch.float32
+        xs = [t.detach().to(dtype).requires_grad_(not split) for t in (q, k, v)]
+        ops = Operands(sinks=sinks.to(torch.float32 if backend == "triton" else dtype))
+        run = tiled_attention if backend == "tiled" else flash_triton.triton_attention
+        out, lse = run(*xs, spec, ops)
+        tol = 1e-10 if backend == "tiled" else 2e-5
+        torch.testing.assert_close(out.double(), out_r.detach(), atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), lse_r.detach(), atol=tol, rtol=tol)
+        if not split:
+            for g, g_r in zip(torch.autograd.grad(out, xs, do.to(dtype)), grads_r):
+                torch.testing.assert_close(g.double(), g_r, atol=10 * tol, rtol=10 * tol)

@@ -225,9 +225,12 @@ def test_resolve_marks_calls_that_need_gradients():
 
 @pytest.mark.cuda_if_present
 def test_split_op_fake_and_real_agree():
+    from attn.masks import Band
+    from attn.spec import LaunchSpec
+
     q, k, v = _inputs()
-    args = (q, k, v, None, None, None, k.shape[2] - q.shape[2], None, 0, 0.25, 0.0, 0,
-            [0, 0, 0, -1], None, 64)
+    spec = LaunchSpec(qk_scale=0.25, band=Band(k.shape[2] - q.shape[2], None, 0))
+    args = (q, k, v, None, None, None, *launch._op_args(spec), None, 64)
     torch.library.opcheck(torch.ops.attn.flash_fwd_split.default, args)
 
 

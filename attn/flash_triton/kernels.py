@@ -1,6 +1,7 @@
 """The jit helpers and inner loops of the triton backend: what every outer kernel shares.
 
-Tile loads, the score pipeline (scale, softcap, ALiBi, band, attn_mask), the dropout hash,
+Tile loads, the score pipeline (scale, softcap, ALiBi, band, attn_mask) with its launch
+arguments (:func:`score_args`), the dropout hash,
 the stage split of a block's walk, and the inner loops over the other axis: ``_fwd_inner``
 (online softmax), ``_dkdv_inner`` (key-resident backward) and ``_dq_inner`` (query-resident
 backward: dQ, or the Δ of saturated rows). ``_INTERPRET`` is decided here, at import: triton picks
@@ -56,6 +57,24 @@ _DOT_UPCAST = tl.constexpr(_INTERPRET)
 # A row whose denominator l (relative to its max, natural log) is within this of 1: its
 # softmax is saturated (one P ≈ 1) and the backward takes Δ = Σ P·dP (see _dq_inner)
 _SATURATED_LOGL = tl.constexpr(SATURATED_LOG2L * 0.6931471805599453)
+
+
+# -- the score pipeline's launch arguments -------------------------------------------------
+# Two bundles reach every kernel that builds scores, and pass unchanged through the outer
+# kernels and inner loops to _scores: SC, the runtime constants, and SCORE, the constexpr
+# flags (a tuple of bools: triton specializes on each). These name their places.
+_SCALE = tl.constexpr(0)  # SC: the q·k scale (the epilogues' dK, dQ take it too)
+_SOFTCAP = tl.constexpr(0)  # SCORE: a softcap (its per-head value: the Softcap pointer)
+_ALIBI = tl.constexpr(1)  # SCORE: ALiBi (its per-head slope: the Alibi pointer)
+
+
+def score_args(spec, *, softcap: bool, alibi: bool) -> dict:
+    """``SC`` and ``SCORE`` of one call (an :class:`attn.spec.LaunchSpec`; ``softcap`` /
+    ``alibi``: whether the launcher passes those tensors). A static score variant (a spec
+    value) appends its value to ``SC`` and its flag to ``SCORE`` here, names their places
+    above and reads them in :func:`_scores`: no launcher, outer kernel or inner loop
+    changes."""
+    return dict(SC=(float(spec.qk_scale),), SCORE=(softcap, alibi))
 
 
 # -- device helpers ------------------------------------------------------------------------
@@ -159,14 +178,14 @@ def _drop_ctx(off_b, off_h, drop_seed, DR, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _head_consts(Softcap, Slope, off_h, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+def _head_consts(Softcap, Slope, off_h, SCORE: tl.constexpr):
     """One head's softcap (1.0 without one) and ALiBi slope (0.0 without): ``Slope`` points
     at this (sequence, head)'s."""
     cap = 1.0
-    if HAS_SOFTCAP:
+    if SCORE[_SOFTCAP]:
         cap = tl.load(Softcap + off_h)
     slope = 0.0
-    if HAS_ALIBI:
+    if SCORE[_ALIBI]:
         slope = tl.load(Slope)
     return cap, slope
 
@@ -201,24 +220,26 @@ def _store_rows(P, offs, STRIDES, N, val, DIM: tl.constexpr, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _scores(qk, om, on, MASK, cap, slope, scale, BAND,
+def _scores(qk, om, on, MASK, cap, slope, SC, BAND,
             MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
-            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+            SCORE: tl.constexpr):
     """Scores of a tile from q·k: scale, softcap, ALiBi, band and attn_mask. ``om``/``on``
     are the query/key indices broadcast to the tile's layout (either orientation); ``MASK =
     (Mask, stride_mm, stride_mn)``, ``BAND = (N_Q, N_K, offset, left, right)`` in local
-    positions; ``slope`` this head's ALiBi slope. With softcap also returns u = s_raw / c
-    and t = tanh(u), which the backward needs (the bias, a constant, needs nothing)."""
+    positions; ``SC`` / ``SCORE`` the pipeline's constants and flags (:func:`score_args`);
+    ``cap`` / ``slope`` this head's softcap and ALiBi slope. With softcap also returns
+    u = s_raw / c and t = tanh(u), which the backward needs (the bias, a constant, needs
+    nothing)."""
     Mask, stride_mm, stride_mn = MASK
     N_Q, N_K, offset, left, right = BAND
-    s = qk * scale
+    s = qk * SC[_SCALE]
     u = s
     t = s
-    if HAS_SOFTCAP:
+    if SCORE[_SOFTCAP]:
         u = s / cap
         t = _tanh(u)
         s = cap * t
-    if HAS_ALIBI:  # −slope·|distance from the band's diagonal|, after the cap
+    if SCORE[_ALIBI]:  # −slope·|distance from the band's diagonal|, after the cap
         s = s - slope * tl.abs(on - (om + offset)).to(tl.float32)
     if MASKED:
         keep = (om < N_Q) & (on < N_K)
@@ -238,17 +259,16 @@ def _scores(qk, om, on, MASK, cap, slope, scale, BAND,
 
 
 @triton.jit
-def _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
+def _qk_scores(q, K, offs_m, offs_n, cap, slope, SC, KSTR, MASK, BAND,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr,
+               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     """The query-resident tile step shared by the forward and dQ: load Kᵀ, s = q·kᵀ, scores."""
     N_K = BAND[1]
     kT = _load_cols(K, offs_n, KSTR, N_K, HEAD_DIM, BLOCK_D, MASKED)
     qk = _dot(q, kT, None, DOT_PRECISION)
-    s, u, t = _scores(qk, offs_m[:, None], offs_n[None, :], MASK, cap, slope, scale, BAND,
-                      MASKED, BANDED, MASK_KIND, HAS_SOFTCAP, HAS_ALIBI)
+    s, u, t = _scores(qk, offs_m[:, None], offs_n[None, :], MASK, cap, slope, SC, BAND,
+                      MASKED, BANDED, MASK_KIND, SCORE)
     return kT, s, u, t
 
 
@@ -302,19 +322,19 @@ def _softmax_step(s, m_i, l_i, voff, V_OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR, MASK, BAND,
+def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, SC, KSTR, VSTR, MASK, BAND,
                DROP, voff, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, V_OFFSET: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     N_K = BAND[1]
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- compute qk --
-        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
-                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
-                                 HAS_ALIBI, DOT_PRECISION)
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, SC, KSTR, MASK, BAND,
+                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, SCORE,
+                                 DOT_PRECISION)
         # -- online softmax --
         p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, voff, V_OFFSET)
         if HAS_DROPOUT:  # the denominator counts every key, the values only the kept ones
@@ -329,12 +349,11 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, 
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope, scale, QSTR, DOSTR,
-                MASK, BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope, SC, QSTR,
+                DOSTR, MASK, BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # transposed tiles (keys x queries), so neither P nor dS needs a transpose
     N_Q = BAND[0]
     for start_m in tl.range(lo, hi, BLOCK_M):
@@ -347,8 +366,8 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope,
         qkT = _dot(k, qT, None, DOT_PRECISION)
         om = offs_m[None, :]
         on = offs_n[:, None]
-        sT, uT, tT = _scores(qkT, om, on, MASK, cap, slope, scale, BAND, MASKED, BANDED, MASK_KIND,
-                             HAS_SOFTCAP, HAS_ALIBI)
+        sT, uT, tT = _scores(qkT, om, on, MASK, cap, slope, SC, BAND, MASKED, BANDED, MASK_KIND,
+                             SCORE)
         pT = tl.exp(sT - lse[None, :])
         # -- dV += Pᵈᵀ dO, dPᵀ = V dOᵀ (ᵈ: with the dropout mask) --
         do = _load_rows(DO, offs_m, DOSTR, N_Q, HEAD_DIM_V, BLOCK_DV, MASKED)
@@ -362,7 +381,7 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope,
         # -- dS = P ∘ (dP − Δ) --
         delta = tl.load(Delta + offs_m, mask=offs_m < N_Q, other=0.0)
         dsT = pT * (dpT - delta[None, :])
-        if HAS_SOFTCAP:
+        if SCORE[_SOFTCAP]:
             # s = c·tanh(u), u = s_raw/c: ds_raw = ds·(1 − t²); dc = Σ ds·(t − u(1 − t²))
             one_m_t2 = 1.0 - tT * tT
             dc += tl.sum(tl.sum(dsT * (tT - uT * one_m_t2), 1), 0)
@@ -374,12 +393,12 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope,
 
 
 @triton.jit
-def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, scale, KSTR, VSTR,
+def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, SC, KSTR, VSTR,
               MASK, BAND, DROP, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, DELTA_PASS: tl.constexpr):
+              SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              DELTA_PASS: tl.constexpr):
     """The query-resident backward over key tiles [lo, hi): P recomputed from lse and
     dP = dO Vᵀ (dropout-scaled), then either ``dq += dS K`` with dS = P ∘ (dP − Δ), ``delta``
     holding each row's Δ, or, with ``DELTA_PASS``, ``delta += Σ_j p_ij dp_ij`` and
@@ -391,9 +410,9 @@ def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, sca
     a common factor of up to e^(ulp(lse)), which the quotient cancels."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, scale, KSTR, MASK, BAND,
-                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, HAS_SOFTCAP,
-                                 HAS_ALIBI, DOT_PRECISION)
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, SC, KSTR, MASK, BAND,
+                                 HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, SCORE,
+                                 DOT_PRECISION)
         p = tl.exp(s - lse[:, None])
         vT = _load_cols(V, offs_n, VSTR, BAND[1], HEAD_DIM_V, BLOCK_DV, MASKED)
         dp = _dot(do, vT, None, DOT_PRECISION)
@@ -404,7 +423,7 @@ def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, sca
             psum += tl.sum(p, 1)
         else:
             ds = p * (dp - delta[:, None])
-            if HAS_SOFTCAP:
+            if SCORE[_SOFTCAP]:
                 ds = ds * (1.0 - t * t)
             if MASKED or MASK_KIND != 0:
                 # a masked key has dS = 0, but 0·NaN would still reach dQ: a non-finite key

@@ -10,8 +10,11 @@ launchers (registered as ``torch.library`` custom ops with fake implementations,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import types
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +23,7 @@ from torch import Tensor
 
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
                                      _attn_fwd)
-from attn.flash_triton.kernels import _INTERPRET
+from attn.flash_triton.kernels import _INTERPRET, score_args
 from attn.flash_triton.paged import _attn_fwd_paged
 from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_combine,
                                      combine_block, sm_count_of, split_kv_override,
@@ -69,7 +72,7 @@ class _Launch:
     offset: int
     left: int
     right: int
-    scale: float
+    score: dict  # the score pipeline's bundles, SC and SCORE (kernels.score_args)
     drop_seed: int
     drop_threshold: int
     inv_keep: float
@@ -84,8 +87,6 @@ class _Launch:
     block_dv: int
     banded: bool
     mask_kind: int
-    has_softcap: bool
-    has_alibi: bool
     has_dropout: bool
     dot_precision: str
     varlen: bool
@@ -95,16 +96,15 @@ class _Launch:
         dropout = (self.drop_threshold, self.inv_keep, self.drop_row0, self.drop_col0,
                    self.drop_heads, self.drop_head0)
         return dict(H=self.H, GROUP=self.group, N_Q=self.n_q, N_K=self.n_k, offset=self.offset,
-                    left=self.left, right=self.right, scale=self.scale,
+                    left=self.left, right=self.right, SC=self.score["SC"],
                     drop_seed=self.drop_seed, DR=dropout, TUNE_N=self.tune_n)
 
     def constexprs(self) -> dict:
         # head dims are padded to powers of two inside the kernels (masked loads), not in memory
         return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                     BLOCK_DV=self.block_dv, BANDED=self.banded, MASK_KIND=self.mask_kind,
-                    HAS_SOFTCAP=self.has_softcap, HAS_ALIBI=self.has_alibi,
-                    HAS_DROPOUT=self.has_dropout, DOT_PRECISION=self.dot_precision,
-                    VARLEN=self.varlen)
+                    SCORE=self.score["SCORE"], HAS_DROPOUT=self.has_dropout,
+                    DOT_PRECISION=self.dot_precision, VARLEN=self.varlen)
 
     def strides(self, t: Tensor) -> tuple[int, int, int, int]:
         """(sequence, head, row, dim) strides of q, k, v, out or their gradients: a packed
@@ -144,14 +144,15 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operand
         batch=batch, H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=band.offset,
         left=_UNBOUNDED if band.left is None else band.left,
         right=_UNBOUNDED if band.right is None else band.right,
-        scale=float(spec.qk_scale), drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
+        score=score_args(spec, softcap=softcap is not None, alibi=ops.alibi is not None),
+        drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
         drop_threshold=int(p * 2**32), inv_keep=1.0 / (1.0 - p),
         drop_row0=spec.q_start, drop_col0=spec.k_start, drop_heads=spec.heads_total or H,
         drop_head0=spec.head_start, tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
         block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
         banded=not band.is_full,
         mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
-        has_softcap=softcap is not None, has_alibi=ops.alibi is not None, has_dropout=p > 0.0,
+        has_dropout=p > 0.0,
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32", varlen=varlen)
 
 
@@ -169,7 +170,7 @@ def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tu
 
 def _alibi_arg(alibi: Tensor | None, q: Tensor, L: _Launch) -> tuple[Tensor, tuple[int, int]]:
     """The slopes as float32 (sequences, H) (an expanded view keeps its stride 0), or q and
-    zero strides when there are none (never read: HAS_ALIBI = False)."""
+    zero strides when there are none (never read: SCORE's ALiBi flag off)."""
     if alibi is None:
         return q, (0, 0)
     a = alibi.to(torch.float32).expand(L.batch, L.H)
@@ -284,11 +285,10 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
         q, k, v, out_p, lse_p, mask, q if softcap is None else softcap, slopes,
         QS=q.stride(), KS=k.stride(), VS=v.stride(), MS=mask_strides, AS=slope_strides,
         B=B, H=H, GROUP=L.group, N_Q=Nq, N_K=L.n_k, offset=L.offset, left=L.left,
-        right=L.right, scale=L.scale, chunk=chunk, **_value_offsets(v, L, ops),
+        right=L.right, **L.score, chunk=chunk, **_value_offsets(v, L, ops),
         HEAD_DIM=L.head_dim, HEAD_DIM_V=Dv, BLOCK_D=L.block_d, BLOCK_DV=L.block_dv,
-        BANDED=L.banded, MASK_KIND=L.mask_kind, HAS_SOFTCAP=L.has_softcap,
-        HAS_ALIBI=L.has_alibi, DOT_PRECISION=L.dot_precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        BANDED=L.banded, MASK_KIND=L.mask_kind, DOT_PRECISION=L.dot_precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return _combine(out_p, lse_p, sinks, v.dtype, L.block_dv)
 
 
@@ -379,11 +379,11 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         **quant,
         B=B, H=H, GROUP=group, N_Q=Nq, offset=band.offset,
         left=_UNBOUNDED if band.left is None else band.left,
-        right=_UNBOUNDED if band.right is None else band.right, scale=float(spec.qk_scale),
+        right=_UNBOUNDED if band.right is None else band.right,
+        **score_args(spec, softcap=softcap is not None, alibi=alibi is not None),
         chunk=chunk, page_size=page,
         v_log_scale=math.log(2.0 / torch.finfo(torch.float32).max), HEAD_DIM=D,
         HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BANDED=not band.is_full,
-        HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         V_OFFSET=q.dtype != torch.float16, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages)
@@ -460,36 +460,122 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 
 
 # -- torch.library ops: opaque to torch.compile, with shapes it can trace ------------------
-# Op schemas take flat values: the spec travels as its fields.
+# Op schemas take flat values: the spec travels as two lists, every field encoded by its type.
 
-def _op_args(spec: LaunchSpec) -> tuple:
-    b = spec.band
-    return (b.offset, b.left, b.right, float(spec.qk_scale), float(spec.dropout_p),
-            int(spec.dropout_seed), [spec.q_start, spec.k_start, spec.head_start,
-                                     -1 if spec.heads_total is None else spec.heads_total])
+# The LaunchSpec fields no op schema can carry, and why the ops' path never meets them set
+_HOST_ONLY = {
+    "score_mod": "a callable; triton refuses score_mod (select_backend)",
+    "mask_mod": "a callable; triton refuses mask_mod (select_backend)",
+    "mask_blocks": "a block mask or its callable; triton refuses block masks (select_backend)",
+    "dropout_rows": "a callable of packed calls, which call the launchers directly",
+    "alibi_rows": "a callable of packed calls, which call the launchers directly",
+}
+_SCALARS = (bool, int, float)  # bool first: a bool is an int too
 
 
-def _spec_of(offset: int, left: int | None, right: int | None, scale: float,
-             dropout_p: float, dropout_seed: int, shard: list[int]) -> LaunchSpec:
-    q_start, k_start, head_start, heads_total = shard
-    return LaunchSpec(qk_scale=scale, band=Band(offset, left, right), dropout_p=dropout_p,
-                      dropout_seed=dropout_seed, q_start=q_start, k_start=k_start,
-                      head_start=head_start, heads_total=None if heads_total < 0 else heads_total)
+def _field_kind(name: str, hint) -> tuple:
+    """How one field travels: ``("scalar", type)``, ``("optional", type)`` (a presence flag
+    among the ints, then the value), ``("struct", cls, kinds)`` for a NamedTuple or dataclass
+    of such fields (``Band``), or ``("host",)``; TypeError for anything else, so a new field
+    of another kind fails at import instead of being dropped."""
+    if name in _HOST_ONLY:
+        return ("host",)
+    if hint in _SCALARS:
+        return ("scalar", hint)
+    args = typing.get_args(hint)
+    if (typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 2
+            and type(None) in args):
+        inner = next(a for a in args if a is not type(None))
+        if inner in _SCALARS:
+            return ("optional", inner)
+    if isinstance(hint, type) and (hasattr(hint, "_fields") or dataclasses.is_dataclass(hint)):
+        return ("struct", hint, _struct_kinds(hint))
+    raise TypeError(f"LaunchSpec field {name!r} ({hint}) cannot travel through triton's custom "
+                    f"ops: give it a kind in attn/flash_triton/launch.py (_field_kind), or list "
+                    f"it in _HOST_ONLY with why the ops never see it set")
+
+
+def _struct_kinds(cls) -> tuple[tuple[str, tuple], ...]:
+    hints = typing.get_type_hints(cls)
+    names = cls._fields if hasattr(cls, "_fields") else [f.name for f in dataclasses.fields(cls)]
+    return tuple((n, _field_kind(n, hints[n])) for n in names)
+
+
+_KINDS: dict[type, tuple] = {}  # a plain dict, not functools.cache: torch.compile reads it
+
+
+def _spec_kinds(cls: type) -> tuple[tuple[str, tuple], ...]:
+    """``(field name, kind)`` for every field of the spec class ``cls``, in field order."""
+    if cls not in _KINDS:
+        _KINDS[cls] = _struct_kinds(cls)
+    return _KINDS[cls]
+
+
+def _encode(obj, kinds, ints: list[int], floats: list[float]) -> None:
+    for name, kind in kinds:
+        value = getattr(obj, name)
+        if kind[0] == "host":
+            if value is not None:
+                raise NotImplementedError(f"triton's custom ops cannot carry "
+                                          f"LaunchSpec.{name}: {_HOST_ONLY[name]}")
+        elif kind[0] == "struct":
+            _encode(value, kind[2], ints, floats)
+        else:
+            if kind[0] == "optional":
+                ints.append(int(value is not None))
+                value = 0 if value is None else value
+            if kind[1] is float:
+                floats.append(float(value))
+            else:
+                ints.append(int(value))
+
+
+def _decode(cls, kinds, ints, floats) -> object:
+    """The inverse of :func:`_encode`, reading ``ints`` and ``floats`` (iterators)."""
+    values = {}
+    for name, kind in kinds:
+        if kind[0] == "host":
+            values[name] = None
+        elif kind[0] == "struct":
+            values[name] = _decode(kind[1], kind[2], ints, floats)
+        else:
+            present = kind[0] == "scalar" or bool(next(ints))
+            raw = next(floats) if kind[1] is float else next(ints)
+            values[name] = kind[1](raw) if present else None
+    return cls(**values)
+
+
+def _op_args(spec: LaunchSpec) -> tuple[list[int], list[float]]:
+    """``spec`` as the custom ops' ``(spec_ints, spec_floats)``: every field of its class,
+    found by ``dataclasses.fields``, so a new field needs no edit here."""
+    ints: list[int] = []
+    floats: list[float] = []
+    _encode(spec, _spec_kinds(type(spec)), ints, floats)
+    return ints, floats
+
+
+def _spec_of(spec_ints: list[int], spec_floats: list[float]) -> LaunchSpec:
+    """The :class:`LaunchSpec` that :func:`_op_args` encoded (host-only fields None)."""
+    ints, floats = iter(spec_ints), iter(spec_floats)
+    spec = _decode(LaunchSpec, _spec_kinds(LaunchSpec), ints, floats)
+    assert next(ints, None) is None and next(floats, None) is None, "spec arguments left over"
+    return spec
+
+
+_spec_kinds(LaunchSpec)  # a field of no known kind fails here, at import
 
 
 @torch.library.custom_op("attn::flash_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
-            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
-            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            softcap: Tensor | None, spec_ints: list[int], spec_floats: list[float],
             alibi: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """out, lse and logl (see :func:`_fwd`)."""
-    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
+    spec = _spec_of(spec_ints, spec_floats)
     return _fwd(q, k, v, spec, Operands(attn_mask, sinks, softcap, alibi), want_logl=True)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed,
-      shard, alibi=None):
+def _(q, k, v, attn_mask, sinks, softcap, spec_ints, spec_floats, alibi=None):
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
             q.new_empty(B, H, Nq, dtype=torch.float32),
@@ -498,17 +584,16 @@ def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
 
 @torch.library.custom_op("attn::flash_fwd_split", mutates_args=())
 def _fwd_split_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-                  sinks: Tensor | None, softcap: Tensor | None, offset: int, left: int | None,
-                  right: int | None, scale: float, dropout_p: float, dropout_seed: int,
-                  shard: list[int], alibi: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+                  sinks: Tensor | None, softcap: Tensor | None, spec_ints: list[int],
+                  spec_floats: list[float], alibi: Tensor | None, chunk: int
+                  ) -> tuple[Tensor, Tensor]:
     """out and lse of split-KV decoding (see :func:`_fwd_split`); forward only."""
-    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
+    spec = _spec_of(spec_ints, spec_floats)
     return _fwd_split(q, k, v, spec, Operands(attn_mask, sinks, softcap, alibi), chunk)
 
 
 @_fwd_split_op.register_fake
-def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p, dropout_seed,
-      shard, alibi, chunk):
+def _(q, k, v, attn_mask, sinks, softcap, spec_ints, spec_floats, alibi, chunk):
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
             q.new_empty(B, H, Nq, dtype=torch.float32))
@@ -517,12 +602,11 @@ def _(q, k, v, attn_mask, sinks, softcap, offset, left, right, scale, dropout_p,
 @torch.library.custom_op("attn::flash_bwd", mutates_args=())
 def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
-            softcap: Tensor | None, offset: int, left: int | None, right: int | None,
-            scale: float, dropout_p: float, dropout_seed: int, shard: list[int],
+            softcap: Tensor | None, spec_ints: list[int], spec_floats: list[float],
             need_dcap: bool, alibi: Tensor | None = None, logl: Tensor | None = None
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
-    spec = _spec_of(offset, left, right, scale, dropout_p, dropout_seed, shard)
+    spec = _spec_of(spec_ints, spec_floats)
     g = _bwd(do, dlse, q, k, v, out, lse, spec, Operands(attn_mask, sinks, softcap, alibi),
              need_dcap=need_dcap, logl=logl)
     return g.dq, g.dk, g.dv, _or_empty(g.dsinks, q), _or_empty(g.dsoftcap, q)
@@ -534,8 +618,8 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 @_bwd_op.register_fake
-def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, offset, left, right, scale,
-      dropout_p, dropout_seed, shard, need_dcap, alibi=None, logl=None):
+def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec_ints, spec_floats,
+      need_dcap, alibi=None, logl=None):
     H = q.shape[1]
     n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0

@@ -16,7 +16,10 @@ Strides travel as tuples, one per tensor: ``QS`` = q's (sequence, head, row, dim
 head)) and ``VMS`` (VMax's). Triton specializes a tuple's elements as it does separate
 arguments (a stride of 1 becomes a constant, multiples of 16 are marked), so the compiled
 code is what separate arguments give. ``DR`` carries dropout's launch values (see
-``_drop_ctx``); the seed stays apart, so that it is never specialized.
+``_drop_ctx``); the seed stays apart, so that it is never specialized. ``SC`` and the
+constexpr ``SCORE`` carry the score pipeline's constants and flags (see
+:func:`attn.flash_triton.kernels.score_args`): the outer kernels pass them on unread, but
+for the scale of the dK / dQ epilogues and the softcap gradient's partial sums.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from functools import partial
 import triton
 import triton.language as tl
 
-from attn.flash_triton.kernels import (_SATURATED_LOGL, _dkdv_inner, _dq_inner, _drop_ctx,
-                                       _fwd_inner, _head_consts, _load_rows, _stage_range,
-                                       _stages, _store_rows, _value_offset)
+from attn.flash_triton.kernels import (_SATURATED_LOGL, _SCALE, _SOFTCAP, _dkdv_inner,
+                                       _dq_inner, _drop_ctx, _fwd_inner, _head_consts,
+                                       _load_rows, _stage_range, _stages, _store_rows,
+                                       _value_offset)
 from attn.flash_triton.tune import _configs, _prune
 
 _KEY = ["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED", "VARLEN"]  # autotune: per layout too
@@ -86,13 +90,13 @@ def _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN: tl.constexpr):
                  prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
-              QS, KS, VS, OS, MS, AS, LS, H, GROUP, N_Q, N_K, offset, left, right, scale,
+              QS, KS, VS, OS, MS, AS, LS, H, GROUP, N_Q, N_K, offset, left, right, SC,
               drop_seed, DR, TUNE_N, VMax, VMS, v_log_scale, HEAD_DIM: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr, V_OFFSET: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+              HAS_SINKS: tl.constexpr, V_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     off_b, off_h, off_hk, seq_q, seq_k, N_Q, N_K, offset = _q_program(
         CuQ, CuK, H, GROUP, N_Q, N_K, offset, VARLEN)
     start_m = tl.program_id(0) * BLOCK_M
@@ -119,7 +123,7 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                  HAS_SOFTCAP, HAS_ALIBI)
+                                  SCORE)
         q = _load_rows(Q, offs_m, (QS[2], QS[3]), N_Q, HEAD_DIM, BLOCK_D, True)
 
         # -- loop over key tiles: masked edge, full middle, masked edge --
@@ -127,10 +131,10 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
         for stage in tl.static_range(3):
             s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
             acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
+                acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, SC,
                 (KS[2], KS[3]), (VS[2], VS[3]), MASK, BAND, DROP, voff,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
-                MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, V_OFFSET, DOT_PRECISION)
+                MASK_KIND, SCORE, HAS_DROPOUT, V_OFFSET, DOT_PRECISION)
 
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -173,12 +177,11 @@ def _attn_bwd_preprocess(Out, DOut, DLse, Delta, OS, DOS, H, N_Q, HEAD_DIM_V: tl
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, Alibi, DCap, CuQ, CuK,
                    QS, KS, VS, OS, GS, GVS, MS, AS, LS, H, GROUP, N_Q, N_K, offset, left,
-                   right, scale, drop_seed, DR, TUNE_N, HEAD_DIM: tl.constexpr,
+                   right, SC, drop_seed, DR, TUNE_N, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of one key block (``GS``, ``GVS``: their strides)."""
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
@@ -209,22 +212,22 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, Alibi, DCap, 
             rows = _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN)  # lse, Δ
             DROP = _drop_ctx(off_b, off_h, drop_seed, DR, HAS_DROPOUT)
             cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                      HAS_SOFTCAP, HAS_ALIBI)
+                                      SCORE)
             dc = 0.0
             for stage in tl.static_range(3):
                 s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
                 dk, dv, dc = _dkdv_inner(
                     dk, dv, dc, k, v, _at(Q, seq_q, off_h, QS), _at(DO, seq_q, off_h, OS),
-                    Lse + rows, Delta + rows, s_lo, s_hi, offs_n, cap, slope, scale,
+                    Lse + rows, Delta + rows, s_lo, s_hi, offs_n, cap, slope, SC,
                     (QS[2], QS[3]), (OS[2], OS[3]), MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V,
-                    BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP,
-                    HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
-            if HAS_SOFTCAP:  # one partial sum per (key block, b, h); the launcher adds them up
+                    BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, BANDED, MASK_KIND, SCORE,
+                    HAS_DROPOUT, DOT_PRECISION)
+            if SCORE[_SOFTCAP]:  # one partial sum per (key block, b, h); the launcher adds them up
                 tl.store(DCap + pid_n.to(tl.int64) * tl.num_programs(1) * GROUP + off_b * H
                          + off_h, dc)
 
         # -- epilogue: s = scale · q·k, so dK picks up the scale once here --
-        _store_rows(_at(DK, seq_k, off_hk, GS), offs_n, (GS[2], GS[3]), N_K, dk * scale,
+        _store_rows(_at(DK, seq_k, off_hk, GS), offs_n, (GS[2], GS[3]), N_K, dk * SC[_SCALE],
                     HEAD_DIM, BLOCK_D)
         _store_rows(_at(DV, seq_k, off_hk, GVS), offs_n, (GVS[2], GVS[3]), N_K, dv,
                     HEAD_DIM_V, BLOCK_DV)
@@ -235,11 +238,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, Alibi, DCap, 
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, CuK, LogL, DLse,
                  QS, KS, VS, OS, GS, MS, AS, LS, H, GROUP, N_Q, N_K, offset, left, right,
-                 scale, drop_seed, DR, TUNE_N, HEAD_DIM: tl.constexpr,
+                 SC, drop_seed, DR, TUNE_N, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, DELTA_PASS: tl.constexpr,
+                 BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 VARLEN: tl.constexpr, DELTA_PASS: tl.constexpr,
                  HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     """dQ of one query block (``GS``: its strides); with ``DELTA_PASS``, instead,
@@ -270,7 +273,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
         lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                  HAS_SOFTCAP, HAS_ALIBI)
+                                  SCORE)
         if DELTA_PASS:
             dq = 0.0
             delta = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -286,15 +289,15 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
             s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
             dq, delta, psum = _dq_inner(
                 dq, delta, psum, q, do, lse, _at(K, seq_k, off_hk, KS),
-                _at(V, seq_k, off_hk, VS), s_lo, s_hi, offs_m, cap, slope, scale,
+                _at(V, seq_k, off_hk, VS), s_lo, s_hi, offs_m, cap, slope, SC,
                 (KS[2], KS[3]), (VS[2], VS[3]), MASK, BAND, DROP, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED, MASK_KIND, HAS_SOFTCAP,
-                HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, DELTA_PASS)
+                BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED, MASK_KIND, SCORE,
+                HAS_DROPOUT, DOT_PRECISION, DELTA_PASS)
         if DELTA_PASS:
             delta = tl.where(psum > 0.0, delta / psum, 0.0)
             if HAS_DLSE:
                 delta -= tl.load(DLse + row, mask=offs_m < N_Q, other=0.0)
             tl.store(Delta + row, delta, mask=offs_m < N_Q)
         else:
-            _store_rows(_at(DQ, seq_q, off_h, GS), offs_m, (GS[2], GS[3]), N_Q, dq * scale,
+            _store_rows(_at(DQ, seq_q, off_h, GS), offs_m, (GS[2], GS[3]), N_Q, dq * SC[_SCALE],
                         HEAD_DIM, BLOCK_D)

@@ -175,12 +175,12 @@ def _tile_value_offset(v, v_log_scale, V_OFFSET: tl.constexpr):
 
 @triton.jit
 def _paged_inner(acc, l_i, m_i, q, KP, VP, KQ, VQ, TableRow, stride_t, first, page_size,
-                 recent_from, lo, hi, offs_m, cap, slope, scale, KPS, VPS, BAND, v_log_scale,
+                 recent_from, lo, hi, offs_m, cap, slope, SC, KPS, VPS, BAND, v_log_scale,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 BANDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 V_OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                 K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, HAS_RECENT: tl.constexpr):
+                 BANDED: tl.constexpr, SCORE: tl.constexpr, V_OFFSET: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, K_GROUP: tl.constexpr,
+                 V_GROUP: tl.constexpr, HAS_RECENT: tl.constexpr):
     """``_fwd_inner`` over key tiles [lo, hi) of one row whose keys are read through its
     page table (no attn_mask, no dropout: a cache is read for inference). A quantized
     cache's ``KQ`` / ``VQ``: (scales, their strides, recent ring, its strides)."""
@@ -201,8 +201,8 @@ def _paged_inner(acc, l_i, m_i, q, KP, VP, KQ, VQ, TableRow, stride_t, first, pa
                 KP, KPS, KQ[0], KQ[1], KQ[2], KQ[3], blk, slot, ok, recent, HEAD_DIM, BLOCK_D,
                 True, MASKED, QUANT, K_GROUP, HAS_RECENT), q)
         qk = _dot(q, kT.to(q.dtype), None, DOT_PRECISION)
-        s, _, _ = _scores(qk, offs_m[:, None], offs_n[None, :], (KP, 0, 0), cap, slope, scale,
-                          BAND, MASKED, BANDED, 0, HAS_SOFTCAP, HAS_ALIBI)
+        s, _, _ = _scores(qk, offs_m[:, None], offs_n[None, :], (KP, 0, 0), cap, slope, SC,
+                          BAND, MASKED, BANDED, 0, SCORE)
         # -- online softmax, the value offset from this tile's values --
         if QUANT == 0:
             v = _load_page_tile(VP, VPS, blk, slot, ok, HEAD_DIM_V, BLOCK_DV, False,
@@ -223,12 +223,12 @@ def _paged_inner(acc, l_i, m_i, q, KP, VP, KQ, VQ, TableRow, stride_t, first, pa
 @triton.jit
 def _attn_fwd_paged(Q, KP, VP, Table, Seq, OutP, LseP, Softcap, Alibi, KS, VS, RK, RV, QS,
                     KPS, VPS, TS, AS, KSS, VSS, RKS, RVS, B, H, GROUP, N_Q, offset, left,
-                    right, scale, chunk, page_size, v_log_scale, HEAD_DIM: tl.constexpr,
+                    right, SC, chunk, page_size, v_log_scale, HEAD_DIM: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BANDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, V_OFFSET: tl.constexpr, QUANT: tl.constexpr,
-                    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, HAS_RECENT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BANDED: tl.constexpr, SCORE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    V_OFFSET: tl.constexpr, QUANT: tl.constexpr, K_GROUP: tl.constexpr,
+                    V_GROUP: tl.constexpr, HAS_RECENT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """One key chunk of one (batch row, kv head) read through the block table ``Table (B,
     max_pages)``, for a block of its group's rows; ``Seq (B, 3)`` int32 holds each row's
     first key position, end and first full-precision page. With ``QUANT``, ``KP`` / ``VP``
@@ -252,7 +252,7 @@ def _attn_fwd_paged(Q, KP, VP, Table, Seq, OutP, LseP, Softcap, Alibi, KS, VS, R
     KQ = (KS + hk * KSS[2], KSS, RK + hk * RKS[2], RKS)
     VQ = (VS + hk * VSS[2], VSS, RV + hk * RVS[2], RVS)
     cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h[:, None] * AS[1],
-                              off_h[:, None], HAS_SOFTCAP, HAS_ALIBI)
+                              off_h[:, None], SCORE)
     v_log_scale += tl.log(tl.maximum(N_K, 1).to(tl.float32))  # log(2·N_b / fmax)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -267,9 +267,9 @@ def _attn_fwd_paged(Q, KP, VP, Table, Seq, OutP, LseP, Softcap, Alibi, KS, VS, R
         s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
         acc, l_i, m_i = _paged_inner(
             acc, l_i, m_i, q, KP, VP, KQ, VQ, Table + off_b * TS[0], TS[1], first, page_size,
-            recent_from, s_lo, s_hi, offs_m, cap, slope, scale, KPS, VPS, BAND, v_log_scale,
+            recent_from, s_lo, s_hi, offs_m, cap, slope, SC, KPS, VPS, BAND, v_log_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
-            HAS_SOFTCAP, HAS_ALIBI, V_OFFSET, DOT_PRECISION, QUANT, K_GROUP, V_GROUP,
+            SCORE, V_OFFSET, DOT_PRECISION, QUANT, K_GROUP, V_GROUP,
             HAS_RECENT)
 
     # -- epilogue --

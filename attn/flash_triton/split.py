@@ -191,11 +191,10 @@ def _store_partial(OutP, LseP, acc, l_i, m_i, split, off_b, off_h, offs_m, row_o
 
 @triton.jit
 def _attn_fwd_split(Q, K, V, OutP, LseP, Mask, Softcap, Alibi, QS, KS, VS, MS, AS,
-                    B, H, GROUP, N_Q, N_K, offset, left, right, scale, chunk, VMax, VMS,
+                    B, H, GROUP, N_Q, N_K, offset, left, right, SC, chunk, VMax, VMS,
                     v_log_scale, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BANDED: tl.constexpr,
-                    MASK_KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    MASK_KIND: tl.constexpr, SCORE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     V_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One key chunk of one (batch, kv head) for a block of its group's rows: partial out
     (splits, B, H, N_Q, HEAD_DIM_V) and lse (splits, B, H, N_Q), float32, contiguous."""
@@ -207,7 +206,7 @@ def _attn_fwd_split(Q, K, V, OutP, LseP, Mask, Softcap, Alibi, QS, KS, VS, MS, A
     mask_rows = Mask + off_b * MS[0] + off_h[:, None].to(tl.int64) * MS[1]
     MASK = (mask_rows, MS[2], MS[3])
     cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h[:, None] * AS[1],
-                              off_h[:, None], HAS_SOFTCAP, HAS_ALIBI)
+                              off_h[:, None], SCORE)
     voff = _value_offset(VMax + off_b * VMS[0] + off_hk * VMS[1], v_log_scale, V_OFFSET)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -218,10 +217,10 @@ def _attn_fwd_split(Q, K, V, OutP, LseP, Mask, Softcap, Alibi, QS, KS, VS, MS, A
     for stage in tl.static_range(3):
         s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, scale,
+            acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, SC,
             (KS[2], KS[3]), (VS[2], VS[3]), MASK, BAND, (0, 0, 0.0, 0, 0), voff,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED,
-            MASK_KIND, HAS_SOFTCAP, HAS_ALIBI, False, V_OFFSET, DOT_PRECISION)
+            MASK_KIND, SCORE, False, V_OFFSET, DOT_PRECISION)
 
     # -- epilogue --
     _store_partial(OutP, LseP, acc, l_i, m_i, split, off_b, off_h, offs_m, row_ok, B, H, N_Q,
