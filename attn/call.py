@@ -167,7 +167,7 @@ def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
     if why is not None:
         return BackendChoice("tiled", f"auto: tiled, because fused cannot: {why}; "
                                       f"{_tiled_reason(call)}")
-    cls = choose.call_class(call.n_q, call.grad, call.mask is not None)
+    cls = choose.call_class(call.n_q, call.n_k, call.grad, call.mask is not None)
     name, because = choose.preferred(choose.cpu_kind(), call.dtype, cls)
     if name == "fused":
         return BackendChoice("fused", f"auto: fused, torch's CPU kernel per block ({because})")

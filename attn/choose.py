@@ -20,11 +20,15 @@ from pathlib import Path
 import torch
 
 TABLE_PATH = Path(__file__).with_name("auto_table.json")
-CLASSES = ("decode", "dense", "train", "masked")
+CLASSES = ("decode", "small", "dense", "train", "masked")
 # Where the table has no entry for this kind of CPU: torch's kernel (fused) for what it
 # expresses, except decoding, where tiled's split-KV read the keys faster on every CPU
-# measured so far.
-FALLBACK = {"decode": "tiled", "dense": "fused", "train": "fused", "masked": "fused"}
+# measured so far, and small calls, whose many tiny per-sequence kernel calls cost more in
+# Python than tiled's batched tiles (the toy GPT's B=64, H=4, N=12 training steps: fused
+# 1.45x tiled's time on 2 Cascade Lake cores).
+FALLBACK = {"decode": "tiled", "small": "tiled", "dense": "fused", "train": "fused",
+            "masked": "fused"}
+SMALL_SCORES = 1 << 14  # query x key pairs per sequence and head up to which a call is small
 
 
 def _flags() -> set[str]:
@@ -58,11 +62,14 @@ def cpu_kind() -> str:
     return {"avx512": "avx512", "avx2": "avx2"}.get(cap, "other")
 
 
-def call_class(n_q: int, grad: bool, masked: bool) -> str:
-    """A call's class for the table: ``decode`` (at most 16 query rows per head), ``train``
-    (a gradient will be asked), ``masked`` (a user mask), else ``dense``."""
+def call_class(n_q: int, n_k: int, grad: bool, masked: bool) -> str:
+    """A call's class for the table: ``decode`` (at most 16 query rows per head, no
+    gradient), ``small`` (at most :data:`SMALL_SCORES` query x key pairs), ``train`` (a
+    gradient will be asked), ``masked`` (a user mask), else ``dense``."""
     if n_q <= 16 and not grad:
         return "decode"
+    if n_q * n_k <= SMALL_SCORES:
+        return "small"
     if grad:
         return "train"
     return "masked" if masked else "dense"
