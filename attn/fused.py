@@ -279,12 +279,34 @@ class Seq(NamedTuple):
     slopes_row: int
 
 
+def key_spans(mask: Tensor | None, B: int, n_k: int) -> list[tuple[int, int]] | None:
+    """Each batch row's keys ``[a, b)`` when ``mask`` is key padding only (bool, ``(B or 1,
+    1, 1, Nk)``, each row's kept keys one run: right or left padding), else None. Such a
+    mask is then a cut of the keys, not a mask: no piece builds it."""
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:3] != (1, 1):
+        return None
+    rows = mask[:, 0, 0].expand(B, n_k) if mask.shape[0] == 1 else mask[:, 0, 0]
+    kept = rows.sum(1)
+    first = torch.where(kept > 0, rows.int().argmax(1), torch.zeros_like(kept))
+    pos = torch.arange(n_k, device=mask.device)
+    run = (pos[None] >= first[:, None]) & (pos[None] < (first + kept)[:, None])
+    if not bool((run == rows).all()):
+        return None
+    return [(int(a), int(a + n)) for a, n in zip(first.tolist(), kept.tolist())]
+
+
 def sequences(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> list[Seq]:
-    """The call's sequences: each batch row, or each packed sequence (its band counted from
-    its own end, as attn.varlen's convention says)."""
+    """The call's sequences: each batch row (its keys cut to a key-padding mask's run,
+    :func:`key_spans`), or each packed sequence (its band counted from its own end, as
+    attn.varlen's convention says)."""
     if ops.cu_seqlens_q is None:
         band = spec.local_band()
-        return [Seq(b, 0, q.shape[2], 0, k.shape[2], band, b) for b in range(q.shape[0])]
+        spans = key_spans(ops.attn_mask, q.shape[0], k.shape[2])
+        if spans is None:
+            return [Seq(b, 0, q.shape[2], 0, k.shape[2], band, b) for b in range(q.shape[0])]
+        # keys from a: positions (the band's, ALiBi's) shift by a
+        return [Seq(b, 0, q.shape[2], a, z, Band(band.offset - a, band.left, band.right), b)
+                for b, (a, z) in enumerate(spans)]
     cq, ck = ops.cu_seqlens_q.tolist(), ops.cu_seqlens_k.tolist()
     b0 = spec.band
     return [Seq(0, cq[s], cq[s + 1], ck[s], ck[s + 1],
@@ -348,7 +370,7 @@ def _global_mask_mod(spec: LaunchSpec, seq: Seq) -> Callable:
 
     def local(b, h, q_idx, kv_idx):
         return mask_mod(b + seq.b, h + spec.head_start, q_idx + spec.q_start,
-                        kv_idx + spec.k_start)
+                        kv_idx + spec.k_start + seq.k0)
     return local
 
 
@@ -537,8 +559,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
     seqs = sequences(q, k, spec, ops)
+    mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
+    if mask4 is not None and key_spans(mask4, B, k.shape[2]) is not None:
+        mask4, ops = None, ops._replace(attn_mask=None)  # the cut is the mask (sequences)
     plans = [plan(s, Hkv, spec, ops, config, heads=H) for s in seqs]
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
     R = max((len(p.ranges) for p in plans), default=1)
@@ -678,8 +702,10 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
     seqs = sequences(q, k, spec, ops)
+    mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
+    if mask4 is not None and key_spans(mask4, B, k.shape[2]) is not None:
+        mask4, ops = None, ops._replace(attn_mask=None)  # the cut is the mask (sequences)
     if precise is not None and lse_too_large(lse, q.dtype):
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
     plans = [plan(s, Hkv, spec, ops, config, backward=True, heads=H) for s in seqs]

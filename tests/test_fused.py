@@ -9,6 +9,7 @@ compositions, the allow-list and the schema check.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import warnings
 
@@ -327,3 +328,24 @@ def test_the_committed_table_is_well_formed():
             for cls, cell in cells.items():
                 assert cls in choose.CLASSES and cell["backend"] in ("fused", "tiled")
                 assert cell["ratio"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_padding_is_a_cut_of_the_keys(dtype, monkeypatch):
+    # right padding, left padding and a row with no key, as a (B, 1, 1, Nk) bool mask: each
+    # row's keys are cut to its run (no piece builds a mask), against the reference
+    q, k, v = make_inputs(B=3, H=4, Hkv=2, N=90, Nk=100, D=16, dtype=dtype, seed=12)
+    mask = torch.zeros(3, 1, 1, 100, dtype=torch.bool)
+    mask[0, ..., :70] = True
+    mask[1, ..., 25:] = True
+    assert fused.key_spans(mask, 3, 100) == [(0, 70), (25, 100), (0, 0)]
+    assert fused.key_spans(mask | (torch.arange(100) == 90), 3, 100) is None  # two runs
+    calls = _counting(monkeypatch)
+    fn = functools.partial(attn.attention, backend="fused", block_m=32)
+    for kw in ({}, {"causal": True}, {"causal": True, "window": (20, 0)}):
+        calls.clear()
+        assert_close_to_reference(fn, q, k, v, attn_mask=mask, **kw)
+        if not kw:  # the padding alone builds no mask (the band's own cuts may)
+            assert calls and not any(c[4] for c in calls)
+    out, lse = attn.attention(q, k, v, attn_mask=mask, backend="fused", return_lse=True)
+    assert (out[2] == 0).all() and torch.isinf(lse[2]).all()
