@@ -50,6 +50,9 @@ class AttentionCall:
     band: Band = Band()
     mask: str | None = None  # None, "bool" or "float"
     mask_grad: bool = False  # a float attn_mask that requires grad
+    # the mask is key padding only ((B or 1, 1, 1, Nk) bool, each row's kept keys one run):
+    # a cut of the keys rather than a mask for the fused backend (attn.choose's classes)
+    mask_padding: bool = False
     softcap: str | None = None  # None, "fixed" or "learned"
     sinks: bool = False
     temperature_tensor: bool = False
@@ -167,7 +170,8 @@ def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
     if why is not None:
         return BackendChoice("tiled", f"auto: tiled, because fused cannot: {why}; "
                                       f"{_tiled_reason(call)}")
-    cls = choose.call_class(call.n_q, call.n_k, call.grad, call.mask is not None)
+    cls = choose.call_class(call.n_q, call.n_k, call.grad,
+                            call.mask is not None and not call.mask_padding)
     name, because = choose.preferred(choose.cpu_kind(), call.dtype, cls)
     if name == "fused":
         return BackendChoice("fused", f"auto: fused, torch's CPU kernel per block ({because})")
@@ -435,6 +439,8 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
         band=band,
         mask=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
         mask_grad=attn_mask is not None and attn_mask.requires_grad,
+        mask_padding=(attn_mask is not None and not empty and not torch.compiler.is_compiling()
+                      and fused.key_spans(attn_mask, B, Nk) is not None),
         softcap=None if softcap is None else ("learned" if cap_t is not None else "fixed"),
         sinks=sinks is not None, temperature_tensor=q_scale is not None,
         dropout=dropout_p > 0.0, return_lse=bool(return_lse),

@@ -65,7 +65,8 @@ def cpu_kind() -> str:
 def call_class(n_q: int, n_k: int, grad: bool, masked: bool) -> str:
     """A call's class for the table: ``decode`` (at most 16 query rows per head, no
     gradient), ``small`` (at most :data:`SMALL_SCORES` query x key pairs), ``train`` (a
-    gradient will be asked), ``masked`` (a user mask), else ``dense``."""
+    gradient will be asked), ``masked`` (a user mask other than key padding, which the
+    fused backend takes as a cut of the keys), else ``dense``."""
     if n_q <= 16 and not grad:
         return "decode"
     if n_q * n_k <= SMALL_SCORES:

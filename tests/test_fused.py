@@ -316,6 +316,9 @@ def test_auto_reads_the_committed_table_per_cpu_kind_dtype_and_class(monkeypatch
     assert bf16.name == choose.FALLBACK["decode"] and "default" in bf16.reason
     # what fused cannot compute never takes it, whatever the table says
     assert choice(n_q=1, n_k=16384, softcap="fixed").name == "tiled"
+    # a mask is its own class, unless it is key padding (a cut of the keys: dense)
+    assert "masked float32" in choice(mask="bool").reason
+    assert "dense float32" in choice(mask="bool", mask_padding=True).reason
 
 
 def test_the_committed_table_is_well_formed():

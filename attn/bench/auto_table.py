@@ -30,7 +30,7 @@ SHAPES = {
     "small": (32, 4, 4, 64, 64, 16, True, False, True),  # a toy model's training step
     "dense": (1, 8, 8, 2048, 2048, 64, True, False, False),
     "train": (2, 8, 8, 1024, 1024, 64, True, False, True),
-    "masked": (1, 8, 8, 1024, 1024, 64, False, True, False),
+    "masked": (1, 8, 8, 1024, 1024, 64, False, True, False),  # a random bool mask
 }
 
 
@@ -56,9 +56,8 @@ def _inputs(shape, dtype: torch.dtype):
     q, k, v = (torch.randn(B, h, n, D, generator=g).to(dtype).requires_grad_(backward)
                for h, n in ((H, Nq), (Hkv, Nk), (Hkv, Nk)))
     mask = None
-    if masked:  # key padding of random lengths, as a batch of padded sequences has
-        lengths = torch.randint(Nk // 2, Nk + 1, (B,), generator=g)
-        mask = (torch.arange(Nk)[None, :] < lengths[:, None])[:, None, None, :]
+    if masked:  # an arbitrary bool mask (key padding alone is a cut of the keys: dense)
+        mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.2
     return q, k, v, mask, causal, backward
 
 

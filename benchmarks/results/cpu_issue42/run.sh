@@ -7,10 +7,10 @@ table=attn/auto_table.json
 for mode in quiet busy; do
   busy=(); [ "$mode" = busy ] && busy=(--busy-core)
   # auto's table: fused against tiled per class and dtype (the busier run is kept per cell)
-  attn bench auto-table --dtype float32 bfloat16 float16 --rounds 5 "${busy[@]}" \
+  attn bench auto-table --dtype float32 bfloat16 float16 --rounds 4 "${busy[@]}" \
     --out "$here/auto_table_$mode" --write "$table"
   # the issue's target rows
-  python benchmarks/experiments/issue42_targets.py --rounds 5 "${busy[@]}" --out "$here/targets_$mode"
+  python benchmarks/experiments/issue42_targets.py --rounds 4 "${busy[@]}" --out "$here/targets_$mode"
 done
 # fwd+bwd peak memory (profiler method), causal, fp32
 attn bench memory --n 1024 4096 16384 --backends tiled fused sdpa --mode fwd+bwd --causal true \
