@@ -542,6 +542,17 @@ def _foldable(slopes: Tensor | None, pc: Piece, p: _Plan, mask_mod, m0: int, m1:
             and _side(pc, m0, m1, seq.band.offset) != 0)
 
 
+def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
+                        ) -> tuple[list[Seq], Tensor | None, Operands]:
+    """The call's sequences, its mask as 4-d (None where there is none, or where the mask is
+    key padding, which the sequences' key cuts already are), and the operands to match."""
+    seqs = sequences(q, k, spec, ops)
+    mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
+    if mask4 is not None and key_spans(mask4, q.shape[0], k.shape[2]) is not None:
+        mask4, ops = None, ops._replace(attn_mask=None)
+    return seqs, mask4, ops
+
+
 def _check_ops() -> _CpuOps:
     ops_cpu = _cpu_ops()
     if isinstance(ops_cpu, str):
@@ -559,10 +570,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    seqs = sequences(q, k, spec, ops)
-    mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
-    if mask4 is not None and key_spans(mask4, B, k.shape[2]) is not None:
-        mask4, ops = None, ops._replace(attn_mask=None)  # the cut is the mask (sequences)
+    seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     plans = [plan(s, Hkv, spec, ops, config, heads=H) for s in seqs]
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
     R = max((len(p.ranges) for p in plans), default=1)
@@ -702,10 +710,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    seqs = sequences(q, k, spec, ops)
-    mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
-    if mask4 is not None and key_spans(mask4, B, k.shape[2]) is not None:
-        mask4, ops = None, ops._replace(attn_mask=None)  # the cut is the mask (sequences)
+    seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     if precise is not None and lse_too_large(lse, q.dtype):
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
     plans = [plan(s, Hkv, spec, ops, config, backward=True, heads=H) for s in seqs]

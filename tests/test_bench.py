@@ -774,3 +774,25 @@ def test_report_log_has_no_progress_bar_when_not_a_terminal(tmp_path, capsys):
     tail = captured.out[captured.out.index("## Conclusion"):]
     assert "- **tiled** fwd, N=32 float32 D=16:" in tail and "not checked in this run" in tail
     assert "## Conclusion" in (tmp_path / "results.md").read_text()
+
+
+def test_auto_table_measures_and_merges_the_cpu_kinds_entry(tmp_path):
+    """attn bench auto-table writes its results and merges this CPU kind's entry into the
+    table, keeping per cell the run where fused did worse (the busier one)."""
+    import attn.bench.auto_table as at
+    from attn import choose
+
+    table = tmp_path / "table.json"
+    rc = main(["bench", "auto-table", "--classes", "small", "--dtype", "float32", "--rounds",
+               "1", "--out", str(tmp_path / "run"), "--write", str(table)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "run" / "results.json").read_text())
+    (row,) = doc["rows"]
+    assert row["class"] == "small" and set(row["ms"]) == {"sdpa", "fused", "tiled"}
+    cell = json.loads(table.read_text())[choose.cpu_kind()]["entries"]["float32"]["small"]
+    assert cell["backend"] == ("fused" if cell["ratio"] <= 1.05 else "tiled")
+    # a later run where fused did better leaves the cell as it was
+    better = dict(row, fused_over_tiled=cell["ratio"] / 10)
+    at._merge_into(table, choose.cpu_kind(), "cpu", [better], 1.05, False)
+    assert json.loads(table.read_text())[choose.cpu_kind()]["entries"]["float32"]["small"] \
+        == cell

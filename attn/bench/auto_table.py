@@ -134,11 +134,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 print(f"{cls:7s} {dtype:9s} fused/tiled time {r['fused_over_tiled']:.2f}  "
                       f"SDPA/fused {r['sdpa_over_fused']:.2f}  SDPA/tiled "
                       f"{r['sdpa_over_tiled']:.2f}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"header": header, "rows": rows},
-                                                      indent=1) + "\n")
     md = markdown(header, rows)
-    (args.out / "results.md").write_text(md)
+    report.write_results(args.out, header, rows, md)
     print(md)
     if args.write is not None:
         _merge_into(args.write, header["kind"], header["device_name"], rows, args.margin,

@@ -19,7 +19,6 @@ Rows (each fp32 and bf16 unless said):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
@@ -184,11 +183,8 @@ def main() -> None:
                  "decode": decode_rows}
         for part in args.parts:
             rows += parts[part](dtypes, args.rounds)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"header": header, "rows": rows},
-                                                      indent=1) + "\n")
     md = markdown(header, rows)
-    (args.out / "results.md").write_text(md)
+    report.write_results(args.out, header, rows, md)
     print(md)
 
 
