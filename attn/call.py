@@ -27,7 +27,7 @@ from torch import Tensor
 
 from attn import choose, fused, mods, tiled
 from attn.tiled.plan import cpu_path_reason
-from attn.masks import Band, simplify_mask
+from attn.masks import Band, as_4d, simplify_mask
 from attn.reference import reference_attention, reference_packed
 from attn.sdpa import sdpa_attention
 from attn.spec import LaunchSpec, Operands, acc_dtype
@@ -440,7 +440,7 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
         mask=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
         mask_grad=attn_mask is not None and attn_mask.requires_grad,
         mask_padding=(attn_mask is not None and not empty and not torch.compiler.is_compiling()
-                      and fused.key_spans(attn_mask, B, Nk) is not None),
+                      and fused.key_spans(as_4d(attn_mask), B, Nk) is not None),
         softcap=None if softcap is None else ("learned" if cap_t is not None else "fixed"),
         sinks=sinks is not None, temperature_tensor=q_scale is not None,
         dropout=dropout_p > 0.0, return_lse=bool(return_lse),

@@ -301,7 +301,8 @@ def sequences(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> list[Seq
     attn.varlen's convention says)."""
     if ops.cu_seqlens_q is None:
         band = spec.local_band()
-        spans = key_spans(ops.attn_mask, q.shape[0], k.shape[2])
+        mask = None if ops.attn_mask is None else as_4d(ops.attn_mask)  # a 1-d mask too
+        spans = key_spans(mask, q.shape[0], k.shape[2])
         if spans is None:
             return [Seq(b, 0, q.shape[2], 0, k.shape[2], band, b) for b in range(q.shape[0])]
         # keys from a: positions (the band's, ALiBi's) shift by a

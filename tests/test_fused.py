@@ -352,3 +352,6 @@ def test_key_padding_is_a_cut_of_the_keys(dtype, monkeypatch):
             assert calls and not any(c[4] for c in calls)
     out, lse = attn.attention(q, k, v, attn_mask=mask, backend="fused", return_lse=True)
     assert (out[2] == 0).all() and torch.isinf(lse[2]).all()
+    # the same padding for every row given as a 1-d (Nk,) or 2-d (1, Nk) mask
+    for shared in (mask[0, 0, 0], mask[1, 0]):
+        assert_close_to_reference(fn, q, k, v, attn_mask=shared, causal=True)
