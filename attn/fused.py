@@ -23,8 +23,8 @@ more partial. Every cut depends on the sequence's own lengths and the model's he
 the batch or the number of workers, and merges run in a fixed order: a sequence's bits do not
 depend on its batch.
 
-The backward runs per (sequence, kv head, run of query blocks): each block's pieces go through torch's
-backward op with the call's *merged* output and lse (so each piece's dQ/dK/dV share is exact),
+The backward runs per (sequence, kv head, run of query blocks): each block's pieces go
+through torch's backward op with the call's *merged* output and lse (so each piece's dQ/dK/dV share is exact),
 dQ summed over the pieces and dK/dV over the query blocks in order, in the accumulation dtype.
 Nothing N x N is ever allocated.
 
