@@ -125,7 +125,8 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
     ``auto`` prefers ``triton`` on CUDA and falls back to ``tiled`` (every device, every
     variant); off CUDA it takes ``fused`` (torch's CPU kernel per block) where that can
     compute the call and the committed, measured table of :mod:`attn.choose` prefers it for
-    the call's class and dtype on this kind of CPU. An explicit request that cannot compute the call raises NotImplementedError.
+    the call's class and dtype on this kind of CPU. An explicit request that cannot compute
+    the call raises NotImplementedError.
 
     Inside triton, decoding takes split-KV (Flash-Decoding): a call of at most 16 query rows
     per head against at least 512 keys that needs no gradient, no dropout and is not packed
