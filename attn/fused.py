@@ -297,14 +297,13 @@ def key_spans(mask: Tensor | None, B: int, n_k: int) -> list[tuple[int, int]] | 
     return [(int(a), int(a + n)) for a, n in zip(first.tolist(), kept.tolist())]
 
 
-def sequences(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> list[Seq]:
-    """The call's sequences: each batch row (its keys cut to a key-padding mask's run,
-    :func:`key_spans`), or each packed sequence (its band counted from its own end, as
+def sequences(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands,
+              spans: list[tuple[int, int]] | None = None) -> list[Seq]:
+    """The call's sequences: each batch row (its keys cut to ``spans``, a key-padding mask's
+    runs, :func:`key_spans`), or each packed sequence (its band counted from its own end, as
     attn.varlen's convention says)."""
     if ops.cu_seqlens_q is None:
         band = spec.local_band()
-        mask = None if ops.attn_mask is None else as_4d(ops.attn_mask)  # a 1-d mask too
-        spans = key_spans(mask, q.shape[0], k.shape[2])
         if spans is None:
             return [Seq(b, 0, q.shape[2], 0, k.shape[2], band, b) for b in range(q.shape[0])]
         # keys from a: positions (the band's, ALiBi's) shift by a
@@ -549,9 +548,10 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
                         ) -> tuple[list[Seq], Tensor | None, Operands]:
     """The call's sequences, its mask as 4-d (None where there is none, or where the mask is
     key padding, which the sequences' key cuts already are), and the operands to match."""
-    seqs = sequences(q, k, spec, ops)
     mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
-    if mask4 is not None and key_spans(mask4, q.shape[0], k.shape[2]) is not None:
+    spans = None if ops.cu_seqlens_q is not None else key_spans(mask4, q.shape[0], k.shape[2])
+    seqs = sequences(q, k, spec, ops, spans)
+    if spans is not None:
         mask4, ops = None, ops._replace(attn_mask=None)
     return seqs, mask4, ops
 
