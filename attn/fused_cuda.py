@@ -190,7 +190,7 @@ def _bias(mask: Tensor | None, G: int, rows: int, keys: int) -> Tensor | None:
 
 def _lse_rows(lse: Tensor, rows: int) -> Tensor:
     """An op's lse as (1, G, rows): the efficient op pads rows to 32, cuDNN adds a last 1."""
-    return lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows].float()
+    return lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows]
 
 
 def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
@@ -225,7 +225,7 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
         qp, kp, vp = prep(q, k, v)
         dop, outp = _pad8(do), _pad8(out)
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
-        lse = lse.float().contiguous()
+        lse = lse.contiguous()  # float32: the accumulation dtype of every dtype CUDA takes
         if op == "flash":
             gq, gk, gv = a["flash_backward"](dop, qp, kp, vp, outp, lse, None, None, rows,
                                              keys, 0.0, causal, zero, zero, scale=scale)
