@@ -35,6 +35,7 @@ makes a call not expressible).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -116,21 +117,27 @@ Kernels = Callable[[bool], fused_cuda.Pair]
 
 
 def kernels(q: Tensor) -> Kernels:
-    """The kernel pair each piece of a call on q's device runs: on CPU torch's CPU op; on
-    CUDA the op :func:`attn.fused_cuda.choose` names for the call's dtype and head dim,
-    per masked or unmasked piece. NotImplementedError when the ops are off."""
+    """The kernel pair each piece of a call on q's device runs: on CPU torch's CPU op, on
+    CUDA :func:`cuda_kernels`. NotImplementedError when the ops are off."""
     why = ops_reason(q.device.type)
     if why is not None:
         raise NotImplementedError(f"backend='fused' is off: {why}")
     if q.device.type == "cpu":
         cpu = _cpu_pair(_cpu_ops())
         return lambda masked: cpu
+    return cuda_kernels(q.dtype, q.shape[-1], q.device)
+
+
+def cuda_kernels(dtype: torch.dtype, head_dim: int, device: torch.device) -> Kernels:
+    """On CUDA, per masked or unmasked piece: the op :func:`attn.fused_cuda.force_op` set
+    where it takes the piece, else the one :func:`attn.fused_cuda.choose` names."""
     forced = fused_cuda.forced_op()
-    if forced is not None:  # attn gpu-check's verification runs each op in turn
-        one = fused_cuda.pair(forced)
-        return lambda masked: one
-    pairs = {m: fused_cuda.pair(fused_cuda.choose(q.dtype, q.shape[-1], m, q.device))
-             for m in (False, True)}
+    pairs = {}
+    for masked in (False, True):
+        op = forced
+        if op is None or not fused_cuda.can_run(op, dtype, head_dim, masked):
+            op = fused_cuda.choose(dtype, head_dim, masked, device)
+        pairs[masked] = fused_cuda.pair(op)
     return pairs.__getitem__
 
 
@@ -857,6 +864,7 @@ class _FusedAttention(torch.autograd.Function):
         out, lse = _fwd(q, k, v, spec, ops, config=config)
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
         ctx.spec, ctx.config, ctx.consts, ctx.precise = spec, config, consts, precise
+        ctx.forced = fused_cuda.forced_op()  # the backward may run on autograd's own thread
         return out, lse
 
     @staticmethod
@@ -864,8 +872,9 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
         ops = ctx.consts._replace(attn_mask=attn_mask, sinks=sinks)
         do = torch.zeros_like(out) if dout is None else dout
-        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
-                 precise=ctx.precise)
+        with contextlib.nullcontext() if ctx.forced is None else fused_cuda.force_op(ctx.forced):
+            g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
+                     precise=ctx.precise)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), None, None, None, None,
                 None, dsinks)

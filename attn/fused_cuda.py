@@ -193,6 +193,11 @@ def _lse_rows(lse: Tensor, rows: int) -> Tensor:
     return lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows]
 
 
+def _no_mask(mask: Tensor | None) -> None:
+    if mask is not None:
+        raise ValueError("the flash op takes no mask: a masked piece must run another op")
+
+
 def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
     """The kernel pair for ``op`` (one of :data:`OPS`); ``table_ops`` replaces torch's ops
     (the tests hand in stand-ins that behave as the CUDA ops do, on CPU)."""
@@ -209,6 +214,7 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
         Dv, rows = v.shape[-1], q.shape[2]
         qp, kp, vp = prep(q, k, v)
         if op == "flash":
+            _no_mask(mask)
             res = a["flash"](qp, kp, vp, 0.0, causal, False, scale=scale)
         else:
             bias = _bias(mask, q.shape[1], rows, k.shape[2])
@@ -227,6 +233,7 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
         lse = lse.contiguous()  # float32: the accumulation dtype of every dtype CUDA takes
         if op == "flash":
+            _no_mask(mask)
             gq, gk, gv = a["flash_backward"](dop, qp, kp, vp, outp, lse, None, None, rows,
                                              keys, 0.0, causal, zero, zero, scale=scale)
         elif op == "efficient":

@@ -10,6 +10,8 @@ attn's public functions, against the float64 reference. The real ops' argument l
 checked on the meta device, where torch registers their shapes.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -272,3 +274,37 @@ def test_auto_on_cuda_takes_fused_only_with_a_verified_entry(monkeypatch):
     assert select_backend(call).name != "fused"
     for bad in (dict(dtype=F64, head_dim=128), dict(head_dim=512, head_dim_v=512)):
         assert fused.call_reason(dataclasses.replace(call, **bad)) is not None
+
+
+# -- attn gpu-check's verification, rehearsed on the stand-ins ---------------------------------
+
+def test_verification_marks_a_correct_op_exact_and_a_broken_one_not(monkeypatch, tmp_path):
+    from attn.bench import fused_verify
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    bad = dict(STAND_INS)  # dV off by 25 % on the efficient op (bf16: 1 % is in budget)
+    bad["efficient_backward"] = lambda *a, **k: (lambda r: (r[0], r[1], r[2] * 1.25, r[3]))(
+        efficient_backward(*a, **k))
+    monkeypatch.setattr(fused_cuda, "ops", lambda: STAND_INS)
+    monkeypatch.setattr(fused_cuda, "table", lambda: {})
+    # the CUDA choice of pairs on CPU tensors (forced ops, masked pieces elsewhere for flash)
+    monkeypatch.setattr(fused, "kernels", lambda q: fused.cuda_kernels(q.dtype, q.shape[-1],
+                                                                       q.device))
+    monkeypatch.setattr(fused, "_config", lambda q, c: fused.CUDA)
+    monkeypatch.setattr(fused_verify, "CASES", {k: v for k, v in fused_verify.CASES.items()
+                                                if k != "plain_gqa"})
+    good = fused_verify.verify("cpu", ops=fused_cuda.OPS, dtypes=(torch.bfloat16,),
+                               head_dims=(16,), log=lambda line: None)
+    assert [(r["op"], r["exact"]) for r in good] == [(op, True) for op in fused_cuda.OPS], good
+    assert [r["cases"].get("bool_mask_hidden_row") is not None for r in good] == [
+        True, False, True]  # flash takes no mask: its row has no masked case
+    monkeypatch.setattr(fused_cuda, "ops", lambda: bad)
+    broken = fused_verify.verify("cpu", ops=("efficient",), dtypes=(torch.bfloat16,),
+                                 head_dims=(16,), log=lambda line: None)
+    assert not broken[0]["exact"]
+    table = fused_verify.write_table(good, tmp_path / "t.json")
+    fused_verify.write_table(broken, tmp_path / "t.json")  # the newer row replaces its key
+    rows = {r["key"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
+    assert len(table["rows"]) == 3 and len(rows) == 3
+    assert not rows[broken[0]["key"]]["exact"] and rows[good[0]["key"]]["op"] == "cudnn"
+    assert rows[good[0]["key"]]["exact"]
