@@ -215,11 +215,16 @@ def call_reason(call) -> str | None:
 
 def cuda_verified(call) -> str | None:
     """The op that ``attn gpu-check`` verified for this CUDA call (its torch, arch, dtype and
-    head dim; one that also takes masked pieces), or None: ``auto`` takes the fused backend
-    on CUDA only then."""
-    if call.device != "cuda" or call_reason(call) is not None:
+    head dim; one that also takes masked pieces) and measured at least as fast as triton,
+    or None: ``auto`` takes the fused backend on CUDA only then, and never for decoding (at
+    most 16 query rows without a gradient: triton's split-KV) or packed sequences (one
+    op call per sequence)."""
+    if call.device != "cuda" or call_reason(call) is not None or call.varlen:
         return None
-    return fused_cuda.verified_op(call.dtype, call.head_dim, True, torch.device("cuda"))
+    if call.n_q <= 16 and not call.grad:
+        return None
+    return fused_cuda.verified_op(call.dtype, call.head_dim, True, torch.device("cuda"),
+                                  faster=True)
 
 
 # -- the plan ----------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ No GPU has run this module where it was written: which (op, torch, arch, dtype, 
 computes exactly is what ``attn gpu-check``'s fused stage measures against the float64
 reference (:mod:`attn.bench.fused_verify`) and writes to the committed
 ``attn/fused_cuda_table.json``. ``auto`` takes the fused backend on CUDA only for a call whose
-op has a passing entry there (:func:`verified_op`); ``backend="fused"`` asked for explicitly
+op has a passing entry there, measured at least as fast as triton, and not for decoding
+(:func:`verified_op`; triton's split-KV serves it); ``backend="fused"`` asked for explicitly
 runs the first op that can compute the call (verified ones first).
 """
 
@@ -132,14 +133,18 @@ def table() -> dict[str, dict]:
 
 
 def verified_op(dtype: torch.dtype, head_dim: int, masked: bool,
-                device: torch.device) -> str | None:
+                device: torch.device, *, faster: bool = False) -> str | None:
     """The first op with a passing verification entry for this torch, arch, dtype and head
-    dim that can compute the call (``masked``: some piece carries a mask), or None."""
+    dim that can compute the call (``masked``: some piece carries a mask), or None; with
+    ``faster`` only one measured at least as fast as triton (``speedup_vs_triton``)."""
     rows = table()
     for op in OPS:
         row = rows.get(_key(op, dtype, head_dim, device))
-        if row is not None and row.get("exact") and can_run(op, dtype, head_dim, masked):
-            return op
+        if row is None or not row.get("exact") or not can_run(op, dtype, head_dim, masked):
+            continue
+        if faster and (row.get("speedup_vs_triton") or 0.0) < 1.0:
+            continue
+        return op
     return None
 
 

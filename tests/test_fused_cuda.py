@@ -263,14 +263,21 @@ def test_auto_on_cuda_takes_fused_only_with_a_verified_entry(monkeypatch):
     key = fused_cuda._key("efficient", call.dtype, call.head_dim, torch.device("cuda"))
     assert key.startswith("efficient|torch ") and "|sm_90|bfloat16|d128" in key
     monkeypatch.setattr(fused_cuda, "table", lambda: {key: {"key": key, "exact": True}})
+    assert select_backend(call).name != "fused"  # exact, but not measured faster
+    row = {"key": key, "exact": True, "speedup_vs_triton": 1.3}
+    monkeypatch.setattr(fused_cuda, "table", lambda: {key: row})
     choice = select_backend(call)
     assert choice.name == "fused" and "efficient" in choice.reason, choice
-    monkeypatch.setattr(fused_cuda, "table", lambda: {key: {"key": key, "exact": False}})
+    for other in (dict(n_q=1, grad=False), dict(varlen=True)):  # decoding, packed: triton
+        assert select_backend(dataclasses.replace(call, **other)).name != "fused"
+    monkeypatch.setattr(fused_cuda, "table", lambda: {key: {**row, "speedup_vs_triton": 0.8}})
+    assert select_backend(call).name != "fused"
+    monkeypatch.setattr(fused_cuda, "table", lambda: {key: {**row, "exact": False}})
     assert select_backend(call).name != "fused"
     # flash alone verified: it cannot take masked pieces, so auto does not take fused
     flash_key = key.replace("efficient|", "flash|")
     monkeypatch.setattr(fused_cuda, "table",
-                        lambda: {flash_key: {"key": flash_key, "exact": True}})
+                        lambda: {flash_key: {**row, "key": flash_key}})
     assert select_backend(call).name != "fused"
     for bad in (dict(dtype=F64, head_dim=128), dict(head_dim=512, head_dim_v=512)):
         assert fused.call_reason(dataclasses.replace(call, **bad)) is not None
@@ -294,13 +301,13 @@ def test_verification_marks_a_correct_op_exact_and_a_broken_one_not(monkeypatch,
     monkeypatch.setattr(fused_verify, "CASES", {k: v for k, v in fused_verify.CASES.items()
                                                 if k != "plain_gqa"})
     good = fused_verify.verify("cpu", ops=fused_cuda.OPS, dtypes=(torch.bfloat16,),
-                               head_dims=(16,), log=lambda line: None)
+                               head_dims=(16,), log=lambda line: None, speed=False)
     assert [(r["op"], r["exact"]) for r in good] == [(op, True) for op in fused_cuda.OPS], good
     assert [r["cases"].get("bool_mask_hidden_row") is not None for r in good] == [
         True, False, True]  # flash takes no mask: its row has no masked case
     monkeypatch.setattr(fused_cuda, "ops", lambda: bad)
     broken = fused_verify.verify("cpu", ops=("efficient",), dtypes=(torch.bfloat16,),
-                                 head_dims=(16,), log=lambda line: None)
+                                 head_dims=(16,), log=lambda line: None, speed=False)
     assert not broken[0]["exact"]
     table = fused_verify.write_table(good, tmp_path / "t.json")
     fused_verify.write_table(broken, tmp_path / "t.json")  # the newer row replaces its key
@@ -308,3 +315,5 @@ def test_verification_marks_a_correct_op_exact_and_a_broken_one_not(monkeypatch,
     assert len(table["rows"]) == 3 and len(rows) == 3
     assert not rows[broken[0]["key"]]["exact"] and rows[good[0]["key"]]["op"] == "cudnn"
     assert rows[good[0]["key"]]["exact"]
+    # no triton on this device: no speed figure, so auto could not take the row
+    assert fused_verify._speedup(torch.float32, 16, "cpu") is None

@@ -8,6 +8,13 @@ with the lse returned, and (ops that take a mask) a bool mask that hides a row. 
 every gradient are checked with :func:`attn.testing.compare_to_reference` (DESIGN's budget). A
 row is ``exact`` when every case is within budget; any exception (an op refusing its
 arguments on this GPU, say) makes it not exact and is recorded.
+
+Exact is not enough for ``auto``: on CUDA the fused backend calls torch's op once per
+(sequence, kv head, piece), where triton launches one kernel for the call. Each exact row
+also times fused against triton on a training shape (fwd+bwd, B=4, H=16 over 4 kv heads,
+N=2048, causal; medians of interleaved rounds) and records ``speedup_vs_triton`` (> 1:
+fused faster); ``auto`` takes the op only where that is at least 1
+(:func:`attn.fused_cuda.verified_op`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ import torch
 from attn import fused_cuda
 from attn.api import attention
 from attn.testing import compare_to_reference
+from attn.timing import median_ratio, paired
+
+SPEED_SHAPE = (4, 16, 4, 2048, 2048)  # B, H, Hkv, Nq, Nk: causal, fwd+bwd
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (64, 128)
@@ -49,9 +59,11 @@ def _fused(q, k, v, **kw):
     return attention(q, k, v, backend="fused", **kw)
 
 
-def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda") -> dict:
+def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda", *,
+               speed: bool = True) -> dict:
     """One table row: the op's key, whether every case is within budget, the worst
-    error / budget ratio per case, and the first error raised."""
+    error / budget ratio per case, the first error raised, and (``speed``, exact rows) the
+    speedup over triton."""
     dev = torch.device(device)
     row = {"key": fused_cuda._key(op, dtype, head_dim, dev), "op": op,
            "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim,
@@ -81,7 +93,32 @@ def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda")
                         for c in report.comparisons)
             row["cases"][name] = round(worst, 4)
             row["exact"] = row["exact"] and report.ok
+        if row["exact"] and speed:
+            row["speedup_vs_triton"] = _speedup(dtype, head_dim, device)
     return row
+
+
+def _speedup(dtype: torch.dtype, head_dim: int, device: str) -> float | None:
+    """Median over interleaved rounds of triton's time / fused's on :data:`SPEED_SHAPE`
+    (the op forced by the caller), or None where triton cannot run the call."""
+    q, k, v, _ = _inputs(SPEED_SHAPE, head_dim, dtype, device, seed=99)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def step(backend):
+        def run():
+            out = attention(q, k, v, causal=True, backend=backend)
+            out.backward(torch.ones_like(out))
+        return run
+
+    fns = {"triton": step("triton"), "fused": step("fused")}
+    try:
+        for fn in fns.values():  # warm up (and compile triton's kernels)
+            fn()
+            fn()
+    except (NotImplementedError, ImportError, RuntimeError):
+        return None
+    times = paired(fns, rounds=5, device=device)
+    return round(median_ratio(times, "triton", "fused"), 3)
 
 
 def _device_name(dev: torch.device) -> str:
@@ -91,7 +128,7 @@ def _device_name(dev: torch.device) -> str:
 
 
 def verify(device: str = "cuda", ops=fused_cuda.OPS, dtypes=DTYPES, head_dims=HEAD_DIMS,
-           log=print) -> list[dict]:
+           log=print, speed: bool = True) -> list[dict]:
     """Every (op, dtype, head dim) the op takes, each :func:`verify_one`."""
     rows = []
     for op in ops:
@@ -99,7 +136,7 @@ def verify(device: str = "cuda", ops=fused_cuda.OPS, dtypes=DTYPES, head_dims=HE
             for d in head_dims:
                 if not fused_cuda.can_run(op, dtype, d, False):
                     continue
-                row = verify_one(op, dtype, d, device)
+                row = verify_one(op, dtype, d, device, speed=speed)
                 log(f"{row['key']}: {'exact' if row['exact'] else 'NOT exact'} "
                     f"{row['cases']}{' ' + row['error'] if row['error'] else ''}")
                 rows.append(row)
@@ -142,7 +179,8 @@ def stage(ctx) -> None:
         got = verify(device, ops=(op,), dtypes=dtypes, head_dims=dims, log=ctx.log)
         for row in got:
             ctx.row(backend="fused", op=row["op"], dtype=row["dtype"], D=row["head_dim"],
-                    exact=row["exact"], cases=row["cases"], error=row["error"])
+                    exact=row["exact"], cases=row["cases"], error=row["error"],
+                    speedup_vs_triton=row.get("speedup_vs_triton"))
         rows += got
     write_table(rows, Path(ctx.out) / "fused_cuda_table.json")
     if not ctx.dry_run:
