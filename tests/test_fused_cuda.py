@@ -315,5 +315,5 @@ def test_verification_marks_a_correct_op_exact_and_a_broken_one_not(monkeypatch,
     assert len(table["rows"]) == 3 and len(rows) == 3
     assert not rows[broken[0]["key"]]["exact"] and rows[good[0]["key"]]["op"] == "cudnn"
     assert rows[good[0]["key"]]["exact"]
-    # no triton on this device: no speed figure, so auto could not take the row
+    # off CUDA no speed figure (auto never takes a row without one)
     assert fused_verify._speedup(torch.float32, 16, "cpu") is None

@@ -100,7 +100,9 @@ def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda",
 
 def _speedup(dtype: torch.dtype, head_dim: int, device: str) -> float | None:
     """Median over interleaved rounds of triton's time / fused's on :data:`SPEED_SHAPE`
-    (the op forced by the caller), or None where triton cannot run the call."""
+    (the op forced by the caller), or None off CUDA or where triton cannot run the call."""
+    if torch.device(device).type != "cuda":
+        return None
     q, k, v, _ = _inputs(SPEED_SHAPE, head_dim, dtype, device, seed=99)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
