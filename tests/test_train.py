@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _recall(**kw) -> TrainConfig:
     # the CLI preset (4 pairs, 2 layers, local first layer), stopping at the first evaluation
     # that reaches the accuracy the tests assert: every step past it is spent on nothing
+    # (seed 0: 33 % until step 600, 99.37 % at step 900, 99.51 % at 1000, where 99.5 % stopped)
     kw.setdefault("stop_accuracy", 0.99)
     kw.setdefault("steps", 1500)
     return TrainConfig(task="recall", seed=0, **kw)
