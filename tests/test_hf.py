@@ -59,7 +59,10 @@ def build(family: str, dtype: torch.dtype = torch.float32, **overrides) -> torch
         common["intermediate_size"] = 32
         model = T.GptOssForCausalLM(T.GptOssConfig(
             head_dim=16, sliding_window=5, num_local_experts=4, num_experts_per_tok=2,
-            experts_implementation="eager", **common))  # grouped_mm has no float64
+            # grouped_mm has no float64; eager's index_add_ per expert took up to 80 ms a call
+            # in torch's 2-thread parallel region on a busy 2-core machine (1 thread: 0.01 ms)
+            # and most of each gpt_oss test: batched_mm sums the experts' outputs instead
+            experts_implementation="batched_mm", **common))
         with torch.no_grad():  # HF initialises sinks at 0; make them matter
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)

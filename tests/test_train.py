@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _recall(**kw) -> TrainConfig:
-    # the CLI preset (4 pairs, 2 layers, local first layer), stopping once it is solved
-    kw.setdefault("stop_accuracy", 0.995)
+    # the CLI preset (4 pairs, 2 layers, local first layer), stopping at the first evaluation
+    # that reaches the accuracy the tests assert: every step past it is spent on nothing
+    # (seed 0: 33 % until step 600, 99.37 % at step 900, 99.51 % at 1000, where 99.5 % stopped)
+    kw.setdefault("stop_accuracy", 0.99)
     kw.setdefault("steps", 1500)
     return TrainConfig(task="recall", seed=0, **kw)
 
@@ -41,10 +43,11 @@ def test_recall_reaches_99_percent(tmp_path: Path) -> None:
 
 
 def test_text_validation_loss_beats_unigram_entropy(tmp_path: Path) -> None:
-    """A few hundred steps of a small model: character context is worth well over 0.5 nats
-    against the best context-free model of the corpus."""
-    cfg = TrainConfig(task="text", steps=300, batch_size=16, block_size=64, n_layer=2, dim=64,
-                      warmup=30, eval_every=300, eval_batches=10, threads=1, seed=0)
+    """150 steps of a small model: character context is worth well over 0.5 nats against
+    the best context-free model of the corpus (2.29 against the bound 2.63 here; 300 steps
+    asserted the same at twice the cost)."""
+    cfg = TrainConfig(task="text", steps=150, batch_size=16, block_size=64, n_layer=2, dim=64,
+                      warmup=30, eval_every=150, eval_batches=10, threads=1, seed=0)
     m = train(cfg, tmp_path, progress=False)
     h = unigram_entropy(TextCorpus.load().val)
     assert m["accuracy"] is None
