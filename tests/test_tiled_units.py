@@ -231,20 +231,30 @@ def test_plan_rules(monkeypatch):
 
 
 def test_head_first_view_of_a_cache_runs_per_batch_row(monkeypatch):
-    """k, v seen head-first from a (B, N, Hkv, D) cache have no (B·Hkv, N, D) view: the
-    batched path then runs batch row by batch row (a view each) instead of copying the whole
-    cache, with the same result."""
+    """k, v seen head-first from a (B, N, Hkv, D) cache have no (B·Hkv, N, D) view: where
+    each row does enough work (``row_min_products``) the batched path runs batch row by batch
+    row (a view each) instead of copying the whole cache; rows of little work (a toy model's
+    12-token sequences) stay in one chunk, which copies its K/V, rather than paying a Python
+    step per row. Same result either way."""
     monkeypatch.setenv("ATTN_TILED_GEMM", "bmm")
     q, k, v = _inputs(B=3, seed=8)
     k_cache, v_cache = (x.transpose(1, 2).contiguous() for x in (k, v))  # (B, N, Hkv, D)
     k_view, v_view = (x.transpose(1, 2) for x in (k_cache, v_cache))
-    plan = tiled._plan(q, k_view, tiled.LaunchSpec(qk_scale=1.0), v_view)
+    spec = tiled.LaunchSpec(qk_scale=1.0)
+    H, Nq, Nk, D = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    big_rows = tiled.TileConfig(row_min_products=H * Nq * Nk * D)  # each row just enough
+    plan = tiled._plan(q, k_view, spec, v_view, config=big_rows)
     assert [(c.b0, c.b1) for c in plan.chunks] == [(0, 1), (1, 2), (2, 3)]
-    assert len(tiled._plan(q, k, tiled.LaunchSpec(qk_scale=1.0)).chunks) == 1
-    out, lse = _tiled(q, k_view, v_view, causal=True, return_lse=True)
+    small_rows = tiled.TileConfig(row_min_products=H * Nq * Nk * D + 1)
+    assert len(tiled._plan(q, k_view, spec, v_view, config=small_rows).chunks) == 1
+    assert len(tiled._plan(q, k_view, spec, v_view).chunks) == 1  # 50 400 < 2^22 products
+    assert len(tiled._plan(q, k, spec).chunks) == 1
+    causal = tiled.LaunchSpec(qk_scale=D ** -0.5, band=attn.masks.Band(Nk - Nq, None, 0))
     want, want_lse = _tiled(q, k, v, causal=True, return_lse=True)
-    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    for config in (big_rows, small_rows):
+        out, lse = tiled.tiled_attention(q, k_view, v_view, causal, config=config)
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
 
 
 def test_units_huge_logits_and_extreme_temperature(units):

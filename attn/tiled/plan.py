@@ -76,6 +76,11 @@ class TileConfig:
     # items measured up to 9x slower (B=32, H=4, N=64 fwd+bwd: 25 -> 217 ms on 2 Cascade
     # Lake cores): their tiles are too small to pay a Python step each.
     bwd_row_min_scores: int = 1 << 18
+    # K/V in a (B, N, Hkv, D) layout have no (B·Hkv, N, D) view: a call whose rows each do at
+    # least this many products (H·Nq·Nk·D) runs row by row on views; below it, its chunks
+    # copy their K/V. Row by row, the toy GPT's recall step (B=64, H=4, N=12, D=16, V from a
+    # fused QKV projection) ran 64 chunks per call: 0.52 CPU-s a step, loaded 2-core Xeon
+    row_min_products: int = 1 << 22
     # Calls that visit fewer scores than this run their items in order on the caller (with
     # one intra-op thread, so the same bits): waking the workers would cost more than the
     # call.
@@ -234,9 +239,12 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     per_row = (H * min(spec.block_m, Nq) * min(spec.block_n, Nk)
                * torch.finfo(_acc_dtype(q.dtype)).bits // 8)
     step = max(1, config.tile_bytes // per_row)
-    if not (_heads_merge(k) and (v is None or _heads_merge(v))):
-        # k / v seen head-first from a (B, N, Hkv, D) cache: (B·Hkv, N, D) would be a copy of
-        # the whole cache, one batch row's (Hkv, N, D) is a view
+    D = q.shape[-1]
+    if not (_heads_merge(k) and (v is None or _heads_merge(v))) \
+            and H * Nq * Nk * D >= config.row_min_products:
+        # k / v seen head-first from a (B, N, Hkv, D) layout (a cache, a fused QKV
+        # projection): (B·Hkv, N, D) would be a copy, one batch row's (Hkv, N, D) is a view.
+        # A row with enough work pays its Python step: rows go one by one, no copy
         step = 1
     chunks = [_Chunk(b, min(b + step, B), 0, Hkv, B, H, Hkv) for b in range(0, B, step)]
     return _finish(_Plan(chunks, "bmm", spec), q, k, config, backward)
