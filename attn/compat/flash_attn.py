@@ -70,7 +70,7 @@ from attn.compat.errors import FlashAttnError, translating
 from attn.compat.rotary import rotate_at
 from attn.decode import decode
 from attn.kvcache import PagedKVCache, host_ints
-from attn.varlen import varlen_attention
+from attn.varlen import check_cu_form, check_cu_values, varlen_attention
 from attn.api import attention
 
 __all__ = ["FlashAttnError", "flash_attn_func", "flash_attn_kvpacked_func",
@@ -361,25 +361,11 @@ def flash_attn_func(
 
 # -- packed sequences ------------------------------------------------------------------------
 
-def _cu_host(name: str, cu: object, total: int) -> Tensor:
-    """Offsets on the host: 1-d, start at 0, never decrease, end at most at ``total`` (a
-    padded buffer is legal: its tail is no sequence's)."""
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 (or int64), got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise FlashAttnError(f"{name} must be 1-d (batch_size + 1,), got shape "
-                             f"{tuple(cu.shape)}")
-    host = cu.cpu()
-    if int(host[0]) != 0:
-        raise FlashAttnError(f"{name} must start at 0, got {host.tolist()[:16]}")
-    if bool((host[1:] < host[:-1]).any()):
-        raise FlashAttnError(f"{name} must not decrease, got {host.tolist()[:16]}")
-    if int(host[-1]) > total:
-        raise FlashAttnError(f"{name}[-1] = {int(host[-1])} is larger than the {total} tokens "
-                             f"of the packed tensor")
-    return host
+def _cu_host(name: str, cu: object, total: int, total_name: str) -> Tensor:
+    """Offsets on the host by attn's one rule (:func:`attn.varlen.check_cu_form`), ending at
+    most at ``total`` (a padded buffer is legal: its tail is no sequence's)."""
+    with translating():
+        return check_cu_values(name, check_cu_form(name, cu), total, total_name, padded=True)
 
 
 def _check_block_table(block_table: object, B: int, k_cache: Tensor,
@@ -415,13 +401,14 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
     _tensor("v", v, *kdims)
     _check_qkv(q, k, v, names, given)
     total_q, H, _ = q.shape
-    host_q = _cu_host("cu_seqlens_q", cu_seqlens_q, total_q)
+    host_q = _cu_host("cu_seqlens_q", cu_seqlens_q, total_q, "q.shape[0]")
     B = host_q.numel() - 1
     if paged:
         _check_block_table(block_table, B, k, "k")
-        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, B * block_table.shape[1] * k.shape[1])
+        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, B * block_table.shape[1] * k.shape[1],
+                          "the cache's positions")
     else:
-        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0]")
     if host_k.numel() != host_q.numel():
         raise FlashAttnError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of "
                              f"sequences, got shapes {tuple(cu_seqlens_q.shape)} and "

@@ -16,8 +16,7 @@ from attn.grads import reduce_to as _reduce_to
 from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
 from attn.kvquant import decode_codes, dequantize
-from attn.spec import (LaunchSpec, Operands, PageTable, QuantPages, check_paged_forward_only,
-                       operands_of)
+from attn.spec import LaunchSpec, Operands, PageTable, QuantPages, check_paged_forward_only
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm, low_gemms
@@ -838,11 +837,6 @@ def tiled_attention(
     spec: LaunchSpec,
     operands: Operands | None = None,
     *,
-    attn_mask: Tensor | None = None,
-    softcap: Tensor | None = None,
-    sinks: Tensor | None = None,
-    captured: tuple[Tensor, ...] = (),
-    alibi: Tensor | None = None,
     config: TileConfig = DEFAULT,
 ) -> tuple[Tensor, Tensor]:
     """Memory-linear exact attention. Inputs already validated by ``attn.api``.
@@ -851,8 +845,7 @@ def tiled_attention(
     lse (B, H, Nq) in float32 (float64 for float64 inputs). ``spec`` holds the static
     values (q·k scale, band, fixed softcap, dropout, global positions, block sizes; a tensor
     temperature must already be folded into q). ``operands`` (:class:`attn.spec.Operands`)
-    holds the optional tensors; the keywords are the older form of the same and must stay
-    unset when ``operands`` is given: ``softcap`` a learnable tensor broadcastable to (H,),
+    holds the optional tensors: the mask, a learnable ``softcap`` broadcastable to (H,),
     ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed: (sequences, H) with
     ``spec.alibi_rows``), constants; ``captured`` the tensors ``spec.score_mod`` reads that
     need a gradient (see :func:`attn.mods.captured_tensors`). ``config``: how the call is
@@ -860,8 +853,7 @@ def tiled_attention(
     ``spec.block_m`` / ``block_n`` where set, else the config's, and a callable
     ``spec.mask_blocks`` (see :func:`attn.mods.mod_spec`) is called here at those sizes.
     """
-    operands = operands_of("tiled_attention", operands, attn_mask=attn_mask, softcap=softcap,
-                           sinks=sinks, captured=tuple(captured), alibi=alibi)
+    operands = _NO_OPERANDS if operands is None else operands
     _check_operands(operands)
     if torch.compiler.is_exporting() and _exportable(spec, operands, config):
         b = spec.band
