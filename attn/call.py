@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from attn import choose, fused, mods, tiled
-from attn.tiled.plan import cpu_path_reason
 from attn.masks import Band, as_4d, simplify_mask
 from attn.reference import reference_attention, reference_packed
 from attn.sdpa import sdpa_attention
@@ -183,7 +182,7 @@ def _tiled_reason(call: AttentionCall) -> str:
     """The tiled path a call will take: steps and GEMM engine, and how the call is cut."""
     split = not (call.mask_mod or call.varlen)
     return (f"{tiled.steps_path_reason(call.device)}; "
-            f"{cpu_path_reason(call.device, call.n_q, call.n_k, split_allowed=split)}")
+            f"{tiled.cpu_path_reason(call.device, call.n_q, call.n_k, split_allowed=split)}")
 
 
 # -- validation --------------------------------------------------------------------------------
