@@ -403,7 +403,10 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
     ``cu_seqlens`` / ``max_seqlen``: packed sequences laid out as one batch row (1, H, total,
     D); ``alibi_slopes`` are then (sequences, H), checked by the caller. ``score_mod`` /
     ``mask_mod`` / ``mask_blocks``: see :func:`attn.mods.mod_spec` (run() classifies them
-    for the tiled backend). ``q_name``: the caller's name for q, for messages."""
+    for the tiled backend). ``q_name``: the caller's name for q, for messages.
+
+    Long on purpose: every option's check and its folding into the spec sit in one readable
+    sequence, the one place a call's options meet (split, each part would take them all)."""
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
     _check_positive_int_or_none("block_m", block_m)

@@ -294,6 +294,9 @@ def varlen_attention(
     ``cu_seqlens`` only on the device (no host sync, the offsets trusted as flash-attn
     trusts them); otherwise the offsets are checked on the host (start at 0, never
     decrease, end at the total) and a given max_seqlen must cover the longest sequence.
+
+    Long for its docstring (the packed layout's contract) and its checks in the caller's
+    names; the work itself is one resolve, one backend choice and one run.
     """
     _validate_packed(q, k, v)
     if not isinstance(causal, bool):

@@ -554,6 +554,90 @@ def _as_lengths(name: str, x: object, B: int) -> Tensor:
         return host_ints(name, x, B, "batch_size")
 
 
+def _kv_cache(q: Tensor, k_cache: object, v_cache: object, k: object, v: object,
+              cache_seqlens, cache_batch_idx, cache_leftpad, block_table
+              ) -> tuple[PagedKVCache, Tensor, int, int]:
+    """flash_attn_with_kvcache's cache arguments checked (as flash-attn refuses them, and
+    every page id) and read as a :class:`PagedKVCache` over the caller's storage, with the
+    rows' ends ``cache_seqlens`` on the host, the new keys' count and the capacity of a row;
+    refused before anything is written when the new keys do not fit."""
+    B = q.shape[0]
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            raise FlashAttnError("a paged KV cache (block_table) does not support "
+                                 "cache_batch_idx, as in flash-attn")
+        if cache_leftpad is not None:
+            raise FlashAttnError("a paged KV cache (block_table) does not support "
+                                 "cache_leftpad, as in flash-attn")
+        _check_block_table(block_table, B, k_cache)
+    else:
+        _tensor("k_cache", k_cache, 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+    _tensor("v_cache", v_cache, 4, "like k_cache")
+    if v_cache.shape[:-1] != k_cache.shape[:-1]:
+        raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} and v_cache "
+                             f"{tuple(v_cache.shape)} must agree in every dim but the head dim")
+    _check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+
+    Nnew = _new_kv(q, k_cache, v_cache, k, v, cache_seqlens)
+    if cache_seqlens is None:
+        ends = torch.full((B,), capacity, dtype=torch.int64)
+    else:
+        ends = _as_lengths("cache_seqlens", cache_seqlens, B)
+    starts = (torch.zeros(B, dtype=torch.int64) if cache_leftpad is None
+              else _as_lengths("cache_leftpad", cache_leftpad, B))
+    if cache_batch_idx is not None:
+        rows = _as_lengths("cache_batch_idx", cache_batch_idx, B)
+        if bool((rows < 0).any()) or int(rows.max()) >= k_cache.shape[0]:
+            raise FlashAttnError(f"cache_batch_idx {rows.tolist()[:16]} out of range for "
+                                 f"k_cache {tuple(k_cache.shape)}")
+    else:
+        rows = torch.arange(B)
+        if not paged and k_cache.shape[0] < B:
+            raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} holds fewer rows than the "
+                                 f"batch of q {tuple(q.shape)}")
+    # a contiguous cache is the paged one whose pages are its rows (L_cache positions each)
+    table = block_table if paged else rows.view(B, 1).to(q.device)
+    with translating():
+        cache = PagedKVCache(k_cache, v_cache, table, ends, starts=starts, names={
+            "k_pages": "k_cache", "v_pages": "v_cache", "lengths": "cache_seqlens",
+            "block_table": "block_table" if paged else None, "starts": "cache_leftpad"})
+        cache.check_room(Nnew)
+    return cache, ends, Nnew, capacity
+
+
+def _new_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: object, v: object,
+            cache_seqlens) -> int:
+    """The new keys and values to append (0 without): their shapes, dtypes, devices, and
+    ``cache_seqlens`` to append them at."""
+    B = q.shape[0]
+    if (k is None) != (v is None):
+        raise FlashAttnError("k and v must be given together (new keys and values to append)")
+    Nnew = 0
+    if k is not None:
+        _tensor("k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        _tensor("v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        want_k = (B, k.shape[1], *k_cache.shape[2:])
+        want_v = (B, k.shape[1], *v_cache.shape[2:])
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype not in _FLOATS:
+                raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
+                                f"{t.dtype}")
+            if t.device != k_cache.device:
+                raise FlashAttnError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise FlashAttnError(f"k and v must be (batch_size, seqlen_new, nheads_k, headdim) "
+                                 f"= {want_k} / {want_v} for q {tuple(q.shape)} and k_cache "
+                                 f"{tuple(k_cache.shape)}, got {tuple(k.shape)} and "
+                                 f"{tuple(v.shape)}")
+        if cache_seqlens is None:
+            raise FlashAttnError("k and v are appended at cache_seqlens: pass cache_seqlens "
+                                 "(an int or a (batch_size,) int32 tensor)")
+        Nnew = k.shape[1]
+    return Nnew
+
+
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -611,71 +695,8 @@ def flash_attn_with_kvcache(
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     B, Nq, H, D = q.shape
-    paged = block_table is not None
-    if paged:
-        if cache_batch_idx is not None:
-            raise FlashAttnError("a paged KV cache (block_table) does not support "
-                                 "cache_batch_idx, as in flash-attn")
-        if cache_leftpad is not None:
-            raise FlashAttnError("a paged KV cache (block_table) does not support "
-                                 "cache_leftpad, as in flash-attn")
-        _check_block_table(block_table, B, k_cache)
-    else:
-        _tensor("k_cache", k_cache, 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
-    _tensor("v_cache", v_cache, 4, "like k_cache")
-    if v_cache.shape[:-1] != k_cache.shape[:-1]:
-        raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} and v_cache "
-                             f"{tuple(v_cache.shape)} must agree in every dim but the head dim")
-    _check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-
-    # -- new keys: shapes, lengths, room in the cache --
-    if (k is None) != (v is None):
-        raise FlashAttnError("k and v must be given together (new keys and values to append)")
-    Nnew = 0
-    if k is not None:
-        _tensor("k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
-        _tensor("v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
-        want_k = (B, k.shape[1], *k_cache.shape[2:])
-        want_v = (B, k.shape[1], *v_cache.shape[2:])
-        for name, t in (("k", k), ("v", v)):
-            if t.dtype not in _FLOATS:
-                raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
-                                f"{t.dtype}")
-            if t.device != k_cache.device:
-                raise FlashAttnError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
-        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
-            raise FlashAttnError(f"k and v must be (batch_size, seqlen_new, nheads_k, headdim) "
-                                 f"= {want_k} / {want_v} for q {tuple(q.shape)} and k_cache "
-                                 f"{tuple(k_cache.shape)}, got {tuple(k.shape)} and "
-                                 f"{tuple(v.shape)}")
-        if cache_seqlens is None:
-            raise FlashAttnError("k and v are appended at cache_seqlens: pass cache_seqlens "
-                                 "(an int or a (batch_size,) int32 tensor)")
-        Nnew = k.shape[1]
-    if cache_seqlens is None:
-        ends = torch.full((B,), capacity, dtype=torch.int64)
-    else:
-        ends = _as_lengths("cache_seqlens", cache_seqlens, B)
-    starts = (torch.zeros(B, dtype=torch.int64) if cache_leftpad is None
-              else _as_lengths("cache_leftpad", cache_leftpad, B))
-    if cache_batch_idx is not None:
-        rows = _as_lengths("cache_batch_idx", cache_batch_idx, B)
-        if bool((rows < 0).any()) or int(rows.max()) >= k_cache.shape[0]:
-            raise FlashAttnError(f"cache_batch_idx {rows.tolist()[:16]} out of range for "
-                                 f"k_cache {tuple(k_cache.shape)}")
-    else:
-        rows = torch.arange(B)
-        if not paged and k_cache.shape[0] < B:
-            raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} holds fewer rows than the "
-                                 f"batch of q {tuple(q.shape)}")
-    # a contiguous cache is the paged one whose pages are its rows (L_cache positions each)
-    table = block_table if paged else rows.view(B, 1).to(q.device)
-    with translating():
-        cache = PagedKVCache(k_cache, v_cache, table, ends, starts=starts, names={
-            "k_pages": "k_cache", "v_pages": "v_cache", "lengths": "cache_seqlens",
-            "block_table": "block_table" if paged else None, "starts": "cache_leftpad"})
-        cache.check_room(Nnew)
+    cache, ends, Nnew, capacity = _kv_cache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                            cache_batch_idx, cache_leftpad, block_table)
     _check_alibi(alibi_slopes, B, H)
     _variants(softmax_scale, softcap, None)  # checked before anything is written
     window, pure_causal, local = _band(causal, window_size, capacity)

@@ -364,7 +364,11 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     rows into ``into[0]`` and adds their share of dk and dv into ``into[1:]`` (zeroed
     views), and returns their share of the other gradients (not the sinks': :func:`_bwd`
     leaves them out of its items and takes them once for the call). ``finite_scores``: the
-    call's (:class:`_Facts`)."""
+    call's (:class:`_Facts`).
+
+    Long on purpose: one tile's backward steps share a dozen running tensors (dq, dk, dv,
+    the mask, softcap and captures' gradients); as in the forward and the Triton kernels, the
+    loop reads best whole, with phase markers."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv

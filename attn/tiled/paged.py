@@ -191,7 +191,10 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold codes: each item
     dequantizes its own range (codes and scales of its pages, and its row's full-precision
     recent pages) into its thread's buffer in q's dtype before the tile math, so neither a
-    sequence nor the cache is ever dequantized whole."""
+    sequence nor the cache is ever dequantized whole.
+
+    Long for this docstring: the body plans the items, runs them and merges each row's
+    partials, as :func:`attn.tiled.attention._fwd_split` does for dense keys."""
     if ops.pages is None or ops.attn_mask is not None or ops.captured:
         raise ValueError("paged_attention takes ops.pages, and no attn_mask or score_mod")
     _check_operands(ops._replace(pages=None, quant=None))
