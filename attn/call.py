@@ -218,6 +218,24 @@ def _check_tensor(name: str, t: object) -> Tensor:
     return t
 
 
+def _check_float_qkv(names: tuple[str, str, str], tensors: tuple[object, object, object],
+                     dims: int, layout: str) -> None:
+    """Each of q, k, v (``names``: the caller's) a floating tensor of ``dims`` dims (``layout``
+    names them in the message), the three in one dtype on one device."""
+    for name, t in zip(names, tensors):
+        _check_tensor(name, t)
+        if t.dim() != dims:
+            raise ValueError(f"{name} must have {dims} dims {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    (nq, nk, nv), (q, k, v) = names, tensors
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{nq}, {nk}, {nv} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{nq}, {nk}, {nv} must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+
+
 def _validate_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v"),
                   layout: str = "(B, H, N, D)", *, allow_empty: bool = False,
                   shown: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
@@ -230,19 +248,9 @@ def _validate_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] =
     in messages. ``allow_empty``: the batch and the lengths may be 0 (the sizes data gives);
     heads and head dims (the sizes a model fixes) never may."""
     nq, nk, nv = names
-    for name, t in zip(names, (q, k, v)):
-        _check_tensor(name, t)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    _check_float_qkv(names, (q, k, v), 4, layout)
     sq, sk, sv = (tuple(t.shape) for t in (shown or (q, k, v)))
     shapes = f"{nq} {sq}, {nk} {sk}, {nv} {sv}"
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{nq}, {nk}, {nv} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{nq}, {nk}, {nv} must be on one device, got {q.device}, {k.device}, "
-                         f"{v.device}")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: {shapes}")
     if q.shape[-1] != k.shape[-1]:

@@ -23,8 +23,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attn.call import (_FLOAT_DTYPES, _check_tensor, _validate_alibi, _validate_dropout, resolve,
-                       run, select_backend)
+from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, resolve, run,
+                       select_backend)
 from attn.masks import Band, classify_band, make_band, window_pair
 from attn.tiled import SequenceBlocks
 
@@ -169,20 +169,8 @@ def check_cu_values(name: str, cu: Tensor, total: int | None, total_name: str = 
 def _validate_packed(q: object, k: object, v: object) -> None:
     """attn.call._validate_qkv's checks in the packed layout, so that a message shows the
     shapes the caller passed: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have 3 dims (total, H, D) in the packed layout, got "
-                             f"shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
-                            f"{t.dtype}")
+    _check_float_qkv(("q", "k", "v"), (q, k, v), 3, "(total, H, D) in the packed layout")
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, "
-                         f"{v.device}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k head dims differ: {shapes}")
     if k.shape[:2] != v.shape[:2]:

@@ -42,10 +42,6 @@ class PageAllocator:
         self.free = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.refs)
-
-    @property
     def free_pages(self) -> int:
         return len(self.free)
 
@@ -54,7 +50,7 @@ class PageAllocator:
         taken when fewer are free."""
         if n > len(self.free):
             raise ValueError(f"out of pages: {why} needs {n} more pages of {page_size} "
-                             f"positions, {len(self.free)} of {self.num_blocks} are free; "
+                             f"positions, {len(self.free)} of {len(self.refs)} are free; "
                              f"free finished sequences or allocate more pages")
         taken = [self.free.pop() for _ in range(n)]
         self.share(taken)
