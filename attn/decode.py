@@ -16,7 +16,8 @@ How the keys are read depends on the device:
   the triton kernel loads each key tile's page ids from the block table and reads the keys
   in place (:func:`attn.flash_triton.paged_attention`, split-KV's grid and combine);
 * **otherwise**: sequences of equal lengths whose keys lie in consecutive pages run
-  as one :func:`attn.attention` on a view; else the keys in use are copied head-major
+  as one dense call on a view (:func:`attn.call.attend`, what :func:`attn.attention` runs
+  once q is checked); else the keys in use are copied head-major
   through the block table and run batched (equal lengths) or packed through
   :func:`attn.varlen_attention` (ragged lengths).
 
