@@ -15,12 +15,10 @@ from torch import Tensor
 from torch.nn.attention.bias import CausalBias as _CausalBias
 from torch.nn.attention.bias import CausalVariant as _CausalVariant
 
-# the checks and the backend choice live in attn.call; their names stay importable from here
-from attn.call import (BACKENDS, _FLOAT_DTYPES, AttentionCall, BackendChoice,  # noqa: F401
-                       _check_mods, _check_tensor, _draw_seed, _positive, _validate_alibi,
-                       _validate_dropout, _validate_mask, _validate_qkv, _validate_sinks,
-                       acc_dtype, attend, resolve, run, sdpa_errors, select_backend,
-                       unsupported_reason)
+# the checks and the backend choice live in attn.call; its public names stay importable here
+from attn.call import (BACKENDS, AttentionCall, BackendChoice, acc_dtype,  # noqa: F401
+                       resolve, run, select_backend, unsupported_reason)
+from attn.call import _check_tensor, _validate_qkv, attend, sdpa_errors
 from attn.masks import Band, make_band, window_pair
 
 # keywords of torch's and flash-attn's signatures that attention() spells its own way

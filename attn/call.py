@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from attn import choose, fused, mods, tiled
-from attn.tiled.plan import cpu_path_reason
 from attn.masks import Band, as_4d, simplify_mask
 from attn.reference import reference_attention, reference_packed
 from attn.sdpa import sdpa_attention
@@ -190,7 +189,7 @@ def _tiled_reason(call: AttentionCall) -> str:
     """The tiled path a call will take: steps and GEMM engine, and how the call is cut."""
     split = not (call.mask_mod or call.varlen)
     return (f"{tiled.steps_path_reason(call.device)}; "
-            f"{cpu_path_reason(call.device, call.n_q, call.n_k, split_allowed=split)}")
+            f"{tiled.cpu_path_reason(call.device, call.n_q, call.n_k, split_allowed=split)}")
 
 
 # -- validation --------------------------------------------------------------------------------
@@ -226,6 +225,24 @@ def _check_tensor(name: str, t: object) -> Tensor:
     return t
 
 
+def _check_float_qkv(names: tuple[str, str, str], tensors: tuple[object, object, object],
+                     dims: int, layout: str) -> None:
+    """Each of q, k, v (``names``: the caller's) a floating tensor of ``dims`` dims (``layout``
+    names them in the message), the three in one dtype on one device."""
+    for name, t in zip(names, tensors):
+        _check_tensor(name, t)
+        if t.dim() != dims:
+            raise ValueError(f"{name} must have {dims} dims {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    (nq, nk, nv), (q, k, v) = names, tensors
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{nq}, {nk}, {nv} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{nq}, {nk}, {nv} must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+
+
 def _validate_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v"),
                   layout: str = "(B, H, N, D)", *, allow_empty: bool = False,
                   shown: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
@@ -238,19 +255,9 @@ def _validate_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] =
     in messages. ``allow_empty``: the batch and the lengths may be 0 (the sizes data gives);
     heads and head dims (the sizes a model fixes) never may."""
     nq, nk, nv = names
-    for name, t in zip(names, (q, k, v)):
-        _check_tensor(name, t)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    _check_float_qkv(names, (q, k, v), 4, layout)
     sq, sk, sv = (tuple(t.shape) for t in (shown or (q, k, v)))
     shapes = f"{nq} {sq}, {nk} {sk}, {nv} {sv}"
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{nq}, {nk}, {nv} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{nq}, {nk}, {nv} must be on one device, got {q.device}, {k.device}, "
-                         f"{v.device}")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: {shapes}")
     if q.shape[-1] != k.shape[-1]:
@@ -411,7 +418,10 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
     ``cu_seqlens`` / ``max_seqlen``: packed sequences laid out as one batch row (1, H, total,
     D); ``alibi_slopes`` are then (sequences, H), checked by the caller. ``score_mod`` /
     ``mask_mod`` / ``mask_blocks``: see :func:`attn.mods.mod_spec` (run() classifies them
-    for the tiled backend). ``q_name``: the caller's name for q, for messages."""
+    for the tiled backend). ``q_name``: the caller's name for q, for messages.
+
+    Long on purpose: every option's check and its folding into the spec sit in one readable
+    sequence, the one place a call's options meet (split, each part would take them all)."""
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
     _check_positive_int_or_none("block_m", block_m)

@@ -16,7 +16,8 @@ How the keys are read depends on the device:
   the triton kernel loads each key tile's page ids from the block table and reads the keys
   in place (:func:`attn.flash_triton.paged_attention`, split-KV's grid and combine);
 * **otherwise**: sequences of equal lengths whose keys lie in consecutive pages run
-  as one :func:`attn.attention` on a view; else the keys in use are copied head-major
+  as one dense call on a view (:func:`attn.call.attend`, what :func:`attn.attention` runs
+  once q is checked); else the keys in use are copied head-major
   through the block table and run batched (equal lengths) or packed through
   :func:`attn.varlen_attention` (ragged lengths).
 
@@ -33,8 +34,8 @@ quantized cache raises otherwise, on every device).
 
 Under ``torch.compile`` (call :func:`decode`, the function: dynamo does not call this module
 object), a traced call checks what needs no data and hands the cache's tensors to the opaque
-op ``attn::paged_decode``, whose real implementation, at run time, is the eager call: the
-same data checks, the same read, the same bits (docs/kvcache.md, "Under torch.compile").
+op ``attn::paged_decode``, whose real implementation, at run time, is the eager read (one
+function, ``_read``, for both): the same data checks, the same read, the same bits (docs/kvcache.md, "Under torch.compile").
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ import torch
 from torch import Tensor
 
 from attn import tiled
-from attn.api import attention
-from attn.call import AttentionCall, _check_tensor, resolve, unsupported_reason
+from attn.call import AttentionCall, _check_tensor, _no_keys, attend, resolve, unsupported_reason
 from attn.kvcache import KVQuant, PagedKVCache
 from attn.masks import make_band, window_pair
 from attn.spec import PageTable, QuantPages, acc_dtype
@@ -62,13 +62,6 @@ _PAGED_DEVICES = ("cpu",)
 # on CPU in the Triton interpreter by naming "cpu" here (and emptying _PAGED_DEVICES).
 _TRITON_PAGED_DEVICES = ("cuda",)
 _TRITON_PAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _no_keys(q: Tensor, B: int, Dv: int) -> tuple[Tensor, Tensor]:
-    """out and lse of ``B`` rows of q ``(·, H, Nq, D)`` that see no key: zeros and -inf."""
-    _, H, Nq, _ = q.shape
-    return (q.new_zeros(B, H, Nq, Dv),
-            torch.full((B, H, Nq), float("-inf"), device=q.device, dtype=acc_dtype(q.dtype)))
 
 
 def _seq_rows(seq_ids: object, cache: PagedKVCache, q: Tensor) -> Tensor | None:
@@ -91,13 +84,16 @@ def _seq_rows(seq_ids: object, cache: PagedKVCache, q: Tensor) -> Tensor | None:
         raise ValueError(f"seq_ids must be (B,) for q (B, H, Nq, D): got seq_ids "
                          f"{tuple(seq_ids.shape)} and q {shape}")
     rows = seq_ids.cpu().long()
-    if torch.compiler.is_compiling():  # data: attn::paged_decode checks it when it runs
-        return rows
-    bad = (rows < 0) | (rows >= cache.batch)
-    if bool(bad.any()):
+    if not torch.compiler.is_compiling():  # data: attn::paged_decode checks it when it runs
+        _check_rows(rows, cache)
+    return rows
+
+
+def _check_rows(rows: Tensor | None, cache: PagedKVCache) -> None:
+    """ValueError unless every one of ``rows`` (host int64) is a sequence of the cache."""
+    if rows is not None and bool(((rows < 0) | (rows >= cache.batch)).any()):
         raise ValueError(f"seq_ids {rows.tolist()[:16]} must lie in [0, {cache.batch}): the "
                          f"cache holds {cache.batch} sequences")
-    return rows
 
 
 def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None = None,
@@ -134,7 +130,7 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     rows = _seq_rows(seq_ids, cache, q)
     B, H, Nq, D = q.shape
     k_pages = cache.k_pages
-    Hkv, Dv = cache.heads_kv, cache.head_dim_v
+    Hkv = cache.heads_kv
     if D != cache.head_dim or H % Hkv or q.device != k_pages.device:
         pages = (*k_pages.shape[:3], cache.head_dim)
         raise ValueError(f"q (B, H, Nq, D) = {tuple(q.shape)} on {q.device} does not fit the "
@@ -145,9 +141,21 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
                                                         cache.recent_k, cache.recent_v)):
         raise ValueError("a quantized cache is forward only (it serves inference): run "
                          "attn.decode under torch.no_grad() or torch.inference_mode()")
-    if torch.compiler.is_compiling():  # traced: the data checks and the read run in an op
-        return _traced(q, cache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
-                       return_lse, quantized_q)
+    # traced, the checks that read data and the read itself run in the op attn::paged_decode,
+    # whose implementation is _read too
+    read = _traced if torch.compiler.is_compiling() else _read
+    out, lse = read(q, cache, rows, causal, window, scale, softcap, alibi_slopes, sinks,
+                    return_lse, quantized_q)
+    return (out, lse) if return_lse else out
+
+
+def _read(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window, scale, softcap,
+          alibi_slopes, sinks, return_lse: bool, quantized_q: bool) -> tuple[Tensor, Tensor]:
+    """decode once q, seq_ids and the cache's shapes are checked: the checks that read data
+    (keys given back, freed sequences), then the read :func:`read_plan` picks. The one path
+    of every call: eager decode calls it, and so does ``attn::paged_decode`` when a compiled
+    graph runs."""
+    B, H, Nq, _ = q.shape
     cache.check_reach(rows, Nq, window_pair(window))
     cache.check_not_freed(rows)
     read = read_plan(q, cache)[0]
@@ -159,17 +167,14 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     if rows is not None:
         cache = cache.select(rows)
     lengths = cache.lengths - cache.starts
+    kw = dict(causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
+              alibi_slopes=alibi_slopes)
     if B == 0 or int(lengths.max()) == 0:  # no sequence has a key
-        out, lse = _no_keys(q, B, Dv)
-        if sinks is not None:
-            lse = sinks.to(lse.dtype).view(1, H, 1).expand(B, H, Nq)
-        return (out, lse) if return_lse else out
-    kw = dict(causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks)
+        none = q.new_empty(B, cache.heads_kv, 0, cache.head_dim_v)
+        return _no_keys(q, none, none, sinks=sinks, linked=())
     if cache.equal_lengths:  # one view when batch_is_view, else copied head-major
-        out, lse = _batched(q, cache, alibi_slopes, kw)
-    else:
-        out, lse = _packed(q, cache, lengths, alibi_slopes, kw)
-    return (out, lse) if return_lse else out
+        return _batched(q, cache, kw)
+    return _packed(q, cache, lengths, kw)
 
 
 def _check_quantized_q(cache: PagedKVCache, read: str) -> None:
@@ -206,10 +211,8 @@ def _paged(q, cache: PagedKVCache, rows, read: str, causal, window, scale, softc
     if read == "triton":  # read_plan sends only float pages, or codes, there
         from attn import flash_triton  # importable: read_plan asked it
 
-        out, lse = flash_triton.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
-    else:
-        out, lse = tiled.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
-    return (out, lse) if return_lse else out
+        return flash_triton.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
+    return tiled.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
 
 
 def read_plan(q: Tensor, cache: PagedKVCache) -> tuple[str, str]:
@@ -244,12 +247,16 @@ def read_plan(q: Tensor, cache: PagedKVCache) -> tuple[str, str]:
                     f"varlen_attention: triton's paged kernel cannot run because {why}")
 
 
-def _batched(q, cache: PagedKVCache, alibi_slopes, kw) -> tuple[Tensor, Tensor]:
+def _batched(q, cache: PagedKVCache, kw) -> tuple[Tensor, Tensor]:
+    """Sequences of equal lengths as one dense call (q is checked: no second check of it)."""
     k, v = (t.to(q.dtype) for t in cache.batch_kv())
-    return attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **kw)
+    band = make_band(q.shape[2], k.shape[2], causal=bool(kw.pop("causal")),
+                     window=window_pair(kw.pop("window")))
+    return attend(q, k, v, band=band, backend="auto", return_lse=True, **kw)
 
 
-def _packed(q, cache: PagedKVCache, lengths: Tensor, alibi_slopes, kw) -> tuple[Tensor, Tensor]:
+def _packed(q, cache: PagedKVCache, lengths: Tensor, kw) -> tuple[Tensor, Tensor]:
+    """Ragged sequences packed end to end through :func:`attn.varlen_attention`."""
     B, H, Nq, D = q.shape
     k, v, cu_k = cache.packed_kv()
     k, v = k.to(q.dtype), v.to(q.dtype)
@@ -257,7 +264,7 @@ def _packed(q, cache: PagedKVCache, lengths: Tensor, alibi_slopes, kw) -> tuple[
     # (B, H, Nq, D) -> (B·Nq, H, D): the packed layout, one sequence per batch row
     out, lse = varlen_attention(q.transpose(1, 2).reshape(B * Nq, H, D), k, v,
                                 cu_q.to(q.device), cu_k.to(q.device), Nq, int(lengths.max()),
-                                alibi_slopes=alibi_slopes, return_lse=True, **kw)
+                                return_lse=True, **kw)
     # (B·Nq, H, Dv) -> (B, H, Nq, Dv); lse (H, B·Nq) -> (B, H, Nq)
     return out.view(B, Nq, H, -1).transpose(1, 2), lse.view(H, B, Nq).transpose(0, 1)
 
@@ -266,7 +273,7 @@ def _packed(q, cache: PagedKVCache, lengths: Tensor, alibi_slopes, kw) -> tuple[
 # decode's data checks (seq_ids in range, keys given back, the table's page ids) and the work
 # items' plan branch on host tensors' values, which a traced graph cannot do. A traced decode
 # checks what needs no data and hands the cache's tensors to attn::paged_decode; its real
-# implementation runs at execution time, outside the graph: the eager decode on a cache
+# implementation runs at execution time, outside the graph: eager decode's _read on a cache
 # rebuilt around those tensors (the same storage), so it checks and reads as eager does.
 
 
@@ -295,7 +302,7 @@ def _traced(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window,
         quant is not None and quant.k_per_channel, 0 if quant is None else quant.recent_pages,
         bool(causal), None if pair is None else list(pair), _op_float("scale", scale),
         _op_float("softcap", softcap), bool(quantized_q))
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 @torch.library.custom_op("attn::paged_decode", mutates_args=())
@@ -316,10 +323,9 @@ def _paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tens
                               trimmed=trimmed, quant=quant, dims=(dims[0], dims[1]),
                               k_scales=k_scales, v_scales=v_scales, recent_k=recent_k,
                               recent_v=recent_v)
-    out, lse = decode(q, cache, seq_ids=seq_ids, causal=causal,
-                      window=None if window is None else (window[0], window[1]), scale=scale,
-                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True,
-                      quantized_q=quantized_q)
+    _check_rows(seq_ids, cache)
+    out, lse = _read(q, cache, seq_ids, causal, None if window is None else tuple(window),
+                     scale, softcap, alibi_slopes, sinks, True, quantized_q)
     # a custom op's outputs must not share memory with its inputs (a row with no key's lse
     # may be a view of the sinks)
     held = {t.untyped_storage().data_ptr() for t in (q, alibi_slopes, sinks) if t is not None}

@@ -55,6 +55,7 @@ before the first call as torchrun scripts do.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -390,9 +391,25 @@ class RingStats:
     comm_wait_s: float = 0.0
 
 
-last_ring_stats = RingStats()  # forward of the last call
-last_ring_backward_stats = RingStats()
-last_ulysses_stats = RingStats()  # comm_wait_s: time in the all-to-alls, forward + backward
+# Each thread's last call: its RingStats, read as cp.last_ring_stats (the forward),
+# cp.last_ring_backward_stats (the backward of that forward, filled wherever autograd runs it)
+# and cp.last_ulysses_stats (comm_wait_s: the all-to-alls, forward + backward). Per thread:
+# two threads calling ring_attention each read their own.
+_LAST_STATS = ("last_ring_stats", "last_ring_backward_stats", "last_ulysses_stats")
+_last = threading.local()
+
+
+def _new_stats(name: str) -> RingStats:
+    """Fresh stats for a call, recorded as this thread's ``name`` (one of _LAST_STATS)."""
+    stats = RingStats()
+    setattr(_last, name, stats)
+    return stats
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAST_STATS:
+        return getattr(_last, name, None) or RingStats()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -471,8 +488,8 @@ class _Transfer:
 
 def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
               cap_t: Tensor | None) -> tuple[Tensor, Tensor]:
-    global last_ring_stats
-    stats = last_ring_stats = RingStats()
+    stats = _new_stats("last_ring_stats")
+    c.extra["backward_stats"] = _new_stats("last_ring_backward_stats")
     fwd, _ = _launchers(c.backend)
     ops = Operands(softcap=cap_t)  # the sinks join once, as one more partial below
     B, H, n_l, _ = q.shape
@@ -517,8 +534,10 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
 
 
 def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bool):
-    global last_ring_backward_stats
-    stats = last_ring_backward_stats = RingStats()
+    # the forward's caller reads these (autograd may run this on another thread); zeroed, so
+    # a second backward of the same graph counts afresh
+    stats = c.extra["backward_stats"]
+    vars(stats).update(vars(RingStats()))
     _, bwd = _launchers(c.backend)
     ops = Operands(softcap=cap_t)
     acc = acc_dtype(q.dtype)
@@ -744,8 +763,7 @@ def ulysses_attention(
         "ulysses_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
         temperature=temperature, softcap=softcap, window=window, sinks=sinks,
         dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
-    global last_ulysses_stats
-    c.extra["stats"] = last_ulysses_stats = RingStats()
+    c.extra["stats"] = _new_stats("last_ulysses_stats")
     B, H, _, _ = q.shape
     P, hp = c.P, H // c.P
     h0 = c.rank * hp

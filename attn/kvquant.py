@@ -182,8 +182,9 @@ def decode_codes(codes: Tensor, kind: str, *, out: Tensor) -> float:
     fp8 into float32 takes the bytes' bits as float16 bits (sign to the top, exponent and
     mantissa shifted by 7: an e4m3 number read with float16's exponent bias, 8 more than
     e4m3's, is its value times 2^-8, subnormals included) and returns 256: four integer and
-    conversion passes, 5x faster on CPU than a 256-entry lookup. It reads the bytes
-    :func:`quantize_fp8` writes, which are never the NaN bytes 0x7f / 0xff (it saturates)."""
+    conversion passes, faster on CPU than a 256-entry lookup (docs/benchmarks.md). It reads
+    the bytes :func:`quantize_fp8` writes, which are never the NaN bytes 0x7f / 0xff (it
+    saturates)."""
     if kind == "fp8_e4m3" and out.dtype == torch.float32:
         t = codes.view(torch.int8).to(torch.int16)  # sign-extended: 0x80 | m -> 0xff80 | m
         torch.bitwise_left_shift(t, 7, out=t)  # m (7 bits) to bits 7..13, the sign to 15 (and 14)

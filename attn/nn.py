@@ -30,7 +30,7 @@ from attn.api import BACKENDS, attention
 from attn.decode import decode
 from attn.masks import module_window
 from attn.spec import acc_dtype
-from attn.varlen import position_ids, varlen_attention
+from attn.varlen import check_cu_form, check_cu_values, position_ids, varlen_attention
 
 QK_NORM_KINDS = ("l2", "rms", "layer")
 QK_NORM_POSITIONS = ("before", "after")
@@ -311,23 +311,11 @@ class AttentionOptions:
 
 
 def _check_cu_seqlens(cu: object, total: int, x: Tensor) -> None:
-    """MultiHeadAttention's packed offsets, named as its caller passed them."""
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D (S + 1,) with S >= 1, got shape "
-                         f"{tuple(cu.shape)}")
-    if cu.device != x.device:
-        raise ValueError(f"cu_seqlens is on {cu.device}, x on {x.device}")
-    if torch.compiler.is_compiling():
-        return  # reading the values would break the trace; varlen_attention checks them
-    host = cu.cpu()
-    if int(host[0]) != 0 or bool((host.diff() < 0).any()) or int(host[-1]) != total:
-        raise ValueError(f"cu_seqlens must rise from 0 to B·N = {total} (x of shape "
-                         f"{tuple(x.shape)}) without decreasing, got "
-                         f"{host.tolist() if host.numel() <= 16 else tuple(host.shape)}")
+    """MultiHeadAttention's packed offsets, named as its caller passed them, by attn's one
+    rule (:func:`attn.varlen.check_cu_form`): ending at ``total = B·N``, the rows of x."""
+    check_cu_form("cu_seqlens", cu, x.device, "x")
+    if not torch.compiler.is_compiling():  # reading the values would break the trace;
+        check_cu_values("cu_seqlens", cu, total, "B·N")  # varlen_attention checks them
 
 
 class MultiHeadAttention(nn.Module):

@@ -23,8 +23,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attn.call import (_FLOAT_DTYPES, _check_tensor, _validate_alibi, _validate_dropout, resolve,
-                       run, select_backend)
+from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, resolve, run,
+                       select_backend)
 from attn.masks import Band, classify_band, make_band, window_pair
 from attn.tiled import SequenceBlocks
 
@@ -75,10 +75,10 @@ def document_ids(cu_seqlens: Tensor, total: int | None = None) -> Tensor:
     """``(total,)`` int64: the sequence index of every packed token (empty sequences own
     no token). ``cu_seqlens`` must start at 0 and never decrease; ``total``, when given,
     must be where it ends."""
-    cu = _check_cu_form("cu_seqlens", cu_seqlens)
+    cu = check_cu_form("cu_seqlens", cu_seqlens)
     if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
         raise TypeError(f"total must be an int or None, got {type(total).__name__}")
-    host = _check_cu_values("cu_seqlens", cu, total)
+    host = check_cu_values("cu_seqlens", cu, total)
     tokens = torch.arange(int(host[-1]), device=cu.device)
     return torch.searchsorted(cu[1:].to(torch.int64), tokens, right=True)
 
@@ -127,8 +127,11 @@ def cu_seqlens_from_document_ids(doc: Tensor, num_docs: int | None = None) -> Te
 
 # -- validation -------------------------------------------------------------------------------
 
-def _check_cu_form(name: str, cu: object, device: torch.device | None = None) -> Tensor:
-    """Type, dtype, shape and (given one) device: checks that read nothing from the device."""
+def check_cu_form(name: str, cu: object, device: torch.device | None = None,
+                  device_name: str = "q") -> Tensor:
+    """The one ``cu_seqlens`` rule, first half: a 1-d int32 / int64 tensor of ``B + 1 >= 2``
+    offsets (on ``device``, given one): checks that read nothing from the device. Every
+    entry taking packed offsets (varlen, nn, compat) checks them here."""
     if not isinstance(cu, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
@@ -136,14 +139,16 @@ def _check_cu_form(name: str, cu: object, device: torch.device | None = None) ->
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-d (B + 1,) with B >= 1, got shape {tuple(cu.shape)}")
     if device is not None and cu.device != device:
-        raise ValueError(f"{name} is on {cu.device}, q on {device}")
+        raise ValueError(f"{name} is on {cu.device}, {device_name} on {device}")
     return cu
 
 
-def _check_cu_values(name: str, cu: Tensor, total: int | None, total_name: str = "total"
-                     ) -> Tensor:
-    """The offsets themselves, on the host (one small copy): start 0, never decrease, end
-    at ``total`` (when given). Each message shows the offsets (the first 16)."""
+def check_cu_values(name: str, cu: Tensor, total: int | None, total_name: str = "total", *,
+                    padded: bool = False) -> Tensor:
+    """The one ``cu_seqlens`` rule, second half: the offsets themselves, on the host (one
+    small copy, returned): start 0, never decrease, end at ``total`` (when given;
+    ``padded``: at most there, flash-attn's padded buffer whose tail is no sequence's). Each
+    message shows the offsets (the first 16)."""
     host = cu.cpu()
     shown = host.tolist()
     shown = f"{shown}" if len(shown) <= 16 else f"{shown[:16]}"[:-1] + ", ...]"
@@ -152,7 +157,11 @@ def _check_cu_values(name: str, cu: Tensor, total: int | None, total_name: str =
     if bool((host[1:] < host[:-1]).any()):
         raise ValueError(f"{name} must not decrease (a sequence may be empty), got "
                          f"{name} = {shown}")
-    if total is not None and int(host[-1]) != total:
+    last = int(host[-1])
+    if total is not None and padded and last > total:
+        raise ValueError(f"{name} must end at most at {total_name}={total}: {name}[-1] = "
+                         f"{last} is larger than the {total} tokens, got {name} = {shown}")
+    if total is not None and not padded and last != total:
         raise ValueError(f"{name} must end at {total_name}={total}, got {name} = {shown}")
     return host
 
@@ -160,20 +169,8 @@ def _check_cu_values(name: str, cu: Tensor, total: int | None, total_name: str =
 def _validate_packed(q: object, k: object, v: object) -> None:
     """attn.call._validate_qkv's checks in the packed layout, so that a message shows the
     shapes the caller passed: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have 3 dims (total, H, D) in the packed layout, got "
-                             f"shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
-                            f"{t.dtype}")
+    _check_float_qkv(("q", "k", "v"), (q, k, v), 3, "(total, H, D) in the packed layout")
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, "
-                         f"{v.device}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k head dims differ: {shapes}")
     if k.shape[:2] != v.shape[:2]:
@@ -285,14 +282,17 @@ def varlen_attention(
     ``cu_seqlens`` only on the device (no host sync, the offsets trusted as flash-attn
     trusts them); otherwise the offsets are checked on the host (start at 0, never
     decrease, end at the total) and a given max_seqlen must cover the longest sequence.
+
+    Long for its docstring (the packed layout's contract) and its checks in the caller's
+    names; the work itself is one resolve, one backend choice and one run.
     """
     _validate_packed(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     total_q, H, D = q.shape
     total_k = k.shape[0]
-    cu_q = _check_cu_form("cu_seqlens_q", cu_seqlens_q, q.device)
-    cu_k = _check_cu_form("cu_seqlens_k", cu_seqlens_k, q.device)
+    cu_q = check_cu_form("cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = check_cu_form("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of "
                          f"sequences, got shapes {tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
@@ -318,8 +318,8 @@ def varlen_attention(
     # as flash-attn does); every other path checks them on the host
     host_q = host_k = None
     if max_seqlen_q is None or max_seqlen_k is None:
-        host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
-        host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
+        host_q = check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
+        host_k = check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
     max_q = max_seqlen_q if max_seqlen_q is not None else int((host_q[1:] - host_q[:-1]).max())
     max_k = max_seqlen_k if max_seqlen_k is not None else int((host_k[1:] - host_k[:-1]).max())
     call, spec, ops = resolve(q4, k4, v4, band=band, scale=scale, temperature=temperature,
@@ -329,8 +329,8 @@ def varlen_attention(
     choice = select_backend(call, backend)
     if choice.name != "triton" or host_q is not None:
         if host_q is None:
-            host_q = _check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
-            host_k = _check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
+            host_q = check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
+            host_k = check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
         for name, given, host in (("max_seqlen_q", max_seqlen_q, host_q),
                                   ("max_seqlen_k", max_seqlen_k, host_k)):
             longest = int((host[1:] - host[:-1]).max())

@@ -115,8 +115,8 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
             ) -> Tensor:
     """A buffer of the calling thread's own, reused by every item it runs (one item at a time
     per thread, so nothing else writes it meanwhile): a multi-MiB tensor allocated per item
-    costs page faults on every call (a paged item's key copy: 1.8 ms fresh, 0.34 ms into a
-    reused buffer, 2048 keys x 8 heads x 128 fp32). One flat buffer per name, grown as asked,
+    costs page faults on every call (docs/benchmarks.md, "Measurements behind the code's
+    choices"). One flat buffer per name, grown as asked,
     made outside inference mode so it can be written in and out of it."""
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None:

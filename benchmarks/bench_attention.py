@@ -11,7 +11,7 @@ import pytest
 
 from attn.bench.flops import MODES
 from attn.bench.sweep import Row, SweepConfig, make_call, skip_reason
-from attn.bench.timing import synchronize
+from attn.timing import synchronize
 
 B, H, D = 1, 8, 64
 CASES = (  # (device, dtype, N)

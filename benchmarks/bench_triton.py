@@ -16,7 +16,7 @@ import torch
 from attn.bench.competitors import COMPETITORS
 from attn.bench.flops import MODES, attention_flops
 from attn.bench.sweep import Row, SweepConfig, make_call
-from attn.bench.timing import synchronize
+from attn.timing import synchronize
 
 TOKENS, WIDTH = 16384, 2048  # B = TOKENS // N, H = WIDTH // D
 

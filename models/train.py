@@ -389,7 +389,7 @@ def _train(cfg: TrainConfig, out_dir: Path, resume: bool, stop_at: int | None,
                                           metrics["peak_memory_bytes"]))
         metrics.update(context_parallel=dist.get_world_size(),
                        step_peak_bytes_per_rank=[r[0] for r in per_rank],
-                       step_peak_method="attn.bench.memory.peak_bytes of the first step "
+                       step_peak_method="attn.timing.peak_bytes of the first step "
                                         "(forward + backward) on each rank",
                        peak_memory_bytes_per_rank=[r[1] for r in per_rank])
     if rank == 0:

@@ -519,7 +519,7 @@ def test_context_parallel_training_matches_one_process(tmp_path):
     """scripts/train.py --context-parallel P's loop at P = 4: the loss curve matches one
     process at the same seed (the loss is reduced in float32, as GPT.forward does), and each
     rank's peak memory for the first step is below one process's for the same step."""
-    from attn.bench.memory import peak_bytes
+    from attn.timing import peak_bytes
     from attn.models.gpt import GPT
     from attn.models.train import TrainConfig, _Task, train
 

@@ -839,6 +839,7 @@ def test_paged_modes_attn_does_not_run_raise():
 # -- attn's quantized cache in generate() ------------------------------------------------------
 
 from attn.kvcache import PagedKVCache  # noqa: E402
+from attn.kvcache import read as kv_read  # noqa: E402
 from attn.kvquant import KVQuant  # noqa: E402
 
 Q_PAGE, Q_TOKENS, Q_NEW = 4, 24, 8  # pages of 4: prompts (14) and new tokens span several
@@ -908,8 +909,9 @@ def test_quantized_cache_generate_matches_the_dequantized_reference(family, kind
     with torch.no_grad():
         _, oracle = _quant_generate(m64, "attn_reference", _round_trip(m64, quant))
         want, base = _quant_generate(m32, "eager", _round_trip(m32, quant))
-    for read in ("batch_kv", "packed_kv", "sequence_kv", "_values_at"):  # no dense copy
+    for read in ("batch_kv", "packed_kv", "sequence_kv"):  # no dense copy
         monkeypatch.setattr(PagedKVCache, read, lambda *a, **k: pytest.fail("dense read"))
+    monkeypatch.setattr(kv_read, "values_at", lambda *a, **k: pytest.fail("dense read"))
     cache = hf.AttnQuantizedCache(m32.config, quant, max_tokens=Q_TOKENS, page_size=Q_PAGE)
     got, logits = _quant_generate(m32, "attn", cache)
     layer = cache.layers[0].pages

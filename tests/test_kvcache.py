@@ -7,6 +7,9 @@ import torch
 
 from attn import kvquant
 from attn.kvcache import KVQuant, PagedKVCache
+from attn.kvcache import read as kv_read
+from attn.kvcache.pages import PageAllocator
+from attn.kvcache.quantized import QuantizedPages
 from test_kvquant import FORMATS
 
 HKV, D = 2, 4
@@ -466,3 +469,67 @@ def test_repr_shows_sizes_lengths_and_free_pages() -> None:
                            "free_pages=6 of 8)")
     over = PagedKVCache(cache.k_pages, cache.v_pages, cache.block_table[:1], 5)
     assert "pages=8 (the caller's block table)" in repr(over)
+
+
+# -- the parts on their own: allocator, quantized writer, dense reads --
+
+
+def test_page_allocator_counts_references_and_refuses_before_taking() -> None:
+    alloc = PageAllocator(5, rows=3)
+    assert alloc.take(2, "a", 4) == [0, 1] and alloc.free_pages == 3  # in increasing order
+    with pytest.raises(ValueError, match=r"out of pages: b needs 4 more pages of 4 positions, "
+                                         r"3 of 5 are free"):
+        alloc.take(4, "b", 4)
+    assert alloc.free_pages == 3 and alloc.refs == [1, 1, 0, 0, 0]  # nothing taken
+    alloc.share([1])  # a fork holds page 1 too
+    alloc.release([0, 1])
+    assert alloc.refs == [0, 1, 0, 0, 0] and alloc.take(1, "c", 4) == [0]  # 1 is still held
+    alloc.release([1])
+    assert sorted(alloc.free) == [1, 2, 3, 4]
+    # row 0 holds 2 pages of 4: 5 more tokens at length 6 need ceil(11 / 4) - 2 = 1 page
+    alloc.held = [2, 0, 3]
+    assert alloc.needed([0, 1], [6, 0], 5, 4) == [1, 2]
+    # a window reaching 5 keys back from length 11 keeps keys from 6: page 0 only is before
+    # it for row 0; row 2 (start 9) drops pages [0, 2)
+    alloc.first = [0, 0, 1]
+    assert alloc.outside_window([0, 0, 9], [11, 0, 12], 5, 4) == [(0, 1), (2, 2)]
+    assert alloc.empty_row([11, 0, 12], but=0) == 1 and alloc.empty_row([1, 1, 1], 0) is None
+
+
+@pytest.mark.parametrize("name", ["int8", "int8 g32", "int4", "fp8"])
+def test_quantized_pages_write_and_read_back_within_a_step(name):
+    """Tokens quantized, written into code pages and read back dequantized: each value
+    within half a quantization step of the token (fp8: its relative rounding), against
+    kvquant's own step, not the writer's output."""
+    quant = FORMATS[name]
+    g = torch.Generator().manual_seed(0)
+    Dq, code = 64, torch.int8 if quant.kind == "int8" else torch.uint8
+    pages = tuple(torch.zeros(3, 4, HKV, quant.code_dim(Dq), dtype=code) for _ in range(2))
+    qp = QuantizedPages.empty(quant, pages[0], 2, (Dq, Dq), torch.float32, (0.02, 0.02))
+    x = [torch.randn(5, HKV, Dq, generator=g) for _ in range(2)]
+    blk, off = torch.tensor([2, 2, 0, 0, 1]), torch.tensor([0, 3, 1, 2, 0])
+    qp.write(pages, blk, off, qp.quantize(*x))
+    got = qp.values_at(pages, blk, off, torch.zeros(5, dtype=torch.bool))
+    for y, want in zip(got, x):
+        if quant.kind == "fp8_e4m3":
+            bound = 2 ** -4 * want.abs() + 0.02 * 2 ** -9  # e4m3: 3 mantissa bits
+        else:
+            levels = 127 if quant.kind == "int8" else 7
+            group = want.unflatten(-1, (-1, quant.group_of(Dq))).abs().amax(-1, keepdim=True)
+            bound = (group / levels * 0.51 + 1e-6).expand(-1, -1, -1, quant.group_of(Dq))
+            bound = bound.flatten(-2)
+        assert bool(((y - want).abs() <= bound).all()), name
+
+
+def test_reads_on_their_own_view_consecutive_pages_and_copy_others():
+    cache, dense = paged([6, 6], page=8, pages_per_seq=1, spare=2)
+    for rows, is_view in (([1, 2], True), ([2, 1], False)):
+        over = PagedKVCache(cache.k_pages, cache.v_pages, torch.tensor(rows).view(2, 1), 6)
+        assert kv_read.view_page(over) == (1 if is_view else None)
+        k, v = kv_read.batch_kv(over)
+        assert (k.data_ptr() == over.k_pages[1].data_ptr()) == is_view  # a view, or a copy
+        assert torch.equal(k, over.k_pages[rows, :6].transpose(1, 2))
+        assert torch.equal(v, over.v_pages[rows, :6].transpose(1, 2))
+    k, v, cu = kv_read.packed_kv(cache)
+    assert cu.tolist() == [0, 6, 12]
+    assert torch.equal(k, dense[0][:, :, :6].transpose(1, 2).flatten(0, 1))

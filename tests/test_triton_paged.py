@@ -275,7 +275,7 @@ def quantized_cache(lengths, page, quant, *, heads=(H, 2), dtype=torch.float32, 
     cache = PagedKVCache.allocate(num_blocks, page, Hkv, QD, head_dim_v=Dv,
                                   max_seqs=len(lengths), quant=fmt, dtype=dtype, device=DEVICE,
                                   fp8_scales=(0.02 + 0.01 * torch.arange(Hkv), 0.015))
-    cache._free = [0] + (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # popped
+    cache._pages.free = [0] + (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # popped
     done = [0] * len(lengths)
     with torch.inference_mode():
         while done != list(lengths):

@@ -4,7 +4,7 @@ For each world size P (a fresh group of P processes on 127.0.0.1, one torch thre
 and each sequence length N, every rank measures, for its own shard:
 
 * ``peak_bytes``: peak memory above its inputs (q, k, v shards, and dO for forward+backward)
-  with :func:`attn.bench.memory.peak_bytes` (the CPU allocator's events under the profiler;
+  with :func:`attn.timing.peak_bytes` (the CPU allocator's events under the profiler;
   exact for tensors, see its docs). The expectation is ∝ N / P.
 * ``ms``: wall time of one call (forward, or forward+backward), the max over ranks, and
   ``ms_per_step = ms / P`` (a ring call is P steps).

@@ -8,7 +8,7 @@ narrow MLP and a small vocabulary, so attention is what the numbers are about. F
 context N, one random prompt of N tokens:
 
 * prefill: ``model(prompt, past_key_values=DynamicCache(), logits_to_keep=1)``, as
-  ``generate`` runs it. Peak memory above the weights (``attn.bench.memory.peak_bytes``, the
+  ``generate`` runs it. Peak memory above the weights (``attn.timing.peak_bytes``, the
   method ``attn report`` uses: CPU allocator events under torch.profiler) and wall time,
   median of repeats.
 * decode: greedy next tokens one at a time through the cache the prefill filled, tokens/s

@@ -1,8 +1,8 @@
 """The sweep runner: backends × N × D × causal × dtype × {fwd, fwd+bwd} on one device.
 
 Each point allocates its inputs (q, k, v and, for fwd+bwd, dO) first, then measures peak
-memory above them (``attn.bench.memory``) with one call, then times the call
-(``attn.bench.timing``). Points are run in order of growing N with every backend of one
+memory above them (``attn.timing.peak_bytes``) with one call, then times the call
+(``attn.timing``). Points are run in order of growing N with every backend of one
 shape back to back, so torch SDPA and ours are timed in the same process, minutes apart at
 most, and ``ratio_to_sdpa = sdpa_ms / ms`` compares like with like. Besides attn's backends a
 sweep can time torch's own kernels by name (``attn.bench.competitors``: SDPA with flash,

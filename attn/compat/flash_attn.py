@@ -70,7 +70,7 @@ from attn.compat.errors import FlashAttnError, translating
 from attn.compat.rotary import rotate_at
 from attn.decode import decode
 from attn.kvcache import PagedKVCache, host_ints
-from attn.varlen import varlen_attention
+from attn.varlen import check_cu_form, check_cu_values, varlen_attention
 from attn.api import attention
 
 __all__ = ["FlashAttnError", "flash_attn_func", "flash_attn_kvpacked_func",
@@ -361,25 +361,11 @@ def flash_attn_func(
 
 # -- packed sequences ------------------------------------------------------------------------
 
-def _cu_host(name: str, cu: object, total: int) -> Tensor:
-    """Offsets on the host: 1-d, start at 0, never decrease, end at most at ``total`` (a
-    padded buffer is legal: its tail is no sequence's)."""
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 (or int64), got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise FlashAttnError(f"{name} must be 1-d (batch_size + 1,), got shape "
-                             f"{tuple(cu.shape)}")
-    host = cu.cpu()
-    if int(host[0]) != 0:
-        raise FlashAttnError(f"{name} must start at 0, got {host.tolist()[:16]}")
-    if bool((host[1:] < host[:-1]).any()):
-        raise FlashAttnError(f"{name} must not decrease, got {host.tolist()[:16]}")
-    if int(host[-1]) > total:
-        raise FlashAttnError(f"{name}[-1] = {int(host[-1])} is larger than the {total} tokens "
-                             f"of the packed tensor")
-    return host
+def _cu_host(name: str, cu: object, total: int, total_name: str) -> Tensor:
+    """Offsets on the host by attn's one rule (:func:`attn.varlen.check_cu_form`), ending at
+    most at ``total`` (a padded buffer is legal: its tail is no sequence's)."""
+    with translating():
+        return check_cu_values(name, check_cu_form(name, cu), total, total_name, padded=True)
 
 
 def _check_block_table(block_table: object, B: int, k_cache: Tensor,
@@ -415,13 +401,14 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
     _tensor("v", v, *kdims)
     _check_qkv(q, k, v, names, given)
     total_q, H, _ = q.shape
-    host_q = _cu_host("cu_seqlens_q", cu_seqlens_q, total_q)
+    host_q = _cu_host("cu_seqlens_q", cu_seqlens_q, total_q, "q.shape[0]")
     B = host_q.numel() - 1
     if paged:
         _check_block_table(block_table, B, k, "k")
-        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, B * block_table.shape[1] * k.shape[1])
+        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, B * block_table.shape[1] * k.shape[1],
+                          "the cache's positions")
     else:
-        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        host_k = _cu_host("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0]")
     if host_k.numel() != host_q.numel():
         raise FlashAttnError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of "
                              f"sequences, got shapes {tuple(cu_seqlens_q.shape)} and "
@@ -567,6 +554,90 @@ def _as_lengths(name: str, x: object, B: int) -> Tensor:
         return host_ints(name, x, B, "batch_size")
 
 
+def _kv_cache(q: Tensor, k_cache: object, v_cache: object, k: object, v: object,
+              cache_seqlens, cache_batch_idx, cache_leftpad, block_table
+              ) -> tuple[PagedKVCache, Tensor, int, int]:
+    """flash_attn_with_kvcache's cache arguments checked (as flash-attn refuses them, and
+    every page id) and read as a :class:`PagedKVCache` over the caller's storage, with the
+    rows' ends ``cache_seqlens`` on the host, the new keys' count and the capacity of a row;
+    refused before anything is written when the new keys do not fit."""
+    B = q.shape[0]
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            raise FlashAttnError("a paged KV cache (block_table) does not support "
+                                 "cache_batch_idx, as in flash-attn")
+        if cache_leftpad is not None:
+            raise FlashAttnError("a paged KV cache (block_table) does not support "
+                                 "cache_leftpad, as in flash-attn")
+        _check_block_table(block_table, B, k_cache)
+    else:
+        _tensor("k_cache", k_cache, 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+    _tensor("v_cache", v_cache, 4, "like k_cache")
+    if v_cache.shape[:-1] != k_cache.shape[:-1]:
+        raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} and v_cache "
+                             f"{tuple(v_cache.shape)} must agree in every dim but the head dim")
+    _check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+
+    Nnew = _new_kv(q, k_cache, v_cache, k, v, cache_seqlens)
+    if cache_seqlens is None:
+        ends = torch.full((B,), capacity, dtype=torch.int64)
+    else:
+        ends = _as_lengths("cache_seqlens", cache_seqlens, B)
+    starts = (torch.zeros(B, dtype=torch.int64) if cache_leftpad is None
+              else _as_lengths("cache_leftpad", cache_leftpad, B))
+    if cache_batch_idx is not None:
+        rows = _as_lengths("cache_batch_idx", cache_batch_idx, B)
+        if bool((rows < 0).any()) or int(rows.max()) >= k_cache.shape[0]:
+            raise FlashAttnError(f"cache_batch_idx {rows.tolist()[:16]} out of range for "
+                                 f"k_cache {tuple(k_cache.shape)}")
+    else:
+        rows = torch.arange(B)
+        if not paged and k_cache.shape[0] < B:
+            raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} holds fewer rows than the "
+                                 f"batch of q {tuple(q.shape)}")
+    # a contiguous cache is the paged one whose pages are its rows (L_cache positions each)
+    table = block_table if paged else rows.view(B, 1).to(q.device)
+    with translating():
+        cache = PagedKVCache(k_cache, v_cache, table, ends, starts=starts, names={
+            "k_pages": "k_cache", "v_pages": "v_cache", "lengths": "cache_seqlens",
+            "block_table": "block_table" if paged else None, "starts": "cache_leftpad"})
+        cache.check_room(Nnew)
+    return cache, ends, Nnew, capacity
+
+
+def _new_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: object, v: object,
+            cache_seqlens) -> int:
+    """The new keys and values to append (0 without): their shapes, dtypes, devices, and
+    ``cache_seqlens`` to append them at."""
+    B = q.shape[0]
+    if (k is None) != (v is None):
+        raise FlashAttnError("k and v must be given together (new keys and values to append)")
+    Nnew = 0
+    if k is not None:
+        _tensor("k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        _tensor("v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        want_k = (B, k.shape[1], *k_cache.shape[2:])
+        want_v = (B, k.shape[1], *v_cache.shape[2:])
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype not in _FLOATS:
+                raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
+                                f"{t.dtype}")
+            if t.device != k_cache.device:
+                raise FlashAttnError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise FlashAttnError(f"k and v must be (batch_size, seqlen_new, nheads_k, headdim) "
+                                 f"= {want_k} / {want_v} for q {tuple(q.shape)} and k_cache "
+                                 f"{tuple(k_cache.shape)}, got {tuple(k.shape)} and "
+                                 f"{tuple(v.shape)}")
+        if cache_seqlens is None:
+            raise FlashAttnError("k and v are appended at cache_seqlens: pass cache_seqlens "
+                                 "(an int or a (batch_size,) int32 tensor)")
+        Nnew = k.shape[1]
+    return Nnew
+
+
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -624,71 +695,8 @@ def flash_attn_with_kvcache(
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     B, Nq, H, D = q.shape
-    paged = block_table is not None
-    if paged:
-        if cache_batch_idx is not None:
-            raise FlashAttnError("a paged KV cache (block_table) does not support "
-                                 "cache_batch_idx, as in flash-attn")
-        if cache_leftpad is not None:
-            raise FlashAttnError("a paged KV cache (block_table) does not support "
-                                 "cache_leftpad, as in flash-attn")
-        _check_block_table(block_table, B, k_cache)
-    else:
-        _tensor("k_cache", k_cache, 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
-    _tensor("v_cache", v_cache, 4, "like k_cache")
-    if v_cache.shape[:-1] != k_cache.shape[:-1]:
-        raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} and v_cache "
-                             f"{tuple(v_cache.shape)} must agree in every dim but the head dim")
-    _check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-
-    # -- new keys: shapes, lengths, room in the cache --
-    if (k is None) != (v is None):
-        raise FlashAttnError("k and v must be given together (new keys and values to append)")
-    Nnew = 0
-    if k is not None:
-        _tensor("k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
-        _tensor("v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
-        want_k = (B, k.shape[1], *k_cache.shape[2:])
-        want_v = (B, k.shape[1], *v_cache.shape[2:])
-        for name, t in (("k", k), ("v", v)):
-            if t.dtype not in _FLOATS:
-                raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
-                                f"{t.dtype}")
-            if t.device != k_cache.device:
-                raise FlashAttnError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
-        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
-            raise FlashAttnError(f"k and v must be (batch_size, seqlen_new, nheads_k, headdim) "
-                                 f"= {want_k} / {want_v} for q {tuple(q.shape)} and k_cache "
-                                 f"{tuple(k_cache.shape)}, got {tuple(k.shape)} and "
-                                 f"{tuple(v.shape)}")
-        if cache_seqlens is None:
-            raise FlashAttnError("k and v are appended at cache_seqlens: pass cache_seqlens "
-                                 "(an int or a (batch_size,) int32 tensor)")
-        Nnew = k.shape[1]
-    if cache_seqlens is None:
-        ends = torch.full((B,), capacity, dtype=torch.int64)
-    else:
-        ends = _as_lengths("cache_seqlens", cache_seqlens, B)
-    starts = (torch.zeros(B, dtype=torch.int64) if cache_leftpad is None
-              else _as_lengths("cache_leftpad", cache_leftpad, B))
-    if cache_batch_idx is not None:
-        rows = _as_lengths("cache_batch_idx", cache_batch_idx, B)
-        if bool((rows < 0).any()) or int(rows.max()) >= k_cache.shape[0]:
-            raise FlashAttnError(f"cache_batch_idx {rows.tolist()[:16]} out of range for "
-                                 f"k_cache {tuple(k_cache.shape)}")
-    else:
-        rows = torch.arange(B)
-        if not paged and k_cache.shape[0] < B:
-            raise FlashAttnError(f"k_cache {tuple(k_cache.shape)} holds fewer rows than the "
-                                 f"batch of q {tuple(q.shape)}")
-    # a contiguous cache is the paged one whose pages are its rows (L_cache positions each)
-    table = block_table if paged else rows.view(B, 1).to(q.device)
-    with translating():
-        cache = PagedKVCache(k_cache, v_cache, table, ends, starts=starts, names={
-            "k_pages": "k_cache", "v_pages": "v_cache", "lengths": "cache_seqlens",
-            "block_table": "block_table" if paged else None, "starts": "cache_leftpad"})
-        cache.check_room(Nnew)
+    cache, ends, Nnew, capacity = _kv_cache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                            cache_batch_idx, cache_leftpad, block_table)
     _check_alibi(alibi_slopes, B, H)
     _variants(softmax_scale, softcap, None)  # checked before anything is written
     window, pure_causal, local = _band(causal, window_size, capacity)

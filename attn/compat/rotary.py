@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attn.compat.errors import FlashAttnError
+from attn.compat.errors import FlashAttnError, translating
 from attn.spec import acc_dtype
+from attn.varlen import check_cu_form, check_cu_values
 
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "rotate_at"]
 
@@ -85,23 +86,6 @@ def _offsets(seqlen_offsets: object, B: int) -> Tensor:
     return torch.full((B,), int(seqlen_offsets), dtype=torch.int64)
 
 
-def _cu(cu_seqlens: object, total: int) -> Tensor:
-    """``cu_seqlens (B + 1,)`` on the host: start at 0, never decrease, end at most at the
-    ``total`` rows of x (a padded buffer's tail is left as it is)."""
-    if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(f"cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise _error(f"cu_seqlens must be 1-d (batch_size + 1,), got shape "
-                     f"{tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens.cpu().long()
-    if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > total:
-        raise _error(f"cu_seqlens must start at 0, never decrease and end at most at the "
-                     f"{total} rows of x, got {cu.tolist()[:16]}")
-    return cu
-
-
 def apply_rotary_emb(
     x,
     cos,
@@ -132,7 +116,9 @@ def apply_rotary_emb(
         if x.dim() != 3:
             raise _error(f"x must be (total_seqlen, nheads, headdim) with cu_seqlens, got shape "
                          f"{tuple(x.shape)}")
-        cu = _cu(cu_seqlens, x.shape[0])
+        with translating():  # attn's one rule for packed offsets
+            cu = check_cu_values("cu_seqlens", check_cu_form("cu_seqlens", cu_seqlens),
+                                 x.shape[0], "x.shape[0]", padded=True).long()
         lengths = cu[1:] - cu[:-1]
         seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
         offs = _offsets(seqlen_offsets, lengths.numel())

@@ -672,6 +672,9 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     """HF's attention-function signature on top of ``attn.attention``.
 
     query (B, H, Nq, D), key/value (B, Hkv, Nk, D[v]) → ((B, Nq, H, Dv), None).
+
+    Long because HF's keywords arrive all at once: each is translated in turn (mask, window,
+    packed offsets, sinks, a cache), in the order HF's own attention functions read them.
     """
     if kwargs.get("output_attentions"):
         _warn_once("output_attentions", "attn never materializes attention weights: "

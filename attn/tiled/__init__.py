@@ -15,7 +15,7 @@ Three layers, as in ``flash_triton.py``: ``_fwd`` / ``_bwd`` launchers, one
 ``torch.autograd.Function``, and the public :func:`tiled_attention`.
 
 The package, one idea per module: :mod:`.attention` (launchers, autograd.Function, public
-function), :mod:`.tile` (the ordered score pipeline of one tile), :mod:`.steps` (the per-tile
+function), :mod:`.paged` (the paged reads of a KV cache), :mod:`.tile` (the ordered score pipeline of one tile), :mod:`.steps` (the per-tile
 online-softmax steps and their compiled CPU form), :mod:`.plan` (block sizes, batch chunks,
 units) and :mod:`.cpu` (GEMM engine choice, worker pool).
 """
@@ -23,11 +23,14 @@ units) and :mod:`.cpu` (GEMM engine choice, worker pool).
 from attn.grads import Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.spec import LaunchSpec
-from attn.tiled.attention import _bwd, _fwd, _TiledAttention, paged_attention, tiled_attention
-from attn.tiled.plan import BLOCK_M, BLOCK_N, DEFAULT, SequenceBlocks, TileConfig, _plan
+from attn.tiled.attention import _bwd, _fwd, _TiledAttention, tiled_attention
+from attn.tiled.paged import paged_attention
+from attn.tiled.plan import (BLOCK_M, BLOCK_N, DEFAULT, SequenceBlocks, TileConfig, _plan,
+                             cpu_path_reason)
 from attn.tiled.steps import COMPILED_DEFAULT, compiled_steps_default, steps_path_reason
 from attn.tiled.tile import LN2, LOG2E, _Tile
 
 __all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT", "COMPILED_DEFAULT", "Grads", "LaunchSpec",
-           "SequenceBlocks", "TileConfig", "compiled_steps_default", "steps_path_reason",
+           "SequenceBlocks", "TileConfig", "compiled_steps_default", "cpu_path_reason",
+           "steps_path_reason",
            "paged_attention", "sink_grad", "tiled_attention"]

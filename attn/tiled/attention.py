@@ -15,15 +15,12 @@ from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
-from attn.kvquant import decode_codes, dequantize
-from attn.spec import (LaunchSpec, Operands, PageTable, QuantPages, check_paged_forward_only,
-                       operands_of)
+from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.gemm import _Gemm, low_gemms
 from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items,
-                             backward_runs, forward_items, item_threads, kv_split,
-                             page_ranges)
+                             backward_runs, forward_items)
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps, _fwd_tile,
                               _fwd_tile_compiled, _run_compiled)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
@@ -85,9 +82,9 @@ def _all_finite(x: Tensor) -> bool:
     """Whether every entry of ``x`` is finite, by one summing pass in the accumulation dtype
     (a NaN or ±inf entry makes the sum NaN or ±inf). A sum that overflows although every
     entry is finite (|x| near the dtype's largest value) answers False, which costs
-    :func:`_fwd_item` a second run, never a wrong answer. ~20x cheaper than
-    ``isfinite(x).all()`` on a 128 Ki-entry item output (10 against 300 us on Zen 4): no
-    bool tensors."""
+    :func:`_fwd_item` a second run, never a wrong answer. Much cheaper than
+    ``isfinite(x).all()``: no bool tensors (docs/benchmarks.md, "Measurements behind the
+    code's choices")."""
     return math.isfinite(x.sum(dtype=_acc_dtype(x.dtype)).item())
 
 
@@ -191,245 +188,6 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
     lse.copy_(merged_lse)
     lse2[..., 0] = lse * LOG2E
     lse2[..., 1] = 0.0
-
-
-class _PagedItem(NamedTuple):
-    """One item of a paged call: batch row b's keys from its ``n0``-th on (counted from its
-    first key), positions ``[a, z)`` of its pages; ``r``: the range's index, its slot among
-    the row's partials; ``first``: the first page's id when the range's stored pages (its
-    coded ones, in a quantized cache) are consecutive in the storage (one view), else None
-    (its pages copied, in table order)."""
-    b: int
-    r: int
-    n0: int
-    a: int
-    z: int
-    first: int | None
-
-
-def _page_items(pages: PageTable, page: int, chunk: int, coded_until: Tensor | None = None
-                ) -> tuple[list[_PagedItem], int]:
-    """Every row's key ranges (:func:`attn.tiled.plan.page_ranges`) as items, range-major
-    (each row's first range, then each row's second, ...), and the most ranges of a row.
-    ``coded_until (B,)``: a quantized cache's first full-precision page per row, whose table
-    entries name ring slots, not storage pages: ``first`` looks at the pages before it."""
-    table, starts, lengths = pages
-    # consecutive[b, j]: page j + 1 of row b is the storage's next page after page j
-    consecutive = table[:, 1:] == table[:, :-1] + 1
-    per_row = [page_ranges(int(s), int(e), page, chunk) for s, e in zip(starts, lengths)]
-    items = []
-    for b, ranges in enumerate(per_row):
-        s = int(starts[b])
-        for r, (a, z) in enumerate(ranges):
-            p0, p1 = a // page, -(-z // page)
-            if coded_until is not None:
-                p1 = min(max(int(coded_until[b]), p0), p1)
-            one_view = p1 > p0 and bool(consecutive[b, p0:p1 - 1].all())
-            items.append(_PagedItem(b, r, a - s, a, z, int(table[b, p0]) if one_view else None))
-    items.sort(key=lambda it: (it.r, it.b))
-    return items, max((len(r) for r in per_row), default=0)
-
-
-def _page_span(storage: Tensor, table_row: Tensor, p0: int, p1: int, first: int | None,
-               name: str) -> tuple[Tensor, slice | Tensor]:
-    """Pages ``[p0, p1)`` of one row ``(p1 - p0, page, Hkv, ·)``: a view of the storage from
-    page ``first`` when they are consecutive there (``first`` not None), else a copy of those
-    pages only into the thread's buffer ``name``; and where they lie in the storage (a slice,
-    or their ids), for whatever else is stored per page (a quantized cache's scales)."""
-    if first is not None:
-        at = slice(first, first + p1 - p0)
-        return storage[at], at
-    at = table_row[p0:p1].to(storage.device)
-    span = cpu.scratch(name, (p1 - p0,) + tuple(storage.shape[1:]), storage.dtype,
-                       storage.device)
-    torch.index_select(storage, 0, at, out=span)
-    return span, at
-
-
-def _read_pages(storage: Tensor, table_row: Tensor, page: int, it: _PagedItem, name: str
-                ) -> Tensor:
-    """An item's keys (or values) ``(1, Hkv, n, D)``, positions ``[a, z)`` of its row: its
-    pages (:func:`_page_span`: a view, or a copy of the item's own pages, never the row's
-    other pages)."""
-    p0, p1 = it.a // page, -(-it.z // page)
-    span, _ = _page_span(storage, table_row, p0, p1, it.first, name)
-    # (pages, page, Hkv, D) -> (pages·page, Hkv, D) -> (1, Hkv, n, D): views
-    return span.flatten(0, 1)[it.a - p0 * page:it.z - p0 * page].transpose(0, 1).unsqueeze(0)
-
-
-def _dequantize_rows(c: Tensor, s: Tensor, kind: str, lo: int, out: Tensor) -> None:
-    """Rows ``[lo, lo + m)`` of the coded pages ``c (P, page, Hkv, Dc)`` read end to end,
-    dequantized into ``out (m, Hkv, D)``: whole pages in one call, a partial first or last
-    page on its own, so a range inside one long page dequantizes only its own rows. ``s``:
-    the pages' scales, ``(P, page, Hkv, G)`` per token, ``(P, 1, Hkv, D)`` per channel, or
-    ``(1, 1, Hkv, 1)`` per head."""
-    page, m = c.shape[1], out.shape[0]
-    j, r, done = lo // page, lo % page, 0
-    while done < m:
-        sj = s if s.shape[0] == 1 else s[j:]
-        if r == 0 and m - done >= page:  # whole pages, as many as the range holds
-            n = (m - done) // page
-            dequantize(c[j:j + n], sj[:n] if s.shape[0] > 1 else sj,
-                       kind, out=out[done:done + n * page].view(n, page, *out.shape[1:]))
-            done, j = done + n * page, j + n
-            continue
-        take = min(page - r, m - done)
-        sp = sj[0]  # (page or 1, Hkv, G): this page's scales
-        dequantize(c[j, r:r + take], sp[r:r + take] if sp.shape[0] == page else sp, kind,
-                   out=out[done:done + take])
-        done, j, r = done + take, j + 1, 0
-
-
-def _per_key(scales: Tensor, page: int) -> bool:
-    """Whether ``scales`` give one multiplier per key and kv head (per token with one group,
-    ``(P, page, Hkv, 1)``, or per kv head, ``(Hkv,)``): then an item keeps the bare codes and
-    the tile GEMMs apply the scales to q kᵀ's and P's columns (``_Gemm(key_scales=)``)."""
-    return scales.dim() == 1 or (scales.shape[1] == page and scales.shape[-1] == 1)
-
-
-def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: QuantPages,
-                table_row: Tensor, recent_from: int, page: int, it: _PagedItem, name: str,
-                dtype: torch.dtype, raw: bool = False) -> tuple[Tensor, Tensor | None]:
-    """A quantized item's keys (or values) ``(1, Hkv, n, D)`` in ``dtype``, positions ``[a,
-    z)`` of its row, in its thread's buffer ``name``: the range's rows of its coded pages
-    dequantized into it (their codes and scales only: a view where the pages are consecutive,
-    else a copy of them), the rows of its full-precision recent pages copied after them.
-
-    Where the scales are one per key and kv head (:func:`_per_key`), the rows hold the bare
-    codes (as numbers) and the second result is each row's multiplier ``(Hkv, n)`` float32
-    (1 for the recent rows), for the GEMMs to apply; else it is None. With ``raw`` too (int8
-    keys scored against an int8 q), a range of codes only comes back as the codes themselves
-    (a view of the storage where its pages are consecutive), never converted."""
-    p0, p1 = it.a // page, -(-it.z // page)
-    pq = min(max(recent_from, p0), p1)  # pages [p0, pq) hold codes, [pq, p1) full precision
-    D = quant.dim(codes.shape[-1])
-    n, Hkv = it.z - it.a, codes.shape[2]
-    fold = _per_key(scales, page)
-    mult = cpu.scratch(name + " scales", (Hkv, n), torch.float32, codes.device) if fold else None
-    coded = max(min(it.z, pq * page) - it.a, 0)  # rows [0, coded) come from codes
-    keep_codes = raw and fold and coded == n  # the codes themselves, not converted
-    span = None if keep_codes else cpu.scratch(name, (n, Hkv, D), dtype, codes.device)
-    if coded:
-        c, at = _page_span(codes, table_row, p0, pq, it.first, name + " codes")
-        lo = it.a - p0 * page
-        # (P, page, Hkv, Dc) -> (P·page, Hkv, Dc): the range's rows
-        rows = c.flatten(0, 1)[lo:lo + coded]
-        if fold:
-            unit = 1.0 if keep_codes else decode_codes(rows, quant.kind, out=span[:coded])
-            # per kv head (Hkv,) -> (Hkv, 1); per token (P, page, Hkv, 1) -> (Hkv, coded)
-            s = (scales[:, None] if scales.dim() == 1
-                 else scales[at].flatten(0, 1)[lo:lo + coded, :, 0].t())
-            mult[:, :coded] = s.float() * unit
-            if keep_codes:  # (n, Hkv, D) -> (1, Hkv, n, D): views
-                return rows.transpose(0, 1).unsqueeze(0), mult
-        else:
-            # per token with groups (P, page, Hkv, G), per channel (P, 1, Hkv, D): as they
-            # lie; their multipliers vary along D, so they are applied here
-            _dequantize_rows(c, scales[at], quant.kind, lo, span[:coded])
-    if coded < n:  # the recent pages' rows, from position pq · page on
-        rows = recent[table_row[pq:p1].to(recent.device)].flatten(0, 1)
-        first = it.a + coded - pq * page
-        span[coded:] = rows[first:first + n - coded]
-        if fold:
-            mult[:, coded:] = 1.0
-    # (n, Hkv, D) -> (1, Hkv, n, D): a view
-    return span.transpose(0, 1).unsqueeze(0), mult
-
-
-def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,
-                    ops: Operands, config: TileConfig = DEFAULT) -> tuple[Tensor, Tensor]:
-    """Attention of q ``(B, H, Nq, D)`` against keys read through a page table, forward only
-    (caches serve inference) → out ``(B, H, Nq, Dv)`` in q's dtype, lse ``(B, H, Nq)``.
-
-    ``k_pages (num_blocks, page_size, Hkv, D)``, ``v_pages (…, Dv)``: page storage, read
-    through its strides; ``ops.pages`` (:class:`attn.spec.PageTable`) says which keys row b
-    reads, ``N_b`` of them. The band is per row, counted from its end: row b's is
-    ``spec.band`` with ``N_b`` added to its offset (pass the band of a call with no key,
-    ``make_band(Nq, 0, …)``, for attn's bottom-right convention). ALiBi slopes ``(B, H)``.
-
-    Work items are (row, key range) pairs, the ranges cut on page boundaries
-    (:func:`attn.tiled.plan.page_ranges`; ``kv_split``'s chunk, or ``split_min_chunk``
-    keys for longer query blocks): each item reads only its own pages, a view where they
-    are consecutive in the storage and a copy of them where not, so no row's keys are
-    gathered whole and no other row's page, nor a slot past a row's length, is ever read.
-    Each gives a partial output and lse; a row's partials (and the sinks) are merged in
-    key order, so the bits depend on the lengths and the page size, never on the number of
-    workers, nor on where the pages lie. Storage in another dtype than q's is converted
-    item by item.
-
-    With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold codes: each item
-    dequantizes its own range (codes and scales of its pages, and its row's full-precision
-    recent pages) into its thread's buffer in q's dtype before the tile math, so neither a
-    sequence nor the cache is ever dequantized whole."""
-    if ops.pages is None or ops.attn_mask is not None or ops.captured:
-        raise ValueError("paged_attention takes ops.pages, and no attn_mask or score_mod")
-    _check_operands(ops._replace(pages=None, quant=None))
-    check_paged_forward_only(q, k_pages, v_pages, ops)
-    quant = ops.quant
-    table, starts, lengths = ops.pages
-    B, H, Nq, _ = q.shape
-    page, Dv = k_pages.shape[1], v_pages.shape[-1]
-    if quant is not None:
-        Dv = quant.dim(Dv)
-    acc_dtype = _acc_dtype(q.dtype)
-    n_keys = lengths - starts
-    chunk = kv_split(Nq, int(n_keys.max()) if B else 0, config) or config.split_min_chunk
-    items, R = _page_items(ops.pages, page, chunk,
-                           None if quant is None else quant.recent_from)
-    R = max(R, 1)
-    spec = config.tiles(spec)
-    if Nq <= config.split_max_q:  # one key tile per item, as split-KV decoding's items
-        spec = dataclasses.replace(spec, block_n=-(-chunk // page) * page if page <= chunk
-                                   else chunk)
-    threads = item_threads(q, Nq * H * int(n_keys.sum()), config)
-    if threads is None:
-        threads = cpu.workers_for_call()
-    caller = cpu.single_thread() if threads != 0 else contextlib.nullcontext()
-    with caller:
-        parts_out = torch.empty(R, B, H, Nq, Dv, dtype=acc_dtype, device=q.device)
-        parts_lse = torch.empty(R, B, H, Nq, dtype=acc_dtype, device=q.device)
-        scratch = torch.empty(R, B, H, Nq, 2, dtype=acc_dtype, device=q.device)
-        unused = torch.ones(R, B, dtype=torch.bool)  # slots of rows with fewer ranges
-        for it in items:
-            unused[it.r, it.b] = False
-        if bool(unused.any()):  # an empty partial: out 0, lse -inf (weight 0 in the merge)
-            parts_out[unused.to(q.device)] = 0.0
-            parts_lse[unused.to(q.device)] = float("-inf")
-    band = spec.band
-
-    def run(i: int) -> None:
-        it = items[i]
-        b = it.b
-        k_mult = v_mult = None
-        if quant is not None:
-            at = (table[b], int(quant.recent_from[b]), page, it)
-            k, k_mult = _read_codes(k_pages, quant.k_scales, quant.recent_k, quant, *at,
-                                    "paged k", q.dtype, raw=quant.int8_scores)
-            v, v_mult = _read_codes(v_pages, quant.v_scales, quant.recent_v, quant, *at,
-                                    "paged v", q.dtype)
-        else:
-            k = _read_pages(k_pages, table[b], page, it, "paged k")
-            v = _read_pages(v_pages, table[b], page, it, "paged v")
-        if k.dtype != q.dtype and k.dtype != torch.int8:  # int8: codes scored as they are
-            k = k.to(q.dtype)
-        if v.dtype != q.dtype:
-            v = v.to(q.dtype)
-        row_band = Band(band.offset + int(n_keys[b]), band.left, band.right)
-        ispec = dataclasses.replace(spec, band=row_band).shard(k_start=it.n0)
-        iops = Operands(softcap=ops.softcap,
-                        alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
-        qb, out = q[b:b + 1], parts_out[it.r, b:b + 1]
-        facts = _facts(qb, k, v, ispec, iops, items=True)
-        if k_mult is not None:  # the bound _facts took is of the codes, not of the keys
-            facts = facts._replace(finite_scores=False)
-        _fwd_item(out, facts, lambda f: _fwd_rows(
-            qb, k, v, ispec, iops, out, parts_lse[it.r, b:b + 1], scratch[it.r, b:b + 1],
-            facts=f, key_scales=(k_mult, v_mult)))
-
-    cpu.run_items(run, len(items), threads=threads)
-    with caller:
-        out, lse = _merge_partials(parts_out, parts_lse, ops.sinks)
-        return out.to(q.dtype), lse
 
 
 def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, out: Tensor,
@@ -606,7 +364,11 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     rows into ``into[0]`` and adds their share of dk and dv into ``into[1:]`` (zeroed
     views), and returns their share of the other gradients (not the sinks': :func:`_bwd`
     leaves them out of its items and takes them once for the call). ``finite_scores``: the
-    call's (:class:`_Facts`)."""
+    call's (:class:`_Facts`).
+
+    Long on purpose: one tile's backward steps share a dozen running tensors (dq, dk, dv,
+    the mask, softcap and captures' gradients); as in the forward and the Triton kernels, the
+    loop reads best whole, with phase markers."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -838,11 +600,6 @@ def tiled_attention(
     spec: LaunchSpec,
     operands: Operands | None = None,
     *,
-    attn_mask: Tensor | None = None,
-    softcap: Tensor | None = None,
-    sinks: Tensor | None = None,
-    captured: tuple[Tensor, ...] = (),
-    alibi: Tensor | None = None,
     config: TileConfig = DEFAULT,
 ) -> tuple[Tensor, Tensor]:
     """Memory-linear exact attention. Inputs already validated by ``attn.api``.
@@ -851,8 +608,7 @@ def tiled_attention(
     lse (B, H, Nq) in float32 (float64 for float64 inputs). ``spec`` holds the static
     values (q·k scale, band, fixed softcap, dropout, global positions, block sizes; a tensor
     temperature must already be folded into q). ``operands`` (:class:`attn.spec.Operands`)
-    holds the optional tensors; the keywords are the older form of the same and must stay
-    unset when ``operands`` is given: ``softcap`` a learnable tensor broadcastable to (H,),
+    holds the optional tensors: the mask, a learnable ``softcap`` broadcastable to (H,),
     ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed: (sequences, H) with
     ``spec.alibi_rows``), constants; ``captured`` the tensors ``spec.score_mod`` reads that
     need a gradient (see :func:`attn.mods.captured_tensors`). ``config``: how the call is
@@ -860,8 +616,7 @@ def tiled_attention(
     ``spec.block_m`` / ``block_n`` where set, else the config's, and a callable
     ``spec.mask_blocks`` (see :func:`attn.mods.mod_spec`) is called here at those sizes.
     """
-    operands = operands_of("tiled_attention", operands, attn_mask=attn_mask, softcap=softcap,
-                           sinks=sinks, captured=tuple(captured), alibi=alibi)
+    operands = _NO_OPERANDS if operands is None else operands
     _check_operands(operands)
     if torch.compiler.is_exporting() and _exportable(spec, operands, config):
         b = spec.band

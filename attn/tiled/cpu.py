@@ -3,14 +3,14 @@ that runs a call's work items (:mod:`attn.workers`, shared with the fused backen
 are importable from here).
 
 Why the engine choice: on CPU the tiled backend spends most of its time in GEMMs. torch's
-``bmm`` goes to MKL, whose fp32 GEMM takes its AVX2 path on AMD processors (~95 GFLOP/s per
-core on one Zen 5 machine), where oneDNN's AVX-512 kernels (in every x86 torch build, reached
-through ``torch.ops.mkldnn._linear_pointwise``) ran the same tile GEMMs at 170-210. oneDNN's
-per-call cost (~15 us) makes it pay only on whole-tile 2-D GEMMs, one head at a time (the
-plan's units). ``ATTN_TILED_GEMM=auto|onednn|bmm`` picks the engine (read at each call).
-``auto`` times both on one tile-sized GEMM the first time it is asked (~20 ms, once per
-process) and takes oneDNN only where it is clearly faster: an Intel CPU, where MKL has its
-AVX-512 path, and this project's Zen 4 machine (1.0x) keep ``bmm``.
+``bmm`` goes to MKL, whose fp32 GEMM takes its AVX2 path on AMD processors, where oneDNN's
+AVX-512 kernels (in every x86 torch build, reached through
+``torch.ops.mkldnn._linear_pointwise``) run the same tile GEMMs faster. oneDNN's per-call
+cost makes it pay only on whole-tile 2-D GEMMs, one head at a time (the plan's units).
+``ATTN_TILED_GEMM=auto|onednn|bmm`` picks the engine (read at each call). ``auto`` times
+both on one tile-sized GEMM the first time it is asked (once per process) and takes oneDNN
+only where it is clearly faster: an Intel CPU, where MKL has its AVX-512 path, keeps
+``bmm``. The measurements: docs/benchmarks.md, "Measurements behind the code's choices".
 """
 
 from __future__ import annotations
