@@ -1,0 +1,249 @@
+"""Forward-mode AD of tiled attention, tile by tile: the tangent of ``(out, lse)`` from the
+saved out and lse in one pass over the tiles, O(N) memory.
+
+With ``p_j = exp(s_j − lse)`` known from the forward, the online softmax has a forward-mode
+twin that needs no running max: for ``o = Σ_j p_j v_j`` (dropout's kept scale ``z_j`` folded
+into the sums over values),
+
+    ȯ = Σ_j p_j z_j (ṡ_j − Σ_k p_k ṡ_k) v_j + Σ_j p_j z_j v̇_j,    lsė = Σ_j p_j ṡ_j,
+
+so a query block accumulates ``A = Σ (p z ṡ) v + Σ (p z) v̇`` and ``b = Σ p ṡ`` over its key
+tiles and ends with ``ȯ = A − b·o``. The sinks join ``b`` as one more key of value 0.
+
+The tile's score tangent ṡ comes from :class:`TileScores`, a differentiable rebuild of one
+tile's scores (scale → score_mod → softcap → ALiBi → masks, the reference's order) in natural
+units, pushed forward with ``torch.func.jvp``: tangents of q, k, a learnable softcap, a float
+mask and the ALiBi slopes all reach ṡ exactly, whatever the variant. The same class serves the
+double backward (:mod:`attn.tiled.double`). Everything here is plain tensor code with no
+host reads, so it runs under vmap as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from attn.masks import as_4d, dropout_keep, dropout_keep_rows
+from attn.spec import LaunchSpec, Operands
+from attn.spec import acc_dtype as _acc_dtype
+from attn.tiled.plan import _blocks
+
+# tile sizes of the transform kernels (a spec's own block sizes win)
+BLOCK = 128
+
+# the differentiable operands of a tile's scores, in the order TileScores.fn takes them
+SCORE_INPUTS = ("q", "k", "softcap", "mask", "alibi")
+
+
+def unsupported(spec: LaunchSpec, ops: Operands, what: str) -> None:
+    """Raise NotImplementedError for what the transform kernels do not read."""
+    if ops.captured:
+        raise NotImplementedError(
+            f"tiled: {what} through a score_mod's captured tensors that require grad is not "
+            f"supported; backend='reference' differentiates them in every mode")
+    if spec.sharded:
+        raise NotImplementedError(f"tiled: {what} of a sharded call (q_start / k_start / "
+                                  f"heads) is not supported; backend='reference' runs it")
+
+
+class TileScores:
+    """One tile's masked scores ``(B, H, BM, BN)`` in natural units as a differentiable
+    function of its operands: :meth:`operands` slices q, k, the softcap, the float mask and
+    the ALiBi slopes (or their tangents) for a tile, :meth:`fn` is the function of them.
+    q ``(B, H, Nq, D)``, k ``(B, Hkv, Nk, D)``: the call's, accumulation dtype."""
+
+    def __init__(self, q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> None:
+        B, H, Nq, _ = q.shape
+        self.B, self.H, self.G, self.Nq, self.Nk = B, H, H // k.shape[1], Nq, k.shape[2]
+        self.spec, self.device = spec, q.device
+        self.acc = _acc_dtype(q.dtype)
+        self.band = spec.local_band()
+        mask = ops.attn_mask
+        self.bool_mask = as_4d(mask) if mask is not None and mask.dtype == torch.bool else None
+        self.float_mask = mask is not None and mask.dtype != torch.bool
+        self.has_cap = ops.softcap is not None
+        self.has_alibi = ops.alibi is not None
+        bm = spec.block_m or BLOCK
+        bn = spec.block_n or BLOCK
+        self.spec_sized = dataclasses.replace(spec, block_m=bm, block_n=bn)
+
+    def query_blocks(self):
+        """``(m0, m1, key_tiles)`` as the forward visits them (band and mask blocks)."""
+        return _blocks(self.spec_sized, self.Nq, self.Nk).query_blocks()
+
+    def operands(self, t: dict[str, Tensor | None], m0: int, m1: int, n0: int, n1: int,
+                 like: tuple[Tensor, ...] | None = None) -> tuple[Tensor, ...]:
+        """The tile's slices of ``t`` (full tensors by :data:`SCORE_INPUTS` name) in
+        :meth:`fn`'s order; a missing entry is zeros shaped as ``like``'s (a tangent)."""
+        out = []
+        for i, name in enumerate(self._names()):
+            x = t.get(name)
+            if x is None:
+                out.append(torch.zeros_like(like[i]))
+                continue
+            if name == "q":
+                x = x[:, :, m0:m1]
+            elif name == "k":
+                x = x[:, :, n0:n1]
+            elif name == "mask":
+                x = as_4d(x)
+                x = x[:, :, m0:m1 if x.shape[2] != 1 else None, n0:n1 if x.shape[3] != 1 else None]
+            out.append(x.to(self.acc))
+        return tuple(out)
+
+    def _names(self) -> tuple[str, ...]:
+        keep = {"q": True, "k": True, "softcap": self.has_cap, "mask": self.float_mask,
+                "alibi": self.has_alibi}
+        return tuple(n for n in SCORE_INPUTS if keep[n])
+
+    def _idx(self, m0, m1, n0, n1):
+        dev = self.device
+        return (torch.arange(self.B, device=dev).view(-1, 1, 1, 1),
+                torch.arange(self.H, device=dev).view(1, -1, 1, 1),
+                torch.arange(m0, m1, device=dev).view(1, 1, -1, 1),
+                torch.arange(n0, n1, device=dev).view(1, 1, 1, -1))
+
+    def allowed(self, m0: int, m1: int, n0: int, n1: int, full: bool) -> Tensor | None:
+        """Bool keep-mask of the tile (broadcastable to (B, H, BM, BN)), None: all kept."""
+        keep = None
+        dev = self.device
+        if not full:
+            keep = self.band.mask(torch.arange(m0, m1, device=dev),
+                                  torch.arange(n0, n1, device=dev))
+            if self.spec.mask_mod is not None:
+                kmod = self.spec.mask_mod(*self._idx(m0, m1, n0, n1))
+                keep = kmod if keep is None else keep & kmod
+        if self.bool_mask is not None:
+            m = self.bool_mask
+            tile = m[:, :, m0:m1 if m.shape[2] != 1 else None, n0:n1 if m.shape[3] != 1 else None]
+            keep = tile if keep is None else keep & tile
+        return keep
+
+    def dropout(self, m0: int, m1: int, n0: int, n1: int) -> Tensor | None:
+        """Kept elements scaled by 1/(1-p), dropped ones 0, ``(B, H, BM, BN)``; None: none."""
+        spec = self.spec
+        if spec.dropout_p == 0.0:
+            return None
+        dev = self.device
+        offs_m, offs_n = torch.arange(m0, m1, device=dev), torch.arange(n0, n1, device=dev)
+        h = torch.arange(self.H, device=dev)
+        if spec.dropout_rows is None:
+            bh = torch.arange(self.B, device=dev)[:, None] * self.H + h
+            keep = dropout_keep(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
+        else:  # packed: one batch row holding many sequences
+            b_rows, offs_m, offs_n = spec.dropout_rows(offs_m, offs_n)
+            bh = b_rows.view(1, 1, -1) * self.H + h.view(1, -1, 1)
+            keep = dropout_keep_rows(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
+        return keep.to(self.acc) / (1.0 - spec.dropout_p)
+
+    def fn(self, m0: int, m1: int, n0: int, n1: int, full: bool) -> Callable[..., Tensor]:
+        """The tile's scores as a function of :meth:`operands`' tensors."""
+        spec, H, G, acc = self.spec, self.H, self.G, self.acc
+        keep = self.allowed(m0, m1, n0, n1, full)
+        dist = None
+        if self.has_alibi:
+            offs_m = torch.arange(m0, m1, device=self.device)
+            offs_n = torch.arange(n0, n1, device=self.device)
+            if spec.alibi_rows is None:
+                dist = (offs_n[None, :] - (offs_m[:, None] + self.band.offset)).abs()
+                seq = None
+            else:
+                seq, pos_m, pos_n = spec.alibi_rows(offs_m, offs_n)
+                dist = (pos_n[None, :] - pos_m[:, None]).abs()
+            dist = dist.to(acc)
+        idx = self._idx(m0, m1, n0, n1) if spec.score_mod is not None else None
+        names = self._names()
+
+        def scores(*xs: Tensor) -> Tensor:
+            x = dict(zip(names, xs))
+            kt = x["k"].repeat_interleave(G, dim=1) if G > 1 else x["k"]  # (B, H, BN, D)
+            s = x["q"] @ kt.transpose(-2, -1) * spec.qk_scale
+            if spec.score_mod is not None:
+                s = torch.broadcast_to(spec.score_mod(s, *idx), s.shape).to(acc)
+            if self.has_cap:
+                c = x["softcap"].expand(H).reshape(1, H, 1, 1)
+                s = c * torch.tanh(s / c)
+            elif spec.softcap is not None:
+                s = spec.softcap * torch.tanh(s / spec.softcap)
+            if dist is not None:
+                if seq is None:
+                    slope = x["alibi"].expand(self.B, H).reshape(self.B, H, 1, 1)
+                else:  # packed: each row its sequence's slopes
+                    slope = x["alibi"][seq].t().reshape(1, H, -1, 1)
+                s = s - slope * dist
+            k_ = keep
+            if self.float_mask:
+                s = s + x["mask"]
+                finite = x["mask"] != float("-inf")
+                k_ = finite if k_ is None else k_ & finite
+            if k_ is not None:
+                s = s.masked_fill(~k_, float("-inf"))
+            return s
+
+        return scores
+
+
+def rows(x: Tensor, m0: int, m1: int) -> Tensor:
+    """Per-row values ``(B, H, Nq)`` of a query block as a column ``(B, H, BM, 1)``."""
+    return x[:, :, m0:m1].unsqueeze(-1)
+
+
+def probs(s: Tensor, lse_col: Tensor) -> Tensor:
+    """``exp(s − lse)``, 0 on rows that see nothing (lse −inf, made +inf by the caller)."""
+    return torch.exp(s - lse_col)
+
+
+def safe_lse(lse: Tensor, acc: torch.dtype) -> Tensor:
+    """The lse in ``acc`` with −inf (rows that see nothing) as +inf, so their p is 0."""
+    lse = lse.to(acc)
+    return torch.where(lse == float("-inf"), float("inf"), lse)
+
+
+def expand_heads(x: Tensor, G: int) -> Tensor:
+    """K/V-head tensor ``(B, Hkv, ·, ·)`` repeated to the query heads ``(B, H, ·, ·)``."""
+    return x.repeat_interleave(G, dim=1) if G > 1 else x
+
+
+def tiled_jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: LaunchSpec,
+              ops: Operands, tangents: dict[str, Tensor | None]) -> tuple[Tensor, Tensor]:
+    """Tangents ``(ȯ, lsė)`` of tiled attention's ``(out, lse)`` at q, k, v (the call's,
+    out and lse its forward's), for ``tangents`` by name: q, k, v, softcap, mask, alibi,
+    sinks (None or missing: 0). ȯ in v's dtype, lsė in the lse's."""
+    if tangents.get("captured"):
+        unsupported(spec, ops, "forward-mode AD")
+    unsupported(spec, ops._replace(captured=()), "forward-mode AD")
+    B, H, Nq, _ = q.shape
+    G = H // k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    ts = TileScores(q, k, spec, ops)
+    primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask, "alibi": ops.alibi}
+    lse_a = safe_lse(lse, acc)
+    out_a = out.to(acc)
+    tv = tangents.get("v")
+    outs, lses = [], []  # per query block, concatenated (no in-place writes: vmap-safe)
+    for m0, m1, key_tiles in ts.query_blocks():
+        lse_col = rows(lse_a, m0, m1)
+        a_acc = torch.zeros(B, H, m1 - m0, v.shape[-1], dtype=acc, device=q.device)
+        b_acc = torch.zeros(B, H, m1 - m0, 1, dtype=acc, device=q.device)
+        for n0, n1, full in key_tiles:
+            xs = ts.operands(primal, m0, m1, n0, n1)
+            txs = ts.operands(tangents, m0, m1, n0, n1, like=xs)
+            s, sd = torch.func.jvp(ts.fn(m0, m1, n0, n1, full), xs, txs)
+            p = probs(s, lse_col)
+            psd = p * sd
+            b_acc = b_acc + psd.sum(-1, keepdim=True)
+            z = ts.dropout(m0, m1, n0, n1)
+            if z is not None:
+                p, psd = p * z, psd * z
+            a_acc = a_acc + psd @ expand_heads(v[:, :, n0:n1].to(acc), G)
+            if tv is not None:
+                a_acc = a_acc + p @ expand_heads(tv[:, :, n0:n1].to(acc), G)
+        if ops.sinks is not None and tangents.get("sinks") is not None:
+            p_sink = torch.exp(ops.sinks.to(acc).view(1, H, 1, 1) - lse_col)
+            b_acc = b_acc + p_sink * tangents["sinks"].to(acc).view(1, H, 1, 1)
+        outs.append(a_acc - b_acc * out_a[:, :, m0:m1])
+        lses.append(b_acc.squeeze(-1))
+    return torch.cat(outs, dim=2).to(v.dtype), torch.cat(lses, dim=2).to(lse.dtype)
