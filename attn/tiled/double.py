@@ -21,7 +21,8 @@ as a first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import batching
-from attn.tiled.jvp import TileScores, expand_heads, probs, rows, safe_lse, unsupported
+from attn.tiled.jvp import TileScores, expand_heads, probs, rows, safe_lse, span, unsupported
 
 _GRAD_NAMES = ("q", "k", "v", "mask", "sinks", "softcap")
 
@@ -93,9 +94,9 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     def tile(m0, m1, n0, n1, full):
         xs = ts.operands(primal, m0, m1, n0, n1)
         txs = ts.operands(t, m0, m1, n0, n1, like=xs)
-        fn = ts.fn(m0, m1, n0, n1, full)
-        vt = expand_heads(v[:, :, n0:n1].to(acc), G)
-        tvt = None if tv is None else expand_heads(tv[:, :, n0:n1], G)
+        fn = ts.fn(m0, m1, n0, n1, full, txs)
+        vt = expand_heads(span(v, 2, n0, n1).to(acc), G)
+        tvt = None if tv is None else expand_heads(span(tv, 2, n0, n1), G)
         return xs, txs, fn, vt, tvt, ts.dropout(m0, m1, n0, n1)
 
     def col(x: Tensor | None, m0: int, m1: int) -> Tensor | float:
@@ -103,7 +104,7 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
 
     for m0, m1, key_tiles in ts.query_blocks():
         BM = m1 - m0
-        lse_col, g_blk = rows(lse_a, m0, m1), g_a[:, :, m0:m1]
+        lse_col, g_blk = rows(lse_a, m0, m1), span(g_a, 2, m0, m1)
 
         def terms(s, a, z, vt, tvt, lse_col=lse_col, g_blk=g_blk):
             """p, p·z, dp = z·(g vᵀ) and c = a·dp + z·(g t_vᵀ) of a tile."""
@@ -116,13 +117,13 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
             c = a * dp if e is None else a * dp + e
             return p, p if z is None else p * z, dp, c
 
-        gd_blk = None if gd is None else gd[:, :, m0:m1]
+        gd_blk = None if gd is None else span(gd, 2, m0, m1)
         zero_col = torch.zeros(B, H, BM, 1, dtype=acc, device=q.device)
         # -- pass 1: the row sums ā, C, Δ_pd (and Σ p ḋp for the first-order term) --
         abar, c_sum, dpd, dpd_dot = zero_col, zero_col, zero_col, zero_col
         for n0, n1, full in key_tiles:
             xs, txs, fn, vt, tvt, z = tile(m0, m1, n0, n1, full)
-            s, a = torch.func.jvp(fn, xs, txs)
+            s, a = fn(*xs)
             p, pz, dp, c = terms(s, a, z, vt, tvt)
             abar = abar + (p * a).sum(-1, keepdim=True)
             c_sum = c_sum + (p * c).sum(-1, keepdim=True)
@@ -141,7 +142,7 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
         dg_blk = torch.zeros(B, H, BM, Dv, dtype=acc, device=q.device)
         for n0, n1, full in key_tiles:
             xs, txs, fn, vt, tvt, z = tile(m0, m1, n0, n1, full)
-            (s, a), vjp_fn = torch.func.vjp(lambda *x: torch.func.jvp(fn, x, txs), *xs)
+            (s, a), vjp_fn = torch.func.vjp(fn, *xs)
             p, pz, dp, c = terms(s, a, z, vt, tvt)
             s_bar = p * ((c - c_sum) - delta * (a - abar) - abar * (dp - dpd))
             a_bar = p * (dp - delta)
@@ -177,10 +178,13 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
         dq_blocks.append(dq_blk)
         dg_blocks.append(dg_blk)
         dlse_blocks.append(abar.squeeze(-1))
-    res = {"q": torch.cat(dq_blocks, dim=2),
+    def cat(xs):
+        return xs[0] if len(xs) == 1 else torch.cat(xs, dim=2)
+
+    res = {"q": cat(dq_blocks),
            "k": dk.join(Nk, torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)),
            "v": dv.join(Nk, torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)),
-           "do": torch.cat(dg_blocks, dim=2), "dlse": torch.cat(dlse_blocks, dim=2)}
+           "do": cat(dg_blocks), "dlse": cat(dlse_blocks)}
     if mask4 is not None:
         res["mask"] = _join_rows(dmask_rows, mask4, Nq).reshape(ops.attn_mask.shape)
     if ops.softcap is not None:
@@ -223,7 +227,29 @@ def _join_rows(blocks: list[tuple[int, int, Tensor]], mask4: Tensor, Nq: int) ->
     return torch.cat(parts, dim=2)
 
 
-class Static(NamedTuple):
+def _legacy_batched(x: Tensor | None) -> bool:
+    """Whether ``x`` is batched by torch's legacy vmap (``torch._vmap_internals``, which
+    gradcheck's batched-gradient checks use): it has no rule for the launchers' views and
+    ``out=`` GEMMs, and passes no in_dims to unwrap by."""
+    return x is not None and "Batched" in str(torch._C._dispatch_keys(x)).replace(
+        "FuncTorchBatched", "")
+
+
+def _pure_backward(static, do, dlse, q, k, v, out, lse, ops: Operands) -> tuple:
+    """The first-order gradients by :func:`tiled_hvp` (no direction, ``first = (do,
+    dlse)``): plain tensor code, for tensors the launchers cannot take."""
+    r = tiled_hvp(q, k, v, out, lse, static.spec, ops._replace(captured=()), do, dlse, {},
+                  first=(do, dlse))
+    dmask = r.get("mask") if static.need_dmask else None
+    dcap = r.get("softcap") if static.need_dcap else None
+    like = (q, k, v, ops.attn_mask, ops.sinks, ops.softcap)
+    grads = (r["q"], r["k"], r["v"], dmask, r.get("sinks"), dcap)
+    return tuple(None if g is None else g.to(x.dtype) for g, x in zip(grads, like)) + (
+        (None,) * len(ops.captured))
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
     """The non-tensor inputs of :class:`_TiledBackward`: the call's spec and tile config, the
     first-order launcher (``attn.tiled.attention._bwd``) and which optional gradients the
     forward's inputs need."""
@@ -252,6 +278,8 @@ class _TiledBackward(torch.autograd.Function):
     def forward(static: Static, do, dlse, q, k, v, out, lse, lse2, attn_mask, sinks, softcap,
                 alibi, *captured):
         ops = Operands(attn_mask, sinks, softcap, alibi, captured)
+        if any(_legacy_batched(x) for x in (do, dlse, q, k, v)):
+            return _pure_backward(static, do, dlse, q, k, v, out, lse, ops)
         g = static.bwd(do.contiguous(), dlse, q, k, v, out, lse, static.spec, ops,
                        need_dmask=static.need_dmask, need_dcap=static.need_dcap, lse2=lse2,
                        config=static.config)
