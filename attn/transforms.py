@@ -18,6 +18,10 @@ __all__ = ["active", "forward_ad", "physical", "in_vmap"]
 
 
 def _stack() -> list:
+    """functorch's interpreters, outermost first; none while torch.compile traces (dynamo
+    cannot read the stack, and a traced call runs under no transform of its own)."""
+    if torch.compiler.is_compiling():
+        return []
     return list(_functorch.get_interpreter_stack() or ())
 
 
@@ -38,7 +42,7 @@ def in_vmap() -> bool:
 
 def forward_ad(*tensors: object) -> bool:
     """Whether one of ``tensors`` is a dual tensor of ``torch.autograd.forward_ad``."""
-    if not torch._C._is_fwd_grad_enabled():
+    if torch.compiler.is_compiling() or not torch._C._is_fwd_grad_enabled():
         return False
     from torch.autograd import forward_ad as fwad
     for t in tensors:

@@ -19,6 +19,7 @@ from attn.kvquant import decode_codes, dequantize
 from attn.spec import (LaunchSpec, Operands, PageTable, QuantPages, check_paged_forward_only,
                        operands_of)
 from attn.spec import acc_dtype as _acc_dtype
+from attn import transforms
 from attn.tiled import batching, cpu, double, jvp
 from attn.tiled.gemm import _Gemm, low_gemms
 from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items,
@@ -760,8 +761,33 @@ class _TiledAttention(torch.autograd.Function):
         do = torch.zeros_like(out) if dout is None else dout  # only lse was used
         static = double.Static(ctx.spec, ctx.config, _bwd, bool(ctx.needs_input_grad[5]),
                                bool(ctx.needs_input_grad[7]))
-        g = double.differentiable_backward(static, do, dlse, q, k, v, out, lse, lse2, ops)
+        if torch.compiler.is_compiling():  # traced: the first-order launcher as it is
+            g = double._TiledBackward.forward(static, do, dlse, q, k, v, out, lse, lse2,
+                                              *ops[:4], *ops.captured)
+        else:
+            g = double.differentiable_backward(static, do, dlse, q, k, v, out, lse, lse2, ops)
         return (*g[:3], None, None, *g[3:6], None, *g[6:])
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, spec, config, attn_mask, sinks, softcap, alibi,
+             *captured):
+        args = (q, k, v, spec, config, attn_mask, sinks, softcap, alibi, *captured)
+        ops = Operands(attn_mask, sinks, softcap, alibi, tuple(captured))
+        X = info.batch_size
+        if not double._foldable(spec, ops, need_dmask=False) or any(
+                d is not None for d in in_dims[6:]):
+            return batching.call_per_sample(_TiledAttentionJvp.apply, X, in_dims, args)
+        B = batching.rows_of(q, in_dims[0])
+        qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
+        res = _TiledAttentionJvp.apply(*qkv, spec, config,
+                                    batching.fold_mask(attn_mask, in_dims[5], X, B),
+                                    None, None, batching.fold(alibi, in_dims[8], X, B))
+        return tuple(batching.unfold(x, X) for x in res), (0, 0, 0)
+
+
+class _TiledAttentionJvp(_TiledAttention):
+    """:class:`_TiledAttention` with its forward-mode rule, taken under torch.func transforms
+    and forward-mode AD (torch.compile cannot trace a Function that defines ``jvp``)."""
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, _spec, _config, dmask, dsinks, dsoftcap, dalibi, *dcaptured):
@@ -772,22 +798,6 @@ class _TiledAttention(torch.autograd.Function):
                     "captured": any(d is not None for d in dcaptured)}
         d_out, d_lse = jvp.tiled_jvp(q, k, v, out, lse, ctx.spec, ops, tangents)
         return d_out, d_lse, None
-
-    @staticmethod
-    def vmap(info, in_dims, q, k, v, spec, config, attn_mask, sinks, softcap, alibi,
-             *captured):
-        args = (q, k, v, spec, config, attn_mask, sinks, softcap, alibi, *captured)
-        ops = Operands(attn_mask, sinks, softcap, alibi, tuple(captured))
-        X = info.batch_size
-        if not double._foldable(spec, ops, need_dmask=False) or any(
-                d is not None for d in in_dims[6:]):
-            return batching.call_per_sample(_TiledAttention.apply, X, in_dims, args)
-        B = batching.rows_of(q, in_dims[0])
-        qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
-        res = _TiledAttention.apply(*qkv, spec, config,
-                                    batching.fold_mask(attn_mask, in_dims[5], X, B),
-                                    None, None, batching.fold(alibi, in_dims[8], X, B))
-        return tuple(batching.unfold(x, X) for x in res), (0, 0, 0)
 
 
 # -- torch.export: the call as one opaque op --------------------------------------------------
@@ -898,7 +908,8 @@ def tiled_attention(
     if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
         mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
         spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
-    out, lse, _ = _TiledAttention.apply(q, k, v, spec, config, operands.attn_mask,
-                                        operands.sinks, operands.softcap, operands.alibi,
-                                        *operands.captured)
+    ts = (q, k, v, *operands[:4], *operands.captured)
+    fn = _TiledAttentionJvp if transforms.active(*ts) else _TiledAttention
+    out, lse, _ = fn.apply(q, k, v, spec, config, operands.attn_mask, operands.sinks,
+                           operands.softcap, operands.alibi, *operands.captured)
     return out, lse

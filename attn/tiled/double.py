@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attn import transforms
 from attn.grads import reduce_to
 from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
@@ -278,7 +279,8 @@ class _TiledBackward(torch.autograd.Function):
     def forward(static: Static, do, dlse, q, k, v, out, lse, lse2, attn_mask, sinks, softcap,
                 alibi, *captured):
         ops = Operands(attn_mask, sinks, softcap, alibi, captured)
-        if any(_legacy_batched(x) for x in (do, dlse, q, k, v)):
+        if not torch.compiler.is_compiling() and any(
+                _legacy_batched(x) for x in (do, dlse, q, k, v)):
             return _pure_backward(static, do, dlse, q, k, v, out, lse, ops)
         g = static.bwd(do.contiguous(), dlse, q, k, v, out, lse, static.spec, ops,
                        need_dmask=static.need_dmask, need_dcap=static.need_dcap, lse2=lse2,
@@ -326,6 +328,29 @@ class _TiledBackward(torch.autograd.Function):
                 *(None,) * len(ctx.captured))
 
     @staticmethod
+    def vmap(info, in_dims, static, do, dlse, q, k, v, out, lse, lse2, attn_mask, sinks,
+             softcap, alibi, *captured):
+        args = (static, do, dlse, q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi,
+                *captured)
+        ops = Operands(attn_mask, sinks, softcap, alibi, tuple(captured))
+        X = info.batch_size
+        if not _foldable(static.spec, ops, static.need_dmask):
+            return batching.call_per_sample(_TiledBackwardJvp.apply, X, in_dims, args)
+        B = batching.rows_of(q, in_dims[3])
+        f = [batching.fold(x, d, X, B) for x, d in zip(args[1:9], in_dims[1:9])]
+        m = batching.fold_mask(attn_mask, in_dims[9], X, B)
+        al = batching.fold(alibi, in_dims[12], X, B)
+        res = _TiledBackwardJvp.apply(static, *f, m, None, None, al)
+        outs = tuple(batching.unfold(x, X) for x in res)
+        return outs, tuple(None if o is None else 0 for o in outs)
+
+
+class _TiledBackwardJvp(_TiledBackward):
+    """:class:`_TiledBackward` with its forward-mode rule (``jacfwd(jacrev(f))``), taken
+    under torch.func transforms and forward-mode AD (torch.compile cannot trace a Function
+    that defines ``jvp``)."""
+
+    @staticmethod
     def jvp(ctx, _static, t_do, t_dlse, t_q, t_k, t_v, _out, _lse, _lse2, t_mask, t_sinks,
             t_cap, t_alibi, *t_captured):
         do, dlse, q, k, v, out, lse, ops = _TiledBackward._saved(ctx)
@@ -342,28 +367,13 @@ class _TiledBackward(torch.autograd.Function):
                          for name, x, none in zip(_GRAD_NAMES, like, ctx.outputs_none))
         return tangents + (None,) * len(ctx.captured)
 
-    @staticmethod
-    def vmap(info, in_dims, static, do, dlse, q, k, v, out, lse, lse2, attn_mask, sinks,
-             softcap, alibi, *captured):
-        args = (static, do, dlse, q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi,
-                *captured)
-        ops = Operands(attn_mask, sinks, softcap, alibi, tuple(captured))
-        X = info.batch_size
-        if not _foldable(static.spec, ops, static.need_dmask):
-            return batching.call_per_sample(_TiledBackward.apply, X, in_dims, args)
-        B = batching.rows_of(q, in_dims[3])
-        f = [batching.fold(x, d, X, B) for x, d in zip(args[1:9], in_dims[1:9])]
-        m = batching.fold_mask(attn_mask, in_dims[9], X, B)
-        al = batching.fold(alibi, in_dims[12], X, B)
-        res = _TiledBackward.apply(static, *f, m, None, None, al)
-        outs = tuple(batching.unfold(x, X) for x in res)
-        return outs, tuple(None if o is None else 0 for o in outs)
-
 
 def differentiable_backward(static: Static, do: Tensor, dlse: Tensor | None, q: Tensor,
                             k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                             lse2: Tensor | None, ops: Operands) -> tuple:
     """Tiled attention's gradients ``(dq, dk, dv, dmask, dsinks, dsoftcap, *dcaptured)``
     through :class:`_TiledBackward`: differentiable again (create_graph=True, torch.func)."""
-    return _TiledBackward.apply(static, do, dlse, q, k, v, out, lse, lse2, ops.attn_mask,
-                                ops.sinks, ops.softcap, ops.alibi, *ops.captured)
+    args = (do, dlse, q, k, v, out, lse, *ops[:4], *ops.captured)
+    fn = _TiledBackwardJvp if transforms.active(*args) else _TiledBackward
+    return fn.apply(static, do, dlse, q, k, v, out, lse, lse2, ops.attn_mask, ops.sinks,
+                    ops.softcap, ops.alibi, *ops.captured)
