@@ -34,7 +34,8 @@ from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import batching
-from attn.tiled.jvp import TileScores, expand_heads, probs, rows, safe_lse, span, unsupported
+from attn.tiled.jvp import (TileScores, expand_heads, one_thread, probs, rows, safe_lse, span,
+                            unsupported)
 
 _GRAD_NAMES = ("q", "k", "v", "mask", "sinks", "softcap")
 
@@ -70,6 +71,11 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     accumulation dtype at its operand's shape. ``t``: directions by name (q, k, v, mask,
     sinks, softcap, alibi; missing: 0). ``first = (ġ, ġ_lse)``: the forward-mode rule of the
     backward, ``Jᵀ ġ`` added to the q, k, v, mask, sinks and softcap entries."""
+    with one_thread(q):
+        return _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first)
+
+
+def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
     unsupported(spec, ops, "the double backward")
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]

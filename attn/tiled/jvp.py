@@ -12,14 +12,15 @@ tiles and ends with ``ȯ = A − b·o``. The sinks join ``b`` as one more key of
 
 The tile's score tangent ṡ comes from :class:`TileScores`, a differentiable rebuild of one
 tile's scores (scale → score_mod → softcap → ALiBi → masks, the reference's order) in natural
-units, pushed forward with ``torch.func.jvp``: tangents of q, k, a learnable softcap, a float
-mask and the ALiBi slopes all reach ṡ exactly, whatever the variant. The same class serves the
+units beside their tangent, step by step: tangents of q, k, a learnable softcap, a float mask
+and the ALiBi slopes all reach ṡ exactly, whatever the variant. The same class serves the
 double backward (:mod:`attn.tiled.double`). Everything here is plain tensor code with no
 host reads, so it runs under vmap as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -29,6 +30,7 @@ from torch import Tensor
 from attn.masks import as_4d, dropout_keep, dropout_keep_rows
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
+from attn.tiled import cpu
 from attn.tiled.plan import _blocks
 
 # tile sizes of the transform kernels (a spec's own block sizes win)
@@ -230,11 +232,23 @@ def expand_heads(x: Tensor, G: int) -> Tensor:
     return x.repeat_interleave(G, dim=1) if G > 1 else x
 
 
+def one_thread(x: Tensor) -> contextlib.AbstractContextManager:
+    """CPU: the kernels' tile ops on one intra-op thread (as the tiled launchers' items run):
+    a (BM, BN) tile is too small for a parallel region, and on a busy machine one runs ~100x
+    slower than a single thread (OpenMP's team waits for threads that are not scheduled)."""
+    return cpu.single_thread() if x.device.type == "cpu" else contextlib.nullcontext()
+
+
 def tiled_jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: LaunchSpec,
               ops: Operands, tangents: dict[str, Tensor | None]) -> tuple[Tensor, Tensor]:
     """Tangents ``(ȯ, lsė)`` of tiled attention's ``(out, lse)`` at q, k, v (the call's,
     out and lse its forward's), for ``tangents`` by name: q, k, v, softcap, mask, alibi,
     sinks (None or missing: 0). ȯ in v's dtype, lsė in the lse's."""
+    with one_thread(q):
+        return _tiled_jvp(q, k, v, out, lse, spec, ops, tangents)
+
+
+def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents):
     if tangents.get("captured"):
         unsupported(spec, ops, "forward-mode AD")
     unsupported(spec, ops._replace(captured=()), "forward-mode AD")
