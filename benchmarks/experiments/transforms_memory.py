@@ -6,6 +6,7 @@ CPU profiler; CUDA: max_memory_allocated). Times: median of interleaved rounds (
 backends take turns), so ratios hold on a loaded machine.
 
     python benchmarks/experiments/transforms_memory.py --n 512 1024 2048 --rounds 3
+    python benchmarks/experiments/transforms_memory.py --per-sample 256 --rounds 3
 """
 
 from __future__ import annotations
@@ -44,6 +45,31 @@ def cases(backend: str, q, k, v, tq, tk, tv):
     return {"forward": fwd, "fwd+bwd": fwd_bwd, "jvp": tangent, "double bwd": double}
 
 
+def per_sample(n: int, heads: int, head_dim: int, rounds: int, samples: int = 16) -> None:
+    """``vmap(grad(loss))`` over ``samples`` sequences against a Python loop of ``grad``."""
+    from torch.func import grad, vmap
+
+    q, k, v = (torch.randn(samples, heads, n, head_dim) for _ in range(3))
+    fns = {}
+    for be in ("tiled", "reference"):
+        def loss(a, b, c, be=be):
+            return attn.attention(a[None], b[None], c[None], causal=True,
+                                  backend=be).square().sum()
+        g = grad(loss, argnums=(0, 1, 2))
+        fns[f"{be} vmap"] = lambda g=g: vmap(g)(q, k, v)
+        fns[f"{be} loop"] = lambda g=g: [g(q[i], k[i], v[i]) for i in range(samples)]
+    for fn in fns.values():
+        fn()
+    times = paired(fns, rounds=rounds)
+    print(f"per-sample gradients, {samples} samples of (H={heads}, N={n}, D={head_dim}):")
+    for be in ("tiled", "reference"):
+        ratio = statistics.median(a / b for a, b in zip(times[f"{be} vmap"],
+                                                        times[f"{be} loop"]))
+        print(f"| {be} | vmap {statistics.median(times[f'{be} vmap']) * 1e3:.1f} ms | loop "
+              f"{statistics.median(times[f'{be} loop']) * 1e3:.1f} ms | vmap / loop "
+              f"{ratio:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[512, 1024, 2048])
@@ -51,8 +77,13 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--per-sample", type=int, default=0, metavar="N",
+                    help="instead: vmap(grad) over 16 samples of length N against a loop")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.per_sample:
+        per_sample(args.per_sample, args.heads, args.head_dim, args.rounds)
+        return
     print(f"torch {torch.__version__}, {args.device}, float32, B=1 H={args.heads} "
           f"D={args.head_dim}, causal; peak MiB above the inputs; ms median of "
           f"{args.rounds} interleaved rounds")
