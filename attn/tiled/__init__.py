@@ -48,5 +48,6 @@ def double_backward(do, dlse, q, k, v, out, lse, spec: LaunchSpec, ops):
 
 
 __all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT", "COMPILED_DEFAULT", "Grads", "LaunchSpec",
-           "SequenceBlocks", "TileConfig", "compiled_steps_default", "double_backward", "steps_path_reason",
+           "SequenceBlocks", "TileConfig", "compiled_steps_default", "double_backward",
+           "steps_path_reason",
            "paged_attention", "sink_grad", "tiled_attention"]

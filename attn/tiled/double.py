@@ -83,7 +83,7 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
     acc = _acc_dtype(q.dtype)
     ts = TileScores(q, k, spec, ops)
     primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask, "alibi": ops.alibi}
-    lse_a, out_a, g_a = safe_lse(lse, acc), out.to(acc), g.to(acc)
+    lse_a, g_a = safe_lse(lse, acc), g.to(acc)
     tv = None if t.get("v") is None else t["v"].to(acc)
     gd, glse_d = (None, None) if first is None else first
     gd = None if gd is None else gd.to(acc)
@@ -293,7 +293,9 @@ class _TiledBackward(torch.autograd.Function):
                        config=static.config)
         dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
-        dcap = None if g.dsoftcap is None else reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype)
+        dcap = None
+        if g.dsoftcap is not None:
+            dcap = reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype)
         dcaptured = tuple(None if d is None else d.to(c.dtype)
                           for d, c in zip(g.dcaptured, captured))
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), dmask, dsinks, dcap,
