@@ -42,9 +42,11 @@ def in_vmap() -> bool:
 
 def forward_ad(*tensors: object) -> bool:
     """Whether one of ``tensors`` is a dual tensor of ``torch.autograd.forward_ad``."""
-    if torch.compiler.is_compiling() or not torch._C._is_fwd_grad_enabled():
-        return False
     from torch.autograd import forward_ad as fwad
+
+    # no dual level open (the common case): nothing to look at
+    if torch.compiler.is_compiling() or getattr(fwad, "_current_level", 0) < 0:
+        return False
     for t in tensors:
         if isinstance(t, Tensor) and not _functorch.is_functorch_wrapped_tensor(t):
             try:

@@ -211,6 +211,13 @@ def test_gradcheck_batched_grad_on_the_drop_in():
         lambda a, b, c: attn.scaled_dot_product_attention(a, b, c, is_causal=True),
         (q, k, v), check_batched_grad=True, check_forward_ad=True,
         check_batched_forward_grad=True)
+    # torch.func.vmap over a vjp of the drop-in (test_transformers.py's CPU SDPA cases)
+    out, fn = vjp(lambda a, b, c: attn.scaled_dot_product_attention(a, b, c, is_causal=True),
+                  q, k, v)
+    cts = torch.stack([torch.ones_like(out), -out.detach()])
+    got = vmap(fn)(cts)
+    for i in range(2):
+        close(tuple(g[i] for g in got), fn(cts[i]))
     assert torch.autograd.gradcheck(
         lambda a, b, c: attn.attention(a, b, c, backend="tiled", return_lse=True),
         (q, k, v), check_batched_grad=True, check_forward_ad=True,
