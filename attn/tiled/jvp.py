@@ -232,6 +232,19 @@ def expand_heads(x: Tensor, G: int) -> Tensor:
     return x.repeat_interleave(G, dim=1) if G > 1 else x
 
 
+def plain(*xs: object) -> bool:
+    """Whether every tensor of ``xs`` is a plain CPU tensor (no functorch wrapper, no legacy
+    vmap batch, not traced): then the worker pool may run the kernels' items."""
+    if torch.compiler.is_compiling():
+        return False
+    for x in xs:
+        if isinstance(x, Tensor) and (
+                x.device.type != "cpu" or torch._C._functorch.is_functorch_wrapped_tensor(x)
+                or "Batched" in str(torch._C._dispatch_keys(x))):
+            return False
+    return True
+
+
 def one_thread(x: Tensor) -> contextlib.AbstractContextManager:
     """CPU: the kernels' tile ops on one intra-op thread (as the tiled launchers' items run):
     a (BM, BN) tile is too small for a parallel region, and on a busy machine one runs ~100x
@@ -244,11 +257,12 @@ def tiled_jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     """Tangents ``(ȯ, lsė)`` of tiled attention's ``(out, lse)`` at q, k, v (the call's,
     out and lse its forward's), for ``tangents`` by name: q, k, v, softcap, mask, alibi,
     sinks (None or missing: 0). ȯ in v's dtype, lsė in the lse's."""
+    threads = cpu.workers_for_call()  # read before one_thread sets the caller's to 1
     with one_thread(q):
-        return _tiled_jvp(q, k, v, out, lse, spec, ops, tangents)
+        return _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads)
 
 
-def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents):
+def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
     if tangents.get("captured"):
         unsupported(spec, ops, "forward-mode AD")
     unsupported(spec, ops._replace(captured=()), "forward-mode AD")
@@ -260,8 +274,9 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents):
     lse_a = safe_lse(lse, acc)
     out_a = out.to(acc)
     tv = tangents.get("v")
-    outs, lses = [], []  # per query block, concatenated (no in-place writes: vmap-safe)
-    for m0, m1, key_tiles in ts.query_blocks():
+
+    def block(m0: int, m1: int, key_tiles) -> tuple[Tensor, Tensor]:
+        """One query block's ``(ȯ, lsė)`` rows."""
         lse_col = rows(lse_a, m0, m1)
         a_acc = torch.zeros(B, H, m1 - m0, v.shape[-1], dtype=acc, device=q.device)
         b_acc = torch.zeros(B, H, m1 - m0, 1, dtype=acc, device=q.device)
@@ -281,8 +296,23 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents):
         if ops.sinks is not None and tangents.get("sinks") is not None:
             p_sink = torch.exp(ops.sinks.to(acc).view(1, H, 1, 1) - lse_col)
             b_acc = b_acc + p_sink * tangents["sinks"].to(acc).view(1, H, 1, 1)
-        outs.append(a_acc - b_acc * span(out_a, 2, m0, m1))
-        lses.append(b_acc.squeeze(-1))
+        return a_acc - b_acc * span(out_a, 2, m0, m1), b_acc.squeeze(-1)
+
+    blocks = list(ts.query_blocks())
+    if plain(q, k, v, out, lse, *primal.values(), *tangents.values()):
+        # plain CPU tensors: the query blocks are work items on the tiled backend's pool,
+        # each writing its own rows (bits independent of the worker count)
+        d_out = torch.empty(B, H, Nq, v.shape[-1], dtype=acc, device=q.device)
+        d_lse = torch.empty(B, H, Nq, dtype=acc, device=q.device)
+
+        def run(i: int) -> None:
+            m0, m1, key_tiles = blocks[i]
+            d_out[:, :, m0:m1], d_lse[:, :, m0:m1] = block(m0, m1, key_tiles)
+
+        cpu.run_items(run, len(blocks), threads=threads)
+        return d_out.to(v.dtype), d_lse.to(lse.dtype)
+    # wrapped tensors (vmap, nested transforms): in order, concatenated, nothing in place
+    outs, lses = zip(*(block(*b) for b in blocks))
     d_out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     d_lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
     return d_out.to(v.dtype), d_lse.to(lse.dtype)
