@@ -139,7 +139,7 @@ def scaled_dot_product_attention(
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on attn's backends.
 
     Same arguments and semantics as torch's: inputs (..., H, L, E) / (..., Hkv, S, E)
-    (3 or more dims), ``is_causal`` aligned top-left (query i sees keys j <= i), bool mask
+    (2 or more dims: (L, E) is one sequence of one head, (N, L, E) one head per batch row), ``is_causal`` aligned top-left (query i sees keys j <= i), bool mask
     True = attend, float mask added, ``enable_gqa`` required when H != Hkv. ``attn_mask``
     may be one of torch's causal biases (``torch.nn.attention.bias.causal_upper_left`` /
     ``causal_lower_right``): it becomes attn's top-left or bottom-right causal band, never a
@@ -172,13 +172,14 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor 
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
         _check_tensor(name, t)
-        if t.dim() < 3:
-            raise ValueError(f"{name} must have at least 3 dims (..., L, E), got shape "
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., L, E), got shape "
                              f"{tuple(t.shape)}")
     shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
     if not (query.dim() == key.dim() == value.dim()):
         raise ValueError(f"query, key, value must have the same number of dims, got {shapes}")
-    n_lead = query.dim() - (3 if query.dim() >= 4 else 2)  # dims before (H, L, E) / (L, E)
+    # dims before (H, L, E), or before (L, E) for 3-d and 2-d inputs
+    n_lead = query.dim() - (3 if query.dim() >= 4 else 2)
     lead = query.shape[:n_lead]
     if not (lead == key.shape[:n_lead] == value.shape[:n_lead]):
         # flattened, different batch dims of equal product would silently pair wrong rows
@@ -191,8 +192,8 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor 
     B = math.prod(lead)  # explicit: reshape(-1, ...) cannot infer it when a size is 0
 
     def to4d(t: Tensor) -> Tensor:
-        if t.dim() == 3:
-            return t.unsqueeze(1)  # (N, L, E) -> (N, 1, L, E)
+        if t.dim() <= 3:  # (N, L, E) -> (N, 1, L, E); (L, E) -> (1, 1, L, E)
+            return t.unsqueeze(-3) if t.dim() == 3 else t[None, None]
         return t.reshape(B, *t.shape[-3:])  # (..., H, L, E) -> (B, H, L, E)
 
     q4, k4, v4 = to4d(query), to4d(key), to4d(value)
@@ -220,7 +221,7 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor 
                              f"to the scores' shape {(*query.shape[:-1], S)}")
         if query.dim() == 3:
             mask4 = attn_mask.unsqueeze(-3) if attn_mask.dim() == 3 else attn_mask
-        elif query.dim() == 4:
+        elif query.dim() <= 4:  # a 2-d query's mask is (L, S) or broadcasts to it
             mask4 = attn_mask
         else:  # flatten leading batch dims: (..., H, L, S) -> (B, H, L, S)
             mask4 = attn_mask.expand(*query.shape[:-1], S).reshape(B, *query.shape[-3:-1], S)

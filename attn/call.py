@@ -134,8 +134,10 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
 def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoice:
     """The backend that runs ``call``: pure, cheap, and it explains itself.
 
-    ``auto`` prefers ``triton`` on CUDA and falls back to ``tiled`` (every device, every
-    variant); off CUDA it takes ``fused`` (torch's CPU kernel per block) where that can
+    ``auto`` on CUDA takes ``fused`` (torch's CUDA kernel per block) for a call whose op
+    ``attn gpu-check`` verified on this torch, GPU, dtype and head dim (the committed
+    ``attn/fused_cuda_table.json``), else prefers ``triton``, and falls back to ``tiled``
+    (every device, every variant); off CUDA it takes ``fused`` (torch's CPU kernel per block) where that can
     compute the call and the committed, measured table of :mod:`attn.choose` prefers it for
     the call's class and dtype on this kind of CPU. An explicit request that cannot compute
     the call raises NotImplementedError.
@@ -164,6 +166,13 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
         return BackendChoice(requested, "requested explicitly")
     if call.device != "cuda":
         return _auto_off_cuda(call)
+    op = None
+    if not torch.compiler.is_compiling() and _transform_unsupported(call) is None:
+        op = fused.cuda_verified(call)
+    if op is not None:
+        return BackendChoice("fused", f"auto: fused on CUDA, torch's {op} kernel per block "
+                                      f"(verified exact for this torch, GPU, dtype and head "
+                                      f"dim in attn/fused_cuda_table.json)")
     why = (_mods_unsupported(call, native_varlen=True) or _transform_unsupported(call)
            or _triton_unsupported(call))
     if why is None:

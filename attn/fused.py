@@ -35,6 +35,7 @@ makes a call not expressible).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -43,7 +44,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from attn import workers
+from attn import fused_cuda, workers
 from attn.grads import Grads, sink_grad
 from attn.masks import EMPTY, FULL, PARTIAL, Band, Blocks, as_4d, band_kinds, combine_kinds
 from attn.mods import mask_mod_kinds
@@ -94,11 +95,50 @@ def _cpu_ops() -> _CpuOps | str:
 
 def ops_reason(device: str) -> str | None:
     """Why torch's fused ops cannot serve ``device`` in this process, or None."""
-    if device != "cpu":
-        return (f"the fused backend runs on CPU; on {device} it waits for a committed "
-                f"verification of torch's ops there")
-    ops = _cpu_ops()
+    if device not in ("cpu", "cuda"):
+        return f"the fused backend runs on CPU and CUDA, not {device}"
+    ops = _cpu_ops() if device == "cpu" else fused_cuda.ops()
     return ops if isinstance(ops, str) else None
+
+
+def _cpu_pair(ops_cpu: _CpuOps) -> fused_cuda.Pair:
+    """torch's CPU op as the block primitive :mod:`attn.fused_cuda` describes."""
+    def fwd(q, k, v, causal, mask, scale):
+        return ops_cpu.fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+    def bwd(do, q, k, v, out, lse, causal, mask, scale):
+        return ops_cpu.bwd(do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+    return fused_cuda.Pair("cpu", fwd, bwd)
+
+
+# the kernel pair of a call's pieces: (masked piece) -> pair
+Kernels = Callable[[bool], fused_cuda.Pair]
+
+
+def kernels(q: Tensor) -> Kernels:
+    """The kernel pair each piece of a call on q's device runs: on CPU torch's CPU op, on
+    CUDA :func:`cuda_kernels`. NotImplementedError when the ops are off."""
+    why = ops_reason(q.device.type)
+    if why is not None:
+        raise NotImplementedError(f"backend='fused' is off: {why}")
+    if q.device.type == "cpu":
+        cpu = _cpu_pair(_cpu_ops())
+        return lambda masked: cpu
+    return cuda_kernels(q.dtype, q.shape[-1], q.device)
+
+
+def cuda_kernels(dtype: torch.dtype, head_dim: int, device: torch.device) -> Kernels:
+    """On CUDA, per masked or unmasked piece: the op :func:`attn.fused_cuda.force_op` set
+    where it takes the piece, else the one :func:`attn.fused_cuda.choose` names."""
+    forced = fused_cuda.forced_op()
+    pairs = {}
+    for masked in (False, True):
+        op = forced
+        if op is None or not fused_cuda.can_run(op, dtype, head_dim, masked):
+            op = fused_cuda.choose(dtype, head_dim, masked, device)
+        pairs[masked] = fused_cuda.pair(op)
+    return pairs.__getitem__
 
 
 # -- what it expresses -------------------------------------------------------------------------
@@ -166,7 +206,25 @@ def call_reason(call) -> str | None:
     if call.head_dim != call.head_dim_v:
         return (f"a value head dim ({call.head_dim_v}) other than the query's "
                 f"({call.head_dim}): torch's fused kernel needs them equal")
+    if call.device == "cuda" and call.dtype == torch.float64:
+        return "float64 on CUDA (torch's fused CUDA kernels have none)"
+    if call.device == "cuda" and call.head_dim > 256:
+        return f"head dim {call.head_dim} on CUDA (torch's fused CUDA kernels stop at 256)"
     return ops_reason(call.device)
+
+
+def cuda_verified(call) -> str | None:
+    """The op that ``attn gpu-check`` verified for this CUDA call (its torch, arch, dtype and
+    head dim; one that also takes masked pieces) and measured at least as fast as triton,
+    or None: ``auto`` takes the fused backend on CUDA only then, and never for decoding (at
+    most 16 query rows without a gradient: triton's split-KV) or packed sequences (one
+    op call per sequence)."""
+    if call.device != "cuda" or call_reason(call) is not None or call.varlen:
+        return None
+    if call.n_q <= 16 and not call.grad:
+        return None
+    return fused_cuda.verified_op(call.dtype, call.head_dim, True, torch.device("cuda"),
+                                  faster=True)
 
 
 # -- the plan ----------------------------------------------------------------------------------
@@ -556,11 +614,15 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
     return seqs, mask4, ops
 
 
-def _check_ops() -> _CpuOps:
-    ops_cpu = _cpu_ops()
-    if isinstance(ops_cpu, str):
-        raise NotImplementedError(f"backend='fused' is off: {ops_cpu}")
-    return ops_cpu
+# on CUDA a call runs its items in order on one stream, so it is cut only where the band or a
+# mask needs it: one query block per sequence, masks of up to 1024 x 4096
+CUDA = FusedConfig(items_per_row=1, min_block_m=1 << 30, masked_block_m=1024,
+                   masked_block_n=4096, bwd_max_runs=1, serial_max_scores=0)
+
+
+def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
+    """The cut a call takes: on CUDA the default becomes :data:`CUDA`."""
+    return CUDA if q.device.type == "cuda" and config == DEFAULT else config
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
@@ -568,7 +630,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
     Items are (sequence, kv head, query block, key range); a sequence's key ranges (split-KV)
     and the sinks are merged in key order after the items."""
-    ops_cpu = _check_ops()
+    config = _config(q, config)
+    kern = kernels(q)
     B, H, Nq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = H // Hkv
@@ -604,8 +667,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
                                      pc, q.dtype, q.device, mask_mods[si])
             qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
-            o, l_ = ops_cpu.fwd(qf, kf, vf, 0.0, pc.causal and add is None, attn_mask=add,
-                                scale=spec.qk_scale)
+            o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal and add is None, add,
+                                              spec.qk_scale)
             o, l_ = o[0, ..., :Dv], l_[0]
             if folded is not None:
                 l_ = l_ - folded.shift
@@ -621,7 +684,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         l_to[s.b, heads, s.q0 + m0:s.q0 + m1] = l_
 
     scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
-    workers.run_items(run, len(items), threads=_threads(scores, config))
+    workers.run_items(run, len(items), threads=_threads(scores, config, q))
     if parts_out is not None or ops.sinks is not None:
         outs = [out] if parts_out is None else list(parts_out.unbind(0))
         lses = [lse] if parts_out is None else list(parts_lse.unbind(0))
@@ -633,8 +696,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     return out, lse
 
 
-def _threads(scores: int, config: FusedConfig) -> int | None:
-    if torch.compiler.is_compiling():
+def _threads(scores: int, config: FusedConfig, q: Tensor) -> int | None:
+    if torch.compiler.is_compiling() or q.device.type != "cpu":
         return 0
     return 1 if scores < config.serial_max_scores else None
 
@@ -708,7 +771,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     backward op has no argument for: it gets it through two extra head-dim columns (zeros
     in q, k, v; ``-dlse`` split into a high and a low part of q's dtype in out, ones in dO),
     so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse`` and nothing else changes."""
-    ops_cpu = _check_ops()
+    config = _config(q, config)
+    kern = kernels(q)
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -770,15 +834,15 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
                     qb, kb, vb = (torch.nn.functional.pad(t, (0, 2)) for t in (qb, kb, vb))
                     ob = torch.cat([ob, pad[s.b:s.b + 1, heads, rows]], -1)
                     dob = torch.nn.functional.pad(dob, (0, 2), value=1.0)
-                gq, gk, gv = ops_cpu.bwd(dob, qb, kb, vb, ob, lb, 0.0,
-                                         pc.causal and add is None, attn_mask=add,
-                                         scale=spec.qk_scale)
+                gq, gk, gv = kern(add is not None).bwd(dob, qb, kb, vb, ob, lb,
+                                                       pc.causal and add is None, add,
+                                                       spec.qk_scale)
                 dq_blk += gq[0, ..., :D]
                 dk_to[pc.n0:pc.n1] += gk[0, 0, :, :D]
                 dv_to[pc.n0:pc.n1] += gv[0, 0, :, :Dv]
 
     scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
-    workers.run_items(run, len(items), threads=_threads(scores, config))
+    workers.run_items(run, len(items), threads=_threads(scores, config, q))
     for si, hk, r in sorted(extra):  # runs' partials in run order: fixed, whatever finished
         s = seqs[si]
         dk[s.b, hk, s.k0:s.k1] += extra[si, hk, r][0]
@@ -814,6 +878,7 @@ class _FusedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
         ctx.spec, ctx.config, ctx.consts = spec, config, consts
         ctx.precise, ctx.second = precise, second
+        ctx.forced = fused_cuda.forced_op()  # the backward may run on autograd's own thread
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -827,8 +892,10 @@ class _FusedAttention(torch.autograd.Function):
                     "backend='reference' differentiate their gradients (create_graph=True)")
             dq, dk, dv, dsinks = ctx.second(do, dlse, q, k, v, out, lse, ctx.spec, ops)
         else:
-            g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
-                     precise=ctx.precise)
+            forced = ctx.forced
+            with contextlib.nullcontext() if forced is None else fused_cuda.force_op(forced):
+                g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
+                         precise=ctx.precise)
             dq, dk, dv, dsinks = g.dq, g.dk, g.dv, g.dsinks
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None,

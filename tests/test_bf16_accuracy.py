@@ -1,6 +1,7 @@
-"""bf16 and fp16 on the tiled CPU backend meet flash-attn's own test criterion: the output
-and every gradient within 2x the error of plain PyTorch in the same dtype (both against
-float64), on shapes of flash-attn's test suite (DESIGN: "Accuracy in bf16/fp16")."""
+"""bf16 and fp16 on the CPU backends (tiled, fused) meet flash-attn's own test criterion:
+the output, the lse and every gradient within 2x the error of plain PyTorch in the same dtype
+(both against float64), on shapes of flash-attn's test suite (DESIGN: "Accuracy in
+bf16/fp16")."""
 
 import math
 
@@ -24,13 +25,15 @@ def _plain(q, k, v, causal):
     if causal:  # bottom-right, attn's and flash-attn's convention
         Nq, Nk = s.shape[-2:]
         s = s.masked_fill(~torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq), float("-inf"))
-    return s.softmax(-1) @ v
+    return s.softmax(-1) @ v, s.float().logsumexp(-1).to(s.dtype)
 
 
 def _out_and_grads(fn, inputs, do, dtype):
+    """out, lse, dq, dk, dv of ``fn`` (which returns out and lse) in ``dtype``; the
+    gradients through out alone."""
     x = [t.to(dtype).requires_grad_() for t in inputs]
-    out = fn(*x)
-    return (out, *torch.autograd.grad(out, x, do.to(dtype)))
+    out, lse = fn(*x)
+    return (out, lse, *torch.autograd.grad(out, x, do.to(dtype)))
 
 
 # fp16 tiles are always upcast: one seed per shape is enough there
@@ -38,9 +41,10 @@ DTYPED = [(c, torch.bfloat16) for c in FLASH_CASES] + \
     [(c, torch.float16) for c in FLASH_CASES if c[-1] == 0]
 
 
+@pytest.mark.parametrize("backend", ["tiled", "fused"])
 @pytest.mark.parametrize("case,dtype", DTYPED,
                          ids=["-".join(map(str, c)) + f"-{str(d)[6:]}" for c, d in DTYPED])
-def test_low_precision_meets_flash_attn_criterion(monkeypatch, case, dtype):
+def test_low_precision_meets_flash_attn_criterion(monkeypatch, case, dtype, backend):
     monkeypatch.delenv("ATTN_TILED_BF16_GEMM", raising=False)  # the default path
     B, H, Nq, Nk, D, causal, seed = case
     g = torch.Generator().manual_seed(seed)
@@ -49,10 +53,11 @@ def test_low_precision_meets_flash_attn_criterion(monkeypatch, case, dtype):
                    for n in (Nq, Nk, Nk, Nq))
     exact = _out_and_grads(lambda *x: _plain(*x, causal), (q, k, v), do, torch.float64)
     plain = _out_and_grads(lambda *x: _plain(*x, causal), (q, k, v), do, dtype)
-    tiled = _out_and_grads(lambda *x: attn.attention(*x, causal=causal, backend="tiled"),
-                           (q, k, v), do, dtype)
-    for name, ours, theirs, ref, floor in zip(("out", "dq", "dk", "dv"), tiled, plain, exact,
-                                              (1e-5, 1e-4, 1e-4, 2e-4)):
+    ours_all = _out_and_grads(lambda *x: attn.attention(*x, causal=causal, backend=backend,
+                                                        return_lse=True),
+                              (q, k, v), do, dtype)
+    for name, ours, theirs, ref, floor in zip(("out", "lse", "dq", "dk", "dv"), ours_all,
+                                              plain, exact, (1e-5, 1e-5, 1e-4, 1e-4, 2e-4)):
         err = (ours.double() - ref).abs().max().item()
         budget = 2 * (theirs.double() - ref).abs().max().item() + floor
         assert err <= budget, f"{name}: {err:.4g} > 2x plain PyTorch's error + floor {budget:.4g}"

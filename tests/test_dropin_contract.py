@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias")
 F64 = torch.float64
 BIASES = {"upper_left": causal_upper_left, "lower_right": causal_lower_right}
 LENGTHS = [(4, 6), (6, 4), (5, 5), (1, 17), (17, 3)]
-LEADS = {"3d": (3,), "4d": (2, 3), "5d": (2, 2, 3)}
+LEADS = {"2d": (), "3d": (3,), "4d": (2, 3), "5d": (2, 2, 3)}
 
 
 def _qkv(lead, L, S, seed, E=8, Ev=8, kv_heads=None, requires_grad=True):
@@ -137,6 +137,28 @@ def test_mask_with_is_causal_raises_but_attention_combines_them(kind):
 
 
 # -- one error class -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", ["plain", "is_causal", "bool_mask", "float_mask"])
+def test_two_dim_inputs_are_one_sequence_of_one_head(kw):
+    """torch takes (L, E) inputs; the drop-in does too: the float64 reference on the
+    (1, 1, L, E) view, out and gradients, in the caller's 2-d shape."""
+    q, k, v = _qkv((), 5, 7, seed=3, Ev=6)
+    g = torch.Generator().manual_seed(4)
+    kws = {"plain": {}, "is_causal": {"is_causal": True},
+           "bool_mask": {"attn_mask": torch.rand(5, 7, generator=g) > 0.4},
+           "float_mask": {"attn_mask": torch.randn(7, generator=g, dtype=F64)}}[kw]
+    ours = attn.scaled_dot_product_attention(q, k, v, **kws)
+    assert ours.shape == (5, 6)
+    top_left = torch.ones(5, 7, dtype=torch.bool).tril()  # is_causal: key j <= query i
+    mask = top_left if kw == "is_causal" else kws.get("attn_mask")
+    want = attn.attention(q[None, None], k[None, None], v[None, None], backend="reference",
+                          attn_mask=mask)[0, 0]
+    torch.testing.assert_close(ours, want, rtol=1e-12, atol=1e-12)
+    do = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), do),
+                    torch.autograd.grad(want, (q, k, v), do)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
 
 def _bad_calls():
     q, k, v = (torch.randn(2, 3, 4, 8) for _ in range(3))

@@ -1,0 +1,187 @@
+"""Verify the fused backend's CUDA ops against the float64 reference, and write the table
+``auto`` reads (``attn/fused_cuda_table.json``, see :mod:`attn.fused_cuda`).
+
+For each op (flash, efficient, cuDNN), dtype and head dim the op takes, the fused backend
+runs a few calls with every piece on that op (:func:`attn.fused_cuda.force_op`): plain GQA
+over a block edge, bottom-right causal with fewer queries than keys, a sliding window, sinks
+with the lse returned, and (ops that take a mask) a bool mask that hides a row. Out, lse and
+every gradient are checked with :func:`attn.testing.compare_to_reference` (DESIGN's budget). A
+row is ``exact`` when every case is within budget; any exception (an op refusing its
+arguments on this GPU, say) makes it not exact and is recorded.
+
+Exact is not enough for ``auto``: on CUDA the fused backend calls torch's op once per
+(sequence, kv head, piece), where triton launches one kernel for the call. Each exact row
+also times fused against triton on a training shape (fwd+bwd, B=4, H=16 over 4 kv heads,
+N=2048, causal; medians of interleaved rounds) and records ``speedup_vs_triton`` (> 1:
+fused faster); ``auto`` takes the op only where that is at least 1
+(:func:`attn.fused_cuda.verified_op`).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from attn import fused_cuda
+from attn.api import attention
+from attn.testing import compare_to_reference
+from attn.timing import median_ratio, paired
+
+SPEED_SHAPE = (4, 16, 4, 2048, 2048)  # B, H, Hkv, Nq, Nk: causal, fwd+bwd
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HEAD_DIMS = (64, 128)
+
+# name: (B, H, Hkv, Nq, Nk), keywords (sinks/attn_mask filled in per call), needs a mask
+CASES = {
+    "plain_gqa": ((2, 8, 2, 300, 300), {}, False),
+    "causal_bottom_right": ((1, 4, 4, 200, 333), {"causal": True}, False),
+    "window": ((1, 4, 2, 300, 300), {"causal": True, "window": (64, 0)}, False),
+    "sinks_lse": ((1, 4, 2, 129, 129), {"causal": True, "sinks": True}, False),
+    "bool_mask_hidden_row": ((1, 4, 2, 96, 160), {"attn_mask": True}, True),
+}
+
+
+def _inputs(shape, D, dtype, device, seed):
+    B, H, Hkv, Nq, Nk = shape
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, D, generator=g).to(device, dtype)
+               for h, n in ((H, Nq), (Hkv, Nk), (Hkv, Nk)))
+    return q, k, v, g
+
+
+def _fused(q, k, v, **kw):
+    return attention(q, k, v, backend="fused", **kw)
+
+
+def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda", *,
+               speed: bool = True) -> dict:
+    """One table row: the op's key, whether every case is within budget, the worst
+    error / budget ratio per case, the first error raised, and (``speed``, exact rows) the
+    speedup over triton."""
+    dev = torch.device(device)
+    row = {"key": fused_cuda._key(op, dtype, head_dim, dev), "op": op,
+           "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim,
+           "torch": torch.__version__, "device": _device_name(dev),
+           "date": time.strftime("%Y-%m-%d"), "cases": {}, "exact": True, "error": None}
+    with fused_cuda.force_op(op):
+        for i, (name, (shape, kw, masked)) in enumerate(CASES.items()):
+            if masked and not fused_cuda.can_run(op, dtype, head_dim, True):
+                continue
+            q, k, v, g = _inputs(shape, head_dim, dtype, device, seed=i)
+            kw = dict(kw)
+            if kw.get("sinks"):
+                kw["sinks"] = torch.randn(shape[1], generator=g).to(device).requires_grad_()
+            if kw.get("attn_mask"):
+                keep = torch.rand(shape[0], shape[1], shape[3], shape[4], generator=g) > 0.3
+                keep[:, :, 7] = False  # a row that sees no key: zeros, lse -inf
+                kw["attn_mask"] = keep.to(device)
+            try:
+                report = compare_to_reference(_fused, q, k, v, check_lse=True, **kw)
+            except Exception as exc:  # recorded: the op is not verified for this row
+                row["exact"] = False
+                row["error"] = row["error"] or f"{name}: {type(exc).__name__}: {exc}"[:500]
+                row["cases"][name] = None
+                row["traceback"] = traceback.format_exc(limit=4)[-2000:]
+                continue
+            worst = max(c.error / c.budget if c.budget > 0 else float("inf")
+                        for c in report.comparisons)
+            row["cases"][name] = round(worst, 4)
+            row["exact"] = row["exact"] and report.ok
+        if row["exact"] and speed:
+            row["speedup_vs_triton"] = _speedup(dtype, head_dim, device)
+    return row
+
+
+def _speedup(dtype: torch.dtype, head_dim: int, device: str) -> float | None:
+    """Median over interleaved rounds of triton's time / fused's on :data:`SPEED_SHAPE`
+    (the op forced by the caller), or None where triton cannot run the call."""
+    q, k, v, _ = _inputs(SPEED_SHAPE, head_dim, dtype, device, seed=99)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def step(backend):
+        def run():
+            out = attention(q, k, v, causal=True, backend=backend)
+            out.backward(torch.ones_like(out))
+        return run
+
+    fns = {"triton": step("triton"), "fused": step("fused")}
+    try:
+        for fn in fns.values():  # warm up (and compile triton's kernels)
+            fn()
+            fn()
+    except (NotImplementedError, ImportError, RuntimeError):
+        return None
+    times = paired(fns, rounds=5, device=device)
+    return round(median_ratio(times, "triton", "fused"), 3)
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    return platform.processor() or dev.type
+
+
+def verify(device: str = "cuda", ops=fused_cuda.OPS, dtypes=DTYPES, head_dims=HEAD_DIMS,
+           log=print, speed: bool = True) -> list[dict]:
+    """Every (op, dtype, head dim) the op takes, each :func:`verify_one`."""
+    rows = []
+    for op in ops:
+        for dtype in dtypes:
+            for d in head_dims:
+                if not fused_cuda.can_run(op, dtype, d, False):
+                    continue
+                row = verify_one(op, dtype, d, device, speed=speed)
+                log(f"{row['key']}: {'exact' if row['exact'] else 'NOT exact'} "
+                    f"{row['cases']}{' ' + row['error'] if row['error'] else ''}")
+                rows.append(row)
+    return rows
+
+
+def write_table(rows: list[dict], path: Path | str = fused_cuda.TABLE) -> dict:
+    """Merge ``rows`` into the table at ``path`` (a row replaces the one with its key)."""
+    path = Path(path)
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    merged = {r["key"]: r for r in old}
+    merged.update({r["key"]: r for r in rows})
+    table = {"about": "torch's fused CUDA ops verified exact by attn gpu-check's fused stage "
+                      "(attn/bench/fused_verify.py); auto takes the fused backend on CUDA "
+                      "only for a row here with exact = true",
+             "rows": sorted(merged.values(), key=lambda r: r["key"])}
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return table
+
+
+def stage(ctx) -> None:
+    """``attn gpu-check``'s fused stage: :func:`verify` on this GPU, each row recorded, the
+    table written beside the results (``fused_cuda_table.json``) and merged into the
+    checkout's ``attn/fused_cuda_table.json`` (commit it with the results). A dry run verifies
+    one op at one head dim on whatever device there is, and writes only beside the results."""
+    if ctx.dry_run:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            ctx.dropped("fused CUDA verification", "no GPU: the dry run only rehearses it")
+            return
+        ops, dtypes, dims = ("efficient",), (torch.bfloat16,), (64,)
+    else:
+        device, ops, dtypes, dims = "cuda", fused_cuda.OPS, DTYPES, HEAD_DIMS
+    rows = []
+    for op in ops:
+        if ctx.left() < 5:
+            ctx.dropped(f"fused {op}", "the stage's box ran out")
+            continue
+        ctx.running(f"fused {op}")
+        got = verify(device, ops=(op,), dtypes=dtypes, head_dims=dims, log=ctx.log)
+        for row in got:
+            ctx.row(backend="fused", op=row["op"], dtype=row["dtype"], D=row["head_dim"],
+                    exact=row["exact"], cases=row["cases"], error=row["error"],
+                    speedup_vs_triton=row.get("speedup_vs_triton"))
+        rows += got
+    write_table(rows, Path(ctx.out) / "fused_cuda_table.json")
+    if not ctx.dry_run:
+        write_table(rows)

@@ -1,0 +1,272 @@
+"""torch's fused CUDA attention kernels, shaped as the fused backend's block primitive.
+
+The fused backend (:mod:`attn.fused`) calls one kernel pair per piece of its plan:
+``fwd(q, k, v, causal, mask, scale) -> (out, lse)`` and ``bwd(do, q, k, v, out, lse, causal,
+mask, scale) -> (dq, dk, dv)``, with q ``(1, G, rows, D)``, k and v ``(1, 1, keys, D)`` (one kv
+head with its G query heads), ``causal`` torch's top-left causal, ``mask`` an additive mask of
+q's dtype ``(1, G or 1, rows, keys)`` or None, and an lse ``(1, G, rows)`` in float32 (natural
+log). On CPU that pair is torch's ``_for_cpu`` op. Here it is built from torch's three CUDA
+ops that return an lse, whose quirks this module hides:
+
+- ``_scaled_dot_product_flash_attention`` (FlashAttention-2): fp16/bf16, no mask argument;
+- ``_scaled_dot_product_efficient_attention`` (memory-efficient): fp32 too, an additive bias
+  whose last dimension must be stored with a stride that is a multiple of 16, and an lse padded
+  to a multiple of 32 rows;
+- ``_scaled_dot_product_cudnn_attention``: fp16/bf16, an lse shaped ``(B, H, rows, 1)``.
+
+Each op gets K/V expanded (a view) to the G query heads, since not every op reads grouped
+heads, and dK/dV summed back over them in order; head dims padded with zeros to a multiple of 8
+(zero columns change no score, and their outputs are cut off).
+
+No GPU has run this module where it was written: which (op, torch, arch, dtype, head dim) it
+computes exactly is what ``attn gpu-check``'s fused stage measures against the float64
+reference (:mod:`attn.bench.fused_verify`) and writes to the committed
+``attn/fused_cuda_table.json``. ``auto`` takes the fused backend on CUDA only for a call whose
+op has a passing entry there, measured at least as fast as triton, and not for decoding
+(:func:`verified_op`; triton's split-KV serves it); ``backend="fused"`` asked for explicitly
+runs the first op that can compute the call (verified ones first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import json
+import pathlib
+import warnings
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+OPS = ("cudnn", "flash", "efficient")  # in order of preference, verified ones first
+
+SCHEMAS = {
+    "flash": (
+        "aten::_scaled_dot_product_flash_attention(Tensor query, Tensor key, Tensor value, "
+        "float dropout_p=0., bool is_causal=False, bool return_debug_mask=False, *, "
+        "float? scale=None) -> (Tensor output, Tensor logsumexp, Tensor cum_seq_q, "
+        "Tensor cum_seq_k, SymInt max_q, SymInt max_k, Tensor rng_state, Tensor unused, "
+        "Tensor debug_attn_mask)"),
+    "flash_backward": (
+        "aten::_scaled_dot_product_flash_attention_backward(Tensor grad_out, Tensor query, "
+        "Tensor key, Tensor value, Tensor out, Tensor logsumexp, Tensor cum_seq_q, "
+        "Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, "
+        "Tensor philox_seed, Tensor philox_offset, *, float? scale=None) -> "
+        "(Tensor grad_query, Tensor grad_key, Tensor grad_value)"),
+    "efficient": (
+        "aten::_scaled_dot_product_efficient_attention(Tensor query, Tensor key, Tensor value, "
+        "Tensor? attn_bias, bool compute_log_sumexp, float dropout_p=0., bool is_causal=False, "
+        "*, float? scale=None) -> (Tensor output, Tensor log_sumexp, Tensor philox_seed, "
+        "Tensor philox_offset)"),
+    "efficient_backward": (
+        "aten::_scaled_dot_product_efficient_attention_backward(Tensor grad_out_, "
+        "Tensor query, Tensor key, Tensor value, Tensor attn_bias, Tensor out, "
+        "Tensor logsumexp, Tensor philox_seed, Tensor philox_offset, float dropout_p, "
+        "bool[4] grad_input_mask, bool is_causal=False, *, float? scale=None) -> "
+        "(Tensor, Tensor, Tensor, Tensor)"),
+    "cudnn": (
+        "aten::_scaled_dot_product_cudnn_attention(Tensor query, Tensor key, Tensor value, "
+        "Tensor? attn_bias, bool compute_log_sumexp, float dropout_p=0., bool is_causal=False, "
+        "bool return_debug_mask=False, *, float? scale=None) -> (Tensor output, "
+        "Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, "
+        "Tensor philox_seed, Tensor philox_offset, Tensor debug_attn_mask)"),
+    "cudnn_backward": (
+        "aten::_scaled_dot_product_cudnn_attention_backward(Tensor grad_out, Tensor query, "
+        "Tensor key, Tensor value, Tensor out, Tensor logsumexp, Tensor philox_seed, "
+        "Tensor philox_offset, Tensor attn_bias, Tensor cum_seq_q, Tensor cum_seq_k, "
+        "SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, *, float? scale=None) "
+        "-> (Tensor, Tensor, Tensor)"),
+}
+
+TABLE = pathlib.Path(__file__).with_name("fused_cuda_table.json")
+
+
+@functools.cache
+def ops() -> dict[str, Callable] | str:
+    """torch's CUDA ops by name (``flash``, ``flash_backward`` ...), or why they cannot be
+    used: absent, or a schema this module was not written for (one warning per process)."""
+    found = {}
+    for name, expected in SCHEMAS.items():
+        aten = "_scaled_dot_product_" + name.replace("flash", "flash_attention").replace(
+            "efficient", "efficient_attention").replace("cudnn", "cudnn_attention")
+        packet = getattr(torch.ops.aten, aten, None)
+        overload = None if packet is None else getattr(packet, "default", None)
+        if overload is None:
+            why = f"torch {torch.__version__} has no aten::{aten}"
+        elif str(overload._schema) != expected:
+            why = f"aten::{aten} has another schema on torch {torch.__version__}"
+        else:
+            found[name] = overload
+            continue
+        warnings.warn(f"attn: the fused backend is off on CUDA: {why}", RuntimeWarning,
+                      stacklevel=3)
+        return why
+    return found
+
+
+def can_run(op: str, dtype: torch.dtype, head_dim: int, masked: bool) -> bool:
+    """What each op takes, as torch documents its kernels (the verification table settles
+    the rest): flash and cuDNN fp16/bf16 only, flash no mask, head dims up to 256."""
+    if dtype == torch.float64 or head_dim > 256:
+        return False
+    if op == "efficient":
+        return True
+    half = dtype in (torch.float16, torch.bfloat16)
+    return half and not (op == "flash" and masked)
+
+
+def _key(op: str, dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    torch_mm = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return f"{op}|torch {torch_mm}|sm_{major}{minor}|{str(dtype).removeprefix('torch.')}|" \
+           f"d{head_dim}"
+
+
+@functools.cache
+def table() -> dict[str, dict]:
+    """The committed verification table: key (:func:`_key`) -> its row."""
+    if not TABLE.exists():
+        return {}
+    return {row["key"]: row for row in json.loads(TABLE.read_text())["rows"]}
+
+
+def verified_op(dtype: torch.dtype, head_dim: int, masked: bool,
+                device: torch.device, *, faster: bool = False) -> str | None:
+    """The first op with a passing verification entry for this torch, arch, dtype and head
+    dim that can compute the call (``masked``: some piece carries a mask), or None; with
+    ``faster`` only one measured at least as fast as triton (``speedup_vs_triton``)."""
+    rows = table()
+    for op in OPS:
+        row = rows.get(_key(op, dtype, head_dim, device))
+        if row is None or not row.get("exact") or not can_run(op, dtype, head_dim, masked):
+            continue
+        if faster and (row.get("speedup_vs_triton") or 0.0) < 1.0:
+            continue
+        return op
+    return None
+
+
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_fused_cuda_op",
+                                                                    default=None)
+
+
+def forced_op() -> str | None:
+    """The op :func:`force_op` set for this context, or None."""
+    return _FORCED.get()
+
+
+@contextlib.contextmanager
+def force_op(op: str):
+    """Every piece of a fused CUDA call in this context runs ``op`` (one of :data:`OPS`),
+    whatever the table says: how ``attn gpu-check`` verifies each op in turn."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    token = _FORCED.set(op)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+class Pair(NamedTuple):
+    """One op as the fused backend's block primitive (see the module docstring)."""
+    name: str
+    fwd: Callable
+    bwd: Callable
+
+
+def _pad8(t: Tensor) -> Tensor:
+    d = t.shape[-1]
+    return t if d % 8 == 0 else torch.nn.functional.pad(t, (0, 8 - d % 8))
+
+
+def _bias(mask: Tensor | None, G: int, rows: int, keys: int) -> Tensor | None:
+    """The additive mask as the efficient and cuDNN ops read a bias: (1, G, rows, keys),
+    stored with its last dimension padded to a multiple of 16 (a view of the first keys)."""
+    if mask is None:
+        return None
+    width = -(-keys // 16) * 16
+    store = torch.zeros(1, G, rows, width, dtype=mask.dtype, device=mask.device)
+    store[..., :keys] = mask.expand(1, G, rows, keys)
+    return store[..., :keys]
+
+
+def _lse_rows(lse: Tensor, rows: int) -> Tensor:
+    """An op's lse as (1, G, rows): the efficient op pads rows to 32, cuDNN adds a last 1."""
+    return lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows]
+
+
+def _no_mask(mask: Tensor | None) -> None:
+    if mask is not None:
+        raise ValueError("the flash op takes no mask: a masked piece must run another op")
+
+
+def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
+    """The kernel pair for ``op`` (one of :data:`OPS`); ``table_ops`` replaces torch's ops
+    (the tests hand in stand-ins that behave as the CUDA ops do, on CPU)."""
+    a = ops() if table_ops is None else table_ops
+    if isinstance(a, str):
+        raise NotImplementedError(f"backend='fused' is off on CUDA: {a}")
+
+    def prep(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        G = q.shape[1]
+        return _pad8(q), _pad8(k).expand(1, G, -1, -1), _pad8(v).expand(1, G, -1, -1)
+
+    def fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None,
+            scale: float) -> tuple[Tensor, Tensor]:
+        Dv, rows = v.shape[-1], q.shape[2]
+        qp, kp, vp = prep(q, k, v)
+        if op == "flash":
+            _no_mask(mask)
+            res = a["flash"](qp, kp, vp, 0.0, causal, False, scale=scale)
+        else:
+            bias = _bias(mask, q.shape[1], rows, k.shape[2])
+            res = a[op](qp, kp, vp, bias, True, 0.0, causal and bias is None, scale=scale)
+        out = res[0][..., :Dv]
+        if mask is not None:  # a row the mask hides entirely: zeros, whatever the op gave
+            hidden = ~(mask > float("-inf")).any(-1, keepdim=True)
+            out = out.masked_fill(hidden, 0.0)
+        return out, _lse_rows(res[1], rows)
+
+    def bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+            causal: bool, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        D, Dv, rows, keys = q.shape[-1], v.shape[-1], q.shape[2], k.shape[2]
+        qp, kp, vp = prep(q, k, v)
+        dop, outp = _pad8(do), _pad8(out)
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
+        lse = lse.contiguous()  # float32: the accumulation dtype of every dtype CUDA takes
+        if op == "flash":
+            _no_mask(mask)
+            gq, gk, gv = a["flash_backward"](dop, qp, kp, vp, outp, lse, None, None, rows,
+                                             keys, 0.0, causal, zero, zero, scale=scale)
+        elif op == "efficient":
+            pad = -(-rows // 32) * 32 - rows  # the op reads its lse padded to 32 rows
+            lse32 = torch.nn.functional.pad(lse, (0, pad), value=float("inf"))
+            bias = _bias(mask, q.shape[1], rows, keys)
+            gq, gk, gv, _ = a["efficient_backward"](
+                dop, qp, kp, vp, bias, outp, lse32, zero, zero, 0.0,
+                [True, True, True, False], causal and bias is None, scale=scale)
+        else:
+            bias = _bias(mask, q.shape[1], rows, keys)
+            gq, gk, gv = a["cudnn_backward"](dop, qp, kp, vp, outp, lse.unsqueeze(-1), zero,
+                                             zero, bias, None, None, rows, keys, 0.0,
+                                             causal and bias is None, scale=scale)
+        # the G heads' shares of one kv head, summed in head order
+        return (gq[..., :D], gk.sum(1, keepdim=True)[..., :D],
+                gv.sum(1, keepdim=True)[..., :Dv])
+
+    return Pair(op, fwd, bwd)
+
+
+def choose(dtype: torch.dtype, head_dim: int, masked: bool, device: torch.device) -> str:
+    """The op a call on ``device`` runs: the verified one, else the first that can."""
+    op = verified_op(dtype, head_dim, masked, device)
+    if op is not None:
+        return op
+    for op in OPS[1:]:  # unverified: flash and efficient, whose quirks are known
+        if can_run(op, dtype, head_dim, masked):
+            return op
+    raise NotImplementedError(f"backend='fused' cannot compute a {dtype} call with head dim "
+                              f"{head_dim} on CUDA: no torch fused op takes it")
