@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attn import choose, fused, mods, tiled
+from attn import choose, fused, mods, tiled, transforms
 from attn.masks import Band, as_4d, simplify_mask
 from attn.reference import reference_attention, reference_packed
 from attn.sdpa import sdpa_attention
@@ -62,6 +62,8 @@ class AttentionCall:
     varlen: bool = False  # packed sequences (attn.varlen; n_q / n_k are the longest ones)
     alibi: bool = False  # ALiBi slopes
     grad: bool = False  # grad mode on and an input requires grad (split-KV is forward-only)
+    # the torch.func transforms / forward-mode AD the call runs under (attn.transforms.active)
+    transform: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,15 @@ def _triton_unsupported(call: AttentionCall) -> str | None:
     return flash_triton.unsupported_reason(call)
 
 
+def _transform_unsupported(call: AttentionCall) -> str | None:
+    """Why triton and fused do not run a transformed call: their autograd.Functions have no
+    vmap or forward-mode rule (tiled's and the reference's do)."""
+    if call.transform is None:
+        return None
+    return (f"torch.func transforms and forward-mode AD ({call.transform}): backend='tiled' "
+            f"and backend='reference' run vmap, grad, jvp and their compositions")
+
+
 def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
     """Why ``backend`` cannot compute ``call`` exactly, or None when it can."""
     if backend in ("reference", "tiled"):
@@ -112,9 +123,10 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
     if backend == "sdpa":
         return _mods_unsupported(call) or _sdpa_unsupported(call)
     if backend == "triton":
-        return _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
+        return (_mods_unsupported(call, native_varlen=True) or _transform_unsupported(call)
+                or _triton_unsupported(call))
     if backend == "fused":
-        return fused.call_reason(call)
+        return _transform_unsupported(call) or fused.call_reason(call)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -153,12 +165,15 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
         return BackendChoice(requested, "requested explicitly")
     if call.device != "cuda":
         return _auto_off_cuda(call)
-    op = None if torch.compiler.is_compiling() else fused.cuda_verified(call)
+    op = None
+    if not torch.compiler.is_compiling() and _transform_unsupported(call) is None:
+        op = fused.cuda_verified(call)
     if op is not None:
         return BackendChoice("fused", f"auto: fused on CUDA, torch's {op} kernel per block "
                                       f"(verified exact for this torch, GPU, dtype and head "
                                       f"dim in attn/fused_cuda_table.json)")
-    why = _mods_unsupported(call, native_varlen=True) or _triton_unsupported(call)
+    why = (_mods_unsupported(call, native_varlen=True) or _transform_unsupported(call)
+           or _triton_unsupported(call))
     if why is None:
         from attn import flash_triton  # importable: _triton_unsupported just imported it
         return BackendChoice("triton", f"auto: triton on CUDA, "
@@ -171,7 +186,7 @@ def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
     """``auto`` off CUDA: fused where it can compute the call and the committed table
     (:mod:`attn.choose`) prefers it for this kind of CPU, the call's dtype and class; else
     tiled."""
-    why = fused.call_reason(call)
+    why = _transform_unsupported(call) or fused.call_reason(call)
     if why is None and torch.compiler.is_compiling():
         why = "traced by torch.compile (fused runs eager items)"
     if why is not None:
@@ -346,12 +361,14 @@ def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
         # a data-dependent check (one host sync per call): skipped while torch.compile traces,
         # so that it does not break the graph. Written as "not (finite and > 0)" because NaN
         # fails every comparison and would pass "x <= 0".
+        # Under vmap the values of every sample are checked at once (transforms.physical).
         if not torch.compiler.is_compiling():
-            bad = ~(torch.isfinite(x) & (x > 0))
+            xv = transforms.physical(x)
+            bad = ~(torch.isfinite(xv) & (xv > 0))
             if bool(bad.any()):
                 at = tuple(bad.nonzero()[0].tolist())
-                raise ValueError(f"{name} must be positive and finite, got {x[at].item()} at "
-                                 f"index {at} of {name} {tuple(x.shape)}")
+                raise ValueError(f"{name} must be positive and finite, got {xv[at].item()} at "
+                                 f"index {at} of {name} {tuple(xv.shape)}")
         return x
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TypeError(f"{name} must be a float or a tensor, got {type(x).__name__}")
@@ -430,7 +447,8 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
     _check_mods(score_mod, mask_mod, q)
     if attn_mask is not None:
         _validate_mask(attn_mask, q, (B, H, Nq, Nk), q_name)
-        if not empty and not torch.compiler.is_compiling():  # data-dependent: eager only
+        # data-dependent: eager only, and not on vmap's batched masks
+        if not empty and not torch.compiler.is_compiling() and not transforms.in_vmap():
             simpler = simplify_mask(attn_mask, band)
             if simpler is not None:  # causal/band + key padding: no N x N reads per tile
                 band, attn_mask = simpler
@@ -458,6 +476,7 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
         mask=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
         mask_grad=attn_mask is not None and attn_mask.requires_grad,
         mask_padding=(attn_mask is not None and not empty and not torch.compiler.is_compiling()
+                      and not transforms.in_vmap()
                       and fused.key_spans(as_4d(attn_mask), B, Nk) is not None),
         softcap=None if softcap is None else ("learned" if cap_t is not None else "fixed"),
         sinks=sinks is not None, temperature_tensor=q_scale is not None,
@@ -467,7 +486,9 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
         varlen=cu_seqlens is not None, alibi=alibi_slopes is not None,
         grad=torch.is_grad_enabled() and any(
             isinstance(t, Tensor) and t.requires_grad
-            for t in (q, k, v, attn_mask, temperature, softcap, sinks)))
+            for t in (q, k, v, attn_mask, temperature, softcap, sinks)),
+        transform=transforms.active(q, k, v, attn_mask, temperature, softcap, sinks,
+                                    alibi_slopes))
     if dropout_seed is None:
         dropout_seed = 0 if empty else _draw_seed(dropout_p)
     spec = LaunchSpec(qk_scale=float(qk_scale), band=band,
@@ -549,7 +570,8 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
     if backend == "fused" and not _fused_keys_ok(k, spec, ops):
         backend = "tiled"  # a masked non-finite key: tiled keeps it out of every row
     if backend == "fused":
-        out, lse = fused.fused_attention(q, k, v, spec, ops, precise=_precise_backward)
+        out, lse = fused.fused_attention(q, k, v, spec, ops, precise=_precise_backward,
+                                         second=tiled.double_backward)
     elif backend == "tiled":
         if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
             spec, captured = mods.mod_spec(spec, q, k, spec.score_mod, spec.mask_mod,

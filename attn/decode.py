@@ -46,7 +46,7 @@ import types
 import torch
 from torch import Tensor
 
-from attn import tiled
+from attn import tiled, transforms
 from attn.call import AttentionCall, _check_tensor, _no_keys, attend, resolve, unsupported_reason
 from attn.kvcache import KVQuant, PagedKVCache
 from attn.masks import make_band, window_pair
@@ -159,6 +159,11 @@ def _read(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window, s
     cache.check_reach(rows, Nq, window_pair(window))
     cache.check_not_freed(rows)
     read = read_plan(q, cache)[0]
+    if read != "copy" and transforms.in_vmap():  # the paged reads run on plain tensors only
+        if cache.quant is not None:
+            raise NotImplementedError("decode from a quantized cache under torch.func.vmap: "
+                                      "call it once per sample")
+        read = "copy"  # the cache's keys as one batch, through attention's vmap rule
     if quantized_q:
         _check_quantized_q(cache, read)
     if read != "copy":

@@ -860,34 +860,52 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 
 class _FusedAttention(torch.autograd.Function):
     """Saves q, k, v, out, lse (and the mask, sinks, constants); the backward runs torch's
-    backward op per piece."""
+    backward op per piece. Asked for a differentiable backward (``create_graph=True``) it
+    hands off to ``second`` (the caller's: tiled's double-differentiable backward from the
+    same saved tensors). Under torch.func transforms the entry points do not choose this
+    backend (attn.call routes them to tiled)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: LaunchSpec, config: FusedConfig, consts: Operands,
-                precise, attn_mask, sinks):
+    def forward(q, k, v, spec: LaunchSpec, config: FusedConfig, consts: Operands, precise,
+                second, attn_mask, sinks):
         ops = consts._replace(attn_mask=attn_mask, sinks=sinks)
-        out, lse = _fwd(q, k, v, spec, ops, config=config)
+        return _fwd(q, k, v, spec, ops, config=config)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, spec, config, consts, precise, second, attn_mask, sinks = inputs
+        out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
-        ctx.spec, ctx.config, ctx.consts, ctx.precise = spec, config, consts, precise
+        ctx.spec, ctx.config, ctx.consts = spec, config, consts
+        ctx.precise, ctx.second = precise, second
         ctx.forced = fused_cuda.forced_op()  # the backward may run on autograd's own thread
-        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
         ops = ctx.consts._replace(attn_mask=attn_mask, sinks=sinks)
         do = torch.zeros_like(out) if dout is None else dout
-        with contextlib.nullcontext() if ctx.forced is None else fused_cuda.force_op(ctx.forced):
-            g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
-                     precise=ctx.precise)
-        dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
-        return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), None, None, None, None,
-                None, dsinks)
+        if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable
+            if ctx.second is None:
+                raise NotImplementedError(
+                    "backend='fused' has no double backward of its own; backend='tiled' and "
+                    "backend='reference' differentiate their gradients (create_graph=True)")
+            dq, dk, dv, dsinks = ctx.second(do, dlse, q, k, v, out, lse, ctx.spec, ops)
+        else:
+            forced = ctx.forced
+            with contextlib.nullcontext() if forced is None else fused_cuda.force_op(forced):
+                g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
+                         precise=ctx.precise)
+            dq, dk, dv, dsinks = g.dq, g.dk, g.dv, g.dsinks
+        dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None,
+                None, None, dsinks)
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
                     operands: Operands | None = None, *, config: FusedConfig = DEFAULT,
-                    precise: Callable | None = None) -> tuple[Tensor, Tensor]:
+                    precise: Callable | None = None, second: Callable | None = None
+                    ) -> tuple[Tensor, Tensor]:
     """Exact attention on torch's fused kernels, per piece of attn's plan. Inputs validated.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, D) → out (B, H, Nq, D) in q's dtype,
@@ -898,11 +916,13 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
     ``precise(do, dlse, q, k, v, spec, ops) -> Grads``: a dense backward that recomputes the
     forward itself, used where the lse is too large for torch's backward op to rebuild the
     probabilities within budget (:data:`LSE_PRECISE_LIMIT`); without it they are rebuilt
-    anyway."""
+    anyway. ``second(do, dlse, q, k, v, out, lse, spec, ops) -> (dq, dk, dv, dsinks)``: a
+    backward whose gradients are differentiable, run where one is asked for
+    (``create_graph=True``); without it that raises NotImplementedError."""
     ops = operands or Operands()
     why = spec_reason(spec, ops) or ops_reason(q.device.type)
     if why is not None:
         raise NotImplementedError(f"backend='fused' cannot compute this call: {why}")
     consts = ops._replace(attn_mask=None, sinks=None)
-    return _FusedAttention.apply(q, k, v, spec, config, consts, precise, ops.attn_mask,
-                                 ops.sinks)
+    return _FusedAttention.apply(q, k, v, spec, config, consts, precise, second,
+                                 ops.attn_mask, ops.sinks)

@@ -17,17 +17,35 @@ from attn.spec import acc_dtype
 class _QK(torch.autograd.Function):
     """``q kᵀ`` whose backward reads non-finite entries of q and k as 0: a masked score's
     gradient is 0, and 0·NaN in ``dS k`` would otherwise carry a key that no row sees
-    into every dq (a row that sees it has a NaN dS anyway)."""
+    into every dq (a row that sees it has a NaN dS anyway). Plain torch ops throughout, so
+    torch.func's vmap rule is generated, forward-mode is the product rule, and the backward
+    is differentiable again (double backward)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor) -> Tensor:
-        ctx.save_for_backward(q, k)
+    def forward(q: Tensor, k: Tensor) -> Tensor:
         return q @ k.transpose(-2, -1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
 
     @staticmethod
     def backward(ctx, ds: Tensor) -> tuple[Tensor, Tensor]:
         q, k = (torch.where(torch.isfinite(x), x, 0.0) for x in ctx.saved_tensors)
         return ds @ k, ds.transpose(-2, -1) @ q
+
+    @staticmethod
+    def jvp(ctx, dq: Tensor | None, dk: Tensor | None) -> Tensor:
+        q, k = ctx.saved_tensors
+        ds = torch.zeros(q.shape[:-1] + k.shape[-2:-1], dtype=q.dtype, device=q.device)
+        if dq is not None:
+            ds = ds + dq @ k.transpose(-2, -1)
+        if dk is not None:
+            ds = ds + q @ dk.transpose(-2, -1)
+        return ds
 
 
 def reference_attention(

@@ -17,7 +17,8 @@ from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
-from attn.tiled import cpu
+from attn import transforms
+from attn.tiled import batching, cpu, double, jvp
 from attn.tiled.gemm import _Gemm, low_gemms
 from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items,
                              backward_runs, forward_items)
@@ -493,35 +494,72 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
 class _TiledAttention(torch.autograd.Function):
     """Saves q, k, v, out, lse (and lse2, the mask, sinks, softcap, slopes); the backward
     recomputes each tile. ``apply`` takes every optional tensor explicitly (those that can
-    need a gradient must be inputs); forward and backward rebuild the Operands from them."""
+    need a gradient must be inputs); forward and backward rebuild the Operands from them.
+    lse2 is a third, non-differentiable output (the backward's row constants). torch.func:
+    the backward is :class:`attn.tiled.double._TiledBackward` (differentiable again), the
+    forward-mode rule :func:`attn.tiled.jvp.tiled_jvp`, the vmap rule folds the mapped dim
+    into B or loops (:mod:`attn.tiled.batching`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: LaunchSpec, config: TileConfig, attn_mask, sinks, softcap,
+    def forward(q, k, v, spec: LaunchSpec, config: TileConfig, attn_mask, sinks, softcap,
                 alibi, *captured):
         ops = Operands(attn_mask, sinks, softcap, alibi, captured)
-        out, lse, lse2 = _fwd(q, k, v, spec, ops, want_lse2=True, config=config)
-        # the captured tensors are not saved: the score_mod reads them itself in backward
-        ctx.save_for_backward(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi)
-        ctx.spec, ctx.config, ctx.captured = spec, config, captured
-        return out, lse
+        return _fwd(q, k, v, spec, ops, want_lse2=True, config=config)
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def setup_context(ctx, inputs, output):
+        q, k, v, spec, config, attn_mask, sinks, softcap, alibi, *captured = inputs
+        out, lse, lse2 = output
+        ctx.mark_non_differentiable(lse2)
+        # the captured tensors are not saved: the score_mod reads them itself in backward
+        ctx.save_for_backward(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi)
+        ctx.save_for_forward(q, k, v, out, lse, attn_mask, sinks, softcap, alibi)
+        ctx.spec, ctx.config, ctx.captured = spec, config, tuple(captured)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dlse2):
         q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
         ops = Operands(attn_mask, sinks, softcap, alibi, ctx.captured)
-        do = torch.zeros_like(out) if dout is None else dout.contiguous()  # only lse was used
-        g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops,
-                 need_dmask=bool(ctx.needs_input_grad[5]),
-                 need_dcap=bool(ctx.needs_input_grad[7]), lse2=lse2, config=ctx.config)
-        dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
-        dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
-        dsoftcap = None
-        if g.dsoftcap is not None:
-            dsoftcap = _reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype)
-        dcaptured = tuple(None if d is None else d.to(c.dtype)
-                          for d, c in zip(g.dcaptured, ctx.captured))
-        return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), None, None, dmask, dsinks,
-                dsoftcap, None, *dcaptured)
+        do = torch.zeros_like(out) if dout is None else dout  # only lse was used
+        static = double.Static(ctx.spec, ctx.config, _bwd, bool(ctx.needs_input_grad[5]),
+                               bool(ctx.needs_input_grad[7]))
+        if torch.compiler.is_compiling():  # traced: the first-order launcher as it is
+            g = double._TiledBackward.forward(static, do, dlse, q, k, v, out, lse, lse2,
+                                              *ops[:4], *ops.captured)
+        else:
+            g = double.differentiable_backward(static, do, dlse, q, k, v, out, lse, lse2, ops)
+        return (*g[:3], None, None, *g[3:6], None, *g[6:])
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, spec, config, attn_mask, sinks, softcap, alibi,
+             *captured):
+        args = (q, k, v, spec, config, attn_mask, sinks, softcap, alibi, *captured)
+        ops = Operands(attn_mask, sinks, softcap, alibi, tuple(captured))
+        X = info.batch_size
+        if not double._foldable(spec, ops, need_dmask=False) or any(
+                d is not None for d in in_dims[6:]):
+            return batching.call_per_sample(_TiledAttentionJvp.apply, X, in_dims, args)
+        B = batching.rows_of(q, in_dims[0])
+        qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
+        res = _TiledAttentionJvp.apply(*qkv, spec, config,
+                                    batching.fold_mask(attn_mask, in_dims[5], X, B),
+                                    None, None, batching.fold(alibi, in_dims[8], X, B))
+        return tuple(batching.unfold(x, X) for x in res), (0, 0, 0)
+
+
+class _TiledAttentionJvp(_TiledAttention):
+    """:class:`_TiledAttention` with its forward-mode rule, taken under torch.func transforms
+    and forward-mode AD (torch.compile cannot trace a Function that defines ``jvp``)."""
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv, _spec, _config, dmask, dsinks, dsoftcap, dalibi, *dcaptured):
+        q, k, v, out, lse, attn_mask, sinks, softcap, alibi = ctx.saved_tensors
+        ops = Operands(attn_mask, sinks, softcap, alibi, ctx.captured)
+        tangents = {"q": dq, "k": dk, "v": dv, "mask": dmask, "sinks": dsinks,
+                    "softcap": dsoftcap, "alibi": dalibi,
+                    "captured": any(d is not None for d in dcaptured)}
+        d_out, d_lse = jvp.tiled_jvp(q, k, v, out, lse, ctx.spec, ops, tangents)
+        return d_out, d_lse, None
 
 
 # -- torch.export: the call as one opaque op --------------------------------------------------
@@ -625,5 +663,8 @@ def tiled_attention(
     if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
         mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
         spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
-    return _TiledAttention.apply(q, k, v, spec, config, operands.attn_mask, operands.sinks,
-                                 operands.softcap, operands.alibi, *operands.captured)
+    ts = (q, k, v, *operands[:4], *operands.captured)
+    fn = _TiledAttentionJvp if transforms.active(*ts) else _TiledAttention
+    out, lse, _ = fn.apply(q, k, v, spec, config, operands.attn_mask, operands.sinks,
+                           operands.softcap, operands.alibi, *operands.captured)
+    return out, lse

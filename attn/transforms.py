@@ -1,0 +1,65 @@
+"""Where a call runs under torch's function transforms (``torch.func``'s vmap, grad, jvp,
+and forward-mode AD through ``torch.autograd.forward_ad``), asked by the entry points and the
+backends: which transform is active, and a tensor's values seen through its wrappers.
+
+Data-dependent checks (``bool(tensor)``, ``.item()``) cannot run on a tensor that vmap
+batches; the entry points read such values through :func:`physical` (every sample at once)
+or skip an optional rewrite, and backends whose autograd.Function has no rule for a
+transform are not chosen under it (:func:`active`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._C import _functorch
+
+__all__ = ["active", "forward_ad", "physical", "in_vmap"]
+
+
+def _stack() -> list:
+    """functorch's interpreters, outermost first; none while torch.compile traces (dynamo
+    cannot read the stack, and a traced call runs under no transform of its own)."""
+    if torch.compiler.is_compiling():
+        return []
+    return list(_functorch.get_interpreter_stack() or ())
+
+
+def active(*tensors: object) -> str | None:
+    """The transforms a call runs under, innermost last, as ``"vmap+jvp"``-style text, or
+    None: functorch's interpreter stack, and forward-mode AD where one of ``tensors`` carries
+    a tangent at the current dual level."""
+    names = [str(i.key()).rsplit(".", 1)[-1].lower() for i in _stack()]
+    if forward_ad(*tensors):
+        names.append("forward AD")
+    return "+".join(names) if names else None
+
+
+def in_vmap() -> bool:
+    """Whether a ``torch.func.vmap`` is active (its tensors cannot be read by the host)."""
+    return any(str(i.key()).endswith("Vmap") for i in _stack())
+
+
+def forward_ad(*tensors: object) -> bool:
+    """Whether one of ``tensors`` is a dual tensor of ``torch.autograd.forward_ad``."""
+    from torch.autograd import forward_ad as fwad
+
+    # no dual level open (the common case): nothing to look at
+    if torch.compiler.is_compiling() or getattr(fwad, "_current_level", 0) < 0:
+        return False
+    for t in tensors:
+        if isinstance(t, Tensor) and not _functorch.is_functorch_wrapped_tensor(t):
+            try:
+                if fwad.unpack_dual(t).tangent is not None:
+                    return True
+            except RuntimeError:  # no dual level is open
+                return False
+    return False
+
+
+def physical(t: Tensor) -> Tensor:
+    """``t`` with every functorch wrapper taken off: under vmap the values of every sample at
+    once (for checks that hold for each sample iff they hold for all), else ``t``'s own."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t.detach()
