@@ -552,9 +552,9 @@ def run_report(args, argv: list[str]) -> int:
                    pruned=args.configs != "all", ptxas_verbose=not args.no_ptxas,
                    mark_kept=True, kernels=args.kernel, config_names=args.config):
         builds.append(b)
-        print(f"{b.kernel} sm_{b.arch} D={b.head_dim} {b.variant} {b.config}: "
-              f"{b.error or f'{b.shared // 1024} KiB, regs {b.registers}, spills {b.spill_bytes}, '
-                         f'loop {b.loop_sass}, wgmma n{b.wgmma_n}'}",
+        what = b.error or (f"{b.shared // 1024} KiB, regs {b.registers}, spills "
+                           f"{b.spill_bytes}, loop {b.loop_sass}, wgmma n{b.wgmma_n}")
+        print(f"{b.kernel} sm_{b.arch} D={b.head_dim} {b.variant} {b.config}: {what}",
               file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
