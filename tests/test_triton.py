@@ -319,12 +319,13 @@ def _score_args_with_bias(spec, *, softcap, alibi):
 @triton.jit
 def _scores_with_bias(qk, om, on, MASK, cap, slope, SC, BAND, MASKED: tl.constexpr,
                       BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr):
-    """_scores with the drill's stage (its edit in kernels._scores: ``if SCORE[2]: s = s +
-    SC[1]`` before the masks; after them here, where a masked -inf stays -inf)."""
+    """_scores with the drill's stage (its edit in kernels._scores: ``if SCORE[_BIAS]: s = s
+    + SC[_BIAS] * _LOG2E``, base-2 scores, before the masks; after them here, where a masked
+    -inf stays -inf). Its places are the last of each bundle."""
     s, u, t = _plain_scores(qk, om, on, MASK, cap, slope, SC, BAND, MASKED, BANDED, MASK_KIND,
                             SCORE)
-    if SCORE[2]:
-        s = s + SC[1]
+    if SCORE[len(SCORE) - 1]:
+        s = s + SC[len(SC) - 1] * 1.4426950408889634
     return s, u, t
 
 

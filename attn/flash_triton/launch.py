@@ -31,7 +31,7 @@ from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_com
 from attn.flash_triton.tune import _tune_n, split_config
 from attn.grads import Grads, sink_grad
 from attn.masks import Band, as_4d
-from attn.spec import LaunchSpec, Operands, check_paged_forward_only, operands_of
+from attn.spec import LaunchSpec, Operands, check_paged_forward_only
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -670,11 +670,6 @@ def triton_attention(
     v: Tensor,
     spec: LaunchSpec,
     operands: Operands | None = None,
-    *,
-    attn_mask: Tensor | None = None,
-    softcap: Tensor | None = None,
-    sinks: Tensor | None = None,
-    alibi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused attention kernels. Inputs already validated by ``attn.api`` (or ``attn.varlen``).
 
@@ -685,16 +680,14 @@ def triton_attention(
     positions); ``operands`` the optional tensors: ``softcap`` a learnable tensor
     broadcastable to (H,), ``sinks`` (H,), ``attn_mask`` bool or float broadcastable to
     (B, H, Nq, Nk), ``alibi`` ALiBi slopes broadcastable to (B, H), constants (the bias is
-    measured from the band's diagonal). The keywords are the older form of the same
-    (``operands`` given, they must stay unset).
+    measured from the band's diagonal).
 
     Packed sequences (``operands.cu_seqlens_q`` / ``_k``, int32 or int64 (sequences + 1,)
     offsets, ``spec.max_seqlen_q`` / ``_k`` set): q (total_q, H, D), k, v (total_k, Hkv, D /
     Dv) → out (total_q, H, Dv), lse (H, total_q); the band per sequence from its bottom-right
     corner, ALiBi slopes (sequences, H), dropout drawn with sequence b as batch row b.
     """
-    ops = operands_of("triton_attention", operands, attn_mask=attn_mask, softcap=softcap,
-                      sinks=sinks, alibi=alibi)
+    ops = Operands() if operands is None else operands
     if ops.captured:
         raise NotImplementedError("triton: a score_mod's captured tensors (use tiled)")
     if ops.cu_seqlens_q is not None:

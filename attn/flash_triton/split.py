@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from attn.flash_triton.kernels import (_fwd_inner, _head_consts, _stage_range, _stages,
+from attn.flash_triton.kernels import (_fwd_inner, _head_consts, _lse_of, _stage_range, _stages,
                                        _value_offset)
 from attn.flash_triton.outer import _at
 
@@ -181,7 +181,7 @@ def _store_partial(OutP, LseP, acc, l_i, m_i, split, off_b, off_h, offs_m, row_o
     nothing of gives 0 and lse = -inf (weight 0 in the combine)."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+    lse = _lse_of(m_i, l_i)
     part = ((split * B + off_b) * H + off_h).to(tl.int64) * N_Q + offs_m  # (splits, B, H, N_Q)
     tl.store(LseP + part, lse, mask=row_ok)
     offs_dv = tl.arange(0, BLOCK_DV)
