@@ -13,7 +13,7 @@ target (``GPUTarget("cuda", 90 | 80, 32)``) exactly as the JIT would compile it 
 3. ``triton.compile`` lowers them to TTGIR, PTX and a cubin with the wheel's bundled ptxas.
 
 What a :class:`Build` reports: shared memory, tensor-core instructions (``wgmma`` on sm_90,
-``mma.sync`` on sm_80; sm_90 counts only wgmma, whose widest N it records), whether loads
+``mma.sync`` on sm_80; sm_90 counts only wgmma, whose narrowest N it records), whether loads
 became asynchronous copies or TMA in the TTGIR (software pipelining), TMA loads and warp
 specialisation on their own, the SASS instructions of the steady loop's iteration (the
 smallest loop of the cubin that holds a tensor-core instruction: the unmasked middle stage),
@@ -106,7 +106,7 @@ class Build:
     shared: int  # bytes of shared memory per block
     tensor_cores: bool  # the dots lowered to wgmma (sm_90) / mma.sync (sm_80)
     pipelined: bool  # async copies or TMA loads in the TTGIR
-    wgmma_n: int | None = None  # the widest wgmma N (m64nNk16) in the PTX; None: no wgmma
+    wgmma_n: int | None = None  # the narrowest wgmma N (m64nNk16) in the PTX; None: none
     mma_sync: bool = False  # any mma.sync in the PTX (on sm_90: dots that missed wgmma)
     tma: bool = False  # TMA loads (bulk tensor copies) in the PTX
     warp_specialized: bool = False  # the TTGIR partitions warps (producer / consumer)
@@ -316,7 +316,7 @@ def _uses_tensor_cores(ptx: str, arch: int) -> bool:
 
 def _wgmma_n(ptx: str) -> int | None:
     widths = [int(n) for n in re.findall(r"wgmma\.mma_async\S*?\.m64n(\d+)k", ptx)]
-    return max(widths) if widths else None
+    return min(widths) if widths else None
 
 
 def _tma(ptx: str) -> bool:
@@ -379,7 +379,8 @@ def _config_name(cfg) -> str:
 
 def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
                    ptxas_verbose: bool = False) -> Build:
-    """Compile one launch with one config for ``arch``; errors are reported, not raised."""
+    """Compile one launch with one config for ``arch``; errors are reported, not raised.
+    ``ptxas_verbose``: also registers and spills (ptxas -v) and the steady loop's SASS."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -405,9 +406,9 @@ def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
     build.mma_sync = "mma.sync" in ptx
     build.tma = _tma(ptx)
     build.warp_specialized = _warp_specialized(ttgir)
-    build.loop_sass = steady_loop_sass(_disassemble(compiled.asm["cubin"]))
-    if ptxas_verbose:
+    if ptxas_verbose:  # the measuring mode: ptxas's report and the disassembly
         build.registers, build.spill_bytes = _ptxas_verbose(compiled.asm["ptx"], arch)
+        build.loop_sass = steady_loop_sass(_disassemble(compiled.asm["cubin"]))
     return build
 
 

@@ -253,12 +253,12 @@ def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Opera
                                varlen=ops.cu_seqlens_q is not None)
     if why is not None:
         return None
-    B, H, Nq, D = q.shape
+    _, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _, block_n, _, _ = split_config(max(16, triton.next_power_of_2(D)),
                                     max(16, triton.next_power_of_2(Dv)), q.element_size(),
                                     (H // Hkv) * Nq)
-    plan = split_kv_plan(B * Hkv, Nk, Nq, sm_count_of(q.device), tile=block_n,
+    plan = split_kv_plan(Nk, Nq, sm_count_of(q.device), tile=block_n,
                          force=split_kv_override())
     return plan if plan.splits > 1 else None
 
@@ -358,7 +358,7 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     block_m, block_n, warps, stages = split_config(block_d, block_dv, q.element_size(),
                                                    group * Nq)
     n_max = int((lengths - starts).max()) if B else 0
-    plan = split_kv_plan(B * Hkv, n_max, Nq, sm_count_of(q.device), tile=block_n,
+    plan = split_kv_plan(n_max, Nq, sm_count_of(q.device), tile=block_n,
                          force=split_kv_override())
     splits = plan.splits
     chunk = plan.chunk if splits > 1 else block_n * max(1, triton.cdiv(n_max, block_n))
