@@ -157,8 +157,9 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
             continue
         if _spills_heavily(kind, c, d):
             continue
-        if kind == "dkdv" and heavy and bm * bn * d > _HEAVY_DKDV_MAX_TILE:
-            continue
+        if kind == "dkdv" and heavy and (bm * bn * d > _HEAVY_DKDV_MAX_TILE
+                                         or c.num_stages > 3):
+            continue  # (32 x 64, D = 128, packed sequences: 1208 bytes with 4 stages)
         if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
             continue
         if d >= 128 and bm * bn >= 128 * 128 and c.num_warps < 8:
