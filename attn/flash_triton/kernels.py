@@ -416,9 +416,10 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope,
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qT = _load_cols(Q, offs_m, QSTR, N_Q, HEAD_DIM, BLOCK_D, MASKED)
-        # lse = -inf marks a row that saw nothing: +inf makes its P exactly 0; base 2
+        # lse (base 2: the forward's Lse2) = -inf marks a row that saw nothing: +inf makes
+        # its P exactly 0
         lse = tl.load(Lse + offs_m, mask=offs_m < N_Q, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
         # -- recompute P from lse --
         qkT = _dot(k, qT, None, DOT_PRECISION)
         om = offs_m[None, :]
@@ -460,8 +461,8 @@ def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, SC,
               MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
               SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
               DELTA_PASS: tl.constexpr):
-    """The query-resident backward over key tiles [lo, hi): P recomputed from lse (base 2:
-    lse·log2 e, converted by the caller) and
+    """The query-resident backward over key tiles [lo, hi): P recomputed from lse (base 2,
+    as the forward's Lse2) and
     dP = dO Vᵀ (dropout-scaled), then either ``dq += dS K`` with dS = P ∘ (dP − Δ), ``delta``
     holding each row's Δ, or, with ``DELTA_PASS``, ``delta += Σ_j p_ij dp_ij`` and
     ``psum += Σ_j p_ij`` (``dq`` untouched). The two share one P and dP so that the Δ pass

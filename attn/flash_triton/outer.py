@@ -89,7 +89,7 @@ def _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN: tl.constexpr):
 @triton.autotune(configs=_configs("fwd"), key=_KEY,
                  prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
-def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
+def _attn_fwd(Q, K, V, Out, Lse, LogL, Lse2, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
               QS, KS, VS, OS, MS, AS, LS, H, GROUP, N_Q, N_K, offset, left, right, SC,
               drop_seed, DR, TUNE_N, VMax, VMS, v_log_scale, HEAD_DIM: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -143,6 +143,11 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
         _store_rows(Out, offs_m, (OS[2], OS[3]), N_Q, out, HEAD_DIM_V, BLOCK_DV)
         row = _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN) + offs_m
         tl.store(Lse + row, _lse_of(m_i, l_i), mask=offs_m < N_Q)
+        # ... and lse in base 2 as the softmax had it (m + log2 l), which the backward reads:
+        # converting the natural lse back would lose its exact cancellation against the row
+        # max's score at a saturated row (P of the max off by ulps, times scale·K in dQ)
+        tl.store(Lse2 + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)),
+                 mask=offs_m < N_Q)
         # log l relative to the row max (the value offset taken back): the backward's
         # saturation test, which lse alone cannot answer
         logl = tl.where(l_i == 0.0, float("inf"), (tl.log2(l_safe) + voff) * _LN2)
@@ -271,7 +276,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
         do = _load_rows(_at(DO, seq_q, off_h, OS), offs_m, (OS[2], OS[3]), N_Q, HEAD_DIM_V,
                         BLOCK_DV, True)
         lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)  # base 2
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # base 2 (Lse2)
         cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
                                   SCORE)
         if DELTA_PASS:
