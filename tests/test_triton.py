@@ -125,7 +125,7 @@ def _op_args(q, k, v):
 def test_opcheck_forward_and_backward():
     q, k, v = _inputs(B=1, H=4, Hkv=2, N=20, Nk=30, D=16, Dv=24, seed=0)
     torch.library.opcheck(torch.ops.attn.flash_fwd.default, _op_args(q, k, v))
-    out, lse, _ = torch.ops.attn.flash_fwd(*_op_args(q, k, v))
+    out, lse, _, _ = torch.ops.attn.flash_fwd(*_op_args(q, k, v))
     do = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, None, None,
@@ -149,8 +149,9 @@ def test_fake_tensor_shapes():
         q = torch.empty(2, 8, 100, 64, dtype=torch.bfloat16, device=DEVICE)
         k = torch.empty(2, 2, 300, 64, dtype=torch.bfloat16, device=DEVICE)
         v = torch.empty(2, 2, 300, 48, dtype=torch.bfloat16, device=DEVICE)
-        out, lse, logl = torch.ops.attn.flash_fwd(*_op_args(q, k, v))
+        out, lse, logl, lse2 = torch.ops.attn.flash_fwd(*_op_args(q, k, v))
         assert logl.shape == lse.shape and logl.dtype == torch.float32
+        assert lse2.shape == lse.shape and lse2.dtype == torch.float32
         assert out.shape == (2, 8, 100, 48) and out.dtype == torch.bfloat16
         assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
 
@@ -213,7 +214,7 @@ def _specs_the_ops_see(monkeypatch, spec, q, k, v):
     monkeypatch.setattr(launch, "_fwd_split", fwd_split)
     monkeypatch.setattr(launch, "_bwd", bwd)
     args = launch._op_args(spec)
-    o, l, _ = torch.ops.attn.flash_fwd(q, k, v, None, None, None, *args)
+    o, l, _, _ = torch.ops.attn.flash_fwd(q, k, v, None, None, None, *args)
     torch.ops.attn.flash_fwd_split(q, k, v, None, None, None, *args, None, 64)
     torch.ops.attn.flash_bwd(torch.ones_like(o), None, q, k, v, o, l, None, None, None, *args,
                              False)
