@@ -199,7 +199,7 @@ def _specs_the_ops_see(monkeypatch, spec, q, k, v):
 
     def fwd(q, k, v, spec, ops, want_logl=False):
         seen.append(spec)
-        return out(), lse(), lse()
+        return out(), lse(), lse(), lse()
 
     def fwd_split(q, k, v, spec, ops, chunk):
         seen.append(spec)
