@@ -143,8 +143,8 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
 
     Inside triton, decoding takes split-KV (Flash-Decoding): a call of at most 16 query rows
     per head against at least 512 keys that needs no gradient, no dropout and is not packed
-    has its keys cut into chunks (``attn.flash_triton.split_kv_plan``: enough chunks of at
-    least 256 keys for B·Hkv·chunks to fill the SMs twice). The reason says which path runs.
+    has its keys cut into chunks (``attn.flash_triton.split_kv_plan``: chunks of at least
+    256 keys, their count from Nk and the SMs alone). The reason says which path runs.
     """
     if not isinstance(call, AttentionCall):
         raise TypeError(f"call must be an AttentionCall (attn.api.AttentionCall), got "

@@ -125,7 +125,7 @@ def _op_args(q, k, v):
 def test_opcheck_forward_and_backward():
     q, k, v = _inputs(B=1, H=4, Hkv=2, N=20, Nk=30, D=16, Dv=24, seed=0)
     torch.library.opcheck(torch.ops.attn.flash_fwd.default, _op_args(q, k, v))
-    out, lse, _ = torch.ops.attn.flash_fwd(*_op_args(q, k, v))
+    out, lse, _, _ = torch.ops.attn.flash_fwd(*_op_args(q, k, v))
     do = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attn.flash_bwd.default,
                           (do, None, q, k, v, out, lse, None, None, None,
@@ -149,8 +149,9 @@ def test_fake_tensor_shapes():
         q = torch.empty(2, 8, 100, 64, dtype=torch.bfloat16, device=DEVICE)
         k = torch.empty(2, 2, 300, 64, dtype=torch.bfloat16, device=DEVICE)
         v = torch.empty(2, 2, 300, 48, dtype=torch.bfloat16, device=DEVICE)
-        out, lse, logl = torch.ops.attn.flash_fwd(*_op_args(q, k, v))
+        out, lse, logl, lse2 = torch.ops.attn.flash_fwd(*_op_args(q, k, v))
         assert logl.shape == lse.shape and logl.dtype == torch.float32
+        assert lse2.shape == lse.shape and lse2.dtype == torch.float32
         assert out.shape == (2, 8, 100, 48) and out.dtype == torch.bfloat16
         assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
 
@@ -198,7 +199,7 @@ def _specs_the_ops_see(monkeypatch, spec, q, k, v):
 
     def fwd(q, k, v, spec, ops, want_logl=False):
         seen.append(spec)
-        return out(), lse(), lse()
+        return out(), lse(), lse(), lse()
 
     def fwd_split(q, k, v, spec, ops, chunk):
         seen.append(spec)
@@ -213,7 +214,7 @@ def _specs_the_ops_see(monkeypatch, spec, q, k, v):
     monkeypatch.setattr(launch, "_fwd_split", fwd_split)
     monkeypatch.setattr(launch, "_bwd", bwd)
     args = launch._op_args(spec)
-    o, l, _ = torch.ops.attn.flash_fwd(q, k, v, None, None, None, *args)
+    o, l, _, _ = torch.ops.attn.flash_fwd(q, k, v, None, None, None, *args)
     torch.ops.attn.flash_fwd_split(q, k, v, None, None, None, *args, None, 64)
     torch.ops.attn.flash_bwd(torch.ones_like(o), None, q, k, v, o, l, None, None, None, *args,
                              False)
@@ -319,12 +320,13 @@ def _score_args_with_bias(spec, *, softcap, alibi):
 @triton.jit
 def _scores_with_bias(qk, om, on, MASK, cap, slope, SC, BAND, MASKED: tl.constexpr,
                       BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr):
-    """_scores with the drill's stage (its edit in kernels._scores: ``if SCORE[2]: s = s +
-    SC[1]`` before the masks; after them here, where a masked -inf stays -inf)."""
+    """_scores with the drill's stage (its edit in kernels._scores: ``if SCORE[_BIAS]: s = s
+    + SC[_BIAS] * _LOG2E``, base-2 scores, before the masks; after them here, where a masked
+    -inf stays -inf). Its places are the last of each bundle."""
     s, u, t = _plain_scores(qk, om, on, MASK, cap, slope, SC, BAND, MASKED, BANDED, MASK_KIND,
                             SCORE)
-    if SCORE[2]:
-        s = s + SC[1]
+    if SCORE[len(SCORE) - 1]:
+        s = s + SC[len(SC) - 1] * 1.4426950408889634
     return s, u, t
 
 

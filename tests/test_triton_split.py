@@ -19,7 +19,8 @@ import attn  # noqa: E402
 from attn import flash_triton  # noqa: E402  (in interpreter mode on CPU: tests/conftest.py)
 from attn.api import AttentionCall, select_backend  # noqa: E402
 from attn.flash_triton import launch, split  # noqa: E402
-from attn.flash_triton.split import MAX_SPLITS, MIN_CHUNK, split_kv_plan  # noqa: E402
+from attn.flash_triton.split import (MAX_SPLITS, MIN_CHUNK, PROGRAMS_PER_CHUNK,  # noqa: E402
+                                     split_kv_plan)
 from attn.testing import assert_close_to_reference, make_inputs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,37 +50,33 @@ def _inputs(*, H=4, Hkv=2, Nq=4, Nk=150, dtype=torch.float32, seed=0):
                        seed=seed)
 
 
-# -- the plan: a pure function of (B·Hkv, Nk, Nq, SMs) ---------------------------------------
+# -- the plan: a pure function of (Nk, Nq, SMs), never of the batch -------------------------
 
-@pytest.mark.parametrize("bh_kv", [1, 3, 8, 64, 512, 4096])
+@pytest.mark.parametrize("sms", [8, 132])
 @pytest.mark.parametrize("n_k", [0, 1, 511, 512, 1000, 4097, 131072])
 @pytest.mark.parametrize("n_q", [1, 16, 17])
-def test_plan_properties(bh_kv, n_k, n_q):
-    sms, tile = 132, 64
-    p = split_kv_plan(bh_kv, n_k, n_q, sms, tile=tile)
-    assert p == split_kv_plan(bh_kv, n_k, n_q, sms, tile=tile)  # pure
+def test_plan_properties(sms, n_k, n_q):
+    tile = 64
+    p = split_kv_plan(n_k, n_q, sms, tile=tile)
+    assert p == split_kv_plan(n_k, n_q, sms, tile=tile)  # pure
     if n_q > 16 or n_k < 2 * MIN_CHUNK:
         assert p.splits == 1
         return
     assert p.chunk % tile == 0 and p.chunk >= MIN_CHUNK  # whole tiles, never too short
     assert (p.splits - 1) * p.chunk < n_k <= p.splits * p.chunk  # covers the keys, no empty chunk
-    # enough chunks for B·Hkv·chunks to fill the SMs twice, within the floor and the cap
+    # one sequence of 8 kv heads fills the SMs twice, within the floor and the cap
     # (rounding chunks to whole tiles may give up to half of them back)
-    target = min(-(-2 * sms // bh_kv), n_k // MIN_CHUNK, MAX_SPLITS)
+    target = min(-(-2 * sms // PROGRAMS_PER_CHUNK), n_k // MIN_CHUNK, MAX_SPLITS)
     assert target // 2 < p.splits <= target
-    if bh_kv >= 2 * sms:  # the SMs are already busy: nothing to gain
-        assert p.splits == 1
-    # more programs per chunk never asks for more chunks
-    assert split_kv_plan(2 * bh_kv, n_k, n_q, sms, tile=tile).splits <= p.splits
 
 
 def test_plan_force_and_bad_input():
-    assert split_kv_plan(4, 150, 4, 8, tile=32, force=3).splits == 3
-    assert split_kv_plan(4, 150, 4, 8, tile=32, force=0).splits == 1
-    assert split_kv_plan(4, 150, 17, 8, tile=32, force=3).splits == 1  # not eligible
-    assert split_kv_plan(4, 100, 4, 8, tile=32, force=50).splits == 4  # one tile per chunk
-    for bad in (dict(bh_kv=0), dict(sm_count=True), dict(force=-1), dict(n_q=1.5)):
-        args = {**dict(bh_kv=4, n_k=150, n_q=4, sm_count=8), **bad}
+    assert split_kv_plan(150, 4, 8, tile=32, force=3).splits == 3
+    assert split_kv_plan(150, 4, 8, tile=32, force=0).splits == 1
+    assert split_kv_plan(150, 17, 8, tile=32, force=3).splits == 1  # not eligible
+    assert split_kv_plan(100, 4, 8, tile=32, force=50).splits == 4  # one tile per chunk
+    for bad in (dict(n_k=-1), dict(sm_count=True), dict(force=-1), dict(n_q=1.5)):
+        args = {**dict(n_k=150, n_q=4, sm_count=8), **bad}
         with pytest.raises(ValueError, match=next(iter(bad))):
             split_kv_plan(**args)
 
@@ -171,12 +168,25 @@ def test_same_bits_for_the_same_shapes(splits_run):
 
 @pytest.mark.cuda_if_present
 def test_auto_plan_splits_a_long_cache(monkeypatch, splits_run):
-    # no override: 1 batch row x 1 kv head against 600 keys, the stand-in's 8 SMs: the rule
-    # wants 16 chunks, the 256-key floor allows 2
+    # no override: 600 keys, the stand-in's 8 SMs: the rule wants 2 chunks (16 programs
+    # per SM-pair over 8 per chunk), the 256-key floor allows 2
     monkeypatch.delenv("ATTN_TRITON_SPLIT_KV")
     q, k, v = make_inputs(B=1, H=2, Hkv=1, N=1, Nk=600, D=16, device=DEVICE, seed=6)
     assert_close_to_reference(tri, q, k, v, grad=False, check_lse=True)
     assert splits_run == [320]
+
+
+@pytest.mark.cuda_if_present
+def test_a_sequence_bits_do_not_depend_on_its_batch(monkeypatch, splits_run):
+    """The auto plan cuts a sequence's keys the same way alone and in a batch of 3 with 2 kv
+    heads (a plan from B·Hkv cut 1100 keys into 4 chunks alone and 3 in the batch): its
+    output and lse are the same bits."""
+    monkeypatch.delenv("ATTN_TRITON_SPLIT_KV")
+    q, k, v = make_inputs(B=3, H=4, Hkv=2, N=1, Nk=1100, D=16, device=DEVICE, seed=7)
+    alone = tri(q[:1], k[:1], v[:1], return_lse=True)
+    batch = tri(q, k, v, return_lse=True)
+    assert len(splits_run) == 2 and splits_run[0] == splits_run[1]
+    assert torch.equal(alone[0][0], batch[0][0]) and torch.equal(alone[1][0], batch[1][0])
 
 
 # -- when split-KV runs ---------------------------------------------------------------------------

@@ -36,3 +36,19 @@ def test_autotune_off_launches_one_kept_config_near_64x64(kind, d, monkeypatch):
 def test_autotune_switch_reads_the_environment(value, off, monkeypatch):
     monkeypatch.setenv("ATTN_TRITON_AUTOTUNE", value)
     assert tune.autotune_off() is off
+
+
+@pytest.mark.parametrize("heavy", [dict(HAS_DROPOUT=True), dict(MASK_KIND=1),
+                                   dict(SCORE=(True, False, False))])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dkdv_with_heavy_scores_keeps_smaller_tiles(heavy, d):
+    """dK/dV with dropout, a softcap or a mask keeps tiles up to _HEAVY_DKDV_MAX_TILE (the
+    larger ones spilled past 1 KiB on sm_90: tests/test_triton_compile.py builds the largest
+    kept); the same launch without them keeps the larger tiles at D = 64."""
+    configs = tune.gpu_configs("dkdv")
+    kept = tune.prune_for(configs, {**_args(d), **heavy}, kind="dkdv", arch=90)
+    assert kept and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * d
+                        <= tune._HEAVY_DKDV_MAX_TILE for c in kept)
+    plain = tune.prune_for(configs, _args(d), kind="dkdv", arch=90)
+    if d == 64:
+        assert any(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] == 64 * 128 for c in plain)

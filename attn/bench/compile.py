@@ -13,8 +13,11 @@ target (``GPUTarget("cuda", 90 | 80, 32)``) exactly as the JIT would compile it 
 3. ``triton.compile`` lowers them to TTGIR, PTX and a cubin with the wheel's bundled ptxas.
 
 What a :class:`Build` reports: shared memory, tensor-core instructions (``wgmma`` on sm_90,
-``mma.sync`` on sm_80), whether loads became asynchronous copies or TMA in the TTGIR
-(software pipelining), and, with ``ptxas_verbose``, registers and spills.
+``mma.sync`` on sm_80; sm_90 counts only wgmma, whose narrowest N it records), whether loads
+became asynchronous copies or TMA in the TTGIR (software pipelining), TMA loads and warp
+specialisation on their own, the SASS instructions of the steady loop's iteration (the
+smallest loop of the cubin that holds a tensor-core instruction: the unmasked middle stage),
+and, with ``ptxas_verbose``, registers and spills.
 
 Must run in a process where the triton backend is *not* in interpreter mode
 (``TRITON_INTERPRET`` unset before ``attn.flash_triton`` is imported).
@@ -103,6 +106,11 @@ class Build:
     shared: int  # bytes of shared memory per block
     tensor_cores: bool  # the dots lowered to wgmma (sm_90) / mma.sync (sm_80)
     pipelined: bool  # async copies or TMA loads in the TTGIR
+    wgmma_n: int | None = None  # the narrowest wgmma N (m64nNk16) in the PTX; None: none
+    mma_sync: bool = False  # any mma.sync in the PTX (on sm_90: dots that missed wgmma)
+    tma: bool = False  # TMA loads (bulk tensor copies) in the PTX
+    warp_specialized: bool = False  # the TTGIR partitions warps (producer / consumer)
+    loop_sass: int | None = None  # SASS instructions per iteration of the steady loop
     registers: int | None = None
     spill_bytes: int | None = None  # ptxas spill stores + loads, bytes
     error: str | None = None
@@ -301,7 +309,67 @@ def _pipelined(ttgir: str) -> bool:
 
 
 def _uses_tensor_cores(ptx: str, arch: int) -> bool:
-    return ("wgmma" in ptx or "mma.sync" in ptx) if arch >= 90 else "mma.sync" in ptx
+    """The arch's own tensor-core instructions: on sm_90 ``wgmma`` only (``mma.sync`` runs
+    there too, at a fraction of the rate: a kernel with it is not on Hopper's tensor cores)."""
+    return "wgmma.mma_async" in ptx if arch >= 90 else "mma.sync" in ptx
+
+
+def _wgmma_n(ptx: str) -> int | None:
+    widths = [int(n) for n in re.findall(r"wgmma\.mma_async\S*?\.m64n(\d+)k", ptx)]
+    return min(widths) if widths else None
+
+
+def _tma(ptx: str) -> bool:
+    return "cp.async.bulk.tensor" in ptx
+
+
+def _warp_specialized(ttgir: str) -> bool:
+    return "ttg.warp_specialize" in ttgir
+
+
+_SASS_INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", re.M)
+_SASS_LINE = re.compile(r"^\s*(?:(\.L_x_\d+):|/\*[0-9a-f]+\*/\s+(.*?)\s*;)", re.M)
+_SASS_BRA = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+
+
+def sass_loops(sass: str) -> list[list[str]]:
+    """The loops of a disassembled kernel (``nvdisasm -c``): for each backward branch, the
+    instructions from its target label to the branch."""
+    labels: dict[str, int] = {}
+    instrs: list[str] = []
+    for label, ins in _SASS_LINE.findall(sass):
+        if label:
+            labels[label] = len(instrs)
+        else:
+            instrs.append(ins)
+    loops = []
+    for i, ins in enumerate(instrs):
+        target = _SASS_BRA.search(ins)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            loops.append(instrs[labels[target.group(1)]:i + 1])
+    return loops
+
+
+def steady_loop_sass(sass: str) -> int | None:
+    """Instructions per iteration of the smallest loop holding a tensor-core op (HGMMA on
+    sm_90, HMMA on sm_80): the unmasked middle stage of the kernels' walks (the masked edge
+    loops are the same plus their masking); None when no loop has one."""
+    sizes = [len(body) for body in sass_loops(sass)
+             if any(" HGMMA" in f" {i}" or " HMMA" in f" {i}" for i in body)]
+    return min(sizes) if sizes else None
+
+
+def _disassemble(cubin: bytes) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    nvdisasm = os.path.join(os.path.dirname(get_ptxas(90).path), "nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.cubin")
+        with open(src, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([nvdisasm, "-c", src], capture_output=True, text=True,
+                             timeout=300)
+    return res.stdout
 
 
 def _config_name(cfg) -> str:
@@ -311,7 +379,8 @@ def _config_name(cfg) -> str:
 
 def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
                    ptxas_verbose: bool = False) -> Build:
-    """Compile one launch with one config for ``arch``; errors are reported, not raised."""
+    """Compile one launch with one config for ``arch``; errors are reported, not raised.
+    ``ptxas_verbose``: also registers and spills (ptxas -v) and the steady loop's SASS."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -330,10 +399,16 @@ def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
         build.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
         return build
     build.shared = int(compiled.metadata.shared)
-    build.tensor_cores = _uses_tensor_cores(compiled.asm["ptx"], arch)
-    build.pipelined = _pipelined(compiled.asm["ttgir"])
-    if ptxas_verbose:
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    build.tensor_cores = _uses_tensor_cores(ptx, arch)
+    build.pipelined = _pipelined(ttgir)
+    build.wgmma_n = _wgmma_n(ptx)
+    build.mma_sync = "mma.sync" in ptx
+    build.tma = _tma(ptx)
+    build.warp_specialized = _warp_specialized(ttgir)
+    if ptxas_verbose:  # the measuring mode: ptxas's report and the disassembly
         build.registers, build.spill_bytes = _ptxas_verbose(compiled.asm["ptx"], arch)
+        build.loop_sass = steady_loop_sass(_disassemble(compiled.asm["cubin"]))
     return build
 
 
@@ -353,21 +428,30 @@ def largest(configs: list) -> Any:
 
 def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,
           dtypes=(torch.bfloat16,), all_configs: bool = False, pruned: bool = True,
-          ptxas_verbose: bool = False, mark_kept: bool = False) -> Iterator[Build]:
+          ptxas_verbose: bool = False, mark_kept: bool = False, kernels=None,
+          config_names=None) -> Iterator[Build]:
     """Compile every kernel x (largest or every) config x D x variant x dtype x arch;
-    ``mark_kept`` notes on each build whether ``_prune`` keeps its config on that arch."""
+    ``mark_kept`` notes on each build whether ``_prune`` keeps its config on that arch.
+    ``kernels`` keeps only those kernels; ``config_names`` (as :func:`_config_name` writes
+    them) builds those configs, kept or pruned, where a kernel has them, instead."""
     for dtype in dtypes:
         for d in head_dims:
             for variant in variants:
                 launches = record_launches(head_dim=d, dtype=dtype, variant=variant)
                 for launch in launches:
+                    if kernels and launch.name not in kernels:
+                        continue
                     if launch.name in NO_DOT and variant not in ("plain", "decode", "paged"):
                         # (paged_int4's combine is paged's: the codes are the paged kernel's)
                         continue  # no variant flags: one build per D is enough
                     for arch in archs:
                         cfgs = launch.configs(arch=arch, pruned=pruned)
                         kept = launch.configs(arch=arch, pruned=True) if mark_kept else []
-                        for cfg in (cfgs if all_configs else [largest(cfgs)]):
+                        chosen = cfgs if all_configs else [largest(cfgs)]
+                        if config_names:
+                            every = launch.configs(arch=arch, pruned=False)
+                            chosen = [c for c in every if _config_name(c) in config_names]
+                        for cfg in chosen:
                             build = compile_launch(launch, cfg, arch=arch, variant=variant,
                                                    ptxas_verbose=ptxas_verbose)
                             if mark_kept and launch.autotuned:
@@ -387,6 +471,9 @@ def add_arguments(p) -> None:
                    choices=["bfloat16", "float16", "float32"])
     p.add_argument("--configs", choices=["all", "pruned", "largest"], default="all",
                    help="every autotune config (default), those _prune keeps, or the largest kept")
+    p.add_argument("--kernel", nargs="+", choices=list(KERNELS), help="only these kernels")
+    p.add_argument("--config", nargs="+", metavar="NAME",
+                   help='only these configs, kept or pruned, e.g. "BLOCK_M=64 BLOCK_N=128 w8 s3"')
     p.add_argument("--no-ptxas", action="store_true", help="skip registers/spills (ptxas -v)")
     p.add_argument("--out", type=str, default="out/compile", help="folder for results.{json,md}")
     p.add_argument("--append", action="store_true",
@@ -412,9 +499,12 @@ def markdown(header: dict, builds: list[Build]) -> str:
              f"`{header['command']}` — {header['date']}, triton {header['triton']}, "
              f"torch {header['torch']}. Shared memory limit per block: sm_90 227 KiB, "
              f"sm_80 163 KiB. `kept` = `_prune` keeps the config on that arch. "
-             f"Spills = ptxas spill stores + loads (bytes).", ""]
+             f"Spills = ptxas spill stores + loads (bytes). Loop SASS = instructions per "
+             f"iteration of the steady (unmasked) loop; tensor cores = wgmma on sm_90, "
+             f"mma.sync on sm_80.", ""]
     cols = ("kernel", "arch", "D", "dtype", "variant", "config", "kept", "smem KiB", "fits",
-            "regs", "spills", "tensor cores", "pipelined", "error")
+            "regs", "spills", "loop SASS", "tensor cores", "wgmma N", "mma.sync", "TMA",
+            "warp spec", "pipelined", "error")
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for b in builds:
         kept = "yes" if "kept" in b.notes else ("no" if "pruned" in b.notes else "")
@@ -422,7 +512,10 @@ def markdown(header: dict, builds: list[Build]) -> str:
                  f"{b.shared / 1024:.0f}", "yes" if b.fits else "**no**",
                  "" if b.registers is None else b.registers,
                  "" if b.spill_bytes is None else b.spill_bytes,
-                 "yes" if b.tensor_cores else "no", "yes" if b.pipelined else "no",
+                 "" if b.loop_sass is None else b.loop_sass,
+                 "yes" if b.tensor_cores else "no", b.wgmma_n or "",
+                 "yes" if b.mma_sync else "no", "yes" if b.tma else "no",
+                 "yes" if b.warp_specialized else "no", "yes" if b.pipelined else "no",
                  b.error or "")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -458,10 +551,11 @@ def run_report(args, argv: list[str]) -> int:
     for b in sweep(archs=tuple(args.arch), head_dims=tuple(args.d), variants=tuple(args.variant),
                    dtypes=dtypes, all_configs=args.configs != "largest",
                    pruned=args.configs != "all", ptxas_verbose=not args.no_ptxas,
-                   mark_kept=True):
+                   mark_kept=True, kernels=args.kernel, config_names=args.config):
         builds.append(b)
-        print(f"{b.kernel} sm_{b.arch} D={b.head_dim} {b.variant} {b.config}: "
-              f"{b.error or f'{b.shared // 1024} KiB, regs {b.registers}, spills {b.spill_bytes}'}",
+        what = b.error or (f"{b.shared // 1024} KiB, regs {b.registers}, spills "
+                           f"{b.spill_bytes}, loop {b.loop_sass}, wgmma n{b.wgmma_n}")
+        print(f"{b.kernel} sm_{b.arch} D={b.head_dim} {b.variant} {b.config}: {what}",
               file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,11 @@ if _INTERPRET:
 # The interpreter's tl.dot multiplies bfloat16 tiles as their raw uint16 bits: feed it float64
 # (exact products of 16- and 32-bit floats, see _dot).
 _DOT_UPCAST = tl.constexpr(_INTERPRET)
+# The softmax runs in base 2: scores are kept as s·log2(e), so that each exponent is one
+# exp2 of one fused multiply-add (the q·k scale carries the log2(e) factor); lse and log l
+# leave the kernels in natural units, converted once per row.
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 # A row whose denominator l (relative to its max, natural log) is within this of 1: its
 # softmax is saturated (one P ≈ 1) and the backward takes Δ = Σ P·dP (see _dq_inner)
 _SATURATED_LOGL = tl.constexpr(SATURATED_LOG2L * 0.6931471805599453)
@@ -64,8 +69,10 @@ _SATURATED_LOGL = tl.constexpr(SATURATED_LOG2L * 0.6931471805599453)
 # kernels and inner loops to _scores: SC, the runtime constants, and SCORE, the constexpr
 # flags (a tuple of bools: triton specializes on each). These name their places.
 _SCALE = tl.constexpr(0)  # SC: the q·k scale (the epilogues' dK, dQ take it too)
+_SCALE2 = tl.constexpr(1)  # SC: the scale times log2(e), rounded once: base-2 scores
 _SOFTCAP = tl.constexpr(0)  # SCORE: a softcap (its per-head value: the Softcap pointer)
 _ALIBI = tl.constexpr(1)  # SCORE: ALiBi (its per-head slope: the Alibi pointer)
+_NEG_SCALE = tl.constexpr(2)  # SCORE: the scale is negative (a row's max of s is its min of q·k)
 
 
 def score_args(spec, *, softcap: bool, alibi: bool) -> dict:
@@ -74,7 +81,8 @@ def score_args(spec, *, softcap: bool, alibi: bool) -> dict:
     value) appends its value to ``SC`` and its flag to ``SCORE`` here, names their places
     above and reads them in :func:`_scores`: no launcher, outer kernel or inner loop
     changes."""
-    return dict(SC=(float(spec.qk_scale),), SCORE=(softcap, alibi))
+    scale = float(spec.qk_scale)
+    return dict(SC=(scale, scale * 1.4426950408889634), SCORE=(softcap, alibi, scale < 0.0))
 
 
 # -- device helpers ------------------------------------------------------------------------
@@ -219,28 +227,38 @@ def _store_rows(P, offs, STRIDES, N, val, DIM: tl.constexpr, BLOCK: tl.constexpr
              val.to(P.dtype.element_ty), mask=(offs[:, None] < N) & (offs_d[None, :] < DIM))
 
 
+@triton.constexpr_function
+def _is_raw(MASKED, MASK_KIND, SCORE):
+    """A tile whose scores are q·k times the scale alone (no masking, attn_mask or score
+    flag on: softcap, ALiBi, or one a variant appends): its exponents are exp2(q·k·c − m),
+    one FFMA each, on raw q·k."""
+    flags = [f for i, f in enumerate(SCORE) if i != _NEG_SCALE.value]
+    return not MASKED and MASK_KIND == 0 and not any(flags)
+
+
 @triton.jit
 def _scores(qk, om, on, MASK, cap, slope, SC, BAND,
             MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
             SCORE: tl.constexpr):
-    """Scores of a tile from q·k: scale, softcap, ALiBi, band and attn_mask. ``om``/``on``
+    """Scores of a tile from q·k in base 2 (s·log2 e): scale, softcap, ALiBi, band and
+    attn_mask. ``om``/``on``
     are the query/key indices broadcast to the tile's layout (either orientation); ``MASK =
     (Mask, stride_mm, stride_mn)``, ``BAND = (N_Q, N_K, offset, left, right)`` in local
     positions; ``SC`` / ``SCORE`` the pipeline's constants and flags (:func:`score_args`);
     ``cap`` / ``slope`` this head's softcap and ALiBi slope. With softcap also returns
     u = s_raw / c and t = tanh(u), which the backward needs (the bias, a constant, needs
-    nothing)."""
+    nothing); u and t are of the natural-unit scores."""
     Mask, stride_mm, stride_mn = MASK
     N_Q, N_K, offset, left, right = BAND
-    s = qk * SC[_SCALE]
+    s = qk * SC[_SCALE2]
     u = s
     t = s
     if SCORE[_SOFTCAP]:
-        u = s / cap
+        u = (qk * SC[_SCALE]) / cap
         t = _tanh(u)
-        s = cap * t
+        s = (cap * _LOG2E) * t
     if SCORE[_ALIBI]:  # −slope·|distance from the band's diagonal|, after the cap
-        s = s - slope * tl.abs(on - (om + offset)).to(tl.float32)
+        s = s - (slope * _LOG2E) * tl.abs(on - (om + offset)).to(tl.float32)
     if MASKED:
         keep = (om < N_Q) & (on < N_K)
         if BANDED:
@@ -254,21 +272,39 @@ def _scores(qk, om, on, MASK, cap, slope, SC, BAND,
     elif MASK_KIND == 2:  # float, added; its -inf entries mask (replace: NaN + -inf is NaN)
         mv = tl.load(Mask + om * stride_mm + on * stride_mn, mask=(om < N_Q) & (on < N_K),
                      other=0.0).to(tl.float32)
-        s = tl.where(mv == float("-inf"), float("-inf"), s + mv)
+        s = tl.where(mv == float("-inf"), float("-inf"), s + mv * _LOG2E)
     return s, u, t
 
 
 @triton.jit
-def _qk_scores(q, K, offs_m, offs_n, cap, slope, SC, KSTR, MASK, BAND,
+def _raw_max(qk, SC, SCORE: tl.constexpr):
+    """A tile's row max of the base-2 scores taken on raw q·k (the scale applied to one
+    value per row): max(q·k)·c, or min(q·k)·c for a negative scale c (rounding is monotone,
+    so this is the max of the scaled scores, bit for bit)."""
+    if SCORE[_NEG_SCALE]:
+        return tl.min(qk, 1) * SC[_SCALE2]
+    else:
+        return tl.max(qk, 1) * SC[_SCALE2]
+
+
+@triton.jit
+def _qk_scores(q, K, offs_m, offs_n, offs_n0, cap, slope, SC, KSTR, MASK, BAND,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
-    """The query-resident tile step shared by the forward and dQ: load Kᵀ, s = q·kᵀ, scores."""
+    """The query-resident tile step shared by the forward and dQ: load Kᵀ, s = q·kᵀ, scores
+    (a tile that :func:`_is_raw` finds has none returns q·k as s)."""
     N_K = BAND[1]
-    kT = _load_cols(K, offs_n, KSTR, N_K, HEAD_DIM, BLOCK_D, MASKED)
+    # the tile's scalar start, then loop-invariant offsets: fewer address instructions
+    start_n = offs_n0
+    kT = _load_cols(K + start_n * KSTR[0], offs_n - start_n, KSTR, N_K - start_n, HEAD_DIM,
+                    BLOCK_D, MASKED)
     qk = _dot(q, kT, None, DOT_PRECISION)
-    s, u, t = _scores(qk, offs_m[:, None], offs_n[None, :], MASK, cap, slope, SC, BAND,
-                      MASKED, BANDED, MASK_KIND, SCORE)
+    if _is_raw(MASKED, MASK_KIND, SCORE):
+        s, u, t = qk, qk, qk
+    else:
+        s, u, t = _scores(qk, offs_m[:, None], offs_n[None, :], MASK, cap, slope, SC, BAND,
+                          MASKED, BANDED, MASK_KIND, SCORE)
     return kT, s, u, t
 
 
@@ -290,7 +326,8 @@ def _stage_range(STAGE: tl.constexpr, lo, a, b, hi):
 
 @triton.jit
 def _value_offset(VMax, v_log_scale, V_OFFSET: tl.constexpr):
-    """The forward's exponent offset ``c >= 0`` for one (sequence, kv head), natural units.
+    """The forward's exponent offset ``c >= 0`` for one (sequence, kv head), returned in
+    base 2 (c·log2 e) for the row max it rides on.
 
     ``acc = Σ p·v`` with ``p <= 1`` reaches ``N_K · max|v|``, past float32's largest value
     when |v| is near it (float32, bfloat16). With ``c = log(max|v| · 2·N_K / fmax)``
@@ -301,24 +338,41 @@ def _value_offset(VMax, v_log_scale, V_OFFSET: tl.constexpr):
     c = 0.0
     if V_OFFSET:
         c = tl.log(tl.load(VMax).to(tl.float32)) + v_log_scale
-        c = tl.where((c > 0.0) & (c < float("inf")), c, 0.0)
+        c = tl.where((c > 0.0) & (c < float("inf")), c * _LOG2E, 0.0)
     return c
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, voff, V_OFFSET: tl.constexpr):
-    """One key tile's step of the online softmax: the tile's p (up to 1 / l), alpha (which
-    rescales what earlier tiles gave acc), and the new l_i and m_i. Rows that have seen
-    nothing yet keep m_safe = 0; the value offset rides on the row max (_value_offset)."""
-    if V_OFFSET:
-        m_new = tl.maximum(m_i, tl.max(s, 1) + voff)
+def _softmax_step(s, m_i, l_i, voff, SC, RAW: tl.constexpr, SCORE: tl.constexpr,
+                  V_OFFSET: tl.constexpr):
+    """One key tile's step of the online softmax in base 2: the tile's p (up to 1 / l),
+    alpha (which rescales what earlier tiles gave acc), and the new l_i and m_i (m in base
+    2). ``s``: the base-2 scores, or with ``RAW`` the tile's raw q·k (scaled here, its row
+    max on q·k and each exponent one FFMA). Rows that have seen nothing yet keep m_safe = 0;
+    the value offset (base 2) rides on the row max (_value_offset)."""
+    if RAW:
+        row_max = _raw_max(s, SC, SCORE)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        row_max = tl.max(s, 1)
+    if V_OFFSET:
+        m_new = tl.maximum(m_i, row_max + voff)
+    else:
+        m_new = tl.maximum(m_i, row_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
+    if RAW:
+        p = tl.math.exp2(s * SC[_SCALE2] - m_safe[:, None])
+    else:
+        p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, l_i, m_new
+
+
+@triton.jit
+def _lse_of(m_i, l_i):
+    """lse in natural units of a row's base-2 max and denominator: -inf where l = 0."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    return tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
 
 
 @triton.jit
@@ -332,15 +386,18 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, SC, KSTR, VST
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- compute qk --
-        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, SC, KSTR, MASK, BAND,
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, start_n, cap, slope, SC, KSTR, MASK, BAND,
                                  HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, SCORE,
                                  DOT_PRECISION)
         # -- online softmax --
-        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, voff, V_OFFSET)
+        p, alpha, l_i, m_new = _softmax_step(s, m_i, l_i, voff, SC,
+                                             _is_raw(MASKED, MASK_KIND, SCORE), SCORE,
+                                             V_OFFSET)
         if HAS_DROPOUT:  # the denominator counts every key, the values only the kept ones
             p = p * _dropout_scale(DROP, offs_m[:, None], offs_n[None, :])
         # -- update acc --
-        v = _load_rows(V, offs_n, VSTR, N_K, HEAD_DIM_V, BLOCK_DV, MASKED)
+        v = _load_rows(V + start_n * VSTR[0], tl.arange(0, BLOCK_N), VSTR, N_K - start_n,
+                       HEAD_DIM_V, BLOCK_DV, MASKED)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
@@ -359,16 +416,21 @@ def _dkdv_inner(dk, dv, dc, k, v, Q, DO, Lse, Delta, lo, hi, offs_n, cap, slope,
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qT = _load_cols(Q, offs_m, QSTR, N_Q, HEAD_DIM, BLOCK_D, MASKED)
-        # lse = -inf marks a row that saw nothing: +inf makes its P exactly 0
+        # lse (base 2: the forward's Lse2) = -inf marks a row that saw nothing: +inf makes
+        # its P exactly 0
         lse = tl.load(Lse + offs_m, mask=offs_m < N_Q, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         # -- recompute P from lse --
         qkT = _dot(k, qT, None, DOT_PRECISION)
         om = offs_m[None, :]
         on = offs_n[:, None]
-        sT, uT, tT = _scores(qkT, om, on, MASK, cap, slope, SC, BAND, MASKED, BANDED, MASK_KIND,
-                             SCORE)
-        pT = tl.exp(sT - lse[None, :])
+        if _is_raw(MASKED, MASK_KIND, SCORE):
+            uT, tT = qkT, qkT
+            pT = tl.math.exp2(qkT * SC[_SCALE2] - lse[None, :])
+        else:
+            sT, uT, tT = _scores(qkT, om, on, MASK, cap, slope, SC, BAND, MASKED, BANDED,
+                                 MASK_KIND, SCORE)
+            pT = tl.math.exp2(sT - lse[None, :])
         # -- dV += Pᵈᵀ dO, dPᵀ = V dOᵀ (ᵈ: with the dropout mask) --
         do = _load_rows(DO, offs_m, DOSTR, N_Q, HEAD_DIM_V, BLOCK_DV, MASKED)
         dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)
@@ -399,7 +461,8 @@ def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, SC,
               MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
               SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
               DELTA_PASS: tl.constexpr):
-    """The query-resident backward over key tiles [lo, hi): P recomputed from lse and
+    """The query-resident backward over key tiles [lo, hi): P recomputed from lse (base 2,
+    as the forward's Lse2) and
     dP = dO Vᵀ (dropout-scaled), then either ``dq += dS K`` with dS = P ∘ (dP − Δ), ``delta``
     holding each row's Δ, or, with ``DELTA_PASS``, ``delta += Σ_j p_ij dp_ij`` and
     ``psum += Σ_j p_ij`` (``dq`` untouched). The two share one P and dP so that the Δ pass
@@ -410,10 +473,13 @@ def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, SC,
     a common factor of up to e^(ulp(lse)), which the quotient cancels."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, cap, slope, SC, KSTR, MASK, BAND,
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, start_n, cap, slope, SC, KSTR, MASK, BAND,
                                  HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, SCORE,
                                  DOT_PRECISION)
-        p = tl.exp(s - lse[:, None])
+        if _is_raw(MASKED, MASK_KIND, SCORE):
+            p = tl.math.exp2(s * SC[_SCALE2] - lse[:, None])
+        else:
+            p = tl.math.exp2(s - lse[:, None])
         vT = _load_cols(V, offs_n, VSTR, BAND[1], HEAD_DIM_V, BLOCK_DV, MASKED)
         dp = _dot(do, vT, None, DOT_PRECISION)
         if HAS_DROPOUT:

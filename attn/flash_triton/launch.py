@@ -31,7 +31,7 @@ from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_com
 from attn.flash_triton.tune import _tune_n, split_config
 from attn.grads import Grads, sink_grad
 from attn.masks import Band, as_4d
-from attn.spec import LaunchSpec, Operands, check_paged_forward_only, operands_of
+from attn.spec import LaunchSpec, Operands, check_paged_forward_only
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -221,10 +221,11 @@ def _kernel_inputs(q: Tensor, k: Tensor, spec: LaunchSpec, sinks: Tensor | None,
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None = None, *,
-         want_logl: bool = False) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+         want_logl: bool = False) -> tuple[Tensor, ...]:
     """``(out, lse)``, and with ``want_logl`` also ``logl`` (lse's shape): log of each row's
     denominator relative to its max (+inf for rows with no key), which :func:`_bwd` takes
-    to find saturated rows."""
+    to find saturated rows, and ``lse2``: lse in base 2 as the kernel's softmax had it,
+    which :func:`_bwd` reads instead of converting lse back."""
     ops = Operands() if ops is None else ops
     q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
     L = _launch_args(q, k, v, spec, ops, softcap)
@@ -232,15 +233,16 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.empty(L.rows(q), dtype=torch.float32, device=q.device)
     logl = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
     mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
     grid = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
     _attn_fwd[grid](
-        q, k, v, out, lse, logl, mask, q if sinks is None else sinks,
+        q, k, v, out, lse, logl, lse2, mask, q if sinks is None else sinks,
         q if softcap is None else softcap, slopes, *L.cu_seqlens(q, ops),
         QS=L.strides(q), KS=L.strides(k), VS=L.strides(v), OS=L.strides(out), MS=mask_strides,
         AS=slope_strides, LS=L.row_strides(lse), **L.scalars(), HAS_SINKS=sinks is not None,
         **_value_offsets(v, L, ops), **L.constexprs())
-    return (out, lse, logl) if want_logl else (out, lse)
+    return (out, lse, logl, lse2) if want_logl else (out, lse)
 
 
 def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
@@ -253,12 +255,12 @@ def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Opera
                                varlen=ops.cu_seqlens_q is not None)
     if why is not None:
         return None
-    B, H, Nq, D = q.shape
+    _, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     _, block_n, _, _ = split_config(max(16, triton.next_power_of_2(D)),
                                     max(16, triton.next_power_of_2(Dv)), q.element_size(),
                                     (H // Hkv) * Nq)
-    plan = split_kv_plan(B * Hkv, Nk, Nq, sm_count_of(q.device), tile=block_n,
+    plan = split_kv_plan(Nk, Nq, sm_count_of(q.device), tile=block_n,
                          force=split_kv_override())
     return plan if plan.splits > 1 else None
 
@@ -358,7 +360,7 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     block_m, block_n, warps, stages = split_config(block_d, block_dv, q.element_size(),
                                                    group * Nq)
     n_max = int((lengths - starts).max()) if B else 0
-    plan = split_kv_plan(B * Hkv, n_max, Nq, sm_count_of(q.device), tile=block_n,
+    plan = split_kv_plan(n_max, Nq, sm_count_of(q.device), tile=block_n,
                          force=split_kv_override())
     splits = plan.splits
     chunk = plan.chunk if splits > 1 else block_n * max(1, triton.cdiv(n_max, block_n))
@@ -407,11 +409,13 @@ def _delta(do: Tensor, dlse: Tensor | None, out: Tensor, L: _Launch) -> Tensor:
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, ops: Operands | None = None, *,
-         need_dmask: bool = False, need_dcap: bool = True, logl: Tensor | None = None) -> Grads:
+         need_dmask: bool = False, need_dcap: bool = True, logl: Tensor | None = None,
+         lse2: Tensor | None = None) -> Grads:
     """Gradients of one call, as the tiled backend's ``_bwd``; a float mask's gradient is
     refused (``unsupported_reason``), so ``need_dmask`` must be False. ``logl``: the
     forward's (``_fwd(want_logl=True)``); query blocks holding a saturated row then take
-    Δ = Σ P·dP (``_attn_bwd_dq``'s Δ pass), else rowsum(dO ∘ O) serves every row."""
+    Δ = Σ P·dP (``_attn_bwd_dq``'s Δ pass), else rowsum(dO ∘ O) serves every row.
+    ``lse2``: the forward's base-2 lse, which the kernels read (else lse · log2 e)."""
     if need_dmask:
         raise NotImplementedError("triton: the gradient of a float attn_mask (use tiled)")
     ops = Operands() if ops is None else ops
@@ -419,6 +423,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     L = _launch_args(q, k, v, spec, ops, softcap)
     slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
     lse = lse.contiguous()  # the kernels index it as packed rows: a row slice is not
+    lse2 = lse * 1.4426950408889634 if lse2 is None else lse2.contiguous()  # what they read
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = _delta(do, dlse, out, L)
@@ -438,15 +443,15 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     grid_q = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
     if logl is not None:  # Δ of the blocks holding a saturated row, over the preprocessing's
         _attn_bwd_dq[grid_q](
-            q, k, v, do, dq, lse, delta, mask, cap, slopes, lse if sinks is None else sinks,
+            q, k, v, do, dq, lse2, delta, mask, cap, slopes, lse if sinks is None else sinks,
             LogL=logl.contiguous(), DLse=delta if dlse is None else dlse.contiguous(),
             GS=L.strides(dq), DELTA_PASS=True, HAS_DLSE=dlse is not None,
             HAS_SINKS=sinks is not None, **shared)
     n_kv = L.batch * (L.H // L.group)
     grid_kv = lambda meta: (triton.cdiv(L.n_k, meta["BLOCK_N"]), n_kv)  # noqa: E731
-    _attn_bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta, mask, cap, slopes, dcap_part,
+    _attn_bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse2, delta, mask, cap, slopes, dcap_part,
                             GS=L.strides(dk), GVS=L.strides(dv), **shared)
-    _attn_bwd_dq[grid_q](q, k, v, do, dq, lse, delta, mask, cap, slopes, lse, LogL=lse,
+    _attn_bwd_dq[grid_q](q, k, v, do, dq, lse2, delta, mask, cap, slopes, lse, LogL=lse,
                          DLse=lse, GS=L.strides(dq), DELTA_PASS=False, HAS_DLSE=False,
                          HAS_SINKS=False, **shared)
     dcap = None
@@ -568,8 +573,8 @@ _spec_kinds(LaunchSpec)  # a field of no known kind fails here, at import
 @torch.library.custom_op("attn::flash_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, spec_ints: list[int], spec_floats: list[float],
-            alibi: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """out, lse and logl (see :func:`_fwd`)."""
+            alibi: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """out, lse, logl and lse2 (see :func:`_fwd`)."""
     spec = _spec_of(spec_ints, spec_floats)
     return _fwd(q, k, v, spec, Operands(attn_mask, sinks, softcap, alibi), want_logl=True)
 
@@ -578,6 +583,7 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Te
 def _(q, k, v, attn_mask, sinks, softcap, spec_ints, spec_floats, alibi=None):
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
+            q.new_empty(B, H, Nq, dtype=torch.float32),
             q.new_empty(B, H, Nq, dtype=torch.float32),
             q.new_empty(B, H, Nq, dtype=torch.float32))
 
@@ -603,12 +609,12 @@ def _(q, k, v, attn_mask, sinks, softcap, spec_ints, spec_floats, alibi, chunk):
 def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, spec_ints: list[int], spec_floats: list[float],
-            need_dcap: bool, alibi: Tensor | None = None, logl: Tensor | None = None
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            need_dcap: bool, alibi: Tensor | None = None, logl: Tensor | None = None,
+            lse2: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
     spec = _spec_of(spec_ints, spec_floats)
     g = _bwd(do, dlse, q, k, v, out, lse, spec, Operands(attn_mask, sinks, softcap, alibi),
-             need_dcap=need_dcap, logl=logl)
+             need_dcap=need_dcap, logl=logl, lse2=lse2)
     return g.dq, g.dk, g.dv, _or_empty(g.dsinks, q), _or_empty(g.dsoftcap, q)
 
 
@@ -619,7 +625,7 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 @_bwd_op.register_fake
 def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec_ints, spec_floats,
-      need_dcap, alibi=None, logl=None):
+      need_dcap, alibi=None, logl=None, lse2=None):
     H = q.shape[1]
     n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0
@@ -638,27 +644,28 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec, ops: Operands):
         ops = ops._replace(attn_mask=attn_mask, sinks=sinks, softcap=softcap)
         if ops.cu_seqlens_q is None:
-            out, lse, logl = _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec),
-                                     ops.alibi)
+            out, lse, logl, lse2 = _fwd_op(q, k, v, attn_mask, sinks, softcap,
+                                           *_op_args(spec), ops.alibi)
         else:
-            out, lse, logl = _fwd(q, k, v, spec, ops, want_logl=True)
-        ctx.save_for_backward(q, k, v, out, lse, logl, attn_mask, sinks, softcap, ops.alibi,
-                              ops.cu_seqlens_q, ops.cu_seqlens_k)
+            out, lse, logl, lse2 = _fwd(q, k, v, spec, ops, want_logl=True)
+        ctx.save_for_backward(q, k, v, out, lse, logl, lse2, attn_mask, sinks, softcap,
+                              ops.alibi, ops.cu_seqlens_q, ops.cu_seqlens_k)
         ctx.spec = spec
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, logl, attn_mask, sinks, softcap, alibi, cu_q, cu_k = ctx.saved_tensors
+        (q, k, v, out, lse, logl, lse2, attn_mask, sinks, softcap, alibi, cu_q,
+         cu_k) = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
         if cu_q is None:
             dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
                                                softcap, *_op_args(ctx.spec), need_dcap, alibi,
-                                               logl)
+                                               logl, lse2)
         else:
             ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
             g = _bwd(dout, dlse, q, k, v, out, lse, ctx.spec, ops, need_dcap=need_dcap,
-                     logl=logl)
+                     logl=logl, lse2=lse2)
             dq, dk, dv, dsinks, dcap = g.dq, g.dk, g.dv, g.dsinks, g.dsoftcap
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None
@@ -670,11 +677,6 @@ def triton_attention(
     v: Tensor,
     spec: LaunchSpec,
     operands: Operands | None = None,
-    *,
-    attn_mask: Tensor | None = None,
-    softcap: Tensor | None = None,
-    sinks: Tensor | None = None,
-    alibi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused attention kernels. Inputs already validated by ``attn.api`` (or ``attn.varlen``).
 
@@ -685,16 +687,14 @@ def triton_attention(
     positions); ``operands`` the optional tensors: ``softcap`` a learnable tensor
     broadcastable to (H,), ``sinks`` (H,), ``attn_mask`` bool or float broadcastable to
     (B, H, Nq, Nk), ``alibi`` ALiBi slopes broadcastable to (B, H), constants (the bias is
-    measured from the band's diagonal). The keywords are the older form of the same
-    (``operands`` given, they must stay unset).
+    measured from the band's diagonal).
 
     Packed sequences (``operands.cu_seqlens_q`` / ``_k``, int32 or int64 (sequences + 1,)
     offsets, ``spec.max_seqlen_q`` / ``_k`` set): q (total_q, H, D), k, v (total_k, Hkv, D /
     Dv) → out (total_q, H, Dv), lse (H, total_q); the band per sequence from its bottom-right
     corner, ALiBi slopes (sequences, H), dropout drawn with sequence b as batch row b.
     """
-    ops = operands_of("triton_attention", operands, attn_mask=attn_mask, softcap=softcap,
-                      sinks=sinks, alibi=alibi)
+    ops = Operands() if operands is None else operands
     if ops.captured:
         raise NotImplementedError("triton: a score_mod's captured tensors (use tiled)")
     if ops.cu_seqlens_q is not None:

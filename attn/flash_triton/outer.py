@@ -29,10 +29,10 @@ from functools import partial
 import triton
 import triton.language as tl
 
-from attn.flash_triton.kernels import (_SATURATED_LOGL, _SCALE, _SOFTCAP, _dkdv_inner,
-                                       _dq_inner, _drop_ctx, _fwd_inner, _head_consts,
-                                       _load_rows, _stage_range, _stages, _store_rows,
-                                       _value_offset)
+from attn.flash_triton.kernels import (_LN2, _LOG2E, _SATURATED_LOGL, _SCALE, _SOFTCAP,
+                                       _dkdv_inner, _dq_inner, _drop_ctx, _fwd_inner,
+                                       _head_consts, _load_rows, _lse_of, _stage_range,
+                                       _stages, _store_rows, _value_offset)
 from attn.flash_triton.tune import _configs, _prune
 
 _KEY = ["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED", "VARLEN"]  # autotune: per layout too
@@ -89,7 +89,7 @@ def _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN: tl.constexpr):
 @triton.autotune(configs=_configs("fwd"), key=_KEY,
                  prune_configs_by={"early_config_prune": partial(_prune, kind="fwd")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
-def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
+def _attn_fwd(Q, K, V, Out, Lse, LogL, Lse2, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
               QS, KS, VS, OS, MS, AS, LS, H, GROUP, N_Q, N_K, offset, left, right, SC,
               drop_seed, DR, TUNE_N, VMax, VMS, v_log_scale, HEAD_DIM: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -116,7 +116,7 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
         voff = _value_offset(VMax + off_b * VMS[0] + off_hk * VMS[1], v_log_scale, V_OFFSET)
         # -- init: the sink, when present, is a first key with value 0 --
         if HAS_SINKS:
-            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + off_h)
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + off_h) * _LOG2E
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -137,15 +137,20 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Mask, Sinks, Softcap, Alibi, CuQ, CuK,
                 MASK_KIND, SCORE, HAS_DROPOUT, V_OFFSET, DOT_PRECISION)
 
         # -- epilogue: rows that saw nothing (l_i = 0) give 0 and lse = -inf --
+        # (m_i and voff are base 2; lse and log l leave in natural units)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
         _store_rows(Out, offs_m, (OS[2], OS[3]), N_Q, out, HEAD_DIM_V, BLOCK_DV)
         row = _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN) + offs_m
-        tl.store(Lse + row, lse, mask=offs_m < N_Q)
+        tl.store(Lse + row, _lse_of(m_i, l_i), mask=offs_m < N_Q)
+        # ... and lse in base 2 as the softmax had it (m + log2 l), which the backward reads:
+        # converting the natural lse back would lose its exact cancellation against the row
+        # max's score at a saturated row (P of the max off by ulps, times scale·K in dQ)
+        tl.store(Lse2 + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)),
+                 mask=offs_m < N_Q)
         # log l relative to the row max (the value offset taken back): the backward's
         # saturation test, which lse alone cannot answer
-        logl = tl.where(l_i == 0.0, float("inf"), tl.log(l_safe) + voff)
+        logl = tl.where(l_i == 0.0, float("inf"), (tl.log2(l_safe) + voff) * _LN2)
         tl.store(LogL + row, logl, mask=offs_m < N_Q)
 
 
@@ -271,7 +276,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
         do = _load_rows(_at(DO, seq_q, off_h, OS), offs_m, (OS[2], OS[3]), N_Q, HEAD_DIM_V,
                         BLOCK_DV, True)
         lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # base 2 (Lse2)
         cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
                                   SCORE)
         if DELTA_PASS:
@@ -279,7 +284,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
             delta = tl.zeros([BLOCK_M], dtype=tl.float32)
             psum = tl.zeros([BLOCK_M], dtype=tl.float32)
             if HAS_SINKS:  # the sink (value 0) counts in Σ P, not in Σ P·dP
-                psum += tl.exp(tl.load(Sinks + off_h) - lse)
+                psum += tl.math.exp2(tl.load(Sinks + off_h) * _LOG2E - lse)
         else:
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             delta = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attn.flash_triton.kernels import (_INTERPRET, _dot, _head_consts, _load, _scores,
+from attn.flash_triton.kernels import (_INTERPRET, _LOG2E, _dot, _head_consts, _load, _scores,
                                        _softmax_step, _stage_range)
 from attn.flash_triton.split import _chunk_stages, _split_program, _store_partial
 
@@ -165,11 +165,11 @@ def _load_quant_tile(P, PS, S, SS, R, RS, blk, slot, ok, recent, DIM: tl.constex
 @triton.jit
 def _tile_value_offset(v, v_log_scale, V_OFFSET: tl.constexpr):
     """``_value_offset`` from one tile's values: log(max|v| · 2·N_b / fmax) when positive
-    and finite, else 0 (every ordinary tile)."""
+    and finite, else 0 (every ordinary tile); base 2, as the row max it rides on."""
     c = 0.0
     if V_OFFSET:
         c = tl.log(tl.max(tl.max(tl.abs(v), 1), 0).to(tl.float32)) + v_log_scale
-        c = tl.where((c > 0.0) & (c < float("inf")), c, 0.0)
+        c = tl.where((c > 0.0) & (c < float("inf")), c * _LOG2E, 0.0)
     return c
 
 
@@ -212,8 +212,8 @@ def _paged_inner(acc, l_i, m_i, q, KP, VP, KQ, VQ, TableRow, stride_t, first, pa
                 VP, VPS, VQ[0], VQ[1], VQ[2], VQ[3], blk, slot, ok, recent, HEAD_DIM_V,
                 BLOCK_DV, False, MASKED, QUANT, V_GROUP, HAS_RECENT), q)
         p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i,
-                                           _tile_value_offset(v, v_log_scale, V_OFFSET),
-                                           V_OFFSET)
+                                           _tile_value_offset(v, v_log_scale, V_OFFSET), SC,
+                                           False, SCORE, V_OFFSET)
         # -- update acc --
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)

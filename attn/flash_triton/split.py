@@ -10,8 +10,9 @@ partial output and lse in float32; a combine kernel then merges the chunks throu
 lse, the N-way ``merge_attention`` math, with the sinks added once as one more partial of
 value 0, and casts the output once.
 
-The plan (:func:`split_kv_plan`) is a pure function of (B·Hkv, Nk, Nq, SM count): results
-depend on the shapes and the SM count only, never on timing. ``ATTN_TRITON_SPLIT_KV``
+The plan (:func:`split_kv_plan`) is a pure function of (Nk, Nq, SM count): results depend
+on the shapes and the SM count only, never on timing, and never on the batch: a sequence
+is cut the same way, and so gets the same bits, whatever else its batch holds. ``ATTN_TRITON_SPLIT_KV``
 (read at every call) overrides it for measurements: ``auto`` (default), ``0`` (never
 split) or an integer (that many chunks, where the call is eligible).
 
@@ -27,13 +28,14 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from attn.flash_triton.kernels import (_fwd_inner, _head_consts, _stage_range, _stages,
+from attn.flash_triton.kernels import (_fwd_inner, _head_consts, _lse_of, _stage_range, _stages,
                                        _value_offset)
 from attn.flash_triton.outer import _at
 
 MAX_SPLIT_Q = 16  # query rows per head up to which a call counts as decoding
 MIN_CHUNK = 256  # keys: the shortest chunk the auto rule cuts (the merge costs a partial)
-WAVES = 2  # the auto rule aims at this many programs per SM
+WAVES = 2  # the auto rule aims at this many programs per SM ...
+PROGRAMS_PER_CHUNK = 8  # ... counting each chunk as this many programs (one sequence's kv heads)
 MAX_SPLITS = 128  # bounds the partials' memory and the combine's loop
 # The Triton interpreter has no SMs: a fixed stand-in, so that the CPU tests see the same
 # plans on every machine.
@@ -50,18 +52,19 @@ class SplitPlan:
     chunk: int
 
 
-def split_kv_plan(bh_kv: int, n_k: int, n_q: int, sm_count: int, *, tile: int = 64,
+def split_kv_plan(n_k: int, n_q: int, sm_count: int, *, tile: int = 64,
                   force: int | None = None) -> SplitPlan:
-    """The split count of a decoding call: pure, from its shapes and the GPU's SM count.
+    """The split count of a decoding call: pure, from its key length, its query rows and
+    the GPU's SM count, never from its batch (B·Hkv), so that a sequence's bits do not
+    depend on the rest of its batch.
 
-    ``bh_kv`` = B·Hkv programs per chunk, ``n_k`` keys, ``n_q`` query rows per head,
-    ``sm_count`` SMs, ``tile`` the kernel's key tile (chunks are whole tiles). The rule:
-    nothing to split unless ``n_q <= 16`` and ``n_k >= 2·256``; then enough chunks for
-    ``bh_kv · splits`` to fill the SMs about twice (``ceil(2·sm_count / bh_kv)``), but
-    chunks no shorter than 256 keys and at most 128 of them. ``force`` (the override):
-    that many chunks instead (0 or 1: none), rounded to whole tiles, so a short cache
-    may get fewer."""
-    for name, val, low in (("bh_kv", bh_kv, 1), ("n_k", n_k, 0), ("n_q", n_q, 1),
+    ``n_k`` keys, ``n_q`` query rows per head, ``sm_count`` SMs, ``tile`` the kernel's key
+    tile (chunks are whole tiles). The rule: nothing to split unless ``n_q <= 16`` and
+    ``n_k >= 2·256``; then ``ceil(2·sm_count / 8)`` chunks (a sequence with 8 kv heads
+    fills the SMs about twice; a larger batch only adds programs), but chunks no shorter
+    than 256 keys and at most 128 of them. ``force`` (the override): that many chunks
+    instead (0 or 1: none), rounded to whole tiles, so a short cache may get fewer."""
+    for name, val, low in (("n_k", n_k, 0), ("n_q", n_q, 1),
                            ("sm_count", sm_count, 1), ("tile", tile, 1)):
         if isinstance(val, bool) or not isinstance(val, int) or val < low:
             raise ValueError(f"split_kv_plan: {name} must be an int >= {low}, got {val!r}")
@@ -75,7 +78,7 @@ def split_kv_plan(bh_kv: int, n_k: int, n_q: int, sm_count: int, *, tile: int = 
     elif n_k < 2 * MIN_CHUNK:
         want = 1
     else:
-        want = min(-(-WAVES * sm_count // bh_kv), n_k // MIN_CHUNK, MAX_SPLITS)
+        want = min(-(-WAVES * sm_count // PROGRAMS_PER_CHUNK), n_k // MIN_CHUNK, MAX_SPLITS)
     want = max(1, min(want, tiles))
     chunk = tile * -(-tiles // want)
     return SplitPlan(max(1, -(-n_k // chunk)), chunk)
@@ -119,8 +122,8 @@ def split_kv_reason(call) -> str:
     if call.n_k < 2 * MIN_CHUNK:
         return f"plain kernels (Nk = {call.n_k} < {2 * MIN_CHUNK}: too short to split)"
     return (f"split-KV decoding (Nq <= {MAX_SPLIT_Q}, Nk >= {2 * MIN_CHUNK}, forward only): "
-            f"keys cut into chunks of >= {MIN_CHUNK} until B·Hkv·chunks fills the SMs "
-            f"{WAVES}x (attn.flash_triton.split_kv_plan; {ENV} overrides)")
+            f"keys cut into chunks of >= {MIN_CHUNK}, as many as {WAVES}x the SMs over "
+            f"{PROGRAMS_PER_CHUNK} (attn.flash_triton.split_kv_plan; {ENV} overrides)")
 
 
 def sm_count_of(device) -> int:
@@ -181,7 +184,7 @@ def _store_partial(OutP, LseP, acc, l_i, m_i, split, off_b, off_h, offs_m, row_o
     nothing of gives 0 and lse = -inf (weight 0 in the combine)."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+    lse = _lse_of(m_i, l_i)
     part = ((split * B + off_b) * H + off_h).to(tl.int64) * N_Q + offs_m  # (splits, B, H, N_Q)
     tl.store(LseP + part, lse, mask=row_ok)
     offs_dv = tl.arange(0, BLOCK_DV)

@@ -95,6 +95,20 @@ def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
     return resident + s * streamed + 1024  # + reduction and layout-conversion scratch
 
 
+# dK/dV with dropout, a softcap or an attn_mask holds more per score (the dropout hash, the
+# softcap's u and t, the mask tile): with every flag on, ptxas spilled 2.3 KB per thread at
+# 64 x 128, D = 64 (triton 3.9, sm_90) and 1.2 KB at 32 x 128, D = 128; tiles up to this
+# BLOCK_M·BLOCK_N·D stay under 1 KiB (32 x 128 at D = 64: 344 bytes; 64 x 64: 996).
+_HEAVY_DKDV_MAX_TILE = 32 * 128 * 64
+
+
+def _heavy_scores(args: dict) -> bool:
+    """A launch whose scores carry dropout, a softcap or an attn_mask."""
+    score = args.get("SCORE") or ()
+    # (SCORE[0]: the softcap flag, kernels._SOFTCAP)
+    return bool(args.get("HAS_DROPOUT") or args.get("MASK_KIND") or (score and score[0]))
+
+
 def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
     """Configs that ptxas spills more than ~1 KiB of registers per thread for, on sm_90 and
     sm_80 alike (255 registers each): 4 warps holding a 128 x D (>= 128) accumulator in the
@@ -133,6 +147,7 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
     the smallest 8-warp tiles."""
     n, d = args["TUNE_N"], max(args["BLOCK_D"], args["BLOCK_DV"])
     smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
+    heavy = _heavy_scores(args)
     kept = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
@@ -142,6 +157,9 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
             continue
         if _spills_heavily(kind, c, d):
             continue
+        if kind == "dkdv" and heavy and (bm * bn * d > _HEAVY_DKDV_MAX_TILE
+                                         or c.num_stages > 3):
+            continue  # (32 x 64, D = 128, packed sequences: 1208 bytes with 4 stages)
         if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
             continue
         if d >= 128 and bm * bn >= 128 * 128 and c.num_warps < 8:
