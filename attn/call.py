@@ -582,10 +582,10 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         from attn.flash_triton import triton_attention
         if packed:  # (1, H, total, D) -> the packed (total, H, D): views, no copy
             q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))
-            out, lse = triton_attention(q3, k3, v3, spec, ops)
+            out, lse = triton_attention(q3, k3, v3, spec, ops)  # no double backward
             out, lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
         else:
-            out, lse = triton_attention(q, k, v, spec, ops)
+            out, lse = triton_attention(q, k, v, spec, ops, second=tiled.double_backward)
     return out.to(v.dtype), lse
 
 

@@ -372,3 +372,25 @@ def test_what_the_transform_kernels_do_not_read_says_which_backend_can(qkv):
                             create_graph=True)[0]
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         torch.autograd.grad(g.sum(), (qq, w))
+
+
+def test_triton_double_backward_hands_off_to_tiled():
+    """A triton forward asked for differentiable gradients (create_graph=True) gets tiled's
+    double-differentiable backward from its saved tensors, as fused does; what that cannot
+    differentiate (a learnable softcap) raises NotImplementedError naming tiled rather than
+    giving gradients that silently have no graph. The kernels run in the interpreter here."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=g).requires_grad_() for _ in range(3))
+    w = torch.randn(1, 2, 9, 16, generator=g)
+
+    def second_order(backend, **kw):
+        out = attn.attention(q, k, v, causal=True, backend=backend, **kw)
+        dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        return torch.autograd.grad((dq * w).sum(), (q, k, v))
+
+    for got, want in zip(second_order("triton"), second_order("tiled")):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    cap = torch.tensor(5.0, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="backend='tiled'"):
+        second_order("triton", softcap=cap)

@@ -641,7 +641,9 @@ class _FlashAttention(torch.autograd.Function):
     the custom ops; packed ones call the launchers (the ops' schemas have no offsets)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec, ops: Operands):
+    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec, ops: Operands,
+                second=None):
+        ctx.second = second
         ops = ops._replace(attn_mask=attn_mask, sinks=sinks, softcap=softcap)
         if ops.cu_seqlens_q is None:
             out, lse, logl, lse2 = _fwd_op(q, k, v, attn_mask, sinks, softcap,
@@ -658,6 +660,23 @@ class _FlashAttention(torch.autograd.Function):
         (q, k, v, out, lse, logl, lse2, attn_mask, sinks, softcap, alibi, cu_q,
          cu_k) = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
+        if torch.is_grad_enabled():  # create_graph=True: hand off, as DESIGN's "Transforms"
+            why = ("a learnable softcap" if need_dcap else
+                   "a float mask's gradient" if attn_mask is not None
+                   and ctx.needs_input_grad[3] else
+                   "packed sequences" if cu_q is not None else
+                   "no double backward handed in" if ctx.second is None else None)
+            if why is not None:
+                raise NotImplementedError(
+                    f"backend='triton' has no double backward of its own ({why}): "
+                    f"backend='tiled' and backend='reference' differentiate their gradients "
+                    f"(create_graph=True)")
+            do = torch.zeros_like(out) if dout is None else dout
+            dq, dk, dv, dsinks = ctx.second(do, dlse, q, k, v, out, lse, ctx.spec,
+                                            Operands(attn_mask, sinks, softcap, alibi))
+            dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
+            return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, None,
+                    None, None)
         if cu_q is None:
             dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
                                                softcap, *_op_args(ctx.spec), need_dcap, alibi,
@@ -668,7 +687,7 @@ class _FlashAttention(torch.autograd.Function):
                      logl=logl, lse2=lse2)
             dq, dk, dv, dsinks, dcap = g.dq, g.dk, g.dv, g.dsinks, g.dsoftcap
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
-        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None
+        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None, None
 
 
 def triton_attention(
@@ -677,6 +696,8 @@ def triton_attention(
     v: Tensor,
     spec: LaunchSpec,
     operands: Operands | None = None,
+    *,
+    second=None,
 ) -> tuple[Tensor, Tensor]:
     """Fused attention kernels. Inputs already validated by ``attn.api`` (or ``attn.varlen``).
 
@@ -693,6 +714,11 @@ def triton_attention(
     offsets, ``spec.max_seqlen_q`` / ``_k`` set): q (total_q, H, D), k, v (total_k, Hkv, D /
     Dv) → out (total_q, H, Dv), lse (H, total_q); the band per sequence from its bottom-right
     corner, ALiBi slopes (sequences, H), dropout drawn with sequence b as batch row b.
+
+    ``second(do, dlse, q, k, v, out, lse, spec, ops) -> (dq, dk, dv, dsinks)``: a backward
+    whose gradients are differentiable (the caller's: tiled's), run where one is asked for
+    (``create_graph=True``); without it, or for what it cannot differentiate, that raises
+    NotImplementedError rather than give gradients that silently have none.
     """
     ops = Operands() if operands is None else operands
     if ops.captured:
@@ -709,7 +735,7 @@ def triton_attention(
     if plan is not None:  # decoding: forward only, no autograd node
         return _fwd_split_op(q, k, v, ops.attn_mask, sinks, cap, *_op_args(spec), ops.alibi,
                              plan.chunk)
-    return _FlashAttention.apply(q, k, v, ops.attn_mask, sinks, cap, spec, ops)
+    return _FlashAttention.apply(q, k, v, ops.attn_mask, sinks, cap, spec, ops, second)
 
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,
