@@ -31,9 +31,14 @@ from attn.bench import gpu_record, gpu_tables
 STAGES = {name: f"attn.bench.gpu_stages:{name.replace('-', '_')}"
           for name in ("env", "correctness", "speed", "varlen-decode", "tune",
                        "context-parallel")}
+# the fused backend's CUDA ops against the float64 reference, after the correctness smoke:
+# writes fused_cuda_table.json, which auto reads (commit it with the results)
+STAGES = {**{k: STAGES[k] for k in ("env", "correctness")},
+          "fused-cuda": "attn.bench.fused_verify:stage",
+          **{k: v for k, v in STAGES.items() if k not in ("env", "correctness")}}
 # shares of the budget; the correctness stage's pytest is most of the first run
-WEIGHTS = {"env": 0.4, "correctness": 5.0, "speed": 3.0, "varlen-decode": 1.5, "tune": 1.5,
-           "context-parallel": 0.5}
+WEIGHTS = {"env": 0.4, "correctness": 5.0, "fused-cuda": 1.0, "speed": 3.0,
+           "varlen-decode": 1.5, "tune": 1.5, "context-parallel": 0.5}
 TUNE_MIN_S = 60  # below this the tune stage would time one config or none: skip it
 GRACE_S = 10  # after its deadline a stage gets this long to end on its own before the kill
 

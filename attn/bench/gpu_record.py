@@ -24,7 +24,7 @@ STATUSES = ("done", "skipped", "failed", "out of time")
 # fields of the header that every row repeats
 ROW_ORIGIN = ("device_name", "torch", "triton", "date", "command")
 FILES = ("results.json", "results.md", "pytest.txt", "log.txt", "speed.png", "memory.png",
-         "decode.png")
+         "decode.png", "fused_cuda_table.json")
 
 
 @dataclass
