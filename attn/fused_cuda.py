@@ -118,7 +118,7 @@ def can_run(op: str, dtype: torch.dtype, head_dim: int, masked: bool) -> bool:
 
 
 def _key(op: str, dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = torch.cuda.get_device_capability(device)  # a CUDA build with a GPU
     torch_mm = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     return f"{op}|torch {torch_mm}|sm_{major}{minor}|{str(dtype).removeprefix('torch.')}|" \
            f"d{head_dim}"
@@ -138,6 +138,8 @@ def verified_op(dtype: torch.dtype, head_dim: int, masked: bool,
     dim that can compute the call (``masked``: some piece carries a mask), or None; with
     ``faster`` only one measured at least as fast as triton (``speedup_vs_triton``)."""
     rows = table()
+    if not rows:  # nothing verified (and no GPU needed to say so)
+        return None
     for op in OPS:
         row = rows.get(_key(op, dtype, head_dim, device))
         if row is None or not row.get("exact") or not can_run(op, dtype, head_dim, masked):

@@ -69,12 +69,15 @@ def pytest_collection_finish(session):
 
 # Cases that read the GPU switch but stay on CPU on a GPU machine, and what decides instead.
 TRITON_CASE_ONLY = {  # these move to CUDA for their triton case only
-    "tests/test_api.py::test_backend_function_takes_operands_or_keywords_not_both",
+    "tests/test_api.py::test_backend_functions_take_their_optional_tensors_as_operands_only",
     "tests/test_api_hardening.py::test_attention_without_keys_gives_zeros_on_every_backend",
     "tests/test_api_hardening.py::test_attention_without_queries_or_batch_is_empty",
 }
 ON_CPU = {  # gloo ranks on CPU tensors, triton in the interpreter, GPU or not
     "tests/test_distributed.py::test_matches_unsharded_attention",
+    # the fused CUDA path on CPU stand-ins for torch's CUDA ops (the capability patched)
+    "tests/test_fused_cuda.py::test_auto_on_cuda_takes_fused_only_with_a_verified_entry",
+    "tests/test_fused_cuda.py::test_verification_marks_a_correct_op_exact_and_a_broken_one_not",
 }
 
 
