@@ -26,7 +26,7 @@ def _configs(kind: str) -> list[triton.Config]:
 def gpu_configs(kind: str) -> list[triton.Config]:
     """The configs a GPU launch of ``kind`` chooses from (before ``_prune``)."""
     if kind == "fwd":
-        blocks = [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
+        blocks = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
     elif kind == "dkdv":  # the key block is resident: keep it large, stream small query tiles
         blocks = [(16, 64), (32, 64), (32, 128), (64, 64), (64, 128)]
     else:  # dq: the query block is resident
@@ -130,6 +130,8 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
 # (the GPU image's) and 3.9; past them (the forward from D = 128) the smallest 8-warp tile is
 # kept, which still spills 2.8 KB with triton 3.6 (none with 3.9). On an H100 the float32
 # tests ran past 150 s each with the spilling configs.
+# With the base-2 forward (issue 39) the 64 x 32, 8-warp forward at D = 128 spills 3.6 KB
+# (triton 3.9, sm_90, any stages); 32 x 32 with 8 warps spills 1 KB, 4 warps 3.4 KB.
 _FP32_MAX_TILE = {"fwd": 64 * 32 * 64, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128}
 
 
@@ -148,11 +150,14 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
     n, d = args["TUNE_N"], max(args["BLOCK_D"], args["BLOCK_DV"])
     smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
     heavy = _heavy_scores(args)
+    fp32 = getattr(args.get("Q"), "dtype", None) == torch.float32
     kept = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         if min(bm, bn) > 16 and max(bm, bn) > n:
             continue
+        if kind == "fwd" and bm * bn < 64 * 32 and not fp32:
+            continue  # 32 x 32 serves float32 only (its 64 x 32 forward spills, see below)
         if smem is not None and smem_estimate(kind, c, args) > smem:
             continue
         if _spills_heavily(kind, c, d):
@@ -164,7 +169,7 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
             continue
         if d >= 128 and bm * bn >= 128 * 128 and c.num_warps < 8:
             continue
-        if max(bm, bn) <= 32 and c.num_warps > 4:
+        if max(bm, bn) <= 32 and c.num_warps > 4 and not fp32:
             continue
         kept.append(c)
     if getattr(args.get("Q"), "dtype", None) == torch.float32:
