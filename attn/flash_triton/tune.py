@@ -102,6 +102,10 @@ def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
 _HEAVY_DKDV_MAX_TILE = 32 * 128 * 64
 
 
+# triton before 3.7 (the GPU image's 3.6) spills more on the heaviest launches
+_TRITON_36 = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+
+
 def _heavy_scores(args: dict) -> bool:
     """A launch whose scores carry dropout, a softcap or an attn_mask."""
     score = args.get("SCORE") or ()
@@ -165,6 +169,9 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
         if kind == "dkdv" and heavy and (bm * bn * d > _HEAVY_DKDV_MAX_TILE
                                          or c.num_stages > 3):
             continue  # (32 x 64, D = 128, packed sequences: 1208 bytes with 4 stages)
+        if _TRITON_36 and heavy and d >= 128 and (
+                (kind == "fwd" and bm * bn > 128 * 64) or (kind == "dkdv" and c.num_stages > 2)):
+            continue  # triton 3.6, packed, every flag, D = 128: 2056 / 1444 bytes there
         if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
             continue
         if d >= 128 and bm * bn >= 128 * 128 and c.num_warps < 8:
