@@ -672,8 +672,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             o, l_ = o[0, ..., :Dv], l_[0]
             if folded is not None:
                 l_ = l_ - folded.shift
-            if empty is not None:  # torch's kernel gives lse 0 to a row that saw no key
+            if empty is not None:  # a row that saw no key: torch's CPU op gives out 0 and
+                # lse 0, its CUDA ops may give NaN out: zeros and -inf, whatever ran
                 l_ = l_.masked_fill(empty.expand_as(l_), float("-inf"))
+                o = o.masked_fill(empty.unsqueeze(-1), 0.0)
             outs.append(o)
             lses.append(l_)
         if not outs:  # the band leaves the block no key: zeros and -inf, as allocated

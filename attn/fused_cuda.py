@@ -226,11 +226,9 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
         else:
             bias = _bias(mask, q.shape[1], rows, k.shape[2])
             res = a[op](qp, kp, vp, bias, True, 0.0, causal and bias is None, scale=scale)
-        out = res[0][..., :Dv]
-        if mask is not None:  # a row the mask hides entirely: zeros, whatever the op gave
-            hidden = ~(mask > float("-inf")).any(-1, keepdim=True)
-            out = out.masked_fill(hidden, 0.0)
-        return out, _lse_rows(res[1], rows)
+        # (a row the mask hides entirely may come back NaN: the fused backend zeroes the
+        # rows its piece mask hides, on every device)
+        return res[0][..., :Dv], _lse_rows(res[1], rows)
 
     def bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
             causal: bool, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -239,6 +237,7 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
         dop, outp = _pad8(do), _pad8(out)
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
         lse = lse.contiguous()  # float32: the accumulation dtype of every dtype CUDA takes
+        bias = None if op == "flash" else _bias(mask, q.shape[1], rows, keys)
         if op == "flash":
             _no_mask(mask)
             gq, gk, gv = a["flash_backward"](dop, qp, kp, vp, outp, lse, None, None, rows,
@@ -246,12 +245,10 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
         elif op == "efficient":
             pad = -(-rows // 32) * 32 - rows  # the op reads its lse padded to 32 rows
             lse32 = torch.nn.functional.pad(lse, (0, pad), value=float("inf"))
-            bias = _bias(mask, q.shape[1], rows, keys)
             gq, gk, gv, _ = a["efficient_backward"](
                 dop, qp, kp, vp, bias, outp, lse32, zero, zero, 0.0,
                 [True, True, True, False], causal and bias is None, scale=scale)
         else:
-            bias = _bias(mask, q.shape[1], rows, keys)
             gq, gk, gv = a["cudnn_backward"](dop, qp, kp, vp, outp, lse.unsqueeze(-1), zero,
                                              zero, bias, None, None, rows, keys, 0.0,
                                              causal and bias is None, scale=scale)
