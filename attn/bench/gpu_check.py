@@ -126,8 +126,13 @@ def _stage_starter():
     if _FORKSERVER is None:
         import multiprocessing
 
+        import multiprocessing.forkserver
+
         _FORKSERVER = multiprocessing.get_context("forkserver")
         _FORKSERVER.set_forkserver_preload(["torch"])
+        # start it now, before any stage's box opens: its torch import (seconds on a loaded
+        # machine) is no stage's time
+        multiprocessing.forkserver.ensure_running()
     return _FORKSERVER
 
 
@@ -186,6 +191,7 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
                "skipped", why="the run ended before this stage" if s in selected
                else "not selected (--stages)") for s in stages}}
     gpu_record.write_results(out, doc)
+    _stage_starter()
     env_facts: dict = {}
     with tempfile.TemporaryDirectory(prefix="attn-gpu-check-") as tmp:
         scratch_dir = Path(tmp)
