@@ -256,6 +256,11 @@ class FusedConfig:
     split_max_chunks: int = 8
     # calls smaller than this (scores visited) run their items in order on the caller
     serial_max_scores: int = 1 << 16
+    # an item takes several kv heads at once (one op call for the group, which runs them
+    # itself) while its scores stay within item_max_scores: small blocks then pay attn's
+    # cost per call (slicing, masks, merges: ~0.5 ms on a Cascade Lake core) once per
+    # group, not once per head. 0: one kv head per item.
+    item_max_scores: int = 1 << 21
 
 
 DEFAULT = FusedConfig()
@@ -468,6 +473,8 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
         off = seq.band.offset
         for pc in block_pieces(seq, p, m0, m1, n_lo, n_hi, config):
             if pc.causal:  # the diagonal: its bias as a block-sized mask, the band with it
+                # (folded, its scores would carry terms up to slope x rows where its
+                # probabilities are: 2e-5 off in float32 at 128 rows and slope 1)
                 out.append(Piece(pc.n0, pc.n1, False, True))
                 continue
             if pc.masked or _side(pc, m0, m1, off) != 0:
@@ -581,14 +588,15 @@ def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor, seq: Seq, m0: int,
     side = _side(pc, m0, m1, seq.band.offset)
     G, rows, n = qb.shape[1], m1 - m0, pc.n1 - pc.n0
     c = pc.n1 if side > 0 else pc.n0
-    s = slopes[seq.slopes_row].float()  # (G,)
-    j = torch.arange(pc.n0 - c, pc.n1 - c, dtype=torch.float32, device=qb.device)
+    acc = _acc_dtype(qb.dtype)  # float64 keeps float64's fold exact to its own rounding
+    s = slopes[seq.slopes_row].to(acc)  # (G,)
+    j = torch.arange(pc.n0 - c, pc.n1 - c, dtype=acc, device=qb.device)
     cols = (side / scale) * j[:, None] * s[None, :]  # (keys, G)
     eye = torch.eye(G, dtype=qb.dtype, device=qb.device).view(1, G, 1, G)
     q2 = torch.cat([qb, eye.expand(1, G, rows, G)], -1)
-    k2 = torch.cat([kb, cols.to(kb.dtype).view(1, 1, n, G)], -1)
+    k2 = torch.cat([kb, cols.to(kb.dtype).view(1, 1, n, G).expand(1, kb.shape[1], n, G)], -1)
     v2 = torch.nn.functional.pad(vb, (0, k2.shape[-1] - vb.shape[-1]))
-    i = torch.arange(m0 + seq.band.offset - c, m1 + seq.band.offset - c, dtype=torch.float32,
+    i = torch.arange(m0 + seq.band.offset - c, m1 + seq.band.offset - c, dtype=acc,
                      device=qb.device)
     shift = side * s[:, None] * i[None, :]  # (G, rows)
     return _Folded(q2, k2, v2, shift)
@@ -617,7 +625,8 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
 # on CUDA a call runs its items in order on one stream, so it is cut only where the band or a
 # mask needs it: one query block per sequence, masks of up to 1024 x 4096
 CUDA = FusedConfig(items_per_row=1, min_block_m=1 << 30, masked_block_m=1024,
-                   masked_block_n=4096, bwd_max_runs=1, serial_max_scores=0)
+                   masked_block_n=4096, bwd_max_runs=1, serial_max_scores=0,
+                   item_max_scores=0)
 
 
 def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
@@ -628,7 +637,8 @@ def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
-    Items are (sequence, kv head, query block, key range); a sequence's key ranges (split-KV)
+    Items are (sequence, kv head group, query block, key range: :func:`head_group`); a
+    sequence's key ranges (split-KV)
     and the sinks are merged in key order after the items."""
     config = _config(q, config)
     kern = kernels(q)
@@ -639,6 +649,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     plans = [plan(s, Hkv, spec, ops, config, heads=H) for s in seqs]
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
+    hgs = [head_group(s, p, Hkv, G, config) for s, p in zip(seqs, plans)]
     R = max((len(p.ranges) for p in plans), default=1)
     out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
@@ -647,20 +658,21 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         parts_out = torch.zeros(R, B, H, Nq, Dv, dtype=q.dtype, device=q.device)
         parts_lse = torch.full((R, B, H, Nq), float("-inf"), dtype=acc, device=q.device)
     items = [(si, hk, bi, r) for si, p in enumerate(plans) for bi in range(len(p.blocks))
-             for r in range(len(p.ranges)) for hk in range(Hkv)]
+             for r in range(len(p.ranges)) for hk in range(0, Hkv, hgs[si])]
 
     def run(i: int) -> None:
         si, hk, bi, r = items[i]
         s, p = seqs[si], plans[si]
         m0, m1 = p.blocks[bi]
-        heads = slice(hk * G, (hk + 1) * G)
-        qb = q[s.b:s.b + 1, heads, s.q0 + m0:s.q0 + m1]  # (1, G, rows, D)
+        kvh = slice(hk, hk + hgs[si])  # the item's kv heads, and their query heads
+        heads = slice(hk * G, kvh.stop * G)
+        qb = q[s.b:s.b + 1, heads, s.q0 + m0:s.q0 + m1]  # (1, heads, rows, D)
         outs, lses = [], []
         slopes = None if ops.alibi is None else ops.alibi[:, heads]
         for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config,
                                alibi=slopes is not None):
-            kb = k[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
-            vb = v[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
+            kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
+            vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
             folded = None
             if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
                 folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
@@ -704,11 +716,24 @@ def _threads(scores: int, config: FusedConfig, q: Tensor) -> int | None:
     return 1 if scores < config.serial_max_scores else None
 
 
-def bwd_runs(n_blocks: int, hkv: int, config: FusedConfig = DEFAULT) -> list[tuple[int, int]]:
+def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT) -> int:
+    """How many kv heads (and their G query heads each) one item of ``seq`` takes: the most
+    that divide ``hkv`` with an item's scores (a block, or a key range, per head, times the
+    heads) within ``config.item_max_scores``, at least 1. The sequence's lengths, its plan
+    and the model's heads alone decide."""
+    per_head = ((seq.q1 - seq.q0) * (seq.k1 - seq.k0)
+                // (len(p.blocks) * len(p.ranges)))
+    fits = [d for d in range(1, hkv + 1)
+            if hkv % d == 0 and d * G * per_head <= config.item_max_scores]
+    return max(fits, default=1)
+
+
+def bwd_runs(n_blocks: int, groups: int, config: FusedConfig = DEFAULT
+             ) -> list[tuple[int, int]]:
     """A sequence's query blocks cut into runs for the backward (each run its own item with
-    dK/dV partials): about ``items_per_row`` items over the kv heads, at most
+    dK/dV partials): about ``items_per_row`` items over its ``groups`` of kv heads, at most
     ``bwd_max_runs``; shapes and heads alone decide."""
-    n = max(1, min(-(-config.items_per_row // hkv), config.bwd_max_runs, n_blocks))
+    n = max(1, min(-(-config.items_per_row // groups), config.bwd_max_runs, n_blocks))
     cuts = [round(i * n_blocks / n) for i in range(n + 1)]
     return [(cuts[i], cuts[i + 1]) for i in range(n)]
 
@@ -765,9 +790,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
          lse: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT, precise: Callable | None = None) -> Grads:
     """Gradients of a fused forward from its merged ``out`` and ``lse``: dq, dk, dv in the
-    accumulation dtype, and the sinks'. Items are (sequence, kv head, run of query blocks); a
-    run's dK/dV go into a partial of its own when the sequence has several, summed in run
-    order afterwards.
+    accumulation dtype, and the sinks'. Items are (sequence, kv head group, run of query
+    blocks); a run's dK/dV go into a partial of its own when the sequence has several, summed
+    in run order afterwards.
 
     A gradient ``dlse`` of the lse output adds ``dlse_i · P_ij`` to dS, which torch's
     backward op has no argument for: it gets it through two extra head-dim columns (zeros
@@ -784,7 +809,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
     plans = [plan(s, Hkv, spec, ops, config, backward=True, heads=H) for s in seqs]
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
-    runs = [bwd_runs(len(p.blocks), Hkv, config) for p in plans]
+    hgs = [head_group(s, p, Hkv, G, config) for s, p in zip(seqs, plans)]
+    runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
     # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
     lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
     do = do.to(q.dtype)
@@ -797,19 +823,20 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)
     items = [(si, hk, r) for si in range(len(seqs)) for r in range(len(runs[si]))
-             for hk in range(Hkv)]
+             for hk in range(0, Hkv, hgs[si])]
     extra: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
 
     def run(i: int) -> None:
         si, hk, r = items[i]
         s, p = seqs[si], plans[si]
-        heads = slice(hk * G, (hk + 1) * G)
+        kvh = slice(hk, hk + hgs[si])  # the item's kv heads, and their query heads
+        heads = slice(hk * G, kvh.stop * G)
         keys = slice(s.k0, s.k1)
         if r == 0:
-            dk_to, dv_to = dk[s.b, hk, keys], dv[s.b, hk, keys]
+            dk_to, dv_to = dk[s.b, kvh, keys], dv[s.b, kvh, keys]
         else:  # a later run's partial, joined in run order below
-            dk_to = torch.zeros(s.k1 - s.k0, D, dtype=acc, device=q.device)
-            dv_to = torch.zeros(s.k1 - s.k0, Dv, dtype=acc, device=q.device)
+            dk_to = torch.zeros(hgs[si], s.k1 - s.k0, D, dtype=acc, device=q.device)
+            dv_to = torch.zeros(hgs[si], s.k1 - s.k0, Dv, dtype=acc, device=q.device)
             extra[si, hk, r] = (dk_to, dv_to)
         b0, b1 = runs[si][r]
         slopes = None if ops.alibi is None else ops.alibi[:, heads]
@@ -821,8 +848,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
                                    alibi=slopes is not None):
                 qb, dob, ob, lb = qb0, dob0, ob0, lb0
-                kb = k[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
-                vb = v[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
+                kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
+                vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
                 folded = None
                 if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
                     folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
@@ -840,15 +867,15 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
                                                        pc.causal and add is None, add,
                                                        spec.qk_scale)
                 dq_blk += gq[0, ..., :D]
-                dk_to[pc.n0:pc.n1] += gk[0, 0, :, :D]
-                dv_to[pc.n0:pc.n1] += gv[0, 0, :, :Dv]
+                dk_to[:, pc.n0:pc.n1] += gk[0, :, :, :D]
+                dv_to[:, pc.n0:pc.n1] += gv[0, :, :, :Dv]
 
     scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
     workers.run_items(run, len(items), threads=_threads(scores, config, q))
     for si, hk, r in sorted(extra):  # runs' partials in run order: fixed, whatever finished
-        s = seqs[si]
-        dk[s.b, hk, s.k0:s.k1] += extra[si, hk, r][0]
-        dv[s.b, hk, s.k0:s.k1] += extra[si, hk, r][1]
+        s, kvh = seqs[si], slice(hk, hk + hgs[si])
+        dk[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][0]
+        dv[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][1]
     dsinks = None
     if ops.sinks is not None:
         delta = (do.to(acc) * out.to(acc)).sum(-1)

@@ -78,11 +78,13 @@ def _counting(monkeypatch):
     real = fused._cpu_ops()
 
     def fwd(q, k, v, p, causal, *, attn_mask=None, scale=None):
-        calls.append(("fwd", q.shape[2], k.shape[2], causal, attn_mask is not None))
+        calls.append(("fwd", q.shape[2], k.shape[2], causal, attn_mask is not None,
+                      q.shape[1]))
         return real.fwd(q, k, v, p, causal, attn_mask=attn_mask, scale=scale)
 
     def bwd(*args, attn_mask=None, scale=None):
-        calls.append(("bwd", args[1].shape[2], args[2].shape[2], args[7], attn_mask is not None))
+        calls.append(("bwd", args[1].shape[2], args[2].shape[2], args[7], attn_mask is not None,
+                      args[1].shape[1]))
         return real.bwd(*args, attn_mask=attn_mask, scale=scale)
     monkeypatch.setattr(fused, "_cpu_ops", lambda: fused._CpuOps(fwd, bwd))
     return calls
@@ -94,13 +96,28 @@ def test_causal_plan_skips_empty_blocks_and_masks_nothing(monkeypatch):
     out = attn.attention(q, k, v, causal=True, backend="fused", block_m=128)
     out.sum().backward()
     fwd = [c for c in calls if c[0] == "fwd"]
-    # per (batch row, kv head): block 0 is its diagonal alone, blocks 1-3 a full piece and
-    # a diagonal; no piece above the diagonal is ever called, none gets a mask
-    assert len(fwd) == 2 * 2 * (1 + 2 * 3)
+    # per batch row (its two kv heads in one call, all 4 query heads: small blocks): block 0
+    # is its diagonal alone, blocks 1-3 a full piece and a diagonal; no piece above the
+    # diagonal is ever called, none gets a mask
+    assert len(fwd) == 2 * (1 + 2 * 3) and all(c[5] == 4 for c in calls)
     assert not any(c[4] for c in calls)
-    assert sorted(c[2] for c in fwd if c[3]) == [128] * 16  # diagonals: 128 keys each
-    assert sum(c[1] * c[2] for c in fwd if not c[3]) == 2 * 2 * 128 * (128 + 256 + 384)
+    assert sorted(c[2] for c in fwd if c[3]) == [128] * 8  # diagonals: 128 keys each
+    assert sum(c[1] * c[2] for c in fwd if not c[3]) == 2 * 128 * (128 + 256 + 384)
     assert len([c for c in calls if c[0] == "bwd"]) == len(fwd)
+
+
+def test_items_group_kv_heads_only_while_small(monkeypatch):
+    # one kv head per item once a block's scores per head reach item_max_scores / G: the
+    # group size follows the sequence's lengths and the heads, never the batch
+    calls = _counting(monkeypatch)
+    config = dataclasses.replace(fused.DEFAULT, item_max_scores=1 << 19)
+    for B, N, heads in [(1, 256, 8), (3, 256, 8), (1, 512, 4), (1, 1024, 2)]:
+        calls.clear()
+        q, k, v = make_inputs(B=B, H=8, Hkv=4, N=N, D=16, seed=3)
+        call, spec, ops = attn.api.resolve(q, k, v, band=Band())
+        got = fused.fused_attention(q, k, v, spec, ops, config=config)[0]
+        torch.testing.assert_close(got, attn.attention(q, k, v, backend="reference"))
+        assert {c[5] for c in calls} == {heads}, (B, N)
 
 
 def test_window_masks_only_its_left_strip(monkeypatch):
@@ -108,10 +125,10 @@ def test_window_masks_only_its_left_strip(monkeypatch):
     q, k, v = make_inputs(B=1, H=2, N=1024, D=16, seed=2)
     attn.attention(q, k, v, window=(300, 0), backend="fused", block_m=256)
     masked = [c for c in calls if c[4]]
-    # per kv head: block 0 has no strip (its keys start at 0), block 1's is cut at key 0
-    # (keys [0, 211)), blocks 2-3 have 255 keys each
-    assert sorted(c[2] for c in masked) == [211] * 2 + [255] * 4
-    assert sum(not c[4] for c in calls) == 2 * (1 + 2 * 3)
+    # both heads in each call (small blocks): block 0 has no strip (its keys start at 0),
+    # block 1's is cut at key 0 (keys [0, 211)), blocks 2-3 have 255 keys each
+    assert sorted(c[2] for c in masked) == [211] + [255] * 2
+    assert sum(not c[4] for c in calls) == 1 + 2 * 3 and all(c[5] == 2 for c in calls)
 
 
 # -- against the reference: what test_variants does not reach -------------------------------------
