@@ -425,8 +425,11 @@ def _launchers(backend: str):
 def _fused_bwd(do, dlse, q, k, v, out, lse, spec, ops, *, need_dcap: bool = False):
     """fused's backward with tiled's keyword: a fused step never has a softcap (refused in
     :func:`_fused_refuses`), so ``need_dcap`` asks for nothing here. No ``precise``
-    recompute: a step's own forward is not the call's; :func:`_ring_bwd` runs tiled's
-    backward from the call's global lse instead where that lse is too large for torch's op."""
+    recompute: it would redo the step's own forward, whose lse is not the call's. Saturated
+    rows (|lse| past ``fused.LSE_PRECISE_LIMIT``) lose precision here as in tiled's ring
+    backward, which also rebuilds P from the one global lse; handing such steps to tiled's
+    backward measured worse (dq/dk/dv 5-7x attn.testing's budget where fused's own were at
+    most 1.6x: float32, temperature 1e-3, P = 2)."""
     return fused._bwd(do, dlse, q, k, v, out, lse, spec, ops)
 
 
@@ -443,9 +446,11 @@ class RingStats:
     launches: int = 0
     skipped: int = 0
     comm_wait_s: float = 0.0
-    # the launchers the ring's steps ran ("tiled", "fused", "triton"); "" for Ulysses, whose
-    # one local call goes through attn.call.run
+    # the launchers the ring's steps ran ("tiled", "fused", "triton") and why that backend
+    # (select_backend's reason, and why not fused where fused was refused after it); "" for
+    # Ulysses, whose one local call goes through attn.call.run
     backend: str = ""
+    reason: str = ""
 
 
 # Each thread's last call: its RingStats, read as cp.last_ring_stats (the forward),
@@ -548,7 +553,7 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
     stats = _new_stats("last_ring_stats")
     c.extra["backward_stats"] = _new_stats("last_ring_backward_stats")
     fwd, _ = _launchers(c.backend)
-    stats.backend = c.backend
+    stats.backend, stats.reason = c.backend, c.extra["reason"]
     ops = Operands(softcap=cap_t)  # the sinks join once, as one more partial below
     B, H, n_l, _ = q.shape
     acc = acc_dtype(q.dtype)
@@ -596,12 +601,8 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
     # a second backward of the same graph counts afresh
     stats = c.extra["backward_stats"]
     vars(stats).update(vars(RingStats()))
-    backend = c.backend
-    if backend == "fused" and fused.lse_too_large(lse, q.dtype):
-        # torch's backward op rebuilds P from one rounded lse, past budget at this |lse|
-        backend = "tiled"
-    stats.backend = backend
-    _, bwd = _launchers(backend)
+    stats.backend, stats.reason = c.backend, c.extra["reason"]
+    _, bwd = _launchers(c.backend)
     ops = Operands(softcap=cap_t)
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -704,7 +705,9 @@ def ring_attention(
     ``temperature`` (float or per-head tensor), ``softcap`` (float or learnable tensor),
     ``sinks`` (H,), ``dropout_p`` (the same mask as the unsharded call under the same
     ``torch.manual_seed``, on either backend: the dropout hash reads global positions).
-    ``attn_mask`` raises NotImplementedError.
+    ``attn_mask`` raises NotImplementedError. ``backend``: ``"auto"``, ``"tiled"``,
+    ``"fused"`` or ``"triton"``, the launchers every step runs (:data:`last_ring_stats`'s
+    ``backend`` and ``reason`` say which ran and why).
     Gradients of sinks / tensor temperature / tensor softcap are this rank's contribution.
     """
     c, ops = _prepare(

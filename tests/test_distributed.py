@@ -10,6 +10,9 @@ rank (seeded generators), every rank compares its gathered result with ``attn.at
 on the unsharded tensors through ``attn.testing.compare_to_reference`` (float64 unless the
 case names another dtype), and every rank's record is checked.
 
+The fused backend's cases count the calls of attn.fused's launchers in each process
+(``_count_fused_launchers``), so a ring that ran another backend's steps fails them.
+
 Sizes are awkward on purpose: N = 23 and 29 divide neither P nor 2P, Nq != Nk both ways,
 and Nq > Nk with causal=True leaves the first rows with no key at all (lse = -inf), so
 the merge of early ring steps sees -inf running states.
@@ -259,7 +262,9 @@ def _compare(rank, P, strategy, layout, variant):
             "errors": {c.name: (c.error, c.budget) for c in report.comparisons},
             "fused_calls": {n: _fused_calls[n] - before[n] for n in before},
             # the ring's last call on this rank (every call of the comparison is the same)
-            "ring_launches": cp.last_ring_stats.launches if strategy == "ring" else None}
+            "ring_launches": cp.last_ring_stats.launches if strategy == "ring" else None,
+            "ring_backends": (cp.last_ring_stats.backend, cp.last_ring_backward_stats.backend),
+            "ring_reason": cp.last_ring_stats.reason}
 
 
 def _poison(k):
@@ -566,6 +571,12 @@ def test_fused_calls_run_torchs_kernel(P, case_id):
             assert calls["fwd"] > 0 and calls["bwd"] > 0, (rank, calls)
     if not case_id.endswith("fused_nan_key"):
         assert any(rec["fused_calls"]["fwd"] for rec in recs.values()), recs
+    if case_id.startswith("ring"):  # which launchers the ring's steps ran, as it says
+        want = ("tiled",) * 2 if case_id.endswith("fused_nan_key") else ("fused",) * 2
+        for rank, rec in recs.items():
+            assert tuple(rec["ring_backends"]) == want, (rank, rec["ring_backends"])
+            if case_id.endswith("fused_nan_key"):
+                assert "non-finite key" in rec["ring_reason"], rec["ring_reason"]
 
 
 @pytest.mark.parametrize("P", (2, 3, 4))
