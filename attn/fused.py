@@ -634,12 +634,45 @@ def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
     return CUDA if q.device.type == "cuda" and config == DEFAULT else config
 
 
+# dtypes whose forward torch's CPU kernel computes per (batch row, head) alike whatever the
+# call's batch or threads: no packing (its bf16/fp16 paths pack K/V by a rule that reads
+# batch x heads and the thread count), each (row, head, query split) one thread's work. Its
+# backward is not: float32 B=4 H=6 N=160 D=40 gave other dQ/dK/dV bits on 1 and 2 threads
+# (torch 2.13), so the backward keeps its items (one intra-op thread each)
+_WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
+
+
+def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
+                mask4: Tensor | None, ops: Operands, mask_mods: list) -> Piece | None:
+    """The one piece a CPU call is, where its forward can be one op call over the whole
+    batch instead of an item per sequence and head group (float32/float64, every batch row
+    of the call's full lengths, each one item of one unmasked piece: no user mask,
+    mask_mod, ALiBi or split-KV): what the items would compute, without their per-call
+    cost (the toy model's B=32 H=4 N=64 training step: 32 items)."""
+    if q.device.type != "cpu" or q.dtype not in _WHOLE_CALL_DTYPES or not seqs:
+        return None
+    if mask4 is not None or ops.alibi is not None or any(m is not None for m in mask_mods):
+        return None
+    n_q, n_k, band = seqs[0].q1, seqs[0].k1, seqs[0].band
+    if (n_q, seqs[0].k0) != (q.shape[2], 0):
+        return None
+    for s, p, hg in zip(seqs, plans, hgs):
+        if (s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band) or hg != hkv:
+            return None
+        if len(p.blocks) != 1 or len(p.ranges) != 1 or p.masked or p.mask_pieces is not None:
+            return None
+    ps = pieces(band, 0, n_q, n_k)
+    if len(ps) != 1 or ps[0].masked or (ps[0].n0, ps[0].n1) != (0, n_k):
+        return None
+    return ps[0]
+
+
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
     Items are (sequence, kv head group, query block, key range: :func:`head_group`); a
-    sequence's key ranges (split-KV)
-    and the sinks are merged in key order after the items."""
+    sequence's key ranges (split-KV) and the sinks are merged in key order after the items.
+    A call :func:`_whole_call` allows is one op call."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, _ = q.shape
@@ -650,6 +683,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     plans = [plan(s, Hkv, spec, ops, config, heads=H) for s in seqs]
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
     hgs = [head_group(s, p, Hkv, G, config) for s, p in zip(seqs, plans)]
+    whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods)
+    if whole is not None:  # one op call (torch's threads); the sinks join as below
+        out, lse = kern(False).fwd(q, k, v, whole.causal, None, spec.qk_scale)
+        return _sinks_joined(out, lse.to(acc), None, None, ops.sinks)
     R = max((len(p.ranges) for p in plans), default=1)
     out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
@@ -699,14 +736,23 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
 
     scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
     workers.run_items(run, len(items), threads=_threads(scores, config, q))
-    if parts_out is not None or ops.sinks is not None:
-        outs = [out] if parts_out is None else list(parts_out.unbind(0))
-        lses = [lse] if parts_out is None else list(parts_lse.unbind(0))
-        if ops.sinks is not None:  # one more partial of value 0, in the denominator once
-            outs.append(torch.zeros_like(outs[0]))
-            lses.append(ops.sinks.to(acc).view(1, H, 1).expand(B, H, Nq))
-        merged, lse = _merge_trusted(outs, lses)
-        out.copy_(merged)
+    return _sinks_joined(out, lse, parts_out, parts_lse, ops.sinks)
+
+
+def _sinks_joined(out: Tensor, lse: Tensor, parts_out: Tensor | None,
+                  parts_lse: Tensor | None, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``out, lse`` with the key ranges' partials (split-KV) merged in range order and the
+    sinks as one more partial of value 0, in the denominator once."""
+    if parts_out is None and sinks is None:
+        return out, lse
+    B, H, Nq = lse.shape
+    outs = [out] if parts_out is None else list(parts_out.unbind(0))
+    lses = [lse] if parts_out is None else list(parts_lse.unbind(0))
+    if sinks is not None:
+        outs.append(torch.zeros_like(outs[0]))
+        lses.append(sinks.to(lse.dtype).view(1, H, 1).expand(B, H, Nq))
+    merged, lse = _merge_trusted(outs, lses)
+    out.copy_(merged)
     return out, lse
 
 

@@ -79,12 +79,12 @@ def _counting(monkeypatch):
 
     def fwd(q, k, v, p, causal, *, attn_mask=None, scale=None):
         calls.append(("fwd", q.shape[2], k.shape[2], causal, attn_mask is not None,
-                      q.shape[1]))
+                      q.shape[1], q.shape[0]))
         return real.fwd(q, k, v, p, causal, attn_mask=attn_mask, scale=scale)
 
     def bwd(*args, attn_mask=None, scale=None):
         calls.append(("bwd", args[1].shape[2], args[2].shape[2], args[7], attn_mask is not None,
-                      args[1].shape[1]))
+                      args[1].shape[1], args[1].shape[0]))
         return real.bwd(*args, attn_mask=attn_mask, scale=scale)
     monkeypatch.setattr(fused, "_cpu_ops", lambda: fused._CpuOps(fwd, bwd))
     return calls
@@ -230,11 +230,22 @@ def _grads(q, k, v, **kw):
     return out, lse, q.grad, k.grad, v.grad
 
 
+WHOLE = dict(B=3, H=4, Hkv=2, N=200, D=16)  # small: one op call for the batch (fp32/fp64)
+
+
 @needs_workers
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bits_do_not_depend_on_threads_or_batch(dtype):
-    q, k, v = make_inputs(B=3, H=4, Hkv=1, N=300, D=32, dtype=dtype, seed=8)
-    kw = dict(causal=True, window=(100, 0), block_m=32)  # 10 blocks: backward runs
+@pytest.mark.parametrize("dtype,shape,kw", [
+    (torch.float32, dict(B=3, H=4, Hkv=1, N=300, D=32), dict(causal=True, window=(100, 0),
+                                                             block_m=32)),  # backward runs
+    (torch.bfloat16, dict(B=3, H=4, Hkv=1, N=300, D=32), dict(causal=True, window=(100, 0),
+                                                              block_m=32)),
+    (torch.float32, WHOLE, dict(causal=True)),
+    (torch.float64, WHOLE, dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))),
+    # torch's backward op over a whole batch gave other bits on 1 and 2 threads here
+    (torch.float32, dict(B=4, H=6, Hkv=6, N=160, D=40), dict(causal=True)),
+])
+def test_bits_do_not_depend_on_threads_or_batch(dtype, shape, kw):
+    q, k, v = make_inputs(**shape, dtype=dtype, seed=8)
     threads = torch.get_num_threads()
     try:
         runs = []
@@ -253,6 +264,26 @@ def test_bits_do_not_depend_on_threads_or_batch(dtype):
     mixed = _grads(q[[2, 1]], k[[2, 1]], v[[2, 1]], **kw)
     for a, b in zip(mixed, runs[0]):
         assert torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_small_dense_forward_is_one_op_call(monkeypatch, dtype):
+    # float32/float64 calls of one unmasked piece per sequence: torch's kernel runs the
+    # whole batch's forward at once (it computes each row and head alone there, see the
+    # bits test), the backward an item per sequence; against the reference, with the lse's
+    # gradient (two more columns) and sinks
+    calls = _counting(monkeypatch)
+    q, k, v = make_inputs(**WHOLE, dtype=dtype, seed=9)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=dtype).requires_grad_()
+    fn = functools.partial(attn.attention, backend="fused")
+    assert_close_to_reference(fn, q, k, v, causal=True, sinks=sinks)
+    fwd = [c for c in calls if c[0] == "fwd"]
+    assert fwd and all(c[1:3] + c[5:] == (200, 200, 4, 3) for c in fwd)
+    bwd = [c for c in calls if c[0] == "bwd"]
+    assert len(bwd) == 3 * len(fwd) and all(c[1:3] + c[5:] == (200, 200, 4, 1) for c in bwd)
+    calls.clear()
+    attn.attention(q, k, v, backend="fused", window=(20, 0))  # masked pieces: per sequence
+    assert len(calls) == 3 and all(c[4] and c[6] == 1 for c in calls)
 
 
 # -- what it expresses ---------------------------------------------------------------------------
