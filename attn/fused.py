@@ -331,6 +331,25 @@ def kv_split(n_q: int, n_k: int, config: FusedConfig = DEFAULT) -> int | None:
     return chunk
 
 
+def masks_scores(spec: LaunchSpec, ops: Operands, n_q: int, n_k: int,
+                 config: FusedConfig = DEFAULT) -> bool:
+    """Whether some piece of a call gets an additive mask, which torch's kernel adds to
+    scores it has computed (so a NaN or inf key the mask hides still reaches the row): a
+    user mask, mask_mod or block mask, ALiBi's diagonals, packed sequences, a window's
+    strips, rows without keys (a negative offset), split-KV ranges. A call of full pieces
+    and causal diagonals only does not: the op's causal flag overwrites the scores right of
+    the diagonal before anything reads them."""
+    if (ops.attn_mask is not None or spec.mask_mod is not None or spec.mask_blocks is not None
+            or ops.alibi is not None or ops.cu_seqlens_q is not None):
+        return True
+    band = spec.local_band()
+    if band.is_full:
+        return False
+    if band.left is not None or band.right != 0 or band.offset < 0:
+        return True
+    return kv_split(n_q, n_k, config) is not None
+
+
 class Seq(NamedTuple):
     """One sequence of a call: batch row ``b`` (0 in the packed layout), query rows
     ``[q0, q1)`` and keys ``[k0, k1)`` of that row, its band in its own positions, and its

@@ -214,13 +214,29 @@ def test_poisoned_batch_rows_and_packed_neighbours_change_nothing():
     assert torch.isnan(got[30:50]).all() and torch.equal(got[keep], ref[keep])
 
 
-def test_a_masked_nan_key_sends_the_call_to_tiled():
-    q, k, v = make_inputs(B=1, H=2, N=40, D=16, seed=7)
-    k[0, :, 39] = float("nan")  # the last key: causal hides it from every row but the last
-    out = attn.attention(q, k, v, causal=True, backend="fused")
-    assert torch.isfinite(out[:, :, :39]).all()
-    torch.testing.assert_close(out[:, :, :39],
-                               attn.attention(q, k, v, causal=True, backend="tiled")[:, :, :39])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("case", ["causal", "bottom_right_blocks", "window", "bool_mask",
+                                  "alibi"])
+def test_a_hidden_non_finite_key_reaches_no_other_row(case, bad):
+    # a key hidden from the rows checked: the last key (causal: every row but the last;
+    # a bool mask: every row), or the first (a window: rows 51 on). On calls of full and
+    # causal pieces the op's causal flag keeps it out; masked ones (a window's strips, a
+    # mask, ALiBi's diagonals) go to tiled
+    nq, nk, kw, key, rows = 40, 40, dict(causal=True), 39, slice(0, 39)
+    if case == "bottom_right_blocks":
+        nq, nk, kw, key, rows = 300, 700, dict(causal=True, block_m=64), 699, slice(0, 299)
+    if case == "window":
+        nq, nk, kw, key, rows = 300, 300, dict(window=(50, 0)), 0, slice(51, 300)
+    if case == "alibi":
+        kw = dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.25]))
+    if case == "bool_mask":
+        kw, rows = dict(attn_mask=torch.arange(nk) < nk - 1), slice(0, 40)
+    q, k, v = make_inputs(B=1, H=2, N=nq, Nk=nk, D=16, seed=7)
+    k[0, :, key] = bad
+    out = attn.attention(q, k, v, backend="fused", **kw)
+    assert torch.isfinite(out[:, :, rows]).all()
+    want = attn.attention(q, k, v, backend="reference", **kw)
+    torch.testing.assert_close(out[:, :, rows], want[:, :, rows].float())
 
 
 def _grads(q, k, v, **kw):
