@@ -335,19 +335,29 @@ def masks_scores(spec: LaunchSpec, ops: Operands, n_q: int, n_k: int,
                  config: FusedConfig = DEFAULT) -> bool:
     """Whether some piece of a call gets an additive mask, which torch's kernel adds to
     scores it has computed (so a NaN or inf key the mask hides still reaches the row): a
-    user mask, mask_mod or block mask, ALiBi's diagonals, packed sequences, a window's
-    strips, rows without keys (a negative offset), split-KV ranges. A call of full pieces
-    and causal diagonals only does not: the op's causal flag overwrites the scores right of
-    the diagonal before anything reads them."""
+    user mask, mask_mod or block mask, ALiBi's diagonals, a window's strips, rows without
+    keys (a negative offset), split-KV ranges; packed sequences each by their own band and
+    lengths (a sequence never reads another's keys). A call of full pieces and causal
+    diagonals only does not: the op's causal flag overwrites the scores right of the
+    diagonal before anything reads them."""
     if (ops.attn_mask is not None or spec.mask_mod is not None or spec.mask_blocks is not None
-            or ops.alibi is not None or ops.cu_seqlens_q is not None):
+            or ops.alibi is not None):
         return True
     band = spec.local_band()
-    if band.is_full:
-        return False
-    if band.left is not None or band.right != 0 or band.offset < 0:
-        return True
-    return kv_split(n_q, n_k, config) is not None
+    lengths = [(n_q, n_k, band)]
+    if ops.cu_seqlens_q is not None:  # each sequence's band counted from its own end
+        cq, ck = ops.cu_seqlens_q.tolist(), ops.cu_seqlens_k.tolist()
+        lengths = [(cq[s + 1] - cq[s], ck[s + 1] - ck[s],
+                    Band(band.offset + (ck[s + 1] - ck[s]) - (cq[s + 1] - cq[s]), band.left,
+                         band.right)) for s in range(len(cq) - 1)]
+    for m, n, b in lengths:
+        if b.is_full:
+            continue
+        if b.left is not None or b.right != 0 or b.offset < 0:
+            return True
+        if kv_split(m, n, config) is not None:
+            return True
+    return False
 
 
 class Seq(NamedTuple):

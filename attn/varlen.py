@@ -23,8 +23,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, resolve, run,
-                       select_backend)
+from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, fused_keys_ok,
+                       resolve, run, select_backend)
 from attn.masks import Band, classify_band, make_band, window_pair
 from attn.tiled import SequenceBlocks
 
@@ -337,6 +337,8 @@ def varlen_attention(
             if given is not None and given < longest:
                 raise ValueError(f"{name}={given} is shorter than the longest sequence "
                                  f"({longest})")
+    if choice.name == "fused" and not fused_keys_ok(q4, k4, spec, ops):
+        choice = select_backend(call, "tiled")  # a masked non-finite key: tiled's mask
     if choice.name == "tiled":  # the sequences as a document mask of one batch row
         doc = _DocMask(cu_q, cu_k, total_q, total_k, band)
         spec = replace(spec, band=Band(), mask_mod=doc, mask_blocks=doc.blocks,

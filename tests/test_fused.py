@@ -239,6 +239,23 @@ def test_a_hidden_non_finite_key_reaches_no_other_row(case, bad):
     torch.testing.assert_close(out[:, :, rows], want[:, :, rows].float())
 
 
+@pytest.mark.parametrize("kw", [dict(window=(3, 0)), dict(causal=True)])
+def test_packed_sequences_with_a_hidden_non_finite_key(kw):
+    # packed: a sequence never reads another's keys; inside one (12 queries, 8 keys: rows
+    # 0-3 see none), a key the band hides from some of its rows sends the call to tiled's
+    # document mask: no NaN beyond the rows that see it, the reference's values elsewhere
+    cu_q, cu_k = torch.tensor([0, 12, 20]), torch.tensor([0, 8, 22])
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(n, 2, 16, generator=g) for n in (20, 22, 22))
+    key, seen = (0, range(4, 8)) if "window" in kw else (7, [11])
+    k[key] = float("nan")
+    out = attn.varlen_attention(q, k, v, cu_q, cu_k, backend="fused", **kw)
+    want = attn.varlen_attention(q, k, v, cu_q, cu_k, backend="reference", **kw)
+    rows = [r for r in range(20) if r not in seen]
+    assert torch.isfinite(out[rows]).all() and torch.isnan(out[list(seen)]).all()
+    torch.testing.assert_close(out[rows], want[rows])
+
+
 def _grads(q, k, v, **kw):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out, lse = attn.attention(q, k, v, backend="fused", return_lse=True, **kw)
