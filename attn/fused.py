@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import warnings
 from typing import Callable, NamedTuple
 
@@ -49,7 +50,7 @@ from attn.grads import Grads, sink_grad
 from attn.masks import EMPTY, FULL, PARTIAL, Band, Blocks, as_4d, band_kinds, combine_kinds
 from attn.mods import mask_mod_kinds
 from attn.merge import _merge_trusted
-from attn.spec import LaunchSpec, Operands
+from attn.spec import LaunchSpec, Operands, check_paged_forward_only
 from attn.spec import acc_dtype as _acc_dtype
 
 # -- torch's ops, checked once -----------------------------------------------------------------
@@ -856,6 +857,98 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             delta = delta - dlse.to(acc)
         dsinks = sink_grad(ops.sinks, lse.to(acc), delta)
     return Grads(dq, dk, dv, None, dsinks, None, ())
+
+
+# -- paged caches ------------------------------------------------------------------------------
+
+def page_ranges(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
+    """Slots ``[start, stop)`` of one sequence cut at the multiples of ``chunk`` (the key
+    ranges of a paged read, merged in this order): the sequence's own positions decide."""
+    cuts = [start] + list(range((start // chunk + 1) * chunk, stop, chunk)) + [stop]
+    return [(a, z) for a, z in zip(cuts, cuts[1:]) if z > a]
+
+
+def page_span(storage: Tensor, row: Tensor, a: int, z: int) -> tuple[Tensor, bool]:
+    """Slots ``[a, z)`` of a sequence whose pages are ``row`` (its block-table row, host
+    int64), from page storage ``(num_blocks, page, Hkv, D)``, as ``(1, Hkv, z - a, D)``, and
+    whether that is a view: one span of consecutive page ids is a strided view of the storage
+    (torch's CPU op reads it through its strides, no copy); else those pages only are copied,
+    in table order."""
+    page = storage.shape[1]
+    p0, p1 = a // page, -(-z // page)
+    ids = row[p0:p1]
+    first = int(ids[0])
+    view = bool((ids == torch.arange(first, first + p1 - p0)).all())
+    pages = storage[first:first + p1 - p0] if view else storage[ids.to(storage.device)]
+    # (pages, page, Hkv, D) -> (pages·page, Hkv, D) -> (1, Hkv, n, D): views
+    keys = pages.flatten(0, 1)[a - p0 * page:z - p0 * page]
+    return keys.transpose(0, 1).unsqueeze(0), view
+
+
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,
+                    ops: Operands, *, config: FusedConfig = DEFAULT,
+                    fallback: Callable | None = None) -> tuple[Tensor, Tensor]:
+    """Attention of q ``(B, H, Nq, D)`` against float pages read through a page table, on
+    torch's fused op, forward only → out ``(B, H, Nq, D)`` in q's dtype, lse ``(B, H, Nq)``.
+    The arguments are :func:`attn.tiled.paged_attention`'s: ``ops.pages`` says which slots
+    ``[starts[b], lengths[b])`` row b reads, the band is counted from each row's end
+    (``spec.band`` of a call with no key, its offset plus ``N_b``), ALiBi slopes ``(B, H)``.
+
+    Each row's slots are cut into ranges (:func:`page_ranges`: :func:`kv_split`'s chunk for
+    that row's own key count, else ``split_min_chunk``), narrowed to the keys the band lets
+    its query rows see; a range is :func:`_fwd` on :func:`page_span`'s keys (a view where its
+    pages are one span of consecutive ids, else a copy of its own pages: never a copy of the
+    cache nor of a whole long sequence, nor another row's page). A row's ranges, then the
+    sinks, are merged through their lse in key order, so the bits depend on the row's own
+    lengths, never on where its pages lie, its batch, or the workers.
+
+    ``fallback``: the same signature, run instead where a band or the rows' diagonal hides
+    keys (more than one query row and a band) and the keys read are not all finite, since
+    torch's op adds its mask to the scores (0·NaN); without it such rows take the NaN."""
+    if ops.pages is None or ops.quant is not None or ops.attn_mask is not None:
+        raise ValueError("fused paged_attention takes ops.pages of float pages, no quant and "
+                         "no attn_mask")
+    why = spec_reason(spec, ops._replace(pages=None)) or ops_reason(q.device.type)
+    if why is not None:
+        raise NotImplementedError(f"backend='fused' cannot read these pages: {why}")
+    check_paged_forward_only(q, k_pages, v_pages, ops)
+    table, starts, lengths = ops.pages
+    B, H, Nq, _ = q.shape
+    acc = _acc_dtype(q.dtype)
+    band = spec.band
+    hidden = Nq > 1 and not band.is_full  # pieces that mask keys: check the keys are finite
+    inner = dataclasses.replace(config, split_min_keys=1 << 62)  # the ranges are the split
+    out = torch.zeros(B, H, Nq, v_pages.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
+    for b in range(B):
+        s, e = int(starts[b]), int(lengths[b])
+        chunk = kv_split(Nq, e - s, config) or config.split_min_chunk
+        outs, lses = [], []
+        for a, z in page_ranges(s, e, chunk):
+            # the range's band: row b's band with N_b keys, from the range's first key on
+            local = Band(band.offset + e - a, band.left, band.right)
+            lo, hi = local.key_range(0, Nq, z - a)
+            if lo >= hi:  # no query row sees a key of the range
+                continue
+            k, _ = page_span(k_pages, table[b], a + lo, a + hi)
+            v, _ = page_span(v_pages, table[b], a + lo, a + hi)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # pages stored in another dtype: converted
+            if hidden and fallback is not None and not math.isfinite(
+                    k.sum(dtype=acc).item()):
+                return fallback(q, k_pages, v_pages, spec, ops)
+            rspec = dataclasses.replace(spec, band=Band(band.offset + e - s, band.left,
+                                                        band.right)).shard(k_start=a + lo - s)
+            rops = Operands(alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
+            o, l_ = _fwd(q[b:b + 1], k, v, rspec, rops, config=inner)
+            outs.append(o)
+            lses.append(l_)
+        if ops.sinks is not None:  # one more partial of value 0, in the denominator once
+            outs.append(out.new_zeros(1, H, Nq, out.shape[-1]))
+            lses.append(ops.sinks.to(acc).view(1, H, 1).expand(1, H, Nq))
+        if outs:  # else: no key and no sink, zeros and -inf as allocated
+            o, l_ = (outs[0], lses[0]) if len(outs) == 1 else _merge_trusted(outs, lses)
+            out[b], lse[b] = o[0], l_[0]
+    return out, lse
 
 
 # -- autograd and the public function ----------------------------------------------------------
