@@ -12,6 +12,11 @@ How the keys are read depends on the device:
   (:func:`attn.tiled.paged_attention`): each work item is one row's range of keys, cut on
   page boundaries, read as a view of its pages (a copy of that range's pages only where
   they are not consecutive in the storage), never a dense copy of a sequence;
+* **CPU, fused**, where ``auto``'s table prefers the fused backend for the same call made by
+  :func:`attn.attention` and the cache holds float pages: torch's fused op per key range of
+  each row, on a view of its pages where their ids are consecutive, else a copy of that
+  range's pages only (:func:`attn.fused.paged_attention`); quantized caches, softcap and what
+  else the fused backend cannot express stay on tiled;
 * **CUDA** (triton installed, float16 / bfloat16 / float32 pages, or a quantized cache):
   the triton kernel loads each key tile's page ids from the block table and reads the keys
   in place (:func:`attn.flash_triton.paged_attention`, split-KV's grid and combine);
@@ -21,7 +26,7 @@ How the keys are read depends on the device:
   through the block table and run batched (equal lengths) or packed through
   :func:`attn.varlen_attention` (ragged lengths).
 
-:func:`read_plan` says which of the three a call takes, and why.
+:func:`read_plan` says which read a call takes, and why.
 
 A quantized cache (:mod:`attn.kvquant`) is read the same ways: on CPU each item
 dequantizes its own range into its thread's buffer before the tile math; on CUDA the triton
