@@ -50,7 +50,7 @@ from attn.grads import Grads, sink_grad
 from attn.masks import EMPTY, FULL, PARTIAL, Band, Blocks, as_4d, band_kinds, combine_kinds
 from attn.mods import mask_mod_kinds
 from attn.merge import _merge_trusted
-from attn.spec import LaunchSpec, Operands, check_paged_forward_only
+from attn.spec import LaunchSpec, Operands, PageTable, check_paged_forward_only
 from attn.spec import acc_dtype as _acc_dtype
 
 # -- torch's ops, checked once -----------------------------------------------------------------
@@ -885,6 +885,45 @@ def page_span(storage: Tensor, row: Tensor, a: int, z: int) -> tuple[Tensor, boo
     return keys.transpose(0, 1).unsqueeze(0), view
 
 
+def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, ops: Operands,
+               b: int, config: FusedConfig, check: bool) -> tuple[Tensor, Tensor] | None:
+    """Row b of :func:`paged_attention` for its q ``(1, H, Nq, D)``: its ranges and the sinks
+    merged, out ``(1, H, Nq, D)`` in q's dtype, lse in the accumulation dtype; None where
+    ``check`` finds a key it reads not finite."""
+    table, starts, lengths = ops.pages
+    _, H, Nq, _ = q.shape
+    acc = _acc_dtype(q.dtype)
+    band = spec.band
+    inner = dataclasses.replace(config, split_min_keys=1 << 62)  # the ranges are the split
+    s, e = int(starts[b]), int(lengths[b])
+    chunk = kv_split(Nq, e - s, config) or config.split_min_chunk
+    outs, lses = [], []
+    for a, z in page_ranges(s, e, chunk):
+        # the range's band: row b's band with N_b keys, from the range's first key on
+        local = Band(band.offset + e - a, band.left, band.right)
+        lo, hi = local.key_range(0, Nq, z - a)
+        if lo >= hi:  # no query row sees a key of the range
+            continue
+        k, _ = page_span(k_pages, table[b], a + lo, a + hi)
+        v, _ = page_span(v_pages, table[b], a + lo, a + hi)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # pages stored in another dtype: converted
+        if check and not math.isfinite(k.sum(dtype=acc).item()):
+            return None
+        rspec = dataclasses.replace(spec, band=Band(band.offset + e - s, band.left,
+                                                    band.right)).shard(k_start=a + lo - s)
+        rops = Operands(alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
+        o, l_ = _fwd(q, k, v, rspec, rops, config=inner)
+        outs.append(o)
+        lses.append(l_)
+    if ops.sinks is not None:  # one more partial of value 0, in the denominator once
+        outs.append(q.new_zeros(1, H, Nq, v_pages.shape[-1]))
+        lses.append(ops.sinks.to(acc).view(1, H, 1).expand(1, H, Nq))
+    if not outs:  # no key and no sink
+        return (q.new_zeros(1, H, Nq, v_pages.shape[-1]),
+                torch.full((1, H, Nq), float("-inf"), dtype=acc, device=q.device))
+    return (outs[0], lses[0]) if len(outs) == 1 else _merge_trusted(outs, lses)
+
+
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,
                     ops: Operands, *, config: FusedConfig = DEFAULT,
                     fallback: Callable | None = None) -> tuple[Tensor, Tensor]:
@@ -902,9 +941,10 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     sinks, are merged through their lse in key order, so the bits depend on the row's own
     lengths, never on where its pages lie, its batch, or the workers.
 
-    ``fallback``: the same signature, run instead where a band or the rows' diagonal hides
-    keys (more than one query row and a band) and the keys read are not all finite, since
-    torch's op adds its mask to the scores (0·NaN); without it such rows take the NaN."""
+    ``fallback``: the same signature, run instead for a row whose band may hide keys from
+    some of its query rows (more than one query row and a band) and whose keys read are not
+    all finite, since torch's op adds its mask to the scores (0·NaN); without it such rows
+    take the NaN. Only that row moves: the others' bits do not depend on it."""
     if ops.pages is None or ops.quant is not None or ops.attn_mask is not None:
         raise ValueError("fused paged_attention takes ops.pages of float pages, no quant and "
                          "no attn_mask")
@@ -914,40 +954,18 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     check_paged_forward_only(q, k_pages, v_pages, ops)
     table, starts, lengths = ops.pages
     B, H, Nq, _ = q.shape
-    acc = _acc_dtype(q.dtype)
-    band = spec.band
-    hidden = Nq > 1 and not band.is_full  # pieces that mask keys: check the keys are finite
-    inner = dataclasses.replace(config, split_min_keys=1 << 62)  # the ranges are the split
-    out = torch.zeros(B, H, Nq, v_pages.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
+    hidden = Nq > 1 and not spec.band.is_full  # pieces may mask keys: are the keys finite?
+    out = torch.empty(B, H, Nq, v_pages.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=_acc_dtype(q.dtype), device=q.device)
     for b in range(B):
-        s, e = int(starts[b]), int(lengths[b])
-        chunk = kv_split(Nq, e - s, config) or config.split_min_chunk
-        outs, lses = [], []
-        for a, z in page_ranges(s, e, chunk):
-            # the range's band: row b's band with N_b keys, from the range's first key on
-            local = Band(band.offset + e - a, band.left, band.right)
-            lo, hi = local.key_range(0, Nq, z - a)
-            if lo >= hi:  # no query row sees a key of the range
-                continue
-            k, _ = page_span(k_pages, table[b], a + lo, a + hi)
-            v, _ = page_span(v_pages, table[b], a + lo, a + hi)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # pages stored in another dtype: converted
-            if hidden and fallback is not None and not math.isfinite(
-                    k.sum(dtype=acc).item()):
-                return fallback(q, k_pages, v_pages, spec, ops)
-            rspec = dataclasses.replace(spec, band=Band(band.offset + e - s, band.left,
-                                                        band.right)).shard(k_start=a + lo - s)
-            rops = Operands(alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
-            o, l_ = _fwd(q[b:b + 1], k, v, rspec, rops, config=inner)
-            outs.append(o)
-            lses.append(l_)
-        if ops.sinks is not None:  # one more partial of value 0, in the denominator once
-            outs.append(out.new_zeros(1, H, Nq, out.shape[-1]))
-            lses.append(ops.sinks.to(acc).view(1, H, 1).expand(1, H, Nq))
-        if outs:  # else: no key and no sink, zeros and -inf as allocated
-            o, l_ = (outs[0], lses[0]) if len(outs) == 1 else _merge_trusted(outs, lses)
-            out[b], lse[b] = o[0], l_[0]
+        got = _paged_row(q[b:b + 1], k_pages, v_pages, spec, ops, b, config,
+                         check=hidden and fallback is not None)
+        if got is None:  # a key the band hides is not finite: this row on the fallback
+            row = ops._replace(pages=PageTable(table[b:b + 1], starts[b:b + 1],
+                                               lengths[b:b + 1]),
+                               alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
+            got = fallback(q[b:b + 1], k_pages, v_pages, spec, row)
+        out[b], lse[b] = got[0][0], got[1][0]
     return out, lse
 
 

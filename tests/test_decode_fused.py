@@ -202,28 +202,30 @@ def test_sequences_are_isolated(fused_reads, layout):
     assert len(fused_reads) == 3
 
 
-def test_a_masked_nan_key_sends_the_call_to_tiled(fused_reads, monkeypatch):
+def test_a_masked_nan_key_sends_its_row_to_tiled(fused_reads, monkeypatch):
     """Chunked prefill with a window: a NaN key that the window hides from some query rows
-    (torch's op would add the mask to its NaN score) reaches none of them, as on tiled."""
-    tiled_calls = []
+    (torch's op would add the mask to its NaN score) reaches none of them, as on tiled, and
+    only its own sequence leaves the fused read: the other's bits do not move."""
+    tiled_rows = []
     real = decode_module.tiled.paged_attention
     monkeypatch.setattr(decode_module.tiled, "paged_attention",
-                        lambda *a, **k: tiled_calls.append(1) or real(*a, **k))
-    cache, g = cache_of([300], 16, "runs", starts=[0])
-    q = torch.randn(1, H, 8, D, generator=g)
+                        lambda q, *a, **k: tiled_rows.append(q.shape[0]) or real(q, *a, **k))
+    cache, g = cache_of([200, 300], 16, "runs", starts=[0, 0])
+    q = torch.randn(2, H, 8, D, generator=g)
     kw = dict(causal=True, window=(4, 0))
     with torch.no_grad():
         clean = attn.decode(q, cache, return_lse=True, **kw)
-    assert not tiled_calls
+    assert not tiled_rows
     slot = 300 - 8 - 4  # row 0's first key: rows 1..7 do not see it
     # the key only: a masked value's NaN may reach a row through 0·NaN (DESIGN.md)
-    cache.k_pages[cache.host_table[0, slot // 16], slot % 16] = float("nan")
+    cache.k_pages[cache.host_table[1, slot // 16], slot % 16] = float("nan")
     with torch.no_grad():
         out, lse = attn.decode(q, cache, return_lse=True, **kw)
-    assert tiled_calls == [1]
-    assert out[:, :, 0].isnan().all()
-    torch.testing.assert_close(out[:, :, 1:], clean[0][:, :, 1:], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(lse[:, :, 1:], clean[1][:, :, 1:], rtol=1e-5, atol=1e-6)
+    assert tiled_rows == [1]  # sequence 1 alone
+    assert torch.equal(out[0], clean[0][0]) and torch.equal(lse[0], clean[1][0])
+    assert out[1, :, 0].isnan().all()
+    torch.testing.assert_close(out[1, :, 1:], clean[0][1, :, 1:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse[1, :, 1:], clean[1][1, :, 1:], rtol=1e-5, atol=1e-6)
 
 
 def test_read_plan_keeps_tiled_where_fused_cannot_or_is_not_preferred(prefers):
