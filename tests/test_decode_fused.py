@@ -151,6 +151,11 @@ def test_pages_are_views_and_copies_stay_within_a_range(fused_reads, monkeypatch
         else:
             assert not all(view for _, view, _ in spans)
             assert max(n for n, _, _ in spans) <= 4096 < int(cache.lengths.max())
+    spans.clear()  # a window: each row reads the 51 keys it reaches, no other range
+    with torch.no_grad():
+        out, lse = attn.decode(q, cache, window=(50, 0), return_lse=True)
+    check_rows(q, cache, out, lse, window=(50, 0))
+    assert sorted(n for n, _, _ in spans) == sorted(2 * [1, 51, 51])
 
 
 def test_same_bits_wherever_the_pages_lie(fused_reads):
