@@ -13,7 +13,7 @@ import torch
 import attn
 from attn import choose, fused
 from attn.kvcache import KVQuant, PagedKVCache
-from test_decode import check_rows
+from test_decode import check_isolated, check_rows, variant_kwargs
 
 decode_module = importlib.import_module("attn.decode")
 
@@ -86,21 +86,12 @@ VARIANTS = {
 }
 
 
-def variant_kwargs(name: str, B: int, heads: int, g: torch.Generator) -> dict:
-    kw = dict(VARIANTS[name])
-    if kw.get("alibi_slopes") == "per row":
-        kw["alibi_slopes"] = torch.rand(B, heads, generator=g)
-    if kw.get("sinks"):
-        kw["sinks"] = torch.randn(heads, generator=g)
-    return kw
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("nq", [1, 5])
 def test_fused_read_matches_the_reference(fused_reads, variant, nq):
     cache, g = cache_of(LENGTHS, 16, "shuffled")
     q = torch.randn(len(LENGTHS), H, nq, D, generator=g)
-    kw = variant_kwargs(variant, len(LENGTHS), H, g)
+    kw = variant_kwargs(variant, len(LENGTHS), g, VARIANTS)
     assert decode_module.read_plan(q, cache, **kw)[0] == "fused"
     with torch.no_grad():
         out, lse = attn.decode(q, cache, return_lse=True, **kw)
@@ -185,25 +176,7 @@ def test_sequences_are_isolated(fused_reads, layout):
     lengths, starts, page = [2200, 33, 0, 70], [5, 0, 0, 2], 16
     cache, g = cache_of(lengths, page, layout, starts=starts)
     q = torch.randn(4, H, 2, D, generator=g)
-    kw = dict(sinks=torch.randn(H, generator=g))  # not causal: a slot read is attended
-    with torch.no_grad():
-        clean = attn.decode(q, cache, return_lse=True, **kw)
-    live = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool)
-    for s in range(4):
-        for t in range(starts[s], lengths[s]):
-            live[cache.host_table[s, t // page], t % page] = True
-    for pages in (cache.k_pages, cache.v_pages):
-        pages[~live] = float("nan")
-    with torch.no_grad():
-        dirty = attn.decode(q, cache, return_lse=True, **kw)
-    for a, b in zip(clean, dirty):
-        assert torch.equal(a, b)
-    for pages in (cache.k_pages, cache.v_pages):  # sequence 3's own keys: only its row
-        pages[cache.host_table[3]] = float("nan")
-    with torch.no_grad():
-        out, lse = attn.decode(q, cache, return_lse=True, **kw)
-    assert torch.equal(out[:3], clean[0][:3]) and torch.equal(lse[:3], clean[1][:3])
-    assert out[3].isnan().all()
+    check_isolated(q, cache, sinks=torch.randn(H, generator=g))  # not causal: all read
     assert len(fused_reads) == 3
 
 
