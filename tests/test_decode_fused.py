@@ -149,6 +149,23 @@ def test_pages_are_views_and_copies_stay_within_a_range(fused_reads, monkeypatch
     assert sorted(n for n, _, _ in spans) == sorted(2 * [1, 51, 51])
 
 
+def test_the_op_gets_each_heads_keys_packed(fused_reads, monkeypatch):
+    """A view of pages interleaves the kv heads per key; torch's op reads such keys several
+    times slower than a copy of one head's keys costs, so each item hands it packed rows."""
+    ops, strides = fused._cpu_ops(), []
+
+    def fwd(q, k, v, *a, **kw):
+        strides.append((k.stride(2), v.stride(2)))
+        return ops.fwd(q, k, v, *a, **kw)
+    monkeypatch.setattr(fused, "_cpu_ops", lambda: ops._replace(fwd=fwd))
+    cache, g = cache_of([0, 1, 97, 400], 16, "in order")
+    q = torch.randn(4, H, 1, D, generator=g)
+    with torch.no_grad():
+        out, lse = attn.decode(q, cache, return_lse=True)
+    check_rows(q, cache, out, lse)
+    assert len(strides) == 3 * HKV and set(strides[HKV:]) == {(D, D)}  # 1 key: as it lies
+
+
 def test_same_bits_wherever_the_pages_lie(fused_reads):
     """The same sequences in pages in order, in runs and shuffled: identical bits (the cut
     depends on the lengths, not on the spans)."""
