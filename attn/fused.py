@@ -945,7 +945,8 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     that row's own key count, else ``split_min_chunk``), narrowed to the keys the band lets
     its query rows see; a range is :func:`_fwd` on :func:`page_span`'s keys (a view where its
     pages are one span of consecutive ids, else a copy of its own pages: never a copy of the
-    cache nor of a whole long sequence, nor another row's page). A row's ranges, then the
+    cache nor of a whole long sequence, nor another row's page), whose items hand torch's op
+    each kv head's rows packed (:func:`_rows_packed`). A row's ranges, then the
     sinks, are merged through their lse in key order, so the bits depend on the row's own
     lengths, never on where its pages lie, its batch, or the workers.
 
