@@ -567,7 +567,7 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         q, ops = q.to(acc) * ops.q_scale.to(acc), ops._replace(q_scale=None)
         if backend == "fused":  # torch's kernel takes q, k, v in one dtype: rounded once
             q = q.to(k.dtype)
-    if backend == "fused" and not _fused_keys_ok(k, spec, ops):
+    if backend == "fused" and not _fused_keys_ok(q, k, spec, ops):
         backend = "tiled"  # a masked non-finite key: tiled keeps it out of every row
     if backend == "fused":
         out, lse = fused.fused_attention(q, k, v, spec, ops, precise=_precise_backward,
@@ -589,15 +589,15 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
     return out.to(v.dtype), lse
 
 
-def _fused_keys_ok(k: Tensor, spec: LaunchSpec, ops: Operands) -> bool:
-    """Whether the fused backend may run a call with these keys: every key finite, or nothing
-    masked. torch's kernel adds a mask to the scores, so a NaN or inf key that a mask hides
-    would still reach its row (0 * NaN); such calls run on tiled, which never reads a masked
-    key's score. One summing pass over k on CPU (a finite sum proves every key finite; an
-    overflowing one only sends the call to tiled)."""
-    masked = (ops.attn_mask is not None or not spec.band.is_full or spec.mask_mod is not None
-              or spec.mask_blocks is not None)
-    if not masked or k.device.type != "cpu" or torch.compiler.is_compiling():
+def _fused_keys_ok(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> bool:
+    """Whether the fused backend may run a call with these keys: every key finite, or no
+    piece masked (:func:`attn.fused.masks_scores`). torch's kernel adds a mask to the
+    scores, so a NaN or inf key that a mask hides would still reach its row (0 * NaN); such
+    calls run on tiled, which never reads a masked key's score. One summing pass over k on
+    CPU (a finite sum proves every key finite; an overflowing one only sends the call to
+    tiled)."""
+    if (not fused.masks_scores(spec, ops, q.shape[2], k.shape[2]) or k.device.type != "cpu"
+            or torch.compiler.is_compiling()):
         return True
     return math.isfinite(k.sum(dtype=acc_dtype(k.dtype)).item())
 

@@ -23,10 +23,13 @@ need not divide: chunk sizes differ by at most one and every function agrees on 
 
 **Ring** (:func:`ring_attention`): K/V blocks travel around the ring, one
 ``batch_isend_irecv`` per step that overlaps the step's compute, P − 1 exchanges forward.
-Each step runs attn's own launcher (``tiled`` or ``triton``) on the local queries and the
-visiting keys with a :class:`~attn.spec.LaunchSpec` carrying their global positions, so
-causal masks, windows and the dropout hash are those of the unsharded sequence; a (query
-chunk, key chunk) pair the band masks entirely is skipped without computing. Partials merge
+Each step runs the launcher of the backend the call chose (``tiled``, ``fused`` or
+``triton``; ``auto`` chooses as :func:`attn.select_backend` does for one launch's shape) on
+the local queries and the visiting keys with a :class:`~attn.spec.LaunchSpec` carrying their
+global positions, so causal masks, windows and the dropout hash are those of the unsharded
+sequence; a (query chunk, key chunk) pair the band masks entirely is skipped without
+computing. ``fused`` takes only what torch's kernel expresses (no softcap, no dropout) and
+keys that are all finite under a band; other calls run on tiled. Partials merge
 through their lse (:func:`attn.merge_attention`, −inf-safe). The backward is a second ring:
 dK/dV travel with their K/V back to the owner, and each step recomputes P from the saved
 *global* lse. GQA K/V travel with Hkv heads. Per-rank memory is O(N/P).
@@ -55,6 +58,7 @@ before the first call as torchrun scripts do.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -64,6 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from attn import fused
 from attn.call import _validate_qkv, acc_dtype, resolve, run, select_backend
 from attn.call import _draw_seed as _local_seed
 from attn.grads import reduce_to, sink_grad
@@ -263,10 +268,10 @@ def _check_local(strategy: str, q, k, v, *, causal, layout, scale, temperature, 
             f"{strategy}: attn_mask is not supported: a mask over the global (Nq, Nk) would "
             f"have to be sharded along both queries and keys and travel with the keys; "
             f"express causal/sliding masks with causal= and window=")
-    if backend not in ("auto", "tiled", "triton"):
+    if backend not in ("auto", "tiled", "fused", "triton"):
         raise NotImplementedError(
             f"{strategy}: backend={backend!r}: context parallelism runs attn's launchers with "
-            f"global positions; use 'auto', 'tiled' or 'triton'")
+            f"global positions; use 'auto', 'tiled', 'fused' or 'triton'")
     # every keyword checked and folded as attention does it
     resolved = resolve(q, k, v, band=Band(), scale=scale, temperature=temperature,
                        softcap=softcap, sinks=sinks, dropout_p=dropout_p, dropout_seed=0,
@@ -275,8 +280,19 @@ def _check_local(strategy: str, q, k, v, *, causal, layout, scale, temperature, 
                   device=q.device.type, causal=causal, window=window, layout=layout,
                   scale=scale, dropout_p=float(dropout_p), backend=backend,
                   temperature=_kind(temperature), softcap=_kind(softcap),
-                  sinks=None if sinks is None else tuple(sinks.shape))
+                  sinks=None if sinks is None else tuple(sinks.shape),
+                  keys_finite=_keys_finite(k, backend))
     return record, resolved
+
+
+def _keys_finite(k: Tensor, backend: str) -> bool:
+    """Whether this rank's keys are all finite, where the fused backend may run on CPU (one
+    summing pass, as :func:`attn.call.run` does per call; elsewhere True without looking):
+    torch's kernel adds a mask to the scores, so a NaN key the band hides would still reach
+    a row, and such a call runs on tiled on every rank."""
+    if backend not in ("auto", "fused") or k.device.type != "cpu" or k.numel() == 0:
+        return True
+    return math.isfinite(k.sum(dtype=acc_dtype(k.dtype)).item())
 
 
 def _kind(x) -> Any:
@@ -351,11 +367,36 @@ def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperatur
     n_k = sum(r["k"][2] for r in records)
     band = make_band(n_q, n_k, causal=causal, window=window_pair(window))
     spec = replace(spec, band=band, dropout_seed=_draw_seed(float(dropout_p), group))
-    name = select_backend(replace(call, band=band), backend).name
+    # the shape one launch sees, the same on every rank: the ring's largest (local queries,
+    # one rank's keys) pair, Ulysses' whole sequence
+    if strategy == "ring_attention":
+        shape = dict(n_q=max(r["q"][2] for r in records), n_k=max(r["k"][2] for r in records))
+    else:
+        shape = dict(n_q=n_q, n_k=n_k)
+    choice = select_backend(replace(call, band=band, **shape), backend)
+    name, reason = choice.name, choice.reason
+    if name == "fused":
+        why = _fused_refuses(spec, ops, band, records)
+        if why is not None:
+            name, reason = "tiled", f"{reason}; tiled instead: {why}"
     c = _Call(rank=rank, P=P, group=group, layout=layout,
               q_ranges=shard_ranges(n_q, P, layout), k_ranges=shard_ranges(n_k, P, layout),
-              k_lens=[r["k"][2] for r in records], spec=spec, backend=name, n_q=n_q, n_k=n_k)
+              k_lens=[r["k"][2] for r in records], spec=spec, backend=name, n_q=n_q, n_k=n_k,
+              extra={"reason": reason})
     return c, ops
+
+
+def _fused_refuses(spec: LaunchSpec, ops: Operands, band: Band, records: list[dict]
+                   ) -> str | None:
+    """Why a call :func:`select_backend` gave to fused must run on tiled after all, or None.
+    A ring step's spec is the call's with other ``q_start`` / ``k_start`` (which fused reads),
+    and its operands are the learnable softcap alone, so checking the call's spec once covers
+    every step (the sinks and a tensor temperature never reach a launcher)."""
+    why = fused.spec_reason(spec, Operands(softcap=ops.softcap))
+    if why is None and not band.is_full and not all(r["keys_finite"] for r in records):
+        why = ("a non-finite key under a causal / window band (torch's kernel would let a "
+               "hidden NaN key reach its rows; tiled never reads a hidden key's score)")
+    return why
 
 
 def _rows(c: _Call, t: Tensor | None, rows: slice) -> Tensor | None:
@@ -368,12 +409,28 @@ def _rows(c: _Call, t: Tensor | None, rows: slice) -> Tensor | None:
 
 
 def _launchers(backend: str):
-    """The launchers of a ring step: both backends take ``(q, k, v, spec, ops)``."""
+    """The launchers of a ring step: ``fwd(q, k, v, spec, ops) -> (out, lse)`` and
+    ``bwd(do, dlse, q, k, v, out, lse, spec, ops, need_dcap=) -> Grads``, of the backend the
+    call chose (``tiled``, ``fused`` or ``triton``). Looked up at each call, so a test that
+    wraps a backend's ``_fwd`` / ``_bwd`` sees the ring's launches."""
+    if backend == "fused":
+        return fused._fwd, _fused_bwd
     if backend == "triton":
         from attn import flash_triton as mod
     else:
         from attn import tiled as mod
     return mod._fwd, mod._bwd
+
+
+def _fused_bwd(do, dlse, q, k, v, out, lse, spec, ops, *, need_dcap: bool = False):
+    """fused's backward with tiled's keyword: a fused step never has a softcap (refused in
+    :func:`_fused_refuses`), so ``need_dcap`` asks for nothing here. No ``precise``
+    recompute: it would redo the step's own forward, whose lse is not the call's. Saturated
+    rows (|lse| past ``fused.LSE_PRECISE_LIMIT``) lose precision here as in tiled's ring
+    backward, which also rebuilds P from the one global lse; handing such steps to tiled's
+    backward measured worse (dq/dk/dv 5-7x attn.testing's budget where fused's own were at
+    most 1.6x: float32, temperature 1e-3, P = 2)."""
+    return fused._bwd(do, dlse, q, k, v, out, lse, spec, ops)
 
 
 # -- ring attention ----------------------------------------------------------------------------
@@ -389,6 +446,11 @@ class RingStats:
     launches: int = 0
     skipped: int = 0
     comm_wait_s: float = 0.0
+    # the launchers the ring's steps ran ("tiled", "fused", "triton") and why that backend
+    # (select_backend's reason, and why not fused where fused was refused after it); "" for
+    # Ulysses, whose one local call goes through attn.call.run
+    backend: str = ""
+    reason: str = ""
 
 
 # Each thread's last call: its RingStats, read as cp.last_ring_stats (the forward),
@@ -491,6 +553,7 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
     stats = _new_stats("last_ring_stats")
     c.extra["backward_stats"] = _new_stats("last_ring_backward_stats")
     fwd, _ = _launchers(c.backend)
+    stats.backend, stats.reason = c.backend, c.extra["reason"]
     ops = Operands(softcap=cap_t)  # the sinks join once, as one more partial below
     B, H, n_l, _ = q.shape
     acc = acc_dtype(q.dtype)
@@ -538,6 +601,7 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
     # a second backward of the same graph counts afresh
     stats = c.extra["backward_stats"]
     vars(stats).update(vars(RingStats()))
+    stats.backend, stats.reason = c.backend, c.extra["reason"]
     _, bwd = _launchers(c.backend)
     ops = Operands(softcap=cap_t)
     acc = acc_dtype(q.dtype)
@@ -641,7 +705,9 @@ def ring_attention(
     ``temperature`` (float or per-head tensor), ``softcap`` (float or learnable tensor),
     ``sinks`` (H,), ``dropout_p`` (the same mask as the unsharded call under the same
     ``torch.manual_seed``, on either backend: the dropout hash reads global positions).
-    ``attn_mask`` raises NotImplementedError.
+    ``attn_mask`` raises NotImplementedError. ``backend``: ``"auto"``, ``"tiled"``,
+    ``"fused"`` or ``"triton"``, the launchers every step runs (:data:`last_ring_stats`'s
+    ``backend`` and ``reason`` say which ran and why).
     Gradients of sinks / tensor temperature / tensor softcap are this rank's contribution.
     """
     c, ops = _prepare(

@@ -257,6 +257,11 @@ class FusedConfig:
     split_max_chunks: int = 8
     # calls smaller than this (scores visited) run their items in order on the caller
     serial_max_scores: int = 1 << 16
+    # an item takes several kv heads at once (one op call for the group, which runs them
+    # itself) while its scores stay within item_max_scores: small blocks then pay attn's
+    # cost per call (slicing, masks, merges: ~0.5 ms on a Cascade Lake core) once per
+    # group, not once per head. 0: one kv head per item.
+    item_max_scores: int = 1 << 21
 
 
 DEFAULT = FusedConfig()
@@ -325,6 +330,25 @@ def kv_split(n_q: int, n_k: int, config: FusedConfig = DEFAULT) -> int | None:
     while -(-n_k // chunk) > config.split_max_chunks:
         chunk *= 2
     return chunk
+
+
+def masks_scores(spec: LaunchSpec, ops: Operands, n_q: int, n_k: int,
+                 config: FusedConfig = DEFAULT) -> bool:
+    """Whether some piece of a call gets an additive mask, which torch's kernel adds to
+    scores it has computed (so a NaN or inf key the mask hides still reaches the row): a
+    user mask, mask_mod or block mask, ALiBi's diagonals, packed sequences, a window's
+    strips, rows without keys (a negative offset), split-KV ranges. A call of full pieces
+    and causal diagonals only does not: the op's causal flag overwrites the scores right of
+    the diagonal before anything reads them."""
+    if (ops.attn_mask is not None or spec.mask_mod is not None or spec.mask_blocks is not None
+            or ops.alibi is not None or ops.cu_seqlens_q is not None):
+        return True
+    band = spec.local_band()
+    if band.is_full:
+        return False
+    if band.left is not None or band.right != 0 or band.offset < 0:
+        return True
+    return kv_split(n_q, n_k, config) is not None
 
 
 class Seq(NamedTuple):
@@ -469,6 +493,8 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
         off = seq.band.offset
         for pc in block_pieces(seq, p, m0, m1, n_lo, n_hi, config):
             if pc.causal:  # the diagonal: its bias as a block-sized mask, the band with it
+                # (folded, its scores would carry terms up to slope x rows where its
+                # probabilities are: 2e-5 off in float32 at 128 rows and slope 1)
                 out.append(Piece(pc.n0, pc.n1, False, True))
                 continue
             if pc.masked or _side(pc, m0, m1, off) != 0:
@@ -582,14 +608,15 @@ def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor, seq: Seq, m0: int,
     side = _side(pc, m0, m1, seq.band.offset)
     G, rows, n = qb.shape[1], m1 - m0, pc.n1 - pc.n0
     c = pc.n1 if side > 0 else pc.n0
-    s = slopes[seq.slopes_row].float()  # (G,)
-    j = torch.arange(pc.n0 - c, pc.n1 - c, dtype=torch.float32, device=qb.device)
+    acc = _acc_dtype(qb.dtype)  # float64 keeps float64's fold exact to its own rounding
+    s = slopes[seq.slopes_row].to(acc)  # (G,)
+    j = torch.arange(pc.n0 - c, pc.n1 - c, dtype=acc, device=qb.device)
     cols = (side / scale) * j[:, None] * s[None, :]  # (keys, G)
     eye = torch.eye(G, dtype=qb.dtype, device=qb.device).view(1, G, 1, G)
     q2 = torch.cat([qb, eye.expand(1, G, rows, G)], -1)
-    k2 = torch.cat([kb, cols.to(kb.dtype).view(1, 1, n, G)], -1)
+    k2 = torch.cat([kb, cols.to(kb.dtype).view(1, 1, n, G).expand(1, kb.shape[1], n, G)], -1)
     v2 = torch.nn.functional.pad(vb, (0, k2.shape[-1] - vb.shape[-1]))
-    i = torch.arange(m0 + seq.band.offset - c, m1 + seq.band.offset - c, dtype=torch.float32,
+    i = torch.arange(m0 + seq.band.offset - c, m1 + seq.band.offset - c, dtype=acc,
                      device=qb.device)
     shift = side * s[:, None] * i[None, :]  # (G, rows)
     return _Folded(q2, k2, v2, shift)
@@ -618,7 +645,8 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
 # on CUDA a call runs its items in order on one stream, so it is cut only where the band or a
 # mask needs it: one query block per sequence, masks of up to 1024 x 4096
 CUDA = FusedConfig(items_per_row=1, min_block_m=1 << 30, masked_block_m=1024,
-                   masked_block_n=4096, bwd_max_runs=1, serial_max_scores=0)
+                   masked_block_n=4096, bwd_max_runs=1, serial_max_scores=0,
+                   item_max_scores=0)
 
 
 def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
@@ -627,18 +655,52 @@ def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
 
 
 def _rows_packed(x: Tensor) -> Tensor:
-    """One kv head's keys (or values) ``(1, 1, n, D)`` with each key's row right after the
-    previous one: x itself where they are, else a copy of them. torch's CPU op reads keys
+    """Keys (or values) ``(B, heads, n, D)`` with each key's row right after the previous
+    one: x itself where they are, else a copy of them. torch's CPU op reads keys
     that lie apart (a paged cache's heads interleaved per key, flash-attn's (B, N, H, D)
     layout) more slowly than the copy costs (1.46x on paged chunked prefill, 512 x 4096)."""
     return x if x.shape[2] < 2 or x.stride(2) == x.shape[3] else x.contiguous()
 
 
+# dtypes whose forward torch's CPU kernel computes per (batch row, head) alike whatever the
+# call's batch or threads: no packing (its bf16/fp16 paths pack K/V by a rule that reads
+# batch x heads and the thread count), each (row, head, query split) one thread's work. Its
+# backward is not: float32 B=4 H=6 N=160 D=40 gave other dQ/dK/dV bits on 1 and 2 threads
+# (torch 2.13), so the backward keeps its items (one intra-op thread each)
+_WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
+
+
+def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
+                mask4: Tensor | None, ops: Operands, mask_mods: list) -> Piece | None:
+    """The one piece a CPU call is, where its forward can be one op call over the whole
+    batch instead of an item per sequence and head group (float32/float64, every batch row
+    of the call's full lengths, each one item of one unmasked piece: no user mask,
+    mask_mod, ALiBi or split-KV): what the items would compute, without their per-call
+    cost (the toy model's B=32 H=4 N=64 training step: 32 items)."""
+    if q.device.type != "cpu" or q.dtype not in _WHOLE_CALL_DTYPES or not seqs:
+        return None
+    if mask4 is not None or ops.alibi is not None or any(m is not None for m in mask_mods):
+        return None
+    n_q, n_k, band = seqs[0].q1, seqs[0].k1, seqs[0].band
+    if (n_q, seqs[0].k0) != (q.shape[2], 0):
+        return None
+    for s, p, hg in zip(seqs, plans, hgs):
+        if (s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band) or hg != hkv:
+            return None
+        if len(p.blocks) != 1 or len(p.ranges) != 1 or p.masked or p.mask_pieces is not None:
+            return None
+    ps = pieces(band, 0, n_q, n_k)
+    if len(ps) != 1 or ps[0].masked or (ps[0].n0, ps[0].n1) != (0, n_k):
+        return None
+    return ps[0]
+
+
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
-    Items are (sequence, kv head, query block, key range); a sequence's key ranges (split-KV)
-    and the sinks are merged in key order after the items."""
+    Items are (sequence, kv head group, query block, key range: :func:`head_group`); a
+    sequence's key ranges (split-KV) and the sinks are merged in key order after the items.
+    A call :func:`_whole_call` allows is one op call."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, _ = q.shape
@@ -648,6 +710,12 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     plans = [plan(s, Hkv, spec, ops, config, heads=H) for s in seqs]
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
+    hgs = [head_group(s, p, Hkv, G, config) for s, p in zip(seqs, plans)]
+    whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods)
+    if whole is not None:  # one op call (torch's threads); the sinks join as below
+        out, lse = kern(False).fwd(q, _rows_packed(k), _rows_packed(v), whole.causal, None,
+                                   spec.qk_scale)
+        return _sinks_joined(out, lse.to(acc), None, None, ops.sinks)
     R = max((len(p.ranges) for p in plans), default=1)
     out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
@@ -656,19 +724,20 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         parts_out = torch.zeros(R, B, H, Nq, Dv, dtype=q.dtype, device=q.device)
         parts_lse = torch.full((R, B, H, Nq), float("-inf"), dtype=acc, device=q.device)
     items = [(si, hk, bi, r) for si, p in enumerate(plans) for bi in range(len(p.blocks))
-             for r in range(len(p.ranges)) for hk in range(Hkv)]
+             for r in range(len(p.ranges)) for hk in range(0, Hkv, hgs[si])]
 
     def run(i: int) -> None:
         si, hk, bi, r = items[i]
         s, p = seqs[si], plans[si]
         m0, m1 = p.blocks[bi]
-        heads = slice(hk * G, (hk + 1) * G)
-        qb = q[s.b:s.b + 1, heads, s.q0 + m0:s.q0 + m1]  # (1, G, rows, D)
+        kvh = slice(hk, hk + hgs[si])  # the item's kv heads, and their query heads
+        heads = slice(hk * G, kvh.stop * G)
+        qb = q[s.b:s.b + 1, heads, s.q0 + m0:s.q0 + m1]  # (1, heads, rows, D)
         outs, lses = [], []
         slopes = None if ops.alibi is None else ops.alibi[:, heads]
         for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config,
                                alibi=slopes is not None):
-            kb, vb = (_rows_packed(t[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1])
+            kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1])
                       for t in (k, v))
             folded = None
             if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
@@ -696,14 +765,23 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
 
     scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
     workers.run_items(run, len(items), threads=_threads(scores, config, q))
-    if parts_out is not None or ops.sinks is not None:
-        outs = [out] if parts_out is None else list(parts_out.unbind(0))
-        lses = [lse] if parts_out is None else list(parts_lse.unbind(0))
-        if ops.sinks is not None:  # one more partial of value 0, in the denominator once
-            outs.append(torch.zeros_like(outs[0]))
-            lses.append(ops.sinks.to(acc).view(1, H, 1).expand(B, H, Nq))
-        merged, lse = _merge_trusted(outs, lses)
-        out.copy_(merged)
+    return _sinks_joined(out, lse, parts_out, parts_lse, ops.sinks)
+
+
+def _sinks_joined(out: Tensor, lse: Tensor, parts_out: Tensor | None,
+                  parts_lse: Tensor | None, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``out, lse`` with the key ranges' partials (split-KV) merged in range order and the
+    sinks as one more partial of value 0, in the denominator once."""
+    if parts_out is None and sinks is None:
+        return out, lse
+    B, H, Nq = lse.shape
+    outs = [out] if parts_out is None else list(parts_out.unbind(0))
+    lses = [lse] if parts_out is None else list(parts_lse.unbind(0))
+    if sinks is not None:
+        outs.append(torch.zeros_like(outs[0]))
+        lses.append(sinks.to(lse.dtype).view(1, H, 1).expand(B, H, Nq))
+    merged, lse = _merge_trusted(outs, lses)
+    out.copy_(merged)
     return out, lse
 
 
@@ -713,11 +791,24 @@ def _threads(scores: int, config: FusedConfig, q: Tensor) -> int | None:
     return 1 if scores < config.serial_max_scores else None
 
 
-def bwd_runs(n_blocks: int, hkv: int, config: FusedConfig = DEFAULT) -> list[tuple[int, int]]:
+def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT) -> int:
+    """How many kv heads (and their G query heads each) one item of ``seq`` takes: the most
+    that divide ``hkv`` with an item's scores (a block, or a key range, per head, times the
+    heads) within ``config.item_max_scores``, at least 1. The sequence's lengths, its plan
+    and the model's heads alone decide."""
+    per_head = ((seq.q1 - seq.q0) * (seq.k1 - seq.k0)
+                // (len(p.blocks) * len(p.ranges)))
+    fits = [d for d in range(1, hkv + 1)
+            if hkv % d == 0 and d * G * per_head <= config.item_max_scores]
+    return max(fits, default=1)
+
+
+def bwd_runs(n_blocks: int, groups: int, config: FusedConfig = DEFAULT
+             ) -> list[tuple[int, int]]:
     """A sequence's query blocks cut into runs for the backward (each run its own item with
-    dK/dV partials): about ``items_per_row`` items over the kv heads, at most
+    dK/dV partials): about ``items_per_row`` items over its ``groups`` of kv heads, at most
     ``bwd_max_runs``; shapes and heads alone decide."""
-    n = max(1, min(-(-config.items_per_row // hkv), config.bwd_max_runs, n_blocks))
+    n = max(1, min(-(-config.items_per_row // groups), config.bwd_max_runs, n_blocks))
     cuts = [round(i * n_blocks / n) for i in range(n + 1)]
     return [(cuts[i], cuts[i + 1]) for i in range(n)]
 
@@ -774,9 +865,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
          lse: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT, precise: Callable | None = None) -> Grads:
     """Gradients of a fused forward from its merged ``out`` and ``lse``: dq, dk, dv in the
-    accumulation dtype, and the sinks'. Items are (sequence, kv head, run of query blocks); a
-    run's dK/dV go into a partial of its own when the sequence has several, summed in run
-    order afterwards.
+    accumulation dtype, and the sinks'. Items are (sequence, kv head group, run of query
+    blocks); a run's dK/dV go into a partial of its own when the sequence has several, summed
+    in run order afterwards.
 
     A gradient ``dlse`` of the lse output adds ``dlse_i · P_ij`` to dS, which torch's
     backward op has no argument for: it gets it through two extra head-dim columns (zeros
@@ -793,7 +884,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
     plans = [plan(s, Hkv, spec, ops, config, backward=True, heads=H) for s in seqs]
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
-    runs = [bwd_runs(len(p.blocks), Hkv, config) for p in plans]
+    hgs = [head_group(s, p, Hkv, G, config) for s, p in zip(seqs, plans)]
+    runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
     # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
     lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
     do = do.to(q.dtype)
@@ -806,19 +898,20 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)
     items = [(si, hk, r) for si in range(len(seqs)) for r in range(len(runs[si]))
-             for hk in range(Hkv)]
+             for hk in range(0, Hkv, hgs[si])]
     extra: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
 
     def run(i: int) -> None:
         si, hk, r = items[i]
         s, p = seqs[si], plans[si]
-        heads = slice(hk * G, (hk + 1) * G)
+        kvh = slice(hk, hk + hgs[si])  # the item's kv heads, and their query heads
+        heads = slice(hk * G, kvh.stop * G)
         keys = slice(s.k0, s.k1)
         if r == 0:
-            dk_to, dv_to = dk[s.b, hk, keys], dv[s.b, hk, keys]
+            dk_to, dv_to = dk[s.b, kvh, keys], dv[s.b, kvh, keys]
         else:  # a later run's partial, joined in run order below
-            dk_to = torch.zeros(s.k1 - s.k0, D, dtype=acc, device=q.device)
-            dv_to = torch.zeros(s.k1 - s.k0, Dv, dtype=acc, device=q.device)
+            dk_to = torch.zeros(hgs[si], s.k1 - s.k0, D, dtype=acc, device=q.device)
+            dv_to = torch.zeros(hgs[si], s.k1 - s.k0, Dv, dtype=acc, device=q.device)
             extra[si, hk, r] = (dk_to, dv_to)
         b0, b1 = runs[si][r]
         slopes = None if ops.alibi is None else ops.alibi[:, heads]
@@ -830,8 +923,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
                                    alibi=slopes is not None):
                 qb, dob, ob, lb = qb0, dob0, ob0, lb0
-                kb = k[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
-                vb = v[s.b:s.b + 1, hk:hk + 1, s.k0 + pc.n0:s.k0 + pc.n1]
+                kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
+                vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
                 folded = None
                 if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
                     folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
@@ -849,15 +942,15 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
                                                        pc.causal and add is None, add,
                                                        spec.qk_scale)
                 dq_blk += gq[0, ..., :D]
-                dk_to[pc.n0:pc.n1] += gk[0, 0, :, :D]
-                dv_to[pc.n0:pc.n1] += gv[0, 0, :, :Dv]
+                dk_to[:, pc.n0:pc.n1] += gk[0, :, :, :D]
+                dv_to[:, pc.n0:pc.n1] += gv[0, :, :, :Dv]
 
     scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
     workers.run_items(run, len(items), threads=_threads(scores, config, q))
     for si, hk, r in sorted(extra):  # runs' partials in run order: fixed, whatever finished
-        s = seqs[si]
-        dk[s.b, hk, s.k0:s.k1] += extra[si, hk, r][0]
-        dv[s.b, hk, s.k0:s.k1] += extra[si, hk, r][1]
+        s, kvh = seqs[si], slice(hk, hk + hgs[si])
+        dk[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][0]
+        dv[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][1]
     dsinks = None
     if ops.sinks is not None:
         delta = (do.to(acc) * out.to(acc)).sum(-1)
@@ -915,11 +1008,12 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         k, _ = page_span(k_pages, table[b], a + lo, a + hi)
         v, _ = page_span(v_pages, table[b], a + lo, a + hi)
         k, v = k.to(q.dtype), v.to(q.dtype)  # pages stored in another dtype: converted
-        if check and not math.isfinite(k.sum(dtype=acc).item()):
-            return None
         rspec = dataclasses.replace(spec, band=Band(band.offset + e - s, band.left,
                                                     band.right)).shard(k_start=a + lo - s)
         rops = Operands(alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
+        if (check and masks_scores(rspec, rops, Nq, hi - lo, inner)
+                and not math.isfinite(k.sum(dtype=acc).item())):
+            return None
         o, l_ = _fwd(q, k, v, rspec, rops, config=inner)
         outs.append(o)
         lses.append(l_)
@@ -950,9 +1044,9 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     sinks, are merged through their lse in key order, so the bits depend on the row's own
     lengths, never on where its pages lie, its batch, or the workers.
 
-    ``fallback``: the same signature, run instead for a row whose band may hide keys from
-    some of its query rows (more than one query row and a band) and whose keys read are not
-    all finite, since torch's op adds its mask to the scores (0·NaN); without it such rows
+    ``fallback``: the same signature, run instead for a row whose band hides keys from some
+    of its query rows through a mask (more than one query row, :func:`masks_scores`) and
+    whose keys read are not all finite, since torch's op adds its mask to the scores (0·NaN); without it such rows
     take the NaN. Only that row moves: the others' bits do not depend on it."""
     if ops.pages is None or ops.quant is not None or ops.attn_mask is not None:
         raise ValueError("fused paged_attention takes ops.pages of float pages, no quant and "
@@ -963,7 +1057,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     check_paged_forward_only(q, k_pages, v_pages, ops)
     table, starts, lengths = ops.pages
     B, H, Nq, _ = q.shape
-    hidden = Nq > 1 and not spec.band.is_full  # pieces may mask keys: are the keys finite?
+    hidden = Nq > 1 and not spec.band.is_full  # a band may hide keys from some query rows
     out = torch.empty(B, H, Nq, v_pages.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=_acc_dtype(q.dtype), device=q.device)
     for b in range(B):

@@ -10,6 +10,9 @@ rank (seeded generators), every rank compares its gathered result with ``attn.at
 on the unsharded tensors through ``attn.testing.compare_to_reference`` (float64 unless the
 case names another dtype), and every rank's record is checked.
 
+The fused backend's cases count the calls of attn.fused's launchers in each process
+(``_count_fused_launchers``), so a ring that ran another backend's steps fails them.
+
 Sizes are awkward on purpose: N = 23 and 29 divide neither P nor 2P, Nq != Nk both ways,
 and Nq > Nk with causal=True leaves the first rows with no key at all (lse = -inf), so
 the merge of early ring steps sees -inf running states.
@@ -95,6 +98,30 @@ def _variant(name: str, P: int) -> tuple[dict, dict]:
     elif name == "triton_dropout":  # the kernels' hash reads global positions: shards agree
         shape.update(dtype=torch.float32, D=16, Hkv=P)
         kw.update(backend="triton", dropout_p=0.25)
+    # the fused backend's launchers in the ring steps (torch's CPU kernel per piece)
+    elif name == "fused":
+        shape.update(dtype=torch.float32, Hkv=P)
+        kw["backend"] = "fused"
+    elif name == "fused_full":
+        shape.update(dtype=torch.float32, Hkv=P)
+        kw.update(backend="fused", causal=False)
+    elif name == "fused_everything":  # every keyword fused expresses, float64
+        shape["Hkv"] = P
+        kw.update(backend="fused", window=(9, 0), scale=0.5, temperature=param(1, H),
+                  sinks=param(H, lo=-1.0, hi=1.0))
+    elif name == "fused_rows_unseen":  # rows with no key: lse -inf through fused's pieces
+        shape.update(N=29, Nk=19)
+        kw.update(backend="fused", sinks=param(H, lo=-1.0, hi=1.0))
+    elif name == "fused_nan_key":  # keys 9 and 12 are hidden from every row (see _poison)
+        shape.update(N=13, Nk=31, dtype=torch.float32)
+        kw.update(backend="fused", window=(5, 2))
+    # calls auto gives to fused on CPU (float32 with a gradient, at least 128 x 128 per
+    # launch: attn.choose's train class); P = 2 only: 150 x 150 per launch there
+    elif name == "fused_auto":
+        shape.update(N=300, H=4, Hkv=2, dtype=torch.float32)
+    elif name == "fused_auto_full":
+        shape.update(N=300, H=4, Hkv=2, dtype=torch.float32)
+        kw["causal"] = False
     else:
         raise KeyError(name)
     return shape, kw
@@ -103,7 +130,9 @@ def _variant(name: str, P: int) -> tuple[dict, dict]:
 VARIANTS = ("causal", "full", "window", "window_both", "gqa", "mqa", "gqa_replicated",
             "scale_temperature", "temperature_tensor", "softcap", "softcap_learned", "sinks",
             "dropout", "rows_unseen", "cross_window", "everything", "float32", "bfloat16",
-            "triton", "triton_dropout")
+            "triton", "triton_dropout", "fused", "fused_full", "fused_everything",
+            "fused_rows_unseen", "fused_nan_key", "fused_auto", "fused_auto_full")
+FUSED_AUTO = ("fused_auto", "fused_auto_full")
 BAD_INPUTS = ("k_length_on_rank1", "head_dim_on_rank1", "dtype_on_rank1", "ulysses_heads",
               "ulysses_kv_heads", "attn_mask")
 
@@ -113,8 +142,10 @@ def _case_list(P: int) -> list[tuple[str, str, dict]]:
     then the collective counts, balance, bad inputs, error and training checks."""
     cases = []
     for v in VARIANTS:
-        if (v == "gqa_replicated" and P % 2) or (v.startswith("triton") and P != 2):
-            continue  # Hkv = 2 must divide P; the interpreter is slow: one world size
+        if (v == "gqa_replicated" and P % 2) or (v.startswith("triton") and P != 2) or (
+                v in FUSED_AUTO and P != 2):
+            continue  # Hkv = 2 must divide P; the interpreter is slow: one world size;
+            # auto's fused calls need long launches: one world size
         for s in STRATEGIES:
             for lay in LAYOUTS:
                 cases.append((f"{s}-{lay}-{v}", "compare", dict(strategy=s, layout=lay,
@@ -124,6 +155,7 @@ def _case_list(P: int) -> list[tuple[str, str, dict]]:
             cases.append((f"count-{s}-{'dropout' if dropout else 'plain'}", "count",
                           dict(strategy=s, dropout=dropout)))
     cases.append(("balance", "balance", {}))
+    cases.append(("fused_ran", "fused_ran", {}))
     for bad in BAD_INPUTS:
         cases.append((f"bad-{bad}", "bad_input", dict(kind=bad)))
     cases.append(("errors_float32", "error_vs_p", {}))
@@ -137,6 +169,22 @@ def _case_list(P: int) -> list[tuple[str, str, dict]]:
 _COUNTED = ("all_gather_object", "all_gather", "broadcast", "batch_isend_irecv",
             "all_to_all_single", "all_reduce")
 _counts: dict[str, int] = {}
+_fused_calls: dict[str, int] = {"fwd": 0, "bwd": 0}  # attn.fused's launchers, in this process
+
+
+def _count_fused_launchers() -> None:
+    """Wrap attn.fused._fwd / _bwd with counters: the ring's steps (which look them up at
+    each call) and Ulysses' attn.call.run both reach torch's kernel through them."""
+    import attn.fused
+
+    for name, key in (("_fwd", "fwd"), ("_bwd", "bwd")):
+        fn = getattr(attn.fused, name)
+
+        def counted(*a, __fn=fn, __key=key, **kw):
+            _fused_calls[__key] += 1
+            return __fn(*a, **kw)
+
+        setattr(attn.fused, name, counted)
 
 
 def _count_collectives() -> None:
@@ -170,7 +218,10 @@ class _SumGrad(torch.autograd.Function):
         return g
 
 
-def _sharded_fn(strategy: str, layout: str, backend: str = "auto"):
+def _sharded_fn(strategy: str, layout: str, backend: str = "auto", poison=None):
+    """``fn(q, k, v, **kw)`` for compare_to_reference: shard, run, gather. ``poison``: added
+    to the full k first (NaN / inf where poisoned, 0 elsewhere), so the oracle sees the clean
+    keys and k's gradient passes unchanged (a NaN dk at a poisoned key shows)."""
     import attn.distributed as cp
 
     run = cp.ring_attention if strategy == "ring" else cp.ulysses_attention
@@ -178,6 +229,8 @@ def _sharded_fn(strategy: str, layout: str, backend: str = "auto"):
     def fn(q, k, v, return_lse=False, **kw):
         kw["backend"] = backend  # not a keyword of compare_to_reference: its oracle is fixed
         kw = {n: _SumGrad.apply(t) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+        if poison is not None:
+            k = k + poison
         g = _GROUP
         out, lse = run(cp.shard_sequence(q, layout, g), cp.shard_sequence(k, layout, g),
                        cp.shard_sequence(v, layout, g), layout=layout, group=g,
@@ -199,10 +252,29 @@ def _compare(rank, P, strategy, layout, variant):
 
     shape, kw = _variant(variant, P)
     q, k, v = _inputs(shape)
-    fn = _sharded_fn(strategy, layout, kw.pop("backend", "auto"))
+    poison = _poison(k) if variant == "fused_nan_key" else None
+    fn = _sharded_fn(strategy, layout, kw.pop("backend", "auto"), poison)
+    before = dict(_fused_calls)
     report = compare_to_reference(fn, q, k, v, **kw)
+    import attn.distributed as cp
+
     return {"ok": report.ok, "report": str(report),
-            "errors": {c.name: (c.error, c.budget) for c in report.comparisons}}
+            "errors": {c.name: (c.error, c.budget) for c in report.comparisons},
+            "fused_calls": {n: _fused_calls[n] - before[n] for n in before},
+            # the ring's last call on this rank (every call of the comparison is the same)
+            "ring_launches": cp.last_ring_stats.launches if strategy == "ring" else None,
+            "ring_backends": (cp.last_ring_stats.backend, cp.last_ring_backward_stats.backend),
+            "ring_reason": cp.last_ring_stats.reason}
+
+
+def _poison(k):
+    """NaN at key 9 and inf at key 12 of fused_nan_key's keys (Nq = 13, Nk = 31, window
+    (5, 2) bottom-right: row 0 sees keys 13..20, so no row sees 0..12). Key 12 lies in a
+    chunk whose other keys some rows see (at P = 2, 3, 4), so its ring steps run with it."""
+    poison = torch.zeros_like(k)
+    poison[:, :, 9] = float("nan")
+    poison[:, :, 12] = float("inf")
+    return poison
 
 
 def _count(rank, P, strategy, dropout):
@@ -232,6 +304,27 @@ def _balance(rank, P):
     q, k, v = (cp.shard_sequence(t, "contiguous", _GROUP) for t in full)
     cp.ring_attention(q, k, v, causal=True, layout="contiguous", group=_GROUP)
     return {"zigzag": zig, "contiguous": vars(cp.last_ring_stats).copy()}
+
+
+def _fused_ran(rank, P):
+    """One causal float32 GQA ring call (zigzag) on each of fused and tiled: how often the
+    fused launchers ran, forward and backward, and the stats of each call."""
+    import attn.distributed as cp
+
+    shape = dict(B=1, H=2 * P, Hkv=P, N=8 * P + 3, D=8, dtype=torch.float32)
+    res = {}
+    for backend in ("fused", "tiled"):
+        q, k, v = (cp.shard_sequence(t, group=_GROUP).detach().requires_grad_()
+                   for t in _inputs(shape))
+        before = dict(_fused_calls)
+        out, lse = cp.ring_attention(q, k, v, causal=True, group=_GROUP, backend=backend,
+                                     return_lse=True)
+        fwd = _fused_calls["fwd"] - before["fwd"]
+        (out.sum() + lse.sum()).backward()
+        res[backend] = {"fwd": fwd, "bwd": _fused_calls["bwd"] - before["bwd"],
+                        "stats_fwd": vars(cp.last_ring_stats).copy(),
+                        "stats_bwd": vars(cp.last_ring_backward_stats).copy()}
+    return res
 
 
 def _bad_input(rank, P, kind):
@@ -294,7 +387,7 @@ def _train(rank, P):
 
 
 _CASES = {"train": _train, "compare": _compare, "count": _count, "balance": _balance,
-          "bad_input": _bad_input, "error_vs_p": _error_vs_p}
+          "bad_input": _bad_input, "error_vs_p": _error_vs_p, "fused_ran": _fused_ran}
 
 
 def _worker(rank: int, port: int, plan: list, out_q) -> None:
@@ -318,6 +411,7 @@ def _worker(rank: int, port: int, plan: list, out_q) -> None:
     groups = {P: None if P == _WORLD else dist.new_group(list(range(_WORLD - P, _WORLD)))
               for P, _ in plan}
     _count_collectives()
+    _count_fused_launchers()
     try:
         for P, cases in plan:
             if rank >= _WORLD - P:
@@ -456,6 +550,49 @@ def test_zigzag_balances_causal_work(P):
     assert contig == list(range(1, P + 1)), f"contiguous launches per rank {contig}"
     # masked (query chunk, key chunk) pairs are skipped, not computed
     assert all(recs[r]["zigzag"]["skipped"] > 0 for r in range(P))
+
+
+@pytest.mark.parametrize("P, case_id", [
+    pytest.param(P, cid, id=f"P{P}-{cid}")
+    for P in (2, 3, 4) for cid, kind, params in _case_list(P)
+    if kind == "compare" and params["variant"].startswith("fused")])
+def test_fused_calls_run_torchs_kernel(P, case_id):
+    """The compare cases above that ask for fused (or that auto gives to it) ran attn.fused's
+    launchers forward and backward, ring steps and Ulysses alike; the one whose keys hold a
+    NaN and an inf under a window ran none (every rank on tiled, as attention would)."""
+    recs = _case(P, case_id)
+    for rank, rec in recs.items():
+        calls = rec["fused_calls"]
+        # a rank whose queries see no key at all (fused_rows_unseen's early rows) launches
+        # nothing, on any backend
+        if case_id.endswith("fused_nan_key") or rec["ring_launches"] == 0:
+            assert calls == {"fwd": 0, "bwd": 0}, (rank, calls)
+        else:
+            assert calls["fwd"] > 0 and calls["bwd"] > 0, (rank, calls)
+    if not case_id.endswith("fused_nan_key"):
+        assert any(rec["fused_calls"]["fwd"] for rec in recs.values()), recs
+    if case_id.startswith("ring"):  # which launchers the ring's steps ran, as it says
+        want = ("tiled",) * 2 if case_id.endswith("fused_nan_key") else ("fused",) * 2
+        for rank, rec in recs.items():
+            assert tuple(rec["ring_backends"]) == want, (rank, rec["ring_backends"])
+            if case_id.endswith("fused_nan_key"):
+                assert "non-finite key" in rec["ring_reason"], rec["ring_reason"]
+
+
+@pytest.mark.parametrize("P", (2, 3, 4))
+def test_ring_steps_launch_fused_once_each(P):
+    """backend="fused": each ring step that the band leaves visible is one call of fused's
+    forward (and one of its backward), and the stats count launches and skipped pairs as
+    tiled's ring does on the same call."""
+    for rank, rec in _case(P, "fused_ran").items():
+        f, t = rec["fused"], rec["tiled"]
+        assert f["stats_fwd"]["backend"] == f["stats_bwd"]["backend"] == "fused", f
+        assert f["fwd"] == f["stats_fwd"]["launches"] > 0, (rank, f)
+        assert f["bwd"] == f["stats_bwd"]["launches"] > 0, (rank, f)
+        assert t["fwd"] == t["bwd"] == 0 and t["stats_fwd"]["backend"] == "tiled", (rank, t)
+        for d in ("stats_fwd", "stats_bwd"):
+            for key in ("launches", "skipped", "kv_exchanges", "dkv_exchanges"):
+                assert f[d][key] == t[d][key], (rank, d, key, f[d], t[d])
 
 
 @pytest.mark.parametrize("P", (2, 3, 4))

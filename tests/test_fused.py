@@ -78,11 +78,13 @@ def _counting(monkeypatch):
     real = fused._cpu_ops()
 
     def fwd(q, k, v, p, causal, *, attn_mask=None, scale=None):
-        calls.append(("fwd", q.shape[2], k.shape[2], causal, attn_mask is not None))
+        calls.append(("fwd", q.shape[2], k.shape[2], causal, attn_mask is not None,
+                      q.shape[1], q.shape[0]))
         return real.fwd(q, k, v, p, causal, attn_mask=attn_mask, scale=scale)
 
     def bwd(*args, attn_mask=None, scale=None):
-        calls.append(("bwd", args[1].shape[2], args[2].shape[2], args[7], attn_mask is not None))
+        calls.append(("bwd", args[1].shape[2], args[2].shape[2], args[7], attn_mask is not None,
+                      args[1].shape[1], args[1].shape[0]))
         return real.bwd(*args, attn_mask=attn_mask, scale=scale)
     monkeypatch.setattr(fused, "_cpu_ops", lambda: fused._CpuOps(fwd, bwd))
     return calls
@@ -94,13 +96,28 @@ def test_causal_plan_skips_empty_blocks_and_masks_nothing(monkeypatch):
     out = attn.attention(q, k, v, causal=True, backend="fused", block_m=128)
     out.sum().backward()
     fwd = [c for c in calls if c[0] == "fwd"]
-    # per (batch row, kv head): block 0 is its diagonal alone, blocks 1-3 a full piece and
-    # a diagonal; no piece above the diagonal is ever called, none gets a mask
-    assert len(fwd) == 2 * 2 * (1 + 2 * 3)
+    # per batch row (its two kv heads in one call, all 4 query heads: small blocks): block 0
+    # is its diagonal alone, blocks 1-3 a full piece and a diagonal; no piece above the
+    # diagonal is ever called, none gets a mask
+    assert len(fwd) == 2 * (1 + 2 * 3) and all(c[5] == 4 for c in calls)
     assert not any(c[4] for c in calls)
-    assert sorted(c[2] for c in fwd if c[3]) == [128] * 16  # diagonals: 128 keys each
-    assert sum(c[1] * c[2] for c in fwd if not c[3]) == 2 * 2 * 128 * (128 + 256 + 384)
+    assert sorted(c[2] for c in fwd if c[3]) == [128] * 8  # diagonals: 128 keys each
+    assert sum(c[1] * c[2] for c in fwd if not c[3]) == 2 * 128 * (128 + 256 + 384)
     assert len([c for c in calls if c[0] == "bwd"]) == len(fwd)
+
+
+def test_items_group_kv_heads_only_while_small(monkeypatch):
+    # one kv head per item once a block's scores per head reach item_max_scores / G: the
+    # group size follows the sequence's lengths and the heads, never the batch
+    calls = _counting(monkeypatch)
+    config = dataclasses.replace(fused.DEFAULT, item_max_scores=1 << 19)
+    for B, N, heads in [(1, 256, 8), (3, 256, 8), (1, 512, 4), (1, 1024, 2)]:
+        calls.clear()
+        q, k, v = make_inputs(B=B, H=8, Hkv=4, N=N, D=16, seed=3)
+        call, spec, ops = attn.api.resolve(q, k, v, band=Band())
+        got = fused.fused_attention(q, k, v, spec, ops, config=config)[0]
+        torch.testing.assert_close(got, attn.attention(q, k, v, backend="reference"))
+        assert {c[5] for c in calls} == {heads}, (B, N)
 
 
 def test_window_masks_only_its_left_strip(monkeypatch):
@@ -108,10 +125,10 @@ def test_window_masks_only_its_left_strip(monkeypatch):
     q, k, v = make_inputs(B=1, H=2, N=1024, D=16, seed=2)
     attn.attention(q, k, v, window=(300, 0), backend="fused", block_m=256)
     masked = [c for c in calls if c[4]]
-    # per kv head: block 0 has no strip (its keys start at 0), block 1's is cut at key 0
-    # (keys [0, 211)), blocks 2-3 have 255 keys each
-    assert sorted(c[2] for c in masked) == [211] * 2 + [255] * 4
-    assert sum(not c[4] for c in calls) == 2 * (1 + 2 * 3)
+    # both heads in each call (small blocks): block 0 has no strip (its keys start at 0),
+    # block 1's is cut at key 0 (keys [0, 211)), blocks 2-3 have 255 keys each
+    assert sorted(c[2] for c in masked) == [211] + [255] * 2
+    assert sum(not c[4] for c in calls) == 1 + 2 * 3 and all(c[5] == 2 for c in calls)
 
 
 # -- against the reference: what test_variants does not reach -------------------------------------
@@ -197,13 +214,29 @@ def test_poisoned_batch_rows_and_packed_neighbours_change_nothing():
     assert torch.isnan(got[30:50]).all() and torch.equal(got[keep], ref[keep])
 
 
-def test_a_masked_nan_key_sends_the_call_to_tiled():
-    q, k, v = make_inputs(B=1, H=2, N=40, D=16, seed=7)
-    k[0, :, 39] = float("nan")  # the last key: causal hides it from every row but the last
-    out = attn.attention(q, k, v, causal=True, backend="fused")
-    assert torch.isfinite(out[:, :, :39]).all()
-    torch.testing.assert_close(out[:, :, :39],
-                               attn.attention(q, k, v, causal=True, backend="tiled")[:, :, :39])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("case", ["causal", "bottom_right_blocks", "window", "bool_mask",
+                                  "alibi"])
+def test_a_hidden_non_finite_key_reaches_no_other_row(case, bad):
+    # a key hidden from the rows checked: the last key (causal: every row but the last;
+    # a bool mask: every row), or the first (a window: rows 51 on). On calls of full and
+    # causal pieces the op's causal flag keeps it out; masked ones (a window's strips, a
+    # mask, ALiBi's diagonals) go to tiled
+    nq, nk, kw, key, rows = 40, 40, dict(causal=True), 39, slice(0, 39)
+    if case == "bottom_right_blocks":
+        nq, nk, kw, key, rows = 300, 700, dict(causal=True, block_m=64), 699, slice(0, 299)
+    if case == "window":
+        nq, nk, kw, key, rows = 300, 300, dict(window=(50, 0)), 0, slice(51, 300)
+    if case == "alibi":
+        kw = dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.25]))
+    if case == "bool_mask":
+        kw, rows = dict(attn_mask=torch.arange(nk) < nk - 1), slice(0, 40)
+    q, k, v = make_inputs(B=1, H=2, N=nq, Nk=nk, D=16, seed=7)
+    k[0, :, key] = bad
+    out = attn.attention(q, k, v, backend="fused", **kw)
+    assert torch.isfinite(out[:, :, rows]).all()
+    want = attn.attention(q, k, v, backend="reference", **kw)
+    torch.testing.assert_close(out[:, :, rows], want[:, :, rows].float())
 
 
 def _grads(q, k, v, **kw):
@@ -213,11 +246,22 @@ def _grads(q, k, v, **kw):
     return out, lse, q.grad, k.grad, v.grad
 
 
+WHOLE = dict(B=3, H=4, Hkv=2, N=200, D=16)  # small: one op call for the batch (fp32/fp64)
+
+
 @needs_workers
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bits_do_not_depend_on_threads_or_batch(dtype):
-    q, k, v = make_inputs(B=3, H=4, Hkv=1, N=300, D=32, dtype=dtype, seed=8)
-    kw = dict(causal=True, window=(100, 0), block_m=32)  # 10 blocks: backward runs
+@pytest.mark.parametrize("dtype,shape,kw", [
+    (torch.float32, dict(B=3, H=4, Hkv=1, N=300, D=32), dict(causal=True, window=(100, 0),
+                                                             block_m=32)),  # backward runs
+    (torch.bfloat16, dict(B=3, H=4, Hkv=1, N=300, D=32), dict(causal=True, window=(100, 0),
+                                                              block_m=32)),
+    (torch.float32, WHOLE, dict(causal=True)),
+    (torch.float64, WHOLE, dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))),
+    # torch's backward op over a whole batch gave other bits on 1 and 2 threads here
+    (torch.float32, dict(B=4, H=6, Hkv=6, N=160, D=40), dict(causal=True)),
+])
+def test_bits_do_not_depend_on_threads_or_batch(dtype, shape, kw):
+    q, k, v = make_inputs(**shape, dtype=dtype, seed=8)
     threads = torch.get_num_threads()
     try:
         runs = []
@@ -236,6 +280,26 @@ def test_bits_do_not_depend_on_threads_or_batch(dtype):
     mixed = _grads(q[[2, 1]], k[[2, 1]], v[[2, 1]], **kw)
     for a, b in zip(mixed, runs[0]):
         assert torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_small_dense_forward_is_one_op_call(monkeypatch, dtype):
+    # float32/float64 calls of one unmasked piece per sequence: torch's kernel runs the
+    # whole batch's forward at once (it computes each row and head alone there, see the
+    # bits test), the backward an item per sequence; against the reference, with the lse's
+    # gradient (two more columns) and sinks
+    calls = _counting(monkeypatch)
+    q, k, v = make_inputs(**WHOLE, dtype=dtype, seed=9)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=dtype).requires_grad_()
+    fn = functools.partial(attn.attention, backend="fused")
+    assert_close_to_reference(fn, q, k, v, causal=True, sinks=sinks)
+    fwd = [c for c in calls if c[0] == "fwd"]
+    assert fwd and all(c[1:3] + c[5:] == (200, 200, 4, 3) for c in fwd)
+    bwd = [c for c in calls if c[0] == "bwd"]
+    assert len(bwd) == 3 * len(fwd) and all(c[1:3] + c[5:] == (200, 200, 4, 1) for c in bwd)
+    calls.clear()
+    attn.attention(q, k, v, backend="fused", window=(20, 0))  # masked pieces: per sequence
+    assert len(calls) == 3 and all(c[4] and c[6] == 1 for c in calls)
 
 
 # -- what it expresses ---------------------------------------------------------------------------
