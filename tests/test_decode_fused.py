@@ -155,7 +155,7 @@ def test_the_op_gets_each_heads_keys_packed(fused_reads, monkeypatch):
     ops, strides = fused._cpu_ops(), []
 
     def fwd(q, k, v, *a, **kw):
-        strides.append((k.stride(2), v.stride(2)))
+        strides.append((k.shape[2], k.stride(2), v.stride(2)))
         return ops.fwd(q, k, v, *a, **kw)
     monkeypatch.setattr(fused, "_cpu_ops", lambda: ops._replace(fwd=fwd))
     cache, g = cache_of([0, 1, 97, 400], 16, "in order")
@@ -163,7 +163,8 @@ def test_the_op_gets_each_heads_keys_packed(fused_reads, monkeypatch):
     with torch.no_grad():
         out, lse = attn.decode(q, cache, return_lse=True)
     check_rows(q, cache, out, lse)
-    assert len(strides) == 3 * HKV and set(strides[HKV:]) == {(D, D)}  # 1 key: as it lies
+    long = [st for n, *st in strides if n > 1]  # one key lies as it is
+    assert len(long) >= 2 and all(st == [D, D] for st in long)
 
 
 def test_same_bits_wherever_the_pages_lie(fused_reads):
