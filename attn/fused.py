@@ -654,12 +654,16 @@ def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
     return CUDA if q.device.type == "cuda" and config == DEFAULT else config
 
 
-def _rows_packed(x: Tensor) -> Tensor:
-    """Keys (or values) ``(B, heads, n, D)`` with each key's row right after the previous
-    one: x itself where they are, else a copy of them. torch's CPU op reads keys
-    that lie apart (a paged cache's heads interleaved per key, flash-attn's (B, N, H, D)
-    layout) more slowly than the copy costs (1.46x on paged chunked prefill, 512 x 4096)."""
-    return x if x.shape[2] < 2 or x.stride(2) == x.shape[3] else x.contiguous()
+def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
+    """Keys (or values) ``(B, heads, n, D)`` for ``rows`` query rows with each key's row right
+    after the previous one: x itself where they are, or where the rows are at most
+    ``config.split_max_q`` (decoding reads each key about once: a copy costs what it saves),
+    else a copy of them. torch's CPU op rereads keys whose rows lie apart (a paged cache's
+    heads interleaved per key, flash-attn's (B, N, H, D) layout) more slowly than the copy
+    costs (1.34x on paged chunked prefill, 512 x 4096; decoding 16k keys: 0.6x)."""
+    if x.shape[2] < 2 or x.stride(2) == x.shape[3] or rows <= config.split_max_q:
+        return x
+    return x.contiguous()
 
 
 # dtypes whose forward torch's CPU kernel computes per (batch row, head) alike whatever the
@@ -713,8 +717,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     hgs = [head_group(s, p, Hkv, G, config) for s, p in zip(seqs, plans)]
     whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods)
     if whole is not None:  # one op call (torch's threads); the sinks join as below
-        out, lse = kern(False).fwd(q, _rows_packed(k), _rows_packed(v), whole.causal, None,
-                                   spec.qk_scale)
+        kw, vw = (_rows_packed(t, Nq, config) for t in (k, v))
+        out, lse = kern(False).fwd(q, kw, vw, whole.causal, None, spec.qk_scale)
         return _sinks_joined(out, lse.to(acc), None, None, ops.sinks)
     R = max((len(p.ranges) for p in plans), default=1)
     out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
@@ -737,8 +741,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         slopes = None if ops.alibi is None else ops.alibi[:, heads]
         for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config,
                                alibi=slopes is not None):
-            kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1])
-                      for t in (k, v))
+            kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1], m1 - m0,
+                                   config) for t in (k, v))
             folded = None
             if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
                 folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
@@ -1040,14 +1044,15 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     its query rows see; a range is :func:`_fwd` on :func:`page_span`'s keys (a view where its
     pages are one span of consecutive ids, else a copy of its own pages: never a copy of the
     cache nor of a whole long sequence, nor another row's page), whose items hand torch's op
-    each kv head's rows packed (:func:`_rows_packed`). A row's ranges, then the
-    sinks, are merged through their lse in key order, so the bits depend on the row's own
-    lengths, never on where its pages lie, its batch, or the workers.
+    each kv head's rows packed past decoding's query rows (:func:`_rows_packed`). A row's
+    ranges, then the sinks, are merged through their lse in key order, so the bits depend on
+    the row's own lengths, never on where its pages lie, its batch, or the workers.
 
     ``fallback``: the same signature, run instead for a row whose band hides keys from some
     of its query rows through a mask (more than one query row, :func:`masks_scores`) and
-    whose keys read are not all finite, since torch's op adds its mask to the scores (0·NaN); without it such rows
-    take the NaN. Only that row moves: the others' bits do not depend on it."""
+    whose keys read are not all finite, since torch's op adds its mask to the scores
+    (0·NaN); without it such rows take the NaN. Only that row moves: the others' bits do
+    not depend on it."""
     if ops.pages is None or ops.quant is not None or ops.attn_mask is not None:
         raise ValueError("fused paged_attention takes ops.pages of float pages, no quant and "
                          "no attn_mask")

@@ -149,9 +149,10 @@ def test_pages_are_views_and_copies_stay_within_a_range(fused_reads, monkeypatch
     assert sorted(n for n, _, _ in spans) == sorted(2 * [1, 51, 51])
 
 
-def test_the_op_gets_each_heads_keys_packed(fused_reads, monkeypatch):
-    """A view of pages interleaves the kv heads per key; torch's op reads such keys several
-    times slower than a copy of one head's keys costs, so each item hands it packed rows."""
+def test_the_op_gets_keys_packed_past_decoding(fused_reads, monkeypatch):
+    """A view of pages interleaves the kv heads per key: chunked prefill (more query rows
+    than decoding's 16) hands torch's op each head's rows packed, since it rereads them more
+    slowly than a copy costs; decoding hands it the view itself (it reads each key once)."""
     ops, strides = fused._cpu_ops(), []
 
     def fwd(q, k, v, *a, **kw):
@@ -159,12 +160,14 @@ def test_the_op_gets_each_heads_keys_packed(fused_reads, monkeypatch):
         return ops.fwd(q, k, v, *a, **kw)
     monkeypatch.setattr(fused, "_cpu_ops", lambda: ops._replace(fwd=fwd))
     cache, g = cache_of([0, 1, 97, 400], 16, "in order")
-    q = torch.randn(4, H, 1, D, generator=g)
-    with torch.no_grad():
-        out, lse = attn.decode(q, cache, return_lse=True)
-    check_rows(q, cache, out, lse)
-    long = [st for n, *st in strides if n > 1]  # one key lies as it is
-    assert len(long) >= 2 and all(st == [D, D] for st in long)
+    for nq, stride in ((20, D), (1, HKV * D)):
+        strides.clear()
+        q = torch.randn(4, H, nq, D, generator=g)
+        with torch.no_grad():
+            out, lse = attn.decode(q, cache, causal=True, return_lse=True)
+        check_rows(q, cache, out, lse, causal=True)
+        long = [st for n, *st in strides if n > 1]  # one key lies as it is
+        assert len(long) >= 2 and all(st == [stride, stride] for st in long)
 
 
 def test_same_bits_wherever_the_pages_lie(fused_reads):
