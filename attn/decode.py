@@ -12,6 +12,11 @@ How the keys are read depends on the device:
   (:func:`attn.tiled.paged_attention`): each work item is one row's range of keys, cut on
   page boundaries, read as a view of its pages (a copy of that range's pages only where
   they are not consecutive in the storage), never a dense copy of a sequence;
+* **CPU, fused**, where ``auto``'s table prefers the fused backend for the same call made by
+  :func:`attn.attention` and the cache holds float pages: torch's fused op per key range of
+  each row, on a view of its pages where their ids are consecutive, else a copy of that
+  range's pages only (:func:`attn.fused.paged_attention`); quantized caches, softcap and what
+  else the fused backend cannot express stay on tiled;
 * **CUDA** (triton installed, float16 / bfloat16 / float32 pages, or a quantized cache):
   the triton kernel loads each key tile's page ids from the block table and reads the keys
   in place (:func:`attn.flash_triton.paged_attention`, split-KV's grid and combine);
@@ -21,7 +26,7 @@ How the keys are read depends on the device:
   through the block table and run batched (equal lengths) or packed through
   :func:`attn.varlen_attention` (ragged lengths).
 
-:func:`read_plan` says which of the three a call takes, and why.
+:func:`read_plan` says which read a call takes, and why.
 
 A quantized cache (:mod:`attn.kvquant`) is read the same ways: on CPU each item
 dequantizes its own range into its thread's buffer before the tile math; on CUDA the triton
@@ -46,8 +51,9 @@ import types
 import torch
 from torch import Tensor
 
-from attn import tiled, transforms
-from attn.call import AttentionCall, _check_tensor, _no_keys, attend, resolve, unsupported_reason
+from attn import fused, tiled, transforms
+from attn.call import (AttentionCall, _check_tensor, _no_keys, attend, resolve,
+                       select_backend, unsupported_reason)
 from attn.kvcache import KVQuant, PagedKVCache
 from attn.masks import make_band, window_pair
 from attn.spec import PageTable, QuantPages, acc_dtype
@@ -158,7 +164,8 @@ def _read(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window, s
     B, H, Nq, _ = q.shape
     cache.check_reach(rows, Nq, window_pair(window))
     cache.check_not_freed(rows)
-    read = read_plan(q, cache)[0]
+    read = read_plan(q, cache, causal=causal, window=window, softcap=softcap,
+                     alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse)[0]
     if read != "copy" and transforms.in_vmap():  # the paged reads run on plain tensors only
         if cache.quant is not None:
             raise NotImplementedError("decode from a quantized cache under torch.func.vmap: "
@@ -217,18 +224,33 @@ def _paged(q, cache: PagedKVCache, rows, read: str, causal, window, scale, softc
         from attn import flash_triton  # importable: read_plan asked it
 
         return flash_triton.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
+    if read == "fused":  # float pages; a masked non-finite key sends the call to tiled
+        return fused.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops,
+                                     fallback=tiled.paged_attention)
     return tiled.paged_attention(q, cache.k_pages, cache.v_pages, spec, ops)
 
 
-def read_plan(q: Tensor, cache: PagedKVCache) -> tuple[str, str]:
-    """How :func:`decode` reads ``cache`` for ``q`` (B, H, Nq, D), and why: ``"tiled"``
-    (work items read the pages), ``"triton"`` (the kernel loads page ids from the block
-    table) or ``"copy"`` (a view, or the keys in use copied, through ``attention`` /
-    ``varlen_attention``). Pure and cheap: device, dtypes and head dims decide."""
+def read_plan(q: Tensor, cache: PagedKVCache, *, causal: bool = False,
+              window: tuple[int, int] | None = None, softcap: float | Tensor | None = None,
+              alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
+              return_lse: bool = False) -> tuple[str, str]:
+    """How :func:`decode` reads ``cache`` for ``q`` (B, H, Nq, D) and these options, and
+    why: ``"fused"`` (torch's fused op per key range, the pages read as spans of consecutive
+    ids), ``"tiled"`` (work items read the pages), ``"triton"`` (the kernel loads page ids
+    from the block table) or ``"copy"`` (a view, or the keys in use copied, through
+    ``attention`` / ``varlen_attention``). Pure and cheap: device, dtypes, head dims, the
+    options and ``auto``'s committed table (:func:`attn.select_backend`) decide."""
     dev = q.device.type
     if dev in _PAGED_DEVICES:
+        why = _fused_reason(q, cache, causal, window, softcap, alibi_slopes, sinks,
+                            return_lse)
+        if why is None:
+            return "fused", (f"auto's table prefers fused for this call on {dev}: torch's "
+                             f"fused op per key range of each sequence, its pages read as "
+                             f"views where their ids are consecutive (attn.fused."
+                             f"paged_attention)")
         return "tiled", (f"the tiled backend's work items read the pages through the block "
-                         f"table on {dev} (attn.tiled.paged_attention)")
+                         f"table on {dev} (attn.tiled.paged_attention), not fused: {why}")
     # the values it loads as they are: the pages, or a quantized cache's recent pages (its
     # codes are the kernel's to decode)
     stored = cache.k_pages.dtype if cache.quant is None else (
@@ -250,6 +272,28 @@ def read_plan(q: Tensor, cache: PagedKVCache) -> tuple[str, str]:
                           "paged_attention; split-KV chunks planned for the longest sequence)")
     return "copy", (f"a view of the pages, or the keys in use copied, through attention / "
                     f"varlen_attention: triton's paged kernel cannot run because {why}")
+
+
+def _fused_reason(q: Tensor, cache: PagedKVCache, causal, window, softcap, alibi_slopes,
+                  sinks, return_lse) -> str | None:
+    """Why a CPU decode call does not read its pages on the fused backend, or None: a
+    quantized cache, or what ``auto`` chooses for the same call made by ``attention`` (its
+    allow-list, then the measured table's class: decode for at most 16 query rows)."""
+    if cache.quant is not None:
+        return (f"a {cache.quant.kind} quantized cache (its codes are dequantized inside "
+                f"tiled's items; torch's op reads float keys)")
+    B, H, Nq, D = q.shape
+    n_k = int((cache.lengths - cache.starts).max()) if cache.batch else 0
+    choice = select_backend(AttentionCall(
+        device=q.device.type, dtype=q.dtype, head_dim=D, head_dim_v=cache.head_dim_v,
+        n_q=Nq, n_k=n_k, band=make_band(Nq, n_k, causal=bool(causal),
+                                        window=window_pair(window)),
+        softcap=None if softcap is None else (
+            "learned" if isinstance(softcap, Tensor) else "fixed"),
+        sinks=sinks is not None, return_lse=bool(return_lse),
+        alibi=alibi_slopes is not None,
+        transform=transforms.active(q, softcap, sinks, alibi_slopes)))
+    return None if choice.name == "fused" else choice.reason
 
 
 def _batched(q, cache: PagedKVCache, kw) -> tuple[Tensor, Tensor]:

@@ -75,6 +75,31 @@ def check_rows(q, cache, out, lse, rows=None, **variant):
                                   **kw)
 
 
+def check_isolated(q, cache: PagedKVCache, **kw):
+    """NaN in every slot outside the sequences' own keys (spare pages, before a start, past
+    a length) changes no bit; NaN in the last sequence's own pages changes its row only."""
+    with torch.no_grad():
+        clean = attn.decode(q, cache, return_lse=True, **kw)
+    page, last = cache.page_size, cache.batch - 1
+    live = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool)
+    for s in range(cache.batch):
+        for t in range(int(cache.starts[s]), int(cache.lengths[s])):
+            live[cache.host_table[s, t // page], t % page] = True
+    for pages in (cache.k_pages, cache.v_pages):
+        pages[~live] = float("nan")
+    with torch.no_grad():
+        dirty = attn.decode(q, cache, return_lse=True, **kw)
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a, b)
+    for pages in (cache.k_pages, cache.v_pages):
+        pages[cache.host_table[last]] = float("nan")
+    with torch.no_grad():
+        out, lse = attn.decode(q, cache, return_lse=True, **kw)
+    assert torch.equal(out[:last], clean[0][:last])
+    assert torch.equal(lse[:last], clean[1][:last])
+    assert out[last].isnan().all()
+
+
 VARIANTS = {
     "plain": {},
     "causal": {"causal": True},
@@ -85,8 +110,10 @@ VARIANTS = {
 }
 
 
-def variant_kwargs(name: str, B: int, g: torch.Generator) -> dict:
-    kw = dict(VARIANTS[name])
+def variant_kwargs(name: str, B: int, g: torch.Generator, variants: dict | None = None
+                   ) -> dict:
+    """``variants[name]`` (default :data:`VARIANTS`) with its ALiBi slopes and sinks drawn."""
+    kw = dict((variants or VARIANTS)[name])
     if kw.get("alibi_slopes") == "per row":
         kw["alibi_slopes"] = torch.rand(B, H, generator=g)
     if kw.get("sinks"):
@@ -152,25 +179,7 @@ def test_sequences_are_isolated(page, shuffled):
     q = torch.randn(4, H, 2, D, generator=g)
     # not causal: a key read past a sequence's end would be attended, not masked
     kw = dict(softcap=3.0, sinks=torch.randn(H, generator=g))
-    with torch.no_grad():
-        clean = attn.decode(q, cache, return_lse=True, **kw)
-    live = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool)
-    for s in range(4):
-        for t in range(int(starts[s]), lengths[s]):
-            live[cache.host_table[s, t // page], t % page] = True
-    for pages in (cache.k_pages, cache.v_pages):
-        pages[~live] = float("nan")
-    with torch.no_grad():
-        dirty = attn.decode(q, cache, return_lse=True, **kw)
-    for a, b in zip(clean, dirty):
-        assert torch.equal(a, b)
-    # sequence 3's own keys poisoned: only its row changes
-    for pages in (cache.k_pages, cache.v_pages):
-        pages[cache.host_table[3]] = float("nan")
-    with torch.no_grad():
-        out, lse = attn.decode(q, cache, return_lse=True, **kw)
-    assert torch.equal(out[:3], clean[0][:3]) and torch.equal(lse[:3], clean[1][:3])
-    assert out[3].isnan().all()
+    check_isolated(q, cache, **kw)
 
 
 @needs_workers
