@@ -402,6 +402,18 @@ def test_auto_reads_the_committed_table_per_cpu_kind_dtype_and_class(monkeypatch
     assert "dense float32" in choice(mask="bool", mask_padding=True).reason
 
 
+@pytest.mark.parametrize("n_q,n_k,grad,masked,cls", [
+    (1, 16384, False, False, "decode"), (16, 200, False, False, "decode"),
+    (17, 4096, False, False, "chunk"), (128, 1024, False, False, "chunk"),
+    (129, 4096, False, False, "dense"), (128, 1023, False, False, "dense"),
+    (64, 4096, True, False, "train"), (64, 4096, False, True, "masked"),
+    (64, 256, False, False, "small"), (2048, 2048, False, False, "dense")])
+def test_call_classes(n_q, n_k, grad, masked, cls):
+    # a chunked prefill (a few query rows, many keys) is its own class: the dense square
+    # call the table measures says little about it (fused 0.6x tiled at 32 x 2048 here)
+    assert attn.choose.call_class(n_q, n_k, grad, masked) == cls
+
+
 def test_the_committed_table_is_well_formed():
     from attn import choose
     table = choose.load_table()
