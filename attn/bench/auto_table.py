@@ -70,7 +70,14 @@ def _contenders(q, k, v, mask, causal: bool, backward: bool) -> dict:
                 out.sum().backward()
         return go
     kw = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
-    fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, attn_mask=mask, is_causal=causal, **kw))}
+    sdpa_mask, sdpa_causal = mask, causal
+    if causal and q.shape[2] != k.shape[2]:  # attn's causal is bottom-right, torch's top-left:
+        # torch gets the same band as a bool mask
+        n_q, n_k = q.shape[2], k.shape[2]
+        sdpa_mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+        sdpa_causal = False
+    fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, attn_mask=sdpa_mask, is_causal=sdpa_causal,
+                                           **kw))}
     for name in ("fused", "tiled"):
         fns[name] = step(lambda name=name: attn.attention(q, k, v, causal=causal,
                                                           attn_mask=mask, backend=name))
