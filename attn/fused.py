@@ -9,23 +9,23 @@ never through ``F.scaled_dot_product_attention`` (which :func:`attn.patch_sdpa` 
 to attn); their schemas are checked against the installed torch when first used, and a mismatch
 turns the backend off with one warning and a reason.
 
-How a call is cut (CPU). Work items are (sequence, kv head, query block, key range): one batch
-row (or packed sequence, its keys cut to a key-padding mask's run) and one kv head with its G
-query heads (GQA without K/V copies), so torch's kernel never chooses its own packing from the
-batch or the thread count. A query block's keys are cut by the band into at most three pieces
-(:func:`pieces`): keys every row of the block sees (no mask), the diagonal where the band's
-right edge runs (torch's top-left ``is_causal`` on that square, no mask), and the strip its left
-edge cuts (a block-sized mask); empty pieces are never called. A user mask is sliced per piece
-and turned into an additive mask of q's dtype there; a mask_mod or block mask cuts blocks into
-pieces of full and partial tiles; ALiBi folds into q and k off each block's diagonal. Decoding
-cuts the keys into ranges (split-KV) merged in key order; the sinks join as one more partial.
-Every cut depends on the sequence's own lengths and the model's heads, never on the batch or the
-number of workers, and merges run in a fixed order: a sequence's bits do not depend on its
-batch.
+How a call is cut (CPU). Work items are (sequence, kv head group, query block, key range): one
+batch row (or packed sequence, its keys cut to a key-padding mask's run) and a group of kv heads
+with their G query heads each (GQA without K/V copies; :func:`head_group`), so torch's kernel never
+chooses its own packing from the batch or the thread count (a dense float32/float64 forward, which
+does not pack, is one call: :func:`_whole_call`). A query block's keys are cut by the band into at
+most three pieces (:func:`pieces`): keys every row of the block sees (no mask), the diagonal where
+the band's right edge runs (torch's top-left ``is_causal`` on that square, no mask), and the strip
+its left edge cuts (a block-sized mask); empty pieces are never called. A user mask is sliced per
+piece and turned into an additive mask of q's dtype there; a mask_mod or block mask cuts blocks
+into pieces of full and partial tiles; ALiBi folds into q and k off each block's diagonal. Decoding
+cuts the keys into ranges (split-KV) merged in key order; the sinks join as one more partial. Every
+cut depends on the sequence's own lengths and the model's heads, never on the batch or the number
+of workers, and merges run in a fixed order: a sequence's bits do not depend on its batch.
 
-The backward runs per (sequence, kv head, run of query blocks): each block's pieces go through
-torch's backward op with the call's *merged* output and lse (so each piece's dQ/dK/dV share is
-exact), dQ summed over the pieces and dK/dV over the query blocks in order, in the accumulation
+The backward runs per (sequence, kv head group, run of query blocks): each block's pieces go
+through torch's backward op with the call's *merged* output and lse (so each piece's dQ/dK/dV share
+is exact), dQ summed over the pieces and dK/dV over the query blocks in order, in the accumulation
 dtype. Nothing N x N is ever allocated.
 
 What it expresses is an allow-list over the call's fields (:func:`call_reason`, and
