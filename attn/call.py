@@ -136,9 +136,9 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
     ``auto`` on CUDA takes ``fused`` (torch's CUDA kernel per block) for a call whose op
     ``attn gpu-check`` verified on this torch, GPU, dtype and head dim (the committed
     ``attn/fused_cuda_table.json``), else prefers ``triton``, and falls back to ``tiled``
-    (every device, every variant); off CUDA it takes ``fused`` (torch's CPU kernel per block) where that can
-    compute the call and the committed, measured table of :mod:`attn.choose` prefers it for
-    the call's class and dtype on this kind of CPU. An explicit request that cannot compute
+    (every device, every variant); off CUDA it takes ``fused`` (torch's CPU kernel per
+    block) where that can compute the call and the committed, measured table of
+    :mod:`attn.choose` prefers it for the call's class and dtype on this kind of CPU. An explicit request that cannot compute
     the call raises NotImplementedError.
 
     Inside triton, decoding takes split-KV (Flash-Decoding): a call of at most 16 query rows

@@ -40,7 +40,8 @@ quantized cache raises otherwise, on every device).
 Under ``torch.compile`` (call :func:`decode`, the function: dynamo does not call this module
 object), a traced call checks what needs no data and hands the cache's tensors to the opaque
 op ``attn::paged_decode``, whose real implementation, at run time, is the eager read (one
-function, ``_read``, for both): the same data checks, the same read, the same bits (docs/kvcache.md, "Under torch.compile").
+function, ``_read``, for both): the same data checks, the same read, the same bits
+(docs/kvcache.md, "Under torch.compile").
 """
 
 from __future__ import annotations
