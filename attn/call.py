@@ -29,7 +29,7 @@ from attn import choose, fused, mods, tiled, transforms
 from attn.masks import Band, as_4d, simplify_mask
 from attn.reference import reference_attention, reference_packed
 from attn.sdpa import sdpa_attention
-from attn.spec import LaunchSpec, Operands, acc_dtype
+from attn.spec import LaunchSpec, Operands, acc_dtype, all_finite
 
 
 BACKENDS = ("auto", "reference", "tiled", "fused", "triton", "sdpa")
@@ -138,8 +138,8 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
     ``attn/fused_cuda_table.json``), else prefers ``triton``, and falls back to ``tiled``
     (every device, every variant); off CUDA it takes ``fused`` (torch's CPU kernel per
     block) where that can compute the call and the committed, measured table of
-    :mod:`attn.choose` prefers it for the call's class and dtype on this kind of CPU. An explicit request that cannot compute
-    the call raises NotImplementedError.
+    :mod:`attn.choose` prefers it for the call's class and dtype on this kind of CPU. An
+    explicit request that cannot compute the call raises NotImplementedError.
 
     Inside triton, decoding takes split-KV (Flash-Decoding): a call of at most 16 query rows
     per head against at least 512 keys that needs no gradient, no dropout and is not packed
@@ -600,7 +600,7 @@ def fused_keys_ok(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> bool
     if (not fused.masks_scores(spec, ops, q.shape[2], k.shape[2]) or k.device.type != "cpu"
             or torch.compiler.is_compiling()):
         return True
-    return math.isfinite(k.sum(dtype=acc_dtype(k.dtype)).item())
+    return all_finite(k)
 
 
 def _precise_backward(do, dlse, q, k, v, spec, ops):

@@ -58,7 +58,6 @@ before the first call as torchrun scripts do.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -74,7 +73,7 @@ from attn.call import _draw_seed as _local_seed
 from attn.grads import reduce_to, sink_grad
 from attn.masks import Band, make_band, window_pair
 from attn.merge import _merge_trusted
-from attn.spec import LaunchSpec, Operands
+from attn.spec import LaunchSpec, Operands, all_finite
 
 LAYOUTS = ("zigzag", "contiguous")
 _TAG_KV, _TAG_DKV = 11, 12  # distinct tags: a K/V and a dK/dV message may be in flight at once
@@ -292,7 +291,7 @@ def _keys_finite(k: Tensor, backend: str) -> bool:
     a row, and such a call runs on tiled on every rank."""
     if backend not in ("auto", "fused") or k.device.type != "cpu" or k.numel() == 0:
         return True
-    return math.isfinite(k.sum(dtype=acc_dtype(k.dtype)).item())
+    return all_finite(k)
 
 
 def _kind(x) -> Any:

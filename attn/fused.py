@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import warnings
 from typing import Callable, NamedTuple
 
@@ -50,7 +49,7 @@ from attn.grads import Grads, sink_grad
 from attn.masks import EMPTY, FULL, PARTIAL, Band, Blocks, as_4d, band_kinds, combine_kinds
 from attn.mods import mask_mod_kinds
 from attn.merge import _merge_trusted
-from attn.spec import LaunchSpec, Operands, PageTable, check_paged_forward_only
+from attn.spec import LaunchSpec, Operands, PageTable, all_finite, check_paged_forward_only
 from attn.spec import acc_dtype as _acc_dtype
 
 # -- torch's ops, checked once -----------------------------------------------------------------
@@ -1026,7 +1025,7 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
                                                     band.right)).shard(k_start=a + lo - s)
         rops = Operands(alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
         if (check and masks_scores(rspec, rops, Nq, hi - lo, inner)
-                and not math.isfinite(k.sum(dtype=acc).item())):
+                and not all_finite(k)):
             return None
         o, l_ = _fwd(q, k, v, rspec, rops, config=inner)
         outs.append(o)

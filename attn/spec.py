@@ -19,6 +19,7 @@ shard reproduces the unsharded computation bit for bit, dropout mask included.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
@@ -190,3 +191,13 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation (and lse) dtype of a call in ``dtype``: float64 stays, every other
     dtype accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def all_finite(x: Tensor) -> bool:
+    """Whether every entry of ``x`` is finite, by one summing pass in the accumulation dtype
+    (a NaN or ±inf entry makes the sum NaN or ±inf). A sum that overflows although every
+    entry is finite (|x| near the dtype's largest value) answers False, which only sends a
+    caller down its careful path, never to a wrong answer. Much cheaper than
+    ``isfinite(x).all()``: no bool tensors (docs/benchmarks.md, "Measurements behind the
+    code's choices"). One host read."""
+    return math.isfinite(x.sum(dtype=acc_dtype(x.dtype)).item())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -15,7 +14,7 @@ from attn.grads import SATURATED_LOG2L, Grads, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
-from attn.spec import LaunchSpec, Operands
+from attn.spec import LaunchSpec, Operands, all_finite
 from attn.spec import acc_dtype as _acc_dtype
 from attn import transforms
 from attn.tiled import batching, cpu, double, jvp
@@ -75,18 +74,8 @@ def _fwd_item(out: Tensor, facts: _Facts, forward: Callable[[_Facts], None]) -> 
     again with each tile's values looked at (:meth:`_Tile.value_offset`): bit for bit what
     looking first would give, as the offset is 0 wherever no overflow is possible."""
     forward(facts)
-    if not facts.values_may_overflow and not _all_finite(out):
+    if not facts.values_may_overflow and not all_finite(out):
         forward(facts._replace(values_may_overflow=True))
-
-
-def _all_finite(x: Tensor) -> bool:
-    """Whether every entry of ``x`` is finite, by one summing pass in the accumulation dtype
-    (a NaN or ±inf entry makes the sum NaN or ±inf). A sum that overflows although every
-    entry is finite (|x| near the dtype's largest value) answers False, which costs
-    :func:`_fwd_item` a second run, never a wrong answer. Much cheaper than
-    ``isfinite(x).all()``: no bool tensors (docs/benchmarks.md, "Measurements behind the
-    code's choices")."""
-    return math.isfinite(x.sum(dtype=_acc_dtype(x.dtype)).item())
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
