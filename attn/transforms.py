@@ -10,11 +10,13 @@ transform are not chosen under it (:func:`active`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 from torch._C import _functorch
 
-__all__ = ["active", "forward_ad", "physical", "in_vmap"]
+__all__ = ["active", "forward_ad", "physical", "in_vmap", "lowered"]
 
 
 def _stack() -> list:
@@ -63,3 +65,43 @@ def physical(t: Tensor) -> Tensor:
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
     return t.detach()
+
+
+def lowered(*tensors: object) -> tuple[int, list] | None:
+    """``tensors`` seen one transform level down, for a rule (a ``jvp`` staticmethod) that
+    functorch calls with tensors wrapped at its own, innermost grad / jvp level: ``(level,
+    plain)`` where every tensor is plain or a grad wrapper of that level around a plain
+    tensor, else None (nothing wrapped, or another transform's wrapper underneath: vmap, an
+    outer level). The rule may then compute on the plain tensors under :func:`below` (on
+    worker threads too, which have no functorch state) and wrap its outputs back with
+    :func:`rewrap`: functorch's own forward of an autograd.Function does the same."""
+    if torch.compiler.is_compiling():
+        return None
+    level, out = None, []
+    for t in tensors:
+        if isinstance(t, Tensor) and _functorch.is_functorch_wrapped_tensor(t):
+            if not _functorch.is_gradtrackingtensor(t):
+                return None
+            lv = _functorch.maybe_get_level(t)
+            if level is not None and lv != level:
+                return None
+            level, t = lv, _functorch._unwrap_for_grad(t, lv)
+            if _functorch.is_functorch_wrapped_tensor(t):
+                return None
+        out.append(t)
+    stack = _stack()
+    if level is None or not stack or stack[-1].level() != level:
+        return None
+    return level, out
+
+
+def below() -> contextlib.AbstractContextManager:
+    """The innermost transform set aside (see :func:`lowered`)."""
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    return retrieve_current_functorch_interpreter().lower()
+
+
+def rewrap(t: Tensor | None, level: int) -> Tensor | None:
+    """A rule's output computed on :func:`lowered`'s tensors, wrapped back at ``level``."""
+    return None if t is None else _functorch._wrap_for_grad(t, level)

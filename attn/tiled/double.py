@@ -34,8 +34,8 @@ from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import batching
-from attn.tiled.jvp import (TileScores, expand_heads, one_thread, probs, rows, safe_lse, span,
-                            unsupported)
+from attn.tiled.jvp import (TileScores, one_thread, probs, pv, qk_t, rows, safe_lse, span,
+                            tp_kv, unsupported)
 
 _GRAD_NAMES = ("q", "k", "v", "mask", "sinks", "softcap")
 
@@ -100,10 +100,10 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
 
     def tile(m0, m1, n0, n1, full):
         xs = ts.operands(primal, m0, m1, n0, n1)
-        txs = ts.operands(t, m0, m1, n0, n1, like=xs)
+        txs = ts.operands(t, m0, m1, n0, n1)
         fn = ts.fn(m0, m1, n0, n1, full, txs)
-        vt = expand_heads(span(v, 2, n0, n1).to(acc), G)
-        tvt = None if tv is None else expand_heads(span(tv, 2, n0, n1), G)
+        vt = span(v, 2, n0, n1).to(acc)  # (B, Hkv, BN, Dv): the grouped GEMMs take KV heads
+        tvt = None if tv is None else span(tv, 2, n0, n1)
         return xs, txs, fn, vt, tvt, ts.dropout(m0, m1, n0, n1)
 
     def col(x: Tensor | None, m0: int, m1: int) -> Tensor | float:
@@ -116,9 +116,9 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
         def terms(s, a, z, vt, tvt, lse_col=lse_col, g_blk=g_blk):
             """p, p·z, dp = z·(g vᵀ) and c = a·dp + z·(g t_vᵀ) of a tile."""
             p = probs(s, lse_col)
-            dp, e = g_blk @ vt.transpose(-2, -1), None
+            dp, e = qk_t(g_blk, vt, G), None
             if tvt is not None:
-                e = g_blk @ tvt.transpose(-2, -1)
+                e = qk_t(g_blk, tvt, G)
             if z is not None:
                 dp, e = dp * z, None if e is None else e * z
             c = a * dp if e is None else a * dp + e
@@ -136,7 +136,7 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
             c_sum = c_sum + (p * c).sum(-1, keepdim=True)
             dpd = dpd + (p * dp).sum(-1, keepdim=True)
             if gd_blk is not None:
-                dpd_dot = dpd_dot + (pz * (gd_blk @ vt.transpose(-2, -1))).sum(-1, keepdim=True)
+                dpd_dot = dpd_dot + (pz * qk_t(gd_blk, vt, G)).sum(-1, keepdim=True)
         p_sink = None
         if sinks is not None:
             p_sink = torch.exp(sinks - lse_col)
@@ -154,20 +154,20 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
             s_bar = p * ((c - c_sum) - delta * (a - abar) - abar * (dp - dpd))
             a_bar = p * (dp - delta)
             w = pz * (a - abar)  # ∂L/∂dp before z, per (row, key)
-            dv_h = w.transpose(-2, -1) @ g_blk
+            dv_h = tp_kv(w, g_blk, G)
             if gd_blk is not None:
-                ddp = gd_blk @ vt.transpose(-2, -1)
+                ddp = qk_t(gd_blk, vt, G)
                 if z is not None:
                     ddp = ddp * z
                 s_bar = s_bar + p * (ddp - delta_dot)
-                dv_h = dv_h + pz.transpose(-2, -1) @ gd_blk
+                dv_h = dv_h + tp_kv(pz, gd_blk, G)
             grads = dict(zip(names, vjp_fn((s_bar, a_bar))))
             dq_blk = dq_blk + grads["q"]
             dk.add(n0, n1, grads["k"])
-            dv.add(n0, n1, dv_h.view(B, Hkv, G, n1 - n0, Dv).sum(2))
-            dg_blk = dg_blk + w @ vt
+            dv.add(n0, n1, dv_h)
+            dg_blk = dg_blk + pv(w, vt, G)
             if tvt is not None:
-                dg_blk = dg_blk + pz @ tvt
+                dg_blk = dg_blk + pv(pz, tvt, G)
             if "softcap" in grads:
                 dcap = grads["softcap"] if dcap is None else dcap + grads["softcap"]
             if "mask" in grads:

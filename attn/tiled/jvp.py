@@ -27,14 +27,18 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from attn import transforms
 from attn.masks import as_4d, dropout_keep, dropout_keep_rows
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.plan import _blocks
 
-# tile sizes of the transform kernels (a spec's own block sizes win)
-BLOCK = 128
+# tile sizes of the transform kernels (a spec's own block sizes win): 128 query rows by 256
+# keys measured fastest or tied for the jvp's pass (Cascade Lake, fp32 H=2 D=64 causal, N =
+# 2048: 2.2x the forward against 3.0x at 128 x 128, 2.3-2.8x at 256 rows)
+BLOCK_M = 128
+BLOCK_N = 256
 
 # the differentiable operands of a tile's scores, in the order TileScores.fn takes them
 SCORE_INPUTS = ("q", "k", "softcap", "mask", "alibi")
@@ -68,23 +72,23 @@ class TileScores:
         self.float_mask = mask is not None and mask.dtype != torch.bool
         self.has_cap = ops.softcap is not None
         self.has_alibi = ops.alibi is not None
-        bm = spec.block_m or BLOCK
-        bn = spec.block_n or BLOCK
+        bm = spec.block_m or BLOCK_M
+        bn = spec.block_n or BLOCK_N
         self.spec_sized = dataclasses.replace(spec, block_m=bm, block_n=bn)
 
     def query_blocks(self):
         """``(m0, m1, key_tiles)`` as the forward visits them (band and mask blocks)."""
         return _blocks(self.spec_sized, self.Nq, self.Nk).query_blocks()
 
-    def operands(self, t: dict[str, Tensor | None], m0: int, m1: int, n0: int, n1: int,
-                 like: tuple[Tensor, ...] | None = None) -> tuple[Tensor, ...]:
+    def operands(self, t: dict[str, Tensor | None], m0: int, m1: int, n0: int, n1: int
+                 ) -> tuple[Tensor | None, ...]:
         """The tile's slices of ``t`` (full tensors by :data:`SCORE_INPUTS` name) in
-        :meth:`fn`'s order; a missing entry is zeros shaped as ``like``'s (a tangent)."""
+        :meth:`fn`'s order; a missing entry (a tangent that is 0) is None."""
         out = []
-        for i, name in enumerate(self._names()):
+        for name in self._names():
             x = t.get(name)
             if x is None:
-                out.append(torch.zeros_like(like[i]))
+                out.append(None)
                 continue
             if name == "q":
                 x = span(x, 2, m0, m1)
@@ -175,9 +179,15 @@ class TileScores:
 
         def scores(*xs: Tensor) -> tuple[Tensor, Tensor]:
             x = dict(zip(names, xs))
-            kt, dkt = (expand_heads(y["k"], G) for y in (x, t))  # (B, H, BN, D)
-            s = x["q"] @ kt.transpose(-2, -1) * spec.qk_scale
-            sd = (t["q"] @ kt.transpose(-2, -1) + x["q"] @ dkt.transpose(-2, -1)) * spec.qk_scale
+            # the scale on the (BM, D) rows rather than the (BM, BN) products
+            q_s = x["q"] * spec.qk_scale
+            s = qk_t(q_s, x["k"], G)
+            sd = None  # the tangent: None while it is 0 (terms whose direction is 0 skipped)
+            if t["q"] is not None:
+                sd = qk_t(t["q"] * spec.qk_scale, x["k"], G)
+            if t["k"] is not None:
+                sd = qk_t(q_s, t["k"], G, add=sd)
+            sd = torch.zeros_like(s) if sd is None else sd
             if spec.score_mod is not None:  # elementwise in s: its derivative, by a vjp
                 s, mod_vjp = torch.func.vjp(mod, s)
                 sd = mod_vjp(torch.ones_like(s))[0] * sd
@@ -186,14 +196,19 @@ class TileScores:
                 u = s / c
                 th = torch.tanh(u)
                 s, sd = c * th, (1 - th * th) * sd
-                if self.has_cap:  # d(c·tanh(r/c))/dc = tanh(u) − u·(1 − tanh²(u))
+                if self.has_cap and t["softcap"] is not None:
+                    # d(c·tanh(r/c))/dc = tanh(u) − u·(1 − tanh²(u))
                     dc = t["softcap"].expand(H).reshape(1, H, 1, 1)
                     sd = sd + dc * (th - u * (1 - th * th))
             if dist is not None:
-                s, sd = s - slopes(x["alibi"]) * dist, sd - slopes(t["alibi"]) * dist
+                s = s - slopes(x["alibi"]) * dist
+                if t["alibi"] is not None:
+                    sd = sd - slopes(t["alibi"]) * dist
             k_ = keep
             if self.float_mask:
-                s, sd = s + x["mask"], sd + t["mask"]
+                s = s + x["mask"]
+                if t["mask"] is not None:
+                    sd = sd + t["mask"]
                 finite = x["mask"] != float("-inf")
                 k_ = finite if k_ is None else k_ & finite
             if k_ is not None:
@@ -227,9 +242,55 @@ def safe_lse(lse: Tensor, acc: torch.dtype) -> Tensor:
     return torch.where(lse == float("-inf"), float("inf"), lse)
 
 
-def expand_heads(x: Tensor, G: int) -> Tensor:
-    """K/V-head tensor ``(B, Hkv, ·, ·)`` repeated to the query heads ``(B, H, ·, ·)``."""
-    return x.repeat_interleave(G, dim=1) if G > 1 else x
+def grouped(x: Tensor, G: int) -> Tensor:
+    """Query-head rows ``(B, H, M, X)`` as their KV heads' ``(B, Hkv, G·M, X)`` (a group's
+    G heads one after another), so that one GEMM per KV head serves its G query heads."""
+    if G == 1:
+        return x
+    B, H, M, X = x.shape
+    return x.reshape(B, H // G, G * M, X)
+
+
+def _gemm(a: Tensor, b: Tensor, G: int, add: Tensor | None) -> Tensor:
+    """``add + grouped(a) b`` per KV head, as 3-D (b)mm: a ``(B, H, M, K)``, b ``(B, Hkv, K,
+    N)`` → (B, H, M, N); ``add`` None or (B, H, M, N)."""
+    B, H, M, _ = a.shape
+    a3 = a.reshape(B * (H // G), G * M, a.shape[-1])
+    b3 = b.reshape(B * b.shape[1], b.shape[2], b.shape[3])
+    if add is None:
+        return torch.bmm(a3, b3).reshape(B, H, M, b.shape[-1])
+    c3 = add.reshape(a3.shape[0], G * M, b.shape[-1])
+    if _writable(c3, a3, b3):  # plain tensors: into add's own storage (a fresh result)
+        return c3.baddbmm_(a3, b3).reshape(B, H, M, b.shape[-1])
+    return torch.baddbmm(c3, a3, b3).reshape(B, H, M, b.shape[-1])
+
+
+def _writable(c: Tensor, *xs: Tensor) -> bool:
+    """Whether ``c`` may be written in place with a result of ``xs``: every one a plain
+    tensor (no functorch wrapper, nothing for autograd to record), ``c`` contiguous. A 256
+    KiB out-of-place result costs a fresh allocation (page faults) per tile."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (c, *xs)):
+        return False
+    return c.is_contiguous() and not any(
+        torch._C._functorch.is_functorch_wrapped_tensor(x)
+        or "Batched" in str(torch._C._dispatch_keys(x)) for x in (c, *xs))
+
+
+def qk_t(a: Tensor, b: Tensor, G: int, add: Tensor | None = None) -> Tensor:
+    """``add + a bᵀ`` per head: a ``(B, H, M, D)`` query-head rows, b ``(B, Hkv, N, D)`` →
+    (B, H, M, N), each query head against its KV head (no copy of b per query head)."""
+    return _gemm(a, b.transpose(-2, -1), G, add)
+
+
+def pv(p: Tensor, b: Tensor, G: int, add: Tensor | None = None) -> Tensor:
+    """``add + p b`` per head: p ``(B, H, M, N)``, b ``(B, Hkv, N, X)`` → (B, H, M, X)."""
+    return _gemm(p, b, G, add)
+
+
+def tp_kv(a: Tensor, g: Tensor, G: int) -> Tensor:
+    """``aᵀ g`` summed over each KV head's G query heads: a ``(B, H, M, N)``, g ``(B, H, M,
+    X)`` → (B, Hkv, N, X) (the gradient of a KV-head operand of :func:`qk_t` / :func:`pv`)."""
+    return grouped(a, G).transpose(-2, -1) @ grouped(g, G)
 
 
 def plain(*xs: object) -> bool:
@@ -258,8 +319,22 @@ def tiled_jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     out and lse its forward's), for ``tangents`` by name: q, k, v, softcap, mask, alibi,
     sinks (None or missing: 0). ȯ in v's dtype, lsė in the lse's."""
     threads = cpu.workers_for_call()  # read before one_thread sets the caller's to 1
-    with one_thread(q):
-        return _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads)
+    names = tuple(tangents)
+    low = None
+    if spec.score_mod is None and spec.mask_mod is None:  # no callable reads tensors of its own
+        low = transforms.lowered(q, k, v, out, lse, *ops[:4], *(tangents[n] for n in names))
+    if low is None:
+        with one_thread(q):
+            return _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads)
+    # functorch's jvp hands the rule tensors wrapped at its own level: the tangent is linear
+    # in them, so compute one level down on plain tensors (the worker pool may run them) and
+    # wrap the result back
+    level, xs = low
+    ops = ops._replace(attn_mask=xs[5], sinks=xs[6], softcap=xs[7], alibi=xs[8])
+    with transforms.below(), one_thread(q):
+        d_out, d_lse = _tiled_jvp(*xs[:5], spec, ops, dict(zip(names, xs[9:])), threads)
+    d_out, d_lse = transforms.rewrap(d_out, level), transforms.rewrap(d_lse, level)
+    return d_out, d_lse
 
 
 def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
@@ -282,7 +357,7 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
         b_acc = torch.zeros(B, H, m1 - m0, 1, dtype=acc, device=q.device)
         for n0, n1, full in key_tiles:
             xs = ts.operands(primal, m0, m1, n0, n1)
-            txs = ts.operands(tangents, m0, m1, n0, n1, like=xs)
+            txs = ts.operands(tangents, m0, m1, n0, n1)
             s, sd = ts.fn(m0, m1, n0, n1, full, txs)(*xs)
             p = probs(s, lse_col)
             psd = p * sd
@@ -290,9 +365,9 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
             z = ts.dropout(m0, m1, n0, n1)
             if z is not None:
                 p, psd = p * z, psd * z
-            a_acc = a_acc + psd @ expand_heads(span(v, 2, n0, n1).to(acc), G)
+            a_acc = pv(psd, span(v, 2, n0, n1).to(acc), G, add=a_acc)
             if tv is not None:
-                a_acc = a_acc + p @ expand_heads(span(tv, 2, n0, n1).to(acc), G)
+                a_acc = pv(p, span(tv, 2, n0, n1).to(acc), G, add=a_acc)
         if ops.sinks is not None and tangents.get("sinks") is not None:
             p_sink = torch.exp(ops.sinks.to(acc).view(1, H, 1, 1) - lse_col)
             b_acc = b_acc + p_sink * tangents["sinks"].to(acc).view(1, H, 1, 1)
