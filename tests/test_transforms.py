@@ -202,6 +202,23 @@ def test_modules_under_vmap_and_functional_call():
     close(res["tiled"], res["reference"])
 
 
+def test_consistency_model_training_step():
+    """sCM's step: the loss reads the module's jvp (primal and tangent), and its backward
+    reaches the parameters through the tangent too; tiled's parameter gradients equal the
+    reference backend's."""
+    x, tx = _randn(B, 6, 8, seed=90), _randn(B, 6, 8, seed=91)
+    res = {}
+    for be in ("reference", "tiled"):
+        torch.manual_seed(0)
+        mha = attn.nn.MultiHeadAttention(8, heads=4, kv_heads=2, causal=True, sinks=True,
+                                         learn_temperature=True, backend=be).double()
+        out, tangent = jvp(mha, (x,), (tx,))
+        ((tangent ** 2).sum() + (out * torch.cos(out)).sum()).backward()
+        res[be] = [p.grad for _, p in sorted(mha.named_parameters())]
+    assert all(g is not None for g in res["tiled"])
+    close(res["tiled"], res["reference"])
+
+
 def test_gradcheck_batched_grad_on_the_drop_in():
     """torch's own batched-gradient checks (issue 37: "Batching rule not implemented for
     aten::alias"), with forward-mode and batched forward-mode checks, on the default backend
@@ -238,12 +255,22 @@ def test_backends_without_rules_say_which_can():
 
 # -- 2. forward-mode AD: torch.func.jvp and finite differences -------------------------------
 
+@pytest.mark.parametrize("path", ["one_pass", "rule"])
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_jvp_matches_the_reference(qkv, name):
+def test_jvp_matches_the_reference(qkv, name, path, monkeypatch):
     """Tangents of out and lse along q, k, v and along the variant's learnable tensor (the
-    ALiBi slopes too: forward-mode reads them as any input), tiled against the reference."""
+    ALiBi slopes too: forward-mode reads them as any input), tiled against the reference:
+    by the one pass that computes primal and tangent together (nothing requires grad), and
+    by the autograd.Function's jvp rule after its forward (inputs that require grad)."""
+    from attn.tiled import jvp as tiled_jvp
+
+    passes = []
+    one_pass = tiled_jvp._one_pass
+    monkeypatch.setattr(tiled_jvp, "_one_pass", lambda *a: passes.append(1) or one_pass(*a))
     kw, learn = VARIANTS[name]
     q, k, v = qkv
+    if path == "rule":
+        q = q.clone().requires_grad_()
     tq, tk, tv = (_randn(*t.shape, seed=20 + i) for i, t in enumerate(qkv))
     res = {}
     for be in ("reference", "tiled"):
@@ -254,6 +281,9 @@ def test_jvp_matches_the_reference(qkv, name):
                          (_randn(*p.shape, seed=30),)))
         res[be] = r
     close(res["tiled"], res["reference"])
+    # the one pass takes every variant but score_mod and mask_mod (callables that may read
+    # tensors of their own)
+    assert bool(passes) == (path == "one_pass" and name not in ("score_mod", "mask_mod"))
 
 
 def test_jvp_under_forward_ad_and_vmap_of_jvp(qkv):
@@ -313,6 +343,66 @@ def test_double_backward_matches_the_reference(qkv, name):
         penalty = sum((x * torch.cos(x)).sum() for x in g)
         res[be] = (g, torch.autograd.grad(penalty, xs))
     close(res["tiled"], res["reference"])
+
+
+@pytest.mark.parametrize("name", ["causal", "sinks", "float_mask"])
+def test_jvp_over_many_tiles(name):
+    """torch.func.jvp past one tile (3 query blocks, 2 key tiles, GQA 4:2): the rule one
+    level below functorch's wrappers, its query blocks on the worker pool."""
+    n = 300
+    kw = {"causal": True}
+    extra_p, extra_t = (), ()
+    if name == "sinks":
+        kw["sinks"] = _randn(4, seed=70)
+        extra_p, extra_t = (kw.pop("sinks"),), (_randn(4, seed=71),)
+    if name == "float_mask":
+        extra_p, extra_t = (_randn(1, 1, n, n, seed=72),), (_randn(1, 1, n, n, seed=73),)
+    primals = (_randn(1, 4, n, 8, seed=74), _randn(1, 2, n, 8, seed=75),
+               _randn(1, 2, n, 8, seed=76)) + extra_p
+    tangents = tuple(_randn(*x.shape, seed=80 + i) for i, x in enumerate(primals[:3])) + extra_t
+    res = {}
+    for be in ("reference", "tiled"):
+        def f(q, k, v, *x, be=be):
+            over = {} if not x else {"sinks" if name == "sinks" else "attn_mask": x[0]}
+            return _call(be, kw, q, k, v, **over)
+        res[be] = jvp(f, primals, tangents)
+    close(res["tiled"], res["reference"])
+
+
+@pytest.mark.parametrize("keep_bytes", [None, 0])
+@pytest.mark.parametrize("name", ["causal", "dropout", "float_mask"])
+def test_double_backward_over_many_tiles(monkeypatch, name, keep_bytes):
+    """Past one tile (3 query blocks of 128 rows, 2 key tiles of 256, GQA 4:2): the query
+    blocks as runs on the worker pool, each run's dK/dV partial over its own keys, pass 1's
+    tiles kept for pass 2 or (keep_bytes 0) recomputed; against the reference, and the same
+    bits on one worker as on two."""
+    from attn.tiled import double
+
+    if keep_bytes is not None:
+        monkeypatch.setattr(double, "_KEEP_BYTES", keep_bytes)
+    n = 300
+    kw = {"causal": True}
+    if name == "dropout":
+        kw["dropout_p"] = 0.2
+    if name == "float_mask":
+        kw["attn_mask"] = _randn(1, 1, n, n, seed=61)
+    q, k, v = _randn(1, 4, n, 8, seed=60), _randn(1, 2, n, 8, seed=62), _randn(1, 2, n, 8,
+                                                                            seed=63)
+    res = {}
+    before = torch.get_num_threads()
+    for be, threads in (("reference", 2), ("tiled", 1), ("tiled", 2)):
+        torch.set_num_threads(threads)
+        try:
+            xs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, lse = _call(be, kw, *xs)
+            g = torch.autograd.grad((out ** 2).sum() + lse.sum(), xs, create_graph=True)
+            penalty = sum((x * torch.cos(x)).sum() for x in g)
+            res[be, threads] = torch.autograd.grad(penalty, xs)
+        finally:
+            torch.set_num_threads(before)
+    close(res["tiled", 2], res["reference", 2])
+    for a, b in zip(res["tiled", 1], res["tiled", 2]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name", ["causal", "sinks", "alibi"])

@@ -653,7 +653,12 @@ def tiled_attention(
         mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
         spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
     ts = (q, k, v, *operands[:4], *operands.captured)
-    fn = _TiledAttentionJvp if transforms.active(*ts) else _TiledAttention
+    fn = _TiledAttention
+    if transforms.active(*ts):
+        dual = jvp.forward_with_tangent(q, k, v, spec, operands)  # forward AD alone: one pass
+        if dual is not None:
+            return dual
+        fn = _TiledAttentionJvp
     out, lse, _ = fn.apply(q, k, v, spec, config, operands.attn_mask, operands.sinks,
                            operands.softcap, operands.alibi, *operands.captured)
     return out, lse

@@ -13,8 +13,12 @@ c_j = a_j dp_j + z_j e_j, row sums ā = Σ p a, C = Σ p c, Δ_pd = Σ p dp, Δ 
     ∂L/∂v_j = z_j p_j (a_j − ā) g,
 
 and ``(∂L/∂s, ∂L/∂a)`` go back through the tile's score function and its tangent map (the
-vjp of a jvp, one tile at a time) to q, k, the softcap and the mask. A first pass over a
-query block's tiles gives the row sums, a second the gradients. The forward-mode rule of the
+vjp of a jvp, one tile at a time) to q, k, the softcap and the mask: by hand where the map is
+linear in q and k (no score_mod, no softcap), else through ``torch.func.vjp``. A first pass
+over a query block's tiles gives the row sums (C and Δ_pd as g·Σ (p z a) v + g·Σ (p z) t_v and
+g·Σ (p z) v, GEMMs into (BM, Dv) rows), a second the gradients, reusing the first's p and a
+up to a fixed byte budget per block. Plain CPU tensors run as runs of query blocks on the
+tiled backend's worker pool, each run with its own dK/dV partial. The forward-mode rule of the
 backward (what ``jacfwd(jacrev(f))`` needs) is the same kernel with the tangent of ``g`` added
 as a first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
 """
@@ -34,8 +38,9 @@ from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import batching
-from attn.tiled.jvp import (TileScores, one_thread, probs, pv, qk_t, rows, safe_lse, span,
-                            tp_kv, unsupported)
+from attn.tiled import cpu
+from attn.tiled.jvp import (TileScores, _writable, grouped, one_thread, plain, probs, pv, qk_t,
+                            rows, safe_lse, span, tp_kv, unsupported)
 
 _GRAD_NAMES = ("q", "k", "v", "mask", "sinks", "softcap")
 
@@ -71,11 +76,21 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     accumulation dtype at its operand's shape. ``t``: directions by name (q, k, v, mask,
     sinks, softcap, alibi; missing: 0). ``first = (ġ, ġ_lse)``: the forward-mode rule of the
     backward, ``Jᵀ ġ`` added to the q, k, v, mask, sinks and softcap entries."""
+    threads = cpu.workers_for_call()  # read before one_thread sets the caller's to 1
     with one_thread(q):
-        return _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first)
+        return _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads)
 
 
-def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
+# Runs of query blocks in the pooled double backward (:func:`_pooled`): each sums dK and dV
+# into a partial of its own; a few more than the workers a 2-4 core machine has balance them
+_RUNS = 4
+# Pass 1's probabilities and score tangents of a query block, kept for pass 2 up to this
+# many bytes per block (the rest recomputed): three GEMMs and an exp per kept tile saved, a
+# bounded buffer per worker, so memory stays linear in N
+_KEEP_BYTES = 4 << 20
+
+
+def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
     unsupported(spec, ops, "the double backward")
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -90,13 +105,17 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
     sinks = None if ops.sinks is None else ops.sinks.to(acc).view(1, H, 1, 1)
     t_sink = None if t.get("sinks") is None else t["sinks"].to(acc).view(1, H, 1, 1)
     names = ts._names()
-    dq_blocks, dg_blocks, dlse_blocks = [], [], []
-    dk, dv = _Tiles(2), _Tiles(2)
     mask4 = None if ops.attn_mask is None or not ts.float_mask else as_4d(ops.attn_mask)
     dmask_bcast = mask4 is not None and mask4.shape[3] == 1
-    dmask = _Tiles(3, dmask_bcast)
-    dmask_rows: list[tuple[int, int, Tensor]] = []
-    dcap = dsink = None
+    # the score map is linear in q and k (no score_mod, no softcap): its vjp by hand, two
+    # GEMMs per operand, rather than through torch.func.vjp per tile
+    linear = spec.score_mod is None and spec.softcap is None and not ts.has_cap
+    tq = None if t.get("q") is None else t["q"].to(acc)
+    tk = None if t.get("k") is None else t["k"].to(acc)
+    scale = spec.qk_scale
+    tensors = (q, k, v, out, lse, g, glse, gd, glse_d, *ops[:4], *t.values())
+    pooled = plain(*tensors) and not (torch.is_grad_enabled() and any(
+        isinstance(x, Tensor) and x.requires_grad for x in tensors))
 
     def tile(m0, m1, n0, n1, full):
         xs = ts.operands(primal, m0, m1, n0, n1)
@@ -109,34 +128,50 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
     def col(x: Tensor | None, m0: int, m1: int) -> Tensor | float:
         return 0.0 if x is None else rows(x.to(acc), m0, m1)
 
-    for m0, m1, key_tiles in ts.query_blocks():
+    def block(m0, m1, key_tiles, kv_into):
+        """One query block: ``(dq rows, dg rows, lsė rows, dsinks part, dsoftcap part,
+        dmask rows)``, its dK / dV added through ``kv_into(n0, n1, dk, dv)``."""
         BM = m1 - m0
         lse_col, g_blk = rows(lse_a, m0, m1), span(g_a, 2, m0, m1)
 
-        def terms(s, a, z, vt, tvt, lse_col=lse_col, g_blk=g_blk):
-            """p, p·z, dp = z·(g vᵀ) and c = a·dp + z·(g t_vᵀ) of a tile."""
-            p = probs(s, lse_col)
+        def terms(p, z, vt, tvt):
+            """p·z, dp = z·(g vᵀ) and e = z·(g t_vᵀ) (None without t_v) of a tile."""
             dp, e = qk_t(g_blk, vt, G), None
             if tvt is not None:
                 e = qk_t(g_blk, tvt, G)
             if z is not None:
                 dp, e = dp * z, None if e is None else e * z
-            c = a * dp if e is None else a * dp + e
-            return p, p if z is None else p * z, dp, c
+            return p if z is None else p * z, dp, e
 
         gd_blk = None if gd is None else span(gd, 2, m0, m1)
-        zero_col = torch.zeros(B, H, BM, 1, dtype=acc, device=q.device)
-        # -- pass 1: the row sums ā, C, Δ_pd (and Σ p ḋp for the first-order term) --
-        abar, c_sum, dpd, dpd_dot = zero_col, zero_col, zero_col, zero_col
+        col0 = torch.zeros(B, H, BM, 1, dtype=acc, device=q.device)
+
+        def rows0() -> Tensor:  # a fresh one each: the GEMMs may accumulate into it in place
+            return torch.zeros(B, H, BM, Dv, dtype=acc, device=q.device)
+
+        # -- pass 1: the row sums ā = Σ p a, C = Σ p c (c = a·dp + e) and Δ_pd = Σ p dp,
+        # the last two as g·(Σ (p z a) v + Σ (p z) t_v) and g·Σ (p z) v: GEMMs accumulating
+        # (BM, Dv) rows rather than products over the tile (and Σ p ḋp is ġ·Σ (p z) v) --
+        abar, pav, pv_sum, ptv = col0, rows0(), rows0(), rows0()
+        kept: dict[int, tuple[Tensor, Tensor]] = {}  # pass 1's (p, a) that pass 2 reuses
+        kept_bytes = 0
         for n0, n1, full in key_tiles:
             xs, txs, fn, vt, tvt, z = tile(m0, m1, n0, n1, full)
             s, a = fn(*xs)
-            p, pz, dp, c = terms(s, a, z, vt, tvt)
-            abar = abar + (p * a).sum(-1, keepdim=True)
-            c_sum = c_sum + (p * c).sum(-1, keepdim=True)
-            dpd = dpd + (p * dp).sum(-1, keepdim=True)
-            if gd_blk is not None:
-                dpd_dot = dpd_dot + (pz * qk_t(gd_blk, vt, G)).sum(-1, keepdim=True)
+            p = probs(s, lse_col)
+            if linear and kept_bytes + 2 * p.nbytes <= _KEEP_BYTES:
+                kept[n0] = (p, a)
+                kept_bytes += 2 * p.nbytes
+            pa = p * a
+            abar = abar + pa.sum(-1, keepdim=True)
+            pz = p if z is None else p * z
+            pv_sum = pv(pz, vt, G, add=pv_sum)
+            pav = pv(pa if z is None else pa * z, vt, G, add=pav)
+            if tvt is not None:
+                ptv = pv(pz, tvt, G, add=ptv)
+        c_sum = (g_blk * (pav + ptv)).sum(-1, keepdim=True)
+        dpd = (g_blk * pv_sum).sum(-1, keepdim=True)
+        dpd_dot = col0 if gd_blk is None else (gd_blk * pv_sum).sum(-1, keepdim=True)
         p_sink = None
         if sinks is not None:
             p_sink = torch.exp(sinks - lse_col)
@@ -144,54 +179,80 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
                 abar = abar + p_sink * t_sink
         delta = dpd - col(glse, m0, m1)
         delta_dot = dpd_dot - col(glse_d, m0, m1)
+        # s̄ = p [(c − C) − Δ (a − ā) − ā (dp − Δ_pd)] = a·ā_s + p (e − ā dp + r0) with the
+        # row constant r0 = Δ ā + ā Δ_pd − C and ā_s = p (dp − Δ)
+        r0 = delta * abar + abar * dpd - c_sum
         # -- pass 2: the gradients --
         dq_blk = torch.zeros(B, H, BM, D, dtype=acc, device=q.device)
-        dg_blk = torch.zeros(B, H, BM, Dv, dtype=acc, device=q.device)
+        dg_blk = rows0()
+        dmask = _Tiles(3, dmask_bcast)
+        dcap = None
+        q_blk = span(q, 2, m0, m1).to(acc)
+        tq_blk = None if tq is None else span(tq, 2, m0, m1)
         for n0, n1, full in key_tiles:
             xs, txs, fn, vt, tvt, z = tile(m0, m1, n0, n1, full)
-            (s, a), vjp_fn = torch.func.vjp(fn, *xs)
-            p, pz, dp, c = terms(s, a, z, vt, tvt)
-            s_bar = p * ((c - c_sum) - delta * (a - abar) - abar * (dp - dpd))
+            if n0 in kept:
+                p, a = kept.pop(n0)
+            elif linear:
+                s, a = fn(*xs)
+                p = probs(s, lse_col)
+            else:
+                (s, a), vjp_fn = torch.func.vjp(fn, *xs)
+                p = probs(s, lse_col)
+            pz, dp, e = terms(p, z, vt, tvt)
             a_bar = p * (dp - delta)
-            w = pz * (a - abar)  # ∂L/∂dp before z, per (row, key)
-            dv_h = tp_kv(w, g_blk, G)
+            inner = torch.addcmul(r0, dp, abar, value=-1.0)
+            if e is not None:
+                inner = inner + e
             if gd_blk is not None:
                 ddp = qk_t(gd_blk, vt, G)
-                if z is not None:
-                    ddp = ddp * z
-                s_bar = s_bar + p * (ddp - delta_dot)
-                dv_h = dv_h + tp_kv(pz, gd_blk, G)
-            grads = dict(zip(names, vjp_fn((s_bar, a_bar))))
-            dq_blk = dq_blk + grads["q"]
-            dk.add(n0, n1, grads["k"])
-            dv.add(n0, n1, dv_h)
-            dg_blk = dg_blk + pv(w, vt, G)
+                inner = inner + (ddp if z is None else ddp * z) - delta_dot
+            s_bar = torch.addcmul(a * a_bar, p, inner)
+            w = pz * (a - abar)  # ∂L/∂dp before z, per (row, key)
+            # dV = Σ over the group's rows of wᵀ g (+ (p z)ᵀ ġ): terms (a, b, alpha) of aᵀ b
+            dv_terms = [(w, g_blk, 1.0)]
+            if gd_blk is not None:
+                dv_terms.append((pz, gd_blk, 1.0))
+            if linear:  # s = (c q) kᵀ + bias, a = c (q̇ kᵀ + q k̇ᵀ) + ...: the vjp by hand
+                dq_blk = pv(s_bar, span(k, 2, n0, n1).to(acc), G, add=dq_blk, alpha=scale)
+                dk_terms = [(s_bar, q_blk, scale)]
+                if tk is not None:
+                    dq_blk = pv(a_bar, span(tk, 2, n0, n1), G, add=dq_blk, alpha=scale)
+                if tq_blk is not None:
+                    dk_terms.append((a_bar, tq_blk, scale))
+                grads = {}
+                if "mask" in names:  # s = ... + mask: its gradient is s̄ where it broadcasts
+                    grads["mask"] = reduce_to(s_bar, xs[names.index("mask")].shape)
+            else:
+                grads = dict(zip(names, vjp_fn((s_bar, a_bar))))
+                dq_blk = dq_blk + grads["q"]
+                dk_terms = grads["k"]
+            kv_into(n0, n1, dk_terms, dv_terms)
+            dg_blk = pv(w, vt, G, add=dg_blk)
             if tvt is not None:
-                dg_blk = dg_blk + pv(pz, tvt, G)
+                dg_blk = pv(pz, tvt, G, add=dg_blk)
             if "softcap" in grads:
                 dcap = grads["softcap"] if dcap is None else dcap + grads["softcap"]
             if "mask" in grads:
                 dmask.add(n0, n1, grads["mask"])
+        dsink = None
         if p_sink is not None:
             t_s = 0.0 if t_sink is None else t_sink
-            ds = p_sink * (-c_sum - delta * (t_s - abar) + abar * dpd)
+            dsink = p_sink * (-c_sum - delta * (t_s - abar) + abar * dpd)
             if gd_blk is not None:
-                ds = ds - p_sink * delta_dot
-            ds = ds.sum(dim=(0, 2, 3))
-            dsink = ds if dsink is None else dsink + ds
+                dsink = dsink - p_sink * delta_dot
+            dsink = dsink.sum(dim=(0, 2, 3))
+        drow = None
         if mask4 is not None and dmask.parts:
-            dmask_rows.append((m0, m1, dmask.join(mask4.shape[3], _mask_like(mask4, BM))))
-            dmask = _Tiles(3, dmask_bcast)
-        dq_blocks.append(dq_blk)
-        dg_blocks.append(dg_blk)
-        dlse_blocks.append(abar.squeeze(-1))
-    def cat(xs):
-        return xs[0] if len(xs) == 1 else torch.cat(xs, dim=2)
+            drow = dmask.join(mask4.shape[3], _mask_like(mask4, BM))
+        return dq_blk, dg_blk, abar.squeeze(-1), dsink, dcap, drow
 
-    res = {"q": cat(dq_blocks),
-           "k": dk.join(Nk, torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)),
-           "v": dv.join(Nk, torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)),
-           "do": cat(dg_blocks), "dlse": cat(dlse_blocks)}
+    blocks = list(ts.query_blocks())
+    if pooled:
+        res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
+    else:
+        res, parts = _in_order(blocks, block, q, v, Hkv, Nk, D, Dv, acc)
+    dsink, dcap, dmask_rows = parts
     if mask4 is not None:
         res["mask"] = _join_rows(dmask_rows, mask4, Nq).reshape(ops.attn_mask.shape)
     if ops.softcap is not None:
@@ -200,6 +261,129 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first):
     if ops.sinks is not None:
         res["sinks"] = torch.zeros(H, dtype=acc, device=q.device) if dsink is None else dsink
     return res
+
+
+def _terms(x, G: int) -> Tensor:
+    """A KV-head gradient tile: ``x`` itself, or the sum of its terms ``[(a, b, alpha)]``,
+    each ``alpha · Σ_group aᵀ b`` (:func:`attn.tiled.jvp.tp_kv`)."""
+    if isinstance(x, Tensor):
+        return x
+    total = None
+    for a, b, alpha in x:
+        y = tp_kv(a, b, G)
+        y = y if alpha == 1.0 else y * alpha
+        total = y if total is None else total + y
+    return total
+
+
+def _terms_into(into: Tensor, x, G: int) -> None:
+    """``into += x`` for :func:`_terms`' ``x``, each term's GEMM accumulating in place."""
+    if isinstance(x, Tensor):
+        into.add_(x)
+        return
+    B, Hkv, N, X = into.shape
+    into3 = into.view(B * Hkv, N, X)
+    for a, b, alpha in x:
+        a3 = grouped(a, G).reshape(B * Hkv, -1, N)
+        b3 = grouped(b, G).reshape(B * Hkv, -1, X)
+        into3.baddbmm_(a3.transpose(-2, -1), b3, alpha=alpha)
+
+
+def pv_add(a: Tensor, b: Tensor) -> Tensor:
+    """``a + b``, in place into ``a`` where it may be (see :func:`attn.tiled.jvp._writable`)."""
+    return a.add_(b) if _writable(a, b) else a + b
+
+
+def _sum(xs) -> Tensor | None:
+    """The sum of the non-None entries in order, None if there are none."""
+    total = None
+    for x in xs:
+        if x is not None:
+            total = x if total is None else total + x
+    return total
+
+
+def _in_order(blocks, block, q, v, Hkv, Nk, D, Dv, acc):
+    """The query blocks in order on the caller, nothing written in place (the tensors may be
+    functorch's or autograd's): ``(dq, dk, dv, do, dlse), (dsinks, dsoftcap, dmask rows)``."""
+    B, H, Nq, _ = q.shape
+    G = H // Hkv
+    dk, dv = _Tiles(2), _Tiles(2)
+
+    def kv_into(n0, n1, dk_t, dv_t):
+        dk.add(n0, n1, _terms(dk_t, G))
+        dv.add(n0, n1, _terms(dv_t, G))
+
+    outs = [block(m0, m1, key_tiles, kv_into) for m0, m1, key_tiles in blocks]
+    dq, dg, dl, dsinks, dcaps, _ = zip(*outs) if outs else ((),) * 6
+
+    def cat(xs, width):
+        if not xs:
+            return torch.zeros(B, H, Nq, *width, dtype=acc, device=q.device)
+        return xs[0] if len(xs) == 1 else torch.cat(xs, dim=2)
+
+    res = {"q": cat(dq, (D,)), "do": cat(dg, (Dv,)), "dlse": cat(dl, ()),
+           "k": dk.join(Nk, torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)),
+           "v": dv.join(Nk, torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device))}
+    mask_rows = [(m0, m1, o[5]) for (m0, m1, _), o in zip(blocks, outs) if o[5] is not None]
+    return res, (_sum(dsinks), _sum(dcaps), mask_rows)
+
+
+def _runs(blocks, n_runs: int) -> list[list[int]]:
+    """The query blocks cut into at most ``n_runs`` consecutive runs of about equal work (key
+    tiles), from the blocks alone."""
+    work = [len(kt) for _, _, kt in blocks]
+    total = max(sum(work), 1)
+    runs: list[list[int]] = [[] for _ in range(min(n_runs, len(blocks)))]
+    done = 0
+    for i, w in enumerate(work):
+        runs[min(done * len(runs) // total, len(runs) - 1)].append(i)
+        done += w
+    return [r for r in runs if r]
+
+
+def _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads):
+    """Runs of query blocks (:func:`_runs`) as work items on the tiled backend's pool (plain
+    CPU tensors, no gradient recorded): a run takes its blocks in order, writes their rows
+    of dq, do and lse and sums their dK / dV into a partial of its own over the keys they
+    see; the partials and the per-block sums are then added in run order, so the bits do
+    not depend on how many workers took the runs."""
+    B, H, Nq, _ = q.shape
+    G = H // Hkv
+    dev = q.device
+    runs = _runs(blocks, _RUNS)
+    dq = torch.zeros(B, H, Nq, D, dtype=acc, device=dev)
+    dg = torch.zeros(B, H, Nq, Dv, dtype=acc, device=dev)
+    dl = torch.zeros(B, H, Nq, dtype=acc, device=dev)
+    kv_parts: list = [None] * len(runs)
+    extras: list = [None] * len(blocks)
+
+    def item(r: int) -> None:
+        lo = min((kt[0][0] for _, _, kt in (blocks[i] for i in runs[r]) if kt), default=0)
+        hi = max((kt[-1][1] for _, _, kt in (blocks[i] for i in runs[r]) if kt), default=0)
+        dk = torch.zeros(B, Hkv, max(hi - lo, 0), D, dtype=acc, device=dev)
+        dv = torch.zeros(B, Hkv, max(hi - lo, 0), Dv, dtype=acc, device=dev)
+
+        def kv_into(n0, n1, dk_t, dv_t):
+            _terms_into(dk[:, :, n0 - lo:n1 - lo], dk_t, G)
+            _terms_into(dv[:, :, n0 - lo:n1 - lo], dv_t, G)
+
+        for i in runs[r]:
+            m0, m1, key_tiles = blocks[i]
+            dq_b, dg_b, dl_b, dsink, dcap, drow = block(m0, m1, key_tiles, kv_into)
+            dq[:, :, m0:m1], dg[:, :, m0:m1], dl[:, :, m0:m1] = dq_b, dg_b, dl_b
+            extras[i] = (dsink, dcap, drow)
+        kv_parts[r] = (lo, hi, dk, dv)
+
+    cpu.run_items(item, len(runs), threads=threads)
+    dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=dev)
+    dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=dev)
+    for lo, hi, dk_r, dv_r in kv_parts:
+        dk[:, :, lo:hi] += dk_r
+        dv[:, :, lo:hi] += dv_r
+    res = {"q": dq, "do": dg, "dlse": dl, "k": dk, "v": dv}
+    mask_rows = [(m0, m1, e[2]) for (m0, m1, _), e in zip(blocks, extras) if e[2] is not None]
+    return res, (_sum(e[0] for e in extras), _sum(e[1] for e in extras), mask_rows)
 
 
 def _mask_like(mask4: Tensor, BM: int) -> Tensor:

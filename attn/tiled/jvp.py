@@ -39,6 +39,11 @@ from attn.tiled.plan import _blocks
 # 2048: 2.2x the forward against 3.0x at 128 x 128, 2.3-2.8x at 256 rows)
 BLOCK_M = 128
 BLOCK_N = 256
+# ... and of the one pass that computes primal and tangent together (forward_with_tangent):
+# fewer, larger tiles pay off its per-tile eager ops, more rows cost working memory. Cascade
+# Lake, fp32 B=1 H=2 D=64 causal N=4096 (loaded), time / working memory against a forward:
+# 128 x 256 3.6x / 0.9x, 192 x 256 3.3x / 1.35x, 256 x 256 2.9-3.0x / 1.8x
+ONE_PASS_BLOCKS = (192, 256)
 
 # the differentiable operands of a tile's scores, in the order TileScores.fn takes them
 SCORE_INPUTS = ("q", "k", "softcap", "mask", "alibi")
@@ -61,10 +66,13 @@ class TileScores:
     the ALiBi slopes (or their tangents) for a tile, :meth:`fn` is the function of them.
     q ``(B, H, Nq, D)``, k ``(B, Hkv, Nk, D)``: the call's, accumulation dtype."""
 
-    def __init__(self, q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> None:
+    def __init__(self, q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, *,
+                 blocks: tuple[int, int] = (BLOCK_M, BLOCK_N), inplace: bool = False) -> None:
+        # inplace: the caller's tensors are plain and nothing differentiates the tiles, so
+        # the masking may write into them
         B, H, Nq, _ = q.shape
         self.B, self.H, self.G, self.Nq, self.Nk = B, H, H // k.shape[1], Nq, k.shape[2]
-        self.spec, self.device = spec, q.device
+        self.spec, self.device, self.inplace = spec, q.device, inplace
         self.acc = _acc_dtype(q.dtype)
         self.band = spec.local_band()
         mask = ops.attn_mask
@@ -72,8 +80,8 @@ class TileScores:
         self.float_mask = mask is not None and mask.dtype != torch.bool
         self.has_cap = ops.softcap is not None
         self.has_alibi = ops.alibi is not None
-        bm = spec.block_m or BLOCK_M
-        bn = spec.block_n or BLOCK_N
+        bm = spec.block_m or blocks[0]
+        bn = spec.block_n or blocks[1]
         self.spec_sized = dataclasses.replace(spec, block_m=bm, block_n=bn)
 
     def query_blocks(self):
@@ -185,7 +193,7 @@ class TileScores:
             sd = None  # the tangent: None while it is 0 (terms whose direction is 0 skipped)
             if t["q"] is not None:
                 sd = qk_t(t["q"] * spec.qk_scale, x["k"], G)
-            if t["k"] is not None:
+            if t["k"] is not None:  # accumulated into the first term's tile where plain
                 sd = qk_t(q_s, t["k"], G, add=sd)
             sd = torch.zeros_like(s) if sd is None else sd
             if spec.score_mod is not None:  # elementwise in s: its derivative, by a vjp
@@ -212,7 +220,11 @@ class TileScores:
                 finite = x["mask"] != float("-inf")
                 k_ = finite if k_ is None else k_ & finite
             if k_ is not None:
-                s, sd = s.masked_fill(~k_, float("-inf")), sd.masked_fill(~k_, 0.0)
+                if self.inplace:  # fresh tiles that nothing differentiates
+                    drop = ~k_
+                    s, sd = s.masked_fill_(drop, float("-inf")), sd.masked_fill_(drop, 0.0)
+                else:
+                    s, sd = s.masked_fill(~k_, float("-inf")), sd.masked_fill(~k_, 0.0)
             return s, sd
 
         return scores
@@ -251,9 +263,9 @@ def grouped(x: Tensor, G: int) -> Tensor:
     return x.reshape(B, H // G, G * M, X)
 
 
-def _gemm(a: Tensor, b: Tensor, G: int, add: Tensor | None) -> Tensor:
-    """``add + grouped(a) b`` per KV head, as 3-D (b)mm: a ``(B, H, M, K)``, b ``(B, Hkv, K,
-    N)`` → (B, H, M, N); ``add`` None or (B, H, M, N)."""
+def _gemm(a: Tensor, b: Tensor, G: int, add: Tensor | None, alpha: float = 1.0) -> Tensor:
+    """``add + alpha · grouped(a) b`` per KV head, as 3-D (b)mm: a ``(B, H, M, K)``, b ``(B,
+    Hkv, K, N)`` → (B, H, M, N); ``add`` None (then alpha 1) or (B, H, M, N)."""
     B, H, M, _ = a.shape
     a3 = a.reshape(B * (H // G), G * M, a.shape[-1])
     b3 = b.reshape(B * b.shape[1], b.shape[2], b.shape[3])
@@ -261,8 +273,8 @@ def _gemm(a: Tensor, b: Tensor, G: int, add: Tensor | None) -> Tensor:
         return torch.bmm(a3, b3).reshape(B, H, M, b.shape[-1])
     c3 = add.reshape(a3.shape[0], G * M, b.shape[-1])
     if _writable(c3, a3, b3):  # plain tensors: into add's own storage (a fresh result)
-        return c3.baddbmm_(a3, b3).reshape(B, H, M, b.shape[-1])
-    return torch.baddbmm(c3, a3, b3).reshape(B, H, M, b.shape[-1])
+        return c3.baddbmm_(a3, b3, alpha=alpha).reshape(B, H, M, b.shape[-1])
+    return torch.baddbmm(c3, a3, b3, alpha=alpha).reshape(B, H, M, b.shape[-1])
 
 
 def _writable(c: Tensor, *xs: Tensor) -> bool:
@@ -282,9 +294,10 @@ def qk_t(a: Tensor, b: Tensor, G: int, add: Tensor | None = None) -> Tensor:
     return _gemm(a, b.transpose(-2, -1), G, add)
 
 
-def pv(p: Tensor, b: Tensor, G: int, add: Tensor | None = None) -> Tensor:
-    """``add + p b`` per head: p ``(B, H, M, N)``, b ``(B, Hkv, N, X)`` → (B, H, M, X)."""
-    return _gemm(p, b, G, add)
+def pv(p: Tensor, b: Tensor, G: int, add: Tensor | None = None, alpha: float = 1.0) -> Tensor:
+    """``add + alpha · p b`` per head: p ``(B, H, M, N)``, b ``(B, Hkv, N, X)`` → (B, H, M,
+    X)."""
+    return _gemm(p, b, G, add, alpha)
 
 
 def tp_kv(a: Tensor, g: Tensor, G: int) -> Tensor:
@@ -335,6 +348,130 @@ def tiled_jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
         d_out, d_lse = _tiled_jvp(*xs[:5], spec, ops, dict(zip(names, xs[9:])), threads)
     d_out, d_lse = transforms.rewrap(d_out, level), transforms.rewrap(d_lse, level)
     return d_out, d_lse
+
+
+_TANGENT_NAMES = ("q", "k", "v", "mask", "sinks", "softcap", "alibi")
+
+
+def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
+                         ) -> tuple[Tensor, Tensor] | None:
+    """``(out, lse)`` as dual tensors of forward-mode AD, primal and tangent in one pass over
+    the tiles, where forward-mode AD is all that differentiates the call: one
+    ``torch.func.jvp`` level (or ``torch.autograd.forward_ad`` dual tensors), nothing that
+    requires grad, no score_mod / mask_mod. Else None, and the caller takes its
+    autograd.Function, whose ``jvp`` rule (:func:`tiled_jvp`) runs after the forward and so
+    recomputes every tile's scores: the pass here reads q·kᵀ once, six GEMMs per tile
+    against the rule's five after the forward's two.
+
+    The online softmax carries the tangent's accumulators beside its own (the same running
+    max rescales them): ``A = Σ e^(s−m) (z ṡ v + z v̇)`` and ``r = Σ e^(s−m) ṡ``, so with the
+    denominator l, ``ȯ = A/l − (r/l)·o`` and ``lsė = r/l``."""
+    import torch.autograd.forward_ad as fwad
+
+    if ops.captured or spec.score_mod is not None or spec.mask_mod is not None or spec.sharded:
+        return None
+    stack = transforms._stack()
+    if len(stack) > 1 or (stack and not str(stack[0].key()).endswith("Jvp")):
+        return None
+    xs = (q, k, v, *ops[:4])
+    try:
+        pairs = [(None, None) if x is None else tuple(fwad.unpack_dual(x)) for x in xs]
+    except RuntimeError:  # no dual level open
+        return None
+    primals, tangents = [p for p, _ in pairs], [t for _, t in pairs]
+    if all(t is None for t in tangents):
+        return None
+    level = None
+    if stack:  # functorch's jvp: its level's wrappers taken off
+        low = transforms.lowered(*primals, *tangents)
+        if low is None:
+            return None
+        level, flat = low
+        primals, tangents = flat[:len(xs)], flat[len(xs):]
+    if any(isinstance(x, Tensor) and (torch._C._functorch.is_functorch_wrapped_tensor(x)
+                                      or "Batched" in str(torch._C._dispatch_keys(x)))
+           for x in (*primals, *tangents)):
+        return None  # wrapped by something else (legacy vmap: gradcheck's batched checks)
+    if torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (*primals, *tangents)):
+        return None  # a backward may follow: the autograd.Function saves what it needs
+    q, k, v = primals[:3]
+    ops = ops._replace(attn_mask=primals[3], sinks=primals[4], softcap=primals[5],
+                       alibi=primals[6])
+    threads = cpu.workers_for_call() if q.device.type == "cpu" else 0
+    below = transforms.below() if level is not None else contextlib.nullcontext()
+    with below, one_thread(q):
+        res = _one_pass(q, k, v, spec, ops, dict(zip(_TANGENT_NAMES, tangents)), threads)
+    if level is not None:
+        res = tuple(transforms.rewrap(x, level) for x in res)
+    out, lse, d_out, d_lse = res
+    return fwad.make_dual(out, d_out), fwad.make_dual(lse, d_lse)
+
+
+def _one_pass(q, k, v, spec, ops, tangents, threads):
+    """``(out, lse, ȯ, lsė)`` of plain tensors (see :func:`forward_with_tangent`)."""
+    unsupported(spec, ops, "forward-mode AD")
+    B, H, Nq, _ = q.shape
+    G, Dv = H // k.shape[1], v.shape[-1]
+    acc = _acc_dtype(q.dtype)
+    ts = TileScores(q, k, spec, ops, blocks=ONE_PASS_BLOCKS, inplace=True)
+    primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask, "alibi": ops.alibi}
+    tv, t_sink = tangents.get("v"), tangents.get("sinks")
+    dev = q.device
+    res = (torch.empty(B, H, Nq, Dv, dtype=acc, device=dev),
+           torch.empty(B, H, Nq, dtype=acc, device=dev),
+           torch.empty(B, H, Nq, Dv, dtype=acc, device=dev),
+           torch.empty(B, H, Nq, dtype=acc, device=dev))
+
+    def block(i: int) -> None:
+        m0, m1, key_tiles = blocks[i]
+        col = (B, H, m1 - m0, 1)
+        if ops.sinks is not None:  # the sink: a first key of value 0, its p = 1 at m = sink
+            m = ops.sinks.to(acc).view(1, H, 1, 1).expand(col)
+            l_i = torch.ones(col, dtype=acc, device=dev)
+            r = (torch.zeros(col, dtype=acc, device=dev) if t_sink is None
+                 else t_sink.to(acc).view(1, H, 1, 1).expand(col).clone())
+        else:
+            m = torch.full(col, float("-inf"), dtype=acc, device=dev)
+            l_i, r = torch.zeros(col, dtype=acc, device=dev), torch.zeros(col, dtype=acc,
+                                                                          device=dev)
+        o = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
+        a = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
+        for n0, n1, full in key_tiles:
+            xs = ts.operands(primal, m0, m1, n0, n1)
+            s, sd = ts.fn(m0, m1, n0, n1, full, ts.operands(tangents, m0, m1, n0, n1))(*xs)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
+            alpha = torch.exp(m - m_safe)
+            # plain tensors that nothing differentiates: the tile's buffers reused in place
+            p = s.sub_(m_safe).exp_()
+            psd = sd.mul_(p)
+            l_i = l_i * alpha + p.sum(-1, keepdim=True)
+            r = r * alpha + psd.sum(-1, keepdim=True)
+            z = ts.dropout(m0, m1, n0, n1)
+            if z is not None:  # the denominator counts every key, the values the kept ones
+                p, psd = p * z, psd.mul_(z)
+            vt = span(v, 2, n0, n1).to(acc)
+            o = pv(p, vt, G, add=o.mul_(alpha))
+            a = pv(psd, vt, G, add=a.mul_(alpha))
+            if tv is not None:
+                a = pv(p, span(tv, 2, n0, n1).to(acc), G, add=a)
+            m = m_new
+        seen = l_i > 0
+        l_safe = torch.where(seen, l_i, 1.0)
+        o, r = o / l_safe, r / l_safe
+        m_fin = torch.where(m == float("-inf"), 0.0, m)
+        res[0][:, :, m0:m1] = o
+        res[1][:, :, m0:m1] = torch.where(seen, m_fin + torch.log(l_safe),
+                                          float("-inf")).squeeze(-1)
+        res[2][:, :, m0:m1] = a / l_safe - r * o
+        res[3][:, :, m0:m1] = r.squeeze(-1)
+
+    blocks = list(ts.query_blocks())
+    cpu.run_items(block, len(blocks), threads=threads)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (res[0].to(v.dtype), res[1].to(lse_dtype), res[2].to(v.dtype),
+            res[3].to(lse_dtype))
 
 
 def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):

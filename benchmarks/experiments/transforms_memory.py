@@ -2,10 +2,12 @@
 a double-backward step (``create_graph=True`` gradients, differentiated again), tiled
 against the reference backend (what a user has today: the N x N scores materialized), at
 several N. Memory: peak bytes allocated above the inputs (attn.timing.peak_bytes, torch's
-CPU profiler; CUDA: max_memory_allocated). Times: median of interleaved rounds (the
-backends take turns), so ratios hold on a loaded machine.
+CPU profiler; CUDA: max_memory_allocated), and the working memory: that peak less what the
+case returns (a jvp returns the primal output and its tangent, twice a forward's). Times:
+median of interleaved rounds (the backends take turns), so ratios hold on a loaded machine.
 
     python benchmarks/experiments/transforms_memory.py --n 512 1024 2048 --rounds 3
+    python benchmarks/experiments/transforms_memory.py --n 4096 8192 16384 --reference-max 2048
     python benchmarks/experiments/transforms_memory.py --per-sample 256 --rounds 3
 """
 
@@ -77,6 +79,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reference-max", type=int, default=1 << 30, metavar="N",
+                    help="run the reference backend (N x N scores) only up to this N")
     ap.add_argument("--per-sample", type=int, default=0, metavar="N",
                     help="instead: vmap(grad) over 16 samples of length N against a loop")
     args = ap.parse_args()
@@ -87,24 +91,33 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.device}, float32, B=1 H={args.heads} "
           f"D={args.head_dim}, causal; peak MiB above the inputs; ms median of "
           f"{args.rounds} interleaved rounds")
-    print("| N | backend | case | peak MiB | ms | ms / forward's |")
-    print("|---|---|---|---|---|---|")
+    print("| N | backend | case | peak MiB | peak / forward's | working MiB | working / "
+          "forward's | ms | ms / forward's | ms / fwd+bwd's |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in args.n:
         shape = (1, args.heads, n, args.head_dim)
         q, k, v, tq, tk, tv = (torch.randn(shape, device=args.device) for _ in range(6))
         rows = []
         fns = {}
         for be in ("tiled", "reference"):
+            if be == "reference" and n > args.reference_max:
+                continue
             for name, fn in cases(be, q, k, v, tq, tk, tv).items():
-                fn()  # warm-up (plans, first-call costs)
-                rows.append((be, name, peak_bytes(fn, args.device) / 2**20))
+                kept = fn()  # warm-up (plans, first-call costs); what the case returns
+                ret = sum(t.nbytes for t in torch.utils._pytree.tree_leaves(kept)
+                          if isinstance(t, torch.Tensor))
+                rows.append((be, name, peak_bytes(fn, args.device) / 2**20, ret / 2**20))
                 fns[f"{be} {name}"] = fn
         times = paired(fns, rounds=args.rounds)
-        for be, name, mib in rows:
-            t, f = times[f"{be} {name}"], times[f"{be} forward"]
+        peaks = {(be, name): (mib, mib - ret) for be, name, mib, ret in rows}
+        for be, name, mib, ret in rows:
+            t, f, fb = (times[f"{be} {x}"] for x in (name, "forward", "fwd+bwd"))
             ratio = statistics.median(a / b for a, b in zip(t, f))  # within each round
-            print(f"| {n} | {be} | {name} | {mib:.1f} | {statistics.median(t) * 1e3:.1f} | "
-                  f"{ratio:.2f} |", flush=True)
+            ratio_fb = statistics.median(a / b for a, b in zip(t, fb))
+            f_peak, f_work = peaks[be, "forward"]
+            print(f"| {n} | {be} | {name} | {mib:.1f} | {mib / f_peak:.2f} | {mib - ret:.1f} | "
+                  f"{(mib - ret) / f_work:.2f} | {statistics.median(t) * 1e3:.1f} | "
+                  f"{ratio:.2f} | {ratio_fb:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
