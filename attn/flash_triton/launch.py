@@ -16,19 +16,21 @@ import os
 import types
 import typing
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 from torch import Tensor
 
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
-                                     _attn_fwd)
+                                     _attn_fwd, _attn_jvp)
 from attn.flash_triton.kernels import _INTERPRET, score_args
 from attn.flash_triton.paged import _attn_fwd_paged
 from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_combine,
                                      combine_block, sm_count_of, split_kv_override,
                                      split_kv_plan, split_kv_unsupported)
 from attn.flash_triton.tune import _tune_n, split_config
+from attn import transforms
 from attn.grads import Grads, sink_grad
 from attn.masks import Band, as_4d
 from attn.spec import LaunchSpec, Operands, check_paged_forward_only
@@ -246,13 +248,13 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
 
 
 def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
-                   grad: bool) -> SplitPlan | None:
+                   grad: bool, transform: str | None = None) -> SplitPlan | None:
     """The split-KV plan of a dense call (q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv,
     Nk, Dv)), or None when
     it runs the plain kernels: not eligible (``split_kv_unsupported``), or one chunk. Reads
     ``ATTN_TRITON_SPLIT_KV`` now, at the call."""
     why = split_kv_unsupported(n_q=q.shape[2], grad=grad, dropout=spec.dropout_p > 0.0,
-                               varlen=ops.cu_seqlens_q is not None)
+                               varlen=ops.cu_seqlens_q is not None, transform=transform)
     if why is not None:
         return None
     _, H, Nq, D = q.shape
@@ -464,6 +466,68 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     return Grads(dq, dk, dv, None, dsinks, dcap)
 
 
+class Tangents(NamedTuple):
+    """Forward-mode tangents of one call's inputs, each shaped as its primal (None: zero):
+    q, k, v, a float mask, sinks, a learnable softcap and the ALiBi slopes."""
+
+    q: Tensor | None = None
+    k: Tensor | None = None
+    v: Tensor | None = None
+    attn_mask: Tensor | None = None
+    sinks: Tensor | None = None
+    softcap: Tensor | None = None
+    alibi: Tensor | None = None
+
+
+def _jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: LaunchSpec,
+         ops: Operands | None, tangents: Tangents, *, lse2: Tensor | None = None
+         ) -> tuple[Tensor, Tensor]:
+    """``(ȯ, lsė)``: the tangents of one call's ``(out, lse)`` (its forward's, ``lse2`` its
+    base-2 lse, else lse · log2 e) along ``tangents``, in one query-resident pass
+    (:func:`attn.flash_triton.outer._attn_jvp`). ȯ in v's dtype shaped as out, lsė float32
+    laid out as lse; dense or packed as :func:`_fwd`."""
+    ops = Operands() if ops is None else ops
+    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
+    L = _launch_args(q, k, v, spec, ops, softcap)
+    slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
+    lse = lse.contiguous()
+    lse2 = lse * 1.4426950408889634 if lse2 is None else lse2.contiguous()
+    mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
+    t = tangents
+    dq = None if t.q is None else t.q.to(q.dtype)
+    dk = None if t.k is None else t.k.to(k.dtype)
+    dv = None if t.v is None else t.v.to(v.dtype)
+    dmask = None
+    if L.mask_kind == 2 and t.attn_mask is not None:
+        dmask, dmask_strides = _mask_arg(t.attn_mask, q, L.n_k)
+    dcap = None
+    if softcap is not None:  # a fixed cap has none: zeros
+        dcap = (torch.zeros_like(softcap) if t.softcap is None else
+                t.softcap.to(device=q.device, dtype=torch.float32).expand(L.H).contiguous())
+    dslopes, dslope_strides = _alibi_arg(
+        None if ops.alibi is None else (torch.zeros_like(ops.alibi, dtype=torch.float32)
+                                        if t.alibi is None else t.alibi), q, L)
+    has_sinks = sinks is not None and t.sinks is not None
+    d_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
+    d_lse = torch.empty(L.rows(q), dtype=torch.float32, device=q.device)
+    none = (0, 0, 0, 0)
+    grid = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
+    _attn_jvp[grid](
+        q, k, v, out, lse2, q if dq is None else dq, k if dk is None else dk,
+        v if dv is None else dv, d_out, d_lse, mask, q if dmask is None else dmask,
+        q if softcap is None else softcap, q if dcap is None else dcap, slopes, dslopes,
+        sinks if has_sinks else q,
+        t.sinks.to(torch.float32).contiguous() if has_sinks else q, *L.cu_seqlens(q, ops),
+        QS=L.strides(q), KS=L.strides(k), VS=L.strides(v), OS=L.strides(out),
+        TQS=none if dq is None else L.strides(dq), TKS=none if dk is None else L.strides(dk),
+        TVS=none if dv is None else L.strides(dv), GS=L.strides(d_out), MS=mask_strides,
+        DMS=none if dmask is None else dmask_strides, AS=slope_strides, DAS=dslope_strides,
+        LS=L.row_strides(lse), **L.scalars(), **L.constexprs(),
+        TAN=(dq is not None, dk is not None, dv is not None, dmask is not None),
+        HAS_SINKS=has_sinks)
+    return d_out, d_lse
+
+
 # -- torch.library ops: opaque to torch.compile, with shapes it can trace ------------------
 # Op schemas take flat values: the spec travels as two lists, every field encoded by its type.
 
@@ -633,33 +697,60 @@ def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec_ints, spec_fl
             q.new_empty(n_sinks, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
 
 
+@torch.library.custom_op("attn::flash_jvp", mutates_args=())
+def _jvp_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse2: Tensor,
+            attn_mask: Tensor | None, sinks: Tensor | None, softcap: Tensor | None,
+            alibi: Tensor | None, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None,
+            dmask: Tensor | None, dsinks: Tensor | None, dsoftcap: Tensor | None,
+            dalibi: Tensor | None, spec_ints: list[int], spec_floats: list[float]
+            ) -> tuple[Tensor, Tensor]:
+    """ȯ and lsė of a dense call (see :func:`_jvp`); under vmap, torch loops over it."""
+    spec = _spec_of(spec_ints, spec_floats)
+    return _jvp(q, k, v, out, lse, spec, Operands(attn_mask, sinks, softcap, alibi),
+                Tangents(dq, dk, dv, dmask, dsinks, dsoftcap, dalibi), lse2=lse2)
+
+
+@_jvp_op.register_fake
+def _(q, k, v, out, lse, lse2, *rest):
+    return torch.empty_like(out), torch.empty_like(lse, dtype=torch.float32)
+
+
 # -- autograd ------------------------------------------------------------------------------
 
 class _FlashAttention(torch.autograd.Function):
-    """``apply(q, k, v, attn_mask, sinks, softcap, spec, ops)``: the tensors that can need a
-    gradient explicit, ``ops`` the rest (ALiBi slopes, cu_seqlens). Dense calls run through
-    the custom ops; packed ones call the launchers (the ops' schemas have no offsets)."""
+    """``apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second)`` → ``(out, lse,
+    logl, lse2)``, the last two the backward's row constants (not differentiable): every
+    tensor a transform may carry a tangent on explicit (the ALiBi slopes too, though they
+    get no gradient: attn.call refuses slopes that require one), ``ops`` the rest
+    (cu_seqlens). Dense calls run through the custom ops; packed ones call the launchers
+    (the ops' schemas have no offsets). torch.func: the vmap rule folds the mapped dim into
+    B or loops; :class:`_FlashAttentionJvp` adds the forward-mode rule."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec, ops: Operands,
+    def forward(q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec, ops: Operands,
                 second=None):
-        ctx.second = second
-        ops = ops._replace(attn_mask=attn_mask, sinks=sinks, softcap=softcap)
+        ops = ops._replace(attn_mask=attn_mask, sinks=sinks, softcap=softcap, alibi=alibi)
         if ops.cu_seqlens_q is None:
-            out, lse, logl, lse2 = _fwd_op(q, k, v, attn_mask, sinks, softcap,
-                                           *_op_args(spec), ops.alibi)
-        else:
-            out, lse, logl, lse2 = _fwd(q, k, v, spec, ops, want_logl=True)
-        ctx.save_for_backward(q, k, v, out, lse, logl, lse2, attn_mask, sinks, softcap,
-                              ops.alibi, ops.cu_seqlens_q, ops.cu_seqlens_k)
-        ctx.spec = spec
-        return out, lse
+            return _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec), alibi)
+        return _fwd(q, k, v, spec, ops, want_logl=True)
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def setup_context(ctx, inputs, output):
+        q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second = inputs
+        out, lse, logl, lse2 = output
+        ctx.mark_non_differentiable(logl, lse2)
+        ctx.save_for_backward(q, k, v, out, lse, logl, lse2, attn_mask, sinks, softcap, alibi,
+                              ops.cu_seqlens_q, ops.cu_seqlens_k)
+        ctx.save_for_forward(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi,
+                             ops.cu_seqlens_q, ops.cu_seqlens_k)
+        ctx.spec, ctx.second = spec, second
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dlogl, _dlse2):
         (q, k, v, out, lse, logl, lse2, attn_mask, sinks, softcap, alibi, cu_q,
          cu_k) = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
+        rest = (None, None, None, None)  # alibi (constants), spec, ops, second
         if torch.is_grad_enabled():  # create_graph=True: hand off, as DESIGN's "Transforms"
             why = ("a learnable softcap" if need_dcap else
                    "a float mask's gradient" if attn_mask is not None
@@ -675,19 +766,68 @@ class _FlashAttention(torch.autograd.Function):
             dq, dk, dv, dsinks = ctx.second(do, dlse, q, k, v, out, lse, ctx.spec,
                                             Operands(attn_mask, sinks, softcap, alibi))
             dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
-            return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, None,
-                    None, None)
+            return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, *rest)
         if cu_q is None:
             dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
                                                softcap, *_op_args(ctx.spec), need_dcap, alibi,
                                                logl, lse2)
         else:
+            _plain_or_refuse("the backward of packed sequences", dout, dlse, q, k, v)
             ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
             g = _bwd(dout, dlse, q, k, v, out, lse, ctx.spec, ops, need_dcap=need_dcap,
                      logl=logl, lse2=lse2)
             dq, dk, dv, dsinks, dcap = g.dq, g.dk, g.dv, g.dsinks, g.dsoftcap
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
-        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None, None
+        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, *rest
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second):
+        args = (q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second)
+        X = info.batch_size
+        loop = (ops.cu_seqlens_q is not None or spec.dropout_p > 0.0 or spec.sharded
+                or any(d is not None for d in in_dims[4:6]))
+        if loop:  # per-sample operands, the dropout hash's batch index, packed offsets
+            return transforms.call_per_sample(_FlashAttentionJvp.apply, X, in_dims, args)
+        B = transforms.rows_of(q, in_dims[0])
+        qkv = [transforms.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
+        # the slopes (B or 1, H) or (H,): folded as (X·B, H)
+        slopes = alibi if alibi is None or in_dims[6] is not None or alibi.dim() == 2 \
+            else alibi.expand(B, -1)
+        res = _FlashAttentionJvp.apply(*qkv, transforms.fold_mask(attn_mask, in_dims[3], X, B),
+                                       sinks, softcap,
+                                       transforms.fold(slopes, in_dims[6], X, B), spec, ops,
+                                       second)
+        return tuple(transforms.unfold(x, X) for x in res), (0, 0, 0, 0)
+
+
+class _FlashAttentionJvp(_FlashAttention):
+    """:class:`_FlashAttention` with its forward-mode rule (:func:`_jvp`, one kernel pass
+    from the saved out and lse), taken under torch.func transforms and forward-mode AD
+    (torch.compile cannot trace a Function that defines ``jvp``)."""
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv, dmask, dsinks, dsoftcap, dalibi, _spec, _ops, _second):
+        (q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi, cu_q,
+         cu_k) = ctx.saved_tensors
+        tangents = Tangents(dq, dk, dv, dmask, dsinks, dsoftcap, dalibi)
+        if cu_q is None:
+            d_out, d_lse = _jvp_op(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi,
+                                   *tangents, *_op_args(ctx.spec))
+        else:
+            _plain_or_refuse("the forward-mode AD of packed sequences", q, k, v, *tangents)
+            ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_q,
+                           cu_seqlens_k=cu_k)
+            d_out, d_lse = _jvp(q, k, v, out, lse, ctx.spec, ops, tangents, lse2=lse2)
+        return d_out, d_lse, None, None
+
+
+def _plain_or_refuse(what: str, *tensors: Tensor | None) -> None:
+    """NotImplementedError where ``tensors`` hold a vmap's batched tensors (the launchers
+    read plain ones; the ops' schemas, which vmap loops over, carry no offsets)."""
+    if any(isinstance(t, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t)
+           for t in tensors):
+        raise NotImplementedError(f"backend='triton': {what} under torch.func.vmap; "
+                                  f"backend='tiled' runs it")
 
 
 def triton_attention(
@@ -731,11 +871,16 @@ def triton_attention(
     q, sinks, cap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, ops.attn_mask, sinks, cap))
-    plan = split_plan_for(q, k, v, spec, ops, grad=grad)
+    transform = transforms.active(q, k, v, ops.attn_mask, sinks, cap, ops.alibi)
+    plan = split_plan_for(q, k, v, spec, ops, grad=grad, transform=transform)
     if plan is not None:  # decoding: forward only, no autograd node
         return _fwd_split_op(q, k, v, ops.attn_mask, sinks, cap, *_op_args(spec), ops.alibi,
                              plan.chunk)
-    return _FlashAttention.apply(q, k, v, ops.attn_mask, sinks, cap, spec, ops, second)
+    fn = _FlashAttention if transform is None else _FlashAttentionJvp
+    out, lse, _, _ = fn.apply(q, k, v, ops.attn_mask, sinks, cap, ops.alibi, spec,
+                              ops._replace(attn_mask=None, sinks=None, softcap=None, alibi=None),
+                              second)
+    return out, lse
 
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,

@@ -29,7 +29,7 @@ def gpu_configs(kind: str) -> list[triton.Config]:
         blocks = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
     elif kind == "dkdv":  # the key block is resident: keep it large, stream small query tiles
         blocks = [(16, 64), (32, 64), (32, 128), (64, 64), (64, 128)]
-    else:  # dq: the query block is resident
+    else:  # dq, jvp: the query block is resident
         blocks = [(64, 16), (64, 32), (128, 32), (64, 64), (128, 64)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn in blocks for w in (4, 8) for s in (2, 3, 4)]
@@ -90,6 +90,8 @@ def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
         resident, streamed = bm * d * elem, bn * (d + dv) * elem + mask
     elif kind == "dkdv":
         resident, streamed = bn * (d + dv) * elem, bm * (d + dv) * elem + mask + 8 * bm
+    elif kind == "jvp":  # q, q̇ resident; K, K̇, V, V̇ and the mask's tangent streamed
+        resident, streamed = 2 * bm * d * elem, 2 * bn * (d + dv) * elem + 2 * mask
     else:  # dq
         resident, streamed = bm * (d + dv) * elem, bn * (d + dv) * elem + mask
     return resident + s * streamed + 1024  # + reduction and layout-conversion scratch
@@ -121,7 +123,7 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
     ``attn bench compile`` (benchmarks/results/compile-sm90); the slow compile test builds
     every config this keeps."""
     bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
-    if kind in ("fwd", "dq"):
+    if kind in ("fwd", "dq", "jvp"):
         return w == 4 and bm * d >= 128 * 128
     tile = bm * bn * d / (64 * 64 * 128)
     return (w == 4 and bn * d >= 64 * 128) or tile > 1 or (tile == 1 and s > (2 if d >= 256 else 3))
@@ -136,7 +138,8 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
 # tests ran past 150 s each with the spilling configs.
 # With the base-2 forward (issue 39) the 64 x 32, 8-warp forward at D = 128 spills 3.6 KB
 # (triton 3.9, sm_90, any stages); 32 x 32 with 8 warps spills 1 KB, 4 warps 3.4 KB.
-_FP32_MAX_TILE = {"fwd": 64 * 32 * 64, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128}
+_FP32_MAX_TILE = {"fwd": 64 * 32 * 64, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128,
+                  "jvp": 64 * 16 * 128}
 
 
 def _fp32_spills(kind: str, c: triton.Config, d: int) -> bool:
