@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import triton
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
                                      _attn_fwd, _attn_jvp)
@@ -674,11 +675,16 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
             lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, spec_ints: list[int], spec_floats: list[float],
             need_dcap: bool, alibi: Tensor | None = None, logl: Tensor | None = None,
-            lse2: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
+            lse2: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
+            cu_seqlens_k: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for.
+    Dense or packed (the offsets given)."""
     spec = _spec_of(spec_ints, spec_floats)
-    g = _bwd(do, dlse, q, k, v, out, lse, spec, Operands(attn_mask, sinks, softcap, alibi),
-             need_dcap=need_dcap, logl=logl, lse2=lse2)
+    ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k)
+    g = _bwd(do, dlse, q, k, v, out, lse, spec, ops, need_dcap=need_dcap, logl=logl,
+             lse2=lse2)
     return g.dq, g.dk, g.dv, _or_empty(g.dsinks, q), _or_empty(g.dsoftcap, q)
 
 
@@ -689,7 +695,7 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 @_bwd_op.register_fake
 def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec_ints, spec_floats,
-      need_dcap, alibi=None, logl=None, lse2=None):
+      need_dcap, alibi=None, logl=None, lse2=None, cu_seqlens_q=None, cu_seqlens_k=None):
     H = q.shape[1]
     n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0
@@ -702,11 +708,15 @@ def _jvp_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse2: Ten
             attn_mask: Tensor | None, sinks: Tensor | None, softcap: Tensor | None,
             alibi: Tensor | None, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None,
             dmask: Tensor | None, dsinks: Tensor | None, dsoftcap: Tensor | None,
-            dalibi: Tensor | None, spec_ints: list[int], spec_floats: list[float]
+            dalibi: Tensor | None, spec_ints: list[int], spec_floats: list[float],
+            cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None
             ) -> tuple[Tensor, Tensor]:
-    """ȯ and lsė of a dense call (see :func:`_jvp`); under vmap, torch loops over it."""
+    """ȯ and lsė of a call, dense or packed (see :func:`_jvp`): an op, so that functorch's
+    wrappers come off before the launcher, and vmap loops over it."""
     spec = _spec_of(spec_ints, spec_floats)
-    return _jvp(q, k, v, out, lse, spec, Operands(attn_mask, sinks, softcap, alibi),
+    ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k)
+    return _jvp(q, k, v, out, lse, spec, ops,
                 Tangents(dq, dk, dv, dmask, dsinks, dsoftcap, dalibi), lse2=lse2)
 
 
@@ -722,9 +732,11 @@ class _FlashAttention(torch.autograd.Function):
     logl, lse2)``, the last two the backward's row constants (not differentiable): every
     tensor a transform may carry a tangent on explicit (the ALiBi slopes too, though they
     get no gradient: attn.call refuses slopes that require one), ``ops`` the rest
-    (cu_seqlens). Dense calls run through the custom ops; packed ones call the launchers
-    (the ops' schemas have no offsets). torch.func: the vmap rule folds the mapped dim into
-    B or loops; :class:`_FlashAttentionJvp` adds the forward-mode rule."""
+    (cu_seqlens). Dense forwards run through the custom op (packed ones call the launcher:
+    the forward op's fake shapes are dense); backward and forward-mode rules are ops for
+    both layouts, so functorch's wrappers come off before a launcher. torch.func: the vmap
+    rule folds the mapped dim into B or loops; :class:`_FlashAttentionJvp` adds the
+    forward-mode rule."""
 
     @staticmethod
     def forward(q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec, ops: Operands,
@@ -767,22 +779,19 @@ class _FlashAttention(torch.autograd.Function):
                                             Operands(attn_mask, sinks, softcap, alibi))
             dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
             return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, *rest)
-        if cu_q is None:
-            dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
-                                               softcap, *_op_args(ctx.spec), need_dcap, alibi,
-                                               logl, lse2)
-        else:
-            _plain_or_refuse("the backward of packed sequences", dout, dlse, q, k, v)
-            ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-            g = _bwd(dout, dlse, q, k, v, out, lse, ctx.spec, ops, need_dcap=need_dcap,
-                     logl=logl, lse2=lse2)
-            dq, dk, dv, dsinks, dcap = g.dq, g.dk, g.dv, g.dsinks, g.dsoftcap
+        dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
+                                           softcap, *_op_args(ctx.spec), need_dcap, alibi,
+                                           logl, lse2, cu_q, cu_k)
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, dsinks, dcap if need_dcap else None, *rest
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second):
         args = (q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second)
+        if any(isinstance(d, int) for d in pytree.tree_leaves(in_dims[8])):  # ops' fields
+            raise NotImplementedError("backend='triton': vmap over cu_seqlens; "
+                                      "backend='tiled' runs it")
+        in_dims = (*in_dims[:8], None, None)
         X = info.batch_size
         loop = (ops.cu_seqlens_q is not None or spec.dropout_p > 0.0 or spec.sharded
                 or any(d is not None for d in in_dims[4:6]))
@@ -809,25 +818,10 @@ class _FlashAttentionJvp(_FlashAttention):
     def jvp(ctx, dq, dk, dv, dmask, dsinks, dsoftcap, dalibi, _spec, _ops, _second):
         (q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi, cu_q,
          cu_k) = ctx.saved_tensors
-        tangents = Tangents(dq, dk, dv, dmask, dsinks, dsoftcap, dalibi)
-        if cu_q is None:
-            d_out, d_lse = _jvp_op(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi,
-                                   *tangents, *_op_args(ctx.spec))
-        else:
-            _plain_or_refuse("the forward-mode AD of packed sequences", q, k, v, *tangents)
-            ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_q,
-                           cu_seqlens_k=cu_k)
-            d_out, d_lse = _jvp(q, k, v, out, lse, ctx.spec, ops, tangents, lse2=lse2)
+        d_out, d_lse = _jvp_op(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi,
+                               dq, dk, dv, dmask, dsinks, dsoftcap, dalibi,
+                               *_op_args(ctx.spec), cu_q, cu_k)
         return d_out, d_lse, None, None
-
-
-def _plain_or_refuse(what: str, *tensors: Tensor | None) -> None:
-    """NotImplementedError where ``tensors`` hold a vmap's batched tensors (the launchers
-    read plain ones; the ops' schemas, which vmap loops over, carry no offsets)."""
-    if any(isinstance(t, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t)
-           for t in tensors):
-        raise NotImplementedError(f"backend='triton': {what} under torch.func.vmap; "
-                                  f"backend='tiled' runs it")
 
 
 def triton_attention(
