@@ -291,3 +291,22 @@ def test_double_backward_of_a_learnable_softcap_names_tiled():
     out = attn.attention(q, k, v, softcap=cap, backend="triton")
     with pytest.raises(NotImplementedError, match="learnable softcap.*backend='tiled'"):
         torch.autograd.grad(out.sum(), (q, cap), create_graph=True)
+
+
+@pytest.mark.cuda_if_present
+def test_an_infinite_tangent_at_a_masked_key_stays_out():
+    """k̇ = inf at the last key, which causal rows but the last never see: their tangents are
+    those of k̇ = 0 there (p = 0 times ṡ = inf must add 0, not NaN)."""
+    primals, tangents = _primals(torch.float32, None, {})
+    tk = tangents[1].clone()
+    tk[:, :, -1] = float("inf")
+    got = jvp(_fn("triton", {"causal": True}, None), tuple(primals),
+              (tangents[0], tk, tangents[2]))[1]
+    tk[:, :, -1] = 0.0
+    exact = jvp(_fn("reference", {"causal": True}, None), tuple(map(_f64, primals)),
+                tuple(map(_f64, (tangents[0], tk, tangents[2]))))[1]
+    plain = jvp(_fn("reference", {"causal": True}, None), tuple(primals),
+                (tangents[0], tk, tangents[2]))[1]
+    unseen = (slice(None), slice(None), slice(0, NQ - 1))  # rows that never see the last key
+    assert_tangents_within_budget([t[unseen] for t in got], [t[unseen] for t in exact],
+                                  [t[unseen] for t in plain], torch.float32, "inf at a masked key")
