@@ -104,6 +104,14 @@ def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
 _HEAVY_DKDV_MAX_TILE = 32 * 128 * 64
 
 
+# The forward-mode kernel with every flag on holds ṡ, P, u, t and the dropout scale per
+# score beside q, q̇ and A: at D = 128 (triton 3.9, sm_90, ptxas -v) 64 x 64 spilled 2008
+# bytes with 4 warps and 1824 with 8, 128 x 64 (8 warps) 1356, while key tiles of 32 spill
+# at most 64 (128 x 32 w8: 64 / 16 with 2 / 3 stages; 64 x 32 w4: 32). At D = 256 the
+# smallest (64 x 16, 8 warps) still spills 1820 bytes, 64 x 32 2596: such launches keep key
+# tiles of at most 32 (16 from D = 256).
+
+
 # triton before 3.7 (the GPU image's 3.6) spills more on the heaviest launches
 _TRITON_36 = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
 
@@ -148,7 +156,7 @@ def _fp32_spills(kind: str, c: triton.Config, d: int) -> bool:
 
 def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int | None
               ) -> list[triton.Config]:
-    """The autotune configs worth timing for a ``kind`` ("fwd", "dkdv", "dq") launch with
+    """The autotune configs worth timing for a ``kind`` ("fwd", "dkdv", "dq", "jvp") launch with
     ``args`` on compute capability ``arch`` (90 for sm_90; None when unknown): drop tiles
     longer than the sequence, configs whose shared memory does not fit the arch, and tiles
     x warps that spill registers heavily (measured: benchmarks/results/compile-sm90).
@@ -172,6 +180,8 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
         if kind == "dkdv" and heavy and (bm * bn * d > _HEAVY_DKDV_MAX_TILE
                                          or c.num_stages > 3):
             continue  # (32 x 64, D = 128, packed sequences: 1208 bytes with 4 stages)
+        if kind == "jvp" and heavy and d >= 128 and bn > (16 if d >= 256 else 32):
+            continue  # the tangent pass's wide key tiles spill (see above)
         if _TRITON_36 and heavy and d >= 128 and (
                 (kind == "fwd" and bm * bn > 128 * 64) or (kind == "dkdv" and c.num_stages > 2)):
             continue  # triton 3.6, packed, every flag, D = 128: 2056 / 1444 bytes there
