@@ -20,8 +20,9 @@ tiles outside the band are never visited.
 The package: ``kernels`` (jit helpers and inner loops), ``outer`` (the outer kernels, dense
 or packed by the ``VARLEN`` constexpr: one sequence-info helper is all that differs),
 ``tune`` (autotune configs, pruning, shared-memory model) and ``launch`` (the ``_fwd`` /
-``_bwd`` launchers, registered as ``torch.library`` custom ops with fake implementations so
-``torch.compile`` traces through them, one ``torch.autograd.Function``, and the public
+``_bwd`` / ``_jvp`` launchers, registered as ``torch.library`` custom ops with fake
+implementations so ``torch.compile`` traces through them, one ``torch.autograd.Function``
+(and its subclass with the forward-mode rule, taken under torch.func), and the public
 :func:`triton_attention`; packed sequences are the same launchers with
 ``Operands(cu_seqlens_q=..., cu_seqlens_k=...)``).
 

@@ -3,8 +3,8 @@
 Tile loads, the score pipeline (scale, softcap, ALiBi, band, attn_mask) with its launch
 arguments (:func:`score_args`), the dropout hash,
 the stage split of a block's walk, and the inner loops over the other axis: ``_fwd_inner``
-(online softmax), ``_dkdv_inner`` (key-resident backward) and ``_dq_inner`` (query-resident
-backward: dQ, or the Δ of saturated rows). ``_INTERPRET`` is decided here, at import: triton picks
+(online softmax), ``_dkdv_inner`` (key-resident backward), ``_dq_inner`` (query-resident
+backward: dQ, or the Δ of saturated rows) and ``_jvp_inner`` (forward-mode AD's tangents). ``_INTERPRET`` is decided here, at import: triton picks
 interpreter or compiler when a kernel is decorated.
 """
 

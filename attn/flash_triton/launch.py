@@ -31,7 +31,7 @@ from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_com
                                      combine_block, sm_count_of, split_kv_override,
                                      split_kv_plan, split_kv_unsupported)
 from attn.flash_triton.tune import _tune_n, split_config
-from attn import transforms
+from attn import batching, transforms
 from attn.grads import Grads, sink_grad
 from attn.masks import Band, as_4d
 from attn.spec import LaunchSpec, Operands, check_paged_forward_only
@@ -796,17 +796,17 @@ class _FlashAttention(torch.autograd.Function):
         loop = (ops.cu_seqlens_q is not None or spec.dropout_p > 0.0 or spec.sharded
                 or any(d is not None for d in in_dims[4:6]))
         if loop:  # per-sample operands, the dropout hash's batch index, packed offsets
-            return transforms.call_per_sample(_FlashAttentionJvp.apply, X, in_dims, args)
-        B = transforms.rows_of(q, in_dims[0])
-        qkv = [transforms.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
-        # the slopes (B or 1, H) or (H,): folded as (X·B, H)
-        slopes = alibi if alibi is None or in_dims[6] is not None or alibi.dim() == 2 \
-            else alibi.expand(B, -1)
-        res = _FlashAttentionJvp.apply(*qkv, transforms.fold_mask(attn_mask, in_dims[3], X, B),
-                                       sinks, softcap,
-                                       transforms.fold(slopes, in_dims[6], X, B), spec, ops,
-                                       second)
-        return tuple(transforms.unfold(x, X) for x in res), (0, 0, 0, 0)
+            return batching.call_per_sample(_FlashAttentionJvp.apply, X, in_dims, args)
+        B = batching.rows_of(q, in_dims[0])
+        qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
+        slopes, s_dim = alibi, in_dims[6]
+        if alibi is not None and alibi.dim() - (s_dim is not None) == 1:  # (H,): as (1, H)
+            slopes = alibi.unsqueeze(0) if s_dim is None else alibi.movedim(s_dim, 0)[:, None]
+            s_dim = None if s_dim is None else 0
+        res = _FlashAttentionJvp.apply(*qkv, batching.fold_mask(attn_mask, in_dims[3], X, B),
+                                       sinks, softcap, batching.fold(slopes, s_dim, X, B),
+                                       spec, ops, second)
+        return tuple(batching.unfold(x, X) for x in res), (0, 0, 0, 0)
 
 
 class _FlashAttentionJvp(_FlashAttention):
@@ -853,6 +853,11 @@ def triton_attention(
     whose gradients are differentiable (the caller's: tiled's), run where one is asked for
     (``create_graph=True``); without it, or for what it cannot differentiate, that raises
     NotImplementedError rather than give gradients that silently have none.
+
+    torch.func: under a transform or dual tensors (``attn.transforms.active``) the call runs
+    :class:`_FlashAttentionJvp`, whose forward-mode rule is the ``_attn_jvp`` kernel (tangents
+    of q, k, v, a float mask, sinks, a learnable softcap and the ALiBi slopes) and whose
+    vmap rule folds the mapped dim into B (dense q, k, v, mask, slopes) or loops per sample.
     """
     ops = Operands() if operands is None else operands
     if ops.captured:

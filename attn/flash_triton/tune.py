@@ -29,8 +29,9 @@ def gpu_configs(kind: str) -> list[triton.Config]:
         blocks = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
     elif kind == "dkdv":  # the key block is resident: keep it large, stream small query tiles
         blocks = [(16, 64), (32, 64), (32, 128), (64, 64), (64, 128)]
-    else:  # dq, jvp: the query block is resident
+    else:  # dq, jvp: the query block is resident (jvp's float32 runs 16 x 16, see below)
         blocks = [(64, 16), (64, 32), (128, 32), (64, 64), (128, 64)]
+        blocks += [(16, 16)] if kind == "jvp" else []
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn in blocks for w in (4, 8) for s in (2, 3, 4)]
 
@@ -146,8 +147,11 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
 # tests ran past 150 s each with the spilling configs.
 # With the base-2 forward (issue 39) the 64 x 32, 8-warp forward at D = 128 spills 3.6 KB
 # (triton 3.9, sm_90, any stages); 32 x 32 with 8 warps spills 1 KB, 4 warps 3.4 KB.
+# The forward-mode kernel holds q and q̇ as float32 dot operands besides A: at D = 128 ptxas
+# spilled 57 KB for 64 x 16 (8 warps), 10 KB for 32 x 16 and 16 x 16 with 4 warps, and 1144
+# bytes for 16 x 16 with 8 (triton 3.9, sm_90).
 _FP32_MAX_TILE = {"fwd": 64 * 32 * 64, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128,
-                  "jvp": 64 * 16 * 128}
+                  "jvp": 16 * 16 * 128}
 
 
 def _fp32_spills(kind: str, c: triton.Config, d: int) -> bool:
