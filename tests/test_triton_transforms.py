@@ -249,8 +249,9 @@ def test_per_sample_gradients_equal_a_loop():
 
 @pytest.mark.cuda_if_present
 def test_jacfwd_equals_the_reference():
-    """``jacfwd`` (vmap over jvp: batched tangents reach the kernel's op) on a tiny call."""
-    q = _randn(1, 2, 5, 4, seed=1)
+    """``jacfwd`` (vmap over jvp: the batched tangents fold into B in the kernel's op) on a
+    tiny call."""
+    q = _randn(1, 1, 4, 4, seed=1)
     k, v = _randn(1, 1, 6, 4, seed=2), _randn(1, 1, 6, 4, seed=3)
 
     def f(backend):
@@ -260,6 +261,28 @@ def test_jacfwd_equals_the_reference():
     got = jacfwd(f("triton"))(q)
     exact = jacfwd(f("reference"))(_f64(q))
     _close(got.to(F64), exact, tol=1e-5)
+
+
+@pytest.mark.cuda_if_present
+@pytest.mark.parametrize("name", ["sinks", "dropout"])
+def test_vmap_of_jvp_over_tangents_that_cannot_fold(name):
+    """vmap over jvp's tangents where the op's rule loops (mapped sinks' tangents; dropout,
+    whose hash reads the batch index): each sample's tangents are the reference's."""
+    kw, learn = CASES[name]
+    kw = _kwargs(kw, torch.float32)
+    primals, tangents = _primals(torch.float32, learn, kw)
+    stacked = [torch.stack([t, -0.5 * t]) for t in tangents]
+
+    def tangent_of(backend, kw_, ps):
+        return lambda *ts: jvp(_fn(backend, kw_, learn), tuple(ps), ts)[1]
+    got = vmap(tangent_of("triton", kw, primals), randomness="same")(*stacked)
+    kw64 = {k_: _f64(x) for k_, x in kw.items()}
+    for x in range(2):
+        ts = [t[x] for t in stacked]
+        exact = tangent_of("reference", kw64, map(_f64, primals))(*map(_f64, ts))
+        plain = tangent_of("reference", kw, primals)(*ts)
+        assert_tangents_within_budget([g[x] for g in got], exact, plain, torch.float32,
+                                      f"{name} sample {x}")
 
 
 # -- routing ---------------------------------------------------------------------------------

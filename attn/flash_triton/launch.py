@@ -725,6 +725,42 @@ def _(q, k, v, out, lse, lse2, *rest):
     return torch.empty_like(out), torch.empty_like(lse, dtype=torch.float32)
 
 
+def _jvp_op_vmap(info, in_dims, *args):
+    """vmap of :func:`_jvp_op` (``jacfwd``, ``vmap(jvp)``): the mapped dim folded into B for
+    dense calls whose per-head operands (sinks, softcap and their tangents) are shared and
+    that draw no dropout (its hash reads the batch index), else one op call per sample."""
+    X = info.batch_size
+    args = args + (None,) * (21 - len(args))  # the offsets, where left at their default
+    in_dims = tuple(d if isinstance(a, Tensor) else None  # (a list's dims: one per item)
+                    for a, d in zip(args, tuple(in_dims) + (None,) * (21 - len(in_dims))))
+    spec = _spec_of(args[17], args[18])
+    per_head = (7, 8, 14, 15)  # sinks, softcap, dsinks, dsoftcap
+    if (args[19] is not None or spec.dropout_p > 0.0 or spec.sharded
+            or any(in_dims[i] is not None for i in per_head)):
+        return batching.call_per_sample(_jvp_op, X, in_dims, args)
+    B = batching.rows_of(args[0], in_dims[0])
+    folded = list(args)
+    for i in (0, 1, 2, 3, 4, 5, 10, 11, 12):  # q, k, v, out, lse, lse2, dq, dk, dv
+        folded[i] = batching.fold(args[i], in_dims[i], X, B)
+    for i in (6, 13):  # the mask and its tangent
+        folded[i] = batching.fold_mask(args[i], in_dims[i], X, B)
+    for i in (9, 16):  # the slopes and their tangent
+        folded[i] = batching.fold(*_slopes_2d(args[i], in_dims[i]), X, B)
+    d_out, d_lse = _jvp_op(*folded)
+    return (batching.unfold(d_out, X), batching.unfold(d_lse, X)), (0, 0)
+
+
+_jvp_op.register_vmap(_jvp_op_vmap)
+
+
+def _slopes_2d(alibi: Tensor | None, dim: int | None) -> tuple[Tensor | None, int | None]:
+    """ALiBi slopes mapped at ``dim`` (or shared) with per-sample shape (B or 1, H) or (H,),
+    as (B or 1, H) per sample (the mapped dim first where it moved), for ``batching.fold``."""
+    if alibi is None or alibi.dim() - (dim is not None) == 2:
+        return alibi, dim
+    return (alibi.unsqueeze(0), None) if dim is None else (alibi.movedim(dim, 0)[:, None], 0)
+
+
 # -- autograd ------------------------------------------------------------------------------
 
 class _FlashAttention(torch.autograd.Function):
@@ -799,12 +835,9 @@ class _FlashAttention(torch.autograd.Function):
             return batching.call_per_sample(_FlashAttentionJvp.apply, X, in_dims, args)
         B = batching.rows_of(q, in_dims[0])
         qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
-        slopes, s_dim = alibi, in_dims[6]
-        if alibi is not None and alibi.dim() - (s_dim is not None) == 1:  # (H,): as (1, H)
-            slopes = alibi.unsqueeze(0) if s_dim is None else alibi.movedim(s_dim, 0)[:, None]
-            s_dim = None if s_dim is None else 0
         res = _FlashAttentionJvp.apply(*qkv, batching.fold_mask(attn_mask, in_dims[3], X, B),
-                                       sinks, softcap, batching.fold(slopes, s_dim, X, B),
+                                       sinks, softcap,
+                                       batching.fold(*_slopes_2d(alibi, in_dims[6]), X, B),
                                        spec, ops, second)
         return tuple(batching.unfold(x, X) for x in res), (0, 0, 0, 0)
 
