@@ -114,13 +114,32 @@ def _transform_unsupported(call: AttentionCall, backend: str = "fused") -> str |
     if call.transform is None:
         return None
     if backend == "triton":
-        if call.varlen and "vmap" in call.transform:
-            return (f"packed sequences under torch.func.vmap ({call.transform}): "
-                    f"backend='tiled' and backend='reference' run them")
-        return None
+        return _triton_transform_unsupported(call)
     return (f"torch.func transforms and forward-mode AD ({call.transform}): backend='tiled' "
             f"and backend='reference' run vmap, grad, jvp and their compositions "
             f"(backend='triton' too, on CUDA)")
+
+
+def _triton_transform_unsupported(call: AttentionCall) -> str | None:
+    """What of a transformed call triton cannot differentiate: its forward-mode kernel's
+    tangents differentiated again (a grad level outside a jvp level), a backward
+    differentiated again (a grad level inside another level) where its hand-off to tiled's
+    backward cannot serve (a learnable softcap, packed sequences), packed calls under vmap."""
+    names = call.transform.split("+")  # outermost first, dual tensors ("forward AD") last
+    modes = [n for n in names if n in ("grad", "jvp", "forward AD")]
+    fwd = [i for i, n in enumerate(modes) if n != "grad"]
+    if fwd and "grad" in modes[:fwd[-1]]:
+        return (f"reverse mode over forward mode ({call.transform}): its forward-mode "
+                f"kernel's tangents are not differentiable again; backend='tiled' and "
+                f"backend='reference' differentiate them")
+    if "grad" in modes[1:] and (call.softcap == "learned" or call.varlen):
+        what = "a learnable softcap" if call.softcap == "learned" else "packed sequences"
+        return (f"a differentiated backward ({call.transform}) of {what}: backend='tiled' "
+                f"and backend='reference' differentiate their gradients")
+    if call.varlen and "vmap" in names:
+        return (f"packed sequences under torch.func.vmap ({call.transform}): "
+                f"backend='tiled' and backend='reference' run them")
+    return None
 
 
 def unsupported_reason(backend: str, call: AttentionCall) -> str | None:

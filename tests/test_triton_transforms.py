@@ -24,7 +24,7 @@ from torch.func import grad, jacfwd, jvp, vmap  # noqa: E402
 
 import attn  # noqa: E402
 from attn import flash_triton  # noqa: E402
-from attn.call import AttentionCall, select_backend  # noqa: E402
+from attn.call import AttentionCall, select_backend, unsupported_reason  # noqa: E402
 from attn.testing import _FLOOR, _max_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -227,17 +227,19 @@ def test_vmap_equals_the_batched_call(mapped):
 
 
 @pytest.mark.cuda_if_present
-def test_per_sample_gradients_equal_a_loop():
+@pytest.mark.parametrize("variant", ["sinks", "float_mask"])
+def test_per_sample_gradients_equal_a_loop(variant):
     """``vmap(grad(loss))``: each sample's gradients of q, k, v (shared k, v: each sample's
-    own share), as a loop of ``torch.autograd.grad`` computes them."""
+    own share), as a loop of ``torch.autograd.grad`` computes them; the backward op's rule
+    loops (sinks: their gradient sums over the batch) or folds into B (a float mask)."""
     X = 3
     qs = _randn(X, 1, H, 24, D, seed=1)
     k, v = _randn(1, HKV, 21, D, seed=2), _randn(1, HKV, 21, D, seed=3)
-    sinks = _randn(H, seed=4)
+    kw = ({"sinks": _randn(H, seed=4), "causal": True} if variant == "sinks" else
+          {"attn_mask": _randn(1, 1, 24, 21, seed=5)})
 
     def loss(q, k, v):
-        out, lse = attn.attention(q, k, v, sinks=sinks, causal=True, backend="triton",
-                                  return_lse=True)
+        out, lse = attn.attention(q, k, v, backend="triton", return_lse=True, **kw)
         return (out ** 2).sum() + lse.sin().sum()
     got = vmap(grad(loss, argnums=(0, 1, 2)), in_dims=(0, None, None))(qs, k, v)
     for x in range(X):
@@ -304,6 +306,16 @@ def test_transformed_calls_route_to_triton_on_cuda():
                            n_q=1, n_k=4096, transform="jvp")
     if select_backend(decode, "auto").name == "triton":
         assert "plain kernels" in select_backend(decode, "auto").reason
+    # what triton cannot differentiate goes to tiled, the reason saying why
+    for transform, extra, why in (("grad+vmap+jvp", {}, "reverse mode over forward mode"),
+                                  ("grad+grad", {"softcap": "learned"}, "learnable softcap")):
+        c = AttentionCall(device="cuda", dtype=torch.bfloat16, head_dim=64, head_dim_v=64,
+                          n_q=128, n_k=128, transform=transform, **extra)
+        choice = select_backend(c, "auto")
+        assert choice.name == "tiled" and why in choice.reason, choice
+    over = AttentionCall(device="cuda", dtype=torch.bfloat16, head_dim=64, head_dim_v=64,
+                         n_q=128, n_k=128, transform="jvp+grad")  # forward over reverse
+    assert "reverse mode over" not in (unsupported_reason("triton", over) or "")
 
 
 @pytest.mark.cuda_if_present
@@ -333,3 +345,28 @@ def test_an_infinite_tangent_at_a_masked_key_stays_out():
     unseen = (slice(None), slice(None), slice(0, NQ - 1))  # rows that never see the last key
     assert_tangents_within_budget([t[unseen] for t in got], [t[unseen] for t in exact],
                                   [t[unseen] for t in plain], torch.float32, "inf at a masked key")
+
+
+@pytest.mark.cuda_if_present
+def test_which_backward_runs_under_torch_func():
+    """torch.func.grad alone runs triton's own backward (a learnable softcap's gradient
+    too); a gradient differentiated again (hessian: forward over reverse, grad of grad)
+    hands off to tiled's; reverse over forward (jacrev of jacfwd) says which backend can."""
+    q = _randn(1, 2, 6, 8, seed=1)
+    k, v = _randn(1, 1, 7, 8, seed=2), _randn(1, 1, 7, 8, seed=3)
+    cap = torch.full((2,), 3.0, device=DEVICE)
+
+    def loss(backend):
+        k_, v_ = (k, v) if backend == "triton" else (_f64(k), _f64(v))
+        return lambda c, x: attn.attention(x, k_, v_, softcap=c, causal=True,
+                                           backend=backend).square().sum()
+    for argnums in (0, 1):
+        got = grad(loss("triton"), argnums=argnums)(cap, q)
+        want = grad(loss("reference"), argnums=argnums)(_f64(cap), _f64(q))
+        _close(got.to(F64), want)
+    fixed = {"triton": lambda x: loss("triton")(3.0, x),
+             "reference": lambda x: loss("reference")(3.0, x)}
+    got = torch.func.hessian(fixed["triton"])(q[:, :, :1])
+    _close(got.to(F64), torch.func.hessian(fixed["reference"])(_f64(q[:, :, :1])), tol=1e-4)
+    with pytest.raises(NotImplementedError, match="reverse mode over forward mode.*tiled"):
+        torch.func.jacrev(torch.func.jacfwd(fixed["triton"]))(q)

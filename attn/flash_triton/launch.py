@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import triton
 from torch import Tensor
+from torch._C import _functorch
 from torch.utils import _pytree as pytree
 
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
@@ -703,6 +704,33 @@ def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec_ints, spec_fl
             q.new_empty(n_sinks, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
 
 
+def _bwd_op_vmap(info, in_dims, *args):
+    """vmap of :func:`_bwd_op` (per-sample gradients, ``vmap(grad(...))``): the mapped dim
+    folded into B for dense calls without sinks, a learnable softcap (their gradients sum
+    over the batch: each sample needs its own) or dropout (its hash reads the batch index),
+    else one op call per sample."""
+    X = info.batch_size
+    args = args + (None,) * (18 - len(args))  # the optional tail, where left at its default
+    in_dims = tuple(d if isinstance(a, Tensor) else None
+                    for a, d in zip(args, tuple(in_dims) + (None,) * (18 - len(in_dims))))
+    spec = _spec_of(args[10], args[11])
+    if (args[16] is not None or args[8] is not None or args[9] is not None
+            or spec.dropout_p > 0.0 or spec.sharded):
+        return batching.call_per_sample(_bwd_op, X, in_dims, args)
+    B = batching.rows_of(args[2], in_dims[2])
+    folded = list(args)
+    for i in (0, 1, 2, 3, 4, 5, 6, 14, 15):  # do, dlse, q, k, v, out, lse, logl, lse2
+        folded[i] = batching.fold(args[i], in_dims[i], X, B)
+    folded[7] = batching.fold_mask(args[7], in_dims[7], X, B)
+    folded[13] = batching.fold(*_slopes_2d(args[13], in_dims[13]), X, B)
+    dq, dk, dv, dsinks, dcap = _bwd_op(*folded)
+    unfolded = tuple(batching.unfold(g, X) for g in (dq, dk, dv))
+    return (*unfolded, dsinks, dcap), (0, 0, 0, None, None)  # (no sinks, no softcap: empty)
+
+
+_bwd_op.register_vmap(_bwd_op_vmap)
+
+
 @torch.library.custom_op("attn::flash_jvp", mutates_args=())
 def _jvp_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse2: Tensor,
             attn_mask: Tensor | None, sinks: Tensor | None, softcap: Tensor | None,
@@ -763,6 +791,30 @@ def _slopes_2d(alibi: Tensor | None, dim: int | None) -> tuple[Tensor | None, in
 
 # -- autograd ------------------------------------------------------------------------------
 
+def _graph_needed(*tensors: Tensor | None) -> bool:
+    """Whether a rule (the backward, the forward-mode rule) must give results that are
+    differentiable again: grad mode is on and something tracks ``tensors`` beyond the rule's
+    own transform level. torch.func.grad and jvp turn grad mode on inside their level
+    whatever comes next, so there only an outer grad or jvp level, or autograd outside every
+    transform (``create_graph=True``), can differentiate the results."""
+    if not torch.is_grad_enabled():
+        return False
+    stack = [] if torch.compiler.is_compiling() else _functorch.get_interpreter_stack() or []
+    level = None
+    if stack:
+        if not str(stack[-1].key()).endswith(("Grad", "Jvp")):
+            return True  # (a rule runs at a grad or jvp level: a safe answer elsewhere)
+        level = stack[-1].level()
+    for t in tensors:
+        while isinstance(t, Tensor) and _functorch.is_functorch_wrapped_tensor(t):
+            if _functorch.is_gradtrackingtensor(t) and _functorch.maybe_get_level(t) != level:
+                return True  # tracked by an outer grad or jvp level
+            t = _functorch.get_unwrapped(t)
+        if isinstance(t, Tensor) and t.requires_grad:
+            return True  # tracked outside every transform
+    return False
+
+
 class _FlashAttention(torch.autograd.Function):
     """``apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second)`` → ``(out, lse,
     logl, lse2)``, the last two the backward's row constants (not differentiable): every
@@ -799,7 +851,8 @@ class _FlashAttention(torch.autograd.Function):
          cu_k) = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
         rest = (None, None, None, None)  # alibi (constants), spec, ops, second
-        if torch.is_grad_enabled():  # create_graph=True: hand off, as DESIGN's "Transforms"
+        if _graph_needed(dout, dlse, q, k, v, out, lse, attn_mask, sinks, softcap):
+            # create_graph=True: hand off, as DESIGN's "Transforms"
             why = ("a learnable softcap" if need_dcap else
                    "a float mask's gradient" if attn_mask is not None
                    and ctx.needs_input_grad[3] else
@@ -815,9 +868,10 @@ class _FlashAttention(torch.autograd.Function):
                                             Operands(attn_mask, sinks, softcap, alibi))
             dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
             return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, *rest)
-        dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
-                                           softcap, *_op_args(ctx.spec), need_dcap, alibi,
-                                           logl, lse2, cu_q, cu_k)
+        with torch.no_grad():  # (under torch.func.grad its level has grad mode on)
+            dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask,
+                                               sinks, softcap, *_op_args(ctx.spec), need_dcap,
+                                               alibi, logl, lse2, cu_q, cu_k)
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, dsinks, dcap if need_dcap else None, *rest
 
@@ -851,6 +905,12 @@ class _FlashAttentionJvp(_FlashAttention):
     def jvp(ctx, dq, dk, dv, dmask, dsinks, dsoftcap, dalibi, _spec, _ops, _second):
         (q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi, cu_q,
          cu_k) = ctx.saved_tensors
+        tangents = (dq, dk, dv, dmask, dsinks, dsoftcap, dalibi)
+        if _graph_needed(q, k, v, out, lse, attn_mask, sinks, softcap, alibi, *tangents):
+            raise NotImplementedError(
+                "backend='triton': its forward-mode kernel's tangents are not differentiable "
+                "again (reverse over forward, e.g. jacrev(jacfwd(f))); backend='tiled' and "
+                "backend='reference' differentiate them")
         d_out, d_lse = _jvp_op(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi,
                                dq, dk, dv, dmask, dsinks, dsoftcap, dalibi,
                                *_op_args(ctx.spec), cu_q, cu_k)
