@@ -314,8 +314,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
                  prune_configs_by={"early_config_prune": partial(_prune, kind="jvp")})
 @triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
 def _attn_jvp(Q, K, V, Out, Lse, DQ, DK, DV, DOut, DLse, Mask, DMask, Softcap, DCap, Alibi,
-              DAlibi, Sinks, DSinks, CuQ, CuK, QS, KS, VS, OS, TQS, TKS, TVS, GS, MS, DMS, AS, DAS, LS, H,
-              GROUP, N_Q, N_K, offset, left, right, SC, drop_seed, DR, TUNE_N,
+              DAlibi, Sinks, DSinks, CuQ, CuK, QS, KS, VS, OS, TQS, TKS, TVS, GS, MS, DMS, AS,
+              DAS, LS, H, GROUP, N_Q, N_K, offset, left, right, SC, drop_seed, DR, TUNE_N,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
               SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
