@@ -107,13 +107,39 @@ def _triton_unsupported(call: AttentionCall) -> str | None:
     return flash_triton.unsupported_reason(call)
 
 
-def _transform_unsupported(call: AttentionCall) -> str | None:
-    """Why triton and fused do not run a transformed call: their autograd.Functions have no
-    vmap or forward-mode rule (tiled's and the reference's do)."""
+def _transform_unsupported(call: AttentionCall, backend: str = "fused") -> str | None:
+    """Why ``backend`` (fused or triton) does not run a transformed call: fused's
+    autograd.Function has no vmap or forward-mode rule; triton's has both (its own
+    forward-mode kernel), but its packed launchers take no vmap's batched tensors."""
     if call.transform is None:
         return None
+    if backend == "triton":
+        return _triton_transform_unsupported(call)
     return (f"torch.func transforms and forward-mode AD ({call.transform}): backend='tiled' "
-            f"and backend='reference' run vmap, grad, jvp and their compositions")
+            f"and backend='reference' run vmap, grad, jvp and their compositions "
+            f"(backend='triton' too, on CUDA)")
+
+
+def _triton_transform_unsupported(call: AttentionCall) -> str | None:
+    """What of a transformed call triton cannot differentiate: its forward-mode kernel's
+    tangents differentiated again (a grad level outside a jvp level), a backward
+    differentiated again (a grad level inside another level) where its hand-off to tiled's
+    backward cannot serve (a learnable softcap, packed sequences), packed calls under vmap."""
+    names = call.transform.split("+")  # outermost first, dual tensors ("forward AD") last
+    modes = [n for n in names if n in ("grad", "jvp", "forward AD")]
+    fwd = [i for i, n in enumerate(modes) if n != "grad"]
+    if fwd and "grad" in modes[:fwd[-1]]:
+        return (f"reverse mode over forward mode ({call.transform}): its forward-mode "
+                f"kernel's tangents are not differentiable again; backend='tiled' and "
+                f"backend='reference' differentiate them")
+    if "grad" in modes[1:] and (call.softcap == "learned" or call.varlen):
+        what = "a learnable softcap" if call.softcap == "learned" else "packed sequences"
+        return (f"a differentiated backward ({call.transform}) of {what}: backend='tiled' "
+                f"and backend='reference' differentiate their gradients")
+    if call.varlen and "vmap" in names:
+        return (f"packed sequences under torch.func.vmap ({call.transform}): "
+                f"backend='tiled' and backend='reference' run them")
+    return None
 
 
 def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
@@ -123,8 +149,8 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
     if backend == "sdpa":
         return _mods_unsupported(call) or _sdpa_unsupported(call)
     if backend == "triton":
-        return (_mods_unsupported(call, native_varlen=True) or _transform_unsupported(call)
-                or _triton_unsupported(call))
+        return (_mods_unsupported(call, native_varlen=True)
+                or _transform_unsupported(call, "triton") or _triton_unsupported(call))
     if backend == "fused":
         return _transform_unsupported(call) or fused.call_reason(call)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -172,11 +198,14 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
         return BackendChoice("fused", f"auto: fused on CUDA, torch's {op} kernel per block "
                                       f"(verified exact for this torch, GPU, dtype and head "
                                       f"dim in attn/fused_cuda_table.json)")
-    why = (_mods_unsupported(call, native_varlen=True) or _transform_unsupported(call)
-           or _triton_unsupported(call))
+    why = (_mods_unsupported(call, native_varlen=True)
+           or _transform_unsupported(call, "triton") or _triton_unsupported(call))
     if why is None:
         from attn import flash_triton  # importable: _triton_unsupported just imported it
-        return BackendChoice("triton", f"auto: triton on CUDA, "
+        under = ("" if call.transform is None else
+                 f"under {call.transform} (fused has no rule for it; triton's autograd "
+                 f"Function has vmap and forward-mode rules), ")
+        return BackendChoice("triton", f"auto: triton on CUDA, {under}"
                                        f"{flash_triton.split_kv_reason(call)}")
     return BackendChoice("tiled", f"auto: tiled, because triton cannot: {why}; "
                                   f"{_tiled_reason(call)}")

@@ -42,14 +42,14 @@ FULL_CASES += [(a, d, "paged") for a in (90, 80) for d in (64, 128, 256)]
 DEFAULT_CASES += [(90, 128, "paged_int4")]
 FULL_CASES += [(a, d, "paged_int4") for a in (90, 80) for d in (64, 128, 256)]
 # float32 at D = 128 for sm_90, each dense kernel's largest kept config, with ptxas -v
-FP32_KERNELS = ["_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"]
+FP32_KERNELS = ["_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_jvp"]
 
 _CHILD = textwrap.dedent("""
     import json, sys
     from concurrent.futures import ProcessPoolExecutor
     from dataclasses import asdict
 
-    DENSE_DOT = ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")
+    DENSE_DOT = ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_jvp")
 
     def build(task):
         import torch
@@ -163,9 +163,13 @@ def test_every_kernel_builds_for_sm90_and_sm80(default_builds):
     builds = [b for b in default_builds if b["dtype"] == "bfloat16" and b["variant"] != "loop"]
     kernels = {b["kernel"] for b in builds}
     assert kernels == {"_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
-                       "_attn_fwd_split", "_attn_split_combine", "_attn_fwd_paged"}
+                       "_attn_fwd_split", "_attn_split_combine", "_attn_fwd_paged", "_attn_jvp"}
     built = {(b["variant"], b["kernel"]) for b in builds}
-    assert {("varlen", k) for k in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")} <= built
+    assert {("varlen", k) for k in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq",
+                                    "_attn_jvp")} <= built
+    # the forward-mode kernel on both archs, every flag on (its heaviest tiles)
+    assert {(b["arch"], b["variant"]) for b in builds if b["kernel"] == "_attn_jvp"} >= {
+        (90, "all"), (80, "all")}
     _check(builds)
 
 
@@ -199,12 +203,12 @@ def test_forward_steady_loop_is_short_on_sm90(default_builds):
 
 
 def test_kept_dense_configs_spill_at_most_1_kib_on_sm90(default_builds):
-    """The largest config _prune keeps for each dense kernel (forward, dK/dV, dQ) of the
+    """The largest config _prune keeps for each dense kernel (forward, dK/dV, dQ, JVP) of the
     default sm_90 cases, every variant flag on included, spills at most SPILL_LIMIT bytes
     per thread (ptxas -v): a kept config that spills more is a tile rule to fix in
     attn.flash_triton.tune."""
     builds = [b for b in default_builds if b["arch"] == 90 and b["dtype"] == "bfloat16"
-              and b["kernel"] in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")
+              and b["kernel"] in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_jvp")
               and b["variant"] != "loop" and b["head_dim"] <= 128]
     # (D = 256 with every flag on: dK/dV's smallest tile, 16 x 64, spills 1468 bytes with
     # triton 3.9; no config is smaller)

@@ -38,7 +38,7 @@ ARCHS = (90, 80)
 # opt-in shared memory per block: H100 227 KiB, A100 163 KiB
 SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 KERNELS = ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
-           "_attn_fwd_split", "_attn_split_combine", "_attn_fwd_paged")
+           "_attn_fwd_split", "_attn_split_combine", "_attn_fwd_paged", "_attn_jvp")
 # row reductions: no dots, nothing to pipeline
 NO_DOT = ("_attn_bwd_preprocess", "_attn_split_combine")
 # the variant flags a kernel can be specialized on; "all" turns every one on at once (ALiBi
@@ -198,8 +198,9 @@ def _paged_call(tri, spec, tensors: dict, rand, *, head_dim: int, B: int, H: int
 
 def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int, H: int,
                  H_kv: int, N: int) -> None:
-    """One call of ``tri.triton_attention`` for ``variant``: forward and backward (dense,
-    varlen) or a decoding forward (decode: 16 query rows, split-KV forced to 4 chunks;
+    """One call of ``tri.triton_attention`` for ``variant``: forward, backward and the
+    forward-mode pass (``tri._jvp``, a tangent on every input that takes one) for dense
+    and varlen, or a decoding forward (decode: 16 query rows, split-KV forced to 4 chunks;
     paged: the same through a block table; paged_int4: from a quantized cache)."""
     import contextlib
     from dataclasses import replace
@@ -232,6 +233,9 @@ def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int
             out, lse = tri.triton_attention(q, k, v, spec, ops)
         if not forward_only:
             (out.float().sum() + lse.sum()).backward()
+            with torch.no_grad():
+                tangents = tri.Tangents(q, k, v, None, ops.sinks, ops.softcap, ops.alibi)
+                tri._jvp(q, k, v, out, lse, spec, ops, tangents)
     finally:
         if saved is None:
             os.environ.pop("ATTN_TRITON_SPLIT_KV")

@@ -3,9 +3,10 @@
 Tile loads, the score pipeline (scale, softcap, ALiBi, band, attn_mask) with its launch
 arguments (:func:`score_args`), the dropout hash,
 the stage split of a block's walk, and the inner loops over the other axis: ``_fwd_inner``
-(online softmax), ``_dkdv_inner`` (key-resident backward) and ``_dq_inner`` (query-resident
-backward: dQ, or the Δ of saturated rows). ``_INTERPRET`` is decided here, at import: triton picks
-interpreter or compiler when a kernel is decorated.
+(online softmax), ``_dkdv_inner`` (key-resident backward), ``_dq_inner`` (query-resident
+backward: dQ, or the Δ of saturated rows) and ``_jvp_inner`` (forward-mode AD's tangents).
+``_INTERPRET`` is decided here, at import: triton picks interpreter or compiler when a kernel
+is decorated.
 """
 
 from __future__ import annotations
@@ -498,3 +499,72 @@ def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, SC,
             # -- dQ += dS K --
             dq = _dot(ds.to(kT.dtype), tl.trans(kT), dq, DOT_PRECISION)
     return dq, delta, psum
+
+
+# -- forward-mode (JVP) --------------------------------------------------------------------
+# TAN's flags: which tangents the launcher passes (a missing one is zero: never loaded)
+_T_Q = tl.constexpr(0)
+_T_K = tl.constexpr(1)
+_T_V = tl.constexpr(2)
+_T_MASK = tl.constexpr(3)  # the float attn_mask's tangent
+
+
+@triton.jit
+def _jvp_inner(acc, b_i, q, dq, lse, K, V, DK, DV, lo, hi, offs_m, cap, slope, dcap, dslope,
+               SC, KSTR, VSTR, DKSTR, DVSTR, MASK, DMASK, BAND, DROP,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               BANDED: tl.constexpr, MASK_KIND: tl.constexpr, SCORE: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr, TAN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The query-resident tangent pass over key tiles [lo, hi): P recomputed from lse (base
+    2, the forward's Lse2) and the scores' tangent ṡ in natural units, then
+    ``acc += (P∘ṡ∘z)·V + (P∘z)·V̇`` and ``b_i += Σ_j P∘ṡ`` (z: dropout's kept scale), so that
+    ȯ = acc − b·o and lsė = b (see :func:`attn.flash_triton.outer._attn_jvp`).
+
+    ṡ of s = c·tanh(u), u = scale·q·k / c: (1 − t²)·scale·(q̇·kᵀ + q·k̇ᵀ) + ċ·(t − u(1 − t²));
+    ALiBi subtracts ṡlope·|distance|, a float mask adds its tangent. A masked entry (P = 0)
+    adds nothing, whatever its tangent (an inf there would give 0·inf)."""
+    N_K = BAND[1]
+    DMask, stride_dm, stride_dn = DMASK
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, start_n, cap, slope, SC, KSTR, MASK,
+                                 BAND, HEAD_DIM, BLOCK_D, MASKED, BANDED, MASK_KIND, SCORE,
+                                 DOT_PRECISION)
+        if _is_raw(MASKED, MASK_KIND, SCORE):
+            p = tl.math.exp2(s * SC[_SCALE2] - lse[:, None])
+        else:
+            p = tl.math.exp2(s - lse[:, None])
+        # -- ṡ: the raw scores' tangent, then through softcap, ALiBi and the mask --
+        sd = tl.zeros_like(p)
+        if TAN[_T_Q]:
+            sd = _dot(dq, kT, sd, DOT_PRECISION)
+        if TAN[_T_K]:
+            dkT = _load_cols(DK, offs_n, DKSTR, N_K, HEAD_DIM, BLOCK_D, MASKED)
+            sd = _dot(q, dkT, sd, DOT_PRECISION)
+        sd = sd * SC[_SCALE]
+        om = offs_m[:, None]
+        on = offs_n[None, :]
+        if SCORE[_SOFTCAP]:
+            one_m_t2 = 1.0 - t * t
+            sd = sd * one_m_t2 + dcap * (t - u * one_m_t2)
+        if SCORE[_ALIBI]:
+            sd = sd - dslope * tl.abs(on - (om + BAND[2])).to(tl.float32)
+        if TAN[_T_MASK]:
+            sd += tl.load(DMask + om * stride_dm + on * stride_dn,
+                          mask=(om < BAND[0]) & (on < N_K), other=0.0).to(tl.float32)
+        psd = tl.where(p > 0.0, p * sd, 0.0)
+        b_i += tl.sum(psd, 1)
+        if HAS_DROPOUT:
+            z = _dropout_scale(DROP, om, on)
+            p = p * z
+            psd = psd * z
+        # -- A += (P∘ṡ)·V + P·V̇ --
+        v = _load_rows(V + start_n * VSTR[0], tl.arange(0, BLOCK_N), VSTR, N_K - start_n,
+                       HEAD_DIM_V, BLOCK_DV, MASKED)
+        acc = _dot(psd.to(v.dtype), v, acc, DOT_PRECISION)
+        if TAN[_T_V]:
+            dv = _load_rows(DV + start_n * DVSTR[0], tl.arange(0, BLOCK_N), DVSTR,
+                            N_K - start_n, HEAD_DIM_V, BLOCK_DV, MASKED)
+            acc = _dot(p.to(dv.dtype), dv, acc, DOT_PRECISION)
+    return acc, b_i

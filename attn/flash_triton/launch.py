@@ -16,19 +16,23 @@ import os
 import types
 import typing
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 from torch import Tensor
+from torch._C import _functorch
+from torch.utils import _pytree as pytree
 
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
-                                     _attn_fwd)
+                                     _attn_fwd, _attn_jvp)
 from attn.flash_triton.kernels import _INTERPRET, score_args
 from attn.flash_triton.paged import _attn_fwd_paged
 from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_combine,
                                      combine_block, sm_count_of, split_kv_override,
                                      split_kv_plan, split_kv_unsupported)
 from attn.flash_triton.tune import _tune_n, split_config
+from attn import batching, transforms
 from attn.grads import Grads, sink_grad
 from attn.masks import Band, as_4d
 from attn.spec import LaunchSpec, Operands, check_paged_forward_only
@@ -246,13 +250,13 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
 
 
 def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
-                   grad: bool) -> SplitPlan | None:
+                   grad: bool, transform: str | None = None) -> SplitPlan | None:
     """The split-KV plan of a dense call (q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv,
     Nk, Dv)), or None when
     it runs the plain kernels: not eligible (``split_kv_unsupported``), or one chunk. Reads
     ``ATTN_TRITON_SPLIT_KV`` now, at the call."""
     why = split_kv_unsupported(n_q=q.shape[2], grad=grad, dropout=spec.dropout_p > 0.0,
-                               varlen=ops.cu_seqlens_q is not None)
+                               varlen=ops.cu_seqlens_q is not None, transform=transform)
     if why is not None:
         return None
     _, H, Nq, D = q.shape
@@ -464,6 +468,68 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     return Grads(dq, dk, dv, None, dsinks, dcap)
 
 
+class Tangents(NamedTuple):
+    """Forward-mode tangents of one call's inputs, each shaped as its primal (None: zero):
+    q, k, v, a float mask, sinks, a learnable softcap and the ALiBi slopes."""
+
+    q: Tensor | None = None
+    k: Tensor | None = None
+    v: Tensor | None = None
+    attn_mask: Tensor | None = None
+    sinks: Tensor | None = None
+    softcap: Tensor | None = None
+    alibi: Tensor | None = None
+
+
+def _jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: LaunchSpec,
+         ops: Operands | None, tangents: Tangents, *, lse2: Tensor | None = None
+         ) -> tuple[Tensor, Tensor]:
+    """``(ȯ, lsė)``: the tangents of one call's ``(out, lse)`` (its forward's, ``lse2`` its
+    base-2 lse, else lse · log2 e) along ``tangents``, in one query-resident pass
+    (:func:`attn.flash_triton.outer._attn_jvp`). ȯ in v's dtype shaped as out, lsė float32
+    laid out as lse; dense or packed as :func:`_fwd`."""
+    ops = Operands() if ops is None else ops
+    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
+    L = _launch_args(q, k, v, spec, ops, softcap)
+    slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
+    lse = lse.contiguous()
+    lse2 = lse * 1.4426950408889634 if lse2 is None else lse2.contiguous()
+    mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
+    t = tangents
+    dq = None if t.q is None else t.q.to(q.dtype)
+    dk = None if t.k is None else t.k.to(k.dtype)
+    dv = None if t.v is None else t.v.to(v.dtype)
+    dmask = None
+    if L.mask_kind == 2 and t.attn_mask is not None:
+        dmask, dmask_strides = _mask_arg(t.attn_mask, q, L.n_k)
+    dcap = None
+    if softcap is not None:  # a fixed cap has none: zeros
+        dcap = (torch.zeros_like(softcap) if t.softcap is None else
+                t.softcap.to(device=q.device, dtype=torch.float32).expand(L.H).contiguous())
+    dslopes, dslope_strides = _alibi_arg(
+        None if ops.alibi is None else (torch.zeros_like(ops.alibi, dtype=torch.float32)
+                                        if t.alibi is None else t.alibi), q, L)
+    has_sinks = sinks is not None and t.sinks is not None
+    d_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
+    d_lse = torch.empty(L.rows(q), dtype=torch.float32, device=q.device)
+    none = (0, 0, 0, 0)
+    grid = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
+    _attn_jvp[grid](
+        q, k, v, out, lse2, q if dq is None else dq, k if dk is None else dk,
+        v if dv is None else dv, d_out, d_lse, mask, q if dmask is None else dmask,
+        q if softcap is None else softcap, q if dcap is None else dcap, slopes, dslopes,
+        sinks if has_sinks else q,
+        t.sinks.to(torch.float32).contiguous() if has_sinks else q, *L.cu_seqlens(q, ops),
+        QS=L.strides(q), KS=L.strides(k), VS=L.strides(v), OS=L.strides(out),
+        TQS=none if dq is None else L.strides(dq), TKS=none if dk is None else L.strides(dk),
+        TVS=none if dv is None else L.strides(dv), GS=L.strides(d_out), MS=mask_strides,
+        DMS=none if dmask is None else dmask_strides, AS=slope_strides, DAS=dslope_strides,
+        LS=L.row_strides(lse), **L.scalars(), **L.constexprs(),
+        TAN=(dq is not None, dk is not None, dv is not None, dmask is not None),
+        HAS_SINKS=has_sinks)
+    return d_out, d_lse
+
+
 # -- torch.library ops: opaque to torch.compile, with shapes it can trace ------------------
 # Op schemas take flat values: the spec travels as two lists, every field encoded by its type.
 
@@ -610,11 +676,16 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
             lse: Tensor, attn_mask: Tensor | None, sinks: Tensor | None,
             softcap: Tensor | None, spec_ints: list[int], spec_floats: list[float],
             need_dcap: bool, alibi: Tensor | None = None, logl: Tensor | None = None,
-            lse2: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for."""
+            lse2: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
+            cu_seqlens_k: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for.
+    Dense or packed (the offsets given)."""
     spec = _spec_of(spec_ints, spec_floats)
-    g = _bwd(do, dlse, q, k, v, out, lse, spec, Operands(attn_mask, sinks, softcap, alibi),
-             need_dcap=need_dcap, logl=logl, lse2=lse2)
+    ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k)
+    g = _bwd(do, dlse, q, k, v, out, lse, spec, ops, need_dcap=need_dcap, logl=logl,
+             lse2=lse2)
     return g.dq, g.dk, g.dv, _or_empty(g.dsinks, q), _or_empty(g.dsoftcap, q)
 
 
@@ -625,7 +696,7 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 @_bwd_op.register_fake
 def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec_ints, spec_floats,
-      need_dcap, alibi=None, logl=None, lse2=None):
+      need_dcap, alibi=None, logl=None, lse2=None, cu_seqlens_q=None, cu_seqlens_k=None):
     H = q.shape[1]
     n_sinks = 0 if sinks is None else H
     n_cap = H if need_dcap and softcap is not None else 0
@@ -633,34 +704,155 @@ def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec_ints, spec_fl
             q.new_empty(n_sinks, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
 
 
+def _bwd_op_vmap(info, in_dims, *args):
+    """vmap of :func:`_bwd_op` (per-sample gradients, ``vmap(grad(...))``): the mapped dim
+    folded into B for dense calls without sinks, a learnable softcap (their gradients sum
+    over the batch: each sample needs its own) or dropout (its hash reads the batch index),
+    else one op call per sample."""
+    X = info.batch_size
+    args = args + (None,) * (18 - len(args))  # the optional tail, where left at its default
+    in_dims = tuple(d if isinstance(a, Tensor) else None
+                    for a, d in zip(args, tuple(in_dims) + (None,) * (18 - len(in_dims))))
+    spec = _spec_of(args[10], args[11])
+    if (args[16] is not None or args[8] is not None or args[9] is not None
+            or spec.dropout_p > 0.0 or spec.sharded):
+        return batching.call_per_sample(_bwd_op, X, in_dims, args)
+    B = batching.rows_of(args[2], in_dims[2])
+    folded = list(args)
+    for i in (0, 1, 2, 3, 4, 5, 6, 14, 15):  # do, dlse, q, k, v, out, lse, logl, lse2
+        folded[i] = batching.fold(args[i], in_dims[i], X, B)
+    folded[7] = batching.fold_mask(args[7], in_dims[7], X, B)
+    folded[13] = batching.fold(*_slopes_2d(args[13], in_dims[13]), X, B)
+    dq, dk, dv, dsinks, dcap = _bwd_op(*folded)
+    unfolded = tuple(batching.unfold(g, X) for g in (dq, dk, dv))
+    return (*unfolded, dsinks, dcap), (0, 0, 0, None, None)  # (no sinks, no softcap: empty)
+
+
+_bwd_op.register_vmap(_bwd_op_vmap)
+
+
+@torch.library.custom_op("attn::flash_jvp", mutates_args=())
+def _jvp_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse2: Tensor,
+            attn_mask: Tensor | None, sinks: Tensor | None, softcap: Tensor | None,
+            alibi: Tensor | None, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None,
+            dmask: Tensor | None, dsinks: Tensor | None, dsoftcap: Tensor | None,
+            dalibi: Tensor | None, spec_ints: list[int], spec_floats: list[float],
+            cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None
+            ) -> tuple[Tensor, Tensor]:
+    """ȯ and lsė of a call, dense or packed (see :func:`_jvp`): an op, so that functorch's
+    wrappers come off before the launcher, and vmap loops over it."""
+    spec = _spec_of(spec_ints, spec_floats)
+    ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k)
+    return _jvp(q, k, v, out, lse, spec, ops,
+                Tangents(dq, dk, dv, dmask, dsinks, dsoftcap, dalibi), lse2=lse2)
+
+
+@_jvp_op.register_fake
+def _(q, k, v, out, lse, lse2, *rest):
+    return torch.empty_like(out), torch.empty_like(lse, dtype=torch.float32)
+
+
+def _jvp_op_vmap(info, in_dims, *args):
+    """vmap of :func:`_jvp_op` (``jacfwd``, ``vmap(jvp)``): the mapped dim folded into B for
+    dense calls whose per-head operands (sinks, softcap and their tangents) are shared and
+    that draw no dropout (its hash reads the batch index), else one op call per sample."""
+    X = info.batch_size
+    args = args + (None,) * (21 - len(args))  # the offsets, where left at their default
+    in_dims = tuple(d if isinstance(a, Tensor) else None  # (a list's dims: one per item)
+                    for a, d in zip(args, tuple(in_dims) + (None,) * (21 - len(in_dims))))
+    spec = _spec_of(args[17], args[18])
+    per_head = (7, 8, 14, 15)  # sinks, softcap, dsinks, dsoftcap
+    if (args[19] is not None or spec.dropout_p > 0.0 or spec.sharded
+            or any(in_dims[i] is not None for i in per_head)):
+        return batching.call_per_sample(_jvp_op, X, in_dims, args)
+    B = batching.rows_of(args[0], in_dims[0])
+    folded = list(args)
+    for i in (0, 1, 2, 3, 4, 5, 10, 11, 12):  # q, k, v, out, lse, lse2, dq, dk, dv
+        folded[i] = batching.fold(args[i], in_dims[i], X, B)
+    for i in (6, 13):  # the mask and its tangent
+        folded[i] = batching.fold_mask(args[i], in_dims[i], X, B)
+    for i in (9, 16):  # the slopes and their tangent
+        folded[i] = batching.fold(*_slopes_2d(args[i], in_dims[i]), X, B)
+    d_out, d_lse = _jvp_op(*folded)
+    return (batching.unfold(d_out, X), batching.unfold(d_lse, X)), (0, 0)
+
+
+_jvp_op.register_vmap(_jvp_op_vmap)
+
+
+def _slopes_2d(alibi: Tensor | None, dim: int | None) -> tuple[Tensor | None, int | None]:
+    """ALiBi slopes mapped at ``dim`` (or shared) with per-sample shape (B or 1, H) or (H,),
+    as (B or 1, H) per sample (the mapped dim first where it moved), for ``batching.fold``."""
+    if alibi is None or alibi.dim() - (dim is not None) == 2:
+        return alibi, dim
+    return (alibi.unsqueeze(0), None) if dim is None else (alibi.movedim(dim, 0)[:, None], 0)
+
+
 # -- autograd ------------------------------------------------------------------------------
 
+def _graph_needed(*tensors: Tensor | None) -> bool:
+    """Whether a rule (the backward, the forward-mode rule) must give results that are
+    differentiable again: grad mode is on and something tracks ``tensors`` beyond the rule's
+    own transform level. torch.func.grad and jvp turn grad mode on inside their level
+    whatever comes next, so there only an outer grad or jvp level, or autograd outside every
+    transform (``create_graph=True``), can differentiate the results."""
+    if not torch.is_grad_enabled():
+        return False
+    stack = [] if torch.compiler.is_compiling() else _functorch.get_interpreter_stack() or []
+    level = None
+    if stack:
+        if not str(stack[-1].key()).endswith(("Grad", "Jvp")):
+            return True  # (a rule runs at a grad or jvp level: a safe answer elsewhere)
+        level = stack[-1].level()
+    for t in tensors:
+        while isinstance(t, Tensor) and _functorch.is_functorch_wrapped_tensor(t):
+            if _functorch.is_gradtrackingtensor(t) and _functorch.maybe_get_level(t) != level:
+                return True  # tracked by an outer grad or jvp level
+            t = _functorch.get_unwrapped(t)
+        if isinstance(t, Tensor) and t.requires_grad:
+            return True  # tracked outside every transform
+    return False
+
+
 class _FlashAttention(torch.autograd.Function):
-    """``apply(q, k, v, attn_mask, sinks, softcap, spec, ops)``: the tensors that can need a
-    gradient explicit, ``ops`` the rest (ALiBi slopes, cu_seqlens). Dense calls run through
-    the custom ops; packed ones call the launchers (the ops' schemas have no offsets)."""
+    """``apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second)`` → ``(out, lse,
+    logl, lse2)``, the last two the backward's row constants (not differentiable): every
+    tensor a transform may carry a tangent on explicit (the ALiBi slopes too, though they
+    get no gradient: attn.call refuses slopes that require one), ``ops`` the rest
+    (cu_seqlens). Dense forwards run through the custom op (packed ones call the launcher:
+    the forward op's fake shapes are dense); backward and forward-mode rules are ops for
+    both layouts, so functorch's wrappers come off before a launcher. torch.func: the vmap
+    rule folds the mapped dim into B or loops; :class:`_FlashAttentionJvp` adds the
+    forward-mode rule."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, softcap, spec: LaunchSpec, ops: Operands,
+    def forward(q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec, ops: Operands,
                 second=None):
-        ctx.second = second
-        ops = ops._replace(attn_mask=attn_mask, sinks=sinks, softcap=softcap)
+        ops = ops._replace(attn_mask=attn_mask, sinks=sinks, softcap=softcap, alibi=alibi)
         if ops.cu_seqlens_q is None:
-            out, lse, logl, lse2 = _fwd_op(q, k, v, attn_mask, sinks, softcap,
-                                           *_op_args(spec), ops.alibi)
-        else:
-            out, lse, logl, lse2 = _fwd(q, k, v, spec, ops, want_logl=True)
-        ctx.save_for_backward(q, k, v, out, lse, logl, lse2, attn_mask, sinks, softcap,
-                              ops.alibi, ops.cu_seqlens_q, ops.cu_seqlens_k)
-        ctx.spec = spec
-        return out, lse
+            return _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec), alibi)
+        return _fwd(q, k, v, spec, ops, want_logl=True)
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def setup_context(ctx, inputs, output):
+        q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second = inputs
+        out, lse, logl, lse2 = output
+        ctx.mark_non_differentiable(logl, lse2)
+        ctx.save_for_backward(q, k, v, out, lse, logl, lse2, attn_mask, sinks, softcap, alibi,
+                              ops.cu_seqlens_q, ops.cu_seqlens_k)
+        ctx.save_for_forward(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi,
+                             ops.cu_seqlens_q, ops.cu_seqlens_k)
+        ctx.spec, ctx.second = spec, second
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dlogl, _dlse2):
         (q, k, v, out, lse, logl, lse2, attn_mask, sinks, softcap, alibi, cu_q,
          cu_k) = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
-        if torch.is_grad_enabled():  # create_graph=True: hand off, as DESIGN's "Transforms"
+        rest = (None, None, None, None)  # alibi (constants), spec, ops, second
+        if _graph_needed(dout, dlse, q, k, v, out, lse, attn_mask, sinks, softcap):
+            # create_graph=True: hand off, as DESIGN's "Transforms"
             why = ("a learnable softcap" if need_dcap else
                    "a float mask's gradient" if attn_mask is not None
                    and ctx.needs_input_grad[3] else
@@ -675,19 +867,54 @@ class _FlashAttention(torch.autograd.Function):
             dq, dk, dv, dsinks = ctx.second(do, dlse, q, k, v, out, lse, ctx.spec,
                                             Operands(attn_mask, sinks, softcap, alibi))
             dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
-            return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, None,
-                    None, None)
-        if cu_q is None:
-            dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, sinks,
-                                               softcap, *_op_args(ctx.spec), need_dcap, alibi,
-                                               logl, lse2)
-        else:
-            ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-            g = _bwd(dout, dlse, q, k, v, out, lse, ctx.spec, ops, need_dcap=need_dcap,
-                     logl=logl, lse2=lse2)
-            dq, dk, dv, dsinks, dcap = g.dq, g.dk, g.dv, g.dsinks, g.dsoftcap
+            return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, *rest)
+        with torch.no_grad():  # (under torch.func.grad its level has grad mode on)
+            dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask,
+                                               sinks, softcap, *_op_args(ctx.spec), need_dcap,
+                                               alibi, logl, lse2, cu_q, cu_k)
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
-        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, None, None, None
+        return dq, dk, dv, None, dsinks, dcap if need_dcap else None, *rest
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second):
+        args = (q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second)
+        if any(isinstance(d, int) for d in pytree.tree_leaves(in_dims[8])):  # ops' fields
+            raise NotImplementedError("backend='triton': vmap over cu_seqlens; "
+                                      "backend='tiled' runs it")
+        in_dims = (*in_dims[:8], None, None)
+        X = info.batch_size
+        loop = (ops.cu_seqlens_q is not None or spec.dropout_p > 0.0 or spec.sharded
+                or any(d is not None for d in in_dims[4:6]))
+        if loop:  # per-sample operands, the dropout hash's batch index, packed offsets
+            return batching.call_per_sample(_FlashAttentionJvp.apply, X, in_dims, args)
+        B = batching.rows_of(q, in_dims[0])
+        qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
+        res = _FlashAttentionJvp.apply(*qkv, batching.fold_mask(attn_mask, in_dims[3], X, B),
+                                       sinks, softcap,
+                                       batching.fold(*_slopes_2d(alibi, in_dims[6]), X, B),
+                                       spec, ops, second)
+        return tuple(batching.unfold(x, X) for x in res), (0, 0, 0, 0)
+
+
+class _FlashAttentionJvp(_FlashAttention):
+    """:class:`_FlashAttention` with its forward-mode rule (:func:`_jvp`, one kernel pass
+    from the saved out and lse), taken under torch.func transforms and forward-mode AD
+    (torch.compile cannot trace a Function that defines ``jvp``)."""
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv, dmask, dsinks, dsoftcap, dalibi, _spec, _ops, _second):
+        (q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi, cu_q,
+         cu_k) = ctx.saved_tensors
+        tangents = (dq, dk, dv, dmask, dsinks, dsoftcap, dalibi)
+        if _graph_needed(q, k, v, out, lse, attn_mask, sinks, softcap, alibi, *tangents):
+            raise NotImplementedError(
+                "backend='triton': its forward-mode kernel's tangents are not differentiable "
+                "again (reverse over forward, e.g. jacrev(jacfwd(f))); backend='tiled' and "
+                "backend='reference' differentiate them")
+        d_out, d_lse = _jvp_op(q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi,
+                               dq, dk, dv, dmask, dsinks, dsoftcap, dalibi,
+                               *_op_args(ctx.spec), cu_q, cu_k)
+        return d_out, d_lse, None, None
 
 
 def triton_attention(
@@ -719,6 +946,11 @@ def triton_attention(
     whose gradients are differentiable (the caller's: tiled's), run where one is asked for
     (``create_graph=True``); without it, or for what it cannot differentiate, that raises
     NotImplementedError rather than give gradients that silently have none.
+
+    torch.func: under a transform or dual tensors (``attn.transforms.active``) the call runs
+    :class:`_FlashAttentionJvp`, whose forward-mode rule is the ``_attn_jvp`` kernel (tangents
+    of q, k, v, a float mask, sinks, a learnable softcap and the ALiBi slopes) and whose
+    vmap rule folds the mapped dim into B (dense q, k, v, mask, slopes) or loops per sample.
     """
     ops = Operands() if operands is None else operands
     if ops.captured:
@@ -731,11 +963,16 @@ def triton_attention(
     q, sinks, cap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, ops.attn_mask, sinks, cap))
-    plan = split_plan_for(q, k, v, spec, ops, grad=grad)
+    transform = transforms.active(q, k, v, ops.attn_mask, sinks, cap, ops.alibi)
+    plan = split_plan_for(q, k, v, spec, ops, grad=grad, transform=transform)
     if plan is not None:  # decoding: forward only, no autograd node
         return _fwd_split_op(q, k, v, ops.attn_mask, sinks, cap, *_op_args(spec), ops.alibi,
                              plan.chunk)
-    return _FlashAttention.apply(q, k, v, ops.attn_mask, sinks, cap, spec, ops, second)
+    fn = _FlashAttention if transform is None else _FlashAttentionJvp
+    out, lse, _, _ = fn.apply(q, k, v, ops.attn_mask, sinks, cap, ops.alibi, spec,
+                              ops._replace(attn_mask=None, sinks=None, softcap=None, alibi=None),
+                              second)
+    return out, lse
 
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,

@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from attn.flash_triton.kernels import (_LN2, _LOG2E, _SATURATED_LOGL, _SCALE, _SOFTCAP,
-                                       _dkdv_inner, _dq_inner, _drop_ctx, _fwd_inner,
-                                       _head_consts, _load_rows, _lse_of, _stage_range,
-                                       _stages, _store_rows, _value_offset)
+                                       _T_Q, _dkdv_inner, _dq_inner, _drop_ctx, _fwd_inner,
+                                       _head_consts, _jvp_inner, _load_rows, _lse_of,
+                                       _stage_range, _stages, _store_rows, _value_offset)
 from attn.flash_triton.tune import _configs, _prune
 
 _KEY = ["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED", "VARLEN"]  # autotune: per layout too
@@ -306,3 +306,72 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
         else:
             _store_rows(_at(DQ, seq_q, off_h, GS), offs_m, (GS[2], GS[3]), N_Q, dq * SC[_SCALE],
                         HEAD_DIM, BLOCK_D)
+
+
+# -- forward-mode AD -----------------------------------------------------------------------
+
+@triton.autotune(configs=_configs("jvp"), key=_KEY + ["TAN"],
+                 prune_configs_by={"early_config_prune": partial(_prune, kind="jvp")})
+@triton.jit(do_not_specialize=["drop_seed"])  # a seed of 1 would become a constant: one compile per seed
+def _attn_jvp(Q, K, V, Out, Lse, DQ, DK, DV, DOut, DLse, Mask, DMask, Softcap, DCap, Alibi,
+              DAlibi, Sinks, DSinks, CuQ, CuK, QS, KS, VS, OS, TQS, TKS, TVS, GS, MS, DMS, AS,
+              DAS, LS, H, GROUP, N_Q, N_K, offset, left, right, SC, drop_seed, DR, TUNE_N,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
+              SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              VARLEN: tl.constexpr, TAN: tl.constexpr, HAS_SINKS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tangents (ȯ, lsė) of one query block's (out, lse), in one pass over its key tiles
+    from the forward's out and base-2 lse (``Lse``: Lse2): with p_j = exp(s_j − lse),
+    ȯ = Σ_j p_j z_j (ṡ_j − b) v_j + Σ_j p_j z_j v̇_j = A − b·o and lsė = b = Σ_j p_j ṡ_j
+    (:func:`_jvp_inner` accumulates A and b). ``DQ``, ``DK``, ``DV``, ``DMask`` the
+    tangents of q, k, v and a float mask (``TAN``: which are given; strides ``TQS``, ``TKS``,
+    ``TVS``, ``DMS``), ``DCap`` the softcap's per head, ``DAlibi`` the slopes' (strides
+    ``DAS``), ``DSinks`` the sinks'; ``DOut`` (strides ``GS``) in out's dtype, ``DLse``
+    float32 laid out as lse."""
+    off_b, off_h, off_hk, seq_q, seq_k, N_Q, N_K, offset = _q_program(
+        CuQ, CuK, H, GROUP, N_Q, N_K, offset, VARLEN)
+    start_m = tl.program_id(0) * BLOCK_M
+    run = True
+    if VARLEN:
+        run = start_m < N_Q
+    if run:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row = _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN) + offs_m
+        BAND = (N_Q, N_K, offset, left, right)
+        MASK = (_at(Mask, off_b.to(tl.int64), off_h, MS), MS[2], MS[3])
+        DMASK = (_at(DMask, off_b.to(tl.int64), off_h, DMS), DMS[2], DMS[3])
+        DROP = _drop_ctx(off_b, off_h, drop_seed, DR, HAS_DROPOUT)
+        q = _load_rows(_at(Q, seq_q, off_h, QS), offs_m, (QS[2], QS[3]), N_Q, HEAD_DIM,
+                       BLOCK_D, True)
+        dq = q
+        if TAN[_T_Q]:
+            dq = _load_rows(_at(DQ, seq_q, off_h, TQS), offs_m, (TQS[2], TQS[3]), N_Q,
+                            HEAD_DIM, BLOCK_D, True)
+        lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # base 2 (Lse2)
+        cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
+                                  SCORE)
+        dcap, dslope = _head_consts(DCap, DAlibi + off_b * DAS[0] + off_h * DAS[1], off_h,
+                                    SCORE)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        b_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:  # one more key, of value 0: b gets p_sink · ṡink, A nothing
+            b_i += tl.math.exp2(tl.load(Sinks + off_h) * _LOG2E - lse) * tl.load(DSinks + off_h)
+        lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
+        for stage in tl.static_range(3):
+            s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
+            acc, b_i = _jvp_inner(
+                acc, b_i, q, dq, lse, _at(K, seq_k, off_hk, KS), _at(V, seq_k, off_hk, VS),
+                _at(DK, seq_k, off_hk, TKS), _at(DV, seq_k, off_hk, TVS), s_lo, s_hi, offs_m,
+                cap, slope, dcap, dslope, SC, (KS[2], KS[3]), (VS[2], VS[3]),
+                (TKS[2], TKS[3]), (TVS[2], TVS[3]), MASK, DMASK, BAND, DROP, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, BANDED, MASK_KIND, SCORE,
+                HAS_DROPOUT, TAN, DOT_PRECISION)
+        # -- epilogue: ȯ = A − b·o, lsė = b --
+        o = _load_rows(_at(Out, seq_q, off_h, OS), offs_m, (OS[2], OS[3]), N_Q, HEAD_DIM_V,
+                       BLOCK_DV, True)
+        d_out = acc - b_i[:, None] * o.to(tl.float32)
+        _store_rows(_at(DOut, seq_q, off_h, GS), offs_m, (GS[2], GS[3]), N_Q, d_out,
+                    HEAD_DIM_V, BLOCK_DV)
+        tl.store(DLse + row, b_i, mask=offs_m < N_Q)

@@ -99,10 +99,14 @@ def split_kv_override() -> int | None:
     return n
 
 
-def split_kv_unsupported(*, n_q: int, grad: bool, dropout: bool, varlen: bool) -> str | None:
-    """Why a triton call cannot take the split-KV path, or None when it is eligible."""
+def split_kv_unsupported(*, n_q: int, grad: bool, dropout: bool, varlen: bool,
+                         transform: str | None = None) -> str | None:
+    """Why a triton call cannot take the split-KV path, or None when it is eligible
+    (``transform``: the torch.func transforms it runs under, ``attn.transforms.active``)."""
     if grad:
         return "split-KV is forward-only and this call needs gradients"
+    if transform is not None:
+        return f"split-KV has no rule for torch.func transforms or forward-mode AD ({transform})"
     if dropout:
         return "split-KV does not run dropout"
     if varlen:
@@ -116,7 +120,7 @@ def split_kv_reason(call) -> str:
     """The split-KV half of ``select_backend``'s reason for a triton call (``call``: an
     ``attn.call.AttentionCall``): when it is taken, or why not."""
     why = split_kv_unsupported(n_q=call.n_q, grad=call.grad, dropout=call.dropout,
-                               varlen=call.varlen)
+                               varlen=call.varlen, transform=call.transform)
     if why is not None:
         return f"plain kernels ({why})"
     if call.n_k < 2 * MIN_CHUNK:

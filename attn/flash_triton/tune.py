@@ -29,8 +29,9 @@ def gpu_configs(kind: str) -> list[triton.Config]:
         blocks = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
     elif kind == "dkdv":  # the key block is resident: keep it large, stream small query tiles
         blocks = [(16, 64), (32, 64), (32, 128), (64, 64), (64, 128)]
-    else:  # dq: the query block is resident
+    else:  # dq, jvp: the query block is resident (jvp's float32 runs 16 x 16, see below)
         blocks = [(64, 16), (64, 32), (128, 32), (64, 64), (128, 64)]
+        blocks += [(16, 16)] if kind == "jvp" else []
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn in blocks for w in (4, 8) for s in (2, 3, 4)]
 
@@ -90,6 +91,8 @@ def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
         resident, streamed = bm * d * elem, bn * (d + dv) * elem + mask
     elif kind == "dkdv":
         resident, streamed = bn * (d + dv) * elem, bm * (d + dv) * elem + mask + 8 * bm
+    elif kind == "jvp":  # q, q̇ resident; K, K̇, V, V̇ and the mask's tangent streamed
+        resident, streamed = 2 * bm * d * elem, 2 * bn * (d + dv) * elem + 2 * mask
     else:  # dq
         resident, streamed = bm * (d + dv) * elem, bn * (d + dv) * elem + mask
     return resident + s * streamed + 1024  # + reduction and layout-conversion scratch
@@ -100,6 +103,14 @@ def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
 # 64 x 128, D = 64 (triton 3.9, sm_90) and 1.2 KB at 32 x 128, D = 128; tiles up to this
 # BLOCK_M·BLOCK_N·D stay under 1 KiB (32 x 128 at D = 64: 344 bytes; 64 x 64: 996).
 _HEAVY_DKDV_MAX_TILE = 32 * 128 * 64
+
+
+# The forward-mode kernel with every flag on holds ṡ, P, u, t and the dropout scale per
+# score beside q, q̇ and A: at D = 128 (triton 3.9, sm_90, ptxas -v) 64 x 64 spilled 2008
+# bytes with 4 warps and 1824 with 8, 128 x 64 (8 warps) 1356, while key tiles of 32 spill
+# at most 64 (128 x 32 w8: 64 / 16 with 2 / 3 stages; 64 x 32 w4: 32). At D = 256 the
+# smallest (64 x 16, 8 warps) still spills 1820 bytes, 64 x 32 2596: such launches keep key
+# tiles of at most 32 (16 from D = 256).
 
 
 # triton before 3.7 (the GPU image's 3.6) spills more on the heaviest launches
@@ -121,7 +132,7 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
     ``attn bench compile`` (benchmarks/results/compile-sm90); the slow compile test builds
     every config this keeps."""
     bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
-    if kind in ("fwd", "dq"):
+    if kind in ("fwd", "dq", "jvp"):
         return w == 4 and bm * d >= 128 * 128
     tile = bm * bn * d / (64 * 64 * 128)
     return (w == 4 and bn * d >= 64 * 128) or tile > 1 or (tile == 1 and s > (2 if d >= 256 else 3))
@@ -136,7 +147,11 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
 # tests ran past 150 s each with the spilling configs.
 # With the base-2 forward (issue 39) the 64 x 32, 8-warp forward at D = 128 spills 3.6 KB
 # (triton 3.9, sm_90, any stages); 32 x 32 with 8 warps spills 1 KB, 4 warps 3.4 KB.
-_FP32_MAX_TILE = {"fwd": 64 * 32 * 64, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128}
+# The forward-mode kernel holds q and q̇ as float32 dot operands besides A: at D = 128 ptxas
+# spilled 57 KB for 64 x 16 (8 warps), 10 KB for 32 x 16 and 16 x 16 with 4 warps, and 1144
+# bytes for 16 x 16 with 8 (triton 3.9, sm_90).
+_FP32_MAX_TILE = {"fwd": 64 * 32 * 64, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128,
+                  "jvp": 16 * 16 * 128}
 
 
 def _fp32_spills(kind: str, c: triton.Config, d: int) -> bool:
@@ -145,7 +160,7 @@ def _fp32_spills(kind: str, c: triton.Config, d: int) -> bool:
 
 def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int | None
               ) -> list[triton.Config]:
-    """The autotune configs worth timing for a ``kind`` ("fwd", "dkdv", "dq") launch with
+    """The autotune configs worth timing for a ``kind`` ("fwd", "dkdv", "dq", "jvp") launch with
     ``args`` on compute capability ``arch`` (90 for sm_90; None when unknown): drop tiles
     longer than the sequence, configs whose shared memory does not fit the arch, and tiles
     x warps that spill registers heavily (measured: benchmarks/results/compile-sm90).
@@ -169,6 +184,8 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
         if kind == "dkdv" and heavy and (bm * bn * d > _HEAVY_DKDV_MAX_TILE
                                          or c.num_stages > 3):
             continue  # (32 x 64, D = 128, packed sequences: 1208 bytes with 4 stages)
+        if kind == "jvp" and heavy and d >= 128 and bn > (16 if d >= 256 else 32):
+            continue  # the tangent pass's wide key tiles spill (see above)
         if _TRITON_36 and heavy and d >= 128 and (
                 (kind == "fwd" and bm * bn > 128 * 64) or (kind == "dkdv" and c.num_stages > 2)):
             continue  # triton 3.6, packed, every flag, D = 128: 2056 / 1444 bytes there

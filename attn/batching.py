@@ -1,0 +1,72 @@
+"""``torch.func.vmap`` rules of the backends' autograd.Functions (tiled's, triton's): the
+mapped dimension folded into the batch dimension B where that is exact, else one call per
+sample.
+
+A rule hands its launchers plain tensors: the tiled launchers run work items on a pool of
+threads, which would lose functorch's thread-local state, and read values on the host
+(``.item()``), which a batched tensor does not allow; triton's kernels take plain tensors
+too. Folding (X samples of B rows become X·B rows) is exact where every operand is per
+batch row or shared: q, k, v, the mask and the ALiBi slopes. Per-head tensors that are
+mapped (sinks, a learnable softcap), a score_mod / mask_mod (they read the batch index),
+dropout (its hash reads it too) and gradients summed over the batch (sinks', softcap's, a
+mask's) take the loop instead.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from attn.masks import as_4d
+
+__all__ = ["call_per_sample", "fold", "unfold"]
+
+
+def call_per_sample(apply: Callable, batch_size: int, in_dims: Sequence[int | None],
+                    args: Sequence[object]) -> tuple[tuple, tuple]:
+    """``apply`` on each sample's slice of the mapped arguments, outputs stacked on dim 0
+    (None outputs stay None): ``(outputs, out_dims)``."""
+    results = []
+    for x in range(batch_size):
+        sliced = [a.select(d, x) if d is not None else a for a, d in zip(args, in_dims)]
+        results.append(apply(*sliced))
+    outs = tuple(None if r[0] is None else torch.stack(r) for r in zip(*results))
+    return outs, tuple(None if o is None else 0 for o in outs)
+
+
+def fold(x: Tensor | None, dim: int | None, batch_size: int, rows: int) -> Tensor | None:
+    """A per-row tensor ``(B or 1, ...)``, mapped at ``dim`` or shared (None), as
+    ``(X·B, ...)``: the samples' rows one after another."""
+    if x is None:
+        return None
+    if dim is None:
+        x = x.unsqueeze(0).expand(batch_size, *x.shape)
+    else:
+        x = x.movedim(dim, 0)
+    return x.expand(batch_size, rows, *x.shape[2:]).flatten(0, 1)
+
+
+def fold_mask(mask: Tensor | None, dim: int | None, batch_size: int, rows: int
+              ) -> Tensor | None:
+    """A mask broadcastable to (B, H, Nq, Nk), mapped at ``dim`` or shared, as
+    ``(X·B, H or 1, Nq or 1, Nk or 1)``."""
+    if mask is None:
+        return None
+    if dim is None:
+        m = as_4d(mask).unsqueeze(0)
+    else:
+        m = mask.movedim(dim, 0)
+        m = m.reshape((m.shape[0],) + (1,) * (4 - (m.dim() - 1)) + tuple(m.shape[1:]))
+    return m.expand(batch_size, rows, *m.shape[2:]).flatten(0, 1)
+
+
+def rows_of(x: Tensor, dim: int | None) -> int:
+    """A sample's batch size B: ``x``'s first dim once the mapped ``dim`` is set aside."""
+    return x.shape[1] if dim == 0 else x.shape[0]
+
+
+def unfold(x: Tensor | None, batch_size: int) -> Tensor | None:
+    """``(X·B, ...)`` back to ``(X, B, ...)``."""
+    return None if x is None else x.unflatten(0, (batch_size, -1))
