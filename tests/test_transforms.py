@@ -371,6 +371,26 @@ def test_jvp_over_many_tiles(name):
     close(res["tiled"], res["reference"])
 
 
+def test_jvp_of_a_long_call():
+    """A long call's one pass (tiles sized by the call: several query blocks and key tiles
+    of 512): sinks, a learnable softcap, ALiBi slopes and a float mask, each with a
+    tangent, GQA 2:1, against the reference's jvp."""
+    n = 2048
+    primals = (_randn(1, 2, n, 4, seed=100), _randn(1, 1, n, 4, seed=101),
+               _randn(1, 1, n, 4, seed=102), _randn(2, seed=103), torch.rand(2, dtype=F64) + 1,
+               torch.rand(1, 2, dtype=F64), _randn(1, 1, n, n, seed=104))
+    tangents = tuple(_randn(*x.shape, seed=110 + i) for i, x in enumerate(primals))
+
+    def f(be):
+        def call(q, k, v, sinks, cap, slopes, mask):
+            return _call(be, {"causal": True}, q, k, v, sinks=sinks, softcap=cap,
+                         alibi_slopes=slopes, attn_mask=mask)
+        return call
+
+    got = jvp(f("tiled"), primals, tangents)
+    close(got, jvp(f("reference"), primals, tangents))
+
+
 @pytest.mark.parametrize("keep_bytes", [None, 0])
 @pytest.mark.parametrize("name", ["causal", "dropout", "float_mask"])
 def test_double_backward_over_many_tiles(monkeypatch, name, keep_bytes):

@@ -40,10 +40,22 @@ from attn.tiled.plan import _blocks
 BLOCK_M = 128
 BLOCK_N = 256
 # ... and of the one pass that computes primal and tangent together (forward_with_tangent):
-# fewer, larger tiles pay off its per-tile eager ops, more rows cost working memory. Cascade
-# Lake, fp32 B=1 H=2 D=64 causal N=4096 (loaded), time / working memory against a forward:
-# 128 x 256 3.6x / 0.9x, 192 x 256 3.3x / 1.35x, 256 x 256 2.9-3.0x / 1.8x
-ONE_PASS_BLOCKS = (192, 256)
+# its score tile (all batch rows and heads at once) at most ONE_PASS_TILE_BYTES in the
+# accumulation dtype, the forward's own unit tile (512 x 512 float32, one head), with 512 keys
+# from 2048 on (else 256) and the query rows the budget leaves. Fewer, larger tiles pay its
+# per-tile eager ops and keep K/V streaming down; the working memory is a few such tiles,
+# whatever N. Cascade Lake, fp32 B=1 H=2 D=64 causal N=16384, one pass / forward: 192 x 256
+# 4.0x (1.2x the forward's working memory), 256 x 512 3.2x (2.8x), 512 x 512 2.4x (5.4x)
+ONE_PASS_TILE_BYTES = 1 << 20
+
+
+def _one_pass_blocks(q: Tensor, k: Tensor) -> tuple[int, int]:
+    """``(block_m, block_n)`` of the one pass for a call (see ONE_PASS_TILE_BYTES)."""
+    B, H, Nq, _ = q.shape
+    bn = 512 if k.shape[2] >= 2048 else 256
+    per_row = B * H * bn * torch.finfo(_acc_dtype(q.dtype)).bits // 8
+    bm = max(16, min(512, ONE_PASS_TILE_BYTES // per_row) // 16 * 16)
+    return bm, bn
 
 # the differentiable operands of a tile's scores, in the order TileScores.fn takes them
 SCORE_INPUTS = ("q", "k", "softcap", "mask", "alibi")
@@ -414,7 +426,7 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
     B, H, Nq, _ = q.shape
     G, Dv = H // k.shape[1], v.shape[-1]
     acc = _acc_dtype(q.dtype)
-    ts = TileScores(q, k, spec, ops, blocks=ONE_PASS_BLOCKS, inplace=True)
+    ts = TileScores(q, k, spec, ops, blocks=_one_pass_blocks(q, k), inplace=True)
     primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask, "alibi": ops.alibi}
     tv, t_sink = tangents.get("v"), tangents.get("sinks")
     dev = q.device
