@@ -400,6 +400,7 @@ def test_double_backward_over_many_tiles(monkeypatch, name, keep_bytes):
     bits on one worker as on two."""
     from attn.tiled import double
 
+    monkeypatch.setattr(double, "_HVP_BLOCKS", (128, 256))
     if keep_bytes is not None:
         monkeypatch.setattr(double, "_KEEP_BYTES", keep_bytes)
     n = 300
