@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-__all__ = ["active", "forward_ad", "physical", "in_vmap", "lowered"]
+__all__ = ["active", "below", "forward_ad", "in_vmap", "levels", "lowered", "physical", "rewrap"]
 
 
 def _stack() -> list:
@@ -27,11 +27,16 @@ def _stack() -> list:
     return list(_functorch.get_interpreter_stack() or ())
 
 
+def levels() -> list[str]:
+    """functorch's transforms now active, outermost first: "vmap", "grad", "jvp", ..."""
+    return [str(i.key()).rsplit(".", 1)[-1].lower() for i in _stack()]
+
+
 def active(*tensors: object) -> str | None:
     """The transforms a call runs under, innermost last, as ``"vmap+jvp"``-style text, or
     None: functorch's interpreter stack, and forward-mode AD where one of ``tensors`` carries
     a tangent at the current dual level."""
-    names = [str(i.key()).rsplit(".", 1)[-1].lower() for i in _stack()]
+    names = levels()
     if forward_ad(*tensors):
         names.append("forward AD")
     return "+".join(names) if names else None

@@ -372,8 +372,8 @@ def test_jvp_over_many_tiles(name):
 
 
 def test_jvp_of_a_long_call():
-    """A long call's one pass (tiles sized by the call: several query blocks and key tiles
-    of 512): sinks, a learnable softcap, ALiBi slopes and a float mask, each with a
+    """A long call's one pass (tiles sized by the call: 8 query blocks of 256 rows, up to 8
+    key tiles each): sinks, a learnable softcap, ALiBi slopes and a float mask, each with a
     tangent, GQA 2:1, against the reference's jvp."""
     n = 2048
     primals = (_randn(1, 2, n, 4, seed=100), _randn(1, 1, n, 4, seed=101),

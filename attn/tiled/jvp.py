@@ -8,7 +8,11 @@ into the sums over values),
     ȯ = Σ_j p_j z_j (ṡ_j − Σ_k p_k ṡ_k) v_j + Σ_j p_j z_j v̇_j,    lsė = Σ_j p_j ṡ_j,
 
 so a query block accumulates ``A = Σ (p z ṡ) v + Σ (p z) v̇`` and ``b = Σ p ṡ`` over its key
-tiles and ends with ``ȯ = A − b·o``. The sinks join ``b`` as one more key of value 0.
+tiles and ends with ``ȯ = A − b·o``. The sinks join ``b`` as one more key of value 0. That is
+the autograd.Function's ``jvp`` rule (:func:`tiled_jvp`), which torch runs after the forward.
+Where forward mode alone differentiates a call, :func:`forward_with_tangent` instead computes
+out, lse and both tangents in one online-softmax pass (the same sums, rescaled by the running
+max) and returns dual tensors: one read of q·kᵀ per tile instead of two.
 
 The tile's score tangent ṡ comes from :class:`TileScores`, a differentiable rebuild of one
 tile's scores (scale → score_mod → softcap → ALiBi → masks, the reference's order) in natural
@@ -42,7 +46,7 @@ BLOCK_N = 256
 # ... and of the one pass that computes primal and tangent together (forward_with_tangent):
 # its score tile (all batch rows and heads at once) at most ONE_PASS_TILE_BYTES in the
 # accumulation dtype, the forward's own unit tile (512 x 512 float32, one head), with 512 keys
-# from 2048 on (else 256) and the query rows the budget leaves. Fewer, larger tiles pay its
+# from 4096 on (else 256) and the query rows the budget leaves. Fewer, larger tiles pay its
 # per-tile eager ops and keep K/V streaming down; the working memory is a few such tiles,
 # whatever N. Cascade Lake, fp32 B=1 H=2 D=64 causal N=16384, one pass / forward: 192 x 256
 # 4.0x (1.2x the forward's working memory), 256 x 512 3.2x (2.8x), 512 x 512 2.4x (5.4x)
@@ -50,12 +54,14 @@ ONE_PASS_TILE_BYTES = 1 << 20
 
 
 def _one_pass_blocks(q: Tensor, k: Tensor) -> tuple[int, int]:
-    """``(block_m, block_n)`` of the one pass for a call (see ONE_PASS_TILE_BYTES)."""
+    """``(block_m, block_n)`` of the one pass for a call (see ONE_PASS_TILE_BYTES): at most
+    256 query rows, and at least 8 query blocks where the call has 1024 rows (a causal
+    block's diagonal tile is half masked; the blocks are the pool's items)."""
     B, H, Nq, _ = q.shape
-    bn = 512 if k.shape[2] >= 2048 else 256
+    bn = 512 if k.shape[2] >= 4096 else 256
     per_row = B * H * bn * torch.finfo(_acc_dtype(q.dtype)).bits // 8
-    bm = max(16, min(512, ONE_PASS_TILE_BYTES // per_row) // 16 * 16)
-    return bm, bn
+    bm = min(256, ONE_PASS_TILE_BYTES // per_row, max(128, Nq // 8))
+    return max(16, bm // 16 * 16), bn
 
 # the differentiable operands of a tile's scores, in the order TileScores.fn takes them
 SCORE_INPUTS = ("q", "k", "softcap", "mask", "alibi")
@@ -382,8 +388,8 @@ def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops:
 
     if ops.captured or spec.score_mod is not None or spec.mask_mod is not None or spec.sharded:
         return None
-    stack = transforms._stack()
-    if len(stack) > 1 or (stack and not str(stack[0].key()).endswith("Jvp")):
+    stack = transforms.levels()
+    if stack not in ([], ["jvp"]):  # one jvp level, or dual tensors alone
         return None
     xs = (q, k, v, *ops[:4])
     try:
