@@ -8,29 +8,23 @@ dtype's rounding floor at the tangent's scale. Without a GPU the kernels run in 
 interpreter (TRITON_INTERPRET=1, set before triton is imported), at small sizes.
 """
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
+from torch.autograd import forward_ad as fwad
+from torch.func import grad, jacfwd, jvp, vmap
 
 pytest.importorskip("triton")
 
-from torch.autograd import forward_ad as fwad  # noqa: E402
-from torch.func import grad, jacfwd, jvp, vmap  # noqa: E402
-
 import attn  # noqa: E402
-from attn import flash_triton  # noqa: E402
+from attn import flash_triton  # noqa: E402  (tests/conftest.py set TRITON_INTERPRET=1 first)
 from attn.call import AttentionCall, select_backend, unsupported_reason  # noqa: E402
 from attn.testing import _FLOOR, _max_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not flash_triton._INTERPRET:
-    pytest.skip("attn.flash_triton was imported before TRITON_INTERPRET=1 was set (by an "
-                "earlier module); run this file on its own", allow_module_level=True)
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not flash_triton._INTERPRET,
+    reason="attn.flash_triton was imported before TRITON_INTERPRET=1 was set; run this file "
+           "on its own")
 
 F64 = torch.float64
 B, H, HKV, NQ, NK, D = 1, 2, 1, 40, 33, 16
