@@ -372,10 +372,10 @@ def test_jvp_over_many_tiles(name):
 
 
 def test_jvp_of_a_long_call():
-    """A long call's one pass (tiles sized by the call: 8 query blocks of 256 rows, up to 8
+    """A long call's one pass (tiles sized by the call: 8 query blocks of 128 rows, up to 4
     key tiles each): sinks, a learnable softcap, ALiBi slopes and a float mask, each with a
     tangent, GQA 2:1, against the reference's jvp."""
-    n = 2048
+    n = 1024
     primals = (_randn(1, 2, n, 4, seed=100), _randn(1, 1, n, 4, seed=101),
                _randn(1, 1, n, 4, seed=102), _randn(2, seed=103), torch.rand(2, dtype=F64) + 1,
                torch.rand(1, 2, dtype=F64), _randn(1, 1, n, n, seed=104))
