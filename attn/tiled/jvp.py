@@ -40,7 +40,7 @@ from attn.tiled.plan import _blocks
 
 # tile sizes of the transform kernels (a spec's own block sizes win): 128 query rows by 256
 # keys measured fastest or tied for the jvp's pass (Cascade Lake, fp32 H=2 D=64 causal, N =
-# 2048: 2.2x the forward against 3.0x at 128 x 128, 2.3-2.8x at 256 rows)
+# 2048, loaded: 2.2x the forward against 3.0x at 128 x 128, 2.3-2.8x at 256 rows)
 BLOCK_M = 128
 BLOCK_N = 256
 # ... and of the one pass that computes primal and tangent together (forward_with_tangent):
@@ -283,12 +283,13 @@ def grouped(x: Tensor, G: int) -> Tensor:
 
 def _gemm(a: Tensor, b: Tensor, G: int, add: Tensor | None, alpha: float = 1.0) -> Tensor:
     """``add + alpha · grouped(a) b`` per KV head, as 3-D (b)mm: a ``(B, H, M, K)``, b ``(B,
-    Hkv, K, N)`` → (B, H, M, N); ``add`` None (then alpha 1) or (B, H, M, N)."""
+    Hkv, K, N)`` → (B, H, M, N); ``add`` None or (B, H, M, N)."""
     B, H, M, _ = a.shape
     a3 = a.reshape(B * (H // G), G * M, a.shape[-1])
     b3 = b.reshape(B * b.shape[1], b.shape[2], b.shape[3])
     if add is None:
-        return torch.bmm(a3, b3).reshape(B, H, M, b.shape[-1])
+        y = torch.bmm(a3, b3).reshape(B, H, M, b.shape[-1])
+        return y if alpha == 1.0 else y * alpha
     c3 = add.reshape(a3.shape[0], G * M, b.shape[-1])
     if _writable(c3, a3, b3):  # plain tensors: into add's own storage (a fresh result)
         return c3.baddbmm_(a3, b3, alpha=alpha).reshape(B, H, M, b.shape[-1])
