@@ -39,8 +39,8 @@ from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import batching
 from attn.tiled import cpu
-from attn.tiled.jvp import (TileScores, _writable, grouped, one_thread, plain, probs, pv, qk_t,
-                            rows, safe_lse, span, tp_kv, unsupported)
+from attn.tiled.jvp import (TileScores, grouped, one_thread, plain, probs, pv, qk_t, rows,
+                            safe_lse, span, tp_kv, unsupported)
 
 _GRAD_NAMES = ("q", "k", "v", "mask", "sinks", "softcap")
 
@@ -288,11 +288,6 @@ def _terms_into(into: Tensor, x, G: int) -> None:
         a3 = grouped(a, G).reshape(B * Hkv, -1, N)
         b3 = grouped(b, G).reshape(B * Hkv, -1, X)
         into3.baddbmm_(a3.transpose(-2, -1), b3, alpha=alpha)
-
-
-def pv_add(a: Tensor, b: Tensor) -> Tensor:
-    """``a + b``, in place into ``a`` where it may be (see :func:`attn.tiled.jvp._writable`)."""
-    return a.add_(b) if _writable(a, b) else a + b
 
 
 def _sum(xs) -> Tensor | None:
