@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-__all__ = ["active", "below", "forward_ad", "in_vmap", "levels", "lowered", "physical", "rewrap"]
+__all__ = ["active", "below", "forward_ad", "graph_needed", "in_vmap", "levels", "lowered",
+           "physical", "rewrap", "wrapped"]
 
 
 def _stack() -> list:
@@ -61,6 +62,37 @@ def forward_ad(*tensors: object) -> bool:
                     return True
             except RuntimeError:  # no dual level is open
                 return False
+    return False
+
+
+def wrapped(x: object) -> bool:
+    """Whether ``x`` is a tensor some transform wraps: functorch's (vmap, grad, jvp) or the
+    legacy vmap of ``torch._vmap_internals`` (gradcheck's batched checks)."""
+    return isinstance(x, Tensor) and (_functorch.is_functorch_wrapped_tensor(x)
+                                      or "Batched" in str(torch._C._dispatch_keys(x)))
+
+
+def graph_needed(*tensors: Tensor | None) -> bool:
+    """Whether a rule (a backward, a forward-mode rule) must give results that are
+    differentiable again: grad mode is on and something tracks ``tensors`` beyond the rule's
+    own transform level. torch.func.grad and jvp turn grad mode on inside their level
+    whatever comes next, so there only an outer grad or jvp level, or autograd outside every
+    transform (``create_graph=True``), can differentiate the results."""
+    if not torch.is_grad_enabled():
+        return False
+    stack = _stack()
+    level = None
+    if stack:
+        if not str(stack[-1].key()).endswith(("Grad", "Jvp")):
+            return True  # (a rule runs at a grad or jvp level: a safe answer elsewhere)
+        level = stack[-1].level()
+    for t in tensors:
+        while isinstance(t, Tensor) and _functorch.is_functorch_wrapped_tensor(t):
+            if _functorch.is_gradtrackingtensor(t) and _functorch.maybe_get_level(t) != level:
+                return True  # tracked by an outer grad or jvp level
+            t = _functorch.get_unwrapped(t)
+        if isinstance(t, Tensor) and t.requires_grad:
+            return True  # tracked outside every transform
     return False
 
 

@@ -21,7 +21,6 @@ from typing import NamedTuple
 import torch
 import triton
 from torch import Tensor
-from torch._C import _functorch
 from torch.utils import _pytree as pytree
 
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
@@ -791,30 +790,6 @@ def _slopes_2d(alibi: Tensor | None, dim: int | None) -> tuple[Tensor | None, in
 
 # -- autograd ------------------------------------------------------------------------------
 
-def _graph_needed(*tensors: Tensor | None) -> bool:
-    """Whether a rule (the backward, the forward-mode rule) must give results that are
-    differentiable again: grad mode is on and something tracks ``tensors`` beyond the rule's
-    own transform level. torch.func.grad and jvp turn grad mode on inside their level
-    whatever comes next, so there only an outer grad or jvp level, or autograd outside every
-    transform (``create_graph=True``), can differentiate the results."""
-    if not torch.is_grad_enabled():
-        return False
-    stack = [] if torch.compiler.is_compiling() else _functorch.get_interpreter_stack() or []
-    level = None
-    if stack:
-        if not str(stack[-1].key()).endswith(("Grad", "Jvp")):
-            return True  # (a rule runs at a grad or jvp level: a safe answer elsewhere)
-        level = stack[-1].level()
-    for t in tensors:
-        while isinstance(t, Tensor) and _functorch.is_functorch_wrapped_tensor(t):
-            if _functorch.is_gradtrackingtensor(t) and _functorch.maybe_get_level(t) != level:
-                return True  # tracked by an outer grad or jvp level
-            t = _functorch.get_unwrapped(t)
-        if isinstance(t, Tensor) and t.requires_grad:
-            return True  # tracked outside every transform
-    return False
-
-
 class _FlashAttention(torch.autograd.Function):
     """``apply(q, k, v, attn_mask, sinks, softcap, alibi, spec, ops, second)`` → ``(out, lse,
     logl, lse2)``, the last two the backward's row constants (not differentiable): every
@@ -851,7 +826,7 @@ class _FlashAttention(torch.autograd.Function):
          cu_k) = ctx.saved_tensors
         need_dcap = softcap is not None and bool(ctx.needs_input_grad[5])
         rest = (None, None, None, None)  # alibi (constants), spec, ops, second
-        if _graph_needed(dout, dlse, q, k, v, out, lse, attn_mask, sinks, softcap):
+        if transforms.graph_needed(dout, dlse, q, k, v, out, lse, attn_mask, sinks, softcap):
             # create_graph=True: hand off, as DESIGN's "Transforms"
             why = ("a learnable softcap" if need_dcap else
                    "a float mask's gradient" if attn_mask is not None
@@ -906,7 +881,7 @@ class _FlashAttentionJvp(_FlashAttention):
         (q, k, v, out, lse, lse2, attn_mask, sinks, softcap, alibi, cu_q,
          cu_k) = ctx.saved_tensors
         tangents = (dq, dk, dv, dmask, dsinks, dsoftcap, dalibi)
-        if _graph_needed(q, k, v, out, lse, attn_mask, sinks, softcap, alibi, *tangents):
+        if transforms.graph_needed(q, k, v, out, lse, attn_mask, sinks, softcap, alibi, *tangents):
             raise NotImplementedError(
                 "backend='triton': its forward-mode kernel's tangents are not differentiable "
                 "again (reverse over forward, e.g. jacrev(jacfwd(f))); backend='tiled' and "

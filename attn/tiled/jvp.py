@@ -302,9 +302,7 @@ def _writable(c: Tensor, *xs: Tensor) -> bool:
     KiB out-of-place result costs a fresh allocation (page faults) per tile."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (c, *xs)):
         return False
-    return c.is_contiguous() and not any(
-        torch._C._functorch.is_functorch_wrapped_tensor(x)
-        or "Batched" in str(torch._C._dispatch_keys(x)) for x in (c, *xs))
+    return c.is_contiguous() and not any(transforms.wrapped(x) for x in (c, *xs))
 
 
 def qk_t(a: Tensor, b: Tensor, G: int, add: Tensor | None = None) -> Tensor:
@@ -331,9 +329,7 @@ def plain(*xs: object) -> bool:
     if torch.compiler.is_compiling():
         return False
     for x in xs:
-        if isinstance(x, Tensor) and (
-                x.device.type != "cpu" or torch._C._functorch.is_functorch_wrapped_tensor(x)
-                or "Batched" in str(torch._C._dispatch_keys(x))):
+        if isinstance(x, Tensor) and (x.device.type != "cpu" or transforms.wrapped(x)):
             return False
     return True
 
@@ -407,12 +403,9 @@ def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops:
             return None
         level, flat = low
         primals, tangents = flat[:len(xs)], flat[len(xs):]
-    if any(isinstance(x, Tensor) and (torch._C._functorch.is_functorch_wrapped_tensor(x)
-                                      or "Batched" in str(torch._C._dispatch_keys(x)))
-           for x in (*primals, *tangents)):
+    if any(transforms.wrapped(x) for x in (*primals, *tangents)):
         return None  # wrapped by something else (legacy vmap: gradcheck's batched checks)
-    if torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (*primals, *tangents)):
+    if transforms.graph_needed(*primals, *tangents):
         return None  # a backward may follow: the autograd.Function saves what it needs
     q, k, v = primals[:3]
     ops = ops._replace(attn_mask=primals[3], sinks=primals[4], softcap=primals[5],
