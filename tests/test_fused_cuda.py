@@ -317,3 +317,62 @@ def test_verification_marks_a_correct_op_exact_and_a_broken_one_not(monkeypatch,
     assert rows[good[0]["key"]]["exact"]
     # off CUDA no speed figure (auto never takes a row without one)
     assert fused_verify._speedup(torch.float32, 16, "cpu") is None
+
+
+def test_the_stage_keeps_every_row_it_finished_when_its_box_runs_out(monkeypatch, tmp_path):
+    # exactness of every row first, each written at once; then speed, bf16 D = 128 first,
+    # until the box runs short: a cut stage leaves its finished rows in both tables
+    from attn.bench import fused_verify
+
+    clock = [0.0]
+
+    class Ctx:
+        dry_run, out = False, str(tmp_path)
+
+        def __init__(self):
+            self.rows, self.drops = [], []
+
+        def left(self):
+            return 100.0 - clock[0]
+
+        def log(self, line):
+            pass
+
+        def running(self, what):
+            pass
+
+        def row(self, **fields):
+            self.rows.append(fields)
+
+        def dropped(self, what, why):
+            self.drops.append(what)
+
+    def verify_one(op, dtype, d, device, *, speed):
+        assert not speed  # the stage times exact rows itself, after every row is verified
+        clock[0] += 4
+        return {"key": f"{op}/{str(dtype)[6:]}/{d}", "op": op, "dtype": str(dtype)[6:],
+                "head_dim": d, "cases": {}, "exact": op != "flash", "error": None}
+
+    timed = []
+
+    def speedup(dtype, d, device):
+        assert json.loads((tmp_path / "fused_cuda_table.json").read_text())["rows"]
+        timed.append((fused_cuda._FORCED.get(), dtype, d))
+        clock[0] += 25
+        return 1.5
+
+    monkeypatch.setattr(fused_cuda, "TABLE", tmp_path / "checkout.json")
+    monkeypatch.setattr(fused_cuda, "can_run", lambda op, dtype, d, masked: True)
+    monkeypatch.setattr(fused_verify, "verify_one", verify_one)
+    monkeypatch.setattr(fused_verify, "_speedup", speedup)
+    ctx = Ctx()
+    fused_verify.stage(ctx)
+    # 3 ops x 3 dtypes x 2 dims verified in 72 "s"; then one speed row fits (>= 20 s left)
+    assert len([r for r in ctx.rows if "exact" in r]) == 18
+    assert timed == [("cudnn", torch.bfloat16, 128)]
+    assert len(ctx.drops) == 12 - 1  # 12 exact rows (cudnn, efficient), one timed
+    for path in (tmp_path / "fused_cuda_table.json", tmp_path / "checkout.json"):
+        rows = {r["key"]: r for r in json.loads(path.read_text())["rows"]}
+        assert len(rows) == 18
+        assert rows["cudnn/bfloat16/128"]["speedup_vs_triton"] == 1.5
+        assert "speedup_vs_triton" not in rows["efficient/bfloat16/128"]

@@ -159,11 +159,19 @@ def write_table(rows: list[dict], path: Path | str = fused_cuda.TABLE) -> dict:
     return table
 
 
+SPEED_MIN_S = 20  # a speed row below this much box left would be cut mid-way: dropped
+
+
 def stage(ctx) -> None:
-    """``attn gpu-check``'s fused stage: :func:`verify` on this GPU, each row recorded, the
-    table written beside the results (``fused_cuda_table.json``) and merged into the
-    checkout's ``attn/fused_cuda_table.json`` (commit it with the results). A dry run verifies
-    one op at one head dim on whatever device there is, and writes only beside the results."""
+    """``attn gpu-check``'s fused stage: :func:`verify_one` on this GPU for every (op, dtype,
+    head dim) the op takes, exactness first, then the speed against triton of each exact row
+    (bf16 first, D = 128 first: triton autotunes once per dtype and head dim, and every op of
+    that pair reuses it). Every row is recorded and the table rewritten as soon as it is done,
+    beside the results (``fused_cuda_table.json``) and in the checkout's
+    ``attn/fused_cuda_table.json`` (commit it with the results), so a stage cut at its box
+    keeps what it finished; a row whose speed did not run has none, and ``auto`` does not take
+    it. A dry run verifies one op at one head dim on whatever device there is, and writes only
+    beside the results."""
     if ctx.dry_run:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
@@ -172,18 +180,43 @@ def stage(ctx) -> None:
         ops, dtypes, dims = ("efficient",), (torch.bfloat16,), (64,)
     else:
         device, ops, dtypes, dims = "cuda", fused_cuda.OPS, DTYPES, HEAD_DIMS
-    rows = []
+    paths = [Path(ctx.out) / "fused_cuda_table.json"] + ([] if ctx.dry_run
+                                                           else [Path(fused_cuda.TABLE)])
+    rows: list[dict] = []
+
+    def save() -> None:
+        for path in paths:
+            write_table(rows, path)
+
     for op in ops:
-        if ctx.left() < 5:
-            ctx.dropped(f"fused {op}", "the stage's box ran out")
+        for dtype in dtypes:
+            for d in dims:
+                if not fused_cuda.can_run(op, dtype, d, False):
+                    continue
+                what = f"fused {op} {str(dtype).removeprefix('torch.')} D={d}"
+                if ctx.left() < 5:
+                    ctx.dropped(what, "the stage's box ran out")
+                    continue
+                ctx.running(what)
+                row = verify_one(op, dtype, d, device, speed=False)
+                ctx.log(f"{row['key']}: {'exact' if row['exact'] else 'NOT exact'} "
+                        f"{row['cases']}{' ' + row['error'] if row['error'] else ''}")
+                ctx.row(backend="fused", op=op, dtype=row["dtype"], D=d, exact=row["exact"],
+                        cases=row["cases"], error=row["error"])
+                rows.append(row)
+                save()
+    order = {str(t).removeprefix("torch."): i for i, t in enumerate(DTYPES)}
+    for row in sorted((r for r in rows if r["exact"]),
+                      key=lambda r: (order[r["dtype"]], -r["head_dim"])):
+        what = f"fused {row['op']} {row['dtype']} D={row['head_dim']} speed"
+        if ctx.left() < SPEED_MIN_S:
+            ctx.dropped(what, "the stage's box ran out (the row stays without a speed)")
             continue
-        ctx.running(f"fused {op}")
-        got = verify(device, ops=(op,), dtypes=dtypes, head_dims=dims, log=ctx.log)
-        for row in got:
-            ctx.row(backend="fused", op=row["op"], dtype=row["dtype"], D=row["head_dim"],
-                    exact=row["exact"], cases=row["cases"], error=row["error"],
-                    speedup_vs_triton=row.get("speedup_vs_triton"))
-        rows += got
-    write_table(rows, Path(ctx.out) / "fused_cuda_table.json")
-    if not ctx.dry_run:
-        write_table(rows)
+        ctx.running(what)
+        with fused_cuda.force_op(row["op"]):
+            row["speedup_vs_triton"] = _speedup(getattr(torch, row["dtype"]),
+                                                row["head_dim"], device)
+        ctx.log(f"{row['key']}: {row['speedup_vs_triton']}x triton's speed")
+        ctx.row(kind="fused-speed", backend="fused", op=row["op"], dtype=row["dtype"],
+                D=row["head_dim"], speedup_vs_triton=row["speedup_vs_triton"])
+        save()

@@ -296,8 +296,11 @@ def make_call(row: Row, cfg: SweepConfig) -> Callable[[], None]:
 
 def _measure(row: Row, cfg: SweepConfig) -> None:
     fn = make_call(row, cfg)
-    if needs_compile(row.backend):
-        fn()  # compiling allocates and takes seconds: neither belongs to the point
+    if needs_compile(row.backend) or row.backend == "triton":
+        # compiling (flex) and autotuning (triton: its timer allocates a 256 MB buffer to
+        # flush L2) are first-call costs that allocate and take seconds: neither belongs to
+        # the point
+        fn()
     if cfg.measure_memory:
         row.peak_bytes = peak_bytes(fn, cfg.device)
     if cfg.measure_time:
