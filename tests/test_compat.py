@@ -27,6 +27,7 @@ from attn.compat import install_flash_attn, uninstall_flash_attn
 from attn.compat.bert_padding import index_first_axis, pad_input, unpad_input
 from attn.compat.flash_attn import FlashAttnError
 from attn.compat.rotary import apply_rotary_emb
+from fuzz_oracles import fa_window
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_ALIBI = "alibi_slopes" in inspect.signature(attn.attention).parameters
@@ -38,20 +39,8 @@ FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2.0 ** -11,
 
 # -- the reference --------------------------------------------------------------------------
 
-def resolve_window(causal, window_size, seqlen_k):
-    """flash-attn 2.8.3's rule: sides >= seqlen_k are unbounded, causal sets right = 0, a
-    -1 beside a bounded side stands for seqlen_k. Returns (left, right, pure_causal)."""
-    left, right = window_size
-    left = -1 if left >= seqlen_k else left
-    right = -1 if right >= seqlen_k else right
-    if causal:
-        right = 0
-    pure = left < 0 and right == 0
-    if left < 0 <= right:
-        left = seqlen_k
-    if right < 0 <= left:
-        right = seqlen_k
-    return left, right, pure
+# flash-attn 2.8.3's rule for (causal, window_size): one copy, in the fuzz oracles
+resolve_window = fa_window
 
 
 def fa_reference(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
