@@ -93,76 +93,109 @@ _KEEP_BYTES = 16 << 20
 _HVP_BLOCKS = (256, 512)
 
 
-def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
-    unsupported(spec, ops, "the double backward")
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = H // Hkv
-    acc = _acc_dtype(q.dtype)
-    ts = TileScores(q, k, spec, ops, blocks=_HVP_BLOCKS)
-    primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask, "alibi": ops.alibi}
-    lse_a, g_a = safe_lse(lse, acc), g.to(acc)
-    tv = None if t.get("v") is None else t["v"].to(acc)
-    gd, glse_d = (None, None) if first is None else first
-    gd = None if gd is None else gd.to(acc)
-    sinks = None if ops.sinks is None else ops.sinks.to(acc).view(1, H, 1, 1)
-    t_sink = None if t.get("sinks") is None else t["sinks"].to(acc).view(1, H, 1, 1)
-    names = ts._names()
-    mask4 = None if ops.attn_mask is None or not ts.float_mask else as_4d(ops.attn_mask)
-    dmask_bcast = mask4 is not None and mask4.shape[3] == 1
-    # the score map is linear in q and k (no score_mod, no softcap): its vjp by hand, two
-    # GEMMs per operand, rather than through torch.func.vjp per tile
-    linear = spec.score_mod is None and spec.softcap is None and not ts.has_cap
-    tq = None if t.get("q") is None else t["q"].to(acc)
-    tk = None if t.get("k") is None else t["k"].to(acc)
-    scale = spec.qk_scale
-    tensors = (q, k, v, out, lse, g, glse, gd, glse_d, *ops[:4], *t.values())
-    pooled = plain(*tensors) and not (torch.is_grad_enabled() and any(
-        isinstance(x, Tensor) and x.requires_grad for x in tensors))
+@dataclasses.dataclass
+class _Sums:
+    """Pass 1's row quantities of one query block (names as in the module docstring): ā,
+    Σ (p z) v, C, Δ_pd, Δ, its tangent Δ̇, the row constant r0 of ∂L/∂s, ∂L/∂g, the sinks'
+    probabilities, and the (p, a) tiles kept for pass 2 by key tile start."""
+    abar: Tensor
+    pv_sum: Tensor
+    c_sum: Tensor
+    dpd: Tensor
+    delta: Tensor
+    delta_dot: Tensor | float
+    r0: Tensor
+    dg: Tensor
+    p_sink: Tensor | None
+    kept: dict[int, tuple[Tensor, Tensor]]
 
-    def tile(m0, m1, n0, n1, full):
-        xs = ts.operands(primal, m0, m1, n0, n1)
-        txs = ts.operands(t, m0, m1, n0, n1)
-        fn = ts.fn(m0, m1, n0, n1, full, txs)
-        vt = span(v, 2, n0, n1).to(acc)  # (B, Hkv, BN, Dv): the grouped GEMMs take KV heads
-        tvt = None if tv is None else span(tv, 2, n0, n1)
-        return xs, txs, fn, vt, tvt, ts.dropout(m0, m1, n0, n1)
 
-    def col(x: Tensor | None, m0: int, m1: int) -> Tensor | float:
-        return 0.0 if x is None else rows(x.to(acc), m0, m1)
+class _Hvp:
+    """One call's double backward: the call-wide operands in the accumulation dtype, and
+    :meth:`block`, one query block's two passes (what :func:`_pooled` and :func:`_in_order`
+    run per block)."""
 
-    def block(m0, m1, key_tiles, kv_into):
+    def __init__(self, q, k, v, lse, spec, ops, g, glse, t, first) -> None:
+        unsupported(spec, ops, "the double backward")
+        self.q, self.k, self.v, self.glse, self.t = q, k, v, glse, t
+        self.B, self.H, _, self.D = q.shape
+        self.Dv = v.shape[-1]
+        self.G = self.H // k.shape[1]
+        self.acc = acc = _acc_dtype(q.dtype)
+        self.ts = TileScores(q, k, spec, ops, blocks=_HVP_BLOCKS)
+        self.primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask,
+                       "alibi": ops.alibi}
+        self.lse_a, self.g_a = safe_lse(lse, acc), g.to(acc)
+        self.tv = None if t.get("v") is None else t["v"].to(acc)
+        gd, self.glse_d = (None, None) if first is None else first
+        self.gd = None if gd is None else gd.to(acc)
+        self.sinks = None if ops.sinks is None else ops.sinks.to(acc).view(1, self.H, 1, 1)
+        self.t_sink = (None if t.get("sinks") is None
+                       else t["sinks"].to(acc).view(1, self.H, 1, 1))
+        self.names = self.ts._names()
+        self.mask4 = (None if ops.attn_mask is None or not self.ts.float_mask
+                      else as_4d(ops.attn_mask))
+        self.dmask_bcast = self.mask4 is not None and self.mask4.shape[3] == 1
+        # the score map is linear in q and k (no score_mod, no softcap): its vjp by hand, two
+        # GEMMs per operand, rather than through torch.func.vjp per tile
+        self.linear = spec.score_mod is None and spec.softcap is None and not self.ts.has_cap
+        self.tq = None if t.get("q") is None else t["q"].to(acc)
+        self.tk = None if t.get("k") is None else t["k"].to(acc)
+        self.scale = spec.qk_scale
+
+    def tile(self, m0, m1, n0, n1, full):
+        """A tile's primal and tangent operands, score function, V and t_V tiles (KV heads:
+        the grouped GEMMs take them) and dropout keep-scale."""
+        ts = self.ts
+        xs = ts.operands(self.primal, m0, m1, n0, n1)
+        txs = ts.operands(self.t, m0, m1, n0, n1)
+        vt = span(self.v, 2, n0, n1).to(self.acc)
+        tvt = None if self.tv is None else span(self.tv, 2, n0, n1)
+        return xs, txs, ts.fn(m0, m1, n0, n1, full, txs), vt, tvt, ts.dropout(m0, m1, n0, n1)
+
+    def _col(self, x: Tensor | None, m0: int, m1: int) -> Tensor | float:
+        return 0.0 if x is None else rows(x.to(self.acc), m0, m1)
+
+    def _rows0(self, m0: int, m1: int, width: int) -> Tensor:
+        """Fresh zeros for a block's rows: the GEMMs may accumulate into them in place."""
+        return torch.zeros(self.B, self.H, m1 - m0, width, dtype=self.acc, device=self.q.device)
+
+    def block(self, m0, m1, key_tiles, kv_into):
         """One query block: ``(dq rows, dg rows, lsė rows, dsinks part, dsoftcap part,
         dmask rows)``, its dK / dV added through ``kv_into(n0, n1, dk, dv)``."""
-        BM = m1 - m0
-        lse_col, g_blk = rows(lse_a, m0, m1), span(g_a, 2, m0, m1)
+        lse_col, g_blk = rows(self.lse_a, m0, m1), span(self.g_a, 2, m0, m1)
+        gd_blk = None if self.gd is None else span(self.gd, 2, m0, m1)
+        sums = self._pass1(m0, m1, key_tiles, lse_col, g_blk, gd_blk)
+        dq_blk, dcap, dmask = self._pass2(m0, m1, key_tiles, kv_into, lse_col, g_blk, gd_blk,
+                                          sums)
+        dsink = None
+        if sums.p_sink is not None:
+            t_s = 0.0 if self.t_sink is None else self.t_sink
+            dsink = sums.p_sink * (-sums.c_sum - sums.delta * (t_s - sums.abar)
+                                   + sums.abar * sums.dpd)
+            if gd_blk is not None:
+                dsink = dsink - sums.p_sink * sums.delta_dot
+            dsink = dsink.sum(dim=(0, 2, 3))
+        drow = None
+        if self.mask4 is not None and dmask.parts:
+            drow = dmask.join(self.mask4.shape[3], _mask_like(self.mask4, m1 - m0))
+        return dq_blk, sums.dg, sums.abar.squeeze(-1), dsink, dcap, drow
 
-        def terms(p, z, vt, tvt):
-            """p·z, dp = z·(g vᵀ) and e = z·(g t_vᵀ) (None without t_v) of a tile."""
-            dp, e = qk_t(g_blk, vt, G), None
-            if tvt is not None:
-                e = qk_t(g_blk, tvt, G)
-            if z is not None:
-                dp, e = dp * z, None if e is None else e * z
-            return p if z is None else p * z, dp, e
-
-        gd_blk = None if gd is None else span(gd, 2, m0, m1)
-        col0 = torch.zeros(B, H, BM, 1, dtype=acc, device=q.device)
-
-        def rows0() -> Tensor:  # a fresh one each: the GEMMs may accumulate into it in place
-            return torch.zeros(B, H, BM, Dv, dtype=acc, device=q.device)
-
-        # -- pass 1: the row sums ā = Σ p a, C = Σ p c (c = a·dp + e) and Δ_pd = Σ p dp,
-        # the last two as g·(Σ (p z a) v + Σ (p z) t_v) and g·Σ (p z) v: GEMMs accumulating
-        # (BM, Dv) rows rather than products over the tile (and Σ p ḋp is ġ·Σ (p z) v) --
-        abar, pav, pv_sum, ptv = col0, rows0(), rows0(), rows0()
+    def _pass1(self, m0, m1, key_tiles, lse_col, g_blk, gd_blk) -> _Sums:
+        """The row sums ā = Σ p a, C = Σ p c (c = a·dp + e) and Δ_pd = Σ p dp, the last two
+        as g·(Σ (p z a) v + Σ (p z) t_v) and g·Σ (p z) v: GEMMs accumulating (BM, Dv) rows
+        rather than products over the tile (and Σ p ḋp is ġ·Σ (p z) v)."""
+        G, Dv = self.G, self.Dv
+        col0 = self._rows0(m0, m1, 1)
+        abar, pav, pv_sum, ptv = (col0, self._rows0(m0, m1, Dv), self._rows0(m0, m1, Dv),
+                                  self._rows0(m0, m1, Dv))
         kept: dict[int, tuple[Tensor, Tensor]] = {}  # pass 1's (p, a) that pass 2 reuses
         kept_bytes = 0
         for n0, n1, full in key_tiles:
-            xs, txs, fn, vt, tvt, z = tile(m0, m1, n0, n1, full)
+            xs, txs, fn, vt, tvt, z = self.tile(m0, m1, n0, n1, full)
             s, a = fn(*xs)
             p = probs(s, lse_col)
-            if linear and kept_bytes + 2 * p.nbytes <= _KEEP_BYTES:
+            if self.linear and kept_bytes + 2 * p.nbytes <= _KEEP_BYTES:
                 kept[n0] = (p, a)
                 kept_bytes += 2 * p.nbytes
             pa = p * a
@@ -176,25 +209,31 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
         dpd = (g_blk * pv_sum).sum(-1, keepdim=True)
         dpd_dot = col0 if gd_blk is None else (gd_blk * pv_sum).sum(-1, keepdim=True)
         p_sink = None
-        if sinks is not None:
-            p_sink = torch.exp(sinks - lse_col)
-            if t_sink is not None:
-                abar = abar + p_sink * t_sink
-        delta = dpd - col(glse, m0, m1)
-        delta_dot = dpd_dot - col(glse_d, m0, m1)
+        if self.sinks is not None:
+            p_sink = torch.exp(self.sinks - lse_col)
+            if self.t_sink is not None:
+                abar = abar + p_sink * self.t_sink
+        delta = dpd - self._col(self.glse, m0, m1)
         # s̄ = p [(c − C) − Δ (a − ā) − ā (dp − Δ_pd)] = a·ā_s + p (e − ā dp + r0) with the
         # row constant r0 = Δ ā + ā Δ_pd − C and ā_s = p (dp − Δ)
         r0 = delta * abar + abar * dpd - c_sum
         # ∂L/∂g = Σ w v + Σ (p z) t_v with w = p z (a − ā): pass 1's rows already hold it
-        dg_blk = pav - abar * pv_sum + ptv
-        # -- pass 2: the other gradients --
-        dq_blk = torch.zeros(B, H, BM, D, dtype=acc, device=q.device)
-        dmask = _Tiles(3, dmask_bcast)
+        return _Sums(abar=abar, pv_sum=pv_sum, c_sum=c_sum, dpd=dpd, delta=delta,
+                     delta_dot=dpd_dot - self._col(self.glse_d, m0, m1), r0=r0,
+                     dg=pav - abar * pv_sum + ptv, p_sink=p_sink, kept=kept)
+
+    def _pass2(self, m0, m1, key_tiles, kv_into, lse_col, g_blk, gd_blk, sums: _Sums):
+        """The gradients to q, k, v, the softcap and the mask from pass 1's row sums: ``(dq
+        rows, dsoftcap part, the mask's per-tile parts)``, dK / dV through ``kv_into``."""
+        G, scale, linear, names = self.G, self.scale, self.linear, self.names
+        abar, delta, r0, kept = sums.abar, sums.delta, sums.r0, sums.kept
+        dq_blk = self._rows0(m0, m1, self.D)
+        dmask = _Tiles(3, self.dmask_bcast)
         dcap = None
-        q_blk = span(q, 2, m0, m1).to(acc)
-        tq_blk = None if tq is None else span(tq, 2, m0, m1)
+        q_blk = span(self.q, 2, m0, m1).to(self.acc)
+        tq_blk = None if self.tq is None else span(self.tq, 2, m0, m1)
         for n0, n1, full in key_tiles:
-            xs, txs, fn, vt, tvt, z = tile(m0, m1, n0, n1, full)
+            xs, txs, fn, vt, tvt, z = self.tile(m0, m1, n0, n1, full)
             if n0 in kept:
                 p, a = kept.pop(n0)
             elif linear:
@@ -203,14 +242,18 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
             else:
                 (s, a), vjp_fn = torch.func.vjp(fn, *xs)
                 p = probs(s, lse_col)
-            pz, dp, e = terms(p, z, vt, tvt)
+            # p z, dp = z·(g vᵀ) and e = z·(g t_vᵀ) (None without t_v)
+            dp, e = qk_t(g_blk, vt, G), None if tvt is None else qk_t(g_blk, tvt, G)
+            pz = p
+            if z is not None:
+                pz, dp, e = p * z, dp * z, None if e is None else e * z
             a_bar = p * (dp - delta)
             inner = torch.addcmul(r0, dp, abar, value=-1.0)
             if e is not None:
                 inner = inner + e
             if gd_blk is not None:
                 ddp = qk_t(gd_blk, vt, G)
-                inner = inner + (ddp if z is None else ddp * z) - delta_dot
+                inner = inner + (ddp if z is None else ddp * z) - sums.delta_dot
             s_bar = torch.addcmul(a * a_bar, p, inner)
             w = pz * (a - abar)  # ∂L/∂dp before z, per (row, key)
             # dV = Σ over the group's rows of wᵀ g (+ (p z)ᵀ ġ): terms (a, b, alpha) of aᵀ b
@@ -218,10 +261,11 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
             if gd_blk is not None:
                 dv_terms.append((pz, gd_blk, 1.0))
             if linear:  # s = (c q) kᵀ + bias, a = c (q̇ kᵀ + q k̇ᵀ) + ...: the vjp by hand
-                dq_blk = pv(s_bar, span(k, 2, n0, n1).to(acc), G, add=dq_blk, alpha=scale)
+                dq_blk = pv(s_bar, span(self.k, 2, n0, n1).to(self.acc), G, add=dq_blk,
+                            alpha=scale)
                 dk_terms = [(s_bar, q_blk, scale)]
-                if tk is not None:
-                    dq_blk = pv(a_bar, span(tk, 2, n0, n1), G, add=dq_blk, alpha=scale)
+                if self.tk is not None:
+                    dq_blk = pv(a_bar, span(self.tk, 2, n0, n1), G, add=dq_blk, alpha=scale)
                 if tq_blk is not None:
                     dk_terms.append((a_bar, tq_blk, scale))
                 grads = {}
@@ -236,26 +280,25 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
                 dcap = grads["softcap"] if dcap is None else dcap + grads["softcap"]
             if "mask" in grads:
                 dmask.add(n0, n1, grads["mask"])
-        dsink = None
-        if p_sink is not None:
-            t_s = 0.0 if t_sink is None else t_sink
-            dsink = p_sink * (-c_sum - delta * (t_s - abar) + abar * dpd)
-            if gd_blk is not None:
-                dsink = dsink - p_sink * delta_dot
-            dsink = dsink.sum(dim=(0, 2, 3))
-        drow = None
-        if mask4 is not None and dmask.parts:
-            drow = dmask.join(mask4.shape[3], _mask_like(mask4, BM))
-        return dq_blk, dg_blk, abar.squeeze(-1), dsink, dcap, drow
+        return dq_blk, dcap, dmask
 
-    blocks = list(ts.query_blocks())
+
+def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
+    hvp = _Hvp(q, k, v, lse, spec, ops, g, glse, t, first)
+    H, Nq, D, Dv, acc = q.shape[1], q.shape[2], hvp.D, hvp.Dv, hvp.acc
+    Hkv, Nk = k.shape[1], k.shape[2]
+    gd, glse_d = (None, None) if first is None else first
+    tensors = (q, k, v, out, lse, g, glse, gd, glse_d, *ops[:4], *t.values())
+    pooled = plain(*tensors) and not (torch.is_grad_enabled() and any(
+        isinstance(x, Tensor) and x.requires_grad for x in tensors))
+    blocks = list(hvp.ts.query_blocks())
     if pooled:
-        res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
+        res, parts = _pooled(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc, threads)
     else:
-        res, parts = _in_order(blocks, block, q, v, Hkv, Nk, D, Dv, acc)
+        res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
     dsink, dcap, dmask_rows = parts
-    if mask4 is not None:
-        res["mask"] = _join_rows(dmask_rows, mask4, Nq).reshape(ops.attn_mask.shape)
+    if hvp.mask4 is not None:
+        res["mask"] = _join_rows(dmask_rows, hvp.mask4, Nq).reshape(ops.attn_mask.shape)
     if ops.softcap is not None:
         res["softcap"] = (torch.zeros_like(ops.softcap, dtype=acc) if dcap is None
                           else reduce_to(dcap, ops.softcap.shape))
