@@ -874,6 +874,28 @@ def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: La
     return Grads(dq, dk, dv, None, dsinks, None, ())
 
 
+def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, mask4,
+               slopes, heads, mask_mod):
+    """torch's backward op on one piece of a query block: ``(dq, dk, dv)`` with the head dim
+    padded as the piece needed (ALiBi folded into more columns, ``pad``: the two ``dlse``
+    columns of :func:`_bwd`'s docstring); the caller keeps the first D (Dv) of each."""
+    folded = None
+    if _foldable(slopes, pc, p, mask_mod, m0, m1, s):
+        folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
+        qb, kb, vb = folded[:3]
+        G_ = folded.shift.shape[0]  # zeros in out and dO: Δ unchanged
+        ob, dob = (torch.nn.functional.pad(t, (0, G_)) for t in (ob, dob))
+        lb = lb + folded.shift.to(lb.dtype)  # (+inf rows stay +inf)
+    add, _ = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1, pc,
+                         qb.dtype, qb.device, mask_mod)
+    if pad is not None:  # Δ - dlse through two more columns (_bwd's docstring)
+        qb, kb, vb = (torch.nn.functional.pad(t, (0, 2)) for t in (qb, kb, vb))
+        ob = torch.cat([ob, pad], -1)
+        dob = torch.nn.functional.pad(dob, (0, 2), value=1.0)
+    return kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal and add is None, add,
+                                     spec.qk_scale)
+
+
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT, precise: Callable | None = None) -> Grads:
@@ -935,25 +957,11 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             dq_blk = dq[s.b, heads, rows]
             for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
                                    alibi=slopes is not None):
-                qb, dob, ob, lb = qb0, dob0, ob0, lb0
                 kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
                 vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
-                folded = None
-                if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
-                    folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
-                    qb, kb, vb = folded[:3]
-                    G_ = folded.shift.shape[0]  # zeros in out and dO: Δ unchanged
-                    ob, dob = (torch.nn.functional.pad(t, (0, G_)) for t in (ob, dob))
-                    lb = lb + folded.shift.to(lb.dtype)  # (+inf rows stay +inf)
-                add, _ = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
-                                     pc, q.dtype, q.device, mask_mods[si])
-                if pad is not None:  # Δ - dlse through two more columns (the docstring)
-                    qb, kb, vb = (torch.nn.functional.pad(t, (0, 2)) for t in (qb, kb, vb))
-                    ob = torch.cat([ob, pad[s.b:s.b + 1, heads, rows]], -1)
-                    dob = torch.nn.functional.pad(dob, (0, 2), value=1.0)
-                gq, gk, gv = kern(add is not None).bwd(dob, qb, kb, vb, ob, lb,
-                                                       pc.causal and add is None, add,
-                                                       spec.qk_scale)
+                gq, gk, gv = _piece_bwd(kern, s, p, pc, m0, m1, qb0, kb, vb, ob0, dob0, lb0,
+                                        None if pad is None else pad[s.b:s.b + 1, heads, rows],
+                                        spec, ops, mask4, slopes, heads, mask_mods[si])
                 dq_blk += gq[0, ..., :D]
                 dk_to[:, pc.n0:pc.n1] += gk[0, :, :, :D]
                 dv_to[:, pc.n0:pc.n1] += gv[0, :, :, :Dv]

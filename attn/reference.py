@@ -78,6 +78,9 @@ def reference_attention(
     ``alibi_slopes`` (B, H): the bias ``−slope_h · |j − (i + band.offset)|``, distances from
     the band's diagonal (bottom-right in attn.attention). ``dropout_rows`` / ``alibi_rows``:
     see :class:`attn.spec.LaunchSpec` (packed sequences, B == 1; alibi_slopes (sequences, H)).
+
+    Long on purpose: the oracle every backend is tested against reads top to bottom in the
+    order above, one step per variant on the whole score matrix, with nothing to jump to.
     """
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
