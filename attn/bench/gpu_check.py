@@ -58,12 +58,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "points recorded as skipped")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                    help="join the folders of earlier runs into --out instead of running")
+    p.add_argument("--adopt", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="merge the tune stage's best configs from earlier runs' folders into "
+                        "attn/flash_triton/tuned.json (the table the autotuner reads first) "
+                        "instead of running; commit it with the results")
     p.add_argument("--tests", type=Path, default=Path("tests"),
                    help="the repository's tests folder (default ./tests: run from a checkout)")
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.out is None:
+    if args.out is None and not args.adopt:
         raise SystemExit("attn gpu-check: --out is required (the folder for the run's files)")
     unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
@@ -254,8 +258,36 @@ def failures(doc: dict) -> list[str]:
     return bad
 
 
+def _adopt(folders: list[Path]) -> int:
+    """``--adopt``: the "best of the sweep" rows of each folder's results.json (tune stage)
+    that name a launch key and a config, merged into the committed table."""
+    from attn.flash_triton import tune
+
+    rows = []
+    for folder in folders:
+        path = Path(folder) / "results.json"
+        if not path.is_file():
+            print(f"attn gpu-check: --adopt: no results.json in {folder}", file=sys.stderr)
+            return 2
+        doc = json.loads(path.read_text())
+        device = doc.get("header", {}).get("device_name")
+        for r in doc.get("rows", []):
+            if (r.get("kind") == "tune" and r.get("note") == "best of the sweep"
+                    and r.get("key") and r.get("fields")):
+                rows.append({"key": r["key"], "config": r["fields"], "ms": r.get("ms"),
+                             "pick_ms": r.get("pick_ms"), "shape": r.get("shape"),
+                             "device": r.get("device") or device,
+                             "date": doc.get("header", {}).get("date")})
+    table = tune.adopt_rows(rows)
+    print(f"adopted {len(rows)} tuned configs into {tune.TUNED} "
+          f"({len(table['rows'])} rows in all)")
+    return 0
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     _check_args(args)
+    if args.adopt:
+        return _adopt(args.adopt)
     if args.merge:
         try:
             doc = gpu_record.merge_folders(args.merge, args.out, "attn " + shlex.join(argv))

@@ -618,8 +618,11 @@ def _forced(kind: str, config):
 
 def tune(ctx: StageContext) -> None:
     """Per shape, every config prune_for keeps for fwd, dK/dV and dQ, timed against the
-    autotuner's pick; fwd configs time the forward, dK/dV and dQ configs the forward and
-    backward with the other kernels at their picks. Changes no code."""
+    autotuner's pick (the committed table set aside: ``ATTN_TRITON_TUNED=0``); fwd configs
+    time the forward, dK/dV and dQ configs the forward and backward with the other kernels at
+    their picks. Each kernel and shape ends in a "best of the sweep" row with the launch's
+    table key and the config: ``attn gpu-check --adopt DIR`` merges those into
+    attn/flash_triton/tuned.json, which the autotuner reads first. Changes no code."""
     shapes = [(D, causal) for D in (128, 64) for causal in (False, True)]
     N, B, H = 4096, 4, 16
     if ctx.dry_run:
@@ -631,9 +634,13 @@ def tune(ctx: StageContext) -> None:
                         note=f"{GPU_ONLY}: the interpreter has one config and times nothing")
         ctx.log("planned the sweep; nothing timed without a GPU")
         return
+    import os
+
     import torch
 
+    os.environ["ATTN_TRITON_TUNED"] = "0"  # before the first launch reads the table
     import attn
+    from attn.flash_triton import tune as tuning
     from attn.flash_triton.tune import _device_arch
 
     arch = _device_arch()
@@ -651,12 +658,14 @@ def tune(ctx: StageContext) -> None:
             torch.autograd.grad(out, (q, k, v), do)
 
         ctx.running(f"tune {shape}: autotuning")
+        tuning.LAST_KEYS.clear()
         fwd_bwd()  # the autotuner's own choice, compiled and timed by triton
-        picks = autotune_picks()
+        picks, keys = autotune_picks(), dict(tuning.LAST_KEYS)
         pick_ms = {"fwd": _time_ms(ctx, fwd, 10)}
         pick_ms["dkdv"] = pick_ms["dq"] = _time_ms(ctx, fwd_bwd, 10)
         for kind, fn in (("fwd", fwd), ("dkdv", fwd_bwd), ("dq", fwd_bwd)):
             best = (None, pick_ms[kind])
+            pick_config = None
             for config in _tune_configs(kind, N, D, arch):
                 if ctx.left() < 10:
                     ctx.dropped(f"tune {kind} {shape} and after", "the box ran short")
@@ -670,13 +679,18 @@ def tune(ctx: StageContext) -> None:
                     ms, status = None, "failed"
                     note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 is_pick = str(config) == picks.get(kind)
+                pick_config = config if is_pick else pick_config
                 ctx.row(kind="tune", kernel=kind, shape=shape, config=str(config),
                         status=status, ms=ms, pick=is_pick, note=note)
                 if ms is not None and ms < best[1]:
-                    best = (str(config), ms)
-            ctx.row(kind="tune", kernel=kind, shape=shape, config=best[0] or "the pick",
-                    status="ok", ms=best[1], pick=best[0] is None,
-                    best_over_pick=pick_ms[kind] / best[1], note="best of the sweep")
+                    best = (config, ms)
+            chosen = best[0] if best[0] is not None else pick_config
+            ctx.row(kind="tune", kernel=kind, shape=shape,
+                    config=str(best[0]) if best[0] is not None else "the pick",
+                    status="ok", ms=best[1], pick=best[0] is None, pick_ms=pick_ms[kind],
+                    best_over_pick=pick_ms[kind] / best[1], note="best of the sweep",
+                    key=keys.get(kind),
+                    fields=None if chosen is None else tuning.config_fields(chosen))
             ctx.log(f"tune {kind} {shape}: best {best[0] or 'the pick'}, pick / best "
                     f"{pick_ms[kind] / best[1]:.2f}")
 

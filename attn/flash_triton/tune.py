@@ -6,7 +6,10 @@ warps x stages fit the arch's shared memory and which spill registers heavily.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -42,11 +45,96 @@ _THIS_DEVICE = object()
 def _prune(configs: list[triton.Config], named_args: dict, *, kind: str,
            arch: int | None | object = _THIS_DEVICE, **kwargs) -> list[triton.Config]:
     """The autotuner's pruning hook; ``arch`` (a compute capability) defaults to the
-    current device's, and is given explicitly by the ahead-of-time compile checks."""
+    current device's, and is given explicitly by the ahead-of-time compile checks. A launch
+    whose key has a measured best config (:func:`tuned_table`) that pruning keeps runs that
+    config without timing any."""
     if arch is _THIS_DEVICE:
         arch = _device_arch()
-    kept = prune_for(configs, {**named_args, **kwargs}, kind=kind, arch=arch)
-    return [min(kept, key=_distance_to_mid)] if autotune_off() else kept
+    args = {**named_args, **kwargs}
+    kept = prune_for(configs, args, kind=kind, arch=arch)
+    if autotune_off():
+        return [min(kept, key=_distance_to_mid)]
+    if arch is None:
+        return kept
+    key = tuned_key(kind, args, arch)
+    LAST_KEYS[kind] = key
+    return _tabled(kept, key) or kept
+
+
+# -- the measured table: the best config per launch key, from `attn gpu-check`'s tune stage --
+
+TUNED = Path(__file__).with_name("tuned.json")
+# the key each kind's autotuner was last asked to prune for (read by the tune stage, so the
+# rows it writes carry the key a launch looks up)
+LAST_KEYS: dict[str, str] = {}
+_TRITON_MINOR = ".".join(triton.__version__.split(".")[:2])
+
+
+def tuned_key(kind: str, args: dict, arch: int) -> str:
+    """The table key of a ``kind`` launch with ``args`` on compute capability ``arch``: the
+    autotuner's own key (TUNE_N, head dims, banded, packed, and dQ's Δ pass) with the dtype,
+    the arch and triton's major.minor (builds, and so the best config, differ between them)."""
+    dtype = str(getattr(args.get("Q"), "dtype", "")).removeprefix("torch.")
+    key = [f"sm{arch}", f"triton{_TRITON_MINOR}", kind, dtype, f"N{args['TUNE_N']}",
+           f"D{args['BLOCK_D']}x{args['BLOCK_DV']}", f"banded{int(bool(args.get('BANDED')))}",
+           f"varlen{int(bool(args.get('VARLEN')))}"]
+    if "DELTA_PASS" in args:
+        key.append(f"delta{int(bool(args['DELTA_PASS']))}")
+    return "|".join(key)
+
+
+def tuned_table() -> dict[str, dict]:
+    """key → row of the committed table (``attn gpu-check --adopt`` writes it); empty when
+    the file is missing or ``ATTN_TRITON_TUNED=0`` (the tune stage times the autotuner's
+    own pick that way)."""
+    if os.environ.get("ATTN_TRITON_TUNED", "1").strip().lower() in ("0", "off", "false", "no"):
+        return {}
+    return _read_table(TUNED)
+
+
+@functools.lru_cache(maxsize=None)
+def _read_table(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    return {row["key"]: row for row in json.loads(path.read_text())["rows"]}
+
+
+def config_fields(c: triton.Config) -> dict:
+    """A config as the table stores it."""
+    return {"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_N": c.kwargs["BLOCK_N"],
+            "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
+def adopt_rows(rows: list[dict], path: Path | None = None) -> dict:
+    """Merge the tune stage's best-of-sweep rows (``key``, ``config`` as
+    :func:`config_fields`, ``ms``, ``pick_ms``, ``device``, ``date``) into the table at
+    ``path`` (default :data:`TUNED`), a row replacing the one with its key; returns the
+    table written."""
+    path = TUNED if path is None else path
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    merged = {r["key"]: r for r in old}
+    for r in rows:
+        missing = {"key", "config"} - r.keys()
+        if missing or set(r["config"]) != {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}:
+            raise ValueError(f"a tuned row needs key and config (BLOCK_M, BLOCK_N, num_warps, "
+                             f"num_stages); got {r!r}")
+        merged[r["key"]] = r
+    table = {"about": "the best triton config per launch key measured by attn gpu-check's "
+                      "tune stage (attn gpu-check --adopt DIR); the autotuner runs a key's "
+                      "config without timing when pruning keeps it",
+             "rows": sorted(merged.values(), key=lambda r: r["key"])}
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    _read_table.cache_clear()
+    return table
+
+
+def _tabled(kept: list[triton.Config], key: str) -> list[triton.Config] | None:
+    """[the table's config for ``key``] when pruning kept it (the rules may have changed
+    since it was measured), else None."""
+    row = tuned_table().get(key)
+    if row is None:
+        return None
+    return next(([c] for c in kept if config_fields(c) == row["config"]), None)
 
 
 def autotune_off() -> bool:
