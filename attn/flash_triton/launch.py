@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import triton
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
@@ -30,10 +29,10 @@ from attn.flash_triton.paged import _attn_fwd_paged
 from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_combine,
                                      combine_block, sm_count_of, split_kv_override,
                                      split_kv_plan, split_kv_unsupported)
-from attn.flash_triton.tune import _tune_n, split_config
+from attn.flash_triton.tune import _tune_n, cdiv, pow2, split_config
 from attn import batching, transforms
 from attn.grads import Grads, sink_grad
-from attn.masks import Band, as_4d
+from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands, check_paged_forward_only
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -152,7 +151,7 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operand
         drop_threshold=int(p * 2**32), inv_keep=1.0 / (1.0 - p),
         drop_row0=spec.q_start, drop_col0=spec.k_start, drop_heads=spec.heads_total or H,
         drop_head0=spec.head_start, tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
-        block_d=max(16, triton.next_power_of_2(D)), block_dv=max(16, triton.next_power_of_2(Dv)),
+        block_d=max(16, pow2(D)), block_dv=max(16, pow2(Dv)),
         banded=not band.is_full,
         mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
         has_dropout=p > 0.0,
@@ -238,7 +237,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
     logl = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
-    grid = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
+    grid = lambda meta: (cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
     _attn_fwd[grid](
         q, k, v, out, lse, logl, lse2, mask, q if sinks is None else sinks,
         q if softcap is None else softcap, slopes, *L.cu_seqlens(q, ops),
@@ -260,8 +259,8 @@ def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Opera
         return None
     _, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    _, block_n, _, _ = split_config(max(16, triton.next_power_of_2(D)),
-                                    max(16, triton.next_power_of_2(Dv)), q.element_size(),
+    _, block_n, _, _ = split_config(max(16, pow2(D)),
+                                    max(16, pow2(Dv)), q.element_size(),
                                     (H // Hkv) * Nq)
     plan = split_kv_plan(Nk, Nq, sm_count_of(q.device), tile=block_n,
                          force=split_kv_override())
@@ -281,11 +280,11 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
     rows = L.group * L.n_q
     block_m, block_n, warps, stages = split_config(L.block_d, L.block_dv, q.element_size(), rows)
     assert chunk % block_n == 0, (chunk, block_n)  # chunks are whole tiles: the band's stages
-    splits = triton.cdiv(L.n_k, chunk)
+    splits = cdiv(L.n_k, chunk)
     B, H, Nq, Dv = L.batch, L.H, L.n_q, L.head_dim_v
     out_p = torch.empty(splits, B, H, Nq, Dv, dtype=torch.float32, device=q.device)
     lse_p = torch.empty(splits, B, H, Nq, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(rows, block_m), splits, B * (H // L.group))
+    grid = (cdiv(rows, block_m), splits, B * (H // L.group))
     _attn_fwd_split[grid](
         q, k, v, out_p, lse_p, mask, q if softcap is None else softcap, slopes,
         QS=q.stride(), KS=k.stride(), VS=v.stride(), MS=mask_strides, AS=slope_strides,
@@ -359,14 +358,14 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     page, Hkv, Dv = k_pages.shape[1], k_pages.shape[2], _paged_dv(v_pages, ops.quant)
     quant = _quant_args(ops.quant, q, D, Dv, page)
     group = H // Hkv
-    block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
+    block_d, block_dv = max(16, pow2(D)), max(16, pow2(Dv))
     block_m, block_n, warps, stages = split_config(block_d, block_dv, q.element_size(),
                                                    group * Nq)
     n_max = int((lengths - starts).max()) if B else 0
     plan = split_kv_plan(n_max, Nq, sm_count_of(q.device), tile=block_n,
                          force=split_kv_override())
     splits = plan.splits
-    chunk = plan.chunk if splits > 1 else block_n * max(1, triton.cdiv(n_max, block_n))
+    chunk = plan.chunk if splits > 1 else block_n * max(1, cdiv(n_max, block_n))
     band = spec.local_band()
     # each row's first key position, end and first full-precision page, and its page ids,
     # where the kernel reads them
@@ -376,7 +375,7 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     alibi = None if ops.alibi is None else ops.alibi.to(torch.float32).expand(B, H)
     out_p = torch.empty(splits, B, H, Nq, Dv, dtype=torch.float32, device=q.device)
     lse_p = torch.empty(splits, B, H, Nq, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(group * Nq, block_m), splits, B * Hkv)
+    grid = (cdiv(group * Nq, block_m), splits, B * Hkv)
     _attn_fwd_paged[grid](
         q, k_pages, v_pages, table, seq, out_p, lse_p, q if softcap is None else softcap,
         q if alibi is None else alibi, QS=q.stride(), KPS=k_pages.stride(),
@@ -403,7 +402,7 @@ def _delta(do: Tensor, dlse: Tensor | None, out: Tensor, L: _Launch) -> Tensor:
         return delta if dlse is None else delta - dlse.float()
     delta = torch.empty(L.rows(out), dtype=torch.float32, device=out.device)
     pre_block = 32 if _INTERPRET else 64
-    _attn_bwd_preprocess[(triton.cdiv(L.n_q, pre_block), L.batch * L.H)](
+    _attn_bwd_preprocess[(cdiv(L.n_q, pre_block), L.batch * L.H)](
         out, do, delta if dlse is None else dlse.contiguous(), delta,
         out.stride(), do.stride(), L.H, L.n_q, HEAD_DIM_V=L.head_dim_v, BLOCK_DV=L.block_dv,
         HAS_DLSE=dlse is not None, BLOCK_M=pre_block)
@@ -437,13 +436,13 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     cap = q if softcap is None else softcap
     # the smallest BLOCK_N any dkdv config may pick bounds the number of partial sums
     min_bn = min(c.kwargs["BLOCK_N"] for c in _attn_bwd_dkdv.configs)
-    n_part = triton.cdiv(L.n_k, min_bn) if softcap is not None else 1
+    n_part = cdiv(L.n_k, min_bn) if softcap is not None else 1
     dcap_part = torch.zeros(n_part, L.batch * L.H, dtype=torch.float32, device=q.device)
     cu_q, cu_k = L.cu_seqlens(q, ops)
     shared = dict(CuQ=cu_q, CuK=cu_k, QS=L.strides(q), KS=L.strides(k), VS=L.strides(v),
                   OS=L.strides(do), MS=mask_strides, AS=slope_strides, LS=L.row_strides(lse),
                   **L.scalars(), **L.constexprs())
-    grid_q = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
+    grid_q = lambda meta: (cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
     if logl is not None:  # Δ of the blocks holding a saturated row, over the preprocessing's
         _attn_bwd_dq[grid_q](
             q, k, v, do, dq, lse2, delta, mask, cap, slopes, lse if sinks is None else sinks,
@@ -451,7 +450,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             GS=L.strides(dq), DELTA_PASS=True, HAS_DLSE=dlse is not None,
             HAS_SINKS=sinks is not None, **shared)
     n_kv = L.batch * (L.H // L.group)
-    grid_kv = lambda meta: (triton.cdiv(L.n_k, meta["BLOCK_N"]), n_kv)  # noqa: E731
+    grid_kv = lambda meta: (cdiv(L.n_k, meta["BLOCK_N"]), n_kv)  # noqa: E731
     _attn_bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse2, delta, mask, cap, slopes, dcap_part,
                             GS=L.strides(dk), GVS=L.strides(dv), **shared)
     _attn_bwd_dq[grid_q](q, k, v, do, dq, lse2, delta, mask, cap, slopes, lse, LogL=lse,
@@ -512,7 +511,7 @@ def _jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: Launch
     d_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
     d_lse = torch.empty(L.rows(q), dtype=torch.float32, device=q.device)
     none = (0, 0, 0, 0)
-    grid = lambda meta: (triton.cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
+    grid = lambda meta: (cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
     _attn_jvp[grid](
         q, k, v, out, lse2, q if dq is None else dq, k if dk is None else dk,
         v if dv is None else dv, d_out, d_lse, mask, q if dmask is None else dmask,
@@ -633,6 +632,30 @@ def _spec_of(spec_ints: list[int], spec_floats: list[float]) -> LaunchSpec:
 
 
 _spec_kinds(LaunchSpec)  # a field of no known kind fails here, at import
+
+
+def _direct(*tensors: Tensor | None) -> bool:
+    """Whether a launcher may be called as it is rather than through its custom op: an eager
+    call of plain tensors that nothing traces (torch.compile, make_fx or export, fake or
+    functional tensors, a dispatch mode) and no torch.func transform wraps. The op is there
+    for those; in plain eager mode it runs the same launcher and adds only its dispatch (host
+    time per call: docs/gpu.md)."""
+    if torch.compiler.is_compiling() or _transforms_on():
+        return False
+    if _dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) is Tensor for t in tensors)
+
+
+def _transforms_on() -> bool:
+    on = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return True if on is None else bool(on())  # unknown on this torch: the op, to be safe
+
+
+def _dispatch_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
 
 
 @torch.library.custom_op("attn::flash_fwd", mutates_args=())
@@ -805,7 +828,7 @@ class _FlashAttention(torch.autograd.Function):
     def forward(q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec, ops: Operands,
                 second=None):
         ops = ops._replace(attn_mask=attn_mask, sinks=sinks, softcap=softcap, alibi=alibi)
-        if ops.cu_seqlens_q is None:
+        if ops.cu_seqlens_q is None and not _direct(q, k, v, attn_mask, sinks, softcap, alibi):
             return _fwd_op(q, k, v, attn_mask, sinks, softcap, *_op_args(spec), alibi)
         return _fwd(q, k, v, spec, ops, want_logl=True)
 
@@ -844,9 +867,16 @@ class _FlashAttention(torch.autograd.Function):
             dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
             return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, *rest)
         with torch.no_grad():  # (under torch.func.grad its level has grad mode on)
-            dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask,
-                                               sinks, softcap, *_op_args(ctx.spec), need_dcap,
-                                               alibi, logl, lse2, cu_q, cu_k)
+            if _direct(dout, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, alibi):
+                g = _bwd(dout, dlse, q, k, v, out, lse, ctx.spec,
+                         Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_q,
+                                  cu_seqlens_k=cu_k), need_dcap=need_dcap, logl=logl,
+                         lse2=lse2)
+                dq, dk, dv, dsinks, dcap = g.dq, g.dk, g.dv, g.dsinks, g.dsoftcap
+            else:
+                dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask,
+                                                   sinks, softcap, *_op_args(ctx.spec),
+                                                   need_dcap, alibi, logl, lse2, cu_q, cu_k)
         dsinks = dsinks if sinks is not None and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, dsinks, dcap if need_dcap else None, *rest
 
@@ -890,6 +920,21 @@ class _FlashAttentionJvp(_FlashAttention):
                                dq, dk, dv, dmask, dsinks, dsoftcap, dalibi,
                                *_op_args(ctx.spec), cu_q, cu_k)
         return d_out, d_lse, None, None
+
+
+class _FlashAttentionEager(torch.autograd.Function):
+    """:class:`_FlashAttention` in autograd's original form (``forward(ctx, ...)``), for
+    calls under no transform: torch binds a Function in the functorch form to its forward's
+    signature (``inspect.signature``) on every apply, which this form does not need. The same
+    forward, saved tensors and backward."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _FlashAttention.forward(*inputs)
+        _FlashAttention.setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_FlashAttention.backward)
 
 
 def triton_attention(
@@ -941,9 +986,13 @@ def triton_attention(
     transform = transforms.active(q, k, v, ops.attn_mask, sinks, cap, ops.alibi)
     plan = split_plan_for(q, k, v, spec, ops, grad=grad, transform=transform)
     if plan is not None:  # decoding: forward only, no autograd node
+        if _direct(q, k, v, ops.attn_mask, sinks, cap, ops.alibi):
+            return _fwd_split(q, k, v, spec, Operands(ops.attn_mask, sinks, cap, ops.alibi),
+                              plan.chunk)
         return _fwd_split_op(q, k, v, ops.attn_mask, sinks, cap, *_op_args(spec), ops.alibi,
                              plan.chunk)
-    fn = _FlashAttention if transform is None else _FlashAttentionJvp
+    fn = (_FlashAttentionJvp if transform is not None else
+          _FlashAttention if _transforms_on() else _FlashAttentionEager)
     out, lse, _, _ = fn.apply(q, k, v, ops.attn_mask, sinks, cap, ops.alibi, spec,
                               ops._replace(attn_mask=None, sinks=None, softcap=None, alibi=None),
                               second)

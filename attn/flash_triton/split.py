@@ -31,6 +31,7 @@ import triton.language as tl
 from attn.flash_triton.kernels import (_fwd_inner, _head_consts, _lse_of, _stage_range, _stages,
                                        _value_offset)
 from attn.flash_triton.outer import _at
+from attn.flash_triton.tune import pow2
 
 MAX_SPLIT_Q = 16  # query rows per head up to which a call counts as decoding
 MIN_CHUNK = 256  # keys: the shortest chunk the auto rule cuts (the merge costs a partial)
@@ -271,7 +272,7 @@ def _attn_split_combine(OutP, LseP, Out, Lse, Sinks, OS, rows_total, H, N_Q, spl
 
 def combine_block(splits: int) -> int:
     """The combine kernel's BLOCK_S: the chunks' lse in one load."""
-    return max(2, triton.next_power_of_2(splits))
+    return max(2, pow2(splits))
 
 
 __all__ = ["SplitPlan", "split_kv_plan", "split_kv_override", "split_kv_unsupported",

@@ -294,6 +294,17 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
     return kept or configs[:1]
 
 
+def pow2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code: that one is a constexpr function in newer
+    triton, whose call costs more than the arithmetic (several per launch)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code (see :func:`pow2`)."""
+    return -(-a // b)
+
+
 def split_config(block_d: int, block_dv: int, elem: int, rows: int) -> tuple[int, int, int, int]:
     """BLOCK_M, BLOCK_N, num_warps, num_stages of the split-KV kernel (not autotuned: its
     chunks are whole key tiles, so BLOCK_N sets the plan, which must not depend on timing).
@@ -302,7 +313,7 @@ def split_config(block_d: int, block_dv: int, elem: int, rows: int) -> tuple[int
     and a float mask tile fit sm_80's shared memory at every head dim; 8 warps where the
     accumulator would spill with 4 (see ``_spills_heavily``). The interpreter's cost is per
     tile: 32 keys give several tiles per chunk at the test sizes."""
-    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    block_m = max(16, min(64, pow2(rows)))
     width = max(block_d, block_dv)
     block_n = 32 if _INTERPRET else max(16, min(64, (8192 if elem <= 2 else 4096) // width))
     warps = 8 if block_m * width >= 128 * 128 else 4
@@ -311,4 +322,4 @@ def split_config(block_d: int, block_dv: int, elem: int, rows: int) -> tuple[int
 
 def _tune_n(n_q: int, n_k: int) -> int:
     # the autotune key: lengths rounded to a power of two, so varying lengths do not retune
-    return triton.next_power_of_2(max(n_q, n_k))
+    return pow2(max(n_q, n_k))
