@@ -103,18 +103,6 @@ def _child_env(name: str, dry_run: bool) -> dict:
     return env
 
 
-def _stage_process(target: str, ctx_json: str, env: dict) -> None:
-    """The body of a stage's process, forked from the fork server: its own process group (so
-    a kill at its deadline reaches what it started), the environment triton reads at import,
-    then :func:`attn.bench.gpu_stages.main`."""
-    os.setsid()
-    os.environ.clear()
-    os.environ.update(env)
-    from attn.bench import gpu_stages
-
-    sys.exit(gpu_stages.main([target, ctx_json]))
-
-
 _FORKSERVER = None
 
 
@@ -138,8 +126,10 @@ def _stage_starter():
 
 def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[str, str, dict]:
     """Run one stage in its own process: (status, why, its records)."""
+    from attn.bench import gpu_stages
+
     proc = _stage_starter().Process(
-        target=_stage_process, name=f"attn gpu-check {name}",
+        target=gpu_stages.stage_process, name=f"attn gpu-check {name}",
         args=(target, json.dumps(ctx.__dict__), _child_env(name, ctx.dry_run)))
     proc.start()
     proc.join(timeout=max(ctx.left(), 0) + GRACE_S)

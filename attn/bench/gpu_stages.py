@@ -726,6 +726,19 @@ def context_parallel(ctx: StageContext) -> None:
         dist.destroy_process_group()
 
 
+def stage_process(target: str, ctx_json: str, env: dict) -> None:
+    """The body of a stage's process, forked from gpu-check's fork server: its own process
+    group (so a kill at its deadline reaches what it started), the environment triton reads
+    at import, then :func:`main`. It lives here, in a module that imports neither torch's
+    compiler nor triton, because the child imports the target's module before running it:
+    from attn.bench.gpu_check, torch 2.13's ``torch.nn.attention.bias`` pulled triton in
+    before ``TRITON_INTERPRET`` was set, and the dry run's interpreted kernels failed."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    sys.exit(main([target, ctx_json]))
+
+
 def main(argv: list[str]) -> int:
     """``python -m attn.bench.gpu_stages MODULE:FUNCTION CONTEXT_JSON``."""
     target, ctx = argv[0], StageContext(**json.loads(argv[1]))
