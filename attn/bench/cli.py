@@ -12,7 +12,7 @@
     attn bench train-step               # one GPT training step: peak memory and time
     attn bench context-parallel --world-sizes 1 2 4 --n 2048 8192 32768
     attn check mypkg.mod:my_attention   # the conformance matrix on your function (--json)
-    attn gpu-check --out gpu1 --stages env correctness   # on a GPU machine (docs/gpu.md)
+    attn gpu-check --out gpu                # on a GPU machine, one 8-minute run (docs/gpu.md)
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ COMMANDS = {
     "bench": "a custom sweep or one of the benchmark questions",
     "check": "run the conformance matrix on your attention function: each case correct, "
              "not supported, wrong (diagnosed) or NaN",
-    "gpu-check": "every GPU claim in at most two runs of 7 minutes (correctness, speed, "
-                 "memory, decode, tuning), or --dry-run on CPU",
+    "gpu-check": "every GPU claim in one run of at most 8 minutes (a correctness smoke, "
+                 "speed, memory, variants against flex, decode, tuning), or --dry-run on CPU",
 }
 
 # (N values, causal values) per device for the full and the quick report. The quick one is

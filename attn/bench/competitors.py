@@ -4,7 +4,8 @@
   one kernel forced through ``torch.nn.attention.sdpa_kernel`` (plain ``sdpa`` is attn's
   backend of that name: torch's own choice, the baseline of ``ratio_to_sdpa``).
 * ``flex``: ``torch.nn.attention.flex_attention`` compiled with ``torch.compile``, causal
-  through a block mask.
+  through a block mask; :func:`flex_variant` builds the score_mod and block mask of an
+  attn.attention variant (softcap, window, ALiBi) for timing flex on the same variant.
 
 Whether a forced kernel runs depends on the GPU, the build, dtype and head dim, so it is
 asked, not assumed: :func:`competitor_unsupported` runs the kernel once on a tiny input of
@@ -60,6 +61,60 @@ def _flex_forward(causal: bool, N: int, device: str) -> Callable[[Tensor, Tensor
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
                                        B=None, H=None, Q_LEN=N, KV_LEN=N, device=device)
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+# what flex_variant cannot express, and why
+FLEX_CANNOT = {
+    "sinks": "flex_attention has no sinks argument (a sink is an extra column of the "
+             "softmax's denominator, not a score of any key)",
+    "dropout_p": "flex_attention has no dropout",
+    "attn_mask": "a dense mask is not a flex variant (a mask_mod reading it would be)",
+}
+
+
+def flex_variant(kw: dict, N: int, device: str, *, compile: bool = True
+                 ) -> Callable[[Tensor, Tensor, Tensor], Tensor] | str:
+    """``forward(q, k, v) → out`` running flex on the attn.attention variant ``kw``
+    (``causal``, ``window``, ``softcap`` as a float, ``alibi_slopes`` of shape (H,); Nq =
+    Nk = N, where attn's bottom-right alignment is the plain one), or why flex cannot
+    express it. The score_mod applies attn's order after the scale: softcap, then ALiBi's
+    ``−slope·|j − i|``; causal and the window become a block mask. ``compile`` False runs
+    flex eagerly (its math path: for checking the translation, not for timing)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    for name, why in FLEX_CANNOT.items():
+        if kw.get(name) is not None and not (name == "dropout_p" and kw[name] == 0.0):
+            return why
+    unknown = sorted(set(kw) - {"causal", "window", "softcap", "alibi_slopes", *FLEX_CANNOT})
+    if unknown:
+        return f"no flex translation of {unknown}"
+    cap, slopes = kw.get("softcap"), kw.get("alibi_slopes")
+    if cap is not None and not isinstance(cap, float):
+        return "a learned (tensor) softcap has no flex translation here"
+    left, right = kw.get("window") or (-1, -1)
+    keeps = [lambda i, j: i >= j] if kw.get("causal") else []
+    keeps += [lambda i, j: i - j <= left] if left >= 0 else []
+    keeps += [lambda i, j: j - i <= right] if right >= 0 else []
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = keeps[0](q_idx, kv_idx)
+        for more in keeps[1:]:
+            keep = keep & more(q_idx, kv_idx)
+        return keep
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
+        if slopes is not None:
+            score = score - slopes[h] * (kv_idx - q_idx).abs()
+        return score
+
+    block_mask = (create_block_mask(mask_mod, B=None, H=None, Q_LEN=N, KV_LEN=N,
+                                    device=device) if keeps else None)
+    mod = score_mod if cap is not None or slopes is not None else None
+    run = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+    return lambda q, k, v: run(q, k, v, score_mod=mod, block_mask=block_mask,
+                               enable_gqa=q.shape[1] != k.shape[1])
 
 
 def make_forward(name: str, causal: bool, N: int, device: str

@@ -1,17 +1,20 @@
-"""``attn gpu-check``: one command that checks every GPU claim of attn, in at most two runs
-of 7 minutes, and writes a flat folder of at most eight files.
+"""``attn gpu-check``: one command that checks every GPU claim of attn in one run of at most
+8 minutes (a GPU is lent for 15 minutes in all, its start included), and writes a flat folder
+of at most eight files.
 
-    attn gpu-check --out gpu1 --stages env correctness                # run 1
-    attn gpu-check --out gpu2 --stages env speed varlen-decode tune context-parallel  # run 2
-    attn gpu-check --merge gpu1 gpu2 --out gpu                        # anywhere, afterwards
-    attn gpu-check --dry-run --out /tmp/gpu-dry                       # on CPU: every stage, tiny
+    attn gpu-check --out gpu                                  # on the GPU machine: one run
+    attn gpu-check --out gpu-tests --stages env correctness   # the full CUDA pytest, apart
+    attn gpu-check --merge gpu gpu-tests --out joined         # anywhere, afterwards
+    attn gpu-check --dry-run --out /tmp/gpu-dry               # on CPU: every stage, tiny
 
-Stages, in this order: env, correctness, speed, varlen-decode, tune (only with budget left),
-context-parallel. Each runs in its own process (:mod:`attn.bench.gpu_stages`) under a time box:
-its share of what is left of ``--budget-min``, by the weights below, so time a stage does not
-use goes to the ones after it. A stage is recorded as done, skipped (why), failed (the error)
-or out of time (cut at its box; its finished points kept), and results.json / results.md are
-rewritten after every stage (:mod:`attn.bench.gpu_record`).
+Stages, in this order: env, smoke, correctness (not in the default run: only named in
+--stages), fused-cuda, speed (with the variants against compiled flex), varlen-decode, tune
+(only with budget left), context-parallel. Each runs in its own process
+(:mod:`attn.bench.gpu_stages`) under a time box: its share of what is left of
+``--budget-min``, by the weights below, so time a stage does not use goes to the ones after
+it. A stage is recorded as done, skipped (why), failed (the error) or out of time (cut at its
+box; its finished points kept), and results.json / results.md are rewritten after every stage
+(:mod:`attn.bench.gpu_record`).
 """
 
 from __future__ import annotations
@@ -28,17 +31,23 @@ from pathlib import Path
 
 from attn.bench import gpu_record, gpu_tables
 
-STAGES = {name: f"attn.bench.gpu_stages:{name.replace('-', '_')}"
-          for name in ("env", "correctness", "speed", "varlen-decode", "tune",
-                       "context-parallel")}
-# the fused backend's CUDA ops against the float64 reference, after the correctness smoke:
-# writes fused_cuda_table.json, which auto reads (commit it with the results)
-STAGES = {**{k: STAGES[k] for k in ("env", "correctness")},
+STAGES = {"env": "attn.bench.gpu_stages:env",
+          # every variant at small shapes against the float64 reference, bits repeated
+          "smoke": "attn.bench.gpu_smoke:smoke",
+          # `pytest -m cuda`: minutes of compiling; its own run, never a default one
+          "correctness": "attn.bench.gpu_stages:correctness",
+          # the fused backend's CUDA ops against the float64 reference: writes
+          # fused_cuda_table.json, which auto reads (commit it with the results)
           "fused-cuda": "attn.bench.fused_verify:stage",
-          **{k: v for k, v in STAGES.items() if k not in ("env", "correctness")}}
-# shares of the budget; the correctness stage's pytest is most of the first run
-WEIGHTS = {"env": 0.4, "correctness": 5.0, "fused-cuda": 1.0, "speed": 3.0,
-           "varlen-decode": 1.5, "tune": 1.5, "context-parallel": 0.5}
+          **{name: f"attn.bench.gpu_stages:{name.replace('-', '_')}"
+             for name in ("speed", "varlen-decode", "tune", "context-parallel")}}
+DEFAULT_STAGES = [s for s in STAGES if s != "correctness"]
+# one unit is a minute of the default 8-minute run when every default stage takes its whole
+# box: env 0.3, smoke 1, fused-cuda 1.2, speed 3.5 (with its variants and flex compiles),
+# varlen-decode 1, tune 0.6 (so it runs only on time the others left: TUNE_MIN_S),
+# context-parallel 0.4; correctness, run on its own, takes what is left after env
+WEIGHTS = {"env": 0.3, "smoke": 1.0, "correctness": 5.0, "fused-cuda": 1.2, "speed": 3.5,
+           "varlen-decode": 1.0, "tune": 0.6, "context-parallel": 0.4}
 TUNE_MIN_S = 60  # below this the tune stage would time one config or none: skip it
 GRACE_S = 10  # after its deadline a stage gets this long to end on its own before the kill
 
@@ -47,11 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="the run's folder: results.json, results.md, pytest.txt, log.txt, "
                         "up to 3 PNGs (flat; at most 8 files)")
-    p.add_argument("--budget-min", type=float, default=7.0,
-                   help="minutes for the whole run (default 7); each stage gets a share and "
+    p.add_argument("--budget-min", type=float, default=8.0,
+                   help="minutes for the whole run (default 8); each stage gets a share and "
                         "drops points to fit it")
-    p.add_argument("--stages", nargs="+", default=list(STAGES), metavar="STAGE",
-                   help=f"stages to run, among {', '.join(STAGES)} (default: all)")
+    p.add_argument("--stages", nargs="+", default=list(DEFAULT_STAGES), metavar="STAGE",
+                   help=f"stages to run, among {', '.join(STAGES)} (default: all but "
+                        "correctness, the full CUDA pytest, which takes a run of its own)")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU: every stage through its real code at tiny sizes (triton in "
                         "the interpreter for correctness, tiled and SDPA for timing); GPU-only "
@@ -100,23 +110,11 @@ def _child_env(name: str, dry_run: bool) -> dict:
         env["TRITON_INTERPRET"] = "1"  # the interpreter, set before triton is imported
     else:
         env.pop("TRITON_INTERPRET", None)
-    if name == "correctness":
+    if name in ("correctness", "smoke"):
         env["ATTN_TRITON_AUTOTUNE"] = "0"  # right answers, not the fastest config
     else:
         env.pop("ATTN_TRITON_AUTOTUNE", None)  # users' setting: autotuning on
     return env
-
-
-def _stage_process(target: str, ctx_json: str, env: dict) -> None:
-    """The body of a stage's process, forked from the fork server: its own process group (so
-    a kill at its deadline reaches what it started), the environment triton reads at import,
-    then :func:`attn.bench.gpu_stages.main`."""
-    os.setsid()
-    os.environ.clear()
-    os.environ.update(env)
-    from attn.bench import gpu_stages
-
-    sys.exit(gpu_stages.main([target, ctx_json]))
 
 
 _FORKSERVER = None
@@ -142,8 +140,10 @@ def _stage_starter():
 
 def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[str, str, dict]:
     """Run one stage in its own process: (status, why, its records)."""
+    from attn.bench import gpu_stages
+
     proc = _stage_starter().Process(
-        target=_stage_process, name=f"attn gpu-check {name}",
+        target=gpu_stages.stage_process, name=f"attn gpu-check {name}",
         args=(target, json.dumps(ctx.__dict__), _child_env(name, ctx.dry_run)))
     proc.start()
     proc.join(timeout=max(ctx.left(), 0) + GRACE_S)
@@ -193,7 +193,8 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
     doc = {"schema": gpu_record.SCHEMA, "header": header, "rows": [],
            "stages": {s: gpu_record.stage_entry(
                "skipped", why="the run ended before this stage" if s in selected
-               else "not selected (--stages)") for s in stages}}
+               else "not in the default run (name it in --stages)" if s in STAGES and
+               s not in DEFAULT_STAGES else "not selected (--stages)") for s in stages}}
     gpu_record.write_results(out, doc)
     _stage_starter()
     env_facts: dict = {}
@@ -255,6 +256,8 @@ def failures(doc: dict) -> list[str]:
             f"{r.get('message') or r.get('what') or r.get('note')}" for r in doc["rows"]
             if r.get("outcome") in ("failed", "error") or
             (r.get("kind") in ("check", "cp") and r.get("status") == "failed")]
+    bad += [f"smoke {r['what']}: {r['note']}" for r in doc["rows"]
+            if r.get("kind") == "smoke" and r.get("status") == "failed"]
     return bad
 
 

@@ -371,7 +371,8 @@ def _group(row) -> str:
 
 def speed(ctx: StageContext) -> None:
     """Triton against torch's kernels (attn.bench.sweep, autotuning on), then the cost of each
-    variant at one shape as a ratio to plain causal."""
+    variant at one shape as a ratio to plain causal and, for softcap, window, ALiBi and sinks,
+    against compiled flex on the same variant (the last 40% of the box is kept for them)."""
     from attn.bench.sweep import finish, measure_matmul_rates, plan, run_sweep
 
     cfg = _speed_config(ctx)
@@ -380,7 +381,7 @@ def speed(ctx: StageContext) -> None:
                                               "and torch SDPA here")
     rows = sorted(plan(cfg), key=_priority)
     rate = ctx.env.get("matmul_tflops") or measure_matmul_rates(cfg)
-    reserve = 0.25 * ctx.budget_s  # for the variant costs
+    reserve = 0.4 * ctx.budget_s  # for the variant costs and their flex compiles
     done = []
     if rows:
         ctx.running(_group(rows[0]) + f" N={rows[0].N}")
@@ -405,7 +406,47 @@ def speed(ctx: StageContext) -> None:
     _variant_costs(ctx)
 
 
+# variants timed against compiled flex on the same variant too (issue 39's target: flex ms /
+# triton ms >= 1.2); they come right after plain causal, so a short box still holds them
+FLEX_COMPARED = ("softcap", "window", "alibi", "sinks")
+VARIANT_COSTS = ("causal", *FLEX_COMPARED, "gqa", "dropout", "float_mask")
+
+
+def _flex_side(ctx: StageContext, name: str, kw: dict, q, k, v, ours, ours_ms: float) -> dict:
+    """The flex fields of a variant's row: compiled flex on the same variant and inputs
+    (compiled before the timing), its ms, ``flex_ratio`` = flex ms / ours ms and its largest
+    difference from our output; or why flex did not run."""
+    import torch
+
+    from attn.bench.competitors import flex_variant
+
+    fn = flex_variant(kw, q.shape[2], _device(ctx))
+    if isinstance(fn, str):  # a variant flex cannot express
+        return {"flex_status": "skipped", "flex_note": fn}
+    if ctx.dry_run:
+        return {"flex_status": "skipped",
+                "flex_note": f"{GPU_ONLY}: compiling flex takes ~10 s a variant on CPU"}
+    if ctx.left() < 30:
+        ctx.dropped(f"variant {name}: flex", "the box ran short (a flex compile takes ~10 s)")
+        return {"flex_status": "skipped", "flex_note": "the box ran short"}
+    ctx.running(f"variant {name}: compiling flex")
+
+    def call():
+        with torch.no_grad():
+            return fn(q, k, v)
+    try:
+        diff = (call().float() - ours.float()).abs().max().item()  # the compile, untimed
+        flex_ms = _time_ms(ctx, call, 10)
+    except Exception as exc:
+        return {"flex_status": "failed",
+                "flex_note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    return {"flex_status": "ok", "flex_ms": flex_ms, "flex_ratio": flex_ms / ours_ms,
+            "flex_max_diff": diff}
+
+
 def _variant_costs(ctx: StageContext) -> None:
+    """Each variant's forward at one shape: its ms as a ratio to plain causal and, for
+    :data:`FLEX_COMPARED`, compiled flex's ms on the same variant."""
     import torch
 
     import attn
@@ -415,8 +456,7 @@ def _variant_costs(ctx: StageContext) -> None:
     if not _fits(ctx, 8 * B * H * N * D * 2 + N * N * 2, f"variant costs N={N}"):
         return
     base_ms = None
-    for name in ("causal", "softcap", "sinks", "window", "gqa", "alibi", "dropout",
-                 "float_mask"):
+    for name in VARIANT_COSTS:
         if ctx.left() < 5:
             ctx.dropped(f"variant cost {name} and after", "the box ran short")
             return
@@ -430,7 +470,7 @@ def _variant_costs(ctx: StageContext) -> None:
 
         def call():
             with torch.no_grad():
-                attn.attention(q, k, v, backend=backend, **kw)
+                return attn.attention(q, k, v, backend=backend, **kw)
         try:
             ms = _time_ms(ctx, call, 3 if ctx.dry_run else 10)
         except Exception as exc:
@@ -439,10 +479,15 @@ def _variant_costs(ctx: StageContext) -> None:
             continue
         base_ms = ms if name == "causal" else base_ms
         ratio = ms / base_ms if base_ms else None
+        flex = (_flex_side(ctx, name, kw, q, k, v, call(), ms) if name in FLEX_COMPARED
+                else {})
         ctx.row(kind="variant", variant=name, backend=backend, status="ok", ms=ms,
                 ratio=ratio, note=f"fwd, bf16, B={B} H={H} N={N} D={D}",
-                autotune=autotune_picks() if backend == "triton" else {})
-        ctx.log(f"variant {name}: {ms:.3g} ms, {ratio:.2f}x plain causal")
+                autotune=autotune_picks() if backend == "triton" else {}, **flex)
+        ctx.log(f"variant {name}: {ms:.3g} ms, {ratio:.2f}x plain causal"
+                + (f"; flex {flex['flex_ms']:.3g} ms, flex / {backend} "
+                   f"{flex['flex_ratio']:.2f}" if flex.get("flex_ms") else
+                   f"; flex {flex['flex_status']}: {flex['flex_note']}" if flex else ""))
 
 
 # -- 4. varlen and decode ----------------------------------------------------------------------
@@ -738,6 +783,19 @@ def context_parallel(ctx: StageContext) -> None:
             ctx.log(f"{strategy} over {backend}, world size 1: {status} {note}")
     finally:
         dist.destroy_process_group()
+
+
+def stage_process(target: str, ctx_json: str, env: dict) -> None:
+    """The body of a stage's process, forked from gpu-check's fork server: its own process
+    group (so a kill at its deadline reaches what it started), the environment triton reads
+    at import, then :func:`main`. It lives here, in a module that imports neither torch's
+    compiler nor triton, because the child imports the target's module before running it:
+    from attn.bench.gpu_check, torch 2.13's ``torch.nn.attention.bias`` pulled triton in
+    before ``TRITON_INTERPRET`` was set, and the dry run's interpreted kernels failed."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    sys.exit(main([target, ctx_json]))
 
 
 def main(argv: list[str]) -> int:

@@ -75,9 +75,15 @@ def _ratio_section(doc: dict) -> list[str]:
                    f"{len(speed)} points\n")
     variants = [r for r in _rows(doc, "variant") if r.get("ratio") is not None]
     if variants:
-        out += ["Variant cost: time with the variant / plain causal time, same shape", "",
-                "| variant | ratio | ms |", "|:--|--:|--:|"]
-        out += [f"| {r['variant']} | {r['ratio']:.2f} | {_f(r['ms'])} |" for r in variants]
+        mine = variants[0]["backend"]
+        out += ["Variant cost: time with the variant / plain causal time, same shape; and "
+                f"compiled flex on the same variant: flex ms / {mine} ms (> 1: {mine} is "
+                "faster)", "",
+                f"| variant | ratio to causal | ms | flex ms | flex / {mine} | flex |",
+                "|:--|--:|--:|--:|--:|:--|"]
+        out += [f"| {r['variant']} | {r['ratio']:.2f} | {_f(r['ms'])} | "
+                f"{_f(r.get('flex_ms'))} | {_f(r.get('flex_ratio'), '.2f')} | "
+                f"{_flex_cell(r)} |" for r in variants]
         out.append("")
     for kind, what in (("varlen", "packed varlen"), ("decode", "decode")):
         rs = [r for r in _rows(doc, kind) if r.get("ratio_to_sdpa") is not None]
@@ -94,6 +100,45 @@ def _ratio_section(doc: dict) -> list[str]:
                 for r in tune]
         out.append("")
     return out
+
+
+def _flex_cell(r: dict) -> str:
+    if "flex_status" not in r:
+        return ""
+    if r["flex_status"] == "ok":
+        return f"ok, max diff {_f(r.get('flex_max_diff'), '.1e')}"
+    return f"{r['flex_status']}: {r.get('flex_note', '')}".replace("|", "/")
+
+
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def _smoke_section(doc: dict) -> list[str]:
+    """Per variant: cases within budget and bitwise repeatable, the worst error / budget and
+    the shapes run; then every failed case."""
+    rs = _rows(doc, "smoke")
+    if not rs:
+        return []
+    ok = sum(r["status"] == "ok" for r in rs)
+    out = ["## Smoke", "",
+           f"{ok} of {len(rs)} cases within the float64 reference's budget (out, lse and "
+           "every gradient) and bitwise repeatable (two calls, forward and backward); one "
+           "triton config per launch", "",
+           "| variant | ok | worst error / budget | shapes |", "|:--|--:|--:|:--|"]
+    for variant in dict.fromkeys(r["variant"] for r in rs):
+        mine = [r for r in rs if r["variant"] == variant]
+        worst = [r["worst"] for r in mine if r.get("worst") is not None]
+        by: dict[str, list[str]] = {}
+        for r in mine:
+            by.setdefault(f"{_SHORT.get(r['dtype'], r['dtype'])} D={r['D']}", []).append(
+                str(r["N"]))
+        shapes = "; ".join(f"{k}: N {', '.join(ns)}" for k, ns in by.items())
+        out.append(f"| {variant} | {sum(r['status'] == 'ok' for r in mine)}/{len(mine)} | "
+                   f"{_f(max(worst) if worst else None, '.2f')} | {shapes} |")
+    bad = [r for r in rs if r["status"] != "ok"]
+    if bad:
+        out += ["", "Failed cases:", ""] + [f"- {r['what']}: {r['note']}" for r in bad]
+    return out + [""]
 
 
 def _pytest_section(doc: dict) -> list[str]:
@@ -146,6 +191,7 @@ def markdown(doc: dict) -> str:
            f"{h.get('elapsed_s', 0)} s of a {h.get('budget_min')} min budget", ""]
     out += _stages_table(doc) + [""]
     out += _ratio_section(doc)
+    out += _smoke_section(doc)
     out += _pytest_section(doc)
     checks = _rows(doc, "check")
     if checks:
@@ -160,7 +206,8 @@ def markdown(doc: dict) -> str:
     speed = _rows(doc, "speed")
     if speed:
         out += ["## Speed and memory", "", report.markdown_tables(speed)]
-    for kind, cols in (("variant", ("variant", "backend", "status", "ms", "ratio", "note")),
+    for kind, cols in (("variant", ("variant", "backend", "status", "ms", "ratio", "flex_ms",
+                                     "flex_ratio", "flex_status", "flex_note", "note")),
                        ("varlen", ("path", "shape", "status", "ms", "ratio_to_sdpa", "note")),
                        ("decode", ("path", "B", "Nq", "Nk", "status", "ms", "gb_per_s",
                                    "ratio_to_sdpa", "note")),
