@@ -109,3 +109,21 @@ def gpu_check_args(argv):
     p = argparse.ArgumentParser()
     gpu_check.add_arguments(p)
     return p.parse_args(argv)
+
+
+def test_adopt_merges_the_fused_stage_table_too(tmp_path, monkeypatch):
+    # the fused-cuda stage writes its table beside the results (the GPU machine's checkout
+    # is discarded): --adopt merges it into the committed one by key
+    from attn import fused_cuda
+
+    committed = tmp_path / "fused_cuda_table.json"
+    committed.write_text(json.dumps({"about": "", "rows": [
+        {"key": "old", "exact": True}, {"key": "same", "exact": False}]}))
+    monkeypatch.setattr(fused_cuda, "TABLE", committed)
+    monkeypatch.setattr(tune, "TUNED", tmp_path / "tuned.json")
+    run = _results(tmp_path / "run", [])
+    (run / "fused_cuda_table.json").write_text(json.dumps({"about": "", "rows": [
+        {"key": "same", "exact": True}, {"key": "new", "exact": True}]}))
+    assert gpu_check.run(gpu_check_args(["--adopt", str(run)]), []) == 0
+    rows = {r["key"]: r["exact"] for r in json.loads(committed.read_text())["rows"]}
+    assert rows == {"old": True, "same": True, "new": True}

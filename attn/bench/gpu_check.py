@@ -69,9 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                    help="join the folders of earlier runs into --out instead of running")
     p.add_argument("--adopt", type=Path, nargs="+", default=None, metavar="DIR",
-                   help="merge the tune stage's best configs from earlier runs' folders into "
-                        "attn/flash_triton/tuned.json (the table the autotuner reads first) "
-                        "instead of running; commit it with the results")
+                   help="instead of running: merge earlier runs' measured tables into the "
+                        "checkout, the tune stage's best configs into "
+                        "attn/flash_triton/tuned.json (the autotuner reads it first) and the "
+                        "fused-cuda stage's fused_cuda_table.json into "
+                        "attn/fused_cuda_table.json (auto reads it); commit them with the "
+                        "results")
     p.add_argument("--tests", type=Path, default=Path("tests"),
                    help="the repository's tests folder (default ./tests: run from a checkout)")
 
@@ -263,7 +266,8 @@ def failures(doc: dict) -> list[str]:
 
 def _adopt(folders: list[Path]) -> int:
     """``--adopt``: the "best of the sweep" rows of each folder's results.json (tune stage)
-    that name a launch key and a config, merged into the committed table."""
+    that name a launch key and a config, merged into the committed tuned table, and each
+    folder's fused_cuda_table.json merged into the committed fused table."""
     from attn.flash_triton import tune
 
     rows = []
@@ -284,6 +288,18 @@ def _adopt(folders: list[Path]) -> int:
     table = tune.adopt_rows(rows)
     print(f"adopted {len(rows)} tuned configs into {tune.TUNED} "
           f"({len(table['rows'])} rows in all)")
+    fused_rows = []
+    for folder in folders:  # the fused-cuda stage's table, written beside the results
+        path = Path(folder) / "fused_cuda_table.json"
+        if path.is_file():
+            fused_rows += json.loads(path.read_text())["rows"]
+    if fused_rows:
+        from attn import fused_cuda
+        from attn.bench import fused_verify
+
+        merged = fused_verify.write_table(fused_rows, fused_cuda.TABLE)
+        print(f"adopted {len(fused_rows)} fused-cuda rows into {fused_cuda.TABLE} "
+              f"({len(merged['rows'])} rows in all)")
     return 0
 
 
