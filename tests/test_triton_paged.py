@@ -369,3 +369,19 @@ def test_read_plan_sends_quantized_caches_to_the_kernel(monkeypatch):
     codes_only = PagedKVCache.allocate(4, 3, 2, QD, max_seqs=2, quant="int8",
                                        dtype=torch.float64)
     assert decode_module.read_plan(q, codes_only)[0] == "triton"
+
+
+@pytest.mark.cuda_if_present
+def test_a_rows_bits_do_not_depend_on_its_batch(triton_reads, monkeypatch):
+    # DESIGN's batch invariance: each row's key chunks come from its own length, so a row
+    # read alone and beside longer or shorter rows gives the same bits (out and lse)
+    monkeypatch.setenv("ATTN_TRITON_SPLIT_KV", "3")
+    cache, q, _ = cache_and_q([150, 400, 40, 0], 3, seed=5)
+    out, lse = run(q, cache, causal=True)
+    for b in range(4):
+        starts = None if cache.starts is None else cache.starts[b:b + 1]
+        alone = PagedKVCache(cache.k_pages, cache.v_pages, cache.block_table[b:b + 1],
+                             cache.lengths[b:b + 1], starts=starts)
+        out_b, lse_b = run(q[b:b + 1], alone, causal=True)
+        assert torch.equal(out_b, out[b:b + 1]) and torch.equal(lse_b, lse[b:b + 1]), b
+    assert triton_reads[0] == 3  # the batch's grid: the most chunks a row has

@@ -26,9 +26,9 @@ from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_pre
                                      _attn_fwd, _attn_jvp)
 from attn.flash_triton.kernels import _INTERPRET, score_args
 from attn.flash_triton.paged import _attn_fwd_paged
-from attn.flash_triton.split import (SplitPlan, _attn_fwd_split, _attn_split_combine,
-                                     combine_block, sm_count_of, split_kv_override,
-                                     split_kv_plan, split_kv_unsupported)
+from attn.flash_triton.split import (MAX_SPLITS, SplitPlan, _attn_fwd_split,
+                                     _attn_split_combine, combine_block, sm_count_of,
+                                     split_kv_override, split_kv_plan, split_kv_unsupported)
 from attn.flash_triton.tune import _tune_n, cdiv, pow2, split_config
 from attn import batching, transforms
 from attn.grads import Grads, sink_grad
@@ -297,9 +297,10 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
 
 
 def _combine(out_p: Tensor, lse_p: Tensor, sinks: Tensor | None, dtype: torch.dtype,
-             block_dv: int) -> tuple[Tensor, Tensor]:
+             block_dv: int, block_s: int | None = None) -> tuple[Tensor, Tensor]:
     """The chunks' float32 partials ``(splits, B, H, Nq, Dv)`` / ``(splits, B, H, Nq)`` merged
-    in chunk order (the sinks as one more partial of value 0) → out in ``dtype``, lse."""
+    in chunk order (the sinks as one more partial of value 0) → out in ``dtype``, lse.
+    ``block_s``: the combine's width (default: the splits' power of two)."""
     splits, B, H, Nq, Dv = out_p.shape
     if splits == 1 and sinks is None:  # one partial is its own merge: the same values
         return out_p[0].to(dtype), lse_p[0]
@@ -307,7 +308,8 @@ def _combine(out_p: Tensor, lse_p: Tensor, sinks: Tensor | None, dtype: torch.dt
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=out_p.device)
     _attn_split_combine[(B * H * Nq,)](
         out_p, lse_p, out, lse, lse_p if sinks is None else sinks, out.stride(), B * H * Nq,
-        H, Nq, splits, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_S=combine_block(splits),
+        H, Nq, splits, HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
+        BLOCK_S=combine_block(splits) if block_s is None else block_s,
         HAS_SINKS=sinks is not None)
     return out, lse
 
@@ -350,8 +352,11 @@ def _quant_args(quant, q: Tensor, D: int, Dv: int, page: int) -> dict:
 def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, ops: Operands
                ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of q ``(B, H, Nq, D)`` against keys read through ``ops.pages``
-    (:mod:`attn.flash_triton.paged`): the split-KV grid and combine, the chunk count from
-    split-KV's plan for the longest row (one chunk when Nq > 16)."""
+    (:mod:`attn.flash_triton.paged`): the split-KV grid and combine, each row's chunk from
+    split-KV's plan for that row's own length (one chunk when Nq > 16), so that a row's bits
+    do not depend on the rest of its batch (DESIGN's batch invariance); the grid holds the
+    most chunks any row has, the others' extra chunks are empty partials, and the combine's
+    width is fixed (:data:`split.MAX_SPLITS`), not the batch's."""
     table, starts, lengths = ops.pages
     q, sinks, softcap = _kernel_inputs(q, q, spec, ops.sinks, ops.softcap)  # q's dtype rules
     B, H, Nq, D = q.shape
@@ -361,16 +366,19 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     block_d, block_dv = max(16, pow2(D)), max(16, pow2(Dv))
     block_m, block_n, warps, stages = split_config(block_d, block_dv, q.element_size(),
                                                    group * Nq)
-    n_max = int((lengths - starts).max()) if B else 0
-    plan = split_kv_plan(n_max, Nq, sm_count_of(q.device), tile=block_n,
-                         force=split_kv_override())
-    splits = plan.splits
-    chunk = plan.chunk if splits > 1 else block_n * max(1, cdiv(n_max, block_n))
+    sm, force = sm_count_of(q.device), split_kv_override()
+    chunks, splits = [], 1
+    for n in (lengths - starts).tolist():  # (one read of the lengths, as the plan needs them)
+        plan = split_kv_plan(int(n), Nq, sm, tile=block_n, force=force)
+        chunks.append(plan.chunk if plan.splits > 1 else block_n * max(1, cdiv(n, block_n)))
+        splits = max(splits, plan.splits)
     band = spec.local_band()
-    # each row's first key position, end and first full-precision page, and its page ids,
-    # where the kernel reads them
+    # each row's first key position, end, first full-precision page and chunk, and its page
+    # ids, where the kernel reads them
     recent_from = lengths if ops.quant is None else ops.quant.recent_from
-    seq = torch.stack([starts, lengths, recent_from], 1).to(device=q.device, dtype=torch.int32)
+    seq = torch.stack([t.to(device=q.device, dtype=torch.int32) for t in (
+        starts, lengths, recent_from, torch.tensor(chunks, dtype=torch.int32).reshape(B))],
+        1)
     table = table.to(q.device)
     alibi = None if ops.alibi is None else ops.alibi.to(torch.float32).expand(B, H)
     out_p = torch.empty(splits, B, H, Nq, Dv, dtype=torch.float32, device=q.device)
@@ -385,13 +393,14 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         left=_UNBOUNDED if band.left is None else band.left,
         right=_UNBOUNDED if band.right is None else band.right,
         **score_args(spec, softcap=softcap is not None, alibi=alibi is not None),
-        chunk=chunk, page_size=page,
+        page_size=page,
         v_log_scale=math.log(2.0 / torch.finfo(torch.float32).max), HEAD_DIM=D,
         HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BANDED=not band.is_full,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         V_OFFSET=q.dtype != torch.float16, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages)
-    return _combine(out_p, lse_p, sinks, q.dtype, block_dv)
+    return _combine(out_p, lse_p, sinks, q.dtype, block_dv,
+                    block_s=combine_block(max(splits, MAX_SPLITS)))
 
 
 def _delta(do: Tensor, dlse: Tensor | None, out: Tensor, L: _Launch) -> Tensor:

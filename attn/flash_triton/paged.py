@@ -223,15 +223,16 @@ def _paged_inner(acc, l_i, m_i, q, KP, VP, KQ, VQ, TableRow, stride_t, first, pa
 @triton.jit
 def _attn_fwd_paged(Q, KP, VP, Table, Seq, OutP, LseP, Softcap, Alibi, KS, VS, RK, RV, QS,
                     KPS, VPS, TS, AS, KSS, VSS, RKS, RVS, B, H, GROUP, N_Q, offset, left,
-                    right, SC, chunk, page_size, v_log_scale, HEAD_DIM: tl.constexpr,
+                    right, SC, page_size, v_log_scale, HEAD_DIM: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BANDED: tl.constexpr, SCORE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     V_OFFSET: tl.constexpr, QUANT: tl.constexpr, K_GROUP: tl.constexpr,
                     V_GROUP: tl.constexpr, HAS_RECENT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     """One key chunk of one (batch row, kv head) read through the block table ``Table (B,
-    max_pages)``, for a block of its group's rows; ``Seq (B, 3)`` int32 holds each row's
-    first key position, end and first full-precision page. With ``QUANT``, ``KP`` / ``VP``
+    max_pages)``, for a block of its group's rows; ``Seq (B, 4)`` int32 holds each row's
+    first key position, end, first full-precision page and key chunk (its own: the row's
+    split plan never depends on the rest of the batch). With ``QUANT``, ``KP`` / ``VP``
     hold codes, ``KS`` / ``VS`` their scales (strides ``KSS`` / ``VSS``, the module
     docstring's four) and, with ``HAS_RECENT``, ``RK`` / ``RV`` the recent ring (strides
     ``RKS`` / ``RVS``); ``K_GROUP`` / ``V_GROUP``: dims per scale. Partials as
@@ -239,11 +240,12 @@ def _attn_fwd_paged(Q, KP, VP, Table, Seq, OutP, LseP, Softcap, Alibi, KS, VS, R
     split, off_b, off_hk, row_ok, offs_m, off_h, q = _split_program(
         Q, QS, H, GROUP, N_Q, HEAD_DIM, BLOCK_D, BLOCK_M)
     # -- this row's keys: positions [first, first + N_K) of its pages, its band from its end --
-    first = tl.load(Seq + off_b * 3)
-    N_K = tl.load(Seq + off_b * 3 + 1) - first
+    first = tl.load(Seq + off_b * 4)
+    N_K = tl.load(Seq + off_b * 4 + 1) - first
+    chunk = tl.load(Seq + off_b * 4 + 3)
     recent_from = 0
     if HAS_RECENT:
-        recent_from = tl.load(Seq + off_b * 3 + 2)
+        recent_from = tl.load(Seq + off_b * 4 + 2)
     offset = offset + N_K
     BAND = (N_Q, N_K, offset, left, right)
     hk = off_hk.to(tl.int64)
