@@ -52,3 +52,27 @@ def test_dkdv_with_heavy_scores_keeps_smaller_tiles(heavy, d):
     plain = tune.prune_for(configs, _args(d), kind="dkdv", arch=90)
     if d == 64:
         assert any(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] == 64 * 128 for c in plain)
+
+
+@pytest.mark.parametrize("triton_36", [True, False])
+def test_dkdv_keeps_wide_tiles_at_d128_only_where_they_build_without_spilling(triton_36,
+                                                                                monkeypatch):
+    """dK/dV's 64 x 128, 8-warp tiles (wgmma n64) at D = 128: kept on sm_90 with triton 3.6
+    for dense plain launches, where ptxas spills 480-924 bytes; not with triton 3.9 (1.1-1.6
+    KB), packed sequences (6.9-7.7 KB), sm_80 or heavy scores. The second CI environment
+    (triton 3.6) builds the largest kept config and fails past 1 KiB
+    (tests/test_triton_compile.py)."""
+    monkeypatch.setattr(tune, "_TRITON_36", triton_36)
+    configs = tune.gpu_configs("dkdv")
+
+    def wide(args, arch=90):
+        return sorted(c.num_stages for c in tune.prune_for(configs, args, kind="dkdv",
+                                                           arch=arch)
+                      if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == (64, 128))
+
+    assert wide(_args(128)) == ([2, 3] if triton_36 else [])
+    assert wide({**_args(128), "BANDED": True}) == ([2, 3] if triton_36 else [])
+    for other in ({**_args(128), "VARLEN": True}, {**_args(128), "HAS_DROPOUT": True},
+                  _args(128, dtype=torch.float32)):
+        assert wide(other) == []
+    assert wide(_args(128), arch=80) == []

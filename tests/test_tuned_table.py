@@ -20,6 +20,14 @@ def _args(dtype=torch.bfloat16, n=4096, d=128, banded=False):
             "MASK_KIND": 0, "BANDED": banded, "VARLEN": False}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def committed_table_untouched():
+    """No test here writes the committed table (an early version of adopt did)."""
+    before = tune.TUNED.read_bytes()
+    yield
+    assert tune.TUNED.read_bytes() == before
+
+
 @pytest.fixture
 def table(tmp_path, monkeypatch):
     """A table file of this test's own, autotuning on, the table switch unset."""

@@ -205,6 +205,17 @@ _HEAVY_DKDV_MAX_TILE = 32 * 128 * 64
 _TRITON_36 = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
 
 
+def _wide_dkdv_tile(c: triton.Config) -> bool:
+    """dK/dV's 64 x 128, 8-warp tiles with 2 or 3 stages, which triton 3.6 (the GPU image's)
+    builds for sm_90 at D = 128 with wgmma n64 and 480 / 552 (2 stages, plain / causal) and
+    836 / 924 bytes (3 stages) of spills, under the 1 KiB the other rules keep to; triton
+    3.9 spills 1072-1628 bytes there, packed sequences 6.9-7.7 KB and sm_80 tens of KB
+    (``attn bench compile --kernel _attn_bwd_dkdv --d 128``), so only dense plain or banded
+    launches on sm_90 with triton < 3.7 keep them (:func:`prune_for`)."""
+    return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) == (64, 128, 8) \
+        and c.num_stages <= 3
+
+
 def _heavy_scores(args: dict) -> bool:
     """A launch whose scores carry dropout, a softcap or an attn_mask."""
     score = args.get("SCORE") or ()
@@ -258,6 +269,10 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
     smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
     heavy = _heavy_scores(args)
     fp32 = getattr(args.get("Q"), "dtype", None) == torch.float32
+    # dK/dV's 64 x 128 tiles at D = 128 (wgmma n64 where the kept 32 x 128 runs n32): see
+    # _wide_dkdv_tile for where they stay under ~1 KiB of spills
+    wide_dkdv = (kind == "dkdv" and _TRITON_36 and arch == 90 and d == 128 and not heavy
+                 and not args.get("VARLEN"))
     kept = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
@@ -267,7 +282,7 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
             continue  # 32 x 32 serves float32 only (its 64 x 32 forward spills, see below)
         if smem is not None and smem_estimate(kind, c, args) > smem:
             continue
-        if _spills_heavily(kind, c, d):
+        if _spills_heavily(kind, c, d) and not (wide_dkdv and _wide_dkdv_tile(c)):
             continue
         if kind == "dkdv" and heavy and (bm * bn * d > _HEAVY_DKDV_MAX_TILE
                                          or c.num_stages > 3):
