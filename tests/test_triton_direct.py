@@ -15,9 +15,9 @@ from attn.flash_triton import launch  # noqa: E402
 from attn.testing import assert_close_to_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.cuda_if_present, pytest.mark.skipif(
     DEVICE == "cpu" and not launch._INTERPRET,
-    reason="attn.flash_triton was imported before TRITON_INTERPRET=1 was set")
+    reason="attn.flash_triton was imported before TRITON_INTERPRET=1 was set")]
 
 OPS = ("_fwd_op", "_bwd_op", "_fwd_split_op")
 
