@@ -92,3 +92,14 @@ def test_a_dispatch_mode_or_a_trace_takes_the_ops(op_calls):
     graph = make_fx(fwd_bwd, tracing_mode="fake")(q, k, v)
     targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
     assert {"attn.flash_fwd.default", "attn.flash_bwd.default"} <= targets, targets
+
+
+def test_torch_jit_trace_takes_the_op(op_calls):
+    # under torch.jit.trace the launch goes through the op (shapes there are traced values,
+    # which the op's spec encoding turns into numbers), and the trace replays
+    q, k, v = (t.detach() for t in _qkv(seed=3))
+    traced = torch.jit.trace(lambda a, b, c: attn.attention(a, b, c, backend="triton"),
+                             (q, k, v), check_trace=False)
+    assert op_calls == ["_fwd_op"]
+    q2, k2, v2 = (t.detach() for t in _qkv(seed=4))  # a trace replays at its own shapes
+    assert torch.equal(traced(q2, k2, v2), attn.attention(q2, k2, v2, backend="triton"))

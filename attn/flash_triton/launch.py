@@ -645,11 +645,11 @@ _spec_kinds(LaunchSpec)  # a field of no known kind fails here, at import
 
 def _direct(*tensors: Tensor | None) -> bool:
     """Whether a launcher may be called as it is rather than through its custom op: an eager
-    call of plain tensors that nothing traces (torch.compile, make_fx or export, fake or
-    functional tensors, a dispatch mode) and no torch.func transform wraps. The op is there
-    for those; in plain eager mode it runs the same launcher and adds only its dispatch (host
-    time per call: docs/gpu.md)."""
-    if torch.compiler.is_compiling() or _transforms_on():
+    call of plain tensors that nothing traces (torch.compile, make_fx or export,
+    torch.jit.trace, fake or functional tensors, a dispatch mode) and no torch.func
+    transform wraps. The op is there for those; in plain eager mode it runs the same
+    launcher and adds only its dispatch (host time per call: docs/gpu.md)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _transforms_on():
         return False
     if _dispatch_mode() is not None:
         return False
@@ -1000,6 +1000,8 @@ def triton_attention(
                               plan.chunk)
         return _fwd_split_op(q, k, v, ops.attn_mask, sinks, cap, *_op_args(spec), ops.alibi,
                              plan.chunk)
+    if torch.jit.is_tracing():  # the trace keeps the spec as a constant that replays run
+        spec = _spec_of(*_op_args(spec))  # directly: numbers, not the traced sizes' tensors
     fn = (_FlashAttentionJvp if transform is not None else
           _FlashAttention if _transforms_on() else _FlashAttentionEager)
     out, lse, _, _ = fn.apply(q, k, v, ops.attn_mask, sinks, cap, ops.alibi, spec,
