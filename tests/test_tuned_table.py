@@ -81,10 +81,10 @@ def test_a_tabled_config_pruning_no_longer_keeps_is_ignored(table, tmp_path):
     key = tune.LAST_KEYS["fwd"]
     dropped = [c for c in configs if c not in tune.prune_for(configs, _args(), kind="fwd",
                                                              arch=90)]
-    tune.adopt_rows([{"key": key, "config": tune.config_fields(dropped[0])}], table)
+    gpu_check.adopt_tuned([{"key": key, "config": tune.config_fields(dropped[0])}], table)
     assert len(tune._prune(configs, _args(), kind="fwd", arch=90)) > 1
     # one config per launch (ATTN_TRITON_AUTOTUNE=0) stays the mid-size one, table or not
-    tune.adopt_rows([{"key": key, "config": tune.config_fields(configs[-1])}], table)
+    gpu_check.adopt_tuned([{"key": key, "config": tune.config_fields(configs[-1])}], table)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ATTN_TRITON_AUTOTUNE", "0")
         (one,) = tune._prune(configs, _args(), kind="fwd", arch=90)
@@ -94,7 +94,7 @@ def test_a_tabled_config_pruning_no_longer_keeps_is_ignored(table, tmp_path):
 
 def test_adopt_refuses_a_row_without_a_config_and_a_folder_without_results(table, tmp_path):
     with pytest.raises(ValueError, match="config"):
-        tune.adopt_rows([{"key": "k", "config": {"BLOCK_M": 64}}], table)
+        gpu_check.adopt_tuned([{"key": "k", "config": {"BLOCK_M": 64}}], table)
     assert gpu_check.run(gpu_check_args(["--adopt", str(tmp_path / "nothing")]), []) == 2
     assert not table.exists()
 

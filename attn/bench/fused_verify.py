@@ -19,7 +19,6 @@ fused faster); ``auto`` takes the op only where that is at least 1
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 import traceback
@@ -29,6 +28,7 @@ import torch
 
 from attn import fused_cuda
 from attn.api import attention
+from attn.bench import gpu_record
 from attn.testing import compare_to_reference
 from attn.timing import median_ratio, paired
 
@@ -129,34 +129,36 @@ def _device_name(dev: torch.device) -> str:
     return platform.processor() or dev.type
 
 
+def _keys(ops, dtypes, head_dims):
+    """(op, dtype, head dim) for every op, dtype and head dim the op takes, in that order."""
+    return [(op, dtype, d) for op in ops for dtype in dtypes for d in head_dims
+            if fused_cuda.can_run(op, dtype, d, False)]
+
+
+def _describe(row: dict) -> str:
+    return (f"{row['key']}: {'exact' if row['exact'] else 'NOT exact'} "
+            f"{row['cases']}{' ' + row['error'] if row['error'] else ''}")
+
+
 def verify(device: str = "cuda", ops=fused_cuda.OPS, dtypes=DTYPES, head_dims=HEAD_DIMS,
            log=print, speed: bool = True) -> list[dict]:
     """Every (op, dtype, head dim) the op takes, each :func:`verify_one`."""
     rows = []
-    for op in ops:
-        for dtype in dtypes:
-            for d in head_dims:
-                if not fused_cuda.can_run(op, dtype, d, False):
-                    continue
-                row = verify_one(op, dtype, d, device, speed=speed)
-                log(f"{row['key']}: {'exact' if row['exact'] else 'NOT exact'} "
-                    f"{row['cases']}{' ' + row['error'] if row['error'] else ''}")
-                rows.append(row)
+    for op, dtype, d in _keys(ops, dtypes, head_dims):
+        rows.append(verify_one(op, dtype, d, device, speed=speed))
+        log(_describe(rows[-1]))
     return rows
 
 
-def write_table(rows: list[dict], path: Path | str = fused_cuda.TABLE) -> dict:
-    """Merge ``rows`` into the table at ``path`` (a row replaces the one with its key)."""
-    path = Path(path)
-    old = json.loads(path.read_text())["rows"] if path.exists() else []
-    merged = {r["key"]: r for r in old}
-    merged.update({r["key"]: r for r in rows})
-    table = {"about": "torch's fused CUDA ops verified exact by attn gpu-check's fused stage "
-                      "(attn/bench/fused_verify.py); auto takes the fused backend on CUDA "
-                      "only for a row here with exact = true",
-             "rows": sorted(merged.values(), key=lambda r: r["key"])}
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    return table
+ABOUT = ("torch's fused CUDA ops verified exact by attn gpu-check's fused stage "
+         "(attn/bench/fused_verify.py); auto takes the fused backend on CUDA only for a row "
+         "here with exact = true")
+
+
+def write_table(rows: list[dict], path: Path | str | None = None) -> dict:
+    """Merge ``rows`` into the table at ``path`` (default the committed one, ``auto``'s) by
+    key (:func:`attn.bench.gpu_record.merge_rows`)."""
+    return gpu_record.merge_rows(fused_cuda.TABLE if path is None else path, rows, ABOUT)
 
 
 SPEED_MIN_S = 20  # a speed row below this much box left would be cut mid-way: dropped
@@ -181,30 +183,25 @@ def stage(ctx) -> None:
     else:
         device, ops, dtypes, dims = "cuda", fused_cuda.OPS, DTYPES, HEAD_DIMS
     paths = [Path(ctx.out) / "fused_cuda_table.json"] + ([] if ctx.dry_run
-                                                           else [Path(fused_cuda.TABLE)])
+                                                           else [fused_cuda.TABLE])
     rows: list[dict] = []
 
     def save() -> None:
         for path in paths:
             write_table(rows, path)
 
-    for op in ops:
-        for dtype in dtypes:
-            for d in dims:
-                if not fused_cuda.can_run(op, dtype, d, False):
-                    continue
-                what = f"fused {op} {str(dtype).removeprefix('torch.')} D={d}"
-                if ctx.left() < 5:
-                    ctx.dropped(what, "the stage's box ran out")
-                    continue
-                ctx.running(what)
-                row = verify_one(op, dtype, d, device, speed=False)
-                ctx.log(f"{row['key']}: {'exact' if row['exact'] else 'NOT exact'} "
-                        f"{row['cases']}{' ' + row['error'] if row['error'] else ''}")
-                ctx.row(backend="fused", op=op, dtype=row["dtype"], D=d, exact=row["exact"],
-                        cases=row["cases"], error=row["error"])
-                rows.append(row)
-                save()
+    for op, dtype, d in _keys(ops, dtypes, dims):
+        what = f"fused {op} {str(dtype).removeprefix('torch.')} D={d}"
+        if ctx.left() < 5:
+            ctx.dropped(what, "the stage's box ran out")
+            continue
+        ctx.running(what)
+        row = verify_one(op, dtype, d, device, speed=False)
+        ctx.log(_describe(row))
+        ctx.row(backend="fused", op=op, dtype=row["dtype"], D=d, exact=row["exact"],
+                cases=row["cases"], error=row["error"])
+        rows.append(row)
+        save()
     order = {str(t).removeprefix("torch."): i for i, t in enumerate(DTYPES)}
     for row in sorted((r for r in rows if r["exact"]),
                       key=lambda r: (order[r["dtype"]], -r["head_dim"])):

@@ -264,6 +264,26 @@ def failures(doc: dict) -> list[str]:
     return bad
 
 
+TUNED_ABOUT = ("the best triton config per launch key measured by attn gpu-check's tune "
+               "stage (attn gpu-check --adopt DIR); the autotuner runs a key's config without "
+               "timing when pruning keeps it")
+
+
+def adopt_tuned(rows: list[dict], path: Path | None = None) -> dict:
+    """Merge the tune stage's best-of-sweep rows (``key``, ``config`` as
+    :func:`attn.flash_triton.tune.config_fields`, ``ms``, ``pick_ms``, ``device``, ``date``)
+    into the table at ``path`` (default the committed one the autotuner reads); returns the
+    table written."""
+    from attn.flash_triton import tune
+
+    for r in rows:
+        missing = {"key", "config"} - r.keys()
+        if missing or set(r["config"]) != {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}:
+            raise ValueError(f"a tuned row needs key and config (BLOCK_M, BLOCK_N, num_warps, "
+                             f"num_stages); got {r!r}")
+    return gpu_record.merge_rows(tune.TUNED if path is None else path, rows, TUNED_ABOUT)
+
+
 def _adopt(folders: list[Path]) -> int:
     """``--adopt``: the "best of the sweep" rows of each folder's results.json (tune stage)
     that name a launch key and a config, merged into the committed tuned table, and each
@@ -285,7 +305,7 @@ def _adopt(folders: list[Path]) -> int:
                              "pick_ms": r.get("pick_ms"), "shape": r.get("shape"),
                              "device": r.get("device") or device,
                              "date": doc.get("header", {}).get("date")})
-    table = tune.adopt_rows(rows)
+    table = adopt_tuned(rows)
     print(f"adopted {len(rows)} tuned configs into {tune.TUNED} "
           f"({len(table['rows'])} rows in all)")
     fused_rows = []
@@ -297,7 +317,7 @@ def _adopt(folders: list[Path]) -> int:
         from attn import fused_cuda
         from attn.bench import fused_verify
 
-        merged = fused_verify.write_table(fused_rows, fused_cuda.TABLE)
+        merged = fused_verify.write_table(fused_rows)
         print(f"adopted {len(fused_rows)} fused-cuda rows into {fused_cuda.TABLE} "
               f"({len(merged['rows'])} rows in all)")
     return 0

@@ -117,6 +117,19 @@ def write_results(out: Path, doc: dict) -> None:
     (out / "results.md").write_text(gpu_tables.markdown(doc))
 
 
+def merge_rows(path: str | Path, rows: list[dict], about: str) -> dict:
+    """Merge ``rows`` into the committed table at ``path`` (``{"about", "rows"}``): a row
+    replaces the one with its ``key``, rows sorted by key; returns the table written. The
+    tables a GPU run measures (the fused-cuda verification, the tuned triton configs)."""
+    path = Path(path)
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    merged = {r["key"]: r for r in old}
+    merged.update({r["key"]: r for r in rows})
+    table = {"about": about, "rows": sorted(merged.values(), key=lambda r: r["key"])}
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return table
+
+
 def load(folder: str | Path) -> dict:
     path = Path(folder) / "results.json"
     if not path.is_file():

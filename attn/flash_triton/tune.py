@@ -6,7 +6,6 @@ warps x stages fit the arch's shared memory and which spill registers heavily.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from pathlib import Path
@@ -86,46 +85,19 @@ def tuned_key(kind: str, args: dict, arch: int) -> str:
 def tuned_table() -> dict[str, dict]:
     """key → row of the committed table (``attn gpu-check --adopt`` writes it); empty when
     the file is missing or ``ATTN_TRITON_TUNED=0`` (the tune stage times the autotuner's
-    own pick that way)."""
+    own pick that way). Read at each autotuner miss (a new key: rare, and beside compiling
+    its configs the read costs nothing), so an adopted table is seen at once."""
     if os.environ.get("ATTN_TRITON_TUNED", "1").strip().lower() in ("0", "off", "false", "no"):
         return {}
-    return _read_table(TUNED)
-
-
-@functools.lru_cache(maxsize=None)
-def _read_table(path: Path) -> dict[str, dict]:
-    if not path.exists():
+    if not TUNED.exists():
         return {}
-    return {row["key"]: row for row in json.loads(path.read_text())["rows"]}
+    return {row["key"]: row for row in json.loads(TUNED.read_text())["rows"]}
 
 
 def config_fields(c: triton.Config) -> dict:
     """A config as the table stores it."""
     return {"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_N": c.kwargs["BLOCK_N"],
             "num_warps": c.num_warps, "num_stages": c.num_stages}
-
-
-def adopt_rows(rows: list[dict], path: Path | None = None) -> dict:
-    """Merge the tune stage's best-of-sweep rows (``key``, ``config`` as
-    :func:`config_fields`, ``ms``, ``pick_ms``, ``device``, ``date``) into the table at
-    ``path`` (default :data:`TUNED`), a row replacing the one with its key; returns the
-    table written."""
-    path = TUNED if path is None else path
-    old = json.loads(path.read_text())["rows"] if path.exists() else []
-    merged = {r["key"]: r for r in old}
-    for r in rows:
-        missing = {"key", "config"} - r.keys()
-        if missing or set(r["config"]) != {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}:
-            raise ValueError(f"a tuned row needs key and config (BLOCK_M, BLOCK_N, num_warps, "
-                             f"num_stages); got {r!r}")
-        merged[r["key"]] = r
-    table = {"about": "the best triton config per launch key measured by attn gpu-check's "
-                      "tune stage (attn gpu-check --adopt DIR); the autotuner runs a key's "
-                      "config without timing when pruning keeps it",
-             "rows": sorted(merged.values(), key=lambda r: r["key"])}
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    _read_table.cache_clear()
-    return table
 
 
 def _tabled(kept: list[triton.Config], key: str) -> list[triton.Config] | None:
