@@ -377,8 +377,7 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     # ids, where the kernel reads them
     recent_from = lengths if ops.quant is None else ops.quant.recent_from
     seq = torch.stack([t.to(device=q.device, dtype=torch.int32) for t in (
-        starts, lengths, recent_from, torch.tensor(chunks, dtype=torch.int32).reshape(B))],
-        1)
+        starts, lengths, recent_from, torch.tensor(chunks, dtype=torch.int32))], 1)
     table = table.to(q.device)
     alibi = None if ops.alibi is None else ops.alibi.to(torch.float32).expand(B, H)
     out_p = torch.empty(splits, B, H, Nq, Dv, dtype=torch.float32, device=q.device)
@@ -712,12 +711,20 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks (H,) and dsoftcap (H,); the last two empty when not asked for.
     Dense or packed (the offsets given)."""
-    spec = _spec_of(spec_ints, spec_floats)
+    g = _bwd_flat(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap,
+                  _spec_of(spec_ints, spec_floats), need_dcap, alibi, logl, lse2,
+                  cu_seqlens_q, cu_seqlens_k)
+    return g.dq, g.dk, g.dv, _or_empty(g.dsinks, q), _or_empty(g.dsoftcap, q)
+
+
+def _bwd_flat(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec, need_dcap, alibi,
+              logl, lse2, cu_seqlens_q, cu_seqlens_k) -> Grads:
+    """:func:`_bwd` from :func:`_bwd_op`'s arguments with the spec decoded: the op's body,
+    and what the autograd backward runs directly in plain eager mode (:func:`_direct`)."""
     ops = Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k)
-    g = _bwd(do, dlse, q, k, v, out, lse, spec, ops, need_dcap=need_dcap, logl=logl,
-             lse2=lse2)
-    return g.dq, g.dk, g.dv, _or_empty(g.dsinks, q), _or_empty(g.dsoftcap, q)
+    return _bwd(do, dlse, q, k, v, out, lse, spec, ops, need_dcap=need_dcap, logl=logl,
+                lse2=lse2)
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -877,10 +884,8 @@ class _FlashAttention(torch.autograd.Function):
             return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks, None, *rest)
         with torch.no_grad():  # (under torch.func.grad its level has grad mode on)
             if _direct(dout, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, alibi):
-                g = _bwd(dout, dlse, q, k, v, out, lse, ctx.spec,
-                         Operands(attn_mask, sinks, softcap, alibi, cu_seqlens_q=cu_q,
-                                  cu_seqlens_k=cu_k), need_dcap=need_dcap, logl=logl,
-                         lse2=lse2)
+                g = _bwd_flat(dout, dlse, q, k, v, out, lse, attn_mask, sinks, softcap,
+                              ctx.spec, need_dcap, alibi, logl, lse2, cu_q, cu_k)
                 dq, dk, dv, dsinks, dcap = g.dq, g.dk, g.dv, g.dsinks, g.dsoftcap
             else:
                 dq, dk, dv, dsinks, dcap = _bwd_op(dout, dlse, q, k, v, out, lse, attn_mask,
