@@ -196,18 +196,6 @@ class Operands(NamedTuple):
     quant: QuantPages | None = None  # the pages hold codes: their scales, recent pages
 
 
-def operands_of(caller: str, operands: Operands | None, **keywords) -> Operands:
-    """A backend's public function's optional tensors: the ``operands`` bundle, or the older
-    keyword form (``attn_mask=``, ``sinks=``, ...), never both (TypeError naming ``caller``)."""
-    if operands is None:
-        return Operands(**keywords)
-    given = [name for name, t in keywords.items()
-             if t is not None and not (isinstance(t, tuple) and not t)]
-    if given:
-        raise TypeError(f"{caller}: pass {', '.join(given)} inside operands, not beside it")
-    return operands
-
-
 def check_paged_forward_only(q: Tensor, k_pages: Tensor, v_pages: Tensor, ops: Operands
                              ) -> None:
     """ValueError when a paged call (a backend's ``paged_attention``) would need a gradient:
