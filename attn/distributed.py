@@ -1,58 +1,21 @@
 """Context parallelism on torch.distributed: ring attention (zigzag-balanced) and Ulysses.
 
 One sequence is sharded along N across the P processes of a group (gloo on CPU, NCCL on
-GPU; launch with ``torchrun`` as usual)::
+GPU)::
 
     import attn.distributed as cp
 
     q_l = cp.shard_sequence(q)                          # this rank's part of dim 2
     out_l = cp.ring_attention(q_l, k_l, v_l, causal=True)
     out = cp.gather_sequence(out_l)                     # the full sequence on every rank
-    out_l = cp.ulysses_attention(q_l, k_l, v_l, causal=True)
 
-**Layouts** (every function defaults to ``layout="zigzag"``). ``"contiguous"``: the chunks
-of ``torch.tensor_split(x, P, dim)``, rank r holds chunk r. ``"zigzag"``: the chunks of
-``torch.tensor_split(x, 2P, dim)``, rank r holds chunks r and 2P−1−r, so causal work is even
-across ranks (the late, expensive queries are paired with the early, cheap ones). Lengths
-need not divide: chunk sizes differ by at most one and every function agrees on the split
-(:func:`shard_ranges`); the only requirement is N >= P, so that no rank is empty::
-
-    N = 10, P = 2, zigzag:  chunks  [0 1 2][3 4 5][6 7][8 9]
-                            rank 0:  0 1 2         8 9        (chunks 0 and 3)
-                            rank 1:        3 4 5 6 7          (chunks 1 and 2)
-
-**Ring** (:func:`ring_attention`): K/V blocks travel around the ring, one
-``batch_isend_irecv`` per step that overlaps the step's compute, P − 1 exchanges forward.
-Each step runs the launcher of the backend the call chose (``tiled``, ``fused`` or
-``triton``; ``auto`` chooses as :func:`attn.select_backend` does for one launch's shape) on
-the local queries and the visiting keys with a :class:`~attn.spec.LaunchSpec` carrying their
-global positions, so causal masks, windows and the dropout hash are those of the unsharded
-sequence; a (query chunk, key chunk) pair the band masks entirely is skipped without
-computing. ``fused`` takes only what torch's kernel expresses (no softcap, no dropout) and
-keys that are all finite under a band; other calls run on tiled. Partials merge
-through their lse (:func:`attn.merge_attention`, −inf-safe). The backward is a second ring:
-dK/dV travel with their K/V back to the owner, and each step recomputes P from the saved
-*global* lse. GQA K/V travel with Hkv heads. Per-rank memory is O(N/P).
-
-**Ulysses** (:func:`ulysses_attention`): an all-to-all turns sequence shards into head
-shards (H/P heads over the full sequence), attention runs locally with every variant, and an
-all-to-all turns the result back. Needs ``H % P == 0`` and either ``Hkv % P == 0`` or
-``P % Hkv == 0`` (then each KV head is replicated to the P / Hkv ranks that read it).
-
-**Gradients and replicated tensors.** q, k, v shards get their exact gradients. A tensor
-every rank holds the same copy of — ``sinks``, a tensor ``temperature`` or ``softcap``, and
-the input of :func:`shard_sequence` — gets *this rank's contribution*: the sum over the group
-is the full gradient, which is what DDP/FSDP's gradient all-reduce computes. Every rank must
-call every function of this module in the same order (they are collectives), backward too.
-
-**Validation.** Each call first all-gathers a small record of every rank's shapes, dtypes,
-devices and keyword values (one collective, before any K/V moves), then every rank raises
-the same ValueError / TypeError when any rank's input is bad: bad input on one rank never
-leaves the others waiting on a transfer.
-
-NCCL: the collectives used (all_gather_object, broadcast, batch_isend_irecv,
-all_to_all_single, all_gather) all run on NCCL; set ``torch.cuda.set_device(local_rank)``
-before the first call as torchrun scripts do.
+Every function defaults to ``layout="zigzag"`` (rank r holds chunks r and 2P−1−r of
+``torch.tensor_split(x, 2P, dim)``; ``"contiguous"``: chunk r of P). They are collectives:
+every rank calls them in the same order, backward too, and each call first all-gathers a
+record of every rank's input so that bad input raises on every rank. Replicated tensors
+(sinks, a tensor temperature or softcap, :func:`shard_sequence`'s input) get this rank's
+contribution to their gradient. The layouts, the ring and Ulysses steps, the tests and the
+measurements: docs/context-parallel.md.
 """
 
 from __future__ import annotations
@@ -347,8 +310,7 @@ def _draw_seed(dropout_p: float, group) -> int:
 
 
 def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperature, softcap,
-             window, sinks, dropout_p, return_lse, backend, attn_mask
-             ) -> tuple["_Call", Operands]:
+             window, sinks, dropout_p, backend, attn_mask) -> tuple["_Call", Operands]:
     """Validate on every rank (so bad input on one raises on all), then set the global band
     and the shared dropout seed on the call :func:`attn.call.resolve` made."""
     rank, P = _world(group)
@@ -489,14 +451,19 @@ def _visible(spec: LaunchSpec, n_q: int, n_k: int) -> bool:
     return not all(not row for row in blocks.tiles)
 
 
-def _step_pairs(c: _Call, src: int):
-    """``(qi, rows, ki, spec, visible)`` for each (local query piece, piece of rank ``src``'s
-    keys) of the step that holds ``src``'s K/V: the pieces' indices, the query rows, and the
-    spec with both pieces' global positions."""
+def _step_pairs(c: _Call, src: int, stats: RingStats):
+    """``(qi, rows, ki, spec)`` for each (local query piece, piece of rank ``src``'s keys) of
+    the step that holds ``src``'s K/V that the band leaves any pair of (the others counted as
+    skipped): the pieces' indices, the query rows, and the spec with both pieces' global
+    positions."""
     for qi, (ql0, ql1, qg) in enumerate(_pieces(c.q_ranges[c.rank])):
         for ki, (kl0, kl1, kg) in enumerate(_pieces(c.k_ranges[src])):
             spec = c.spec.shard(q_start=qg, k_start=kg)
-            yield qi, slice(ql0, ql1), ki, spec, _visible(spec, ql1 - ql0, kl1 - kl0)
+            if not _visible(spec, ql1 - ql0, kl1 - kl0):
+                stats.skipped += 1
+                continue
+            stats.launches += 1
+            yield qi, slice(ql0, ql1), ki, spec
 
 
 def _pack(c: _Call, src: int, *ts: Tensor) -> Tensor:
@@ -547,6 +514,23 @@ class _Transfer:
         return self.buf
 
 
+def _ring_steps(c: _Call, k: Tensor, v: Tensor, stats: RingStats):
+    """``(src, k_s, v_s)`` for each ring step: rank ``src``'s K/V pieces. The next K/V is
+    posted before the step is handed out and waited for when the next step is asked for, so
+    the caller's compute (and its own dK/dV hop) runs while it travels."""
+    kv = _pack(c, c.rank, k, v)
+    for step in range(c.P):
+        src = (c.rank - step) % c.P
+        hop = None
+        if step < c.P - 1:  # post the next K/V before computing on this one
+            hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
+            stats.kv_exchanges += 1
+        k_s, v_s = _unpack(c, kv, src, (k.shape[-1], v.shape[-1]), k)
+        yield src, k_s, v_s
+        if hop is not None:
+            kv = hop.wait()
+
+
 def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
               cap_t: Tensor | None) -> tuple[Tensor, Tensor]:
     stats = _new_stats("last_ring_stats")
@@ -565,28 +549,14 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
             lse0 = sinks.detach().to(acc).view(1, H, 1).expand_as(lse0).clone()
         state.append((torch.zeros(B, H, ql1 - ql0, v.shape[-1], dtype=acc, device=q.device),
                       lse0))
-    widths = (k.shape[-1], v.shape[-1])
-    kv = _pack(c, c.rank, k, v)
-    for step in range(c.P):
-        src = (c.rank - step) % c.P
-        hop = None
-        if step < c.P - 1:  # post the next K/V before computing on this one
-            hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
-            stats.kv_exchanges += 1
-        k_s, v_s = _unpack(c, kv, src, widths, k)
+    for src, k_s, v_s in _ring_steps(c, k, v, stats):
         partials: list[list[tuple[Tensor, Tensor]]] = [[] for _ in q_pieces]
-        for qi, rows, ki, spec, visible in _step_pairs(c, src):
-            if not visible:
-                stats.skipped += 1
-                continue
-            stats.launches += 1
+        for qi, rows, ki, spec in _step_pairs(c, src, stats):
             partials[qi].append(fwd(_rows(c, q, rows), k_s[ki], v_s[ki], spec, ops))
         for qi, parts in enumerate(partials):
             if parts:  # the running state first: the merge keeps its (accumulation) dtype
                 state[qi] = _merge_trusted([state[qi][0]] + [p[0] for p in parts],
-                                                 [state[qi][1]] + [p[1] for p in parts])
-        if hop is not None:
-            kv = hop.wait()
+                                           [state[qi][1]] + [p[1] for p in parts])
     out = torch.empty(B, H, n_l, v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.full((B, H, n_l), float("-inf"), dtype=acc, device=q.device)
     for (ql0, ql1, _), (o, l) in zip(q_pieces, state):
@@ -609,23 +579,12 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
     if cap_t is not None and need_dcap:
         dcap = torch.zeros(q.shape[1], dtype=acc, device=q.device)
     widths = (k.shape[-1], v.shape[-1])
-    kv = _pack(c, c.rank, k, v)
     dkv_hop = None
-    for step in range(c.P):
-        src = (c.rank - step) % c.P
-        kv_hop = None
-        if step < c.P - 1:
-            kv_hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
-            stats.kv_exchanges += 1
-        k_s, v_s = _unpack(c, kv, src, widths, k)
+    for src, k_s, v_s in _ring_steps(c, k, v, stats):
         # dK/dV of the visiting pieces, packed like them, in the accumulation dtype
         dkv = torch.zeros(_kv_numel(c, k, v, src), dtype=acc, device=q.device)
         dk_s, dv_s = _unpack(c, dkv, src, widths, k)
-        for qi, rows, ki, spec, visible in _step_pairs(c, src):
-            if not visible:
-                stats.skipped += 1
-                continue
-            stats.launches += 1
+        for qi, rows, ki, spec in _step_pairs(c, src, stats):
             # the global out and lse: P = exp(s − lse) and Δ are those of the unsharded call
             g = bwd(_rows(c, do, rows), _rows(c, dlse, rows), _rows(c, q, rows), k_s[ki],
                     v_s[ki], _rows(c, out, rows), _rows(c, lse, rows), spec, ops,
@@ -640,8 +599,6 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
         if c.P > 1:  # dK/dV follow their K/V; after the last step they reach the owner
             dkv_hop = _Transfer(c, dkv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_DKV, stats)
             stats.dkv_exchanges += 1
-        if kv_hop is not None:
-            kv = kv_hop.wait()
     if dkv_hop is not None:
         dkv = dkv_hop.wait()
     dk_p, dv_p = _unpack(c, dkv, c.rank, widths, k)
@@ -712,7 +669,7 @@ def ring_attention(
     c, ops = _prepare(
         "ring_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
         temperature=temperature, softcap=softcap, window=window, sinks=sinks,
-        dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
+        dropout_p=dropout_p, backend=backend, attn_mask=attn_mask)
     q_in = q if ops.q_scale is None else q.to(ops.q_scale.dtype) * ops.q_scale
     out, lse = _RingAttention.apply(q_in, k, v, sinks, ops.softcap, c)
     return (out, lse) if return_lse else out
@@ -827,7 +784,7 @@ def ulysses_attention(
     c, ops = _prepare(
         "ulysses_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
         temperature=temperature, softcap=softcap, window=window, sinks=sinks,
-        dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
+        dropout_p=dropout_p, backend=backend, attn_mask=attn_mask)
     c.extra["stats"] = _new_stats("last_ulysses_stats")
     B, H, _, _ = q.shape
     P, hp = c.P, H // c.P
