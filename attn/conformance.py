@@ -32,7 +32,7 @@ from torch import Tensor
 
 from attn.adapters import Adapted, adapt, load_target
 from attn.api import attention
-from attn.masks import make_band
+from attn.masks import dense_keep
 from attn.testing import (DROPOUT_UNSCALED, Case, check_dropout, compare_to_reference,
                           conformance_cases, dtype_name)
 
@@ -138,14 +138,8 @@ def _exact(q: Tensor, k: Tensor, v: Tensor, kw: dict, *, lse: bool = False):
 
 def _keep(q: Tensor, k: Tensor, kw: dict, *, top_left: bool = False) -> Tensor | None:
     """causal, window and a bool attn_mask as one bool mask (True = attend)."""
-    n_q, n_k = q.shape[2], k.shape[2]
-    band = make_band(n_q, n_k, causal=kw.get("causal", False), window=kw.get("window"),
-                     top_left=top_left)
-    keep = band.mask(torch.arange(n_q), torch.arange(n_k))
-    mask = kw.get("attn_mask")
-    if mask is not None and mask.dtype == torch.bool:
-        keep = mask if keep is None else keep & mask
-    return keep
+    return dense_keep(q.shape[2], k.shape[2], causal=kw.get("causal", False),
+                      window=kw.get("window"), attn_mask=kw.get("attn_mask"), top_left=top_left)
 
 
 def _top_left(q, k, v, kw):
@@ -486,12 +480,10 @@ def flex_eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, H, n_q, n_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    band = make_band(n_q, n_k, causal=causal, window=window)
-    keep = band.mask(torch.arange(n_q, device=q.device), torch.arange(n_k, device=q.device))
+    keep = dense_keep(n_q, n_k, causal=causal, window=window, attn_mask=attn_mask,
+                      device=q.device)
     bias = None
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        keep = attn_mask if keep is None else keep & attn_mask
-    elif attn_mask is not None:
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
         bias = attn_mask.expand(B, H, n_q, n_k)
     block_mask = None
     if keep is not None:

@@ -42,7 +42,7 @@ import attn
 from attn.api import BACKENDS
 from attn.kvcache import PagedKVCache
 from attn.kvquant import KVQuant
-from attn.masks import hf_sliding_window, make_band, split_band_padding
+from attn.masks import dense_keep, hf_sliding_window, make_band, split_band_padding
 from attn.varlen import check_cu_form, check_cu_values
 
 _log = logging.getLogger(__name__)
@@ -504,8 +504,7 @@ class _QuantizedLayer(CacheLayerMixin):
         if padding.shape[0] != self.batch:
             raise ValueError(f"attention_mask covers {padding.shape[0]} rows, the cache "
                              f"{self.batch}")
-        band = make_band(n_q, n_k, causal=causal, window=window)
-        allowed = band.mask(torch.arange(n_q), torch.arange(n_k))
+        allowed = dense_keep(n_q, n_k, causal=causal, window=window)
         seen = torch.ones(n_k, dtype=torch.bool) if allowed is None else allowed.any(0)
         if self.pad_starts is None:  # the first call: every key is some query's own
             self.pad_starts = (~padding).long().cumprod(1).sum(1)
