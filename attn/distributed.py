@@ -95,13 +95,30 @@ def _peer(group, rank: int) -> int:
 
 
 def _local_lengths(n: int, P: int, layout: str) -> list[int]:
-    return [sum(b - a for a, b in rs) for rs in shard_ranges(n, P, layout)]
+    return _lengths(shard_ranges(n, P, layout))
+
+
+def _lengths(ranges: list[list[tuple[int, int]]]) -> list[int]:
+    """Each rank's number of positions."""
+    return [sum(b - a for a, b in rs) for rs in ranges]
 
 
 # -- shard / gather ----------------------------------------------------------------------------
 
 def _take(x: Tensor, ranges: list[tuple[int, int]], dim: int) -> Tensor:
     return torch.cat([x.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+def _place(out: Tensor, parts: list[Tensor], ranges: list[list[tuple[int, int]]], dim: int
+           ) -> Tensor:
+    """``out`` with each rank's shard ``parts[r]`` written at its global ``ranges[r]`` along
+    ``dim``: the inverse of :func:`_take` for every rank at once."""
+    for part, rs in zip(parts, ranges):
+        off = 0
+        for a, b in rs:
+            out.narrow(dim, a, b - a).copy_(part.narrow(dim, off, b - a))
+            off += b - a
+    return out
 
 
 def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
@@ -125,13 +142,7 @@ def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
     dist.all_gather(parts, x_p, group=group)
     shape = list(x_l.shape)
     shape[dim] = n
-    out = x_l.new_empty(shape)
-    for r, ranges in enumerate(shard_ranges(n, P, layout)):
-        off = 0
-        for a, b in ranges:
-            out.narrow(dim, a, b - a).copy_(parts[r].narrow(dim, off, b - a))
-            off += b - a
-    return out
+    return _place(x_l.new_empty(shape), parts, shard_ranges(n, P, layout), dim)
 
 
 class _Shard(torch.autograd.Function):
@@ -703,28 +714,21 @@ def _seq_to_head(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]], n: in
     """(B, Hx, N_r, D) sequence shard → (B, Hx/P, N, D) head shard, global order."""
     B, Hx, n_l, D = x.shape
     hp = Hx // c.P
-    lens = [sum(b - a for a, b in rs) for rs in ranges]
+    lens = _lengths(ranges)
+    sizes = [B * hp * m * D for m in lens]
     send = x.reshape(B, c.P, hp, n_l, D).transpose(0, 1).contiguous()  # (P, B, hp, N_r, D)
     recv = torch.empty(B * hp * n * D, dtype=x.dtype, device=x.device)
     with _timed(c):
-        dist.all_to_all_single(recv, send.reshape(-1), [B * hp * m * D for m in lens],
-                               [B * hp * n_l * D] * c.P, group=c.group)
-    out = x.new_empty(B, hp, n, D)
-    off = 0
-    for r, rs in enumerate(ranges):
-        part = recv[off:off + B * hp * lens[r] * D].view(B, hp, lens[r], D)
-        off += part.numel()
-        loc = 0
-        for a, b in rs:
-            out[:, :, a:b] = part[:, :, loc:loc + b - a]
-            loc += b - a
-    return out
+        dist.all_to_all_single(recv, send.reshape(-1), sizes, [B * hp * n_l * D] * c.P,
+                               group=c.group)
+    parts = [part.view(B, hp, m, D) for part, m in zip(recv.split(sizes), lens)]
+    return _place(x.new_empty(B, hp, n, D), parts, ranges, 2)
 
 
 def _head_to_seq(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]]) -> Tensor:
     """(B, Hx/P, N, D) head shard → (B, Hx, N_r, D) sequence shard: the inverse."""
     B, hp, n, D = x.shape
-    lens = [sum(b - a for a, b in rs) for rs in ranges]
+    lens = _lengths(ranges)
     send = torch.cat([_take(x, rs, 2).reshape(-1) for rs in ranges])
     n_l = lens[c.rank]
     recv = torch.empty(c.P * B * hp * n_l * D, dtype=x.dtype, device=x.device)
