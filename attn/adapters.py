@@ -189,19 +189,27 @@ class Adapted:
                   mask_mod=mask_mod)
         return getattr(self, f"_call_{self.style}")(q, k, v, **kw)
 
-    def _call_attn(self, q, k, v, **kw):
-        given = {n: val for n, val in kw.items() if not _is_default(n, val)}
-        for name, value in given.items():
+    def _call(self, q, k, v, args: dict):
+        """``fn`` on q, k, v in its layout with ``args``, each refused first where its
+        signature has no such parameter."""
+        for name, value in args.items():
             if not self._takes(name):
                 raise self._refuse(f"{name}={_show(value)}", "its signature has no such "
                                    "parameter")
-        res = self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **given)
-        if not kw["return_lse"]:
-            return self._from_fn(_first(res) if isinstance(res, (tuple, list)) else res)
+        return self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **args)
+
+    def _out_lse(self, res, q: Tensor, asked: str, shape: str) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` from what ``fn`` returned when ``asked`` for its lse."""
         if not (isinstance(res, (tuple, list)) and len(res) >= 2):
-            raise self._refuse("return_lse=True", f"called with it, it returned "
-                               f"{type(res).__name__}, not (out, lse)")
+            raise self._refuse("return_lse=True", f"called with {asked}, it returned "
+                               f"{type(res).__name__}, not {shape}")
         return self._from_fn(res[0]), self._lse(res[1], q)
+
+    def _call_attn(self, q, k, v, **kw):
+        res = self._call(q, k, v, {n: val for n, val in kw.items() if not _is_default(n, val)})
+        if not kw["return_lse"]:
+            return self._from_fn(_first(res))
+        return self._out_lse(res, q, "it", "(out, lse)")
 
     def _lse(self, lse: Tensor, q: Tensor) -> Tensor:
         """lse as (B, H, Nq) in attn's convention; (B, Nq, H) is accepted in bnhd layout."""
@@ -262,19 +270,12 @@ class Adapted:
             args["softmax_scale"] = scale
         if kw["return_lse"]:
             args["return_attn_probs"] = True
-        for name in args:
-            if not self._takes(name):
-                raise self._refuse(f"{name}={_show(args[name])}", "its signature has no such "
-                                   "parameter")
-        res = self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **args)
+        res = self._call(q, k, v, args)
         if not kw["return_lse"]:
             return self._from_fn(_first(res))
-        if not (isinstance(res, (tuple, list)) and len(res) >= 2):
-            raise self._refuse("return_lse=True", "called with return_attn_probs=True, it "
-                               f"returned {type(res).__name__}, not (out, lse, ...)")
-        lse = self._lse(res[1], q)
+        out, lse = self._out_lse(res, q, "return_attn_probs=True", "(out, lse, ...)")
         # flash-attn marks a row with no key by lse = +inf; attn by -inf
-        return self._from_fn(res[0]), torch.where(lse == float("inf"), float("-inf"), lse)
+        return out, torch.where(lse == float("inf"), float("-inf"), lse)
 
     def _call_hf(self, q, k, v, **kw):
         self._only(kw, ("causal", "attn_mask", "scale", "temperature", "window", "dropout_p",

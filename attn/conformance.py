@@ -2,20 +2,11 @@
 
 Each case of :func:`attn.testing.conformance_cases` is run on a function already in attn's
 convention (see :mod:`attn.adapters`) and judged against the float64 reference with the
-error budget of :mod:`attn.testing`. A row reads
-
-* ``correct``: supported and correct (outputs, and the gradients or lse the case checks);
-* ``not supported``: the function raised NotImplementedError, TypeError or ValueError, or
-  it has no gradient where the case asks for one;
-* ``wrong``: over budget. Named hypotheses are then tested against the reference: each one
-  recomputes the exact answer with one known mistake (top-left causal, a missing scale, GQA
-  heads grouped by ``repeat`` ...) and fits when it explains the function's output;
-  when none does, the row says where the error lives (batch, heads, query rows, output
-  columns);
-* ``NaN``: NaN or inf in the output, diagnosed the same way;
-* ``error``: any other exception.
-
-The run passes when no row is wrong, NaN or error.
+error budget of :mod:`attn.testing`: a :class:`Row` is correct, not supported (the function
+refused: NotImplementedError, TypeError or ValueError, or no gradient), wrong (over budget,
+then diagnosed by :data:`HYPOTHESES`, each the exact answer with one known mistake, or
+located by :func:`where`), NaN, or error. The run passes when no row is wrong, NaN or error
+(docs/conformance.md).
 """
 
 from __future__ import annotations

@@ -198,10 +198,6 @@ def _fa_lse(lse: Tensor, alibi_slopes: Tensor | None, pure_causal: bool,
     return torch.where(empty, torch.full_like(lse, float("inf")), lse)
 
 
-def _probs(q: Tensor) -> Tensor:
-    return torch.empty(0, dtype=q.dtype, device=q.device)
-
-
 # -- (B, N, H, D) --------------------------------------------------------------------------
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal, window_size,
@@ -231,7 +227,8 @@ def _row_offset(Nq: int, Nk, device: torch.device) -> Tensor:
 
 
 def _returns(out: Tensor, lse: Tensor, q: Tensor, return_attn_probs: bool):
-    return (out, lse, _probs(q)) if return_attn_probs else out
+    """out, or with ``return_attn_probs`` ``(out, lse, S)``, S empty (docs/flash-attn.md)."""
+    return (out, lse, q.new_empty(0)) if return_attn_probs else out
 
 
 def flash_attn_qkvpacked_func(
