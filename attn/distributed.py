@@ -221,8 +221,6 @@ class _Call:
     k_lens: list[int]  # keys per rank
     spec: LaunchSpec
     backend: str
-    n_q: int = 0
-    n_k: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -353,7 +351,7 @@ def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperatur
             name, reason = "tiled", f"{reason}; tiled instead: {why}"
     c = _Call(rank=rank, P=P, group=group, layout=layout,
               q_ranges=shard_ranges(n_q, P, layout), k_ranges=shard_ranges(n_k, P, layout),
-              k_lens=[r["k"][2] for r in records], spec=spec, backend=name, n_q=n_q, n_k=n_k,
+              k_lens=[r["k"][2] for r in records], spec=spec, backend=name,
               extra={"reason": reason})
     return c, ops
 
@@ -739,26 +737,22 @@ def _head_to_seq(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]]) -> Te
     return recv.view(c.P, B, hp, n_l, D).transpose(0, 1).reshape(B, c.P * hp, n_l, D)
 
 
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, c, ranges, n):
-        ctx.c, ctx.ranges = c, ranges
-        return _seq_to_head(c, x.contiguous(), ranges, n)
+class _AllToAll(torch.autograd.Function):
+    """Sequence shards → head shards (``to_heads``) or back; the backward is the other way."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _head_to_seq(ctx.c, g.contiguous(), ctx.ranges), None, None, None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, c, ranges):
-        ctx.c, ctx.ranges, ctx.n = c, ranges, x.shape[2]
+    def forward(ctx, x, c, ranges, to_heads: bool):
+        ctx.c, ctx.ranges, ctx.to_heads, ctx.n = c, ranges, to_heads, x.shape[2]
+        if to_heads:
+            return _seq_to_head(c, x.contiguous(), ranges, sum(_lengths(ranges)))
         return _head_to_seq(c, x.contiguous(), ranges)
 
     @staticmethod
     def backward(ctx, g):
-        return _seq_to_head(ctx.c, g.contiguous(), ctx.ranges, ctx.n), None, None
+        g = g.contiguous()
+        if ctx.to_heads:
+            return _head_to_seq(ctx.c, g, ctx.ranges), None, None, None
+        return _seq_to_head(ctx.c, g, ctx.ranges, ctx.n), None, None, None
 
 
 def ulysses_attention(
@@ -796,19 +790,19 @@ def ulysses_attention(
     rep = _ulysses_heads(H, k.shape[1], P)
     if rep > 1:  # (B, Hkv, N_r, D) → (B, P, N_r, D): KV head i on the ranks that read it
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    q_h = _SeqToHead.apply(q, c, c.q_ranges, c.n_q)  # (B, H/P, Nq, D)
-    k_h = _SeqToHead.apply(k, c, c.k_ranges, c.n_k)  # (B, Hkv/P or 1, Nk, D)
-    v_h = _SeqToHead.apply(v, c, c.k_ranges, c.n_k)
+    q_h = _AllToAll.apply(q, c, c.q_ranges, True)  # (B, H/P, Nq, D)
+    k_h = _AllToAll.apply(k, c, c.k_ranges, True)  # (B, Hkv/P or 1, Nk, D)
+    v_h = _AllToAll.apply(v, c, c.k_ranges, True)
     spec = c.spec.shard(head_start=h0, heads_total=H)  # the dropout hash reads global heads
     heads = slice(h0, h0 + hp)  # this rank's query heads: their temperature, softcap, sinks
     ops_h = Operands(softcap=None if ops.softcap is None else ops.softcap.expand(H)[heads],
                      sinks=None if sinks is None else sinks[heads],
                      q_scale=None if ops.q_scale is None else ops.q_scale[:, heads])
     out_h, lse_h = run(c.backend, q_h, k_h, v_h, spec, ops_h)
-    out = _HeadToSeq.apply(out_h, c, c.q_ranges)  # (B, H, Nq_r, Dv)
+    out = _AllToAll.apply(out_h, c, c.q_ranges, False)  # (B, H, Nq_r, Dv)
     if not return_lse:
         return out
-    lse = _HeadToSeq.apply(lse_h.unsqueeze(-1), c, c.q_ranges).squeeze(-1)  # (B, H, Nq_r)
+    lse = _AllToAll.apply(lse_h.unsqueeze(-1), c, c.q_ranges, False).squeeze(-1)  # (B, H, Nq_r)
     return out, lse
 
 
