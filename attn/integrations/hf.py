@@ -205,14 +205,9 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
                                  else cu_seq_lens_q, n_k)
     else:
         cu_q = cu_k = _packed_cu_seqlens(position_ids, n_q)
-        if cu_q is None:  # one sequence: nothing to keep apart
-            if cacheable:
-                _recent.put(anchor, key, plan)
-            return plan
-    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
-    # without a mask: varlen, the band on each sequence's own diagonal; with one (HF has drawn
-    # something within the sequences): each sequence alone on its block of that mask
-    packed = _Plan(plan.causal, plan.window, plan.attn_mask, (cu_q, cu_k))
+    packed = plan  # one sequence: nothing to keep apart
+    if cu_q is not None:
+        packed = _Plan(plan.causal, plan.window, plan.attn_mask, (cu_q.to(device), cu_k.to(device)))
     if cacheable:
         _recent.put(anchor, key, packed)
     return packed
