@@ -148,6 +148,11 @@ def _scale(q, kw) -> float:
     return q.shape[-1] ** -0.5 if kw.get("scale") is None else kw["scale"]
 
 
+def _scores(q: Tensor, k: Tensor, kw: dict) -> Tensor:
+    """The scaled scores (B, H, Nq, Nk), k's heads repeated for GQA."""
+    return q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * _scale(q, kw)
+
+
 def _no_scale(q, k, v, kw):
     return None if _scale(q, kw) == 1.0 else _exact(q, k, v, {**kw, "scale": 1.0})
 
@@ -168,9 +173,7 @@ def _gqa_repeat(q, k, v, kw):
 def _wrong_axis(q, k, v, kw):
     if kw.get("sinks") is not None or kw.get("softcap") is not None:
         return None
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = q @ k.transpose(-1, -2) * _scale(q, kw)
+    s = _scores(q, k, kw)
     mask = kw.get("attn_mask")
     if mask is not None and mask.dtype != torch.bool:
         s = s + mask
@@ -178,7 +181,7 @@ def _wrong_axis(q, k, v, kw):
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
     p = torch.softmax(s, dim=-2).nan_to_num(0.0)  # normalized over the queries
-    return p @ v
+    return p @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)
 
 
 def _transposed(q, k, v, kw):
@@ -280,8 +283,7 @@ def _diagnose_out(got: Tensor, q, k, v, kw, tol: float) -> tuple[list[str], str]
         rest_ok = ((got - exact).abs() <= tol) | empty
         if (~finite <= empty).all() and bool(rest_ok[finite].all()):
             names.append("fully masked rows give NaN instead of zeros")
-        g = q.shape[1] // k.shape[1]
-        s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2) * _scale(q, kw)).amax(-1)
+        s = _scores(q, k, kw).amax(-1)
         big = (s > math.log(torch.finfo(torch.float32).max))[..., None].expand_as(got)
         if not names and (~finite <= big).all():
             names.append("softmax without max-subtraction (exp overflows where the largest "
@@ -313,8 +315,7 @@ def _row_max(q, k, kw) -> Tensor | None:
     mask = kw.get("attn_mask")
     if mask is not None and mask.dtype != torch.bool:
         return None
-    g = q.shape[1] // k.shape[1]
-    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * _scale(q, kw)  # (B, H, Nq, Nk)
+    s = _scores(q, k, kw)  # (B, H, Nq, Nk)
     keep = _keep(q, k, kw)
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)

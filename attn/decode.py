@@ -293,11 +293,8 @@ def _packed(q, cache: PagedKVCache, lengths: Tensor, kw) -> tuple[Tensor, Tensor
 
 
 # -- under torch.compile: one opaque op ------------------------------------------------------
-# decode's data checks (seq_ids in range, keys given back, the table's page ids) and the work
-# items' plan branch on host tensors' values, which a traced graph cannot do. A traced decode
-# checks what needs no data and hands the cache's tensors to attn::paged_decode; its real
-# implementation runs at execution time, outside the graph: eager decode's _read on a cache
-# rebuilt around those tensors (the same storage), so it checks and reads as eager does.
+# decode's data checks and the items' plan branch on host tensors' values, which a traced
+# graph cannot do: attn::paged_decode runs eager decode's _read when the graph runs.
 
 
 def _op_float(name: str, x: object) -> float | None:
