@@ -641,16 +641,11 @@ def flash_attn_with_kvcache(
 
     Refused as flash-attn refuses them: ``block_table`` with ``cache_batch_idx`` or with
     ``cache_leftpad``; k without v; k/v without ``cache_seqlens``; rotary without k/v; a cache
-    too small for ``cache_seqlens + Nnew``. Refused as well, before anything is written: a
-    ``block_table`` id outside ``[0, num_blocks)``; a ``rotary_cos`` without a row for a
-    position it must turn (q's row i sits at ``cache_seqlens + i`` under a causal or local
-    window; flash-attn asks for as many rows as the cache holds). ``window_size=(-1, 0)`` is the causal
-    kernel with or without ``causal=True``, as in flash-attn (q's rotary positions included).
-    Rows with no key (``cache_seqlens`` 0 and no k, or every key left-padded away) return
-    zeros and lse +inf, the whole batch included.
-
-    ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy); how the
-    cache is read: docs/flash-attn.md.
+    too small for ``cache_seqlens + Nnew``; and before anything is written, a ``block_table``
+    id outside ``[0, num_blocks)`` or a ``rotary_cos`` without a row for a position it must
+    turn. ``window_size=(-1, 0)`` is the causal kernel with or without ``causal=True``, as in
+    flash-attn (q's rotary positions included). Rows with no key return zeros and lse +inf.
+    ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy).
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     B, Nq, H, D = q.shape

@@ -568,7 +568,7 @@ class AttnQuantizedCache(Cache):
                    if layer.pages is not None)
 
 
-def _quantized_cache_attention(module, query: Tensor, key: _CachedKV, value: Tensor,
+def _quantized_cache_attention(query: Tensor, key: _CachedKV, value: Tensor,
                                attention_mask: Tensor | None, causal: bool,
                                window: tuple[int, int] | None, scaling, softcap, s_aux,
                                dropout_p: float, refused: dict) -> Tensor:
@@ -630,7 +630,7 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     dropout_p = float(dropout) if module.training else 0.0
     if isinstance(key, _CachedKV):
         out = _quantized_cache_attention(
-            module, query, key, value, attention_mask, causal, window, scaling, softcap, s_aux,
+            query, key, value, attention_mask, causal, window, scaling, softcap, s_aux,
             dropout_p, {"a position_bias": position_bias, "packed sequences (cu_seq_lens)":
                         cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k,
                         "HF's paged cache": cache})
