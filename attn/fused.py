@@ -587,15 +587,18 @@ class _Folded(NamedTuple):
     shift: Tensor  # (G, rows), accumulation dtype
 
 
-def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor, seq: Seq, m0: int, m1: int,
-          pc: Piece, scale: float) -> _Folded:
-    """ALiBi's ``-s_h |j - (i + off)|`` on a piece on one side of every row's diagonal
-    (:func:`_side`) is ``side·s_h·(j - c) - side·s_h·(i + off - c)``: a term per key, which
-    G more columns fold into the scores (a one-hot per query head in q, ``side·s_h·(j -
-    c) / scale`` per head in k, zeros in v), and a term per row, which the softmax ignores and
-    the lse gives back. ``c`` is the piece's edge nearest the diagonal, so the folded terms
-    stay as small as the bias itself where the probabilities are."""
+def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor | None, seq: Seq, p: _Plan,
+          mask_mod, m0: int, m1: int, pc: Piece, scale: float) -> _Folded | None:
+    """ALiBi folded into a piece's q, k, v where it folds (else None): a piece the band does
+    not cut, no other mask on it, on one side of every row's diagonal (:func:`_side`). There
+    ALiBi's ``-s_h |j - (i + off)|`` is ``side·s_h·(j - c) - side·s_h·(i + off - c)``: a term
+    per key, which G more columns fold into the scores (a one-hot per query head in q,
+    ``side·s_h·(j - c) / scale`` per head in k, zeros in v), and a term per row, which the
+    softmax ignores and the lse gives back. ``c`` is the piece's edge nearest the diagonal, so
+    the folded terms stay as small as the bias itself where the probabilities are."""
     side = _side(pc, m0, m1, seq.band.offset)
+    if slopes is None or pc.masked or p.masked or mask_mod is not None or side == 0:
+        return None
     G, rows, n = qb.shape[1], m1 - m0, pc.n1 - pc.n0
     c = pc.n1 if side > 0 else pc.n0
     acc = _acc_dtype(qb.dtype)  # float64 keeps float64's fold exact to its own rounding
@@ -610,14 +613,6 @@ def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor, seq: Seq, m0: int,
                      device=qb.device)
     shift = side * s[:, None] * i[None, :]  # (G, rows)
     return _Folded(q2, k2, v2, shift)
-
-
-def _foldable(slopes: Tensor | None, pc: Piece, p: _Plan, mask_mod, m0: int, m1: int,
-              seq: Seq) -> bool:
-    """Whether ALiBi folds into this piece's q and k (:func:`_fold`): a piece the band does
-    not cut, no other mask on it, on one side of every row's diagonal."""
-    return (slopes is not None and not pc.masked and not p.masked and mask_mod is None
-            and _side(pc, m0, m1, seq.band.offset) != 0)
 
 
 def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
@@ -741,9 +736,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
                                alibi=slopes is not None):
             kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1], m1 - m0,
                                    config) for t in (k, v))
-            folded = None
-            if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
-                folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
+            folded = _fold(qb, kb, vb, slopes, s, p, mask_mods[si], m0, m1, pc, spec.qk_scale)
             add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
                                      pc, q.dtype, q.device, mask_mods[si])
             qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
@@ -870,9 +863,8 @@ def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, 
     """torch's backward op on one piece of a query block: ``(dq, dk, dv)`` with the head dim
     padded as the piece needed (ALiBi folded into more columns, ``pad``: the two ``dlse``
     columns of :func:`_bwd`'s docstring); the caller keeps the first D (Dv) of each."""
-    folded = None
-    if _foldable(slopes, pc, p, mask_mod, m0, m1, s):
-        folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
+    folded = _fold(qb, kb, vb, slopes, s, p, mask_mod, m0, m1, pc, spec.qk_scale)
+    if folded is not None:
         qb, kb, vb = folded[:3]
         G_ = folded.shift.shape[0]  # zeros in out and dO: Δ unchanged
         ob, dob = (torch.nn.functional.pad(t, (0, G_)) for t in (ob, dob))
