@@ -364,22 +364,20 @@ class MultiHeadAttention(nn.Module):
         self.qk_norm = None if qk_cfg is None else QKNorm(qk_cfg, D)
         self.rope = RotaryEmbedding(D) if o.rope else None
         self.scale = None if self.qk_norm is None else self.qk_norm.attention_scale
-        if o.learn_temperature:
-            self.log_tau = nn.Parameter(torch.full((self.heads,), math.log(o.temperature)))
-            self.temperature = None
-        else:
-            self.log_tau = None
-            self.temperature = float(o.temperature)
-        if o.learn_softcap:
-            self.log_softcap = nn.Parameter(torch.full((self.heads,), math.log(o.softcap)))
-            self.softcap = None
-        else:
-            self.log_softcap = None
-            self.softcap = None if o.softcap is None else float(o.softcap)
+        self.log_tau, self.temperature = self._learnable(o.learn_temperature, o.temperature)
+        self.log_softcap, self.softcap = self._learnable(o.learn_softcap, o.softcap)
         self.sinks = nn.Parameter(torch.zeros(self.heads)) if o.sinks else None
         # set by attn.distributed.ContextParallel.apply_to: x is then this rank's shard of
         # the sequence, RoPE reads its global positions and attention runs across the group
         self.context_parallel = None
+
+    def _learnable(self, learn: bool, value: float | None
+                   ) -> tuple[nn.Parameter | None, float | None]:
+        """A learned per-head value as ``(log parameter (H,), None)`` (kept positive as its
+        exp), else ``(None, the float)``."""
+        if learn:
+            return nn.Parameter(torch.full((self.heads,), math.log(value))), None
+        return None, None if value is None else float(value)
 
     def _tau(self) -> float | Tensor:
         return self.temperature if self.log_tau is None else self.log_tau.exp()  # (H,)
