@@ -82,22 +82,13 @@ def _mods_unsupported(call: AttentionCall, native_varlen: bool = False) -> str |
     return None
 
 
-def _terms_unsupported(call: AttentionCall, kernel: str) -> str | None:
-    """Why ``kernel`` (torch's, which has no score step) cannot apply the call's score terms."""
-    if call.terms:
-        return f"the score term(s) {list(call.terms)} ({kernel} has no score transform)"
-    return None
-
-
 def _fused_unsupported(call: AttentionCall) -> str | None:
-    return (_transform_unsupported(call) or _terms_unsupported(call, "torch's fused kernel")
-            or fused.call_reason(call))
+    return _transform_unsupported(call) or fused.call_reason(call)
 
 
 def _sdpa_unsupported(call: AttentionCall) -> str | None:
-    why = _terms_unsupported(call, "torch's SDPA")
-    if why is not None:
-        return why
+    if call.terms:
+        return f"the score term(s) {list(call.terms)} (torch's SDPA has no score step)"
     if call.softcap is not None:
         return "softcap (torch's SDPA has no score transform)"
     if call.sinks:

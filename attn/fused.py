@@ -129,6 +129,7 @@ SPEC_DECISIONS: dict[str, str] = {
     "qk_scale": "read",  # torch's scale argument
     "band": "read",  # pieces: full, top-left causal diagonal, masked strip
     "softcap": "default",  # torch's kernel has no score transform
+    "terms": "default",  # nor a score step for a static variant's term
     "dropout_p": "default",  # attn's hash dropout cannot be handed to torch's kernel
     "dropout_seed": "read",  # meaningless without dropout
     "q_start": "read",  # the local band carries the shard's positions
@@ -175,6 +176,8 @@ def call_reason(call) -> str | None:
         return "score_mod (torch's fused kernel has no score transform)"
     if call.softcap is not None:
         return "softcap (torch's fused kernel has no score transform)"
+    if call.terms:
+        return f"the score term(s) {list(call.terms)} (torch's fused kernel has no score step)"
     if call.dropout:
         return "dropout (attn's reproducible hash dropout cannot be handed to torch's kernel)"
     if call.mask_grad:

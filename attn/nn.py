@@ -27,7 +27,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
-from attn.decode import decode
+from attn.decoding import decode
 from attn.masks import module_window
 from attn.spec import acc_dtype
 from attn.varlen import check_cu_form, check_cu_values, position_ids, varlen_attention
@@ -187,7 +187,7 @@ class KVCacheLike(Protocol):
     """What :class:`MultiHeadAttention` needs from a KV cache (``attn.models.KVCache`` is one).
 
     A cache that also has ``paged() -> attn.kvcache.PagedKVCache`` (the same keys, no copy)
-    is read by :func:`attn.decode.decode` when the call allows it (no gradient, backend
+    is read by :func:`attn.decode` when the call allows it (no gradient, backend
     "auto", float scale, temperature and softcap); otherwise the views ``append`` returns go
     through :func:`attn.attention`."""
 
@@ -471,7 +471,7 @@ class MultiHeadAttention(nn.Module):
 
     def _decode(self, q: Tensor, kv_cache: KVCacheLike, opts: dict) -> Tensor | None:
         """The new queries against a cache that can be read as pages (``kv_cache.paged()``)
-        through :func:`attn.decode.decode`, or None where the call needs what decoding from
+        through :func:`attn.decode`, or None where the call needs what decoding from
         a cache does not take: a gradient, a chosen backend, a tensor scale, temperature or
         softcap (learned ones), dropout."""
         paged = getattr(kv_cache, "paged", None)

@@ -3,7 +3,7 @@
 Code written for flash-attn runs unchanged on every device and dtype attn supports, with
 gradients. This module only translates layouts, flags and conventions; the attention is
 :func:`attn.attention` (q viewed ``(B, H, N, D)``), :func:`attn.varlen_attention`, and for a
-KV cache an :class:`attn.kvcache.PagedKVCache` read by :func:`attn.decode.decode`.
+KV cache an :class:`attn.kvcache.PagedKVCache` read by :func:`attn.decode`.
 
 Layouts are flash-attn's (the documented exception to attn's ``(B, H, N, D)``): q
 ``(B, Nq, H, D)``, k and v ``(B, Nk, Hkv, D)``; varlen ``(total, H, D)`` with ``cu_seqlens``
@@ -32,7 +32,7 @@ from torch import Tensor
 
 from attn.compat.errors import FlashAttnError, translating
 from attn.compat.rotary import rotate_at
-from attn.decode import decode
+from attn.decoding import decode
 from attn.kvcache import PagedKVCache, host_ints
 from attn.varlen import check_cu_form, check_cu_values, varlen_attention
 from attn.api import attention

@@ -1,8 +1,7 @@
 """Attention of new queries against the keys a KV cache holds (decoding, chunked prefill).
 
 :func:`decode` is attn's one entry for attending from a cache object
-(:class:`attn.kvcache.PagedKVCache`); ``attn.decode(q, cache, ...)`` calls it (the module
-is callable, so the name works whether or not this module was imported first).
+(:class:`attn.kvcache.PagedKVCache`), exported as ``attn.decode``.
 ``flash_attn_with_kvcache`` reads flash-attn's caches through it. Batch row i of q is
 sequence ``seq_ids[i]`` of the cache, which holds the keys ``[starts, lengths)`` of it.
 
@@ -11,16 +10,12 @@ why): on CPU the tiled backend's work items read the pages through the block tab
 fused backend's page spans, where ``auto``'s table prefers it); on CUDA the triton kernel
 loads page ids from the block table; elsewhere a view of the pages or the keys in use copied,
 through :func:`attn.call.attend` or :func:`attn.varlen_attention`. Quantized caches are
-dequantized as they are read, never whole. Forward only. Under ``torch.compile`` (call the
-function :func:`decode`, not the module) a traced call hands the cache's tensors to the
+dequantized as they are read, never whole. Forward only. Under ``torch.compile`` a traced call hands the cache's tensors to the
 opaque op ``attn::paged_decode``, whose implementation is the eager read, ``_read``. The
 reads and the compiled path: docs/kvcache.md.
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 import torch
 from torch import Tensor
@@ -358,14 +353,3 @@ def _(q, k_pages, v_pages, block_table, starts, lengths, trimmed, seq_ids, k_sca
       recent_pages, causal, window, scale, softcap, quantized_q):
     B, H, Nq, _ = q.shape
     return q.new_empty(B, H, Nq, dims[1]), q.new_empty(B, H, Nq, dtype=acc_dtype(q.dtype))
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`decode`: importing ``attn.decode`` binds the name
-    ``decode`` of the package to the module, so ``attn.decode(q, cache)`` must work on it."""
-
-    def __call__(self, *args, **kwargs):
-        return decode(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
