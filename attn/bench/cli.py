@@ -214,16 +214,6 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
     _add_speed_args(speed)
     if preset:
         speed.set_defaults(**preset)
-    from attn.bench import compile as aot
-
-    aot.add_arguments(kinds.add_parser(
-        "compile", help="build the Triton kernels for sm_90/sm_80 without a GPU: shared "
-                        "memory, registers, spills, tensor cores, pipelining"))
-    from attn.bench import context_parallel as cp_bench
-
-    cp_bench.add_arguments(kinds.add_parser(
-        "context-parallel", help="ring and Ulysses attention over P gloo processes: memory "
-                                 "per rank, time per step, communication share"))
     for kind, what in _QUESTIONS.items():
         _question(kind).add_arguments(kinds.add_parser(kind, help=what))
     _add_check_args(sub.add_parser("check", help=COMMANDS["check"]))
@@ -280,8 +270,12 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 # The benchmark questions with a module of their own (attn.bench.<kind, '-' as '_'>), each
-# with add_arguments(parser) and run(args, argv).
+# with add_arguments(parser) and run(args, argv), in the order `attn bench --help` lists them.
 _QUESTIONS = {
+    "compile": "build the Triton kernels for sm_90/sm_80 without a GPU: shared memory, "
+               "registers, spills, tensor cores, pipelining",
+    "context-parallel": "ring and Ulysses attention over P gloo processes: memory per rank, "
+                        "time per step, communication share",
     "auto-table": "fused against tiled per class of call and dtype on this CPU: the measured "
                   "entry backend='auto' reads (attn/auto_table.json)",
     "decode": "one new token against a long KV cache on CPU: attn.attention, or "
@@ -540,14 +534,6 @@ def main(argv: list[str] | None = None) -> int:
         return paired.run(args, argv)
     if args.command == "bench" and args.kind in _QUESTIONS:
         return _question(args.kind).run(args, argv)
-    if args.command == "bench" and args.kind == "compile":
-        from attn.bench import compile as aot
-
-        return aot.run_report(args, argv)
-    if args.command == "bench" and args.kind == "context-parallel":
-        from attn.bench import context_parallel as cp_bench
-
-        return cp_bench.run(args, argv[2:])
     return run(args, argv)
 
 

@@ -331,7 +331,6 @@ def _warp_specialized(ttgir: str) -> bool:
     return "ttg.warp_specialize" in ttgir
 
 
-_SASS_INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", re.M)
 _SASS_LINE = re.compile(r"^\s*(?:(\.L_x_\d+):|/\*[0-9a-f]+\*/\s+(.*?)\s*;)", re.M)
 _SASS_BRA = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
 
@@ -414,11 +413,6 @@ def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
         build.registers, build.spill_bytes = _ptxas_verbose(compiled.asm["ptx"], arch)
         build.loop_sass = steady_loop_sass(_disassemble(compiled.asm["cubin"]))
     return build
-
-
-def has_dot(launch: Launch) -> bool:
-    """Kernels whose work is matrix products (the preprocess kernel is a row reduction)."""
-    return launch.name not in NO_DOT
 
 
 def largest(configs: list) -> Any:
@@ -540,7 +534,7 @@ def _appended(old: dict, builds: list[Build], header: dict) -> tuple[list[Build]
     return kept + builds, header
 
 
-def run_report(args, argv: list[str]) -> int:
+def run(args, argv: list[str]) -> int:
     import json
     import sys
     from dataclasses import asdict

@@ -29,7 +29,6 @@ import platform
 import queue as queue_mod
 import shlex
 import socket
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -231,7 +230,7 @@ def _header(cfg: dict, argv: list[str], load_start: float) -> dict:
         "backend": "gloo on 127.0.0.1, one process per rank, torch threads per rank: 1",
         "loadavg_1min_start": load_start, "loadavg_1min_end": os.getloadavg()[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "attn bench context-parallel " + shlex.join(argv),
+        "command": "attn " + shlex.join(argv),
         "memory_method": ("per rank: torch.profiler CPU allocator events, peak live bytes "
                           f"above the inputs (error <= {CPU_ERROR_BYTES} bytes on a known "
                           "allocation); the max over ranks"),
@@ -337,9 +336,3 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {png}")
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="attn bench context-parallel", description=__doc__)
-    add_arguments(p)
-    return run(p.parse_args(argv), argv)
