@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator
+from unittest import mock
 
 import torch
 
@@ -223,9 +224,7 @@ def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int
     elif variant not in _PAGED:
         q, k, v = rand(B, H, n_q, head_dim), rand(B, H_kv, N, head_dim), rand(B, H_kv, N, head_dim)
         ops = Operands(**tensors)
-    saved = os.environ.get("ATTN_TRITON_SPLIT_KV")
-    os.environ["ATTN_TRITON_SPLIT_KV"] = "4" if forward_only else "0"
-    try:
+    with mock.patch.dict(os.environ, ATTN_TRITON_SPLIT_KV="4" if forward_only else "0"):
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             if variant in _PAGED:
                 return _paged_call(tri, spec, tensors, rand, head_dim=head_dim, B=B, H=H,
@@ -236,11 +235,6 @@ def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int
             with torch.no_grad():
                 tangents = tri.Tangents(q, k, v, None, ops.sinks, ops.softcap, ops.alibi)
                 tri._jvp(q, k, v, out, lse, spec, ops, tangents)
-    finally:
-        if saved is None:
-            os.environ.pop("ATTN_TRITON_SPLIT_KV")
-        else:
-            os.environ["ATTN_TRITON_SPLIT_KV"] = saved
 
 
 def record_launches(*, head_dim: int, dtype: torch.dtype = torch.bfloat16,
@@ -286,49 +280,33 @@ def _specialize(launch: Launch, cfg, target):
     return ASTSource(fn, signature, constexprs, attrs), options
 
 
-def _ptxas_verbose(ptx: str, arch: int) -> tuple[int | None, int | None]:
-    """Registers and spill bytes from the bundled ptxas's ``-v`` report."""
+def _nvidia_tool(name: str, arch: int, args: list[str], data: str | bytes, suffix: str
+                 ) -> subprocess.CompletedProcess:
+    """Run the wheel's bundled ``ptxas`` or ``nvdisasm`` on ``data`` written to a temporary
+    file (``args`` around ``{src}`` and ``{tmp}``, filled in)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(arch).path
-    sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    tool = ptxas if name == "ptxas" else os.path.join(os.path.dirname(ptxas), name)
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([ptxas, "-v", f"--gpu-name={sm}", src, "-o", os.path.join(tmp, "k.o")],
-                             capture_output=True, text=True, timeout=300)
+        src = os.path.join(tmp, "k" + suffix)
+        with open(src, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        return subprocess.run([tool, *(a.format(src=src, tmp=tmp) for a in args)],
+                              capture_output=True, text=True, timeout=300)
+
+
+def _ptxas_verbose(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """Registers and spill bytes from the bundled ptxas's ``-v`` report."""
+    sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    res = _nvidia_tool("ptxas", arch, ["-v", f"--gpu-name={sm}", "{src}", "-o", "{tmp}/k.o"],
+                       ptx, ".ptx")
     text = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", text)
     stores = re.search(r"(\d+) bytes spill stores", text)
     loads = re.search(r"(\d+) bytes spill loads", text)
     spills = None if stores is None else int(stores.group(1)) + int(loads.group(1))
     return (None if regs is None else int(regs.group(1))), spills
-
-
-def _pipelined(ttgir: str) -> bool:
-    # cp.async copies into shared memory, or TMA loads (ops renamed across triton versions)
-    return bool(re.search(r"async_copy_global_to_local|async_tma_copy|tma_load|"
-                          r"async_load|ttng\.async_tma", ttgir))
-
-
-def _uses_tensor_cores(ptx: str, arch: int) -> bool:
-    """The arch's own tensor-core instructions: on sm_90 ``wgmma`` only (``mma.sync`` runs
-    there too, at a fraction of the rate: a kernel with it is not on Hopper's tensor cores)."""
-    return "wgmma.mma_async" in ptx if arch >= 90 else "mma.sync" in ptx
-
-
-def _wgmma_n(ptx: str) -> int | None:
-    widths = [int(n) for n in re.findall(r"wgmma\.mma_async\S*?\.m64n(\d+)k", ptx)]
-    return min(widths) if widths else None
-
-
-def _tma(ptx: str) -> bool:
-    return "cp.async.bulk.tensor" in ptx
-
-
-def _warp_specialized(ttgir: str) -> bool:
-    return "ttg.warp_specialize" in ttgir
 
 
 _SASS_LINE = re.compile(r"^\s*(?:(\.L_x_\d+):|/\*[0-9a-f]+\*/\s+(.*?)\s*;)", re.M)
@@ -362,19 +340,6 @@ def steady_loop_sass(sass: str) -> int | None:
     return min(sizes) if sizes else None
 
 
-def _disassemble(cubin: bytes) -> str:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    nvdisasm = os.path.join(os.path.dirname(get_ptxas(90).path), "nvdisasm")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.cubin")
-        with open(src, "wb") as f:
-            f.write(cubin)
-        res = subprocess.run([nvdisasm, "-c", src], capture_output=True, text=True,
-                             timeout=300)
-    return res.stdout
-
-
 def _config_name(cfg) -> str:
     blocks = " ".join(f"{k}={v}" for k, v in sorted(cfg.kwargs.items()))
     return f"{blocks} w{cfg.num_warps} s{cfg.num_stages}".strip()
@@ -403,15 +368,21 @@ def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
         return build
     build.shared = int(compiled.metadata.shared)
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
-    build.tensor_cores = _uses_tensor_cores(ptx, arch)
-    build.pipelined = _pipelined(ttgir)
-    build.wgmma_n = _wgmma_n(ptx)
+    # the arch's own tensor-core instructions: on sm_90 wgmma only (mma.sync runs there too,
+    # at a fraction of the rate: a kernel with it is not on Hopper's tensor cores)
+    build.tensor_cores = "wgmma.mma_async" in ptx if arch >= 90 else "mma.sync" in ptx
+    # cp.async copies into shared memory, or TMA loads (ops renamed across triton versions)
+    build.pipelined = bool(re.search(r"async_copy_global_to_local|async_tma_copy|tma_load|"
+                                     r"async_load|ttng\.async_tma", ttgir))
+    widths = [int(n) for n in re.findall(r"wgmma\.mma_async\S*?\.m64n(\d+)k", ptx)]
+    build.wgmma_n = min(widths) if widths else None
     build.mma_sync = "mma.sync" in ptx
-    build.tma = _tma(ptx)
-    build.warp_specialized = _warp_specialized(ttgir)
+    build.tma = "cp.async.bulk.tensor" in ptx
+    build.warp_specialized = "ttg.warp_specialize" in ttgir
     if ptxas_verbose:  # the measuring mode: ptxas's report and the disassembly
         build.registers, build.spill_bytes = _ptxas_verbose(compiled.asm["ptx"], arch)
-        build.loop_sass = steady_loop_sass(_disassemble(compiled.asm["cubin"]))
+        sass = _nvidia_tool("nvdisasm", 90, ["-c", "{src}"], compiled.asm["cubin"], ".cubin")
+        build.loop_sass = steady_loop_sass(sass.stdout)
     return build
 
 
