@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch
 import attn
 from attn import choose
 from attn.bench import report
-from attn.bench.paired import busy_core
+from attn.bench.paired import busy_core, sdpa_kwargs, step
 from attn.sdpa import torch_sdpa
 from attn.timing import median_ratio, paired
 
@@ -63,24 +62,12 @@ def _inputs(shape, dtype: torch.dtype):
 
 
 def _contenders(q, k, v, mask, causal: bool, backward: bool) -> dict:
-    def step(fn):
-        def go():
-            out = fn()
-            if backward:
-                out.sum().backward()
-        return go
-    kw = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
-    sdpa_mask, sdpa_causal = mask, causal
-    if causal and q.shape[2] != k.shape[2]:  # attn's causal is bottom-right, torch's top-left:
-        # torch gets the same band as a bool mask
-        n_q, n_k = q.shape[2], k.shape[2]
-        sdpa_mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
-        sdpa_causal = False
-    fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, attn_mask=sdpa_mask, is_causal=sdpa_causal,
-                                           **kw))}
+    kw = {"attn_mask": mask, **sdpa_kwargs(q, k, causal)}  # a causal band replaces the mask
+    fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, **kw), backward)}
     for name in ("fused", "tiled"):
         fns[name] = step(lambda name=name: attn.attention(q, k, v, causal=causal,
-                                                          attn_mask=mask, backend=name))
+                                                          attn_mask=mask, backend=name),
+                         backward)
     return fns
 
 
@@ -129,7 +116,7 @@ def markdown(header: dict, rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    header = report.run_header("cpu", argv)
     header["kind"] = choose.cpu_kind()
     rows = []
     with busy_core(args.busy_core) as core:
@@ -142,9 +129,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 print(f"{cls:7s} {dtype:9s} fused/tiled time {r['fused_over_tiled']:.2f}  "
                       f"SDPA/fused {r['sdpa_over_fused']:.2f}  SDPA/tiled "
                       f"{r['sdpa_over_tiled']:.2f}", flush=True)
-    md = markdown(header, rows)
-    report.write_results(args.out, header, rows, md)
-    print(md)
+    report.write_results(args.out, header, rows, markdown(header, rows))
     if args.write is not None:
         _merge_into(args.write, header["kind"], header["device_name"], rows, args.margin,
                     args.busy_core)

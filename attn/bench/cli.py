@@ -409,8 +409,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from attn.bench import plots, report
     from attn.bench.sweep import finish, measure_matmul_rates
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     cfg = _config(args)
     out = args.out or Path("out") / ("report" if args.command == "report" else
                                      f"bench-{args.kind}")
@@ -526,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return gpu_check.run(first, argv)
     args = parse_args(argv)
+    if getattr(args, "threads", None) is not None:  # every question's --threads
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.command == "bench" and args.kind == "speed" and args.paired:
         if args.fn:
             raise SystemExit("attn: --fn joins the sweep, not --paired; leave one out")

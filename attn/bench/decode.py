@@ -27,7 +27,6 @@ shared), and each gets its median ms, GFLOP/s (4·B·H·L·D per step) and the r
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 from collections.abc import Callable
@@ -200,8 +199,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise SystemExit("attn: --caches and --compat are two questions: give one")
         args.caches = args.caches or list(decode_caches.FORMATS)
         return decode_caches.run(args, argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     B = args.batch or (8 if args.compat else 1)
     H, Hkv, D = args.heads, args.kv_heads, args.d
     if H % Hkv:
@@ -212,7 +209,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     choice = attn.select_backend(attn.AttentionCall(
         device="cpu", dtype=torch.float32, head_dim=D, head_dim_v=D, n_q=1, n_k=lengths[0],
         return_lse=args.compat))
-    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    header = report.run_header("cpu", argv)
     header.update(compat=args.compat, shape={"B": B, "H": H, "Hkv": Hkv, "D": D, "Nq": 1,
                                              "dtype": "float32"},
                   attn_backend=f"{choice.name} ({choice.reason})", warmup=warmup,
@@ -228,10 +225,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"L={L}: " + ", ".join(f"{n} {ms:.2f} ms"
                                          for n, ms in rows[-1]["ms"].items()),
                   file=sys.stderr, flush=True)
-    md = markdown(header, rows)
-    written = report.write_results(args.out, header, rows, md)
-    print(md)
-    print("wrote " + ", ".join(map(str, written)))
+    report.write_results(args.out, header, rows, markdown(header, rows))
     bad = [(r["cache"], n, e) for r in rows for n, e in r["max_abs_err"].items()
            if not e <= TOLERANCE]
     for L, n, e in bad:

@@ -26,7 +26,6 @@ values (quantization) is reported beside it. Then the paths take turns, median o
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 from collections.abc import Callable
@@ -184,6 +183,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         plt = _pyplot()
     except ImportError:
         return []
+    out.mkdir(parents=True, exist_ok=True)
     panels = sorted({(r["B"], r.get("Nq", 1)) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (B, n_q) in zip(axes[0], panels):
@@ -208,25 +208,20 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     H, Hkv, D = args.heads, args.kv_heads, args.d
     lengths = args.cache or [4096, 16384, 32768]
     batches = [args.batch] if args.batch else [1, 8]
     warmup = args.warmup if args.warmup is not None else 1
     repeats = args.repeats or 9
-    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    header = report.run_header("cpu", argv)
     n_qs = args.nq or [1]
     header.update(shape={"H": H, "Hkv": Hkv, "D": D, "Nq": n_qs}, page=args.page,
                   warmup=warmup, repeats=repeats, note=args.note)
     with torch.inference_mode():
         rows = [r for B in batches for n_q in n_qs
                 for r in add_rows(args, B, H, Hkv, D, lengths, warmup, repeats, n_q)]
-    md = markdown(header, rows)
-    written = report.write_results(args.out, header, rows, md)
-    written += tuple(plots(rows, Path(args.out)))
-    print(md)
-    print("wrote " + ", ".join(map(str, written)))
+    pngs = plots(rows, Path(args.out))
+    report.write_results(args.out, header, rows, markdown(header, rows), also=pngs)
     bad = [(r["B"], r["cache"], n, e) for r in rows for n, e in r["max_abs_err"].items()
            if n != "sdpa, dense bf16" and not n.endswith(QQ) and not e <= TOLERANCE]
     for B, L, n, e in bad:

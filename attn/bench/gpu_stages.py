@@ -21,7 +21,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 

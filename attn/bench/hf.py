@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -137,7 +136,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list[Row]]
     model = build_model(shape)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     rows: list[Row] = []
-    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    header = report.run_header("cpu", argv)
     header.update({
         "what": "HF LlamaForCausalLM prefill + decode on CPU, attn_implementation eager/sdpa/attn",
         "model": asdict(shape) | {"hidden": shape.hidden, "weights_bytes": weights,
@@ -285,11 +284,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     header, rows = measure(args, argv)
-    md = markdown(header, rows)
-    written = report.write_results(args.out, header, [asdict(r) for r in rows], md)
-    print(md)
-    print("wrote " + ", ".join(map(str, written)))
+    report.write_results(args.out, header, [asdict(r) for r in rows], markdown(header, rows))
     return 1 if any(r.status == "failed" for r in rows) else 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -32,9 +31,10 @@ import torch
 
 import attn
 from attn.bench import report
+from attn.bench.competitors import make_forward
+from attn.bench.flops import attention_flops, matmul_tflops
 from attn.bench.sweep import DTYPES
 from attn.sdpa import torch_sdpa
-from attn.bench.flops import attention_flops, matmul_tflops
 from attn.timing import benchmark, median_ratio, paired
 
 # the environment each tiled variant runs under (set before each of its calls)
@@ -50,56 +50,53 @@ def _rounds(N: int) -> int:
     return 9 if N <= 2048 else 5 if N <= 4096 else 3
 
 
-def _flex(causal: bool, N: int) -> Callable:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    compiled = torch.compile(flex_attention, dynamic=False)
-    block_mask = None
-    if causal:
-        block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, N, N,
-                                       device="cpu")
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
-
-
-def contenders(q, k, v, *, causal: bool, bwd: bool, compiled: bool, flex_max_n: int,
-               variants: tuple[str, ...] = tuple(TILED_VARIANTS)
-               ) -> dict[str, Callable[[], None]]:
-    """The calls of one round, SDPA first; each sets its environment, then runs (and runs
-    the backward of the output's sum when ``bwd``). ``causal`` is attn's (bottom-right):
-    SDPA, whose ``is_causal`` is top-left, gets the same mask as a bool tensor when
-    Nq != Nk. Nq = 1 sees every key either way. GQA (fewer k/v heads) passes
-    ``enable_gqa``."""
-    def step(fn: Callable[[], torch.Tensor], env: dict[str, str] | None = None):
-        def go() -> None:
-            os.environ.update(env or {})
-            out = fn()
-            if bwd:
-                out.sum().backward()
-        return go
-
-    def tiled():
-        return attn.attention(q, k, v, causal=causal, backend="tiled")
+def sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
+    """torch SDPA's keywords for attn's ``causal`` (bottom-right; SDPA's ``is_causal`` is
+    top-left): ``is_causal`` when Nq = Nk, else the same band as a bool mask (Nq = 1 sees
+    every key either way); ``enable_gqa`` when k has fewer heads than q."""
     Nq, Nk = q.shape[2], k.shape[2]
     kw: dict = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     if causal and Nq == Nk:
         kw["is_causal"] = True
     elif causal and Nq > 1:
         kw["attn_mask"] = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)
-    fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, **kw))}
+    return kw
+
+
+def step(fn: Callable[[], torch.Tensor], bwd: bool, env: dict[str, str] | None = None
+         ) -> Callable[[], None]:
+    """A contender's call: set ``env``, run ``fn``, then the backward of its output's sum
+    when ``bwd``."""
+    def go() -> None:
+        os.environ.update(env or {})
+        out = fn()
+        if bwd:
+            out.sum().backward()
+    return go
+
+
+def contenders(q, k, v, *, causal: bool, bwd: bool, compiled: bool, flex_max_n: int,
+               variants: tuple[str, ...] = tuple(TILED_VARIANTS)
+               ) -> dict[str, Callable[[], None]]:
+    """The calls of one round (each a :func:`step`), SDPA first (:func:`sdpa_kwargs`)."""
+    def tiled():
+        return attn.attention(q, k, v, causal=causal, backend="tiled")
+    Nq, Nk = q.shape[2], k.shape[2]
+    kw = sdpa_kwargs(q, k, causal)
+    fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, **kw), bwd)}
     for name in ("auto", "fused"):
         fns[name] = step(lambda name=name: attn.attention(q, k, v, causal=causal, backend=name),
-                         TILED_VARIANTS["tiled"])  # tiled's defaults, should auto take it
+                         bwd, TILED_VARIANTS["tiled"])  # tiled's defaults, should auto take it
     from attn.tiled import cpu
 
     same = cpu.gemm_engine()[0] == "bmm"  # then "tiled bmm" is the default path again
     for name, env in TILED_VARIANTS.items():
         if name in variants and (compiled or name != "tiled compiled") \
                 and not (same and name == "tiled bmm"):
-            fns[name] = step(tiled, env)
-    N = q.shape[2]
-    if not bwd and causal and N <= flex_max_n and Nq == Nk and not kw.get("enable_gqa"):
-        flex = _flex(causal, N)
-        fns["flex (compiled)"] = step(lambda: flex(q, k, v))
+            fns[name] = step(tiled, bwd, env)
+    if not bwd and causal and Nq <= flex_max_n and Nq == Nk and not kw.get("enable_gqa"):
+        flex = make_forward("flex", causal, Nq, "cpu")
+        fns["flex (compiled)"] = step(lambda: flex(q, k, v), bwd)
     return fns
 
 
@@ -261,8 +258,6 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     _check(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     square = args.shape == "square"
     B = 1 if args.batch is None else args.batch
     H = (8 if square else 32) if args.heads is None else args.heads
@@ -272,7 +267,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     causals = {"false": (False,), "true": (True,),
                "both": (False, True)}[args.causal or default_causal]
     modes = ("fwd", "fwd+bwd") if args.mode == "both" else (args.mode,)
-    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    header = report.run_header("cpu", argv)
     dims = ", ".join(map(str, args.d))
     header.update(shape=f"{', '.join(args.dtype)}, B={B}, H={H}, D={dims}",
                   tiled_path=report.tiled_path("cpu"))
@@ -289,8 +284,5 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                     for mode in modes:
                         rows += _measure_shape(args, B, H, N, D, dtype, mode, causals)
     out = args.out or Path("out") / "bench-speed-paired"
-    md = markdown(header, rows)
-    written = report.write_results(out, header, rows, md)
-    print(md)
-    print("wrote " + ", ".join(map(str, written)))
+    report.write_results(out, header, rows, markdown(header, rows))
     return 0

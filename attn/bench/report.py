@@ -79,9 +79,9 @@ def load_warning(header: dict) -> str | None:
             f"run, suffer least.")
 
 
-def run_header(device: str, command: str) -> dict:
+def run_header(device: str, argv: list[str], prog: str = "attn") -> dict:
     """What every benchmark question's header starts with: the machine, versions, load, date
-    and the command that made the numbers."""
+    and the command that made the numbers (``prog`` and ``argv``)."""
     return {
         "device": device, "device_name": device_name(device), "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -89,7 +89,7 @@ def run_header(device: str, command: str) -> dict:
         # other processes on the machine slow every path alike; ratios stay meaningful
         "loadavg_1min": _loadavg(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
+        "command": " ".join([prog, *map(shlex.quote, argv)]),
     }
 
 
@@ -97,22 +97,12 @@ def make_header(cfg: SweepConfig, argv: list[str] | None = None,
                 matmul_tflops: dict[str, float] | None = None) -> dict:
     """Everything needed to trust or reproduce the numbers: versions, device, date, command."""
     is_cuda = torch.device(cfg.device).type == "cuda"
-    argv = sys.argv[1:] if argv is None else argv
     return {
         "schema": SCHEMA_VERSION,
-        "torch": torch.__version__,
+        **run_header(cfg.device, sys.argv[1:] if argv is None else argv),
         "triton": _triton_version(),
-        "python": platform.python_version(),
-        "device": cfg.device,
-        "device_name": device_name(cfg.device),
         "kind": "gpu" if is_cuda else "cpu",
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
         "tiled_path": tiled_path(cfg.device),
-        # other processes on the machine slow every backend alike; ratios stay meaningful
-        "loadavg_1min": _loadavg(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "attn " + shlex.join(argv),
         "memory_method": ("torch.cuda.max_memory_allocated above the inputs" if is_cuda else
                           "torch.profiler CPU allocator events, peak live bytes above the "
                           f"inputs (error <= {CPU_ERROR_BYTES} bytes on a known allocation)"),
@@ -207,14 +197,18 @@ def write_json(path: str | Path, header: dict, rows: list[Row],
     return path
 
 
-def write_results(out: str | Path, header: dict, rows: list[dict], markdown: str
-                  ) -> tuple[Path, Path]:
-    """A benchmark question's ``results.json`` (header and rows) and ``results.md``."""
+def write_results(out: str | Path, header: dict, rows: list[dict], markdown: str,
+                  also: tuple = (), **extra) -> tuple[Path, ...]:
+    """A benchmark question's ``results.json`` (header, rows and ``extra``'s keys) and
+    ``results.md``; prints the markdown and the files written (``also``: files the question
+    wrote itself)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = out / "results.json", out / "results.md"
-    paths[0].write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
+    paths = out / "results.json", out / "results.md", *also
+    paths[0].write_text(json.dumps({"header": header, "rows": rows, **extra}, indent=1) + "\n")
     paths[1].write_text(markdown)
+    print(markdown)
+    print("wrote " + ", ".join(map(str, paths)))
     return paths
 
 

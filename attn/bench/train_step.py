@@ -16,7 +16,6 @@ computes the same model, so the losses agree to rounding.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -100,9 +99,7 @@ def markdown(header: dict, rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    header = report.run_header("cpu", "attn " + shlex.join(argv))
+    header = report.run_header("cpu", argv)
     header["model"] = {"n_layer": args.n_layer, "dim": args.dim, "heads": args.heads,
                        "batch": args.batch, "repeats": args.repeats}
     rows = []
@@ -112,8 +109,5 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             r = rows[-1]
             print(f"N={n} {backend}: peak {r['peak_bytes'] / 2**20:,.1f} MiB, "
                   f"{r['step_ms']:,.0f} ms", file=sys.stderr, flush=True)
-    md = markdown(header, rows)
-    written = report.write_results(args.out, header, rows, md)
-    print(md)
-    print("wrote " + ", ".join(map(str, written)))
+    report.write_results(args.out, header, rows, markdown(header, rows))
     return 0

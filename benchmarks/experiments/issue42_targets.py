@@ -173,7 +173,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     dtypes = [getattr(torch, d) for d in args.dtype]
-    header = report.run_header("cpu", "python benchmarks/experiments/issue42_targets.py")
+    header = report.run_header("cpu", [], prog="python benchmarks/experiments/issue42_targets.py")
     header["kind"] = choose.cpu_kind()
     rows = []
     with busy_core(args.busy_core) as core:
@@ -183,9 +183,7 @@ def main() -> None:
                  "decode": decode_rows}
         for part in args.parts:
             rows += parts[part](dtypes, args.rounds)
-    md = markdown(header, rows)
-    report.write_results(args.out, header, rows, md)
-    print(md)
+    report.write_results(args.out, header, rows, markdown(header, rows))
 
 
 if __name__ == "__main__":
