@@ -22,12 +22,8 @@ Memory does not depend on the load.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import queue as queue_mod
-import shlex
 import socket
 import time
 from datetime import timedelta
@@ -222,15 +218,12 @@ def _run_world(P: int, cfg: dict) -> tuple[list[dict], list[dict]]:
 
 
 def _header(cfg: dict, argv: list[str], load_start: float) -> dict:
-    from attn.bench.report import device_name
+    from attn.bench import report
 
     return {
-        "torch": torch.__version__, "python": platform.python_version(),
-        "device": "cpu", "device_name": device_name("cpu"), "cpu_count": os.cpu_count(),
+        **report.run_header("cpu", argv),
         "backend": "gloo on 127.0.0.1, one process per rank, torch threads per rank: 1",
         "loadavg_1min_start": load_start, "loadavg_1min_end": os.getloadavg()[0],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "attn " + shlex.join(argv),
         "memory_method": ("per rank: torch.profiler CPU allocator events, peak live bytes "
                           f"above the inputs (error <= {CPU_ERROR_BYTES} bytes on a known "
                           "allocation); the max over ranks"),
@@ -324,15 +317,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         r, e = _run_world(P, cfg)
         rows += r
         errors += e
+    from attn.bench import report
+
     header = _header(cfg, argv, load_start)
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(
-        {"header": header, "rows": rows, "errors": errors}, indent=2) + "\n")
-    md = markdown(header, rows, errors)
-    (out / "results.md").write_text(md)
-    png = plot(rows, out / "context_parallel.png")
-    print(md)
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {png}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = plot(rows, args.out / "context_parallel.png")
+    report.write_results(args.out, header, rows, markdown(header, rows, errors), also=(png,),
+                         errors=errors)
     return 1 if any(r["status"] == "error" for r in rows) else 0
 

@@ -28,7 +28,6 @@ quanto's int4 cache, on a Llama with a realistic attention layout (8 heads of 12
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -306,10 +305,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               "quanto": quanto, "quanto_residual": residual, "step_residual": step_residual,
               "threads": torch.get_num_threads(),
               "load_average": os.getloadavg()}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(
-        {"header": header, "rows": rows, "step_times": steps}, indent=1))
-    text = _markdown(header, rows, steps, args)
-    (args.out / "results.md").write_text(text)
-    print(text)
+    report.write_results(args.out, header, rows, _markdown(header, rows, steps, args),
+                         step_times=steps)
     return 0

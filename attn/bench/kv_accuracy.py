@@ -15,7 +15,6 @@ cross-entropy per predicted token over the same batches for every row.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 from pathlib import Path
 
@@ -114,9 +113,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               "step": state.get("step"), "tokens": tokens, "page": args.page,
               "block_size": T, "heads_kv": Hkv, "head_dim": D, "n_layer": cfg.n_layer,
               "device": report.device_name("cpu"), "torch": torch.__version__}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"header": header, "rows": rows},
-                                                      indent=1))
     lines = ["# KV-cache formats: the toy GPT's validation loss", "",
              f"`{header['command']}`: checkpoint `{args.ckpt.name}` (step {header['step']}), "
              f"{tokens} validation tokens (teacher-forced, {args.batches} batches of "
@@ -130,6 +126,5 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     for r in rows:
         lines.append(f"| {r['cache']} | {r['loss']:.4f} | {100 * (r['ratio'] - 1):+.2f}% | "
                      f"{r['bytes_per_token']:.0f} | {r['bytes_per_token'] / full:.3f} |")
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    report.write_results(args.out, header, rows, "\n".join(lines) + "\n")
     return 0
