@@ -2,44 +2,13 @@
 
 They sit at the bottom of the package so that anything may measure (the tiled backend's
 oneDNN calibration, the toy GPT's training loop) without importing :mod:`attn.bench`, which
-sits on top of everything; ``attn.bench`` re-exports them under their old names.
+sits on top of everything.
 
-Timing: warm-up, then the median of repeated calls. CPU kernels run synchronously, so
-``time.perf_counter`` around the call is the time. On CUDA the launch returns before the kernel
-ends: CUDA events recorded on the stream around the call, read after ``synchronize``, time the
-work itself.
-
-Peak memory: bytes allocated above what existed before the call. The metric is the same on
-every device: inputs (q, k, v and, for forward+backward, the upstream gradient dO) are
-allocated *before* measuring, so the number is what the attention call itself costs —
-activations, saved tensors, workspaces, the output and the gradients.
-
-CUDA: ``torch.cuda.reset_peak_memory_stats`` then ``max_memory_allocated() - memory_allocated()``
-taken before the call; exact for everything that goes through PyTorch's caching allocator.
-
-CPU: torch keeps no peak counter for host memory, and the process's RSS high-water mark is
-noisy (page granularity, glibc arenas caching small blocks, big blocks mmapped and returned at
-once, and a high-water mark can only grow within a process). Instead we use the allocator's
-own reporting: under ``torch.profiler.profile(profile_memory=True)`` every allocation and
-free made through c10's CPU allocator — from Python, inside aten kernels, and on intra-op
-worker threads (``at::parallel_for`` carries the profiler state) — is recorded as a signed
-``[memory]`` event with a timestamp. The running sum of those events, in time order, is the
-live-bytes curve of the call; its maximum is the peak above the starting point. Blocks freed
-during the call that were allocated before it (e.g. an old ``.grad``) are not counted, so the
-curve starts at zero.
-
-Error of the CPU method: exact (to the byte) for tensors and aten workspaces; it misses
-memory that bypasses c10's allocator — oneDNN/MKL scratch buffers and OpenMP thread stacks
-obtained with their own malloc — and Python objects. tests/test_bench.py checks a known
-64 MiB allocation is found within ``CPU_ERROR_BYTES`` and that the reference backend's
-measured peak matches the size of its score tensors. Events within the same nanosecond are
-ordered as the profiler returns them (allocation order), which cannot raise the peak.
-
-The profiler does not follow plain Python threads, so the tiled backend's unit path
-(:mod:`attn.tiled.cpu`) runs its units one after another while a profiler is on. Run on its worker
-threads, T units are alive at once: the peak is then higher by up to T − 1 units' tile
-scratch (one unit's score tiles and their products: about 2 MiB forward and 4 MiB backward at
-the default 512 x 512 tiles), which this method does not see.
+Timing: warm-up, then the median of repeated calls; on CUDA, events recorded on the stream
+around the call time the work itself. Peak memory: bytes allocated above what existed
+before the call (allocate the inputs first), from CUDA's peak counter or, on CPU, from the
+allocator events torch.profiler records. docs/benchmarks.md ("How memory is measured")
+gives the method, its error and what it cannot see.
 """
 
 from __future__ import annotations

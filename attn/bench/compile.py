@@ -12,12 +12,8 @@ target (``GPUTarget("cuda", 90 | 80, 32)``) exactly as the JIT would compile it 
    ``tt.divisibility``, ints equal to 1 become constants, e.g. unit last-dim strides);
 3. ``triton.compile`` lowers them to TTGIR, PTX and a cubin with the wheel's bundled ptxas.
 
-What a :class:`Build` reports: shared memory, tensor-core instructions (``wgmma`` on sm_90,
-``mma.sync`` on sm_80; sm_90 counts only wgmma, whose narrowest N it records), whether loads
-became asynchronous copies or TMA in the TTGIR (software pipelining), TMA loads and warp
-specialisation on their own, the SASS instructions of the steady loop's iteration (the
-smallest loop of the cubin that holds a tensor-core instruction: the unmasked middle stage),
-and, with ``ptxas_verbose``, registers and spills.
+What a :class:`Build` reports is in its fields and in docs/gpu.md ("Built for GPUs, checked
+without one").
 
 Must run in a process where the triton backend is *not* in interpreter mode
 (``TRITON_INTERPRET`` unset before ``attn.flash_triton`` is imported).

@@ -1,22 +1,12 @@
 """``attn bench context-parallel``: ring and Ulysses attention over P gloo processes on CPU.
 
-For each world size P (a fresh group of P processes on 127.0.0.1, one torch thread per rank)
-and each sequence length N, every rank measures, for its own shard:
-
-* ``peak_bytes``: peak memory above its inputs (q, k, v shards, and dO for forward+backward)
-  with :func:`attn.timing.peak_bytes` (the CPU allocator's events under the profiler;
-  exact for tensors, see its docs). The expectation is ∝ N / P.
-* ``ms``: wall time of one call (forward, or forward+backward), the max over ranks, and
-  ``ms_per_step = ms / P`` (a ring call is P steps).
-* ``comm_share``: the share of that time spent waiting on communication — ring: waits after
-  the compute each K/V transfer overlaps; Ulysses: the all-to-alls (blocking).
-
-Then ``errors``: float32 ring and Ulysses against a float64 ``attn.attention`` on the same
-inputs (out, dq, dk, dv, max abs error) for each P, to show that the error does not grow with P.
-
-Times on a shared 2-core machine depend on the load (recorded in the header, start and
-end): P processes share the same cores, so P = 4 on 2 cores cannot be faster than P = 1.
-Memory does not depend on the load.
+For each world size P (a fresh group on 127.0.0.1, one torch thread per rank), strategy, N
+and mode, every rank measures its shard's peak memory above its inputs
+(:func:`attn.timing.peak_bytes`, expected ∝ N / P) and the time of one call; a row keeps the
+max over ranks, ``ms_per_step`` (ms / P for the ring) and ``comm_share``, the share of the
+time spent waiting on communication. Then float32 against float64 ``attn.attention`` per P
+(``errors``): the error must not grow with P. docs/benchmarks.md ("Context parallelism")
+has the numbers; P processes on fewer cores cannot show a speed-up.
 """
 
 from __future__ import annotations

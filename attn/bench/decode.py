@@ -1,27 +1,20 @@
 """``attn bench decode``: one new query against a long KV cache on CPU, attn against torch SDPA.
 
 Each step: q of one token, H query heads, a cache of L positions with Hkv kv heads (GQA),
-fp32, attending to all L keys. Two ways in, chosen by ``--compat``:
+fp32, attending to all L keys, one of two ways in:
 
-* default, ``attn.attention``: q ``(B, H, 1, D)`` against k, v ``(B, Hkv, L, D)`` with the
-  tiled backend. Beside it, SDPA on the same cache (``enable_gqa=True``) and SDPA on a cache
-  already expanded to H heads (expanded once, outside the timing, as a model keeping an
-  expanded cache would).
-* ``--compat``: a full step through ``attn.compat.flash_attn.flash_attn_with_kvcache`` (append
-  one key and value, then attend), on a contiguous ``(B, L, Hkv, D)`` cache and on the same
-  cache in pages of each ``--pages`` size behind a shuffled block table. Beside it, SDPA with
-  the same in-place append on that cache seen as ``(B, Hkv, L, D)`` (a transposed view, as
-  attn gets it) and on a head-major copy (the layout SDPA prefers; its best case).
+* default: ``attn.attention`` (tiled) on q ``(B, H, 1, D)`` and k, v ``(B, Hkv, L, D)``,
+  beside SDPA on the same cache (``enable_gqa``) and on a cache expanded to H heads once,
+  outside the timing;
+* ``--compat``: a full step of ``flash_attn_with_kvcache`` (append, then attend) on a
+  contiguous ``(B, L, Hkv, D)`` cache and on the same cache in pages of each ``--pages``
+  size behind a shuffled block table, beside SDPA with the same append on that cache seen as
+  ``(B, Hkv, L, D)`` and on a head-major copy (its best case).
 
-Each path's output is compared with a float64 SDPA on the same keys (the error is in the
-rows); then the paths take turns, ``--repeats`` rounds after ``--warmup`` (the machine may be
-shared), and each gets its median ms, GFLOP/s (4·B·H·L·D per step) and the ratio
-``SDPA on the same cache / path`` (> 1: faster than SDPA).
+Each path is checked against float64 SDPA, then the paths take turns for ``--repeats``
+rounds; results.md defines its columns. ``--caches``: :mod:`attn.bench.decode_caches`.
 
-    attn bench decode --out benchmarks/results/decode_cpu
     attn bench decode --compat --cache 4096 --batch 8 --out benchmarks/results/decode_compat_cpu
-
-``--caches``: decoding from each stored cache format (:mod:`attn.bench.decode_caches`).
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
-"""``attn bench decode --caches``: one decoding step (or a chunked-prefill chunk) from each
-cache format, contiguous and paged, against torch SDPA on a dense fp32 and a dense bf16 cache
-(CPU).
-
-Each step: q ``(B, H, Nq, D)`` in float32 against the whole cache of L keys per sequence
-(Hkv kv heads, GQA) through :func:`attn.decode`, causal from the cache's end (``--nq``: 1 by
-default, a decoding step; more, a prefill chunk whose own keys are the cache's last; SDPA
-takes that mask as a bool tensor). A cache is an
-:meth:`attn.kvcache.PagedKVCache.allocate`-d one holding the same random keys and values in
-each storage: fp32, bf16, int8 (one scale per token and head), int4 (groups of 32), fp8
-e4m3 (one scale per kv head). "contiguous": one page per sequence; "paged": pages of
-``--page`` positions, each sequence's pages interleaved with a filler sequence's so that
-none lies next to its predecessor in the storage (every range an item reads is a copy of
-its pages, the paged path's worst case).
-
-Each path's output is compared with float64 SDPA on **the values its cache holds**
-(dequantized): that error must stay within fp32 rounding; the error against the original
-values (quantization) is reported beside it. Then the paths take turns, median of
-``--repeats`` rounds; ratio = SDPA on the dense fp32 cache / path (> 1: faster).
+"""``attn bench decode --caches``: one decoding step (or, ``--nq``, a chunked-prefill chunk
+causal from the cache's end) through :func:`attn.decode` from each cache format
+(:data:`FORMATS`), contiguous and paged, against torch SDPA on a dense fp32 and a dense bf16
+cache (CPU). "paged": pages of ``--page`` positions interleaved with a filler sequence's, so
+every range an item reads is a copy (the paged path's worst case). Each path is checked
+against float64 SDPA on the values its cache holds (fp32 rounding: :data:`TOLERANCE`), its
+quantization error reported beside it. docs/benchmarks.md ("Decoding from quantized and
+paged caches") has the numbers.
 
     attn bench decode --caches --out benchmarks/results/decode_caches_cpu
-    attn bench decode --caches --nq 128 1024 --cache 8192 --batch 1 \
-        --out benchmarks/results/prefill_caches_cpu
 """
 
 from __future__ import annotations

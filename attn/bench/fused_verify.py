@@ -1,20 +1,13 @@
 """Verify the fused backend's CUDA ops against the float64 reference, and write the table
-``auto`` reads (``attn/fused_cuda_table.json``, see :mod:`attn.fused_cuda`).
+``auto`` reads (``attn/fused_cuda_table.json``, see :mod:`attn.fused_cuda`; docs/gpu.md).
 
-For each op (flash, efficient, cuDNN), dtype and head dim the op takes, the fused backend
-runs a few calls with every piece on that op (:func:`attn.fused_cuda.force_op`): plain GQA
-over a block edge, bottom-right causal with fewer queries than keys, a sliding window, sinks
-with the lse returned, and (ops that take a mask) a bool mask that hides a row. Out, lse and
-every gradient are checked with :func:`attn.testing.compare_to_reference` (DESIGN's budget). A
-row is ``exact`` when every case is within budget; any exception (an op refusing its
-arguments on this GPU, say) makes it not exact and is recorded.
-
-Exact is not enough for ``auto``: on CUDA the fused backend calls torch's op once per
-(sequence, kv head, piece), where triton launches one kernel for the call. Each exact row
-also times fused against triton on a training shape (fwd+bwd, B=4, H=16 over 4 kv heads,
-N=2048, causal; medians of interleaved rounds) and records ``speedup_vs_triton`` (> 1:
-fused faster); ``auto`` takes the op only where that is at least 1
-(:func:`attn.fused_cuda.verified_op`).
+For each op (flash, efficient, cuDNN), dtype and head dim the op takes, the fused backend runs
+:data:`CASES` with every piece on that op (:func:`attn.fused_cuda.force_op`); a row is
+``exact`` when out, lse and every gradient of every case are within DESIGN's budget, and an
+exception (an op refusing its arguments on this GPU) is recorded. The fused backend calls
+torch's op once per (sequence, kv head, piece) where triton launches one kernel, so each exact
+row is also timed against triton on :data:`SPEED_SHAPE` (``speedup_vs_triton``; ``auto``
+takes the op only where it is at least 1, :func:`attn.fused_cuda.verified_op`).
 """
 
 from __future__ import annotations
@@ -165,15 +158,11 @@ SPEED_MIN_S = 20  # a speed row below this much box left would be cut mid-way: d
 
 
 def stage(ctx) -> None:
-    """``attn gpu-check``'s fused stage: :func:`verify_one` on this GPU for every (op, dtype,
-    head dim) the op takes, exactness first, then the speed against triton of each exact row
-    (bf16 first, D = 128 first: triton autotunes once per dtype and head dim, and every op of
-    that pair reuses it). Every row is recorded and the table rewritten as soon as it is done,
-    beside the results (``fused_cuda_table.json``) and in the checkout's
-    ``attn/fused_cuda_table.json`` (commit it with the results), so a stage cut at its box
-    keeps what it finished; a row whose speed did not run has none, and ``auto`` does not take
-    it. A dry run verifies one op at one head dim on whatever device there is, and writes only
-    beside the results."""
+    """``attn gpu-check``'s fused stage (docs/gpu.md): :func:`verify_one` for every (op, dtype,
+    head dim), exactness first, then each exact row's speed (bf16, then D = 128 first: triton
+    autotunes once per dtype and head dim, every op of the pair reuses it), the table rewritten
+    after each row. A dry run verifies one op at one head dim and writes only beside the
+    results."""
     if ctx.dry_run:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":

@@ -7,14 +7,9 @@ of at most eight files.
     attn gpu-check --merge gpu gpu-tests --out joined         # anywhere, afterwards
     attn gpu-check --dry-run --out /tmp/gpu-dry               # on CPU: every stage, tiny
 
-Stages, in this order: env, smoke, correctness (not in the default run: only named in
---stages), fused-cuda, speed (with the variants against compiled flex), varlen-decode, tune
-(only with budget left), context-parallel. Each runs in its own process
-(:mod:`attn.bench.gpu_stages`) under a time box: its share of what is left of
-``--budget-min``, by the weights below, so time a stage does not use goes to the ones after
-it. A stage is recorded as done, skipped (why), failed (the error) or out of time (cut at its
-box; its finished points kept), and results.json / results.md are rewritten after every stage
-(:mod:`attn.bench.gpu_record`).
+Each stage runs in its own process (:mod:`attn.bench.gpu_stages`) under a time box, its
+share by :data:`WEIGHTS` of what is left of ``--budget-min``; docs/gpu.md lists the stages,
+their boxes, statuses and files (:mod:`attn.bench.gpu_record`).
 """
 
 from __future__ import annotations
@@ -42,10 +37,9 @@ STAGES = {"env": "attn.bench.gpu_stages:env",
           **{name: f"attn.bench.gpu_stages:{name.replace('-', '_')}"
              for name in ("speed", "varlen-decode", "tune", "context-parallel")}}
 DEFAULT_STAGES = [s for s in STAGES if s != "correctness"]
-# one unit is a minute of the default 8-minute run when every default stage takes its whole
-# box: env 0.3, smoke 1, fused-cuda 1.2, speed 3.5 (with its variants and flex compiles),
-# varlen-decode 1, tune 0.6 (so it runs only on time the others left: TUNE_MIN_S),
-# context-parallel 0.4; correctness, run on its own, takes what is left after env
+# one unit is a minute of the default 8-minute run when every stage takes its whole box (tune's
+# 0.6 is under TUNE_MIN_S: it runs on time the others left); correctness, run alone, takes
+# what is left after env
 WEIGHTS = {"env": 0.3, "smoke": 1.0, "correctness": 5.0, "fused-cuda": 1.2, "speed": 3.5,
            "varlen-decode": 1.0, "tune": 0.6, "context-parallel": 0.4}
 TUNE_MIN_S = 60  # below this the tune stage would time one config or none: skip it

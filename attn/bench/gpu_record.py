@@ -1,15 +1,7 @@
-"""What ``attn gpu-check`` records, and how: the run's flat folder, a stage's context, the
-writers of results.json and results.md, and ``--merge``.
-
-A run's folder holds at most eight files, flat (the GPU machine brings back no more):
-``results.json`` (header, every stage's status, every row), ``results.md`` (the tables, ratios
-first), ``pytest.txt`` (the correctness stage's pytest output), ``log.txt`` (one line per point
-as it happens, appended line by line so a killed run keeps it) and up to three PNGs (speed and
-memory vs N, decode latency vs cache length). results.json and results.md are rewritten after
-every stage, so a run killed in its third stage keeps the first two.
-
-Every row carries the run it came from (device, versions, date, command), so rows of merged
-runs keep their origin.
+"""What ``attn gpu-check`` records, and how: the run's flat folder (:data:`FILES`, described
+in docs/gpu.md), a stage's context, the writers of results.json and results.md (rewritten
+after every stage, so a run killed in its third stage keeps the first two), and ``--merge``.
+Every row repeats the header's :data:`ROW_ORIGIN`, so rows of merged runs keep their origin.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""``attn gpu-check``'s smoke stage: the triton kernels as they are now, every variant at a
-few small shapes, forward and backward against the float64 reference with DESIGN's budget
+"""``attn gpu-check``'s smoke stage (docs/gpu.md): the triton kernels as they are now, every
+variant at a few small shapes, forward and backward against the float64 reference
 (:func:`attn.testing.compare_to_reference`), and the same call twice giving the same bits.
-
-About a minute on a GPU, most of it compiling: one triton config per launch
-(``ATTN_TRITON_AUTOTUNE=0``, set for this stage's process), each new set of variant flags,
-head dim and dtype a build of the forward and backward kernels. Cases run in priority order
-(bf16 at D = 128 first, every variant at a shape before the next shape), so a short box still
-holds every variant once; the rest are recorded as dropped. A case that is wrong or raises is
-a failed row, never the stage's error. In a dry run the kernels run in the Triton interpreter
-at one tiny shape.
+Cases run in priority order, so a short box still holds every variant once; a case that is
+wrong or raises is a failed row, never the stage's error.
 """
 
 from __future__ import annotations

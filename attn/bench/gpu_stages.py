@@ -1,16 +1,11 @@
-"""The stages of ``attn gpu-check``, each run in a process of its own.
+"""The stages of ``attn gpu-check`` (docs/gpu.md), each run in a process of its own.
 
 ``python -m attn.bench.gpu_stages MODULE:FUNCTION CONTEXT_JSON`` runs one stage function with
 its :class:`~attn.bench.gpu_record.StageContext`. A process per stage gives every stage a hard
-time box (the parent kills it at its deadline and keeps the rows it wrote), keeps an
-out-of-memory or a crashed driver from taking the other stages down, and lets each stage set
-the environment triton reads at import (``TRITON_INTERPRET`` for a dry run,
-``ATTN_TRITON_AUTOTUNE``) before anything imports it.
-
-Each stage lists its points in priority order, checks its box before each point, and records
-the points it leaves out (and why). In a dry run (no GPU) the same code runs at tiny sizes:
-triton in the interpreter where correctness is checked, ``tiled`` and torch SDPA where time is
-measured, and what needs a GPU is recorded as skipped with the reason.
+time box (killed at its deadline, its rows kept), keeps an out-of-memory or a crashed driver
+from taking the other stages down, and lets each stage set the environment triton reads at
+import. Each stage checks its box before each point, in priority order, and records what it
+leaves out; in a dry run (no GPU) the same code runs at tiny sizes.
 """
 
 from __future__ import annotations

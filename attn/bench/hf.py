@@ -2,27 +2,13 @@
 
     attn bench hf --out benchmarks/results/hf_cpu --context 2048 8192 32768
 
-The model is a Llama built from a config (no download) with a realistic attention layout
-(by default 32 query heads, 8 kv heads, head dim 128: hidden 4096), and few layers with a
-narrow MLP and a small vocabulary, so attention is what the numbers are about. For each
-context N, one random prompt of N tokens:
-
-* prefill: ``model(prompt, past_key_values=DynamicCache(), logits_to_keep=1)``, as
-  ``generate`` runs it. Peak memory above the weights (``attn.timing.peak_bytes``, the
-  method ``attn report`` uses: CPU allocator events under torch.profiler) and wall time,
-  median of repeats.
-* decode: greedy next tokens one at a time through the cache the prefill filled, tokens/s
-  from the median step. An implementation whose prefill is skipped decodes from a cache that
-  attn prefilled (its rows say so): decoding itself needs little memory.
-
-Each prefill's last-position logits are compared with eager's (``logits_max_diff_vs_eager``):
-the implementations compute the same model, so they agree to rounding.
-
-Before a prefill runs, its peak is predicted (generously) and the point is skipped, with the
-prediction, when it would pass 60 % of the memory free at that moment: an out-of-memory kill
-would take the whole run down. Results go to OUT/results.json and OUT/results.md, with
-versions, date, command and the load average (the machine may be shared: compare ratios
-within one run, not absolute times across runs).
+A Llama built from a config (no download) with a realistic attention layout and a narrow
+rest (:class:`Shape`), so attention is what the numbers are about; per context N one random
+prompt is prefilled as ``generate`` runs it (peak memory above the weights, median time) and
+decoded greedily (tokens/s from the median and the fastest step). Each prefill's last logits
+are compared with eager's. A prefill predicted to pass 60 % of free memory is skipped and its
+implementation decodes from attn's cache. docs/benchmarks.md ("A Llama in transformers on
+CPU") has the method and the numbers.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """``attn bench hf-quant``: what a quantized KV cache changes in a Hugging Face decoder's output.
 
-For random-weight decoders of the families ``tests/test_hf.py`` runs (tiny: 2 layers, width
-64, 4 query and 2 kv heads of 16; and a larger Llama, ``--large``), a batch of random prompts
-is decoded greedily with each cache type, and compared with the same model and prompts on
-HF's float32 ``DynamicCache``:
-
-* **agreement (teacher-forced)**: the baseline's tokens are fed through the cache under test
-  one at a time; the share of steps whose argmax equals the baseline's. Every step sees the
-  same context, so one early miss does not drag the rest along;
-* **identical prefix (free-running)**: ``generate()`` with the cache; new tokens equal to the
-  baseline's before the first that differs, mean over prompts, out of ``--new``;
-* **|Δlogit|**: max and mean absolute difference of the logits of the first ``--steps``
-  teacher-forced steps (prefill's last position included).
-
-Cache types: ``bf16`` (K/V stored in bfloat16, attended densely), attn's
-:class:`attn.integrations.hf.AttnQuantizedCache` (int8, int4, fp8 e4m3, and int4 with keys
-per channel plus a full-precision window), and HF's own ``QuantizedCache`` through
-optimum-quanto (int4, int2) when it imports. attn's rows run ``attn_implementation="attn"``
-(``attn.decode`` on the quantized pages); the others run sdpa where the family has it, else
-eager. ``--step-tokens N`` adds a step-time table: one decode step after an N-token prompt,
-median of ``--repeats``, for the fp32 DynamicCache (sdpa), attn's int4 and int8 caches and
-quanto's int4 cache, on a Llama with a realistic attention layout (8 heads of 128, 2 kv heads).
+For random-weight decoders of the families ``tests/test_hf.py`` runs (and a larger Llama,
+``--large``), a batch of random prompts is decoded greedily with each cache type
+(:func:`cache_types`: bf16, attn's :class:`attn.integrations.hf.AttnQuantizedCache` formats,
+HF's quanto ``QuantizedCache`` when it imports) and compared with HF's float32
+``DynamicCache``: teacher-forced argmax agreement, the free-running identical prefix and the
+logit differences (results.md defines each). ``--step-tokens N`` adds one decode step's time
+after an N-token prompt per cache. docs/hf.md summarises the results.
 
     attn bench hf-quant --large --step-tokens 4096 --out benchmarks/results/hf_quant_agreement_cpu
 """

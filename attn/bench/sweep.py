@@ -1,22 +1,15 @@
 """The sweep runner: backends × N × D × causal × dtype × {fwd, fwd+bwd} on one device.
 
-Each point allocates its inputs (q, k, v and, for fwd+bwd, dO) first, then measures peak
-memory above them (``attn.timing.peak_bytes``) with one call, then times the call
-(``attn.timing``). Points are run in order of growing N with every backend of one
-shape back to back, so torch SDPA and ours are timed in the same process, minutes apart at
-most, and ``ratio_to_sdpa = sdpa_ms / ms`` compares like with like. Besides attn's backends a
-sweep can time torch's own kernels by name (``attn.bench.competitors``: SDPA with flash,
-efficient or cuDNN forced, compiled FlexAttention). A point is skipped, without running it,
-when its backend cannot compute the call (``attn.api.unsupported_reason``, or a competitor's
-refusal), when the device lacks the backend (triton off CUDA without ``TRITON_INTERPRET=1``),
-or when its predicted peak memory exceeds the budget.
-
-A sweep also takes users' functions (``SweepConfig(backends=(..., fn))``, ``attn bench
---fn module:function``): ``fn(q, k, v, causal=True)`` in attn's convention (what
-``attn.adapters.adapt`` makes of any function), returning the output or ``(out, ...)``. Its
-memory is predicted as the reference's (N² scores: nothing is known about it), and a point
-where it raises is recorded as ``failed`` with the error (``skipped`` for
-NotImplementedError, the adapter's "cannot express this call"); the sweep goes on.
+Each point allocates its inputs first, then measures peak memory above them with one call,
+then times the call (:mod:`attn.timing`). Points run in order of growing N with every backend
+of one shape back to back, so ``ratio_to_sdpa = sdpa_ms / ms`` compares like with like.
+Besides attn's backends a sweep times torch's own kernels by name
+(:mod:`attn.bench.competitors`) and users' functions (``SweepConfig(backends=(..., fn))``:
+``fn(q, k, v, causal=True)`` in attn's convention, as ``attn.adapters.adapt`` makes it; its
+memory is predicted as the reference's, and a point where it raises is ``failed``, or
+``skipped`` for NotImplementedError). A point is skipped without running when its backend
+cannot compute the call, the device lacks the backend, or its predicted peak memory exceeds
+the budget.
 """
 
 from __future__ import annotations
