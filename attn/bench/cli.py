@@ -58,12 +58,15 @@ def _version() -> str:
 def _quick_parser() -> argparse.ArgumentParser:
     """The top level only (commands and --version), built without importing torch: enough
     to answer ``attn``, ``attn --help`` and ``attn --version``."""
+    return _top_level()[0]
+
+
+def _top_level() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``attn`` parser with its commands and --version, and each command's parser."""
     parser = argparse.ArgumentParser(prog="attn", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, what in COMMANDS.items():
-        sub.add_parser(name, help=what)
-    return parser
+    return parser, {name: sub.add_parser(name, help=what) for name, what in COMMANDS.items()}
 
 
 def _triton_preset(device_name: str) -> dict:
@@ -201,13 +204,9 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
 def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
     """The ``attn`` parser; ``preset`` (a :data:`PRESETS` entry's values) replaces the
     defaults of ``attn bench speed``."""
-    parser = argparse.ArgumentParser(prog="attn", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help=COMMANDS["report"])
-    _add_sweep_args(rep, report_defaults=True)
-    bench = sub.add_parser("bench", help=COMMANDS["bench"])
-    kinds = bench.add_subparsers(dest="kind", required=True)
+    parser, commands = _top_level()
+    _add_sweep_args(commands["report"], report_defaults=True)
+    kinds = commands["bench"].add_subparsers(dest="kind", required=True)
     for kind, what in (("memory", "peak bytes above the inputs"), ("speed", "ms and TFLOP/s")):
         _add_sweep_args(kinds.add_parser(kind, help=what), report_defaults=False)
     speed = kinds.choices["speed"]
@@ -216,10 +215,10 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
         speed.set_defaults(**preset)
     for kind, what in _QUESTIONS.items():
         _question(kind).add_arguments(kinds.add_parser(kind, help=what))
-    _add_check_args(sub.add_parser("check", help=COMMANDS["check"]))
+    _add_check_args(commands["check"])
     from attn.bench import gpu_check
 
-    gpu_check.add_arguments(sub.add_parser("gpu-check", help=COMMANDS["gpu-check"]))
+    gpu_check.add_arguments(commands["gpu-check"])
     return parser
 
 

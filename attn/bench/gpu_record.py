@@ -66,6 +66,12 @@ class StageContext:
         self._put({"info": fields})
 
 
+def exc_line(exc: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message`` (cut to ``limit`` characters): a failed point's
+    note."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:limit]}"
+
+
 def read_scratch(path: str | Path) -> dict:
     """A stage's records: rows, dropped points, info, the last point started."""
     got = {"rows": [], "dropped": [], "info": {}, "running": None, "error": None}

@@ -7,7 +7,7 @@ wrong or raises is a failed row, never the stage's error.
 
 from __future__ import annotations
 
-from attn.bench.gpu_record import StageContext
+from attn.bench.gpu_record import StageContext, exc_line
 from attn.bench.gpu_stages import _device, _variant_kwargs
 
 # the variants of the smoke, in the order they run at each shape
@@ -143,7 +143,7 @@ def smoke(ctx: StageContext) -> None:
                 got = check_case(variant, dtype, D, N, dev)
             except Exception as exc:  # a crash is this case's result
                 got = {"status": "failed", "worst": None, "repeatable": None,
-                       "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+                       "note": exc_line(exc)}
             ctx.row(kind="smoke", variant=variant, dtype=dtype, D=D, N=N, backend="triton",
                     what=what, **got)
             ctx.log(f"smoke {what}: {got['status']}, worst error / budget "

@@ -19,7 +19,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from attn.bench.gpu_record import StageContext
+from attn.bench.gpu_record import StageContext, exc_line
 
 GPU_ONLY = "GPU only"
 # the triton outer kernels by the kind their autotune configs are listed under
@@ -49,6 +49,19 @@ def _time_ms(ctx: StageContext, fn, repeats: int) -> float:
 
     return benchmark(fn, device=_device(ctx), warmup=1, repeats=repeats, min_repeats=1,
                      budget_s=0.05 if ctx.dry_run else 1.0).median_ms
+
+
+def _try_ms(ctx: StageContext, fn, repeats: int, **row) -> float | None:
+    """:func:`_time_ms` of ``fn`` without autograd, or None after a failed row with
+    ``row``'s fields (a point that raises is its result, not the stage's error)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            return _time_ms(ctx, fn, repeats)
+    except Exception as exc:
+        ctx.row(**row, status="failed", note=exc_line(exc))
+        return None
 
 
 # -- 1. env ------------------------------------------------------------------------------------
@@ -274,7 +287,7 @@ def _nan_scan(ctx: StageContext) -> None:
                        if not torch.isfinite(t).all()]
                 status, note = ("failed", "not finite: " + ", ".join(bad)) if bad else ("ok", "")
             except Exception as exc:  # a crash here is this point's result
-                status, note = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                status, note = "failed", exc_line(exc)
             ctx.row(kind="check", check="nan scan", what=f"{name} N={N}", status=status,
                     note=note)
             ctx.log(f"nan scan {name} N={N}: {status} {note}")
@@ -301,7 +314,7 @@ def _compile_check(ctx: StageContext) -> None:
         ok = err <= 2e-2 * eager.float().abs().max().item() + 1e-3
         status, note = ("ok" if ok else "failed"), f"max abs difference {err:.2e}"
     except Exception as exc:
-        status, note = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        status, note = "failed", exc_line(exc)
     ctx.row(kind="check", check="torch.compile", what="MultiHeadAttention(256, 4), bf16, "
             "fullgraph", status=status, note=note)
     ctx.log(f"torch.compile fullgraph vs eager: {status} ({note})")
@@ -433,7 +446,7 @@ def _flex_side(ctx: StageContext, name: str, kw: dict, q, k, v, ours, ours_ms: f
         flex_ms = _time_ms(ctx, call, 10)
     except Exception as exc:
         return {"flex_status": "failed",
-                "flex_note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+                "flex_note": exc_line(exc)}
     return {"flex_status": "ok", "flex_ms": flex_ms, "flex_ratio": flex_ms / ours_ms,
             "flex_max_diff": diff}
 
@@ -465,11 +478,9 @@ def _variant_costs(ctx: StageContext) -> None:
         def call():
             with torch.no_grad():
                 return attn.attention(q, k, v, backend=backend, **kw)
-        try:
-            ms = _time_ms(ctx, call, 3 if ctx.dry_run else 10)
-        except Exception as exc:
-            ctx.row(kind="variant", variant=name, backend=backend, status="failed",
-                    note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        ms = _try_ms(ctx, call, 3 if ctx.dry_run else 10, kind="variant", variant=name,
+                     backend=backend)
+        if ms is None:
             continue
         base_ms = ms if name == "causal" else base_ms
         ratio = ms / base_ms if base_ms else None
@@ -519,12 +530,9 @@ def _varlen(ctx: StageContext) -> None:
     ms = {}
     for name, fn in paths.items():
         ctx.running(f"varlen {name}")
-        try:
-            with torch.no_grad():
-                ms[name] = _time_ms(ctx, fn, 3 if ctx.dry_run else 10)
-        except Exception as exc:
-            ctx.row(kind="varlen", path=name, shape=shape, status="failed",
-                    note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        t = _try_ms(ctx, fn, 3 if ctx.dry_run else 10, kind="varlen", path=name, shape=shape)
+        if t is not None:
+            ms[name] = t
     for name, t in ms.items():
         ratio = ms["sdpa padded"] / t if "sdpa padded" in ms else None
         ctx.row(kind="varlen", path=name, shape=shape, status="ok", ms=t, ratio_to_sdpa=ratio,
@@ -602,13 +610,10 @@ def _decode(ctx: StageContext) -> None:
                 ctx.row(**base, path=path, status="skipped", note=why)
                 continue
             ctx.running(f"decode {path} Nq={nq} B={B} Nk={nk}")
-            try:
-                with torch.no_grad():
-                    ms[path] = _time_ms(ctx, _decode_call(path, q, k, v),
-                                        3 if ctx.dry_run else 20)
-            except Exception as exc:
-                ctx.row(**base, path=path, status="failed",
-                        note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            t = _try_ms(ctx, _decode_call(path, q, k, v), 3 if ctx.dry_run else 20, **base,
+                        path=path)
+            if t is not None:
+                ms[path] = t
         for path, t in ms.items():
             ratio = ms["sdpa"] / t if "sdpa" in ms else None
             ctx.row(**base, path=path, status="ok", ms=t, gb_per_s=cache / (t * 1e-3) / 1e9,
@@ -716,7 +721,7 @@ def tune(ctx: StageContext) -> None:
                     status, note = "ok", ""
                 except Exception as exc:  # a config that does not launch here
                     ms, status = None, "failed"
-                    note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                    note = exc_line(exc, 160)
                 is_pick = str(config) == picks.get(kind)
                 pick_config = config if is_pick else pick_config
                 ctx.row(kind="tune", kernel=kind, shape=shape, config=str(config),
@@ -771,7 +776,7 @@ def context_parallel(ctx: StageContext) -> None:
                 status, note = ("ok" if rep.ok else "failed"), "" if rep.ok else str(rep)[:300]
             except Exception as exc:
                 worst, status = None, "failed"
-                note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                note = exc_line(exc)
             ctx.row(kind="cp", strategy=strategy, backend=f"{backend}, world size 1",
                     status=status, max_err=worst, note=note)
             ctx.log(f"{strategy} over {backend}, world size 1: {status} {note}")
@@ -799,7 +804,7 @@ def main(argv: list[str]) -> int:
     try:
         getattr(importlib.import_module(module), name)(ctx)
     except BaseException as exc:  # recorded as the stage's failure, with its traceback
-        ctx._put({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]})
+        ctx._put({"error": exc_line(exc, 400)[:400]})
         ctx.log("FAILED:\n" + traceback.format_exc())
         return 1
     return 0

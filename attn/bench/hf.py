@@ -199,10 +199,6 @@ def _mib(b: int | None) -> str:
     return "—" if b is None else f"{b / 2**20:,.0f}"
 
 
-def _num(x: float | None, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
-
-
 def _line(r: Row) -> str:
     return (f"{r.impl:6s} N={r.context:6d} {r.status:8s} peak {_mib(r.prefill_peak_bytes)} MiB "
             f"(pred {_mib(r.predicted_bytes)}) prefill {r.prefill_s} s decode "
@@ -240,11 +236,11 @@ def markdown(header: dict, rows: list[Row]) -> str:
         peak = _mib(r.prefill_peak_bytes) if r.status == "ok" else (
             f"skipped (predicted {r.predicted_bytes / 2**30:,.1f} GiB)" if r.status == "skipped"
             else r.status)
-        out.append(f"| {r.context} | {r.impl} | {peak} | {_num(r.prefill_s, '.2f')} | {ratio} "
-                   f"| {_num(r.decode_tokens_per_s, '.1f')} "
-                   f"| {_num(r.decode_best_tokens_per_s, '.1f')} "
+        out.append(f"| {r.context} | {r.impl} | {peak} | {report._fmt(r.prefill_s, '.2f')} | {ratio} "
+                   f"| {report._fmt(r.decode_tokens_per_s, '.1f')} "
+                   f"| {report._fmt(r.decode_best_tokens_per_s, '.1f')} "
                    f"| {r.decode_cache_from or '—'} "
-                   f"| {_num(r.logits_max_diff_vs_eager, '.1e')} |")
+                   f"| {report._fmt(r.logits_max_diff_vs_eager, '.1e')} |")
     notes = [f"- {r.impl} at {r.context}: {r.note}" for r in rows if r.note]
     return "\n".join(out + ([""] + notes if notes else [])) + "\n"
 

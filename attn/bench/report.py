@@ -261,11 +261,10 @@ def markdown_tables(rows: list[dict]) -> str:
         out.append(f"|--:|{'' if fixed else '--:|'}:--|--:|--:|--:|--:|--:|")
         notes: dict[tuple, list[int]] = {}
         for r in sorted(rs, key=lambda r: r["N"]):
-            if r["status"] == "skipped":
-                notes.setdefault((r["backend"], r["status"], r["note"]), []).append(r["N"])
-                continue
             if r["status"] != "ok":
                 notes.setdefault((r["backend"], r["status"], r["note"]), []).append(r["N"])
+            if r["status"] == "skipped":
+                continue
             ms = r["ms"]
             frac = r.get("matmul_fraction")
             shape = "" if fixed else f" {r['B']}×{r['H']} |"
