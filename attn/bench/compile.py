@@ -21,6 +21,7 @@ Must run in a process where the triton backend is *not* in interpreter mode
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -199,7 +200,6 @@ def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int
     forward-mode pass (``tri._jvp``, a tangent on every input that takes one) for dense
     and varlen, or a decoding forward (decode: 16 query rows, split-KV forced to 4 chunks;
     paged: the same through a block table; paged_int4: from a quantized cache)."""
-    import contextlib
     from dataclasses import replace
 
     from attn.spec import Operands
@@ -246,15 +246,12 @@ def record_launches(*, head_dim: int, dtype: torch.dtype = torch.bfloat16,
         raise RuntimeError("attn.flash_triton was imported in interpreter mode "
                            "(TRITON_INTERPRET=1): compile checks need the compiler")
     sink: list[Launch] = []
-    saved = {name: getattr(flash_triton, name) for name in KERNELS}
-    try:
-        for name, kernel in saved.items():
-            setattr(flash_triton, name, _Recorder(name, kernel, sink))
+    with contextlib.ExitStack() as patched:
+        for name in KERNELS:
+            recorder = _Recorder(name, getattr(flash_triton, name), sink)
+            patched.enter_context(mock.patch.object(flash_triton, name, recorder))
         _run_variant(flash_triton, variant, head_dim=head_dim, dtype=dtype, B=B, H=H,
                      H_kv=H_kv, N=N)
-    finally:
-        for name, kernel in saved.items():
-            setattr(flash_triton, name, kernel)
     return sink
 
 

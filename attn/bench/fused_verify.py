@@ -12,7 +12,6 @@ takes the op only where it is at least 1, :func:`attn.fused_cuda.verified_op`).
 
 from __future__ import annotations
 
-import platform
 import time
 import traceback
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 from attn import fused_cuda
 from attn.api import attention
-from attn.bench import gpu_record
+from attn.bench import gpu_record, report
 from attn.testing import compare_to_reference
 from attn.timing import median_ratio, paired
 
@@ -60,7 +59,7 @@ def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda",
     dev = torch.device(device)
     row = {"key": fused_cuda._key(op, dtype, head_dim, dev), "op": op,
            "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim,
-           "torch": torch.__version__, "device": _device_name(dev),
+           "torch": torch.__version__, "device": report.device_name(device),
            "date": time.strftime("%Y-%m-%d"), "cases": {}, "exact": True, "error": None}
     with fused_cuda.force_op(op):
         for i, (name, (shape, kw, masked)) in enumerate(CASES.items()):
@@ -75,7 +74,7 @@ def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda",
                 keep[:, :, 7] = False  # a row that sees no key: zeros, lse -inf
                 kw["attn_mask"] = keep.to(device)
             try:
-                report = compare_to_reference(_fused, q, k, v, check_lse=True, **kw)
+                rep = compare_to_reference(_fused, q, k, v, check_lse=True, **kw)
             except Exception as exc:  # recorded: the op is not verified for this row
                 row["exact"] = False
                 row["error"] = row["error"] or f"{name}: {type(exc).__name__}: {exc}"[:500]
@@ -83,9 +82,9 @@ def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda",
                 row["traceback"] = traceback.format_exc(limit=4)[-2000:]
                 continue
             worst = max(c.error / c.budget if c.budget > 0 else float("inf")
-                        for c in report.comparisons)
+                        for c in rep.comparisons)
             row["cases"][name] = round(worst, 4)
-            row["exact"] = row["exact"] and report.ok
+            row["exact"] = row["exact"] and rep.ok
         if row["exact"] and speed:
             row["speedup_vs_triton"] = _speedup(dtype, head_dim, device)
     return row
@@ -114,12 +113,6 @@ def _speedup(dtype: torch.dtype, head_dim: int, device: str) -> float | None:
         return None
     times = paired(fns, rounds=5, device=device)
     return round(median_ratio(times, "triton", "fused"), 3)
-
-
-def _device_name(dev: torch.device) -> str:
-    if dev.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(dev)
-    return platform.processor() or dev.type
 
 
 def _keys(ops, dtypes, head_dims):

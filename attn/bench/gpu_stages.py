@@ -644,20 +644,11 @@ def _tune_configs(kind: str, N: int, D: int, arch: int | None) -> list:
 def _forced(kind: str, config):
     """A context that makes one kernel launch ``config`` (the autotuner's list, set to one
     entry, is used without timing), restoring the list after."""
-    import contextlib
+    from unittest import mock
 
     import attn.flash_triton as ft
 
-    @contextlib.contextmanager
-    def ctxm():
-        tuner = getattr(ft, _KERNELS[kind])
-        saved = tuner.configs
-        tuner.configs = [config]
-        try:
-            yield
-        finally:
-            tuner.configs = saved
-    return ctxm()
+    return mock.patch.object(getattr(ft, _KERNELS[kind]), "configs", [config])
 
 
 def tune(ctx: StageContext) -> None:
