@@ -88,9 +88,9 @@ def benchmark(fn: Callable[[], object], *, device: str | torch.device = "cpu", w
 def paired(fns: dict[str, Callable[[], object]], rounds: int, reps: int = 1, *,
            device: str | torch.device = "cpu") -> dict[str, list[float]]:
     """Seconds per call of each function, one sample per round: every round runs each
-    function ``reps`` times in a row, the functions in turn (in ``fns`` order). On a machine
-    that drifts over minutes (a shared VM: 10-20%), a ratio taken within one round compares
-    like with like; see :func:`median_ratio`. Warm up before calling this."""
+    function ``reps`` times in a row, the functions in turn (in ``fns`` order), so a ratio
+    taken within one round (:func:`median_ratio`) survives a machine that drifts over
+    minutes. Warm up before calling this."""
     device = torch.device(device)
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(rounds):

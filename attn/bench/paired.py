@@ -1,15 +1,11 @@
 """``attn bench speed --paired``: tiled against torch SDPA on CPU, as paired ratios.
 
-``attn bench speed`` times each backend in a block, one after the other; on a shared machine
-a slow minute can land on one backend only. Here the contenders take turns, round after
-round: torch SDPA, ``attn.attention`` as a user calls it (``auto``), the fused backend (torch's
-CPU kernel per block of attn's plan), tiled as it runs by default (eager steps, GEMM engine per
-``ATTN_TILED_GEMM=auto``), tiled with torch.bmm GEMMs only (``ATTN_TILED_GEMM=bmm``: no unit
-path), tiled with the compiled steps (``ATTN_TILED_COMPILE=1``, unless ``--no-compiled``),
-and compiled FlexAttention for the causal forward up to ``--flex-max-n``
-(it has no CPU backward). A contender's sample in a round is ``reps`` calls in a row (enough
-for ~50 ms, chosen at warm-up, the same for every contender); the reported ratio is the median
-over rounds of ``sdpa time / contender time`` within the round (> 1: faster than SDPA).
+On a shared machine a slow minute can land on one backend of a block-by-block sweep. Here
+the contenders (:func:`contenders`: SDPA, ``auto``, ``fused``, tiled in each of
+:data:`TILED_VARIANTS`' settings, compiled flex for the causal forward) take turns round after
+round, each sample ``reps`` calls in a row (~50 ms, the same for every contender); the ratio
+is the median over rounds of ``sdpa time / contender time`` within the round (> 1: faster
+than SDPA).
 
     attn bench speed --paired --out benchmarks/results/cpu_ratio
 """

@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 import attn
-from attn.api import AttentionCall, attention, unsupported_reason
+from attn.api import attention, unsupported_reason
 from attn.bench.sweep import Row, SweepConfig, attn_backends, describe_function, \
-    device_unsupported
-from attn.masks import make_band
+    device_unsupported, square_call
 from attn.timing import CPU_ERROR_BYTES
 
 SCHEMA_VERSION = 1
@@ -160,15 +159,13 @@ def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torc
             continue
         for B, H, Hkv, N, D, causal in CHECK_SHAPES:
             shape = f"B={B} H={H} Hkv={Hkv} N={N} D={D}"
-            call = AttentionCall(device=torch.device(device).type, dtype=dtype, head_dim=D,
-                                 head_dim_v=D, n_q=N, n_k=N,
-                                 band=make_band(N, N, causal=causal, window=None))
-            why = device_unsupported(backend, device) or unsupported_reason(backend, call)
+            why = device_unsupported(backend, device) or unsupported_reason(
+                backend, square_call(device, dtype, D, N, causal))
             if why is not None:
                 add(Check(backend, shape, causal, "skipped", message=why))
                 continue
-            lse_ok = unsupported_reason(backend, AttentionCall(**{**asdict(call),
-                                                                   "return_lse": True})) is None
+            lse_ok = unsupported_reason(backend, square_call(device, dtype, D, N, causal,
+                                                             return_lse=True)) is None
             q, k, v = make_inputs(B, H, N, D, Hkv=Hkv, dtype=dtype, device=device)
             try:
                 rep = compare_to_reference(functools.partial(attention, backend=backend), q, k,

@@ -78,6 +78,14 @@ def device_unsupported(backend: str, device: str) -> str | None:
     return None
 
 
+def square_call(device: str, dtype: torch.dtype, D: int, N: int, causal: bool, **more
+                ) -> AttentionCall:
+    """The :class:`attn.api.AttentionCall` of an N × N point (``more``: its other fields)."""
+    return AttentionCall(device=torch.device(device).type, dtype=dtype, head_dim=D,
+                         head_dim_v=D, n_q=N, n_k=N,
+                         band=make_band(N, N, causal=causal, window=None), **more)
+
+
 def attn_backends() -> tuple[str, ...]:
     return tuple(b for b in BACKENDS if b != "auto")
 
@@ -237,10 +245,8 @@ def skip_reason(row: Row, cfg: SweepConfig) -> str | None:
     else:
         why = device_unsupported(row.backend, cfg.device)
     if why is None and row.backend in attn_backends():
-        call = AttentionCall(device=torch.device(cfg.device).type, dtype=DTYPES[row.dtype],
-                             head_dim=row.D, head_dim_v=row.D, n_q=row.N, n_k=row.N,
-                             band=make_band(row.N, row.N, causal=row.causal, window=None))
-        why = unsupported_reason(row.backend, call)
+        why = unsupported_reason(row.backend, square_call(cfg.device, DTYPES[row.dtype], row.D,
+                                                          row.N, row.causal))
     if why is None and row.predicted_bytes > cfg.max_bytes:
         why = (f"predicted peak {row.predicted_bytes / 2**30:.1f} GiB > budget "
                f"{cfg.max_bytes / 2**30:.1f} GiB"
