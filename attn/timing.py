@@ -86,12 +86,15 @@ def benchmark(fn: Callable[[], object], *, device: str | torch.device = "cpu", w
 
 
 def paired(fns: dict[str, Callable[[], object]], rounds: int, reps: int = 1, *,
-           device: str | torch.device = "cpu") -> dict[str, list[float]]:
+           device: str | torch.device = "cpu", warmup: int = 0) -> dict[str, list[float]]:
     """Seconds per call of each function, one sample per round: every round runs each
     function ``reps`` times in a row, the functions in turn (in ``fns`` order), so a ratio
     taken within one round (:func:`median_ratio`) survives a machine that drifts over
-    minutes. Warm up before calling this."""
+    minutes. ``warmup`` untimed rounds of one call each come first."""
     device = torch.device(device)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(rounds):
         for name, fn in fns.items():

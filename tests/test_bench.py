@@ -414,6 +414,11 @@ def test_paired_rounds_take_turns_and_ratios_are_per_round(monkeypatch):
     assert calls == ["a", "a", "b", "b"] * 3
     assert times == {"a": [1.0, 1.0, 1.0], "b": [3.0, 2.0, 2.0]}
     assert timing.median_ratio(times, "b", "a") == 2.0
+    # warm-up rounds: one untimed call each, in turn, before the timed rounds
+    calls.clear()
+    times = timing.paired({"a": fn("a", lambda: 1.0), "b": fn("b", lambda: 5.0)}, rounds=1,
+                          warmup=2)
+    assert calls == ["a", "b", "a", "b", "a", "b"] and times == {"a": [1.0], "b": [5.0]}
 
 
 # -- the benchmark questions -------------------------------------------------------------------

@@ -74,9 +74,7 @@ def _contenders(q, k, v, mask, causal: bool, backward: bool) -> dict:
 def measure(cls: str, dtype: str, rounds: int) -> dict:
     q, k, v, mask, causal, backward = _inputs(SHAPES[cls], getattr(torch, dtype))
     fns = _contenders(q, k, v, mask, causal, backward)
-    for fn in fns.values():  # warm-up
-        fn()
-    times = paired(fns, rounds)
+    times = paired(fns, rounds, warmup=1)
     return {"class": cls, "dtype": dtype, "shape": list(SHAPES[cls]),
             "ms": {n: 1e3 * sorted(t)[len(t) // 2] for n, t in times.items()},
             "fused_over_tiled": median_ratio(times, "fused", "tiled"),

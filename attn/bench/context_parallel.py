@@ -262,7 +262,7 @@ def markdown(header: dict, rows: list[dict], errors: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    from attn.bench.plots import _pyplot
+    from attn.bench.plots import _pyplot, save
 
     plt = _pyplot()
     ok = [r for r in rows if r["status"] == "ok"]
@@ -289,10 +289,7 @@ def plot(rows: list[dict], path: Path) -> Path:
             ax.set_title(f"{title}, {mode}")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -144,10 +144,7 @@ def measure_point(paths: dict[str, Callable], want: torch.Tensor, heads_first: C
                   flops: float, warmup: int, repeats: int) -> dict:
     """Errors against the float64 answer, then interleaved rounds: one row per cache length."""
     err = {n: (heads_first(fn()).double() - want).abs().max().item() for n, fn in paths.items()}
-    for _ in range(warmup):
-        for fn in paths.values():
-            fn()
-    times = paired(paths, repeats)
+    times = paired(paths, repeats, warmup=warmup)
     ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     return {"ms": ms, "gflops": {n: flops / t / 1e6 for n, t in ms.items()},
             "ratio_to_sdpa": {n: ms[BASELINE] / t for n, t in ms.items()},

@@ -116,10 +116,7 @@ def add_rows(args: argparse.Namespace, B: int, H: int, Hkv: int, D: int, lengths
         outs = {n: fn() for n, fn in paths.items()}
         err = {n: (outs[n].double() - wants[n]).abs().max().item() for n in paths}
         quant_err = {n: (outs[n].double() - exact).abs().max().item() for n in paths}
-        for _ in range(warmup):
-            for fn in paths.values():
-                fn()
-        times = paired(paths, repeats)
+        times = paired(paths, repeats, warmup=warmup)
         ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
         rows.append({"B": B, "Nq": n_q, "cache": L, "ms": ms,
                      "ratio_to_sdpa": {n: ms[BASELINE] / t for n, t in ms.items()},

@@ -85,6 +85,16 @@ def _title(rows: list[dict], header: dict | None) -> str:
     return f"{dev} — {r['dtype']}, B and H per N (fixed work per point), D={r['D']}"
 
 
+def save(fig, path: str | Path, title: str | None = None) -> Path:
+    """Write ``fig`` (with ``title`` above its panels) to ``path`` and close it."""
+    if title is not None:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return Path(path)
+
+
 def plot_memory(rows: list[dict], path: str | Path, header: dict | None = None) -> Path:
     """Peak MiB above the inputs vs N, log–log, one panel per mode."""
     plt = _pyplot()
@@ -97,11 +107,7 @@ def plot_memory(rows: list[dict], path: str | Path, header: dict | None = None) 
         ax.set_yscale("log")
         ax.set_ylabel("peak MiB above inputs")
         _legend(ax)
-    fig.suptitle("Peak memory — " + _title(rows, header))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save(fig, path, "Peak memory — " + _title(rows, header))
 
 
 def plot_speed(rows: list[dict], path: str | Path, header: dict | None = None) -> Path:
@@ -122,11 +128,7 @@ def plot_speed(rows: list[dict], path: str | Path, header: dict | None = None) -
         axes[1, col].set_ylabel("TFLOP/s (4·B·H·N²·D fwd, ×3.5 fwd+bwd)")
         axes[1, col].set_ylim(bottom=0)
         _legend(axes[1, col])
-    fig.suptitle("Speed — " + _title(rows, header))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save(fig, path, "Speed — " + _title(rows, header))
 
 
 def write_plots(rows: list[dict], out_dir: str | Path, header: dict | None = None) -> list[Path]:
