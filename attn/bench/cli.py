@@ -143,20 +143,25 @@ def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> Non
 
 def _add_function_args(p: argparse.ArgumentParser) -> None:
     """``--fn``: users' attention functions measured beside the backends."""
-    from attn.adapters import LAYOUTS, STYLES
-
     p.add_argument("--fn", action="append", default=[], metavar="MODULE:FUNCTION",
                    help="your attention function, measured beside the backends (repeatable): "
                         "mypkg.mod:fn or path/to/file.py:fn. A point where it raises is "
                         "recorded as failed there; the sweep goes on")
+    _add_style_args(p, "--fn functions")
+
+
+def _add_style_args(p: argparse.ArgumentParser, what: str) -> None:
+    """``--style`` and ``--layout``: how ``what`` are called (:func:`attn.adapters.adapt`)."""
+    from attn.adapters import LAYOUTS, STYLES
+
     p.add_argument("--style", choices=("auto", *STYLES), default="auto",
-                   help="how --fn functions are called: attn (attn.attention's keywords), "
-                        "torch (F.scaled_dot_product_attention's), flash (flash_attn_func's), "
-                        "hf (a transformers attention interface); default: guessed from "
-                        "each signature")
+                   help=f"how {what} are called: attn (attn.attention's keywords), torch "
+                        "(F.scaled_dot_product_attention's), flash (flash_attn_func's), hf (a "
+                        "transformers attention interface); default: guessed from each "
+                        "signature")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
-                   help="the layout --fn functions take q, k, v in (default: the style's, "
-                        "bnhd for flash, else bhnd)")
+                   help=f"the layout {what} take q, k, v and give out in (default: the "
+                        "style's, bnhd for flash, else bhnd)")
 
 
 def _functions(args: argparse.Namespace) -> tuple:
@@ -226,10 +231,7 @@ def _add_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("targets", nargs="+", metavar="TARGET",
                    help="module:function or path/to/file.py:function (several: one table "
                         "each, and --markdown compares them)")
-    p.add_argument("--style", default="auto", choices=("auto", "attn", "torch", "flash", "hf"),
-                   help="keyword names and return convention (default: from the signature)")
-    p.add_argument("--layout", default=None, choices=("bhnd", "bnhd"),
-                   help="layout of q, k, v and out (default: the style's, bnhd for flash)")
+    _add_style_args(p, "the targets")
     p.add_argument("--dtype", default="float32",
                    choices=("float32", "float16", "bfloat16", "float64"))
     p.add_argument("--device", default="cpu")

@@ -186,11 +186,12 @@ def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torc
 
 def write_json(path: str | Path, header: dict, rows: list[Row],
                checks: list[Check] | None = None) -> Path:
+    """A sweep's results.json: header, checks and rows (NaN or a non-JSON value raises)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"header": header, "checks": [asdict(c) for c in checks or []],
            "rows": [r.as_dict() for r in rows]}
-    path.write_text(json.dumps(doc, indent=1, allow_nan=False, default=_json_default) + "\n")
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     return path
 
 
@@ -207,10 +208,6 @@ def write_results(out: str | Path, header: dict, rows: list[dict], markdown: str
     print(markdown)
     print("wrote " + ", ".join(map(str, paths)))
     return paths
-
-
-def _json_default(x):
-    raise TypeError(f"not JSON serialisable: {x!r}")
 
 
 def load_json(path: str | Path) -> tuple[dict, list[dict], list[dict]]:

@@ -1,13 +1,10 @@
 """``attn bench train-step``: peak memory and time of one GPT training step per backend.
 
-One step is forward, backward and AdamW on the toy GPT of :mod:`attn.models` (RoPE, causal,
-fp32), the same seed and batch for every backend. Peak memory:
-:func:`attn.timing.peak_bytes` (on CPU the live-bytes curve of torch's allocator recorded by
-the profiler) above what existed before the step (the model, its AdamW state and gradients
-from a warm-up step, and the batch), so it counts activations, the attention's saved tensors
-and workspaces, and the new gradients. Time: median of ``--repeats`` steps run without the
-profiler, after the warm-up step. The warm-up step's loss is in the rows: every backend
-computes the same model, so the losses agree to rounding.
+One step is forward, backward and AdamW on the toy GPT of :mod:`attn.models`, the same seed
+and batch for every backend; peak memory (:func:`attn.timing.peak_bytes`) is above what a
+warm-up step left (model, AdamW state, gradients, batch), time the median of ``--repeats``
+steps without the profiler. The warm-up step's loss is in the rows: the backends agree to
+rounding. docs/benchmarks.md ("Memory of a training step") has the numbers.
 
     attn bench train-step --lengths 2048 4096 --backends reference tiled sdpa \\
         --out benchmarks/results/train_step_cpu
