@@ -389,7 +389,6 @@ def speed(ctx: StageContext) -> None:
     rows = sorted(plan(cfg), key=_priority)
     rate = ctx.env.get("matmul_tflops") or measure_matmul_rates(cfg)
     reserve = 0.4 * ctx.budget_s  # for the variant costs and their flex compiles
-    done = []
     if rows:
         ctx.running(_group(rows[0]) + f" N={rows[0].N}")
     for i, row in enumerate(run_sweep(cfg, rows)):
@@ -400,7 +399,6 @@ def speed(ctx: StageContext) -> None:
                 + (f"{r.ms:.3g} ms, {r.tflops:.3g} TFLOP/s, peak "
                    f"{(r.peak_bytes or 0) / 2**20:.1f} MiB" if r.status == "ok"
                    else f"{r.status} ({r.note})"))
-        done.append(r)
         if i + 1 < len(rows):
             ctx.running(_group(rows[i + 1]) + f" N={rows[i + 1].N}")
         if i + 1 < len(rows) and ctx.left() < reserve:
