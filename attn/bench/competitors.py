@@ -1,20 +1,14 @@
-"""torch's own attention kernels as extra backends of a sweep, timed beside attn's.
+"""torch's own attention kernels as extra backends of a sweep, timed beside attn's:
+F.scaled_dot_product_attention with one kernel forced (:data:`SDPA_KERNELS`; plain ``sdpa``
+is attn's backend of that name, torch's own choice and the baseline of ``ratio_to_sdpa``)
+and FlexAttention compiled (``flex``; :func:`flex_variant` builds flex for an attn.attention
+variant, to time flex on the same variant).
 
-* ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` with
-  one kernel forced through ``torch.nn.attention.sdpa_kernel`` (plain ``sdpa`` is attn's
-  backend of that name: torch's own choice, the baseline of ``ratio_to_sdpa``).
-* ``flex``: ``torch.nn.attention.flex_attention`` compiled with ``torch.compile``, causal
-  through a block mask; :func:`flex_variant` builds the score_mod and block mask of an
-  attn.attention variant (softcap, window, ALiBi) for timing flex on the same variant.
-
-Whether a forced kernel runs depends on the GPU, the build, dtype and head dim, so it is
-asked, not assumed: :func:`competitor_unsupported` runs the kernel once on a tiny input of
-the point's dtype, head dim and mode, and a refusal becomes the point's skip reason (with
-the warnings torch gave for it).
-
-They call :data:`attn.sdpa.torch_sdpa`, torch's function captured at import: under
-:func:`attn.patch_sdpa` the name in ``torch.nn.functional`` leads to attn, and a competitor
-must stay torch's.
+Whether a forced kernel runs depends on the GPU, the build, dtype and head dim, so
+:func:`competitor_unsupported` asks it once on a tiny input of the point's dtype, head dim
+and mode, and a refusal becomes the point's skip reason. They call
+:data:`attn.sdpa.torch_sdpa`, torch's function captured at import: under
+:func:`attn.patch_sdpa` the name in ``torch.nn.functional`` leads to attn.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """``attn bench kv-accuracy``: what a quantized KV cache costs in accuracy, on the toy GPT.
 
 A trained checkpoint of :mod:`attn.models` (by default the committed
-``benchmarks/checkpoints/text-gpt-4x128-gqa2.pt``: 4 layers, width 128, 4 query and 2 kv
-heads, RoPE, 1200 steps of the text task) is evaluated teacher-forced on the validation
-split. In every layer the new keys and values go into an :class:`attn.kvcache.PagedKVCache`
-of the format under test (quantized as that cache stores them) and come back out of it
-(``sequence_kv``: dequantized), and attention runs on what came back. The first row keeps
-K/V in float32 with no cache: the others are compared with it. The loss is the mean
-cross-entropy per predicted token over the same batches for every row.
+``benchmarks/checkpoints/text-gpt-4x128-gqa2.pt``) is evaluated teacher-forced on the
+validation split with every layer's new keys and values stored in a
+:class:`attn.kvcache.PagedKVCache` of each format (:data:`CACHES`) and read back
+dequantized; the loss is the mean cross-entropy per predicted token, against a float32 row
+without a cache.
 
     attn bench kv-accuracy --out benchmarks/results/kv_accuracy_cpu
 """
