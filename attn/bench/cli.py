@@ -49,12 +49,6 @@ _REPORT_N = {("cpu", False): (512, 1024, 2048, 4096, 8192, 16384),
              ("cuda", True): (512, 1024, 2048, 4096)}
 
 
-def _version() -> str:
-    from attn import __version__
-
-    return f"attn {__version__}"
-
-
 def _quick_parser() -> argparse.ArgumentParser:
     """The top level only (commands and --version), built without importing torch: enough
     to answer ``attn``, ``attn --help`` and ``attn --version``."""
@@ -63,8 +57,10 @@ def _quick_parser() -> argparse.ArgumentParser:
 
 def _top_level() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``attn`` parser with its commands and --version, and each command's parser."""
+    from attn import __version__
+
     parser = argparse.ArgumentParser(prog="attn", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=f"attn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     return parser, {name: sub.add_parser(name, help=what) for name, what in COMMANDS.items()}
 
@@ -85,16 +81,6 @@ def _triton_preset(device_name: str) -> dict:
 
 # A preset is the defaults of a standing question; every flag given still wins.
 PRESETS = {"triton": _triton_preset}
-
-
-def _causal(value: str) -> tuple[bool, ...]:
-    return {"false": (False,), "true": (True,), "both": (False, True)}[value]
-
-
-def _modes(value: str) -> tuple[str, ...]:
-    from attn.bench.flops import MODES
-
-    return MODES if value == "both" else (value,)
 
 
 def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> None:
@@ -301,7 +287,8 @@ def _question(kind: str):
 def _config(args: argparse.Namespace) -> SweepConfig:
     import torch
 
-    from attn.bench.sweep import SweepConfig, default_backends
+    from attn.bench.flops import MODES
+    from attn.bench.sweep import CAUSAL, SweepConfig, default_backends
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -316,8 +303,8 @@ def _config(args: argparse.Namespace) -> SweepConfig:
     return SweepConfig(
         n=n, backends=(*(args.backends or default_backends(device)), *_functions(args)),
         d=tuple(args.d),
-        causal=_causal(args.causal or "false"), dtypes=tuple(args.dtype),
-        modes=_modes(args.mode),
+        causal=CAUSAL[args.causal or "false"], dtypes=tuple(args.dtype),
+        modes=MODES if args.mode == "both" else (args.mode,),
         batch=1 if args.batch is None else args.batch,
         heads=8 if args.heads is None else args.heads, tokens=args.tokens, width=args.width,
         matmul_n=args.matmul_n, device=device,

@@ -46,11 +46,6 @@ def _sdpa_forward(name: str, causal: bool) -> Callable[[Tensor, Tensor, Tensor],
     return forward
 
 
-def _flex_forward(causal: bool, N: int, device: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    # Nq == Nk in a sweep: top-left and bottom-right alignment agree
-    return flex_variant({"causal": True} if causal else {}, N, device)
-
-
 # what flex_variant cannot express, and why
 FLEX_CANNOT = {
     "sinks": "flex_attention has no sinks argument (a sink is an extra column of the "
@@ -109,14 +104,9 @@ def make_forward(name: str, causal: bool, N: int, device: str
                  ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """``forward(q, k, v) → out`` for q, k, v of shape (B, H, N, D) on ``device``."""
     _check_name(name)
-    if name == "flex":
-        return _flex_forward(causal, N, device)
+    if name == "flex":  # Nq == Nk in a sweep: top-left and bottom-right alignment agree
+        return flex_variant({"causal": True} if causal else {}, N, device)
     return _sdpa_forward(name, causal)
-
-
-def needs_compile(name: str) -> bool:
-    """Whether the first call compiles (the sweep makes it outside any measurement)."""
-    return name == "flex"
 
 
 def competitor_unsupported(name: str, device: str, dtype: torch.dtype, D: int, causal: bool,

@@ -28,9 +28,10 @@ import torch
 import attn
 from attn.bench import report
 from attn.bench.competitors import make_forward
-from attn.bench.flops import attention_flops, matmul_tflops
-from attn.bench.sweep import DTYPES
+from attn.bench.flops import MODES, attention_flops, matmul_tflops
+from attn.bench.sweep import CAUSAL, DTYPES
 from attn.sdpa import torch_sdpa
+from attn.tiled import steps_path_reason
 from attn.timing import benchmark, median_ratio, paired
 
 # the environment each tiled variant runs under (set before each of its calls)
@@ -260,13 +261,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if not square and args.d == [64]:  # the default: these shapes are D = 128
         args.d = [128]
     default_causal = "both" if square else "true" if args.shape == "prefill" else "false"
-    causals = {"false": (False,), "true": (True,),
-               "both": (False, True)}[args.causal or default_causal]
-    modes = ("fwd", "fwd+bwd") if args.mode == "both" else (args.mode,)
+    causals = CAUSAL[args.causal or default_causal]
+    modes = MODES if args.mode == "both" else (args.mode,)
     header = report.run_header("cpu", argv)
     dims = ", ".join(map(str, args.d))
     header.update(shape=f"{', '.join(args.dtype)}, B={B}, H={H}, D={dims}",
-                  tiled_path=report.tiled_path("cpu"))
+                  tiled_path=steps_path_reason("cpu"))
     rows = []
     with mock.patch.dict(os.environ), busy_core(args.busy_core) as core:
         # (the contenders' settings end with the run)

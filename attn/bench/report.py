@@ -25,6 +25,7 @@ import attn
 from attn.api import attention, unsupported_reason
 from attn.bench.sweep import Row, SweepConfig, attn_backends, describe_function, \
     device_unsupported, square_call
+from attn.tiled import steps_path_reason
 from attn.timing import CPU_ERROR_BYTES
 
 SCHEMA_VERSION = 1
@@ -53,17 +54,6 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
-def tiled_path(device: str) -> str:
-    """Which tiled path (eager or compiled tiled steps, GEMM engine) a call on ``device`` takes."""
-    from attn import tiled
-    return tiled.steps_path_reason(device)
-
-
-def _loadavg() -> float | None:
-    """The 1-minute load average, rounded: two decimals say all it can."""
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
-
-
 def load_warning(header: dict) -> str | None:
     """What to do when other processes compete for the cores this run uses: the 1-minute
     load average (taken before the run) above the torch threads it runs on."""
@@ -85,8 +75,9 @@ def run_header(device: str, argv: list[str], prog: str = "attn") -> dict:
         "device": device, "device_name": device_name(device), "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "attn": attn.__version__,
-        # other processes on the machine slow every path alike; ratios stay meaningful
-        "loadavg_1min": _loadavg(),
+        # other processes on the machine slow every path alike; ratios stay meaningful (two
+        # decimals say all the 1-minute load average can)
+        "loadavg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([prog, *map(shlex.quote, argv)]),
     }
@@ -101,7 +92,7 @@ def make_header(cfg: SweepConfig, argv: list[str] | None = None,
         **run_header(cfg.device, sys.argv[1:] if argv is None else argv),
         "triton": _triton_version(),
         "kind": "gpu" if is_cuda else "cpu",
-        "tiled_path": tiled_path(cfg.device),
+        "tiled_path": steps_path_reason(cfg.device),  # the tiled path a call takes here
         "memory_method": ("torch.cuda.max_memory_allocated above the inputs" if is_cuda else
                           "torch.profiler CPU allocator events, peak live bytes above the "
                           f"inputs (error <= {CPU_ERROR_BYTES} bytes on a known allocation)"),

@@ -21,12 +21,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from attn.api import BACKENDS, AttentionCall, attention, unsupported_reason
-from attn.bench.competitors import COMPETITORS, competitor_unsupported, make_forward, \
-    needs_compile
+from attn.bench.competitors import COMPETITORS, competitor_unsupported, make_forward
 from attn.bench.flops import MODES, attention_flops, matmul_tflops
 from attn.masks import make_band
 from attn.timing import benchmark, peak_bytes
 
+CAUSAL = {"false": (False,), "true": (True,), "both": (False, True)}  # --causal's values
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
 
@@ -295,7 +295,7 @@ def make_call(row: Row, cfg: SweepConfig) -> Callable[[], None]:
 
 def _measure(row: Row, cfg: SweepConfig) -> None:
     fn = make_call(row, cfg)
-    if needs_compile(row.backend) or row.backend == "triton":
+    if row.backend in ("flex", "triton"):
         # compiling (flex) and autotuning (triton: its timer allocates a 256 MB buffer to
         # flush L2) are first-call costs that allocate and take seconds: neither belongs to
         # the point
