@@ -199,7 +199,7 @@ def _determinism(ctx: StageContext) -> None:
 
     def fwd():
         with torch.no_grad():
-            return attn.attention(q, k, v, causal=True, backend="triton")
+            return (attn.attention(q, k, v, causal=True, backend="triton"),)
 
     def dkdv():
         out = attn.attention(q, k, v, causal=True, backend="triton")
@@ -207,12 +207,9 @@ def _determinism(ctx: StageContext) -> None:
 
     for name, fn in (("forward", fwd), ("dK/dV", dkdv)):
         first = fn()
-        first = first if isinstance(first, tuple) else (first,)
         done, same = 1, True
         while done < runs and ctx.left() > 10:
-            got = fn()
-            got = got if isinstance(got, tuple) else (got,)
-            same &= all(torch.equal(a, b) for a, b in zip(first, got))
+            same &= all(torch.equal(a, b) for a, b in zip(first, fn()))
             done += 1
         if done < runs:
             ctx.dropped(f"determinism {name}: runs {done + 1}-{runs}", "the box ran short")
