@@ -26,6 +26,8 @@ as a first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 from typing import Callable
 
 import torch
@@ -283,6 +285,163 @@ class _Hvp:
         return dq_blk, dcap, dmask
 
 
+class _PlainHvp:
+    """:class:`_Hvp`'s two passes for plain CPU tensors that nothing differentiates (the
+    pooled path) when the score map is linear in q and k with no learnable term of its own
+    (no score_mod, softcap, float mask or ALiBi; masks that only cut keys, sinks and dropout
+    stay) and ``first`` is None: the same sums with GEMMs into per-thread tile buffers and
+    in-place elementwise steps. Differences from :meth:`_Hvp.block` (measured, Cascade Lake,
+    fp32 N = 4096, see benchmarks/results/transforms_cpu.md):
+
+    - Σ (p z) v over a row's keys is the forward's own output: Δ_pd = g·out, no GEMM;
+    - the score tangent a = c (t_q kᵀ + q t_kᵀ) is one GEMM of depth 2D over [t_q | q] and
+      [k | t_k] (built once per call);
+    - pass 1 keeps (p, p a) rather than (p, a): pass 2 needs a only through p a, and the
+      product is pass 1's anyway;
+    - every tile op writes into a buffer of the calling thread's (s, a, dP, e, and the kept
+      tiles' arena, sized to ``_KEEP_BYTES``): a fresh MiB-sized result per op costs page
+      faults and a pass more over memory."""
+
+    def __init__(self, hvp: _Hvp, out: Tensor) -> None:
+        self.h = hvp
+        B, H, D, G, acc, scale = hvp.B, hvp.H, hvp.D, hvp.G, hvp.acc, hvp.scale
+        k = hvp.k.to(acc)
+        q_s = hvp.q.to(acc) * scale
+        # a = [c t_q | c q] · [k | t_k]ᵀ, the terms whose direction is 0 left out
+        lhs = ([hvp.tq * scale] if hvp.tq is not None else []) + (
+            [q_s] if hvp.tk is not None else [])
+        rhs = ([k] if hvp.tq is not None else []) + ([hvp.tk] if hvp.tk is not None else [])
+        self.qa = torch.cat(lhs, -1) if len(lhs) > 1 else lhs[0]  # (B, H, Nq, D or 2D)
+        self.tq_s = self.qa[..., :D] if hvp.tq is not None else None  # views: c t_q, c q
+        self.q_s = self.qa[..., -D:] if hvp.tk is not None else q_s
+        self.Hkv = H // G
+        self.k3 = self._kv3(k)  # (B·Hkv, Nk, ·)
+        self.ka3 = self._kv3(torch.cat(rhs, -1) if len(rhs) > 1 else rhs[0])
+        self.tk3 = None if hvp.tk is None else self._kv3(hvp.tk)
+        self.v3 = self._kv3(hvp.v.to(acc))
+        self.tv3 = None if hvp.tv is None else self._kv3(hvp.tv)
+        self.out = out.to(acc)
+        self.local = threading.local()  # each worker thread's tile buffers, for this call
+
+    def _kv3(self, x: Tensor) -> Tensor:
+        return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
+
+    def _rows3(self, x: Tensor, m0: int, m1: int) -> Tensor:
+        """A block's rows of a ``(B, H, Nq, X)`` tensor as ``(B·Hkv, G·BM, X)``, a group's
+        query heads stacked (what one GEMM per KV head takes)."""
+        r = span(x, 2, m0, m1)
+        return r.reshape(self.h.B * self.Hkv, -1, r.shape[-1])
+
+    def _buf(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """This thread's scratch tile ``name`` (grown as asked, dropped with the call)."""
+        bufs = self.local.__dict__.setdefault("bufs", {})
+        n = math.prod(shape)
+        if name not in bufs or bufs[name].numel() < n:
+            bufs[name] = torch.empty(n, dtype=self.h.acc, device=self.h.q.device)
+        return bufs[name][:n].view(shape)
+
+    def _probs(self, m0, m1, n0, n1, full, q_b, qa_b, lse_b, s, a):
+        """The tile's ``(p, p a)`` into the buffers ``s`` and ``a`` (masked keys: p = 0)."""
+        h = self.h
+        torch.bmm(q_b, self.k3[:, n0:n1].transpose(1, 2), out=s)
+        torch.bmm(qa_b, self.ka3[:, n0:n1].transpose(1, 2), out=a)
+        keep = h.ts.allowed(m0, m1, n0, n1, full)
+        if keep is not None:
+            drop = ~keep
+            s.view(h.B, h.H, m1 - m0, n1 - n0).masked_fill_(drop, float("-inf"))
+            a.view(h.B, h.H, m1 - m0, n1 - n0).masked_fill_(drop, 0.0)
+        p = s.sub_(lse_b).exp_()
+        return p, a.mul_(p)
+
+    def _z(self, m0, m1, n0, n1) -> Tensor | None:
+        z = self.h.ts.dropout(m0, m1, n0, n1)
+        return None if z is None else z.reshape(self.h.B * self.Hkv, -1, n1 - n0)
+
+    def block(self, m0, m1, key_tiles, kv_into):
+        """:meth:`_Hvp.block` (its return value and ``kv_into`` terms)."""
+        h = self.h
+        B, H, BM, Dv = h.B, h.H, m1 - m0, h.Dv
+        GBM = BM * h.G
+        lead = (B * self.Hkv, GBM)
+        q_b, qa_b = self._rows3(self.q_s, m0, m1), self._rows3(self.qa, m0, m1)
+        lse_b = self._rows3(h.lse_a.unsqueeze(-1), m0, m1)
+        g_b, out_b = self._rows3(h.g_a, m0, m1), self._rows3(self.out, m0, m1)
+        widest = max((n1 - n0 for n0, n1, _ in key_tiles), default=0)
+        budget = min(_KEEP_BYTES, 2 * GBM * sum(n1 - n0 for n0, n1, _ in key_tiles)
+                     * B * self.Hkv * torch.finfo(h.acc).bits // 8)
+        arena = self._buf("kept", (budget // (torch.finfo(h.acc).bits // 8),))
+        # -- pass 1: ā = Σ p a, and Σ p z a v + Σ p z t_v (∂L/∂g and C read it) --
+        abar = torch.zeros(*lead, 1, dtype=h.acc, device=h.q.device)
+        pav = torch.zeros(*lead, Dv, dtype=h.acc, device=h.q.device)
+        kept, used = {}, 0
+        for n0, n1, full in key_tiles:
+            shape = (*lead, n1 - n0)
+            n = math.prod(shape)
+            if used + 2 * n <= arena.numel():
+                s, a = arena[used:used + n].view(shape), arena[used + n:used + 2 * n].view(shape)
+                used += 2 * n
+                kept[n0] = (s, a)
+            else:
+                s, a = self._buf("s", shape), self._buf("a", shape)
+            p, pa = self._probs(m0, m1, n0, n1, full, q_b, qa_b, lse_b, s, a)
+            abar += pa.sum(-1, keepdim=True)
+            z = self._z(m0, m1, n0, n1)
+            pav.baddbmm_(pa if z is None else pa * z, self.v3[:, n0:n1])
+            if self.tv3 is not None:
+                pav.baddbmm_(p if z is None else p * z, self.tv3[:, n0:n1])
+        # -- the row sums (module docstring): Δ_pd = g·out, C = g·(Σ p z a v + Σ p z t_v) --
+        dpd = (g_b * out_b).sum(-1, keepdim=True)
+        c_sum = (g_b * pav).sum(-1, keepdim=True)
+        delta = dpd - (0.0 if h.glse is None else self._rows3(
+            h.glse.to(h.acc).unsqueeze(-1), m0, m1))
+        dsink = None
+        if h.sinks is not None:
+            p_sink = torch.exp(h.sinks - lse_b.view(B, H, BM, 1))
+            t_s = 0.0 if h.t_sink is None else h.t_sink
+            abar = abar + (p_sink * t_s).reshape(*lead, 1)
+            a4, c4, d4, dpd4 = (x.view(B, H, BM, 1) for x in (abar, c_sum, delta, dpd))
+            dsink = (p_sink * (-c4 - d4 * (t_s - a4) + a4 * dpd4)).sum(dim=(0, 2, 3))
+        r0 = delta * abar + abar * dpd - c_sum
+        dg = pav.sub_(abar * out_b)  # ∂L/∂g = Σ p z (a − ā) v + Σ p z t_v
+        # -- pass 2: s̄ = p (e − ā dP + r0) + p a (dP − Δ), ā_s = p (dP − Δ), w = p z (a − ā) --
+        dq = torch.zeros(*lead, h.D, dtype=h.acc, device=h.q.device)
+        for n0, n1, full in key_tiles:
+            shape = (*lead, n1 - n0)
+            if n0 in kept:
+                p, pa = kept.pop(n0)
+            else:
+                p, pa = self._probs(m0, m1, n0, n1, full, q_b, qa_b, lse_b,
+                                    self._buf("s", shape), self._buf("a", shape))
+            z = self._z(m0, m1, n0, n1)
+            dp = torch.bmm(g_b, self.v3[:, n0:n1].transpose(1, 2), out=self._buf("dp", shape))
+            if z is not None:
+                dp.mul_(z)
+            if self.tv3 is None:
+                inner = torch.addcmul(r0, dp, abar, value=-1.0, out=self._buf("e", shape))
+            else:
+                inner = torch.bmm(g_b, self.tv3[:, n0:n1].transpose(1, 2),
+                                  out=self._buf("e", shape))
+                if z is not None:
+                    inner.mul_(z)
+                inner.addcmul_(dp, abar, value=-1.0).add_(r0)
+            dp.sub_(delta)
+            s_bar = inner.mul_(p).addcmul_(pa, dp)
+            a_bar = dp.mul_(p)
+            w = pa.addcmul_(p, abar, value=-1.0)
+            if z is not None:
+                w.mul_(z)
+            dq.baddbmm_(s_bar, self.k3[:, n0:n1], alpha=h.scale)
+            if self.tk3 is not None:
+                dq.baddbmm_(a_bar, self.tk3[:, n0:n1], alpha=h.scale)
+            q4 = (B, H, BM, -1)
+            dk_terms = [(s_bar.view(q4), q_b.view(q4), 1.0)]
+            if self.tq_s is not None:
+                dk_terms.append((a_bar.view(q4), self._rows3(self.tq_s, m0, m1).view(q4), 1.0))
+            kv_into(n0, n1, dk_terms, [(w.view(q4), g_b.view(q4), 1.0)])
+        return (dq.view(B, H, BM, h.D), dg.view(B, H, BM, Dv), abar.view(B, H, BM), dsink,
+                None, None)
+
+
 def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
     hvp = _Hvp(q, k, v, lse, spec, ops, g, glse, t, first)
     H, Nq, D, Dv, acc = q.shape[1], q.shape[2], hvp.D, hvp.Dv, hvp.acc
@@ -293,7 +452,11 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
         isinstance(x, Tensor) and x.requires_grad for x in tensors))
     blocks = list(hvp.ts.query_blocks())
     if pooled:
-        res, parts = _pooled(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc, threads)
+        block = hvp.block
+        if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
+                and (hvp.tq is not None or hvp.tk is not None)):
+            block = _PlainHvp(hvp, out).block
+        res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
     else:
         res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
     dsink, dcap, dmask_rows = parts
