@@ -289,20 +289,22 @@ class _PlainHvp:
     """:class:`_Hvp`'s two passes for plain CPU tensors that nothing differentiates (the
     pooled path) when the score map is linear in q and k with no learnable term of its own
     (no score_mod, softcap, float mask or ALiBi; masks that only cut keys, sinks and dropout
-    stay) and ``first`` is None: the same sums with GEMMs into per-thread tile buffers and
-    in-place elementwise steps. Differences from :meth:`_Hvp.block` (measured, Cascade Lake,
-    fp32 N = 4096, see benchmarks/results/transforms_cpu.md):
+    stay) and ``first`` is None: the same sums, with GEMMs into per-thread tile buffers and
+    the elementwise steps in place. Where it differs from :meth:`_Hvp.block`:
 
-    - Σ (p z) v over a row's keys is the forward's own output: Δ_pd = g·out, no GEMM;
+    - Σ (p z) v over a row's keys is the forward's output: Δ_pd = g·out, no GEMM;
     - the score tangent a = c (t_q kᵀ + q t_kᵀ) is one GEMM of depth 2D over [t_q | q] and
       [k | t_k] (built once per call);
-    - pass 1 keeps (p, p a) rather than (p, a): pass 2 needs a only through p a, and the
-      product is pass 1's anyway;
-    - every tile op writes into a buffer of the calling thread's (s, a, dP, e, and the kept
-      tiles' arena, sized to ``_KEEP_BYTES``): a fresh MiB-sized result per op costs page
-      faults and a pass more over memory."""
+    - pass 1 keeps p a rather than a (pass 2 reads a only through it), and where a block's
+      tiles do not all fit ``_KEEP_BYTES`` keeps p a of every tile before p of any: a tile
+      without p recomputes one GEMM (q kᵀ), a tile with neither three;
+    - s̄ = p (e + r1) + (dP − Δ)(p a − ā p) with r1 = r0 − ā Δ: six passes over a tile, the
+      last factor being dV's w before dropout;
+    - the tiles are written into buffers of the calling thread's, each allocated once per
+      call at its largest size (the kept tiles' arena at most ``_KEEP_BYTES``): a fresh
+      MiB-sized result per op costs page faults and a pass more over memory."""
 
-    def __init__(self, hvp: _Hvp, out: Tensor) -> None:
+    def __init__(self, hvp: _Hvp, out: Tensor, blocks) -> None:
         self.h = hvp
         B, H, D, G, acc, scale = hvp.B, hvp.H, hvp.D, hvp.G, hvp.acc, hvp.scale
         k = hvp.k.to(acc)
@@ -321,7 +323,15 @@ class _PlainHvp:
         self.v3 = self._kv3(hvp.v.to(acc))
         self.tv3 = None if hvp.tv is None else self._kv3(hvp.tv)
         self.out = out.to(acc)
-        self.local = threading.local()  # each worker thread's tile buffers, for this call
+        # the largest tile and a block's tiles, in elements: the buffers' sizes
+        size = torch.finfo(acc).bits // 8
+        rows = [B * H * (m1 - m0) for m0, m1, _ in blocks]
+        self.tile_elems = max((r * (n1 - n0) for r, (_, _, kt) in zip(rows, blocks)
+                               for n0, n1, _ in kt), default=0)
+        self.arena_elems = min(_KEEP_BYTES // size, max(
+            (2 * r * sum(n1 - n0 for n0, n1, _ in kt) for r, (_, _, kt) in zip(rows, blocks)),
+            default=0))
+        self.local = threading.local()  # each worker thread's buffers, for this call
 
     def _kv3(self, x: Tensor) -> Tensor:
         return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
@@ -332,58 +342,69 @@ class _PlainHvp:
         r = span(x, 2, m0, m1)
         return r.reshape(self.h.B * self.Hkv, -1, r.shape[-1])
 
-    def _buf(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        """This thread's scratch tile ``name`` (grown as asked, dropped with the call)."""
+    def _buf(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
+        """This thread's buffer ``name``: a tile (``shape``) or, without one, the arena."""
         bufs = self.local.__dict__.setdefault("bufs", {})
-        n = math.prod(shape)
-        if name not in bufs or bufs[name].numel() < n:
+        if name not in bufs:
+            n = self.arena_elems if shape is None else self.tile_elems
             bufs[name] = torch.empty(n, dtype=self.h.acc, device=self.h.q.device)
-        return bufs[name][:n].view(shape)
+        return bufs[name] if shape is None else bufs[name][:math.prod(shape)].view(shape)
 
-    def _probs(self, m0, m1, n0, n1, full, q_b, qa_b, lse_b, s, a):
-        """The tile's ``(p, p a)`` into the buffers ``s`` and ``a`` (masked keys: p = 0)."""
-        h = self.h
+    def _scores(self, m0, m1, n0, n1, full, q_b, lse_b, s) -> tuple[Tensor, Tensor | None]:
+        """The tile's p into ``s``, and its bool keep-mask (None: every key kept)."""
         torch.bmm(q_b, self.k3[:, n0:n1].transpose(1, 2), out=s)
-        torch.bmm(qa_b, self.ka3[:, n0:n1].transpose(1, 2), out=a)
-        keep = h.ts.allowed(m0, m1, n0, n1, full)
+        keep = self.h.ts.allowed(m0, m1, n0, n1, full)
         if keep is not None:
-            drop = ~keep
-            s.view(h.B, h.H, m1 - m0, n1 - n0).masked_fill_(drop, float("-inf"))
-            a.view(h.B, h.H, m1 - m0, n1 - n0).masked_fill_(drop, 0.0)
-        p = s.sub_(lse_b).exp_()
-        return p, a.mul_(p)
+            s.view(self.h.B, self.h.H, m1 - m0, n1 - n0).masked_fill_(~keep, float("-inf"))
+        return s.sub_(lse_b).exp_(), keep
+
+    def _pa(self, m0, m1, n0, n1, qa_b, p, keep, a) -> Tensor:
+        """The tile's p a into ``a`` (a masked key's a is 0, however large)."""
+        torch.bmm(qa_b, self.ka3[:, n0:n1].transpose(1, 2), out=a)
+        if keep is not None:
+            a.view(self.h.B, self.h.H, m1 - m0, n1 - n0).masked_fill_(~keep, 0.0)
+        return a.mul_(p)
 
     def _z(self, m0, m1, n0, n1) -> Tensor | None:
         z = self.h.ts.dropout(m0, m1, n0, n1)
         return None if z is None else z.reshape(self.h.B * self.Hkv, -1, n1 - n0)
 
+    def _plan_keep(self, lead, key_tiles) -> dict[int, tuple[int | None, int | None]]:
+        """Where in the arena pass 1 keeps each tile's ``(p a, p)`` (None: recomputed):
+        p a of every tile first, then p, as far as the arena goes."""
+        sizes = [(n0, lead[0] * lead[1] * (n1 - n0)) for n0, n1, _ in key_tiles]
+        at, room = 0, self.arena_elems
+        places: dict[int, list] = {n0: [None, None] for n0, _ in sizes}
+        for slot in (0, 1):
+            for n0, n in sizes:
+                if at + n <= room:
+                    places[n0][slot], at = at, at + n
+        return {n0: tuple(x) for n0, x in places.items()}
+
     def block(self, m0, m1, key_tiles, kv_into):
         """:meth:`_Hvp.block` (its return value and ``kv_into`` terms)."""
         h = self.h
         B, H, BM, Dv = h.B, h.H, m1 - m0, h.Dv
-        GBM = BM * h.G
-        lead = (B * self.Hkv, GBM)
+        lead = (B * self.Hkv, BM * h.G)
         q_b, qa_b = self._rows3(self.q_s, m0, m1), self._rows3(self.qa, m0, m1)
         lse_b = self._rows3(h.lse_a.unsqueeze(-1), m0, m1)
         g_b, out_b = self._rows3(h.g_a, m0, m1), self._rows3(self.out, m0, m1)
-        widest = max((n1 - n0 for n0, n1, _ in key_tiles), default=0)
-        budget = min(_KEEP_BYTES, 2 * GBM * sum(n1 - n0 for n0, n1, _ in key_tiles)
-                     * B * self.Hkv * torch.finfo(h.acc).bits // 8)
-        arena = self._buf("kept", (budget // (torch.finfo(h.acc).bits // 8),))
+        arena = self._buf("kept")
+        places = self._plan_keep(lead, key_tiles)
+
+        def tile_of(n0, n1, slot, scratch):
+            shape = (*lead, n1 - n0)
+            at = places[n0][slot]
+            if at is None:
+                return self._buf(scratch, shape)
+            return arena[at:at + math.prod(shape)].view(shape)
+
         # -- pass 1: ā = Σ p a, and Σ p z a v + Σ p z t_v (∂L/∂g and C read it) --
         abar = torch.zeros(*lead, 1, dtype=h.acc, device=h.q.device)
         pav = torch.zeros(*lead, Dv, dtype=h.acc, device=h.q.device)
-        kept, used = {}, 0
         for n0, n1, full in key_tiles:
-            shape = (*lead, n1 - n0)
-            n = math.prod(shape)
-            if used + 2 * n <= arena.numel():
-                s, a = arena[used:used + n].view(shape), arena[used + n:used + 2 * n].view(shape)
-                used += 2 * n
-                kept[n0] = (s, a)
-            else:
-                s, a = self._buf("s", shape), self._buf("a", shape)
-            p, pa = self._probs(m0, m1, n0, n1, full, q_b, qa_b, lse_b, s, a)
+            p, keep = self._scores(m0, m1, n0, n1, full, q_b, lse_b, tile_of(n0, n1, 1, "s"))
+            pa = self._pa(m0, m1, n0, n1, qa_b, p, keep, tile_of(n0, n1, 0, "a"))
             abar += pa.sum(-1, keepdim=True)
             z = self._z(m0, m1, n0, n1)
             pav.baddbmm_(pa if z is None else pa * z, self.v3[:, n0:n1])
@@ -401,33 +422,40 @@ class _PlainHvp:
             abar = abar + (p_sink * t_s).reshape(*lead, 1)
             a4, c4, d4, dpd4 = (x.view(B, H, BM, 1) for x in (abar, c_sum, delta, dpd))
             dsink = (p_sink * (-c4 - d4 * (t_s - a4) + a4 * dpd4)).sum(dim=(0, 2, 3))
-        r0 = delta * abar + abar * dpd - c_sum
+        r1 = abar * dpd - c_sum  # r0 − ā Δ, r0 = Δ ā + ā Δ_pd − C
         dg = pav.sub_(abar * out_b)  # ∂L/∂g = Σ p z (a − ā) v + Σ p z t_v
-        # -- pass 2: s̄ = p (e − ā dP + r0) + p a (dP − Δ), ā_s = p (dP − Δ), w = p z (a − ā) --
+        # -- pass 2: s̄ = p (e + r1) + (dP − Δ) w', ā_s = p (dP − Δ), w = z w', w' = p a − ā p --
         dq = torch.zeros(*lead, h.D, dtype=h.acc, device=h.q.device)
         for n0, n1, full in key_tiles:
             shape = (*lead, n1 - n0)
-            if n0 in kept:
-                p, pa = kept.pop(n0)
+            at_pa, at_p = places[n0]
+            keep = None
+            if at_p is None:
+                p, keep = self._scores(m0, m1, n0, n1, full, q_b, lse_b, self._buf("s", shape))
             else:
-                p, pa = self._probs(m0, m1, n0, n1, full, q_b, qa_b, lse_b,
-                                    self._buf("s", shape), self._buf("a", shape))
+                p = arena[at_p:at_p + math.prod(shape)].view(shape)
+            if at_pa is None:
+                if keep is None:
+                    keep = h.ts.allowed(m0, m1, n0, n1, full)
+                pa = self._pa(m0, m1, n0, n1, qa_b, p, keep, self._buf("a", shape))
+            else:
+                pa = arena[at_pa:at_pa + math.prod(shape)].view(shape)
             z = self._z(m0, m1, n0, n1)
             dp = torch.bmm(g_b, self.v3[:, n0:n1].transpose(1, 2), out=self._buf("dp", shape))
-            if z is not None:
-                dp.mul_(z)
             if self.tv3 is None:
-                inner = torch.addcmul(r0, dp, abar, value=-1.0, out=self._buf("e", shape))
+                s_bar = torch.mul(p, r1, out=self._buf("e", shape))
             else:
-                inner = torch.bmm(g_b, self.tv3[:, n0:n1].transpose(1, 2),
+                s_bar = torch.bmm(g_b, self.tv3[:, n0:n1].transpose(1, 2),
                                   out=self._buf("e", shape))
                 if z is not None:
-                    inner.mul_(z)
-                inner.addcmul_(dp, abar, value=-1.0).add_(r0)
-            dp.sub_(delta)
-            s_bar = inner.mul_(p).addcmul_(pa, dp)
-            a_bar = dp.mul_(p)
+                    s_bar.mul_(z)
+                s_bar.add_(r1).mul_(p)
+            if z is not None:
+                dp.mul_(z)
             w = pa.addcmul_(p, abar, value=-1.0)
+            dp.sub_(delta)
+            s_bar.addcmul_(dp, w)
+            a_bar = dp.mul_(p)
             if z is not None:
                 w.mul_(z)
             dq.baddbmm_(s_bar, self.k3[:, n0:n1], alpha=h.scale)
@@ -455,7 +483,7 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
         block = hvp.block
         if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
                 and (hvp.tq is not None or hvp.tk is not None)):
-            block = _PlainHvp(hvp, out).block
+            block = _PlainHvp(hvp, out, blocks).block
         res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
     else:
         res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
