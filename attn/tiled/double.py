@@ -308,20 +308,26 @@ class _PlainHvp:
         self.h = hvp
         B, H, D, G, acc, scale = hvp.B, hvp.H, hvp.D, hvp.G, hvp.acc, hvp.scale
         k = hvp.k.to(acc)
-        q_s = hvp.q.to(acc) * scale
-        # a = [c t_q | c q] · [k | t_k]ᵀ, the terms whose direction is 0 left out
-        lhs = ([hvp.tq * scale] if hvp.tq is not None else []) + (
-            [q_s] if hvp.tk is not None else [])
-        rhs = ([k] if hvp.tq is not None else []) + ([hvp.tk] if hvp.tk is not None else [])
-        self.qa = torch.cat(lhs, -1) if len(lhs) > 1 else lhs[0]  # (B, H, Nq, D or 2D)
-        self.tq_s = self.qa[..., :D] if hvp.tq is not None else None  # views: c t_q, c q
-        self.q_s = self.qa[..., -D:] if hvp.tk is not None else q_s
+        # one tensor (B, H, Nq, ·) of [c t_q | c q | −lse]: s − lse = [c q | −lse]·[k | 1]ᵀ,
+        # a = [c t_q | c q]·[k | t_kᵀ] (the terms whose direction is 0 left out), each one
+        # GEMM; a row constant joins a GEMM as one more column of depth (measured as fast as
+        # depth D), where subtracting it after would be one more pass over the tile
+        tq = [hvp.tq * scale] if hvp.tq is not None else []
+        self.qx = torch.cat(tq + [hvp.q.to(acc) * scale, -hvp.lse_a.unsqueeze(-1)], -1)
+        self.tq_s = self.qx[..., :D] if tq else None  # views: c t_q, c q, [c q | −lse]
+        self.q_s = self.qx[..., -D - 1:-1]
+        self.q_lse = self.qx[..., -D - 1:]
+        self.qa = self.qx[..., :-1] if hvp.tk is not None else self.qx[..., :D]
+        rhs = ([k] if tq else []) + ([hvp.tk] if hvp.tk is not None else [])
         self.Hkv = H // G
         self.k3 = self._kv3(k)  # (B·Hkv, Nk, ·)
+        self.k1 = self._kv3(_ones_col(k))  # [k | 1]
         self.ka3 = self._kv3(torch.cat(rhs, -1) if len(rhs) > 1 else rhs[0])
         self.tk3 = None if hvp.tk is None else self._kv3(hvp.tk)
         self.v3 = self._kv3(hvp.v.to(acc))
+        self.v1 = self._kv3(_ones_col(hvp.v.to(acc)))  # dP − Δ = [g | −Δ]·[v | 1]ᵀ
         self.tv3 = None if hvp.tv is None else self._kv3(hvp.tv)
+        self.tv1 = None if hvp.tv is None else self._kv3(_ones_col(hvp.tv))  # e + r1, alike
         self.out = out.to(acc)
         # the largest tile and a block's tiles, in elements: the buffers' sizes
         size = torch.finfo(acc).bits // 8
@@ -350,13 +356,14 @@ class _PlainHvp:
             bufs[name] = torch.empty(n, dtype=self.h.acc, device=self.h.q.device)
         return bufs[name] if shape is None else bufs[name][:math.prod(shape)].view(shape)
 
-    def _scores(self, m0, m1, n0, n1, full, q_b, lse_b, s) -> tuple[Tensor, Tensor | None]:
-        """The tile's p into ``s``, and its bool keep-mask (None: every key kept)."""
-        torch.bmm(q_b, self.k3[:, n0:n1].transpose(1, 2), out=s)
+    def _scores(self, m0, m1, n0, n1, full, ql_b, s) -> tuple[Tensor, Tensor | None]:
+        """The tile's p into ``s`` (``ql_b``: the block's [c q | −lse]), and its bool
+        keep-mask (None: every key kept)."""
+        torch.bmm(ql_b, self.k1[:, n0:n1].transpose(1, 2), out=s)
         keep = self.h.ts.allowed(m0, m1, n0, n1, full)
         if keep is not None:
             s.view(self.h.B, self.h.H, m1 - m0, n1 - n0).masked_fill_(~keep, float("-inf"))
-        return s.sub_(lse_b).exp_(), keep
+        return s.exp_(), keep
 
     def _pa(self, m0, m1, n0, n1, qa_b, p, keep, a) -> Tensor:
         """The tile's p a into ``a`` (a masked key's a is 0, however large)."""
@@ -387,6 +394,7 @@ class _PlainHvp:
         B, H, BM, Dv = h.B, h.H, m1 - m0, h.Dv
         lead = (B * self.Hkv, BM * h.G)
         q_b, qa_b = self._rows3(self.q_s, m0, m1), self._rows3(self.qa, m0, m1)
+        ql_b = self._rows3(self.q_lse, m0, m1)
         lse_b = self._rows3(h.lse_a.unsqueeze(-1), m0, m1)
         g_b, out_b = self._rows3(h.g_a, m0, m1), self._rows3(self.out, m0, m1)
         arena = self._buf("kept")
@@ -403,7 +411,7 @@ class _PlainHvp:
         abar = torch.zeros(*lead, 1, dtype=h.acc, device=h.q.device)
         pav = torch.zeros(*lead, Dv, dtype=h.acc, device=h.q.device)
         for n0, n1, full in key_tiles:
-            p, keep = self._scores(m0, m1, n0, n1, full, q_b, lse_b, tile_of(n0, n1, 1, "s"))
+            p, keep = self._scores(m0, m1, n0, n1, full, ql_b, tile_of(n0, n1, 1, "s"))
             pa = self._pa(m0, m1, n0, n1, qa_b, p, keep, tile_of(n0, n1, 0, "a"))
             abar += pa.sum(-1, keepdim=True)
             z = self._z(m0, m1, n0, n1)
@@ -426,12 +434,14 @@ class _PlainHvp:
         dg = pav.sub_(abar * out_b)  # ∂L/∂g = Σ p z (a − ā) v + Σ p z t_v
         # -- pass 2: s̄ = p (e + r1) + (dP − Δ) w', ā_s = p (dP − Δ), w = z w', w' = p a − ā p --
         dq = torch.zeros(*lead, h.D, dtype=h.acc, device=h.q.device)
+        g_delta = torch.cat([g_b, -delta], -1)  # [g | −Δ], [g | r1]: see self.v1, self.tv1
+        g_r1 = None if self.tv3 is None else torch.cat([g_b, r1], -1)
         for n0, n1, full in key_tiles:
             shape = (*lead, n1 - n0)
             at_pa, at_p = places[n0]
             keep = None
             if at_p is None:
-                p, keep = self._scores(m0, m1, n0, n1, full, q_b, lse_b, self._buf("s", shape))
+                p, keep = self._scores(m0, m1, n0, n1, full, ql_b, self._buf("s", shape))
             else:
                 p = arena[at_p:at_p + math.prod(shape)].view(shape)
             if at_pa is None:
@@ -441,19 +451,22 @@ class _PlainHvp:
             else:
                 pa = arena[at_pa:at_pa + math.prod(shape)].view(shape)
             z = self._z(m0, m1, n0, n1)
-            dp = torch.bmm(g_b, self.v3[:, n0:n1].transpose(1, 2), out=self._buf("dp", shape))
+            # dP − Δ and e + r1 (with dropout, z dP − Δ and z e + r1)
+            if z is None:
+                dp = torch.bmm(g_delta, self.v1[:, n0:n1].transpose(1, 2),
+                               out=self._buf("dp", shape))
+            else:
+                dp = torch.bmm(g_b, self.v3[:, n0:n1].transpose(1, 2),
+                               out=self._buf("dp", shape)).mul_(z).sub_(delta)
             if self.tv3 is None:
                 s_bar = torch.mul(p, r1, out=self._buf("e", shape))
+            elif z is None:
+                s_bar = torch.bmm(g_r1, self.tv1[:, n0:n1].transpose(1, 2),
+                                  out=self._buf("e", shape)).mul_(p)
             else:
                 s_bar = torch.bmm(g_b, self.tv3[:, n0:n1].transpose(1, 2),
-                                  out=self._buf("e", shape))
-                if z is not None:
-                    s_bar.mul_(z)
-                s_bar.add_(r1).mul_(p)
-            if z is not None:
-                dp.mul_(z)
+                                  out=self._buf("e", shape)).mul_(z).add_(r1).mul_(p)
             w = pa.addcmul_(p, abar, value=-1.0)
-            dp.sub_(delta)
             s_bar.addcmul_(dp, w)
             a_bar = dp.mul_(p)
             if z is not None:
@@ -468,6 +481,11 @@ class _PlainHvp:
             kv_into(n0, n1, dk_terms, [(w.view(q4), g_b.view(q4), 1.0)])
         return (dq.view(B, H, BM, h.D), dg.view(B, H, BM, Dv), abar.view(B, H, BM), dsink,
                 None, None)
+
+
+def _ones_col(x: Tensor) -> Tensor:
+    """``x`` with a column of ones appended: ``(..., X) → (..., X + 1)``."""
+    return torch.cat([x, torch.ones_like(x[..., :1])], -1)
 
 
 def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
