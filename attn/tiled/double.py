@@ -309,7 +309,7 @@ class _PlainHvp:
         B, H, D, G, acc, scale = hvp.B, hvp.H, hvp.D, hvp.G, hvp.acc, hvp.scale
         k = hvp.k.to(acc)
         # one tensor (B, H, Nq, ·) of [c t_q | c q | −lse]: s − lse = [c q | −lse]·[k | 1]ᵀ,
-        # a = [c t_q | c q]·[k | t_kᵀ] (the terms whose direction is 0 left out), each one
+        # a = [c t_q | c q]·[k | t_k]ᵀ (the terms whose direction is 0 left out), each one
         # GEMM; a row constant joins a GEMM as one more column of depth (measured as fast as
         # depth D), where subtracting it after would be one more pass over the tile
         tq = [hvp.tq * scale] if hvp.tq is not None else []
