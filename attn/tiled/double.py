@@ -307,28 +307,23 @@ class _PlainHvp:
     def __init__(self, hvp: _Hvp, out: Tensor, blocks) -> None:
         self.h = hvp
         B, H, D, G, acc, scale = hvp.B, hvp.H, hvp.D, hvp.G, hvp.acc, hvp.scale
-        k = hvp.k.to(acc)
-        # one tensor (B, H, Nq, ·) of [c t_q | c q | −lse]: s − lse = [c q | −lse]·[k | 1]ᵀ,
-        # a = [c t_q | c q]·[k | t_k]ᵀ (the terms whose direction is 0 left out), each one
-        # GEMM; a row constant joins a GEMM as one more column of depth (measured as fast as
-        # depth D), where subtracting it after would be one more pass over the tile
-        tq = [hvp.tq * scale] if hvp.tq is not None else []
-        self.qx = torch.cat(tq + [hvp.q.to(acc) * scale, -hvp.lse_a.unsqueeze(-1)], -1)
-        self.tq_s = self.qx[..., :D] if tq else None  # views: c t_q, c q, [c q | −lse]
-        self.q_s = self.qx[..., -D - 1:-1]
-        self.q_lse = self.qx[..., -D - 1:]
-        self.qa = self.qx[..., :-1] if hvp.tk is not None else self.qx[..., :D]
-        rhs = ([k] if tq else []) + ([hvp.tk] if hvp.tk is not None else [])
         self.Hkv = H // G
-        self.k3 = self._kv3(k)  # (B·Hkv, Nk, ·)
-        self.k1 = self._kv3(_ones_col(k))  # [k | 1]
-        self.ka3 = self._kv3(torch.cat(rhs, -1) if len(rhs) > 1 else rhs[0])
+        self.k3 = self._kv3(hvp.k.to(acc))  # (B·Hkv, Nk, ·)
         self.tk3 = None if hvp.tk is None else self._kv3(hvp.tk)
         self.v3 = self._kv3(hvp.v.to(acc))
-        self.v1 = self._kv3(_ones_col(hvp.v.to(acc)))  # dP − Δ = [g | −Δ]·[v | 1]ᵀ
         self.tv3 = None if hvp.tv is None else self._kv3(hvp.tv)
-        self.tv1 = None if hvp.tv is None else self._kv3(_ones_col(hvp.tv))  # e + r1, alike
         self.out = out.to(acc)
+        # the keys' operands side by side, each GEMM over a run of their columns against a
+        # block's rows built to match (module docstring; a row constant joins a GEMM as one
+        # more column of depth, measured as fast as depth D, where subtracting it after
+        # would be one more pass over the tile):
+        #   [t_k | k | 1]: s − lse = [c q | −lse]·[k | 1]ᵀ, a = [c q | c t_q]·[t_k | k]ᵀ
+        #   [v | 1 | t_v]: dP − Δ = [g | −Δ]·[v | 1]ᵀ, e + r1 = [r1 | g]·[1 | t_v]ᵀ
+        ones = torch.ones_like(self.k3[..., :1])
+        tk3 = torch.zeros_like(self.k3) if self.tk3 is None else self.tk3
+        tv3 = torch.zeros_like(self.v3) if self.tv3 is None else self.tv3
+        self.kx = torch.cat([tk3, self.k3, ones], -1)  # (B·Hkv, Nk, 2D + 1)
+        self.vx = torch.cat([self.v3, ones, tv3], -1)  # (B·Hkv, Nk, 2Dv + 1)
         # the largest tile and a block's tiles, in elements: the buffers' sizes
         size = torch.finfo(acc).bits // 8
         rows = [B * H * (m1 - m0) for m0, m1, _ in blocks]
@@ -359,7 +354,8 @@ class _PlainHvp:
     def _scores(self, m0, m1, n0, n1, full, ql_b, s) -> tuple[Tensor, Tensor | None]:
         """The tile's p into ``s`` (``ql_b``: the block's [c q | −lse]), and its bool
         keep-mask (None: every key kept)."""
-        torch.bmm(ql_b, self.k1[:, n0:n1].transpose(1, 2), out=s)
+        D = self.h.D
+        torch.bmm(ql_b, self.kx[:, n0:n1, D:].transpose(1, 2), out=s)
         keep = self.h.ts.allowed(m0, m1, n0, n1, full)
         if keep is not None:
             s.view(self.h.B, self.h.H, m1 - m0, n1 - n0).masked_fill_(~keep, float("-inf"))
@@ -367,7 +363,14 @@ class _PlainHvp:
 
     def _pa(self, m0, m1, n0, n1, qa_b, p, keep, a) -> Tensor:
         """The tile's p a into ``a`` (a masked key's a is 0, however large)."""
-        torch.bmm(qa_b, self.ka3[:, n0:n1].transpose(1, 2), out=a)
+        D = self.h.D
+        if self.tk3 is None:  # a = c t_q kᵀ
+            right = self.kx[:, n0:n1, D:2 * D]
+        elif self.h.tq is None:  # a = c q t_kᵀ
+            right = self.kx[:, n0:n1, :D]
+        else:
+            right = self.kx[:, n0:n1, :2 * D]
+        torch.bmm(qa_b, right.transpose(1, 2), out=a)
         if keep is not None:
             a.view(self.h.B, self.h.H, m1 - m0, n1 - n0).masked_fill_(~keep, 0.0)
         return a.mul_(p)
@@ -393,9 +396,20 @@ class _PlainHvp:
         h = self.h
         B, H, BM, Dv = h.B, h.H, m1 - m0, h.Dv
         lead = (B * self.Hkv, BM * h.G)
-        q_b, qa_b = self._rows3(self.q_s, m0, m1), self._rows3(self.qa, m0, m1)
-        ql_b = self._rows3(self.q_lse, m0, m1)
         lse_b = self._rows3(h.lse_a.unsqueeze(-1), m0, m1)
+        # the block's [−lse | c q | c t_q] (see self.kx; the terms of a whose direction is 0
+        # left out): views c q, [c q | −lse] and the rows of a
+        D = h.D
+        q_blk = self._rows3(h.q, m0, m1).to(h.acc) * h.scale
+        tq_b = None if h.tq is None else self._rows3(h.tq, m0, m1) * h.scale
+        ql_b = torch.cat([q_blk, -lse_b], -1)
+        q_b = ql_b[..., :D]
+        if tq_b is None:
+            qa_b = q_b
+        elif h.tk is None:
+            qa_b = tq_b
+        else:
+            qa_b = torch.cat([q_b, tq_b], -1)
         g_b, out_b = self._rows3(h.g_a, m0, m1), self._rows3(self.out, m0, m1)
         arena = self._buf("kept")
         places = self._plan_keep(lead, key_tiles)
@@ -434,8 +448,8 @@ class _PlainHvp:
         dg = pav.sub_(abar * out_b)  # ∂L/∂g = Σ p z (a − ā) v + Σ p z t_v
         # -- pass 2: s̄ = p (e + r1) + (dP − Δ) w', ā_s = p (dP − Δ), w = z w', w' = p a − ā p --
         dq = torch.zeros(*lead, h.D, dtype=h.acc, device=h.q.device)
-        g_delta = torch.cat([g_b, -delta], -1)  # [g | −Δ], [g | r1]: see self.v1, self.tv1
-        g_r1 = None if self.tv3 is None else torch.cat([g_b, r1], -1)
+        g_delta = torch.cat([g_b, -delta], -1)  # [g | −Δ]·[v | 1]ᵀ = dP − Δ
+        g_r1 = None if self.tv3 is None else torch.cat([r1, g_b], -1)  # e + r1, alike
         for n0, n1, full in key_tiles:
             shape = (*lead, n1 - n0)
             at_pa, at_p = places[n0]
@@ -453,7 +467,7 @@ class _PlainHvp:
             z = self._z(m0, m1, n0, n1)
             # dP − Δ and e + r1 (with dropout, z dP − Δ and z e + r1)
             if z is None:
-                dp = torch.bmm(g_delta, self.v1[:, n0:n1].transpose(1, 2),
+                dp = torch.bmm(g_delta, self.vx[:, n0:n1, :Dv + 1].transpose(1, 2),
                                out=self._buf("dp", shape))
             else:
                 dp = torch.bmm(g_b, self.v3[:, n0:n1].transpose(1, 2),
@@ -461,7 +475,7 @@ class _PlainHvp:
             if self.tv3 is None:
                 s_bar = torch.mul(p, r1, out=self._buf("e", shape))
             elif z is None:
-                s_bar = torch.bmm(g_r1, self.tv1[:, n0:n1].transpose(1, 2),
+                s_bar = torch.bmm(g_r1, self.vx[:, n0:n1, Dv:].transpose(1, 2),
                                   out=self._buf("e", shape)).mul_(p)
             else:
                 s_bar = torch.bmm(g_b, self.tv3[:, n0:n1].transpose(1, 2),
@@ -475,17 +489,12 @@ class _PlainHvp:
             if self.tk3 is not None:
                 dq.baddbmm_(a_bar, self.tk3[:, n0:n1], alpha=h.scale)
             q4 = (B, H, BM, -1)
-            dk_terms = [(s_bar.view(q4), q_b.view(q4), 1.0)]
-            if self.tq_s is not None:
-                dk_terms.append((a_bar.view(q4), self._rows3(self.tq_s, m0, m1).view(q4), 1.0))
+            dk_terms = [(s_bar.view(q4), q_b.reshape(q4), 1.0)]
+            if tq_b is not None:
+                dk_terms.append((a_bar.view(q4), tq_b.reshape(q4), 1.0))
             kv_into(n0, n1, dk_terms, [(w.view(q4), g_b.view(q4), 1.0)])
         return (dq.view(B, H, BM, h.D), dg.view(B, H, BM, Dv), abar.view(B, H, BM), dsink,
                 None, None)
-
-
-def _ones_col(x: Tensor) -> Tensor:
-    """``x`` with a column of ones appended: ``(..., X) → (..., X + 1)``."""
-    return torch.cat([x, torch.ones_like(x[..., :1])], -1)
 
 
 def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
