@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "attn.api": ("AttentionCall", "BackendChoice", "attention", "scaled_dot_product_attention",
                  "select_backend"),
+    "attn.decoding": ("decode",),
     "attn.flex": ("create_block_mask", "flex_attention"),
     "attn.merge": ("merge_attention",),
     "attn.varlen": ("varlen_attention",),
@@ -30,6 +31,7 @@ __all__ = sorted(name for names in _EXPORTS.values() for name in names)
 if TYPE_CHECKING:
     from attn.api import (AttentionCall, BackendChoice, attention, scaled_dot_product_attention,
                           select_backend)
+    from attn.decoding import decode
     from attn.flex import create_block_mask, flex_attention
     from attn.merge import merge_attention
     from attn.nn import AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig, \

@@ -4,29 +4,12 @@
 ``path/to/file.py:fn``) and need to call it the way they call attn's backends: q, k, v in
 (B, H, N, D), the keywords of :func:`attn.attention`, and back the output (B, H, Nq, Dv) or
 ``(out, lse)`` with a natural-log lse of shape (B, H, Nq) that is -inf on rows with no key.
-:func:`adapt` does that translation for four calling styles:
-
-``attn``
-    attn.attention's own keywords (``causal`` bottom-right, ``window``, ``softcap``,
-    ``sinks``, ``return_lse`` ...); only the keywords a call sets are passed.
-``torch``
-    ``F.scaled_dot_product_attention``: ``is_causal`` (top-left, so only Nq == Nk can be
-    expressed), ``attn_mask`` with SDPA's meaning (bool True = attend, float added: attn's
-    too), ``scale``, ``dropout_p``, ``enable_gqa``. No lse.
-``flash``
-    flash-attn's ``flash_attn_func``: (B, N, H, D) layout, ``causal`` (bottom-right),
-    ``softmax_scale``, ``window_size=(left, right)``, ``softcap`` (0 = none),
-    ``dropout_p``, ``return_attn_probs=True`` → ``(out, lse, ...)`` with +inf on empty rows
-    (turned into attn's -inf here). GQA natively; no masks, no sinks.
-``hf``
-    a transformers attention interface, ``fn(module, query, key, value, attention_mask,
-    scaling=, dropout=, ...) -> (out (B, N, H, D), attn_weights)``: q, k, v in (B, H, N, D),
-    causal, window and ``attn_mask`` folded into one additive float mask (0 or -inf),
-    ``module`` a stand-in carrying ``num_key_value_groups`` and ``is_causal=False``. The
-    second return value is the attention weights, not an lse, and is dropped.
-
-A keyword a style cannot express makes the adapted call raise ``NotImplementedError`` naming
-it, so a conformance matrix reads "not supported" rather than a wrong answer.
+:func:`adapt` does that translation for four calling styles, :data:`STYLES`: ``attn``
+(attn.attention's keywords), ``torch`` (``F.scaled_dot_product_attention``'s), ``flash``
+(flash-attn's ``flash_attn_func``, (B, N, H, D)) and ``hf`` (a transformers attention
+interface); docs/conformance.md, "Calling styles", tabulates what each takes. A keyword a
+style cannot express makes the adapted call raise ``NotImplementedError`` naming it, so a
+conformance matrix reads "not supported" rather than a wrong answer.
 """
 
 from __future__ import annotations
@@ -40,6 +23,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from attn.masks import dense_keep
 
 STYLES = ("attn", "torch", "flash", "hf")
 LAYOUTS = ("bhnd", "bnhd")
@@ -142,21 +127,6 @@ class _HFModule(torch.nn.Module):
         self.train(training)
 
 
-def _dense_keep(q: Tensor, k: Tensor, causal: bool, window, attn_mask: Tensor | None
-                ) -> Tensor | None:
-    """attn's causal, window and bool attn_mask as one bool mask (True = attend),
-    broadcastable to (B, H, Nq, Nk); None when nothing is masked. A float attn_mask is
-    returned as is only when nothing else masks (the caller adds it)."""
-    from attn.masks import make_band
-
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    band = make_band(n_q, n_k, causal=causal, window=None if window is None else tuple(window))
-    keep = band.mask(torch.arange(n_q, device=q.device), torch.arange(n_k, device=q.device))
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        keep = attn_mask if keep is None else keep & attn_mask
-    return keep
-
-
 class Adapted:
     """``fn`` called in attn's convention: ``adapted(q, k, v, *, causal=..., ...)`` with q
     (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv), or
@@ -219,19 +189,27 @@ class Adapted:
                   mask_mod=mask_mod)
         return getattr(self, f"_call_{self.style}")(q, k, v, **kw)
 
-    def _call_attn(self, q, k, v, **kw):
-        given = {n: val for n, val in kw.items() if not _is_default(n, val)}
-        for name, value in given.items():
+    def _call(self, q, k, v, args: dict):
+        """``fn`` on q, k, v in its layout with ``args``, each refused first where its
+        signature has no such parameter."""
+        for name, value in args.items():
             if not self._takes(name):
                 raise self._refuse(f"{name}={_show(value)}", "its signature has no such "
                                    "parameter")
-        res = self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **given)
-        if not kw["return_lse"]:
-            return self._from_fn(_first(res) if isinstance(res, (tuple, list)) else res)
+        return self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **args)
+
+    def _out_lse(self, res, q: Tensor, asked: str, shape: str) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` from what ``fn`` returned when ``asked`` for its lse."""
         if not (isinstance(res, (tuple, list)) and len(res) >= 2):
-            raise self._refuse("return_lse=True", f"called with it, it returned "
-                               f"{type(res).__name__}, not (out, lse)")
+            raise self._refuse("return_lse=True", f"called with {asked}, it returned "
+                               f"{type(res).__name__}, not {shape}")
         return self._from_fn(res[0]), self._lse(res[1], q)
+
+    def _call_attn(self, q, k, v, **kw):
+        res = self._call(q, k, v, {n: val for n, val in kw.items() if not _is_default(n, val)})
+        if not kw["return_lse"]:
+            return self._from_fn(_first(res))
+        return self._out_lse(res, q, "it", "(out, lse)")
 
     def _lse(self, lse: Tensor, q: Tensor) -> Tensor:
         """lse as (B, H, Nq) in attn's convention; (B, Nq, H) is accepted in bnhd layout."""
@@ -292,19 +270,12 @@ class Adapted:
             args["softmax_scale"] = scale
         if kw["return_lse"]:
             args["return_attn_probs"] = True
-        for name in args:
-            if not self._takes(name):
-                raise self._refuse(f"{name}={_show(args[name])}", "its signature has no such "
-                                   "parameter")
-        res = self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **args)
+        res = self._call(q, k, v, args)
         if not kw["return_lse"]:
             return self._from_fn(_first(res))
-        if not (isinstance(res, (tuple, list)) and len(res) >= 2):
-            raise self._refuse("return_lse=True", "called with return_attn_probs=True, it "
-                               f"returned {type(res).__name__}, not (out, lse, ...)")
-        lse = self._lse(res[1], q)
+        out, lse = self._out_lse(res, q, "return_attn_probs=True", "(out, lse, ...)")
         # flash-attn marks a row with no key by lse = +inf; attn by -inf
-        return self._from_fn(res[0]), torch.where(lse == float("inf"), float("-inf"), lse)
+        return out, torch.where(lse == float("inf"), float("-inf"), lse)
 
     def _call_hf(self, q, k, v, **kw):
         self._only(kw, ("causal", "attn_mask", "scale", "temperature", "window", "dropout_p",
@@ -313,7 +284,9 @@ class Adapted:
         if kw["softcap"] is not None and not (self._params is None or "softcap" in self._params):
             raise self._refuse(f"softcap={_show(kw['softcap'])}", "its signature names no "
                                "'softcap' (HF interfaces drop unknown keywords silently)")
-        keep = _dense_keep(q, k, kw["causal"], kw["window"], kw["attn_mask"])
+        keep = dense_keep(q.shape[-2], k.shape[-2], causal=kw["causal"],
+                          window=None if kw["window"] is None else tuple(kw["window"]),
+                          attn_mask=kw["attn_mask"], device=q.device)
         mask = None
         if keep is not None:  # HF's eager path adds the mask to the scores: make it additive
             mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(

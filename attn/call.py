@@ -29,7 +29,7 @@ from attn import choose, fused, mods, tiled, transforms
 from attn.masks import Band, as_4d, simplify_mask
 from attn.reference import reference_attention, reference_packed
 from attn.sdpa import sdpa_attention
-from attn.spec import LaunchSpec, Operands, acc_dtype, all_finite
+from attn.spec import LaunchSpec, Operands, ScoreTerms, acc_dtype, all_finite
 
 
 BACKENDS = ("auto", "reference", "tiled", "fused", "triton", "sdpa")
@@ -61,6 +61,7 @@ class AttentionCall:
     mask_mod: bool = False  # a mask_mod or block mask (attn.flex)
     varlen: bool = False  # packed sequences (attn.varlen; n_q / n_k are the longest ones)
     alibi: bool = False  # ALiBi slopes
+    terms: tuple[str, ...] = ()  # the static score variants' terms (spec.ScoreTerms' names)
     grad: bool = False  # grad mode on and an input requires grad (split-KV is forward-only)
     # the torch.func transforms / forward-mode AD the call runs under (attn.transforms.active)
     transform: str | None = None
@@ -81,7 +82,13 @@ def _mods_unsupported(call: AttentionCall, native_varlen: bool = False) -> str |
     return None
 
 
+def _fused_unsupported(call: AttentionCall) -> str | None:
+    return _transform_unsupported(call) or fused.call_reason(call)
+
+
 def _sdpa_unsupported(call: AttentionCall) -> str | None:
+    if call.terms:
+        return f"the score term(s) {list(call.terms)} (torch's SDPA has no score step)"
     if call.softcap is not None:
         return "softcap (torch's SDPA has no score transform)"
     if call.sinks:
@@ -152,7 +159,7 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
         return (_mods_unsupported(call, native_varlen=True)
                 or _transform_unsupported(call, "triton") or _triton_unsupported(call))
     if backend == "fused":
-        return _transform_unsupported(call) or fused.call_reason(call)
+        return _fused_unsupported(call)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -192,7 +199,7 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
     if call.device != "cuda":
         return _auto_off_cuda(call)
     op = None
-    if not torch.compiler.is_compiling() and _transform_unsupported(call) is None:
+    if not torch.compiler.is_compiling() and _fused_unsupported(call) is None:
         op = fused.cuda_verified(call)
     if op is not None:
         return BackendChoice("fused", f"auto: fused on CUDA, torch's {op} kernel per block "
@@ -215,7 +222,7 @@ def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
     """``auto`` off CUDA: fused where it can compute the call and the committed table
     (:mod:`attn.choose`) prefers it for this kind of CPU, the call's dtype and class; else
     tiled."""
-    why = _transform_unsupported(call) or fused.call_reason(call)
+    why = _fused_unsupported(call)
     if why is None and torch.compiler.is_compiling():
         why = "traced by torch.compile (fused runs eager items)"
     if why is not None:
@@ -450,8 +457,8 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
             mask_mod=None, mask_blocks=None, dropout_rows=None,
             alibi_slopes: Tensor | None = None, alibi_rows=None,
             cu_seqlens: tuple[Tensor, Tensor] | None = None,
-            max_seqlen: tuple[int, int] | None = None, q_name: str = "q"
-            ) -> tuple[AttentionCall, LaunchSpec, Operands]:
+            max_seqlen: tuple[int, int] | None = None, terms: ScoreTerms = ScoreTerms(),
+            q_name: str = "q") -> tuple[AttentionCall, LaunchSpec, Operands]:
     """Check a call's options and turn them into what a backend runs.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), already checked by the entry
@@ -464,7 +471,8 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
     ``cu_seqlens`` / ``max_seqlen``: packed sequences laid out as one batch row (1, H, total,
     D); ``alibi_slopes`` are then (sequences, H), checked by the caller. ``score_mod`` /
     ``mask_mod`` / ``mask_blocks``: see :func:`attn.mods.mod_spec` (run() classifies them
-    for the tiled backend). ``q_name``: the caller's name for q, for messages.
+    for the tiled backend). ``terms``: the static score variants' constants, checked by the
+    entry point that takes their keywords. ``q_name``: the caller's name for q, for messages.
 
     Long on purpose: every option's check and its folding into the spec sit in one readable
     sequence, the one place a call's options meet (split, each part would take them all)."""
@@ -512,7 +520,7 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
         dropout=dropout_p > 0.0, return_lse=bool(return_lse),
         score_mod=score_mod is not None,
         mask_mod=mask_mod is not None or mask_blocks is not None,
-        varlen=cu_seqlens is not None, alibi=alibi_slopes is not None,
+        varlen=cu_seqlens is not None, alibi=alibi_slopes is not None, terms=terms.names(),
         grad=torch.is_grad_enabled() and any(
             isinstance(t, Tensor) and t.requires_grad
             for t in (q, k, v, attn_mask, temperature, softcap, sinks)),
@@ -522,6 +530,7 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
         dropout_seed = 0 if empty else _draw_seed(dropout_p)
     spec = LaunchSpec(qk_scale=float(qk_scale), band=band,
                       softcap=None if cap_t is not None or softcap is None else softcap,
+                      terms=terms,
                       dropout_p=dropout_p, dropout_seed=int(dropout_seed),
                       block_m=block_m, block_n=block_n, score_mod=score_mod,
                       mask_mod=mask_mod, mask_blocks=mask_blocks, dropout_rows=dropout_rows,
@@ -579,13 +588,14 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
             return reference_packed(q, k, v, ops.cu_seqlens_q, ops.cu_seqlens_k,
                                     band=spec.band, scale=scale, softcap=softcap,
                                     sinks=ops.sinks, dropout_p=spec.dropout_p,
-                                    dropout_seed=spec.dropout_seed, alibi_slopes=ops.alibi)
+                                    dropout_seed=spec.dropout_seed, alibi_slopes=ops.alibi,
+                                    **dict(spec.terms.items))
         return reference_attention(q, k, v, scale=scale, band=spec.band,
                                    attn_mask=ops.attn_mask, softcap=softcap, sinks=ops.sinks,
                                    dropout_p=spec.dropout_p, dropout_seed=spec.dropout_seed,
                                    score_mod=spec.score_mod, mask_mod=spec.mask_mod,
                                    dropout_rows=spec.dropout_rows, alibi_slopes=ops.alibi,
-                                   alibi_rows=spec.alibi_rows)
+                                   alibi_rows=spec.alibi_rows, **dict(spec.terms.items))
     if backend == "sdpa":
         return sdpa_attention(q, k, v, band=spec.band, attn_mask=ops.attn_mask,
                               scale=spec.qk_scale if ops.q_scale is None else ops.q_scale)

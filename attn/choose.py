@@ -24,8 +24,7 @@ CLASSES = ("decode", "chunk", "small", "dense", "train", "masked")
 # Where the table has no entry for this kind of CPU: torch's kernel (fused) for what it
 # expresses, except decoding, where tiled's split-KV read the keys faster on every CPU
 # measured so far, and small calls, whose many tiny per-sequence kernel calls cost more in
-# Python than tiled's batched tiles (the toy GPT's B=64, H=4, N=12 training steps: fused
-# 1.45x tiled's time on 2 Cascade Lake cores).
+# Python than tiled's batched tiles (docs/benchmarks.md).
 FALLBACK = {"decode": "tiled", "chunk": "tiled", "small": "tiled", "dense": "fused",
             "train": "fused", "masked": "fused"}
 SMALL_SCORES = 1 << 14  # query x key pairs per sequence and head up to which a call is small

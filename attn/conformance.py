@@ -2,20 +2,11 @@
 
 Each case of :func:`attn.testing.conformance_cases` is run on a function already in attn's
 convention (see :mod:`attn.adapters`) and judged against the float64 reference with the
-error budget of :mod:`attn.testing`. A row reads
-
-* ``correct``: supported and correct (outputs, and the gradients or lse the case checks);
-* ``not supported``: the function raised NotImplementedError, TypeError or ValueError, or
-  it has no gradient where the case asks for one;
-* ``wrong``: over budget. Named hypotheses are then tested against the reference: each one
-  recomputes the exact answer with one known mistake (top-left causal, a missing scale, GQA
-  heads grouped by ``repeat`` ...) and fits when it explains the function's output;
-  when none does, the row says where the error lives (batch, heads, query rows, output
-  columns);
-* ``NaN``: NaN or inf in the output, diagnosed the same way;
-* ``error``: any other exception.
-
-The run passes when no row is wrong, NaN or error.
+error budget of :mod:`attn.testing`: a :class:`Row` is correct, not supported (the function
+refused: NotImplementedError, TypeError or ValueError, or no gradient), wrong (over budget,
+then diagnosed by :data:`HYPOTHESES`, each the exact answer with one known mistake, or
+located by :func:`where`), NaN, or error. The run passes when no row is wrong, NaN or error
+(docs/conformance.md).
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from torch import Tensor
 
 from attn.adapters import Adapted, adapt, load_target
 from attn.api import attention
-from attn.masks import make_band
+from attn.masks import dense_keep
 from attn.testing import (DROPOUT_UNSCALED, Case, check_dropout, compare_to_reference,
                           conformance_cases, dtype_name)
 
@@ -138,14 +129,8 @@ def _exact(q: Tensor, k: Tensor, v: Tensor, kw: dict, *, lse: bool = False):
 
 def _keep(q: Tensor, k: Tensor, kw: dict, *, top_left: bool = False) -> Tensor | None:
     """causal, window and a bool attn_mask as one bool mask (True = attend)."""
-    n_q, n_k = q.shape[2], k.shape[2]
-    band = make_band(n_q, n_k, causal=kw.get("causal", False), window=kw.get("window"),
-                     top_left=top_left)
-    keep = band.mask(torch.arange(n_q), torch.arange(n_k))
-    mask = kw.get("attn_mask")
-    if mask is not None and mask.dtype == torch.bool:
-        keep = mask if keep is None else keep & mask
-    return keep
+    return dense_keep(q.shape[2], k.shape[2], causal=kw.get("causal", False),
+                      window=kw.get("window"), attn_mask=kw.get("attn_mask"), top_left=top_left)
 
 
 def _top_left(q, k, v, kw):
@@ -161,6 +146,11 @@ def _top_left(q, k, v, kw):
 
 def _scale(q, kw) -> float:
     return q.shape[-1] ** -0.5 if kw.get("scale") is None else kw["scale"]
+
+
+def _scores(q: Tensor, k: Tensor, kw: dict) -> Tensor:
+    """The scaled scores (B, H, Nq, Nk), k's heads repeated for GQA."""
+    return q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * _scale(q, kw)
 
 
 def _no_scale(q, k, v, kw):
@@ -183,9 +173,7 @@ def _gqa_repeat(q, k, v, kw):
 def _wrong_axis(q, k, v, kw):
     if kw.get("sinks") is not None or kw.get("softcap") is not None:
         return None
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = q @ k.transpose(-1, -2) * _scale(q, kw)
+    s = _scores(q, k, kw)
     mask = kw.get("attn_mask")
     if mask is not None and mask.dtype != torch.bool:
         s = s + mask
@@ -193,7 +181,7 @@ def _wrong_axis(q, k, v, kw):
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
     p = torch.softmax(s, dim=-2).nan_to_num(0.0)  # normalized over the queries
-    return p @ v
+    return p @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)
 
 
 def _transposed(q, k, v, kw):
@@ -295,8 +283,7 @@ def _diagnose_out(got: Tensor, q, k, v, kw, tol: float) -> tuple[list[str], str]
         rest_ok = ((got - exact).abs() <= tol) | empty
         if (~finite <= empty).all() and bool(rest_ok[finite].all()):
             names.append("fully masked rows give NaN instead of zeros")
-        g = q.shape[1] // k.shape[1]
-        s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2) * _scale(q, kw)).amax(-1)
+        s = _scores(q, k, kw).amax(-1)
         big = (s > math.log(torch.finfo(torch.float32).max))[..., None].expand_as(got)
         if not names and (~finite <= big).all():
             names.append("softmax without max-subtraction (exp overflows where the largest "
@@ -328,8 +315,7 @@ def _row_max(q, k, kw) -> Tensor | None:
     mask = kw.get("attn_mask")
     if mask is not None and mask.dtype != torch.bool:
         return None
-    g = q.shape[1] // k.shape[1]
-    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * _scale(q, kw)  # (B, H, Nq, Nk)
+    s = _scores(q, k, kw)  # (B, H, Nq, Nk)
     keep = _keep(q, k, kw)
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
@@ -486,12 +472,10 @@ def flex_eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, H, n_q, n_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    band = make_band(n_q, n_k, causal=causal, window=window)
-    keep = band.mask(torch.arange(n_q, device=q.device), torch.arange(n_k, device=q.device))
+    keep = dense_keep(n_q, n_k, causal=causal, window=window, attn_mask=attn_mask,
+                      device=q.device)
     bias = None
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        keep = attn_mask if keep is None else keep & attn_mask
-    elif attn_mask is not None:
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
         bias = attn_mask.expand(B, H, n_q, n_k)
     block_mask = None
     if keep is not None:

@@ -1,58 +1,21 @@
 """Context parallelism on torch.distributed: ring attention (zigzag-balanced) and Ulysses.
 
 One sequence is sharded along N across the P processes of a group (gloo on CPU, NCCL on
-GPU; launch with ``torchrun`` as usual)::
+GPU)::
 
     import attn.distributed as cp
 
     q_l = cp.shard_sequence(q)                          # this rank's part of dim 2
     out_l = cp.ring_attention(q_l, k_l, v_l, causal=True)
     out = cp.gather_sequence(out_l)                     # the full sequence on every rank
-    out_l = cp.ulysses_attention(q_l, k_l, v_l, causal=True)
 
-**Layouts** (every function defaults to ``layout="zigzag"``). ``"contiguous"``: the chunks
-of ``torch.tensor_split(x, P, dim)``, rank r holds chunk r. ``"zigzag"``: the chunks of
-``torch.tensor_split(x, 2P, dim)``, rank r holds chunks r and 2P−1−r, so causal work is even
-across ranks (the late, expensive queries are paired with the early, cheap ones). Lengths
-need not divide: chunk sizes differ by at most one and every function agrees on the split
-(:func:`shard_ranges`); the only requirement is N >= P, so that no rank is empty::
-
-    N = 10, P = 2, zigzag:  chunks  [0 1 2][3 4 5][6 7][8 9]
-                            rank 0:  0 1 2         8 9        (chunks 0 and 3)
-                            rank 1:        3 4 5 6 7          (chunks 1 and 2)
-
-**Ring** (:func:`ring_attention`): K/V blocks travel around the ring, one
-``batch_isend_irecv`` per step that overlaps the step's compute, P − 1 exchanges forward.
-Each step runs the launcher of the backend the call chose (``tiled``, ``fused`` or
-``triton``; ``auto`` chooses as :func:`attn.select_backend` does for one launch's shape) on
-the local queries and the visiting keys with a :class:`~attn.spec.LaunchSpec` carrying their
-global positions, so causal masks, windows and the dropout hash are those of the unsharded
-sequence; a (query chunk, key chunk) pair the band masks entirely is skipped without
-computing. ``fused`` takes only what torch's kernel expresses (no softcap, no dropout) and
-keys that are all finite under a band; other calls run on tiled. Partials merge
-through their lse (:func:`attn.merge_attention`, −inf-safe). The backward is a second ring:
-dK/dV travel with their K/V back to the owner, and each step recomputes P from the saved
-*global* lse. GQA K/V travel with Hkv heads. Per-rank memory is O(N/P).
-
-**Ulysses** (:func:`ulysses_attention`): an all-to-all turns sequence shards into head
-shards (H/P heads over the full sequence), attention runs locally with every variant, and an
-all-to-all turns the result back. Needs ``H % P == 0`` and either ``Hkv % P == 0`` or
-``P % Hkv == 0`` (then each KV head is replicated to the P / Hkv ranks that read it).
-
-**Gradients and replicated tensors.** q, k, v shards get their exact gradients. A tensor
-every rank holds the same copy of — ``sinks``, a tensor ``temperature`` or ``softcap``, and
-the input of :func:`shard_sequence` — gets *this rank's contribution*: the sum over the group
-is the full gradient, which is what DDP/FSDP's gradient all-reduce computes. Every rank must
-call every function of this module in the same order (they are collectives), backward too.
-
-**Validation.** Each call first all-gathers a small record of every rank's shapes, dtypes,
-devices and keyword values (one collective, before any K/V moves), then every rank raises
-the same ValueError / TypeError when any rank's input is bad: bad input on one rank never
-leaves the others waiting on a transfer.
-
-NCCL: the collectives used (all_gather_object, broadcast, batch_isend_irecv,
-all_to_all_single, all_gather) all run on NCCL; set ``torch.cuda.set_device(local_rank)``
-before the first call as torchrun scripts do.
+Every function defaults to ``layout="zigzag"`` (rank r holds chunks r and 2P−1−r of
+``torch.tensor_split(x, 2P, dim)``; ``"contiguous"``: chunk r of P). They are collectives:
+every rank calls them in the same order, backward too, and each call first all-gathers a
+record of every rank's input so that bad input raises on every rank. Replicated tensors
+(sinks, a tensor temperature or softcap, :func:`shard_sequence`'s input) get this rank's
+contribution to their gradient. The layouts, the ring and Ulysses steps, the tests and the
+measurements: docs/context-parallel.md.
 """
 
 from __future__ import annotations
@@ -132,13 +95,30 @@ def _peer(group, rank: int) -> int:
 
 
 def _local_lengths(n: int, P: int, layout: str) -> list[int]:
-    return [sum(b - a for a, b in rs) for rs in shard_ranges(n, P, layout)]
+    return _lengths(shard_ranges(n, P, layout))
+
+
+def _lengths(ranges: list[list[tuple[int, int]]]) -> list[int]:
+    """Each rank's number of positions."""
+    return [sum(b - a for a, b in rs) for rs in ranges]
 
 
 # -- shard / gather ----------------------------------------------------------------------------
 
 def _take(x: Tensor, ranges: list[tuple[int, int]], dim: int) -> Tensor:
     return torch.cat([x.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+def _place(out: Tensor, parts: list[Tensor], ranges: list[list[tuple[int, int]]], dim: int
+           ) -> Tensor:
+    """``out`` with each rank's shard ``parts[r]`` written at its global ``ranges[r]`` along
+    ``dim``: the inverse of :func:`_take` for every rank at once."""
+    for part, rs in zip(parts, ranges):
+        off = 0
+        for a, b in rs:
+            out.narrow(dim, a, b - a).copy_(part.narrow(dim, off, b - a))
+            off += b - a
+    return out
 
 
 def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
@@ -162,13 +142,7 @@ def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
     dist.all_gather(parts, x_p, group=group)
     shape = list(x_l.shape)
     shape[dim] = n
-    out = x_l.new_empty(shape)
-    for r, ranges in enumerate(shard_ranges(n, P, layout)):
-        off = 0
-        for a, b in ranges:
-            out.narrow(dim, a, b - a).copy_(parts[r].narrow(dim, off, b - a))
-            off += b - a
-    return out
+    return _place(x_l.new_empty(shape), parts, shard_ranges(n, P, layout), dim)
 
 
 class _Shard(torch.autograd.Function):
@@ -247,8 +221,6 @@ class _Call:
     k_lens: list[int]  # keys per rank
     spec: LaunchSpec
     backend: str
-    n_q: int = 0
-    n_k: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -347,8 +319,7 @@ def _draw_seed(dropout_p: float, group) -> int:
 
 
 def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperature, softcap,
-             window, sinks, dropout_p, return_lse, backend, attn_mask
-             ) -> tuple["_Call", Operands]:
+             window, sinks, dropout_p, backend, attn_mask) -> tuple["_Call", Operands]:
     """Validate on every rank (so bad input on one raises on all), then set the global band
     and the shared dropout seed on the call :func:`attn.call.resolve` made."""
     rank, P = _world(group)
@@ -380,7 +351,7 @@ def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperatur
             name, reason = "tiled", f"{reason}; tiled instead: {why}"
     c = _Call(rank=rank, P=P, group=group, layout=layout,
               q_ranges=shard_ranges(n_q, P, layout), k_ranges=shard_ranges(n_k, P, layout),
-              k_lens=[r["k"][2] for r in records], spec=spec, backend=name, n_q=n_q, n_k=n_k,
+              k_lens=[r["k"][2] for r in records], spec=spec, backend=name,
               extra={"reason": reason})
     return c, ops
 
@@ -489,14 +460,19 @@ def _visible(spec: LaunchSpec, n_q: int, n_k: int) -> bool:
     return not all(not row for row in blocks.tiles)
 
 
-def _step_pairs(c: _Call, src: int):
-    """``(qi, rows, ki, spec, visible)`` for each (local query piece, piece of rank ``src``'s
-    keys) of the step that holds ``src``'s K/V: the pieces' indices, the query rows, and the
-    spec with both pieces' global positions."""
+def _step_pairs(c: _Call, src: int, stats: RingStats):
+    """``(qi, rows, ki, spec)`` for each (local query piece, piece of rank ``src``'s keys) of
+    the step that holds ``src``'s K/V that the band leaves any pair of (the others counted as
+    skipped): the pieces' indices, the query rows, and the spec with both pieces' global
+    positions."""
     for qi, (ql0, ql1, qg) in enumerate(_pieces(c.q_ranges[c.rank])):
         for ki, (kl0, kl1, kg) in enumerate(_pieces(c.k_ranges[src])):
             spec = c.spec.shard(q_start=qg, k_start=kg)
-            yield qi, slice(ql0, ql1), ki, spec, _visible(spec, ql1 - ql0, kl1 - kl0)
+            if not _visible(spec, ql1 - ql0, kl1 - kl0):
+                stats.skipped += 1
+                continue
+            stats.launches += 1
+            yield qi, slice(ql0, ql1), ki, spec
 
 
 def _pack(c: _Call, src: int, *ts: Tensor) -> Tensor:
@@ -547,6 +523,23 @@ class _Transfer:
         return self.buf
 
 
+def _ring_steps(c: _Call, k: Tensor, v: Tensor, stats: RingStats):
+    """``(src, k_s, v_s)`` for each ring step: rank ``src``'s K/V pieces. The next K/V is
+    posted before the step is handed out and waited for when the next step is asked for, so
+    the caller's compute (and its own dK/dV hop) runs while it travels."""
+    kv = _pack(c, c.rank, k, v)
+    for step in range(c.P):
+        src = (c.rank - step) % c.P
+        hop = None
+        if step < c.P - 1:  # post the next K/V before computing on this one
+            hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
+            stats.kv_exchanges += 1
+        k_s, v_s = _unpack(c, kv, src, (k.shape[-1], v.shape[-1]), k)
+        yield src, k_s, v_s
+        if hop is not None:
+            kv = hop.wait()
+
+
 def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
               cap_t: Tensor | None) -> tuple[Tensor, Tensor]:
     stats = _new_stats("last_ring_stats")
@@ -565,28 +558,14 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
             lse0 = sinks.detach().to(acc).view(1, H, 1).expand_as(lse0).clone()
         state.append((torch.zeros(B, H, ql1 - ql0, v.shape[-1], dtype=acc, device=q.device),
                       lse0))
-    widths = (k.shape[-1], v.shape[-1])
-    kv = _pack(c, c.rank, k, v)
-    for step in range(c.P):
-        src = (c.rank - step) % c.P
-        hop = None
-        if step < c.P - 1:  # post the next K/V before computing on this one
-            hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
-            stats.kv_exchanges += 1
-        k_s, v_s = _unpack(c, kv, src, widths, k)
+    for src, k_s, v_s in _ring_steps(c, k, v, stats):
         partials: list[list[tuple[Tensor, Tensor]]] = [[] for _ in q_pieces]
-        for qi, rows, ki, spec, visible in _step_pairs(c, src):
-            if not visible:
-                stats.skipped += 1
-                continue
-            stats.launches += 1
+        for qi, rows, ki, spec in _step_pairs(c, src, stats):
             partials[qi].append(fwd(_rows(c, q, rows), k_s[ki], v_s[ki], spec, ops))
         for qi, parts in enumerate(partials):
             if parts:  # the running state first: the merge keeps its (accumulation) dtype
                 state[qi] = _merge_trusted([state[qi][0]] + [p[0] for p in parts],
-                                                 [state[qi][1]] + [p[1] for p in parts])
-        if hop is not None:
-            kv = hop.wait()
+                                           [state[qi][1]] + [p[1] for p in parts])
     out = torch.empty(B, H, n_l, v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.full((B, H, n_l), float("-inf"), dtype=acc, device=q.device)
     for (ql0, ql1, _), (o, l) in zip(q_pieces, state):
@@ -609,23 +588,12 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
     if cap_t is not None and need_dcap:
         dcap = torch.zeros(q.shape[1], dtype=acc, device=q.device)
     widths = (k.shape[-1], v.shape[-1])
-    kv = _pack(c, c.rank, k, v)
     dkv_hop = None
-    for step in range(c.P):
-        src = (c.rank - step) % c.P
-        kv_hop = None
-        if step < c.P - 1:
-            kv_hop = _Transfer(c, kv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_KV, stats)
-            stats.kv_exchanges += 1
-        k_s, v_s = _unpack(c, kv, src, widths, k)
+    for src, k_s, v_s in _ring_steps(c, k, v, stats):
         # dK/dV of the visiting pieces, packed like them, in the accumulation dtype
         dkv = torch.zeros(_kv_numel(c, k, v, src), dtype=acc, device=q.device)
         dk_s, dv_s = _unpack(c, dkv, src, widths, k)
-        for qi, rows, ki, spec, visible in _step_pairs(c, src):
-            if not visible:
-                stats.skipped += 1
-                continue
-            stats.launches += 1
+        for qi, rows, ki, spec in _step_pairs(c, src, stats):
             # the global out and lse: P = exp(s − lse) and Δ are those of the unsharded call
             g = bwd(_rows(c, do, rows), _rows(c, dlse, rows), _rows(c, q, rows), k_s[ki],
                     v_s[ki], _rows(c, out, rows), _rows(c, lse, rows), spec, ops,
@@ -640,8 +608,6 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
         if c.P > 1:  # dK/dV follow their K/V; after the last step they reach the owner
             dkv_hop = _Transfer(c, dkv, _kv_numel(c, k, v, (src - 1) % c.P), _TAG_DKV, stats)
             stats.dkv_exchanges += 1
-        if kv_hop is not None:
-            kv = kv_hop.wait()
     if dkv_hop is not None:
         dkv = dkv_hop.wait()
     dk_p, dv_p = _unpack(c, dkv, c.rank, widths, k)
@@ -712,7 +678,7 @@ def ring_attention(
     c, ops = _prepare(
         "ring_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
         temperature=temperature, softcap=softcap, window=window, sinks=sinks,
-        dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
+        dropout_p=dropout_p, backend=backend, attn_mask=attn_mask)
     q_in = q if ops.q_scale is None else q.to(ops.q_scale.dtype) * ops.q_scale
     out, lse = _RingAttention.apply(q_in, k, v, sinks, ops.softcap, c)
     return (out, lse) if return_lse else out
@@ -746,28 +712,21 @@ def _seq_to_head(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]], n: in
     """(B, Hx, N_r, D) sequence shard → (B, Hx/P, N, D) head shard, global order."""
     B, Hx, n_l, D = x.shape
     hp = Hx // c.P
-    lens = [sum(b - a for a, b in rs) for rs in ranges]
+    lens = _lengths(ranges)
+    sizes = [B * hp * m * D for m in lens]
     send = x.reshape(B, c.P, hp, n_l, D).transpose(0, 1).contiguous()  # (P, B, hp, N_r, D)
     recv = torch.empty(B * hp * n * D, dtype=x.dtype, device=x.device)
     with _timed(c):
-        dist.all_to_all_single(recv, send.reshape(-1), [B * hp * m * D for m in lens],
-                               [B * hp * n_l * D] * c.P, group=c.group)
-    out = x.new_empty(B, hp, n, D)
-    off = 0
-    for r, rs in enumerate(ranges):
-        part = recv[off:off + B * hp * lens[r] * D].view(B, hp, lens[r], D)
-        off += part.numel()
-        loc = 0
-        for a, b in rs:
-            out[:, :, a:b] = part[:, :, loc:loc + b - a]
-            loc += b - a
-    return out
+        dist.all_to_all_single(recv, send.reshape(-1), sizes, [B * hp * n_l * D] * c.P,
+                               group=c.group)
+    parts = [part.view(B, hp, m, D) for part, m in zip(recv.split(sizes), lens)]
+    return _place(x.new_empty(B, hp, n, D), parts, ranges, 2)
 
 
 def _head_to_seq(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]]) -> Tensor:
     """(B, Hx/P, N, D) head shard → (B, Hx, N_r, D) sequence shard: the inverse."""
     B, hp, n, D = x.shape
-    lens = [sum(b - a for a, b in rs) for rs in ranges]
+    lens = _lengths(ranges)
     send = torch.cat([_take(x, rs, 2).reshape(-1) for rs in ranges])
     n_l = lens[c.rank]
     recv = torch.empty(c.P * B * hp * n_l * D, dtype=x.dtype, device=x.device)
@@ -778,26 +737,22 @@ def _head_to_seq(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]]) -> Te
     return recv.view(c.P, B, hp, n_l, D).transpose(0, 1).reshape(B, c.P * hp, n_l, D)
 
 
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, c, ranges, n):
-        ctx.c, ctx.ranges = c, ranges
-        return _seq_to_head(c, x.contiguous(), ranges, n)
+class _AllToAll(torch.autograd.Function):
+    """Sequence shards → head shards (``to_heads``) or back; the backward is the other way."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _head_to_seq(ctx.c, g.contiguous(), ctx.ranges), None, None, None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, c, ranges):
-        ctx.c, ctx.ranges, ctx.n = c, ranges, x.shape[2]
+    def forward(ctx, x, c, ranges, to_heads: bool):
+        ctx.c, ctx.ranges, ctx.to_heads, ctx.n = c, ranges, to_heads, x.shape[2]
+        if to_heads:
+            return _seq_to_head(c, x.contiguous(), ranges, sum(_lengths(ranges)))
         return _head_to_seq(c, x.contiguous(), ranges)
 
     @staticmethod
     def backward(ctx, g):
-        return _seq_to_head(ctx.c, g.contiguous(), ctx.ranges, ctx.n), None, None
+        g = g.contiguous()
+        if ctx.to_heads:
+            return _head_to_seq(ctx.c, g, ctx.ranges), None, None, None
+        return _seq_to_head(ctx.c, g, ctx.ranges, ctx.n), None, None, None
 
 
 def ulysses_attention(
@@ -827,7 +782,7 @@ def ulysses_attention(
     c, ops = _prepare(
         "ulysses_attention", q, k, v, causal=causal, layout=layout, group=group, scale=scale,
         temperature=temperature, softcap=softcap, window=window, sinks=sinks,
-        dropout_p=dropout_p, return_lse=return_lse, backend=backend, attn_mask=attn_mask)
+        dropout_p=dropout_p, backend=backend, attn_mask=attn_mask)
     c.extra["stats"] = _new_stats("last_ulysses_stats")
     B, H, _, _ = q.shape
     P, hp = c.P, H // c.P
@@ -835,19 +790,19 @@ def ulysses_attention(
     rep = _ulysses_heads(H, k.shape[1], P)
     if rep > 1:  # (B, Hkv, N_r, D) → (B, P, N_r, D): KV head i on the ranks that read it
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    q_h = _SeqToHead.apply(q, c, c.q_ranges, c.n_q)  # (B, H/P, Nq, D)
-    k_h = _SeqToHead.apply(k, c, c.k_ranges, c.n_k)  # (B, Hkv/P or 1, Nk, D)
-    v_h = _SeqToHead.apply(v, c, c.k_ranges, c.n_k)
+    q_h = _AllToAll.apply(q, c, c.q_ranges, True)  # (B, H/P, Nq, D)
+    k_h = _AllToAll.apply(k, c, c.k_ranges, True)  # (B, Hkv/P or 1, Nk, D)
+    v_h = _AllToAll.apply(v, c, c.k_ranges, True)
     spec = c.spec.shard(head_start=h0, heads_total=H)  # the dropout hash reads global heads
     heads = slice(h0, h0 + hp)  # this rank's query heads: their temperature, softcap, sinks
     ops_h = Operands(softcap=None if ops.softcap is None else ops.softcap.expand(H)[heads],
                      sinks=None if sinks is None else sinks[heads],
                      q_scale=None if ops.q_scale is None else ops.q_scale[:, heads])
     out_h, lse_h = run(c.backend, q_h, k_h, v_h, spec, ops_h)
-    out = _HeadToSeq.apply(out_h, c, c.q_ranges)  # (B, H, Nq_r, Dv)
+    out = _AllToAll.apply(out_h, c, c.q_ranges, False)  # (B, H, Nq_r, Dv)
     if not return_lse:
         return out
-    lse = _HeadToSeq.apply(lse_h.unsqueeze(-1), c, c.q_ranges).squeeze(-1)  # (B, H, Nq_r)
+    lse = _AllToAll.apply(lse_h.unsqueeze(-1), c, c.q_ranges, False).squeeze(-1)  # (B, H, Nq_r)
     return out, lse
 
 

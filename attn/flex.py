@@ -3,21 +3,11 @@
 ``flex_attention`` and ``create_block_mask`` take the arguments of
 ``torch.nn.attention.flex_attention`` and return torch's own ``BlockMask``, so code and masks
 move between the two. What differs is where it runs: on attn's tiled backend, eagerly, on
-every device, forward and backward, for any length without a recompile.
-
-How a mod reaches the tiles (no second online softmax):
-
-* ``score_mod(score, b, h, q_idx, kv_idx)`` runs once per visited tile on the tile's scores
-  viewed ``(B, H, BM, BN)``, with broadcast index tensors ``b (B,1,1,1)``, ``h (1,H,1,1)``,
-  ``q_idx (1,1,BM,1)``, ``kv_idx (1,1,1,BN)`` (FlexAttention calls it per element through
-  vmap; an elementwise mod written for it works on these). Its backward is autograd's: the
-  tiled backward rebuilds the tile's scores under ``torch.enable_grad`` and asks
-  ``torch.autograd.grad`` for dS and the captured tensors' gradients, summed tile by tile in
-  a fixed order (deterministic, no atomics).
-* ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend) runs only in the tiles the block
-  classification marks partial; empty tiles are never visited, full ones do no mask work.
-* Order with ``attention``'s keywords: scale/temperature → score_mod → softcap → masks
-  (causal, window, attn_mask AND mask_mod) → sinks.
+every device, forward and backward, for any length without a recompile. A ``score_mod`` runs
+once per visited tile on the tile's scores viewed ``(B, H, BM, BN)`` with broadcast index
+tensors (an elementwise mod written for FlexAttention works on these), and its backward is
+autograd's, tile by tile in a fixed order; a ``mask_mod`` runs only in partial tiles.
+docs/flex-varlen.md has the rest, the order of the mods among attention's keywords included.
 """
 
 from __future__ import annotations
@@ -32,8 +22,8 @@ from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, 
 
 from attn.call import _check_positive_int_or_none, _validate_qkv, attend
 from attn.masks import Band, Blocks
-# the helpers the core shares live in attn.mods; these names stay importable from here
-from attn.mods import captured_tensors, mask_mod_blocks, mask_mod_kinds, union_blocks  # noqa: F401
+# the helpers the core shares live in attn.mods; two stay public here (__all__)
+from attn.mods import captured_tensors, mask_mod_kinds, union_blocks  # noqa: F401
 
 __all__ = ["BlockMask", "captured_tensors", "create_block_mask", "flex_attention",
            "mask_mod_kinds"]

@@ -1,36 +1,15 @@
 """The fused backend: torch's own fused attention kernels as attn's block primitive.
 
-torch ships a fused attention kernel that returns the log-sum-exp beside the output
-(``aten::_scaled_dot_product_flash_attention_for_cpu``) and a backward that takes them back.
-Called on the pieces of attn's plan and merged through their lse (the online softmax at block
-granularity, :mod:`attn.merge`), it computes attn's calls exactly at the speed of torch's
-kernel. This is the only module that calls torch's private ``aten::_scaled_dot_product_*`` ops,
-never through ``F.scaled_dot_product_attention`` (which :func:`attn.patch_sdpa` may route back
-to attn); their schemas are checked against the installed torch when first used, and a mismatch
-turns the backend off with one warning and a reason.
-
-How a call is cut (CPU). Work items are (sequence, kv head group, query block, key range): one
-batch row (or packed sequence, its keys cut to a key-padding mask's run) and a group of kv heads
-with their G query heads each (GQA without K/V copies; :func:`head_group`), so torch's kernel never
-chooses its own packing from the batch or the thread count (a dense float32/float64 forward, which
-does not pack, is one call: :func:`_whole_call`). A query block's keys are cut by the band into at
-most three pieces (:func:`pieces`): keys every row of the block sees (no mask), the diagonal where
-the band's right edge runs (torch's top-left ``is_causal`` on that square, no mask), and the strip
-its left edge cuts (a block-sized mask); empty pieces are never called. A user mask is sliced per
-piece and turned into an additive mask of q's dtype there; a mask_mod or block mask cuts blocks
-into pieces of full and partial tiles; ALiBi folds into q and k off each block's diagonal. Decoding
-cuts the keys into ranges (split-KV) merged in key order; the sinks join as one more partial. Every
-cut depends on the sequence's own lengths and the model's heads, never on the batch or the number
-of workers, and merges run in a fixed order: a sequence's bits do not depend on its batch.
-
-The backward runs per (sequence, kv head group, run of query blocks): each block's pieces go
-through torch's backward op with the call's *merged* output and lse (so each piece's dQ/dK/dV share
-is exact), dQ summed over the pieces and dK/dV over the query blocks in order, in the accumulation
-dtype. Nothing N x N is ever allocated.
-
-What it expresses is an allow-list over the call's fields (:func:`call_reason`, and
-:data:`SPEC_DECISIONS` for every :class:`attn.spec.LaunchSpec` field: a field without a decision
-makes a call not expressible).
+torch's fused attention ops return the log-sum-exp beside the output, and their backward
+takes both back. Called on the pieces of attn's plan and merged through their lse (the online
+softmax at block granularity, :mod:`attn.merge`), they compute attn's calls exactly. This is
+the only module that calls torch's private ``aten::_scaled_dot_product_*`` ops, never through
+``F.scaled_dot_product_attention``; their schemas are checked when first used. Items are
+(sequence, kv head group, query block, key range) (:func:`head_group`), a block's keys cut by
+the band into at most three pieces (:func:`pieces`); every cut depends on a sequence's own
+lengths and the model's heads, so a sequence's bits do not depend on its batch. What it
+expresses is an allow-list (:func:`call_reason`, :data:`SPEC_DECISIONS`). The items, pieces,
+decoding, backward and CUDA ops: docs/design.md, "The fused backend".
 """
 
 from __future__ import annotations
@@ -150,6 +129,7 @@ SPEC_DECISIONS: dict[str, str] = {
     "qk_scale": "read",  # torch's scale argument
     "band": "read",  # pieces: full, top-left causal diagonal, masked strip
     "softcap": "default",  # torch's kernel has no score transform
+    "terms": "default",  # nor a score step for a static variant's term
     "dropout_p": "default",  # attn's hash dropout cannot be handed to torch's kernel
     "dropout_seed": "read",  # meaningless without dropout
     "q_start": "read",  # the local band carries the shard's positions
@@ -196,6 +176,8 @@ def call_reason(call) -> str | None:
         return "score_mod (torch's fused kernel has no score transform)"
     if call.softcap is not None:
         return "softcap (torch's fused kernel has no score transform)"
+    if call.terms:
+        return f"the score term(s) {list(call.terms)} (torch's fused kernel has no score step)"
     if call.dropout:
         return "dropout (attn's reproducible hash dropout cannot be handed to torch's kernel)"
     if call.mask_grad:
@@ -258,8 +240,8 @@ class FusedConfig:
     serial_max_scores: int = 1 << 16
     # an item takes several kv heads at once (one op call for the group, which runs them
     # itself) while its scores stay within item_max_scores: small blocks then pay attn's
-    # cost per call (slicing, masks, merges: ~0.5 ms on a Cascade Lake core) once per
-    # group, not once per head. 0: one kv head per item.
+    # cost per call (slicing, masks, merges) once per group, not once per head. 0: one kv
+    # head per item.
     item_max_scores: int = 1 << 21
 
 
@@ -343,13 +325,10 @@ def masks_scores(spec: LaunchSpec, ops: Operands, n_q: int, n_k: int,
     if (ops.attn_mask is not None or spec.mask_mod is not None or spec.mask_blocks is not None
             or ops.alibi is not None):
         return True
-    band = spec.local_band()
-    lengths = [(n_q, n_k, band)]
-    if ops.cu_seqlens_q is not None:  # each sequence's band counted from its own end
-        cq, ck = ops.cu_seqlens_q.tolist(), ops.cu_seqlens_k.tolist()
-        lengths = [(cq[s + 1] - cq[s], ck[s + 1] - ck[s],
-                    Band(band.offset + (ck[s + 1] - ck[s]) - (cq[s + 1] - cq[s]), band.left,
-                         band.right)) for s in range(len(cq) - 1)]
+    lengths = [(n_q, n_k, spec.local_band())]
+    if ops.cu_seqlens_q is not None:
+        lengths = [(s.q1 - s.q0, s.k1 - s.k0, s.band)
+                   for s in _packed_sequences(spec.local_band(), ops)]
     for m, n, b in lengths:
         if b.is_full:
             continue
@@ -401,11 +380,16 @@ def sequences(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands,
         # keys from a: positions (the band's, ALiBi's) shift by a
         return [Seq(b, 0, q.shape[2], a, z, Band(band.offset - a, band.left, band.right), b)
                 for b, (a, z) in enumerate(spans)]
+    return _packed_sequences(spec.band, ops)
+
+
+def _packed_sequences(band: Band, ops: Operands) -> list[Seq]:
+    """The packed sequences of ``ops.cu_seqlens_q / _k``, each with ``band`` counted from its
+    own end."""
     cq, ck = ops.cu_seqlens_q.tolist(), ops.cu_seqlens_k.tolist()
-    b0 = spec.band
     return [Seq(0, cq[s], cq[s + 1], ck[s], ck[s + 1],
-                Band(b0.offset + (ck[s + 1] - ck[s]) - (cq[s + 1] - cq[s]), b0.left, b0.right),
-                s) for s in range(len(cq) - 1)]
+                Band(band.offset + (ck[s + 1] - ck[s]) - (cq[s + 1] - cq[s]), band.left,
+                     band.right), s) for s in range(len(cq) - 1)]
 
 
 class _Plan(NamedTuple):
@@ -606,15 +590,18 @@ class _Folded(NamedTuple):
     shift: Tensor  # (G, rows), accumulation dtype
 
 
-def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor, seq: Seq, m0: int, m1: int,
-          pc: Piece, scale: float) -> _Folded:
-    """ALiBi's ``-s_h |j - (i + off)|`` on a piece on one side of every row's diagonal
-    (:func:`_side`) is ``side·s_h·(j - c) - side·s_h·(i + off - c)``: a term per key, which
-    G more columns fold into the scores (a one-hot per query head in q, ``side·s_h·(j -
-    c) / scale`` per head in k, zeros in v), and a term per row, which the softmax ignores and
-    the lse gives back. ``c`` is the piece's edge nearest the diagonal, so the folded terms
-    stay as small as the bias itself where the probabilities are."""
+def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor | None, seq: Seq, p: _Plan,
+          mask_mod, m0: int, m1: int, pc: Piece, scale: float) -> _Folded | None:
+    """ALiBi folded into a piece's q, k, v where it folds (else None): a piece the band does
+    not cut, no other mask on it, on one side of every row's diagonal (:func:`_side`). There
+    ALiBi's ``-s_h |j - (i + off)|`` is ``side·s_h·(j - c) - side·s_h·(i + off - c)``: a term
+    per key, which G more columns fold into the scores (a one-hot per query head in q,
+    ``side·s_h·(j - c) / scale`` per head in k, zeros in v), and a term per row, which the
+    softmax ignores and the lse gives back. ``c`` is the piece's edge nearest the diagonal, so
+    the folded terms stay as small as the bias itself where the probabilities are."""
     side = _side(pc, m0, m1, seq.band.offset)
+    if slopes is None or pc.masked or p.masked or mask_mod is not None or side == 0:
+        return None
     G, rows, n = qb.shape[1], m1 - m0, pc.n1 - pc.n0
     c = pc.n1 if side > 0 else pc.n0
     acc = _acc_dtype(qb.dtype)  # float64 keeps float64's fold exact to its own rounding
@@ -629,14 +616,6 @@ def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor, seq: Seq, m0: int,
                      device=qb.device)
     shift = side * s[:, None] * i[None, :]  # (G, rows)
     return _Folded(q2, k2, v2, shift)
-
-
-def _foldable(slopes: Tensor | None, pc: Piece, p: _Plan, mask_mod, m0: int, m1: int,
-              seq: Seq) -> bool:
-    """Whether ALiBi folds into this piece's q and k (:func:`_fold`): a piece the band does
-    not cut, no other mask on it, on one side of every row's diagonal."""
-    return (slopes is not None and not pc.masked and not p.masked and mask_mod is None
-            and _side(pc, m0, m1, seq.band.offset) != 0)
 
 
 def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
@@ -669,7 +648,7 @@ def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
     ``config.split_max_q`` (decoding reads each key about once: a copy costs what it saves),
     else a copy of them. torch's CPU op rereads keys whose rows lie apart (a paged cache's
     heads interleaved per key, flash-attn's (B, N, H, D) layout) more slowly than the copy
-    costs (1.34x on paged chunked prefill, 512 x 4096; decoding 16k keys: 0.6x)."""
+    costs (docs/benchmarks.md, "Measurements behind the code's choices")."""
     if x.shape[2] < 2 or x.stride(2) == x.shape[3] or rows <= config.split_max_q:
         return x
     return x.contiguous()
@@ -708,6 +687,16 @@ def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: l
     return ps[0]
 
 
+def _plans(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
+           config: FusedConfig, *, backward: bool) -> tuple[list[_Plan], list, list[int]]:
+    """Each sequence's plan, mask_mod in its own positions (or None) and kv heads per item."""
+    H, Hkv = q.shape[1], k.shape[1]
+    plans = [plan(s, Hkv, spec, ops, config, backward=backward, heads=H) for s in seqs]
+    mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
+    hgs = [head_group(s, p, Hkv, H // Hkv, config) for s, p in zip(seqs, plans)]
+    return plans, mask_mods, hgs
+
+
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
@@ -721,9 +710,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
-    plans = [plan(s, Hkv, spec, ops, config, heads=H) for s in seqs]
-    mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
-    hgs = [head_group(s, p, Hkv, G, config) for s, p in zip(seqs, plans)]
+    plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=False)
     whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods)
     if whole is not None:  # one op call (torch's threads); the sinks join as below
         kw, vw = (_rows_packed(t, Nq, config) for t in (k, v))
@@ -752,9 +739,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
                                alibi=slopes is not None):
             kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1], m1 - m0,
                                    config) for t in (k, v))
-            folded = None
-            if _foldable(slopes, pc, p, mask_mods[si], m0, m1, s):
-                folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
+            folded = _fold(qb, kb, vb, slopes, s, p, mask_mods[si], m0, m1, pc, spec.qk_scale)
             add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
                                      pc, q.dtype, q.device, mask_mods[si])
             qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
@@ -776,8 +761,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         o_to[s.b, heads, s.q0 + m0:s.q0 + m1] = o
         l_to[s.b, heads, s.q0 + m0:s.q0 + m1] = l_
 
-    scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
-    workers.run_items(run, len(items), threads=_threads(scores, config, q))
+    workers.run_items(run, len(items), threads=_threads(seqs, config, q))
     return _sinks_joined(out, lse, parts_out, parts_lse, ops.sinks)
 
 
@@ -798,9 +782,12 @@ def _sinks_joined(out: Tensor, lse: Tensor, parts_out: Tensor | None,
     return out, lse
 
 
-def _threads(scores: int, config: FusedConfig, q: Tensor) -> int | None:
+def _threads(seqs: list[Seq], config: FusedConfig, q: Tensor) -> int | None:
+    """The worker pool's threads for a call's items: 0 (in order, no pool) off CPU and
+    traced, 1 (the caller) for a call of few scores, else the pool's."""
     if torch.compiler.is_compiling() or q.device.type != "cpu":
         return 0
+    scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * q.shape[1]
     return 1 if scores < config.serial_max_scores else None
 
 
@@ -879,9 +866,8 @@ def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, 
     """torch's backward op on one piece of a query block: ``(dq, dk, dv)`` with the head dim
     padded as the piece needed (ALiBi folded into more columns, ``pad``: the two ``dlse``
     columns of :func:`_bwd`'s docstring); the caller keeps the first D (Dv) of each."""
-    folded = None
-    if _foldable(slopes, pc, p, mask_mod, m0, m1, s):
-        folded = _fold(qb, kb, vb, slopes, s, m0, m1, pc, spec.qk_scale)
+    folded = _fold(qb, kb, vb, slopes, s, p, mask_mod, m0, m1, pc, spec.qk_scale)
+    if folded is not None:
         qb, kb, vb = folded[:3]
         G_ = folded.shift.shape[0]  # zeros in out and dO: Δ unchanged
         ob, dob = (torch.nn.functional.pad(t, (0, G_)) for t in (ob, dob))
@@ -917,9 +903,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     if precise is not None and lse_too_large(lse, q.dtype):
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
-    plans = [plan(s, Hkv, spec, ops, config, backward=True, heads=H) for s in seqs]
-    mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
-    hgs = [head_group(s, p, Hkv, G, config) for s, p in zip(seqs, plans)]
+    plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=True)
     runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
     # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
     lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
@@ -966,8 +950,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
                 dk_to[:, pc.n0:pc.n1] += gk[0, :, :, :D]
                 dv_to[:, pc.n0:pc.n1] += gv[0, :, :, :Dv]
 
-    scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
-    workers.run_items(run, len(items), threads=_threads(scores, config, q))
+    workers.run_items(run, len(items), threads=_threads(seqs, config, q))
     for si, hk, r in sorted(extra):  # runs' partials in run order: fixed, whatever finished
         s, kvh = seqs[si], slice(hk, hk + hgs[si])
         dk[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][0]
@@ -1056,14 +1039,11 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     ``[starts[b], lengths[b])`` row b reads, the band is counted from each row's end
     (``spec.band`` of a call with no key, its offset plus ``N_b``), ALiBi slopes ``(B, H)``.
 
-    Each row's slots are cut into ranges (:func:`page_ranges`: :func:`kv_split`'s chunk for
-    that row's own key count, else ``split_min_chunk``), narrowed to the keys the band lets
-    its query rows see; a range is :func:`_fwd` on :func:`page_span`'s keys (a view where its
-    pages are one span of consecutive ids, else a copy of its own pages: never a copy of the
-    cache nor of a whole long sequence, nor another row's page), whose items hand torch's op
-    each kv head's rows packed past decoding's query rows (:func:`_rows_packed`). A row's
-    ranges, then the sinks, are merged through their lse in key order, so the bits depend on
-    the row's own lengths, never on where its pages lie, its batch, or the workers.
+    Each row's slots are cut into ranges (:func:`page_ranges`), narrowed to the keys its
+    band reaches; a range is :func:`_fwd` on :func:`page_span`'s keys (a view where its pages
+    are consecutive ids, else a copy of those pages only). A row's ranges, then the sinks,
+    merge through their lse in key order, so its bits depend on its own lengths only
+    (docs/kvcache.md, "CPU, fused").
 
     ``fallback``: the same signature, run instead for a row whose band hides keys from some
     of its query rows through a mask (more than one query row, :func:`masks_scores`) and

@@ -6,25 +6,12 @@ mask, scale) -> (dq, dk, dv)``, with q ``(1, G, rows, D)``, k and v ``(1, 1, key
 head with its G query heads), ``causal`` torch's top-left causal, ``mask`` an additive mask of
 q's dtype ``(1, G or 1, rows, keys)`` or None, and an lse ``(1, G, rows)`` in float32 (natural
 log). On CPU that pair is torch's ``_for_cpu`` op. Here it is built from torch's three CUDA
-ops that return an lse, whose quirks this module hides:
-
-- ``_scaled_dot_product_flash_attention`` (FlashAttention-2): fp16/bf16, no mask argument;
-- ``_scaled_dot_product_efficient_attention`` (memory-efficient): fp32 too, an additive bias
-  whose last dimension must be stored with a stride that is a multiple of 16, and an lse padded
-  to a multiple of 32 rows;
-- ``_scaled_dot_product_cudnn_attention``: fp16/bf16, an lse shaped ``(B, H, rows, 1)``.
-
-Each op gets K/V expanded (a view) to the G query heads, since not every op reads grouped
-heads, and dK/dV summed back over them in order; head dims padded with zeros to a multiple of 8
-(zero columns change no score, and their outputs are cut off).
-
-No GPU has run this module where it was written: which (op, torch, arch, dtype, head dim) it
-computes exactly is what ``attn gpu-check``'s fused stage measures against the float64
-reference (:mod:`attn.bench.fused_verify`) and writes to the committed
-``attn/fused_cuda_table.json``. ``auto`` takes the fused backend on CUDA only for a call whose
-op has a passing entry there, measured at least as fast as triton, and not for decoding
-(:func:`verified_op`; triton's split-KV serves it); ``backend="fused"`` asked for explicitly
-runs the first op that can compute the call (verified ones first).
+ops that return an lse (cuDNN's, FlashAttention-2's and the memory-efficient one), whose
+quirks this module hides: K/V expanded (a view) to the G query heads, dK/dV summed back in
+order, head dims padded with zeros to a multiple of 8, the efficient op's bias stored
+16-aligned and its lse padded, cuDNN's ``(B, H, rows, 1)`` lse. ``auto`` takes one only where
+``attn gpu-check`` verified it (:func:`verified_op`, ``attn/fused_cuda_table.json``); see
+docs/design.md, "The fused backend".
 """
 
 from __future__ import annotations

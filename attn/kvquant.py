@@ -2,30 +2,18 @@
 token costs in bytes.
 
 Every format is symmetric (no zero point) and stores plain integer tensors beside fp16
-scales, so a kernel can read them with integer loads and arithmetic alone:
+scales, so a kernel can read them with integer loads and arithmetic alone: ``int8`` (one
+signed byte per element), ``int4`` (``[-7, 7]``, two per byte, each stored as ``code + 8``),
+``fp8_e4m3`` (the byte of an e4m3fn number with one fixed scale per kv head, decoded
+arithmetically by :func:`e4m3_to_float`); the table of codes and scales is in
+docs/kvcache.md. ``int`` codes are ``round(x / s)`` clamped to ``±qmax``, where ``s`` is the
+group's ``amax / qmax`` rounded to fp16 first, so dequantizing is ``code · s`` exactly (an
+8-bit code times an 11-bit fp16 mantissa is exact in float32). Keys may instead be scaled per
+channel over a full page's tokens (KIVI, Liu et al. 2024: :func:`quantize_channels`).
 
-* ``int8``: one signed byte per element, ``x ≈ code · s`` with ``s = amax / 127`` over a
-  group of the head dim (``group=None``: the whole head dim, one scale per token and head);
-* ``int4``: codes in ``[-7, 7]`` in groups along the head dim (32 by default),
-  ``s = amax / 7``; two codes per byte, element ``2i`` in the low nibble and ``2i + 1`` in
-  the high one, each stored as ``code + 8`` (so a nibble is ``1..15``);
-* ``fp8_e4m3``: the byte of an e4m3 ("fn": no infinities, bias 7) number, ``x ≈ e4m3(byte) ·
-  s`` with one fixed scale per kv head; values past ``±448 · s`` saturate. The byte decodes
-  arithmetically (:func:`e4m3_to_float`), so hardware without an fp8 type reads it too.
-
-``int`` codes are ``round(x / s)`` (half to even) clamped to ``±qmax``, where ``s`` is the
-group's ``amax / qmax`` rounded to fp16 first, so the stored scale is the one the codes were
-made with: dequantizing is ``code · s`` exactly (an 8-bit code times an 11-bit fp16 mantissa
-is exact in float32). A group of zeros has scale 0 and codes 0.
-
-Keys may instead be scaled **per channel** (KIVI, Liu et al. 2024: outliers in keys sit in
-fixed channels, so one scale per channel over a page's tokens fits them better than one per
-token): :func:`quantize_channels` over the tokens of a full page, scales ``(…, 1, Hkv, D)``.
-
-Scales always broadcast against the codes' ``(…, tokens, Hkv, groups)`` (``groups = D /
-group``); :func:`dequantize` takes any of the three shapes. Nothing here knows about pages
-or sequences: :mod:`attn.kvcache` lays the codes out in pages and :mod:`attn.tiled` reads
-them.
+Scales broadcast against the codes' ``(…, tokens, Hkv, groups)``; :func:`dequantize` takes
+every scale shape. Nothing here knows about pages or sequences: :mod:`attn.kvcache` lays the
+codes out in pages and :mod:`attn.tiled` reads them.
 """
 
 from __future__ import annotations
@@ -150,8 +138,8 @@ _E4M3_TABLES: dict[torch.device, Tensor] = {}
 
 
 def _e4m3_table(device: torch.device) -> Tensor:
-    """The 256 e4m3fn values as float32, indexed by their byte (a lookup reads a byte 4x
-    faster than torch's own fp8 cast on CPU)."""
+    """The 256 e4m3fn values as float32, indexed by their byte (a lookup reads a byte
+    faster than torch's own fp8 cast on CPU: docs/benchmarks.md)."""
     table = _E4M3_TABLES.get(device)
     if table is None:
         table = _E4M3_TABLES[device] = e4m3_to_float(torch.arange(256, dtype=torch.uint8,

@@ -273,6 +273,19 @@ def make_band(
     return Band(offset, left, right)
 
 
+def dense_keep(n_q: int, n_k: int, *, causal: bool = False,
+               window: tuple[int, int] | None = None, attn_mask: Tensor | None = None,
+               top_left: bool = False, device: torch.device | str | None = None
+               ) -> Tensor | None:
+    """``causal``, ``window`` and a bool ``attn_mask`` as one bool mask (True = attend),
+    broadcastable to (B, H, Nq, Nk); None when nothing masks. A float mask is the caller's."""
+    band = make_band(n_q, n_k, causal=causal, window=window, top_left=top_left)
+    keep = band.mask(torch.arange(n_q, device=device), torch.arange(n_k, device=device))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = attn_mask if keep is None else keep & attn_mask
+    return keep
+
+
 # -- dropout: a counter-based hash, identical in every backend --------------------------------
 
 _M32 = 0xFFFFFFFF

@@ -42,9 +42,7 @@ def merge_attention(*args) -> tuple[Tensor, Tensor]:
         outs, lses = [args[0], args[2]], [args[1], args[3]]
         names = ("out_a", "out_b"), ("lse_a", "lse_b")
     elif len(args) == 2:
-        outs, lses = list(args[0]), list(args[1])
-        names = (tuple(f"outs[{i}]" for i in range(len(outs))),
-                 tuple(f"lses[{i}]" for i in range(len(lses))))
+        outs, lses, names = list(args[0]), list(args[1]), None
     else:
         raise TypeError(f"merge_attention takes (out_a, lse_a, out_b, lse_b) or (outs, lses), "
                         f"got {len(args)} arguments")
@@ -55,13 +53,16 @@ def _merge_trusted(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tens
     """:func:`merge_attention` of partials attn's own launchers computed (their lse is never
     +inf): the same merge without the value check and its host sync, for loops that merge
     every step (ring attention)."""
-    names = (tuple(f"outs[{i}]" for i in range(len(outs))),
-             tuple(f"lses[{i}]" for i in range(len(lses))))
-    return _merge(outs, lses, names, check_values=False)
+    return _merge(outs, lses, None, check_values=False)
 
 
 def _merge(outs: Sequence[Tensor], lses: Sequence[Tensor], names, check_values: bool = True
            ) -> tuple[Tensor, Tensor]:
+    """The merge; ``names``: the partials' names for messages (None: ``outs[i]`` /
+    ``lses[i]``)."""
+    if names is None:
+        names = (tuple(f"outs[{i}]" for i in range(len(outs))),
+                 tuple(f"lses[{i}]" for i in range(len(lses))))
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"need as many lses as outs, and at least one, got {len(outs)} outs "
                          f"and {len(lses)} lses")

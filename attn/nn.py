@@ -27,7 +27,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
-from attn.decode import decode
+from attn.decoding import decode
 from attn.masks import module_window
 from attn.spec import acc_dtype
 from attn.varlen import check_cu_form, check_cu_values, position_ids, varlen_attention
@@ -187,7 +187,7 @@ class KVCacheLike(Protocol):
     """What :class:`MultiHeadAttention` needs from a KV cache (``attn.models.KVCache`` is one).
 
     A cache that also has ``paged() -> attn.kvcache.PagedKVCache`` (the same keys, no copy)
-    is read by :func:`attn.decode.decode` when the call allows it (no gradient, backend
+    is read by :func:`attn.decode` when the call allows it (no gradient, backend
     "auto", float scale, temperature and softcap); otherwise the views ``append`` returns go
     through :func:`attn.attention`."""
 
@@ -364,22 +364,20 @@ class MultiHeadAttention(nn.Module):
         self.qk_norm = None if qk_cfg is None else QKNorm(qk_cfg, D)
         self.rope = RotaryEmbedding(D) if o.rope else None
         self.scale = None if self.qk_norm is None else self.qk_norm.attention_scale
-        if o.learn_temperature:
-            self.log_tau = nn.Parameter(torch.full((self.heads,), math.log(o.temperature)))
-            self.temperature = None
-        else:
-            self.log_tau = None
-            self.temperature = float(o.temperature)
-        if o.learn_softcap:
-            self.log_softcap = nn.Parameter(torch.full((self.heads,), math.log(o.softcap)))
-            self.softcap = None
-        else:
-            self.log_softcap = None
-            self.softcap = None if o.softcap is None else float(o.softcap)
+        self.log_tau, self.temperature = self._learnable(o.learn_temperature, o.temperature)
+        self.log_softcap, self.softcap = self._learnable(o.learn_softcap, o.softcap)
         self.sinks = nn.Parameter(torch.zeros(self.heads)) if o.sinks else None
         # set by attn.distributed.ContextParallel.apply_to: x is then this rank's shard of
         # the sequence, RoPE reads its global positions and attention runs across the group
         self.context_parallel = None
+
+    def _learnable(self, learn: bool, value: float | None
+                   ) -> tuple[nn.Parameter | None, float | None]:
+        """A learned per-head value as ``(log parameter (H,), None)`` (kept positive as its
+        exp), else ``(None, the float)``."""
+        if learn:
+            return nn.Parameter(torch.full((self.heads,), math.log(value))), None
+        return None, None if value is None else float(value)
 
     def _tau(self) -> float | Tensor:
         return self.temperature if self.log_tau is None else self.log_tau.exp()  # (H,)
@@ -473,7 +471,7 @@ class MultiHeadAttention(nn.Module):
 
     def _decode(self, q: Tensor, kv_cache: KVCacheLike, opts: dict) -> Tensor | None:
         """The new queries against a cache that can be read as pages (``kv_cache.paged()``)
-        through :func:`attn.decode.decode`, or None where the call needs what decoding from
+        through :func:`attn.decode`, or None where the call needs what decoding from
         a cache does not take: a gradient, a chosen backend, a tensor scale, temperature or
         softcap (learned ones), dropout."""
         paged = getattr(kv_cache, "paged", None)

@@ -160,13 +160,16 @@ def reference_packed(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, *, band: Band, scale: float | Tensor = 1.0,
                      softcap: float | Tensor | None = None, sinks: Tensor | None = None,
                      dropout_p: float = 0.0, dropout_seed: int = 0,
-                     alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     alibi_slopes: Tensor | None = None, **terms: float
+                     ) -> tuple[Tensor, Tensor]:
     """Packed sequences, each alone through :func:`reference_attention` (so none can touch
     another's rows). q (1, H, total_q, D), k / v (1, Hkv, total_k, D / Dv): one batch row
     holding the tokens; cu_seqlens checked offsets; ``band`` per sequence in end-relative
     positions (offset 0 is bottom-right alignment); one dropout seed for the call, sequence
     b as dropout's batch row b; ``alibi_slopes`` (sequences, H), distances from each
-    sequence's own diagonal. Returns out (1, H, total_q, Dv), lse (1, H, total_q)."""
+    sequence's own diagonal; ``terms``: static score variants' keywords of
+    :func:`reference_attention` (``LaunchSpec.terms``). Returns out (1, H, total_q, Dv), lse
+    (1, H, total_q)."""
     H = q.shape[1]
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     lse_dtype = acc_dtype(q.dtype)
@@ -185,7 +188,7 @@ def reference_packed(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], band=seq_band, scale=scale,
             softcap=softcap, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
             dropout_rows=_batch_row(b),
-            alibi_slopes=None if alibi_slopes is None else alibi_slopes[b:b + 1])
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes[b:b + 1], **terms)
         outs.append(out)
         lses.append(lse)
     if not outs:

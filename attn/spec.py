@@ -31,10 +31,43 @@ from attn.masks import (PARTIAL, Band, Blocks, band_kinds, classify_band, classi
 
 
 @dataclass(frozen=True)
+class ScoreTerms:
+    """The constants of built-in score variants that carry no tensor, by name, a float each:
+    the one :class:`LaunchSpec` field a new static score variant fills, so it adds no spec
+    field, no call flag and no resolver line (docs/adding-a-variant.md). A backend applies
+    the terms its score step names (``SCORE_TERMS`` in :mod:`attn.tiled.tile` and in
+    :mod:`attn.flash_triton.kernels`) and refuses a call carrying any other; backends
+    without a score step (sdpa, fused) refuse every term. Build it with :meth:`of`."""
+
+    items: tuple[tuple[str, float], ...] = ()  # (name, value), sorted by name
+
+    @classmethod
+    def of(cls, **values: float | None) -> "ScoreTerms":
+        """The terms given a value, sorted by name (None: that variant is off)."""
+        return cls(tuple(sorted((n, float(v)) for n, v in values.items() if v is not None)))
+
+    def get(self, name: str, default: float | None = None) -> float | None:
+        """The value of term ``name``, or ``default`` when the call does not carry it."""
+        return next((v for n, v in self.items if n == name), default)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.items)
+
+    def refuse_unknown(self, known: tuple[str, ...], backend: str) -> None:
+        """NotImplementedError naming the terms ``backend``'s score step does not apply."""
+        unknown = [n for n in self.names() if n not in known]
+        if unknown:
+            raise NotImplementedError(f"{backend} does not apply the score term(s) {unknown} "
+                                      f"(it applies {list(known)}): add the term's stage to "
+                                      f"its score step (docs/adding-a-variant.md)")
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     qk_scale: float  # multiplies q·k: the public ``scale`` over a float temperature
     band: Band = Band()  # causal / window in global positions
     softcap: float | None = None  # a fixed cap; a learnable one is a tensor argument
+    terms: ScoreTerms = ScoreTerms()  # the static score variants' constants, by name
     dropout_p: float = 0.0
     dropout_seed: int = 0
     q_start: int = 0  # global position of this call's first query
@@ -161,18 +194,6 @@ class Operands(NamedTuple):
     q_scale: Tensor | None = None
     pages: PageTable | None = None  # k and v are page storage read through this table
     quant: QuantPages | None = None  # the pages hold codes: their scales, recent pages
-
-
-def operands_of(caller: str, operands: Operands | None, **keywords) -> Operands:
-    """A backend's public function's optional tensors: the ``operands`` bundle, or the older
-    keyword form (``attn_mask=``, ``sinks=``, ...), never both (TypeError naming ``caller``)."""
-    if operands is None:
-        return Operands(**keywords)
-    given = [name for name, t in keywords.items()
-             if t is not None and not (isinstance(t, tuple) and not t)]
-    if given:
-        raise TypeError(f"{caller}: pass {', '.join(given)} inside operands, not beside it")
-    return operands
 
 
 def check_paged_forward_only(q: Tensor, k_pages: Tensor, v_pages: Tensor, ops: Operands

@@ -3,25 +3,10 @@
 The budget follows flash-attention's tests: an implementation in a low precision may be off
 from the exact (float64) answer by at most ``factor`` times what plain PyTorch — the naive
 reference run in that same precision — is off, plus a rounding floor of a few ulps at unit
-scale (or at the tensor's largest entry, if larger). So a bf16 kernel is held to bf16 standards, a float64 one to float64.
-
-Use it in your own tests::
-
-    import torch
-    from attn.testing import assert_close_to_reference, make_inputs
-
-    def my_attention(q, k, v, causal=False):      # yours; here torch's, for the example
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    q, k, v = make_inputs(B=2, H=4, N=97, D=64, dtype=torch.bfloat16)
-    report = assert_close_to_reference(my_attention, q, k, v, causal=True)
-    print(report)   # one line per checked tensor: error, plain PyTorch's error, budget
-
-``fn`` is called as ``fn(q, k, v, **kwargs)`` with the attn.attention keywords you pass, in
-attn's layout: q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), out (B, H, Nq, Dv).
-It may return the output alone or ``(out, lse)``. By default (``check_lse=None``) it is also
-given ``return_lse=True`` when its signature takes that keyword (or ``**kwargs``); the lse is
-checked if it comes back, and the report says so when it does not.
+scale (or at the tensor's largest entry, if larger). So a bf16 kernel is held to bf16
+standards, a float64 one to float64. ``fn`` is called as ``fn(q, k, v, **kwargs)`` in attn's
+layout and may return the output alone or ``(out, lse)`` (:func:`compare_to_reference`).
+How to use it in your own tests, and the conformance cases: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -204,9 +189,10 @@ def compare_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, grad:
 
     Checks out, lse and, when ``grad``, the gradients of q, k, v and of every tensor keyword
     that requires grad (temperature, sinks, softcap, attn_mask), from a random upstream
-    gradient on out (and lse). ``check_lse``: None (default) checks the lse when ``fn``
-    returns one (see the module docstring) and notes in the report when it does not; True
-    requires it (TypeError if ``fn`` returns only the output); False never asks for it.
+    gradient on out (and lse). ``check_lse``: None (default) passes ``return_lse=True``
+    when ``fn``'s signature takes it (or ``**kwargs``), checks the lse when one comes back
+    and notes in the report when it does not; True requires it (TypeError if ``fn`` returns
+    only the output); False never asks for it.
     Budgets: ``out_factor`` × plain error for out and lse, ``grad_factor`` × for gradients,
     each plus a rounding floor of a few ulps at max(1, the exact tensor's largest entry)
     (``_FLOOR``); gradients of variant parameters, each a sum over many scores, also get a

@@ -4,16 +4,11 @@ The packed layout is one of the two documented exceptions to ``(B, H, N, D)``: q
 ``(total_q, H, D)``, k and v ``(total_k, Hkv, D)``, the sequences laid end to end;
 ``cu_seqlens`` holds the ``B + 1`` offsets where they start (``[0, n0, n0 + n1, ...]``).
 
-:func:`varlen_attention` on the tiled backend is a document mask: the packed tensors are one
-batch row, ``doc[i]`` is the sequence of token ``i``, and query i sees key j only when both
-belong to the same sequence (and, with causal / window, when the per-sequence bottom-right
-band allows it). Its tile plan (:meth:`_DocMask.blocks`) cuts query and key blocks at every
-sequence boundary, so a tile never holds two sequences: tiles between sequences do not
-exist, tiles inside one take the plain path (no mask work) unless the band cuts them, and
-a NaN or inf in one sequence's q, k or v cannot reach another sequence's rows or gradients
-(a masked foreign key sharing a tile would: P = 0 times a NaN value is NaN). The reference
-backend runs the sequences one by one; triton's grid over (sequence, block) is isolated
-by construction. One sequence's data never changes another's output bit.
+:func:`varlen_attention` on the tiled backend is a document mask (:class:`_DocMask`) whose
+tile plan cuts query and key blocks at every sequence boundary, so a tile never holds two
+sequences and one sequence's NaN cannot reach another's rows; the reference backend runs the
+sequences one by one and triton's grid over (sequence, block) is isolated by construction
+(docs/flex-varlen.md).
 """
 
 from __future__ import annotations
@@ -273,15 +268,12 @@ def varlen_attention(
     inside it), whatever the packing; ``alibi_slopes`` (H,) or (B, H) (one row per
     sequence) adds ``−slope · |i + Lk_b − Lq_b − j|`` in each sequence's own positions.
 
-    Backends: triton (CUDA) runs its own varlen kernels, one program grid over (sequence,
-    block), FlashAttention-2 style; tiled (every device) runs a document mask whose tiles,
-    planned on the host from ``cu_seqlens`` (one small copy), never span two sequences;
-    reference runs the sequences one by one. On every backend the sequences are isolated:
-    a NaN or inf in one sequence's q, k or v changes no bit of another's out, lse or
-    gradients. ``max_seqlen_*`` are optional: given both, the triton path reads
-    ``cu_seqlens`` only on the device (no host sync, the offsets trusted as flash-attn
-    trusts them); otherwise the offsets are checked on the host (start at 0, never
-    decrease, end at the total) and a given max_seqlen must cover the longest sequence.
+    On every backend the sequences are isolated (module docstring): a NaN or inf in one
+    sequence's q, k or v changes no bit of another's out, lse or gradients. ``max_seqlen_*``
+    are optional: given both, the triton path reads ``cu_seqlens`` only on the device (no
+    host sync, the offsets trusted as flash-attn trusts them); otherwise the offsets are
+    checked on the host (start at 0, never decrease, end at the total) and a given
+    max_seqlen must cover the longest sequence.
 
     Long for its docstring (the packed layout's contract) and its checks in the caller's
     names; the work itself is one resolve, one backend choice and one run.

@@ -31,15 +31,9 @@ def openmp_threads() -> bool:
     return "OpenMP" in torch.__config__.parallel_info()
 
 
-
-# -- the worker pool --------------------------------------------------------------------------
-#
-# A tiled call on CPU is a list of work items (see attn.tiled.plan): the caller and the pool's
-# workers pull them from one shared counter until none is left, each thread with a single
-# intra-op thread, so no op inside an item opens a parallel region and a thread the OS has
-# descheduled simply takes fewer items. torch releases the GIL inside every op, so the items'
-# GEMMs and elementwise passes run side by side. One pool per worker count is made once and
-# never shut down: concurrent callers share it, each draining its own items itself too.
+# -- the worker pool (module docstring) -------------------------------------------------------
+# One pool per worker count is made once and never shut down: concurrent callers share it,
+# each draining its own items itself too.
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()

@@ -11,7 +11,7 @@ from attn.kvcache import PagedKVCache
 class KVCache(nn.Module):
     """Keys and values of one layer, filled left to right, stored ``(B, max_len, Hkv, D)``:
     flash-attn's paged layout with one page of ``max_len`` positions per sequence, so
-    :meth:`paged` hands the same buffers to :func:`attn.decode.decode` as an
+    :meth:`paged` hands the same buffers to :func:`attn.decode` as an
     :class:`attn.kvcache.PagedKVCache` (no copy).
 
     ``append`` writes the new positions and returns views ``(B, Hkv, length, D)`` of
@@ -67,7 +67,7 @@ class KVCache(nn.Module):
 
     def paged(self) -> PagedKVCache:
         """The cached keys as an :class:`attn.kvcache.PagedKVCache` over these buffers
-        (sequence b in page b, ``length`` keys each): what :func:`attn.decode.decode`
+        (sequence b in page b, ``length`` keys each): what :func:`attn.decode`
         reads."""
         B = self.k.shape[0]
         table = torch.arange(B, dtype=torch.int32, device=self.k.device)[:, None]

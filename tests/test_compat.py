@@ -414,7 +414,7 @@ def kv_path(request, monkeypatch):
     """flash_attn_with_kvcache's two paths: pages read by the tiled items (CPU) and one
     batched / packed call (other devices), both run here on CPU."""
     if request.param == "batched":
-        monkeypatch.setattr(importlib.import_module("attn.decode"), "_PAGED_DEVICES", ())
+        monkeypatch.setattr(importlib.import_module("attn.decoding"), "_PAGED_DEVICES", ())
     return request.param
 
 

@@ -220,7 +220,8 @@ def test_pages_are_read_in_place_not_gathered(monkeypatch):
 
 
 def test_attn_decode_is_the_entry():
-    import attn.decode as module  # binds the package's name to the module: still callable
+    import attn.decoding as module  # importing the module leaves attn.decode the function
+    assert attn.decode is module.decode and "decode" in attn.__all__
     cache, g = paged([5, 9], 3, shuffled=True)
     q = torch.randn(2, H, 1, D, generator=g)
     with torch.no_grad():
@@ -339,7 +340,7 @@ def test_quantized_chunked_prefill_gqa_and_bf16(quant):
 def test_quantized_cache_on_the_other_devices_strategies(monkeypatch, quant):
     """Where the tiles do not read pages (other devices; emptied here), the keys in use are
     dequantized into the batched (equal lengths) or packed (ragged) copy."""
-    monkeypatch.setattr(importlib.import_module("attn.decode"), "_PAGED_DEVICES", ())
+    monkeypatch.setattr(importlib.import_module("attn.decoding"), "_PAGED_DEVICES", ())
     for lengths in ([300, 300], [300, 2100, 7]):
         cache, g = quantized(lengths, 16, quant)
         q = torch.randn(len(lengths), H, 2, DQ, generator=g)
@@ -513,6 +514,6 @@ def test_quantized_q_is_refused_where_it_cannot_run(monkeypatch):
     plain, _ = paged([5, 40], 16, shuffled=False)
     with torch.no_grad(), pytest.raises(ValueError, match=r"but the cache holds torch.float32"):
         attn.decode(torch.randn(2, H, 1, D), plain, quantized_q=True)
-    monkeypatch.setattr(importlib.import_module("attn.decode"), "_PAGED_DEVICES", ())
+    monkeypatch.setattr(importlib.import_module("attn.decoding"), "_PAGED_DEVICES", ())
     with torch.no_grad(), pytest.raises(ValueError, match=r"quantized_q runs on the tiled read"):
         attn.decode(q, shared_quantized((5, 40), 16, "int8"), quantized_q=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from attn.decode import decode  # the function: dynamo does not call the module attn.decode
+from attn import decode  # the function (its module is attn.decoding)
 from attn.kvcache import PagedKVCache
 from test_decode import D, H, HKV, check_rows, paged, quantized
 

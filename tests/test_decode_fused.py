@@ -15,7 +15,7 @@ from attn import choose, fused
 from attn.kvcache import KVQuant, PagedKVCache
 from test_decode import check_isolated, check_rows, variant_kwargs
 
-decode_module = importlib.import_module("attn.decode")
+decode_module = importlib.import_module("attn.decoding")
 
 H, HKV, D = 4, 2, 16
 # no key, one key, an awkward length, and past fused's split_min_keys (8192: ranges of 4096)

@@ -272,3 +272,22 @@ def test_export_carries_the_lse_and_its_gradient():
                     torch.autograd.grad((out64.sum() + (lse64 * w.double()).sum()),
                                         (q64, k64, v64))):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_export_ops_take_only_a_spec_they_carry_whole():
+    """The export ops rebuild the spec from a few fields: a call setting any other (here a
+    score term, dropout, a shard, a score_mod) stays off them instead of losing it."""
+    import dataclasses
+    import importlib
+
+    from attn.masks import Band
+    from attn.spec import LaunchSpec, Operands, ScoreTerms
+
+    tiled_attention = importlib.import_module("attn.tiled.attention")
+    plain = LaunchSpec(qk_scale=0.5, band=Band(2, 3, None), softcap=3.0, block_m=32)
+    config = tiled_attention.DEFAULT
+    assert tiled_attention._exportable(plain, Operands(), config)
+    for extra in (dict(terms=ScoreTerms.of(score_bias=1.0)), dict(dropout_p=0.1),
+                  dict(q_start=4), dict(score_mod=lambda s, b, h, i, j: s)):
+        spec = dataclasses.replace(plain, **extra)
+        assert not tiled_attention._exportable(spec, Operands(), config), extra

@@ -1398,7 +1398,7 @@ def run_kvcache(c: Case, dtype: torch.dtype, **changes):
     q = changes.pop("q", c.q.to(dtype))
     args.update(changes)
     per_row = ("cpu",) if c.per_row else ()
-    with mock.patch.object(importlib.import_module("attn.decode"), "_PAGED_DEVICES", per_row):
+    with mock.patch.object(importlib.import_module("attn.decoding"), "_PAGED_DEVICES", per_row):
         out, lse = fa.flash_attn_with_kvcache(q, **args, **c.kw, return_softmax_lse=True)
     return out, lse, args["k_cache"], args["v_cache"]
 

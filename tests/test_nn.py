@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attn.nn as nn_module
-from attn.decode import decode
+from attn.decoding import decode
 from attn.nn import (QK_NORM_KINDS, AttentionOptions, MultiHeadAttention, QKNorm, QKNormConfig,
                      RotaryEmbedding, default_l2_scale)
 from attn.models.cache import KVCache

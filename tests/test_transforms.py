@@ -527,3 +527,32 @@ def test_triton_double_backward_hands_off_to_tiled():
     cap = torch.tensor(5.0, requires_grad=True)
     with pytest.raises(NotImplementedError, match="backend='tiled'"):
         second_order("triton", softcap=cap)
+
+
+def test_a_score_term_the_transform_rules_do_not_apply_is_refused(monkeypatch):
+    """A term tiled's forward and backward apply (here a toy bias, patched into _Tile) but
+    TileScores does not: forward-mode AD and the double backward raise, naming it, instead
+    of differentiating a call without it."""
+    from attn.spec import LaunchSpec, Operands, ScoreTerms
+    from attn.tiled import tile, tiled_attention
+
+    plain_scores = tile._Tile.scores
+
+    def scores(self, *args, **kwargs):
+        s, u, t = plain_scores(self, *args, **kwargs)
+        return s.add_(self.spec.terms.get("score_bias", 0.0) * tile.LOG2E), u, t
+
+    monkeypatch.setattr(tile, "SCORE_TERMS", ("score_bias",))
+    monkeypatch.setattr(tile._Tile, "scores", scores)
+    spec = LaunchSpec(qk_scale=0.5, terms=ScoreTerms.of(score_bias=0.5))
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    out = tiled_attention(q, k, v, spec, Operands())[0]  # the plain call runs
+    assert out.shape == (1, 2, 8, 4)
+    tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+    with pytest.raises(NotImplementedError, match="score_bias"):
+        torch.func.jvp(lambda *x: tiled_attention(*x, spec, Operands())[0], (q, k, v), tangents)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    grads = torch.autograd.grad(tiled_attention(*xs, spec, Operands())[0].sum(), xs,
+                                create_graph=True)
+    with pytest.raises(NotImplementedError, match="score_bias"):
+        torch.autograd.grad(sum(g.square().sum() for g in grads), xs)

@@ -165,6 +165,7 @@ def _spec_values(cls):
     import typing
 
     from attn.masks import Band
+    from attn.spec import ScoreTerms
 
     hints = typing.get_type_hints(cls)
     values = {}
@@ -176,6 +177,8 @@ def _spec_values(cls):
             continue  # a callable or block mask: refused on the ops' path (test below)
         if Band in kinds:
             values[f.name] = Band(3 + i, 2, 1)
+        elif ScoreTerms in kinds:  # two terms, one name beyond ASCII (UTF-8 in the ints)
+            values[f.name] = ScoreTerms.of(score_bias=0.375 + i, τ_shift=-1.5)
         elif float in kinds:
             values[f.name] = 0.375 + i
         elif int in kinds:
@@ -300,11 +303,12 @@ def test_torch_compile_matches_eager():
 
 # -- the toy-variant drill of docs/adding-a-variant.md -----------------------------------------
 # A static score variant, score_bias = b added to every unmasked score, put in through its
-# places (the LaunchSpec field, the tiled score step, the triton score step), with nothing
-# else patched: the launchers, outer kernels, inner loops and custom ops carry it as they
-# are. The public keyword and its check are api/call code this drill does not exercise; the
-# oracle is the reference with the same bias as a score_mod. In the interpreter only: there a
-# jit helper's globals are read when it runs, so a patched _scores reaches every caller.
+# places (a term of the spec's ScoreTerms, the reference's keyword, the tiled score step, the
+# triton score step), with nothing else patched: the resolver, backend choice, launchers,
+# outer kernels, inner loops and custom ops carry it as they are. The public keyword and its
+# check (api.py) would build the ScoreTerms this test hands to resolve; the oracle is the
+# reference with the same bias as a score_mod. In the interpreter only: there a jit helper's
+# globals are read when it runs, so a patched _scores reaches every caller.
 
 _plain_scores = flash_triton.kernels._scores
 _plain_score_args = flash_triton.kernels.score_args
@@ -313,8 +317,8 @@ _plain_score_args = flash_triton.kernels.score_args
 def _score_args_with_bias(spec, *, softcap, alibi):
     """score_args with the drill's value and flag appended (its edit in kernels.py)."""
     args = _plain_score_args(spec, softcap=softcap, alibi=alibi)
-    return dict(SC=args["SC"] + (float(spec.score_bias),),
-                SCORE=args["SCORE"] + (spec.score_bias != 0.0,))
+    bias = spec.terms.get("score_bias", 0.0)
+    return dict(SC=args["SC"] + (bias,), SCORE=args["SCORE"] + (bias != 0.0,))
 
 
 @triton.jit
@@ -330,33 +334,38 @@ def _scores_with_bias(qk, om, on, MASK, cap, slope, SC, BAND, MASKED: tl.constex
     return s, u, t
 
 
+def _bias_mod(bias):
+    return lambda s, b, h, i, j: s + bias
+
+
 @pytest.mark.skipif(not flash_triton._INTERPRET, reason="patches jit helpers: interpreter only")
 @pytest.mark.parametrize("split", [False, True], ids=["dense", "split_kv"])
 def test_triton_toy_variant_drill(monkeypatch, split):
-    import dataclasses
-
+    from attn import call as call_mod
     from attn.masks import Band
     from attn.reference import reference_attention
-    from attn.spec import LaunchSpec, Operands
-    from attn.tiled import tiled_attention
+    from attn.spec import ScoreTerms
+    from attn.tiled import tile
     from attn.tiled.tile import LOG2E, _Tile
-
-    @dataclasses.dataclass(frozen=True)
-    class BiasSpec(LaunchSpec):  # the field in attn/spec.py
-        score_bias: float = 0.0
 
     plain_tile_scores = _Tile.scores
 
     def tile_scores(self, *args, **kwargs):  # the stage in attn/tiled/tile.py
         s, u, t = plain_tile_scores(self, *args, **kwargs)
-        return s.add_(self.spec.score_bias * LOG2E), u, t  # base-2 units, after the masks
+        bias = self.spec.terms.get("score_bias", 0.0)
+        return s.add_(bias * LOG2E), u, t  # base-2 units, after the masks
 
-    monkeypatch.setattr(flash_triton.launch, "LaunchSpec", BiasSpec)  # the ops decode it
+    def reference(*args, score_bias=0.0, **kwargs):  # the keyword in attn/reference.py
+        return reference_attention(*args, **{**kwargs, "score_mod": _bias_mod(score_bias)})
+
+    monkeypatch.setattr(tile, "SCORE_TERMS", ("score_bias",))
     monkeypatch.setattr(_Tile, "scores", tile_scores)
+    monkeypatch.setattr(flash_triton.kernels, "SCORE_TERMS", ("score_bias",))
     monkeypatch.setattr(flash_triton.kernels, "score_args", _score_args_with_bias)
     monkeypatch.setattr(flash_triton.launch, "score_args", _score_args_with_bias)
     for mod in (flash_triton.kernels, flash_triton.paged):  # paged imports _scores by name
         monkeypatch.setattr(mod, "_scores", _scores_with_bias)
+    monkeypatch.setattr(call_mod, "reference_attention", reference)
     if split:
         monkeypatch.setenv("ATTN_TRITON_SPLIT_KV", "2")
 
@@ -368,25 +377,47 @@ def test_triton_toy_variant_drill(monkeypatch, split):
     v = torch.randn(1, 2, 70, 16, dtype=torch.float64)
     sinks = torch.randn(4, dtype=torch.float64)  # the bias then moves out, not only lse
     band = Band(70 - Nq, 40, 0)  # causal, a window of 40 keys
-    spec = BiasSpec(qk_scale=0.25, band=band, score_bias=bias)
     ref = [t.requires_grad_() for t in (q, k, v)]
     out_r, lse_r = reference_attention(*ref, band=band, scale=0.25, sinks=sinks,
-                                       score_mod=lambda s, b, h, i, j: s + bias)
+                                       score_mod=_bias_mod(bias))
     do = torch.randn_like(out_r)
     grads_r = torch.autograd.grad(out_r, ref, do)
     with torch.no_grad():  # the bias moves the lse by +0.5 where the sink is far
         plain = reference_attention(q, k, v, band=band, scale=0.25, sinks=sinks)[1]
         assert (lse_r - plain).abs().max() > 0.1
 
-    for backend in ("tiled", "triton"):
-        dtype = torch.float64 if backend == "tiled" else torch.float32
+    for backend in ("reference", "tiled", "triton"):
+        dtype = torch.float32 if backend == "triton" else torch.float64
         xs = [t.detach().to(dtype).requires_grad_(not split) for t in (q, k, v)]
-        ops = Operands(sinks=sinks.to(torch.float32 if backend == "triton" else dtype))
-        run = tiled_attention if backend == "tiled" else flash_triton.triton_attention
-        out, lse = run(*xs, spec, ops)
-        tol = 1e-10 if backend == "tiled" else 2e-5
+        call, spec, ops = call_mod.resolve(*xs, band=band, scale=0.25, sinks=sinks.to(dtype),
+                                           terms=ScoreTerms.of(score_bias=bias))
+        assert call.terms == ("score_bias",) and spec.terms.get("score_bias") == bias
+        for other in ("sdpa", "fused"):  # torch's kernels have no score step: refused
+            with pytest.raises(NotImplementedError, match="score_bias"):
+                call_mod.select_backend(call, other)
+        assert call_mod.select_backend(call, backend).name == backend
+        out, lse = call_mod.run(backend, *xs, spec, ops)
+        tol = 2e-5 if backend == "triton" else 1e-10
         torch.testing.assert_close(out.double(), out_r.detach(), atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double(), lse_r.detach(), atol=tol, rtol=tol)
         if not split:
             for g, g_r in zip(torch.autograd.grad(out, xs, do.to(dtype)), grads_r):
                 torch.testing.assert_close(g.double(), g_r, atol=10 * tol, rtol=10 * tol)
+
+
+def test_a_score_term_no_backend_applies_is_refused_by_each():
+    """A term no score step names: tiled raises before a tile runs, triton and torch's
+    kernels are refused by select_backend, the reference by its keyword (TypeError)."""
+    from attn import call as call_mod
+    from attn.masks import Band
+    from attn.spec import ScoreTerms
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    call, spec, ops = call_mod.resolve(q, k, v, band=Band(), terms=ScoreTerms.of(zeta=1.0))
+    with pytest.raises(NotImplementedError, match="zeta"):
+        call_mod.run("tiled", q, k, v, spec, ops)
+    for backend in ("triton", "sdpa", "fused"):
+        with pytest.raises(NotImplementedError, match="zeta"):
+            call_mod.select_backend(call, backend)
+    with pytest.raises(TypeError, match="zeta"):
+        call_mod.run("reference", q, k, v, spec, ops)

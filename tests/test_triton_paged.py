@@ -37,7 +37,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not flash_triton._INTERPRET,
                                 reason="the triton kernels need CUDA or the interpreter "
                                        "(TRITON_INTERPRET=1 before attn is imported)")
-decode_module = importlib.import_module("attn.decode")
+decode_module = importlib.import_module("attn.decoding")
 # the lengths of most cases: no key, one key, a short row and one that fills three chunks
 LENGTHS = [0, 1, 40, 150]
 

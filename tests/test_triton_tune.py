@@ -76,3 +76,51 @@ def test_dkdv_keeps_wide_tiles_at_d128_only_where_they_build_without_spilling(tr
                   _args(128, dtype=torch.float32)):
         assert wide(other) == []
     assert wide(_args(128), arch=80) == []
+
+
+class _Recording(dict):
+    """Launch arguments that remember which of them were read."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name, default=None):
+        self.read.add(name)
+        return super().get(name, default)
+
+    def __contains__(self, name) -> bool:  # asking whether an argument is there reads it
+        found = super().__contains__(name)
+        if found:
+            self.read.add(name)
+        return found
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq", "jvp"])
+def test_the_autotune_key_holds_every_argument_pruning_reads(kind):
+    """triton's autotuner keeps one pick per key: an argument the pruning rules read that the
+    key lacks would hand a launch the pick pruned for another (a plain launch's config to a
+    float-masked one, whose mask tile may not fit shared memory)."""
+    from attn.flash_triton import outer
+
+    kernel = {"fwd": outer._attn_fwd, "dkdv": outer._attn_bwd_dkdv, "dq": outer._attn_bwd_dq,
+              "jvp": outer._attn_jvp}[kind]
+    own = {"dq": {"DELTA_PASS": False}, "jvp": {"TAN": (True,) * 5}}.get(kind, {})
+    args = _Recording({**_args(128, mask_kind=2), "HAS_DROPOUT": True, "BANDED": True,
+                       "VARLEN": False, "SCORE": (True, False, False), **own})
+    tune.prune_for(tune.gpu_configs(kind), args, kind=kind, arch=90)
+    tune.tuned_key(kind, args, 90)
+    assert args.read - {"Q"} <= set(kernel.keys), args.read - set(kernel.keys)  # Q: its dtype
+
+
+def test_a_masked_launch_never_takes_a_config_pruned_for_a_plain_one():
+    """The case the key guards: at D = 256 a float mask's tile leaves fewer configs in shared
+    memory than a plain launch of the same shape keeps."""
+    configs = tune.gpu_configs("fwd")
+    plain = tune.prune_for(configs, _args(256), kind="fwd", arch=80)
+    masked = tune.prune_for(configs, _args(256, mask_kind=2), kind="fwd", arch=80)
+    assert set(map(str, plain)) - set(map(str, masked))

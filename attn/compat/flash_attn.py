@@ -1,58 +1,22 @@
 """flash-attn 2.8.3's public functions, names, signatures and layouts, on attn's backends.
 
-Code written for flash-attn runs unchanged on every device and dtype attn supports (CPU,
-float32, float64 included), with gradients; on CUDA the triton backend runs where it applies.
-This module only translates (layouts, flags, conventions); the attention itself is
-:func:`attn.attention` (q viewed ``(B, H, N, D)``) and :func:`attn.varlen_attention`, and a
-KV cache (contiguous or paged) is an :class:`attn.kvcache.PagedKVCache` (its pages, appends
-and checks) read by :func:`attn.decode.decode`.
+Code written for flash-attn runs unchanged on every device and dtype attn supports, with
+gradients. This module only translates layouts, flags and conventions; the attention is
+:func:`attn.attention` (q viewed ``(B, H, N, D)``), :func:`attn.varlen_attention`, and for a
+KV cache an :class:`attn.kvcache.PagedKVCache` read by :func:`attn.decode`.
 
-Layouts are flash-attn's, the documented exception to attn's ``(B, H, N, D)``:
-
-* q ``(B, Nq, H, D)``, k and v ``(B, Nk, Hkv, D)`` → out ``(B, Nq, H, D)``;
-* varlen: q ``(total_q, H, D)``, k and v ``(total_k, Hkv, D)``, ``cu_seqlens`` ``(B + 1,)``;
-* ``softmax_lse`` ``(B, H, Nq)`` (varlen ``(H, total_q)``), float32 (float64 for float64
-  input), natural log. A row that sees no key has out = 0 and **lse = +inf**, as flash-attn
-  (attn's own functions return −inf; the conversion happens here only).
-
-Semantics, as flash-attn 2 documents and computes them:
-
-* ``causal`` is aligned bottom-right (query i sees key j iff ``j <= i + Nk − Nq``), per
-  sequence in varlen; ``window_size=(left, right)`` keeps keys
-  ``[i + Nk − Nq − left, i + Nk − Nq + right]``, −1 = unbounded. ``causal`` keeps the left
-  bound and sets the right one to 0. As in 2.8.3, a side ``>= seqlen_k`` counts as −1, and a
-  −1 beside a side ``>= 0`` stands for ``seqlen_k`` (which only matters for the right side
-  when Nq > Nk + 1), where ``seqlen_k`` is Nk (func), ``max_seqlen_k`` (varlen) or the cache
-  capacity (kvcache), the numbers flash-attn substitutes. ``window_size`` is any pair of
-  integer-likes: Python or numpy ints, 0-d / one-element integer tensors, or a two-element
-  integer tensor or array (flash-attn's own tests pass ``torch.randint(0, seqlen_k, (2,))``);
-* ``softcap > 0``: ``s = c·tanh(s / c)`` on the scaled scores; ``softcap <= 0`` is off;
-* ``alibi_slopes`` fp32 ``(H,)`` or ``(B, H)``: ``−slope·|i + Nk − Nq − j|`` added after
-  softcap, never multiplied by the softmax scale. Under pure causal (causal with no finite
-  left window) flash-attn adds ``+slope·j`` instead: same output, but its lse is
-  ``lse + slope·(i + Nk − Nq)``, and that is the lse returned here;
-* GQA: query head h reads kv head ``h // (H // Hkv)``; default scale ``D ** -0.5``.
-
-Differences, all supersets: any head dim, v's head dim may differ from q's, float32 and
-float64, every device; paged caches with any page size (flash-attn: multiples of 256); any
-even rotary dim ``<= D`` (flash-attn: multiples of 16); ``cu_seqlens`` int32 or int64.
-``deterministic`` is accepted and changes nothing (attn's backward is deterministic on CPU).
-``return_attn_probs=True`` returns ``(out, softmax_lse, S)`` with S an empty tensor, with or
-without dropout: flash-attn returns the dropped-and-scaled probabilities only "for testing"
-and "not guaranteed to be correct"; attn draws its dropout mask from a hash of a seed taken
-from torch's generator, so ``torch.manual_seed(s)`` then :func:`attn.attention` with the same
-``dropout_p`` reproduces the call (the way to inspect the mask). The lse stays differentiable.
-
-Errors: :class:`FlashAttnError`, a ``ValueError`` and a ``RuntimeError`` (flash-attn raises
-RuntimeError; code catching it keeps working), naming the argument as the caller passed it
-(``qkv``, ``kv``, ``k_cache``, ...) and its shape in the caller's layout: inputs are checked
-here before attn sees them. attn's own ValueErrors raised underneath are re-raised as
-FlashAttnError too. Wrong types (``softcap="30"``, an integer q) raise TypeError.
-
-Isolation: a sequence's output depends only on its own keys. Every ``block_table`` id is
-checked (``0 <= id < num_blocks``, unused slots too) before any page is read or written, and
-only the positions below each sequence's length are read from its pages: the tail of its
-last page and pages no sequence uses may hold anything, NaN included.
+Layouts are flash-attn's (the documented exception to attn's ``(B, H, N, D)``): q
+``(B, Nq, H, D)``, k and v ``(B, Nk, Hkv, D)``; varlen ``(total, H, D)`` with ``cu_seqlens``
+``(B + 1,)``; ``softmax_lse`` ``(B, H, Nq)`` (varlen ``(H, total_q)``), natural log, and a
+row that sees no key has out = 0 and **lse = +inf** (attn's own functions return −inf; the
+conversion happens here only). Causal and windows are bottom-right, with 2.8.3's window rule
+(:func:`_band`); softcap on the scaled scores; ``alibi_slopes`` ``(H,)`` or ``(B, H)`` added
+after softcap, and under pure causal the lse flash-attn returns, ``lse + slope·(i + Nk −
+Nq)``. Errors are :class:`FlashAttnError` (a ValueError and a RuntimeError) naming the
+argument as the caller passed it, with its shape in the caller's layout; wrong types raise
+TypeError. Every ``block_table`` id is checked before any page is read or written, and only
+the positions below each sequence's length are read. Supersets, dropout and costs:
+docs/flash-attn.md.
 """
 
 from __future__ import annotations
@@ -68,7 +32,7 @@ from torch import Tensor
 
 from attn.compat.errors import FlashAttnError, translating
 from attn.compat.rotary import rotate_at
-from attn.decode import decode
+from attn.decoding import decode
 from attn.kvcache import PagedKVCache, host_ints
 from attn.varlen import check_cu_form, check_cu_values, varlen_attention
 from attn.api import attention
@@ -167,7 +131,10 @@ def _window(window_size: object) -> tuple[int, int]:
 
 def _band(causal: bool, window_size: object, seqlen_k: int) -> tuple[tuple[int, int] | None, bool, bool]:
     """flash-attn 2.8.3's resolution of (causal, window_size) against ``seqlen_k``:
-    ``(window for attn or None, pure_causal, local)`` (see the module docstring)."""
+    ``(window for attn or None, pure_causal, local)``. ``causal`` keeps the left bound and
+    sets the right one to 0; a side ``>= seqlen_k`` counts as −1, and a −1 beside a side
+    ``>= 0`` stands for ``seqlen_k``: Nk (func), ``max_seqlen_k`` (varlen) or the cache
+    capacity (kvcache), the numbers flash-attn substitutes."""
     left, right = _window(window_size)
     if left >= seqlen_k:
         left = -1
@@ -231,10 +198,6 @@ def _fa_lse(lse: Tensor, alibi_slopes: Tensor | None, pure_causal: bool,
     return torch.where(empty, torch.full_like(lse, float("inf")), lse)
 
 
-def _probs(q: Tensor) -> Tensor:
-    return torch.empty(0, dtype=q.dtype, device=q.device)
-
-
 # -- (B, N, H, D) --------------------------------------------------------------------------
 
 def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal, window_size,
@@ -264,7 +227,8 @@ def _row_offset(Nq: int, Nk, device: torch.device) -> Tensor:
 
 
 def _returns(out: Tensor, lse: Tensor, q: Tensor, return_attn_probs: bool):
-    return (out, lse, _probs(q)) if return_attn_probs else out
+    """out, or with ``return_attn_probs`` ``(out, lse, S)``, S empty (docs/flash-attn.md)."""
+    return (out, lse, q.new_empty(0)) if return_attn_probs else out
 
 
 def flash_attn_qkvpacked_func(
@@ -677,21 +641,11 @@ def flash_attn_with_kvcache(
 
     Refused as flash-attn refuses them: ``block_table`` with ``cache_batch_idx`` or with
     ``cache_leftpad``; k without v; k/v without ``cache_seqlens``; rotary without k/v; a cache
-    too small for ``cache_seqlens + Nnew``. Refused as well, before anything is written: a
-    ``block_table`` id outside ``[0, num_blocks)``; a ``rotary_cos`` without a row for a
-    position it must turn (q's row i sits at ``cache_seqlens + i`` under a causal or local
-    window; flash-attn asks for as many rows as the cache holds). ``window_size=(-1, 0)`` is the causal
-    kernel with or without ``causal=True``, as in flash-attn (q's rotary positions included).
-    Rows with no key (``cache_seqlens`` 0 and no k, or every key left-padded away) return
-    zeros and lse +inf, the whole batch included.
-
-    Cost: ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy: the
-    lengths decide the checks and the path). The cache is an :class:`attn.kvcache.PagedKVCache`
-    (a contiguous one: pages of ``L_cache`` positions, one per row) and :func:`attn.decode.decode`
-    runs the attention: rows of equal lengths in consecutive pages (a contiguous cache read in
-    order) as one call on a view; other rows, on CPU, once per row on a view of that row's
-    keys (a gather of its pages when they span several); elsewhere as one call on the keys in
-    use gathered head-major through the page table.
+    too small for ``cache_seqlens + Nnew``; and before anything is written, a ``block_table``
+    id outside ``[0, num_blocks)`` or a ``rotary_cos`` without a row for a position it must
+    turn. ``window_size=(-1, 0)`` is the causal kernel with or without ``causal=True``, as in
+    flash-attn (q's rotary positions included). Rows with no key return zeros and lse +inf.
+    ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy).
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     B, Nq, H, D = q.shape

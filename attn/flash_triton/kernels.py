@@ -76,12 +76,18 @@ _ALIBI = tl.constexpr(1)  # SCORE: ALiBi (its per-head slope: the Alibi pointer)
 _NEG_SCALE = tl.constexpr(2)  # SCORE: the scale is negative (a row's max of s is its min of q·k)
 
 
+# The static score variants' terms (attn.spec.ScoreTerms, by name) _scores applies; a call
+# carrying any other is refused (flash_triton.unsupported_reason, and score_args below)
+SCORE_TERMS: tuple[str, ...] = ()
+
+
 def score_args(spec, *, softcap: bool, alibi: bool) -> dict:
     """``SC`` and ``SCORE`` of one call (an :class:`attn.spec.LaunchSpec`; ``softcap`` /
-    ``alibi``: whether the launcher passes those tensors). A static score variant (a spec
-    value) appends its value to ``SC`` and its flag to ``SCORE`` here, names their places
-    above and reads them in :func:`_scores`: no launcher, outer kernel or inner loop
-    changes."""
+    ``alibi``: whether the launcher passes those tensors). A static score variant (a term of
+    ``spec.terms``, named in ``SCORE_TERMS``) appends its value to ``SC`` and its flag to
+    ``SCORE`` here, names their places above and reads them in :func:`_scores`: no launcher,
+    outer kernel or inner loop changes."""
+    spec.terms.refuse_unknown(SCORE_TERMS, "the triton kernels")
     scale = float(spec.qk_scale)
     return dict(SC=(scale, scale * 1.4426950408889634), SCORE=(softcap, alibi, scale < 0.0))
 

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
                                      _attn_fwd, _attn_jvp)
+from attn.flash_triton import kernels
 from attn.flash_triton.kernels import _INTERPRET, score_args
 from attn.flash_triton.paged import _attn_fwd_paged
 from attn.flash_triton.split import (MAX_SPLITS, SplitPlan, _attn_fwd_split,
@@ -33,7 +34,7 @@ from attn.flash_triton.tune import _tune_n, cdiv, pow2, split_config
 from attn import batching, transforms
 from attn.grads import Grads, sink_grad
 from attn.masks import as_4d
-from attn.spec import LaunchSpec, Operands, check_paged_forward_only
+from attn.spec import LaunchSpec, Operands, ScoreTerms, check_paged_forward_only
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -57,6 +58,10 @@ def unsupported_reason(call) -> str | None:
                 f"(q·k and acc tiles would not fit in registers)")
     if call.mask_grad:
         return "a gradient for a float attn_mask (dS would have to be written out N x N)"
+    unknown = [n for n in call.terms if n not in kernels.SCORE_TERMS]
+    if unknown:
+        return (f"the score term(s) {unknown} (the kernels' _scores applies "
+                f"{list(kernels.SCORE_TERMS)})")
     return None
 
 
@@ -553,10 +558,14 @@ _SCALARS = (bool, int, float)  # bool first: a bool is an int too
 def _field_kind(name: str, hint) -> tuple:
     """How one field travels: ``("scalar", type)``, ``("optional", type)`` (a presence flag
     among the ints, then the value), ``("struct", cls, kinds)`` for a NamedTuple or dataclass
-    of such fields (``Band``), or ``("host",)``; TypeError for anything else, so a new field
-    of another kind fails at import instead of being dropped."""
+    of such fields (``Band``), ``("terms",)`` for :class:`attn.spec.ScoreTerms` (their count,
+    each name's UTF-8 bytes among the ints, the values among the floats), or ``("host",)``;
+    TypeError for anything else, so a new field of another kind fails at import instead of
+    being dropped."""
     if name in _HOST_ONLY:
         return ("host",)
+    if hint is ScoreTerms:
+        return ("terms",)
     if hint in _SCALARS:
         return ("scalar", hint)
     args = typing.get_args(hint)
@@ -597,6 +606,12 @@ def _encode(obj, kinds, ints: list[int], floats: list[float]) -> None:
                                           f"LaunchSpec.{name}: {_HOST_ONLY[name]}")
         elif kind[0] == "struct":
             _encode(value, kind[2], ints, floats)
+        elif kind[0] == "terms":
+            ints.append(len(value.items))
+            for term, x in value.items:
+                raw = term.encode()
+                ints.extend((len(raw), *raw))
+                floats.append(x)
         else:
             if kind[0] == "optional":
                 ints.append(int(value is not None))
@@ -615,6 +630,12 @@ def _decode(cls, kinds, ints, floats) -> object:
             values[name] = None
         elif kind[0] == "struct":
             values[name] = _decode(kind[1], kind[2], ints, floats)
+        elif kind[0] == "terms":
+            items = []
+            for _ in range(next(ints)):
+                raw = bytes(next(ints) for _ in range(next(ints)))
+                items.append((raw.decode(), next(floats)))
+            values[name] = ScoreTerms(tuple(items))
         else:
             present = kind[0] == "scalar" or bool(next(ints))
             raw = next(floats) if kind[1] is float else next(ints)

@@ -33,9 +33,9 @@ from attn.flash_triton.kernels import (_LN2, _LOG2E, _SATURATED_LOGL, _SCALE, _S
                                        _T_Q, _dkdv_inner, _dq_inner, _drop_ctx, _fwd_inner,
                                        _head_consts, _jvp_inner, _load_rows, _lse_of,
                                        _stage_range, _stages, _store_rows, _value_offset)
-from attn.flash_triton.tune import _configs, _prune
+from attn.flash_triton.tune import AUTOTUNE_KEY, _configs, _prune
 
-_KEY = ["TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED", "VARLEN"]  # autotune: per layout too
+_KEY = list(AUTOTUNE_KEY)
 
 
 @triton.jit

@@ -69,14 +69,23 @@ LAST_KEYS: dict[str, str] = {}
 _TRITON_MINOR = ".".join(triton.__version__.split(".")[:2])
 
 
+# The launch arguments the autotuner keys its pick on (besides the tensors' dtypes, which
+# triton adds): every argument the pruning rules read, so that no launch reuses a config
+# pruned for another (a float mask's tile in shared memory, the heavy scores' spill rules).
+AUTOTUNE_KEY = ("TUNE_N", "BLOCK_D", "BLOCK_DV", "BANDED", "VARLEN", "MASK_KIND",
+                "HAS_DROPOUT", "SCORE")
+
+
 def tuned_key(kind: str, args: dict, arch: int) -> str:
     """The table key of a ``kind`` launch with ``args`` on compute capability ``arch``: the
-    autotuner's own key (TUNE_N, head dims, banded, packed, and dQ's Δ pass) with the dtype,
-    the arch and triton's major.minor (builds, and so the best config, differ between them)."""
+    autotuner's own key (:data:`AUTOTUNE_KEY`, and dQ's Δ pass) with the dtype, the arch and
+    triton's major.minor (builds, and so the best config, differ between them)."""
     dtype = str(getattr(args.get("Q"), "dtype", "")).removeprefix("torch.")
+    flags = "".join(str(int(bool(f))) for f in args.get("SCORE") or ())
     key = [f"sm{arch}", f"triton{_TRITON_MINOR}", kind, dtype, f"N{args['TUNE_N']}",
            f"D{args['BLOCK_D']}x{args['BLOCK_DV']}", f"banded{int(bool(args.get('BANDED')))}",
-           f"varlen{int(bool(args.get('VARLEN')))}"]
+           f"varlen{int(bool(args.get('VARLEN')))}", f"mask{int(args.get('MASK_KIND') or 0)}",
+           f"dropout{int(bool(args.get('HAS_DROPOUT')))}", f"score{flags or 0}"]
     if "DELTA_PASS" in args:
         key.append(f"delta{int(bool(args['DELTA_PASS']))}")
     return "|".join(key)

@@ -4,66 +4,14 @@
     attn.integrations.hf.register()                      # once, before building models
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
 
-``register`` adds two functions under one name: an attention function to
-``transformers.AttentionInterface`` (every attention layer of a model calls it) and a mask
-function to ``transformers.AttentionMaskInterface`` (the model calls it once per forward to
-build the mask it hands to every layer). This module only translates HF's keywords, layouts
-and mask conventions into one ``attn.attention`` call; the attention math lives in attn's
-backends.
-
-What each keyword HF passes becomes:
-
-==============================  ==============================================================
-HF                              attn.attention
-==============================  ==============================================================
-query, key, value (B, H, N, D)  q, k, v as they are (GQA native, K/V not repeated)
-scaling                         scale
-softcap (Gemma 2)               softcap
-s_aux (GPT-OSS sinks, (H,))     sinks
-sliding_window=W                window=(W - 1, 0) when causal (key j visible iff j > i - W);
-                                (W - 1, W - 1) when not (HF's bidirectional convention)
-dropout                         dropout_p, only while ``module.training``
-is_causal / module.is_causal    causal (bottom-right; used when the mask is None)
-attention_mask None             causal / window from the two rows above
-bool or float 4-D mask          the mask decides, as in eager; float entries at or below
-                                finfo.min / 2 mean "masked", so HF's finfo.min masks become bool
-position_bias (T5-style)        float attn_mask (bias, -inf where masked)
-cu_seq_lens_q / cu_seq_lens_k,  attn.varlen_attention: a token never sees another packed sequence
-restarting position_ids (B=1)
-cache (HF's paged cache, in      the new keys and values written through ``cache.update``, then
-continuous batching)            attn.varlen_attention over what it returns (see below)
-output (B, H, Nq, Dv)           returned as (B, Nq, H, Dv) with no attention weights
-==============================  ==============================================================
-
-HF's causal-plus-padding masks are recognised (``attn.masks.split_band_padding``): attn then
-applies the band from indices and reads only a (B, 1, 1, Nk) key-padding vector per tile.
-The mask function returns no mask at all when attn's bottom-right causal (plus the sliding
-window keyword) already says everything, so a single unpadded prompt never materializes an
-Nq x Nk mask.
-
-Continuous batching (``model.generate_batch``, HF's ``PagedAttentionCache``): each layer
-hands the attention function the new tokens of every scheduled request packed into one row,
-the cache and its read / write indices. As HF's own paged wrappers do, attn writes the new
-keys and values with ``cache.update``, which returns every request's keys (its cached ones,
-then the new ones) packed by ``cu_seq_lens_k``; ``attn.varlen_attention`` then attends per
-request, bottom-right causal and windowed on each request's own keys. The mask HF's model
-builds over the packed queries is not read: it describes no cached key. HF's manager swaps
-any implementation but its own for one of its own when it starts (5.17: the name's "paged|"
-variant; 5.23: an error), so ``register`` wraps that step
-(``ContinuousBatchingManager.switch_to_cb_friendly_attn``) to keep the names it registered,
-leaving every other name to HF. HF's decode fast path (a block table into the pages, enabled
-only for flash attention on CUDA / XPU) and inputs padded to static shapes (CUDA graphs,
-compiled continuous batching) raise NotImplementedError.
-
-A quantized cache for ``generate()`` (:class:`AttnQuantizedCache`): each layer's keys and
-values are quantized into an :class:`attn.kvcache.PagedKVCache`, and attention is
-``attn.decode`` on those pages. HF hands the attention function only what ``cache.update``
-returned (not the cache, not the layer index), so ``update`` returns storage-less stand-ins
-(:class:`_CachedKV`) that name their layer; every other use of them raises.
-
-Difference to eager: a query row that may see no key (the padding rows of a left-padded
-batch) returns zeros here; eager spreads it uniformly over the masked keys. Those rows are
-padding: no loss or generated token reads them.
+``register`` adds an attention function to ``transformers.AttentionInterface`` and a mask
+function to ``transformers.AttentionMaskInterface`` under one name. This module only
+translates HF's keywords, layouts and mask conventions (HF's finfo.min masks become bool,
+``sliding_window=W`` becomes ``window=(W - 1, 0)``) into attn's calls: ``attn.attention``,
+``attn.varlen_attention`` for packed batches and HF's paged cache (continuous batching),
+``attn.decode`` for :class:`AttnQuantizedCache`. The keyword table, continuous batching,
+the quantized cache and the one difference to eager (rows that see no key are zeros):
+docs/hf.md.
 """
 
 from __future__ import annotations
@@ -94,7 +42,8 @@ import attn
 from attn.api import BACKENDS
 from attn.kvcache import PagedKVCache
 from attn.kvquant import KVQuant
-from attn.masks import hf_sliding_window, make_band, split_band_padding
+from attn.masks import dense_keep, hf_sliding_window, make_band, split_band_padding
+from attn.varlen import check_cu_form, check_cu_values
 
 _log = logging.getLogger(__name__)
 
@@ -207,16 +156,9 @@ def _plan_for_mask(mask: Tensor, n_q: int, n_k: int, causal: bool,
 
 
 def _check_cu_seqlens(name: str, cu: object, n: int) -> Tensor:
-    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.numel() < 2:
-        seen = (f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, Tensor)
-                else type(cu).__name__)
-        raise ValueError(f"{name} must be a 1-D integer tensor of cumulative lengths "
-                         f"[0, ..., N], got {seen}")
-    cu = cu.to(torch.int64)
-    if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu.diff() < 0).any()):
-        raise ValueError(f"{name} must rise from 0 to the packed length {n}, got "
-                         f"{cu.tolist() if cu.numel() <= 16 else tuple(cu.shape)}")
-    return cu
+    """HF's packed offsets by attn's one rule (:func:`attn.varlen.check_cu_form`): from 0 to
+    the packed length ``n``, never decreasing; on the host."""
+    return check_cu_values(name, check_cu_form(name, cu), n, "the packed length")
 
 
 def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
@@ -263,14 +205,9 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
                                  else cu_seq_lens_q, n_k)
     else:
         cu_q = cu_k = _packed_cu_seqlens(position_ids, n_q)
-        if cu_q is None:  # one sequence: nothing to keep apart
-            if cacheable:
-                _recent.put(anchor, key, plan)
-            return plan
-    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
-    # without a mask: varlen, the band on each sequence's own diagonal; with one (HF has drawn
-    # something within the sequences): each sequence alone on its block of that mask
-    packed = _Plan(plan.causal, plan.window, plan.attn_mask, (cu_q, cu_k))
+    packed = plan  # one sequence: nothing to keep apart
+    if cu_q is not None:
+        packed = _Plan(plan.causal, plan.window, plan.attn_mask, (cu_q.to(device), cu_k.to(device)))
     if cacheable:
         _recent.put(anchor, key, packed)
     return packed
@@ -363,9 +300,15 @@ def _paged_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
             f"{n_q} packed query tokens. Use ContinuousBatchingConfig(use_cuda_graph=False) "
             f"without compile configs")
     key, value, cu_k = _paged_keys_values(module, key, value, cache, cu_seq_lens_k, kwargs)
-    # (1, H, total, D) -> the packed layout (total, H, D), and back
+    return _varlen(query, key, value, cu_seq_lens_q, cu_k, **options)
+
+
+def _varlen(query: Tensor, key: Tensor, value: Tensor, cu_q, cu_k, **options) -> Tensor:
+    """``attn.varlen_attention`` on sequences packed into one row: query (1, H, total_q, D),
+    key/value (1, Hkv, total_k, D[v]) → (1, total_q, H, Dv)."""
+    # (1, H, total, D) -> the packed layout (total, H, D)
     out = attn.varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
-                                value[0].transpose(0, 1), cu_seq_lens_q, cu_k, **options)
+                                value[0].transpose(0, 1), cu_q, cu_k, **options)
     return out[None].contiguous()
 
 
@@ -556,8 +499,7 @@ class _QuantizedLayer(CacheLayerMixin):
         if padding.shape[0] != self.batch:
             raise ValueError(f"attention_mask covers {padding.shape[0]} rows, the cache "
                              f"{self.batch}")
-        band = make_band(n_q, n_k, causal=causal, window=window)
-        allowed = band.mask(torch.arange(n_q), torch.arange(n_k))
+        allowed = dense_keep(n_q, n_k, causal=causal, window=window)
         seen = torch.ones(n_k, dtype=torch.bool) if allowed is None else allowed.any(0)
         if self.pad_starts is None:  # the first call: every key is some query's own
             self.pad_starts = (~padding).long().cumprod(1).sum(1)
@@ -577,31 +519,22 @@ class _QuantizedLayer(CacheLayerMixin):
 
 class AttnQuantizedCache(Cache):
     """A KV cache for ``model.generate(cache=...)`` (``past_key_values=`` before transformers
-    5.24) that stores every layer's keys and values quantized (:mod:`attn.kvquant`: int8,
-    int4, fp8_e4m3, optionally keys per channel and a full-precision window of recent pages)
-    in an :class:`attn.kvcache.PagedKVCache`, and whose attention reads the quantized pages
-    tile by tile (:func:`attn.decode`): no dequantized copy of the cache is ever built.
+    5.24) that stores every layer's keys and values quantized (:mod:`attn.kvquant`) in an
+    :class:`attn.kvcache.PagedKVCache`, read tile by tile by :func:`attn.decode`: no
+    dequantized copy of the cache is ever built.
 
         attn.integrations.hf.register()
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
         cache = AttnQuantizedCache(model.config, quant="int4", max_tokens=4096)
         out = model.generate(ids, cache=cache, max_new_tokens=256)
 
-    ``quant``: an :class:`attn.kvquant.KVQuant` or its kind. ``max_tokens``: positions per
-    sequence (prompt, padding included, plus new tokens); ``page_size``: positions per page;
-    ``max_batch``: sequences the pages are allocated for (default: the first batch's size);
-    ``fp8_scales``: fp8's fixed per-kv-head scales ``(k, v)``. ``quantized_q``: score the
-    int8 keys (one scale per token) against each query row rounded to int8, by integer
-    products (``attn.decode``'s opt-in; CPU): faster, with q's rounding added to the
-    cache's quantization error. Pages are allocated at each
-    layer's first update, in the dtype and on the device of its keys (the storage of the
-    full-precision recent pages).
-
-    Needs the model to run attn's attention implementation (``register()``): ``update``
-    returns stand-ins that only it reads, and any other implementation raises. Forward only
-    (under ``torch.no_grad()``, as ``generate`` runs). Batches: equal or left-padded prompts
-    (HF's padding mask becomes each row's first key); beam search, assisted decoding and
-    ``crop`` raise NotImplementedError.
+    ``quant``: a :class:`attn.kvquant.KVQuant` or its kind; ``max_tokens``: positions per
+    sequence (prompt, padding included, plus new tokens); ``page_size``; ``max_batch``
+    (default: the first batch's size); ``fp8_scales`` ``(k, v)``; ``quantized_q``: int8 keys
+    scored against q rounded to int8 (``attn.decode``'s opt-in). Needs ``register()``'s
+    attention (any other raises on the stand-ins ``update`` returns); forward only; equal or
+    left-padded prompts; beam search, assisted decoding and ``crop`` raise
+    NotImplementedError. Details: docs/hf.md.
     """
 
     def __init__(self, config, quant: KVQuant | str = "int8", *, max_tokens: int,
@@ -635,7 +568,7 @@ class AttnQuantizedCache(Cache):
                    if layer.pages is not None)
 
 
-def _quantized_cache_attention(module, query: Tensor, key: _CachedKV, value: Tensor,
+def _quantized_cache_attention(query: Tensor, key: _CachedKV, value: Tensor,
                                attention_mask: Tensor | None, causal: bool,
                                window: tuple[int, int] | None, scaling, softcap, s_aux,
                                dropout_p: float, refused: dict) -> Tensor:
@@ -697,11 +630,13 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     dropout_p = float(dropout) if module.training else 0.0
     if isinstance(key, _CachedKV):
         out = _quantized_cache_attention(
-            module, query, key, value, attention_mask, causal, window, scaling, softcap, s_aux,
+            query, key, value, attention_mask, causal, window, scaling, softcap, s_aux,
             dropout_p, {"a position_bias": position_bias, "packed sequences (cu_seq_lens)":
                         cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k,
                         "HF's paged cache": cache})
         return out, None
+    options = dict(scale=scaling, softcap=softcap, sinks=s_aux, dropout_p=dropout_p,
+                   backend=backend)
     if cache is not None:
         if position_bias is not None:
             raise NotImplementedError("attn does not run HF's paged cache (continuous batching) "
@@ -709,8 +644,7 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         # HF's model drew its mask over the packed new tokens only, not knowing the cache: the
         # requests' borders come from cu_seq_lens, the band from causal and the window
         out = _paged_attention(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k,
-                               kwargs, causal=causal, window=window, scale=scaling,
-                               softcap=softcap, sinks=s_aux, dropout_p=dropout_p, backend=backend)
+                               kwargs, causal=causal, window=window, **options)
         return out, None
 
     if attention_mask is None:
@@ -739,19 +673,13 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         mask = mask.to(query.dtype)
 
     if plan.cu_seqlens is not None and mask is not None:
-        out = _per_sequence(query, key, value, mask, plan, scale=scaling, softcap=softcap,
-                            sinks=s_aux, dropout_p=dropout_p, backend=backend)
+        out = _per_sequence(query, key, value, mask, plan, **options)
         return out.transpose(1, 2).contiguous(), None
     if plan.cu_seqlens is not None:
-        # (1, H, total, D) -> the packed layout (total, H, D), and back
-        out = attn.varlen_attention(
-            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-            *plan.cu_seqlens, causal=plan.causal, window=plan.window, scale=scaling,
-            softcap=softcap, sinks=s_aux, dropout_p=dropout_p, backend=backend)
-        return out[None].contiguous(), None
-    out = attn.attention(
-        query, key, value, causal=plan.causal, attn_mask=mask, scale=scaling, softcap=softcap,
-        window=plan.window, sinks=s_aux, dropout_p=dropout_p, backend=backend)
+        return _varlen(query, key, value, *plan.cu_seqlens, causal=plan.causal,
+                       window=plan.window, **options), None
+    out = attn.attention(query, key, value, causal=plan.causal, attn_mask=mask,
+                         window=plan.window, **options)
     return out.transpose(1, 2).contiguous(), None  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
 
 

@@ -1,38 +1,14 @@
 """A paged KV cache: fixed-size pages of keys and values, a block table per sequence, lengths.
 
 Storage is flash-attn's (and vLLM's) paged layout, the documented exception to attn's
-``(B, H, N, D)``: ``k_pages (num_blocks, page_size, Hkv, D)`` and ``v_pages (num_blocks,
-page_size, Hkv, Dv)``; sequence b's logical position t lives in page ``block_table[b, t //
-page_size]`` at offset ``t % page_size``. Pages are read through their strides where one view
-covers what is asked for, and gathered otherwise (copies of the pages in use only).
-
-Sequence b holds the keys ``[starts[b], lengths[b])``: ``lengths`` is where its next token
-goes, ``starts`` (default 0) its first key still in use (a left pad). Reads stop at each
-sequence's length: the tail of its last page, and pages no sequence uses, may hold anything,
-NaN included, without reaching anyone's output.
-
-A contiguous cache ``(rows, L, Hkv, D)`` is the paged one whose pages are whole rows:
-``page_size = L`` and ``block_table = rows_in_use[:, None]`` (:mod:`attn.compat.flash_attn`
-reads flash-attn's plain caches that way, so both kinds share every read below).
-
-A cache made by :meth:`PagedKVCache.allocate` owns its pages: it hands them out as
-sequences grow (:meth:`append`), takes them back (:meth:`free`) and shares them between
-sequences (:meth:`fork`: full pages by reference count, the last partial page copied, so
-no page is ever written while shared: appends go past a sequence's length, which lies in
-its own last page or a new one). Running out of pages raises before anything is written.
-A cache built on the caller's own block table (flash-attn's) leaves the pages to the caller.
-Pages wholly before every sliding window can be given back as a sequence grows
-(:meth:`free_outside_window`).
-
-An :meth:`allocate`-d cache may store its pages quantized (``quant=``, formats in
-:mod:`attn.kvquant`): ``k_pages`` / ``v_pages`` then hold codes (int8, or uint8 for int4's
-two-per-byte and fp8's bytes) and ``k_scales`` / ``v_scales`` their fp16 scales, indexed by
-page like the codes (per token or group: ``(num_blocks, page_size, Hkv, D / group)``; keys
-per channel: ``(num_blocks, 1, Hkv, D)``; fp8: ``(Hkv,)`` for the whole cache). With
-``recent_pages = W``, each sequence's last W pages stay in full precision in a ring of W
-pages of its own (``recent_k`` / ``recent_v``, slot ``b · W + j % W`` for its page j, named
-by the block table like any page); a page is quantized, whole, when it leaves that window.
-Appends quantize; attention dequantizes as it reads (range by range on CPU).
+``(B, H, N, D)``: ``k_pages (num_blocks, page_size, Hkv, D)``, ``v_pages (..., Dv)``;
+sequence b's position t lives in page ``block_table[b, t // page_size]`` at offset ``t %
+page_size``, and b holds the keys ``[starts[b], lengths[b])``. Reads stop at each sequence's
+length, so unused slots may hold anything, NaN included. A contiguous cache ``(rows, L, Hkv,
+D)`` is the paged one whose pages are whole rows. A cache made by :meth:`PagedKVCache.allocate`
+owns its pages (append, fork, free, free_outside_window) and may store them quantized
+(``quant=``, :mod:`attn.kvquant`); one built on the caller's block table leaves the pages to
+the caller.
 
 The parts, each a module of this package: :mod:`~attn.kvcache.pages` (the page allocator:
 reference counts, free list, window freeing), :mod:`~attn.kvcache.quantized` (format, scales,
@@ -42,8 +18,8 @@ dense reads: one sequence, a batch, packed) and :mod:`~attn.kvcache.checks` (arg
 
 Bad input raises ValueError (TypeError for a wrong type) naming the argument as the caller
 passed it (``names``) and the shapes seen; every page id is checked, unused slots included,
-before any page is read or written (torch indexing would wrap a negative id around to another
-sequence's page).
+before any page is read or written. The cache, its quantized formats and how attention reads
+it: docs/kvcache.md.
 """
 
 from __future__ import annotations

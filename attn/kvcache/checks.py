@@ -1,9 +1,5 @@
-"""The argument checks of a paged cache: its storage, block table, lengths and sequence ids.
-
-Bad input raises ValueError (TypeError for a wrong type) naming the argument as the caller
-passed it and the shapes seen; every page id is checked, unused slots included, before any
-page is read or written (torch indexing would wrap a negative id around to another
-sequence's page).
+"""The argument checks of a paged cache: its storage, block table, lengths and sequence ids
+(what they raise: the package docstring).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The quantized side of a paged cache: its format, fp16 scales and ring of full-precision
 recent pages, the writer that turns appended tokens into codes, and the dequantizing read.
 
-The code pages themselves are the cache's ``k_pages`` / ``v_pages`` (int8, or uint8 for
-int4's two-per-byte and fp8's bytes); this object holds what goes with them. Scales are
-indexed by page like the codes (per token or group: ``(num_blocks, page_size, Hkv, D /
-group)``; keys per channel: ``(num_blocks, 1, Hkv, D)``; fp8: ``(Hkv,)`` for the whole
-cache). With ``recent_pages = W``, each sequence's last W pages stay in full precision in a
-ring of W pages of its own (``recent_k`` / ``recent_v``, slot ``b · W + j % W`` for its
-page j, named by the block table like any page); a page is quantized, whole, when it leaves
-that window.
+The code pages themselves are the cache's ``k_pages`` / ``v_pages``; this object holds what
+goes with them: scales indexed by page like the codes, and with ``recent_pages = W`` each
+sequence's ring of W full-precision pages (slot ``b · W + j % W`` for its page j, named by
+the block table like any page). The layout: docs/kvcache.md, "Quantized caches".
 """
 
 from __future__ import annotations

@@ -558,10 +558,14 @@ class _TiledAttentionJvp(_TiledAttention):
 # is attn::tiled_bwd. Op schemas take flat values: the spec travels as its fields.
 
 def _exportable(spec: LaunchSpec, ops: Operands, config: TileConfig) -> bool:
-    return (config is DEFAULT and not spec.sharded and spec.dropout_p == 0.0
-            and all(f is None for f in (spec.score_mod, spec.mask_mod, spec.mask_blocks,
-                                        spec.dropout_rows, spec.alibi_rows, spec.max_seqlen_q,
-                                        ops.sinks, ops.softcap, ops.alibi))
+    """Whether the ops carry this call whole: a spec the ops' fields rebuild exactly (so a
+    field they do not carry, set, keeps the call off them; the dropout seed is unread
+    without dropout), no optional tensor but a constant mask."""
+    b = spec.band
+    carried = _export_spec(spec.qk_scale, b.offset, b.left, b.right, spec.softcap,
+                           spec.block_m, spec.block_n)
+    return (config is DEFAULT and dataclasses.replace(spec, dropout_seed=0) == carried
+            and all(f is None for f in (ops.sinks, ops.softcap, ops.alibi))
             and not ops.captured
             and (ops.attn_mask is None or not ops.attn_mask.requires_grad))
 

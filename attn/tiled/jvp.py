@@ -65,6 +65,9 @@ def _one_pass_blocks(q: Tensor, k: Tensor) -> tuple[int, int]:
 
 # the differentiable operands of a tile's scores, in the order TileScores.fn takes them
 SCORE_INPUTS = ("q", "k", "softcap", "mask", "alibi")
+# The static score variants' terms (attn.spec.ScoreTerms, by name) TileScores applies: the
+# forward-mode rule and the double backward refuse a call carrying any other
+SCORE_TERMS: tuple[str, ...] = ()
 
 
 def unsupported(spec: LaunchSpec, ops: Operands, what: str) -> None:
@@ -88,6 +91,8 @@ class TileScores:
                  blocks: tuple[int, int] = (BLOCK_M, BLOCK_N), inplace: bool = False) -> None:
         # inplace: the caller's tensors are plain and nothing differentiates the tiles, so
         # the masking may write into them
+        spec.terms.refuse_unknown(SCORE_TERMS, "tiled's forward-mode and double-backward "
+                                               "rules (attn/tiled/jvp.py TileScores)")
         B, H, Nq, _ = q.shape
         self.B, self.H, self.G, self.Nq, self.Nk = B, H, H // k.shape[1], Nq, k.shape[2]
         self.spec, self.device, self.inplace = spec, q.device, inplace

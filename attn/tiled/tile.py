@@ -25,6 +25,9 @@ from attn.tiled.gemm import _Gemm
 # lse the forward returns cannot be turned back at all (the round trip moves P by 1e-3).
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# The static score variants' terms (attn.spec.ScoreTerms, by name) _Tile.scores applies; a
+# call carrying any other is refused when its tiles are built
+SCORE_TERMS: tuple[str, ...] = ()
 
 
 def _mask4d(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
@@ -84,6 +87,7 @@ class _Tile:
                  finite_scores: bool | None = None) -> None:
         B, H, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
+        spec.terms.refuse_unknown(SCORE_TERMS, "the tiled backend")
         self.B, self.H, self.Hkv, self.G = B, H, Hkv, H // Hkv
         self.spec = spec
         self.band = spec.local_band()

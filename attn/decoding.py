@@ -1,53 +1,21 @@
 """Attention of new queries against the keys a KV cache holds (decoding, chunked prefill).
 
 :func:`decode` is attn's one entry for attending from a cache object
-(:class:`attn.kvcache.PagedKVCache`); ``attn.decode(q, cache, ...)`` calls it (the module
-is callable, so the name works whether or not this module was imported first).
+(:class:`attn.kvcache.PagedKVCache`), exported as ``attn.decode``.
 ``flash_attn_with_kvcache`` reads flash-attn's caches through it. Batch row i of q is
 sequence ``seq_ids[i]`` of the cache, which holds the keys ``[starts, lengths)`` of it.
 
-How the keys are read depends on the device:
-
-* **CPU**: the tiled backend reads the pages through the block table, item by item
-  (:func:`attn.tiled.paged_attention`): each work item is one row's range of keys, cut on
-  page boundaries, read as a view of its pages (a copy of that range's pages only where
-  they are not consecutive in the storage), never a dense copy of a sequence;
-* **CPU, fused**, where ``auto``'s table prefers the fused backend for the same call made by
-  :func:`attn.attention` and the cache holds float pages: torch's fused op per key range of
-  each row, on a view of its pages where their ids are consecutive, else a copy of that
-  range's pages only (:func:`attn.fused.paged_attention`); quantized caches, softcap and what
-  else the fused backend cannot express stay on tiled;
-* **CUDA** (triton installed, float16 / bfloat16 / float32 pages, or a quantized cache):
-  the triton kernel loads each key tile's page ids from the block table and reads the keys
-  in place (:func:`attn.flash_triton.paged_attention`, split-KV's grid and combine);
-* **otherwise**: sequences of equal lengths whose keys lie in consecutive pages run
-  as one dense call on a view (:func:`attn.call.attend`, what :func:`attn.attention` runs
-  once q is checked); else the keys in use are copied head-major
-  through the block table and run batched (equal lengths) or packed through
-  :func:`attn.varlen_attention` (ragged lengths).
-
-:func:`read_plan` says which read a call takes, and why.
-
-A quantized cache (:mod:`attn.kvquant`) is read the same ways: on CPU each item
-dequantizes its own range into its thread's buffer before the tile math; on CUDA the triton
-kernel takes the codes, their fp16 scales and the full-precision recent pages as operands
-(:class:`attn.spec.QuantPages`) and dequantizes each key and value tile right after its
-load; elsewhere the keys in use are dequantized into the copy those strategies make.
-
-Forward only: callers run it under ``torch.no_grad()`` or ``torch.inference_mode()`` (a
-quantized cache raises otherwise, on every device).
-
-Under ``torch.compile`` (call :func:`decode`, the function: dynamo does not call this module
-object), a traced call checks what needs no data and hands the cache's tensors to the opaque
-op ``attn::paged_decode``, whose real implementation, at run time, is the eager read (one
-function, ``_read``, for both): the same data checks, the same read, the same bits
-(docs/kvcache.md, "Under torch.compile").
+How the keys are read depends on the device and the call (:func:`read_plan` says which and
+why): on CPU the tiled backend's work items read the pages through the block table (or the
+fused backend's page spans, where ``auto``'s table prefers it); on CUDA the triton kernel
+loads page ids from the block table; elsewhere a view of the pages or the keys in use copied,
+through :func:`attn.call.attend` or :func:`attn.varlen_attention`. Quantized caches are
+dequantized as they are read, never whole. Forward only. Under ``torch.compile`` a traced call hands the cache's tensors to the
+opaque op ``attn::paged_decode``, whose implementation is the eager read, ``_read``. The
+reads and the compiled path: docs/kvcache.md.
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 import torch
 from torch import Tensor
@@ -320,11 +288,8 @@ def _packed(q, cache: PagedKVCache, lengths: Tensor, kw) -> tuple[Tensor, Tensor
 
 
 # -- under torch.compile: one opaque op ------------------------------------------------------
-# decode's data checks (seq_ids in range, keys given back, the table's page ids) and the work
-# items' plan branch on host tensors' values, which a traced graph cannot do. A traced decode
-# checks what needs no data and hands the cache's tensors to attn::paged_decode; its real
-# implementation runs at execution time, outside the graph: eager decode's _read on a cache
-# rebuilt around those tensors (the same storage), so it checks and reads as eager does.
+# decode's data checks and the items' plan branch on host tensors' values, which a traced
+# graph cannot do: attn::paged_decode runs eager decode's _read when the graph runs.
 
 
 def _op_float(name: str, x: object) -> float | None:
@@ -388,14 +353,3 @@ def _(q, k_pages, v_pages, block_table, starts, lengths, trimmed, seq_ids, k_sca
       recent_pages, causal, window, scale, softcap, quantized_q):
     B, H, Nq, _ = q.shape
     return q.new_empty(B, H, Nq, dims[1]), q.new_empty(B, H, Nq, dtype=acc_dtype(q.dtype))
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`decode`: importing ``attn.decode`` binds the name
-    ``decode`` of the package to the module, so ``attn.decode(q, cache)`` must work on it."""
-
-    def __call__(self, *args, **kwargs):
-        return decode(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
