@@ -288,8 +288,8 @@ class _Hvp:
 class _PlainHvp:
     """:class:`_Hvp`'s two passes for plain CPU tensors that nothing differentiates (the
     pooled path) when the score map is linear in q and k with no learnable term of its own
-    (no score_mod, softcap, float mask or ALiBi; masks that only cut keys, sinks and dropout
-    stay) and ``first`` is None: the same sums, with GEMMs into per-thread tile buffers and
+    (no score_mod, softcap, float mask, ALiBi or score term; masks that only cut keys, sinks
+    and dropout stay) and ``first`` is None: the same sums, with GEMMs into per-thread tile buffers and
     the elementwise steps in place. Where it differs from :meth:`_Hvp.block`:
 
     - Σ (p z) v over a row's keys is the forward's output: Δ_pd = g·out, no GEMM;
@@ -508,8 +508,9 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
     blocks = list(hvp.ts.query_blocks())
     if pooled:
         block = hvp.block
+        # _PlainHvp builds s = c q kᵀ by hand: no score term (jvp.SCORE_TERMS) may join it
         if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
-                and (hvp.tq is not None or hvp.tk is not None)):
+                and not spec.terms.items and (hvp.tq is not None or hvp.tk is not None)):
             block = _PlainHvp(hvp, out, blocks).block
         res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
     else:
