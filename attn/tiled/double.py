@@ -289,17 +289,18 @@ class _PlainHvp:
     """:class:`_Hvp`'s two passes for plain CPU tensors that nothing differentiates (the
     pooled path) when the score map is linear in q and k with no learnable term of its own
     (no score_mod, softcap, float mask, ALiBi or score term; masks that only cut keys, sinks
-    and dropout stay) and ``first`` is None: the same sums, with GEMMs into per-thread tile buffers and
-    the elementwise steps in place. Where it differs from :meth:`_Hvp.block`:
+    and dropout stay) and ``first`` is None: the same sums, with GEMMs into per-thread tile
+    buffers and the elementwise steps in place. Where it differs from :meth:`_Hvp.block`:
 
     - Σ (p z) v over a row's keys is the forward's output: Δ_pd = g·out, no GEMM;
-    - the score tangent a = c (t_q kᵀ + q t_kᵀ) is one GEMM of depth 2D over [t_q | q] and
-      [k | t_k] (built once per call);
+    - the score tangent a = c (t_q kᵀ + q t_kᵀ) is one GEMM of depth 2D over [c q | c t_q]
+      (per block) and [t_k | k] (once per call);
     - pass 1 keeps p a rather than a (pass 2 reads a only through it), and where a block's
       tiles do not all fit ``_KEEP_BYTES`` keeps p a of every tile before p of any: a tile
       without p recomputes one GEMM (q kᵀ), a tile with neither three;
-    - s̄ = p (e + r1) + (dP − Δ)(p a − ā p) with r1 = r0 − ā Δ: six passes over a tile, the
-      last factor being dV's w before dropout;
+    - s̄ = p (e + r1) + (dP − Δ)(p a − ā p) with r1 = r0 − ā Δ, the last factor being dV's
+      w before dropout, and −lse, −Δ and r1 join their GEMMs as one more column of depth:
+      pass 2 makes four passes over a tile besides its GEMMs, pass 1 three;
     - the tiles are written into buffers of the calling thread's, each allocated once per
       call at its largest size (the kept tiles' arena at most ``_KEEP_BYTES``): a fresh
       MiB-sized result per op costs page faults and a pass more over memory."""
