@@ -26,6 +26,8 @@ as a first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 from typing import Callable
 
 import torch
@@ -283,6 +285,219 @@ class _Hvp:
         return dq_blk, dcap, dmask
 
 
+class _PlainHvp:
+    """:class:`_Hvp`'s two passes for plain CPU tensors that nothing differentiates (the
+    pooled path) when the score map is linear in q and k with no learnable term of its own
+    (no score_mod, softcap, float mask, ALiBi or score term; masks that only cut keys, sinks
+    and dropout stay) and ``first`` is None: the same sums, with GEMMs into per-thread tile
+    buffers and the elementwise steps in place. Where it differs from :meth:`_Hvp.block`:
+
+    - Σ (p z) v over a row's keys is the forward's output: Δ_pd = g·out, no GEMM;
+    - the score tangent a = c (t_q kᵀ + q t_kᵀ) is one GEMM of depth 2D over [c q | c t_q]
+      (per block) and [t_k | k] (once per call);
+    - pass 1 keeps p a rather than a (pass 2 reads a only through it), and where a block's
+      tiles do not all fit ``_KEEP_BYTES`` keeps p a of every tile before p of any: a tile
+      without p recomputes one GEMM (q kᵀ), a tile with neither three;
+    - s̄ = p (e + r1) + (dP − Δ)(p a − ā p) with r1 = r0 − ā Δ, the last factor being dV's
+      w before dropout, and −lse, −Δ and r1 join their GEMMs as one more column of depth:
+      pass 2 makes four passes over a tile besides its GEMMs, pass 1 three;
+    - the tiles are written into buffers of the calling thread's, each allocated once per
+      call at its largest size (the kept tiles' arena at most ``_KEEP_BYTES``): a fresh
+      MiB-sized result per op costs page faults and a pass more over memory."""
+
+    def __init__(self, hvp: _Hvp, out: Tensor, blocks) -> None:
+        self.h = hvp
+        B, H, D, G, acc, scale = hvp.B, hvp.H, hvp.D, hvp.G, hvp.acc, hvp.scale
+        self.Hkv = H // G
+        self.k3 = self._kv3(hvp.k.to(acc))  # (B·Hkv, Nk, ·)
+        self.tk3 = None if hvp.tk is None else self._kv3(hvp.tk)
+        self.v3 = self._kv3(hvp.v.to(acc))
+        self.tv3 = None if hvp.tv is None else self._kv3(hvp.tv)
+        self.out = out.to(acc)
+        # the keys' operands side by side, each GEMM over a run of their columns against a
+        # block's rows built to match (module docstring; a row constant joins a GEMM as one
+        # more column of depth, measured as fast as depth D, where subtracting it after
+        # would be one more pass over the tile):
+        #   [t_k | k | 1]: s − lse = [c q | −lse]·[k | 1]ᵀ, a = [c q | c t_q]·[t_k | k]ᵀ
+        #   [v | 1 | t_v]: dP − Δ = [g | −Δ]·[v | 1]ᵀ, e + r1 = [r1 | g]·[1 | t_v]ᵀ
+        ones = torch.ones_like(self.k3[..., :1])
+        tk3 = torch.zeros_like(self.k3) if self.tk3 is None else self.tk3
+        tv3 = torch.zeros_like(self.v3) if self.tv3 is None else self.tv3
+        self.kx = torch.cat([tk3, self.k3, ones], -1)  # (B·Hkv, Nk, 2D + 1)
+        self.vx = torch.cat([self.v3, ones, tv3], -1)  # (B·Hkv, Nk, 2Dv + 1)
+        # the largest tile and a block's tiles, in elements: the buffers' sizes
+        size = torch.finfo(acc).bits // 8
+        rows = [B * H * (m1 - m0) for m0, m1, _ in blocks]
+        self.tile_elems = max((r * (n1 - n0) for r, (_, _, kt) in zip(rows, blocks)
+                               for n0, n1, _ in kt), default=0)
+        self.arena_elems = min(_KEEP_BYTES // size, max(
+            (2 * r * sum(n1 - n0 for n0, n1, _ in kt) for r, (_, _, kt) in zip(rows, blocks)),
+            default=0))
+        self.local = threading.local()  # each worker thread's buffers, for this call
+
+    def _kv3(self, x: Tensor) -> Tensor:
+        return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
+
+    def _rows3(self, x: Tensor, m0: int, m1: int) -> Tensor:
+        """A block's rows of a ``(B, H, Nq, X)`` tensor as ``(B·Hkv, G·BM, X)``, a group's
+        query heads stacked (what one GEMM per KV head takes)."""
+        r = span(x, 2, m0, m1)
+        return r.reshape(self.h.B * self.Hkv, -1, r.shape[-1])
+
+    def _buf(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
+        """This thread's buffer ``name``: a tile (``shape``) or, without one, the arena."""
+        bufs = self.local.__dict__.setdefault("bufs", {})
+        if name not in bufs:
+            n = self.arena_elems if shape is None else self.tile_elems
+            bufs[name] = torch.empty(n, dtype=self.h.acc, device=self.h.q.device)
+        return bufs[name] if shape is None else bufs[name][:math.prod(shape)].view(shape)
+
+    def _scores(self, m0, m1, n0, n1, full, ql_b, s) -> tuple[Tensor, Tensor | None]:
+        """The tile's p into ``s`` (``ql_b``: the block's [c q | −lse]), and its bool
+        keep-mask (None: every key kept)."""
+        D = self.h.D
+        torch.bmm(ql_b, self.kx[:, n0:n1, D:].transpose(1, 2), out=s)
+        keep = self.h.ts.allowed(m0, m1, n0, n1, full)
+        if keep is not None:
+            s.view(self.h.B, self.h.H, m1 - m0, n1 - n0).masked_fill_(~keep, float("-inf"))
+        return s.exp_(), keep
+
+    def _pa(self, m0, m1, n0, n1, qa_b, p, keep, a) -> Tensor:
+        """The tile's p a into ``a`` (a masked key's a is 0, however large)."""
+        D = self.h.D
+        if self.tk3 is None:  # a = c t_q kᵀ
+            right = self.kx[:, n0:n1, D:2 * D]
+        elif self.h.tq is None:  # a = c q t_kᵀ
+            right = self.kx[:, n0:n1, :D]
+        else:
+            right = self.kx[:, n0:n1, :2 * D]
+        torch.bmm(qa_b, right.transpose(1, 2), out=a)
+        if keep is not None:
+            a.view(self.h.B, self.h.H, m1 - m0, n1 - n0).masked_fill_(~keep, 0.0)
+        return a.mul_(p)
+
+    def _z(self, m0, m1, n0, n1) -> Tensor | None:
+        z = self.h.ts.dropout(m0, m1, n0, n1)
+        return None if z is None else z.reshape(self.h.B * self.Hkv, -1, n1 - n0)
+
+    def _plan_keep(self, lead, key_tiles) -> dict[int, tuple[int | None, int | None]]:
+        """Where in the arena pass 1 keeps each tile's ``(p a, p)`` (None: recomputed):
+        p a of every tile first, then p, as far as the arena goes."""
+        sizes = [(n0, lead[0] * lead[1] * (n1 - n0)) for n0, n1, _ in key_tiles]
+        at, room = 0, self.arena_elems
+        places: dict[int, list] = {n0: [None, None] for n0, _ in sizes}
+        for slot in (0, 1):
+            for n0, n in sizes:
+                if at + n <= room:
+                    places[n0][slot], at = at, at + n
+        return {n0: tuple(x) for n0, x in places.items()}
+
+    def block(self, m0, m1, key_tiles, kv_into):
+        """:meth:`_Hvp.block` (its return value and ``kv_into`` terms)."""
+        h = self.h
+        B, H, BM, Dv = h.B, h.H, m1 - m0, h.Dv
+        lead = (B * self.Hkv, BM * h.G)
+        lse_b = self._rows3(h.lse_a.unsqueeze(-1), m0, m1)
+        # the block's [−lse | c q | c t_q] (see self.kx; the terms of a whose direction is 0
+        # left out): views c q, [c q | −lse] and the rows of a
+        D = h.D
+        q_blk = self._rows3(h.q, m0, m1).to(h.acc) * h.scale
+        tq_b = None if h.tq is None else self._rows3(h.tq, m0, m1) * h.scale
+        ql_b = torch.cat([q_blk, -lse_b], -1)
+        q_b = ql_b[..., :D]
+        if tq_b is None:
+            qa_b = q_b
+        elif h.tk is None:
+            qa_b = tq_b
+        else:
+            qa_b = torch.cat([q_b, tq_b], -1)
+        g_b, out_b = self._rows3(h.g_a, m0, m1), self._rows3(self.out, m0, m1)
+        arena = self._buf("kept")
+        places = self._plan_keep(lead, key_tiles)
+
+        def tile_of(n0, n1, slot, scratch):
+            shape = (*lead, n1 - n0)
+            at = places[n0][slot]
+            if at is None:
+                return self._buf(scratch, shape)
+            return arena[at:at + math.prod(shape)].view(shape)
+
+        # -- pass 1: ā = Σ p a, and Σ p z a v + Σ p z t_v (∂L/∂g and C read it) --
+        abar = torch.zeros(*lead, 1, dtype=h.acc, device=h.q.device)
+        pav = torch.zeros(*lead, Dv, dtype=h.acc, device=h.q.device)
+        for n0, n1, full in key_tiles:
+            p, keep = self._scores(m0, m1, n0, n1, full, ql_b, tile_of(n0, n1, 1, "s"))
+            pa = self._pa(m0, m1, n0, n1, qa_b, p, keep, tile_of(n0, n1, 0, "a"))
+            abar += pa.sum(-1, keepdim=True)
+            z = self._z(m0, m1, n0, n1)
+            pav.baddbmm_(pa if z is None else pa * z, self.v3[:, n0:n1])
+            if self.tv3 is not None:
+                pav.baddbmm_(p if z is None else p * z, self.tv3[:, n0:n1])
+        # -- the row sums (module docstring): Δ_pd = g·out, C = g·(Σ p z a v + Σ p z t_v) --
+        dpd = (g_b * out_b).sum(-1, keepdim=True)
+        c_sum = (g_b * pav).sum(-1, keepdim=True)
+        delta = dpd - (0.0 if h.glse is None else self._rows3(
+            h.glse.to(h.acc).unsqueeze(-1), m0, m1))
+        dsink = None
+        if h.sinks is not None:
+            p_sink = torch.exp(h.sinks - lse_b.view(B, H, BM, 1))
+            t_s = 0.0 if h.t_sink is None else h.t_sink
+            abar = abar + (p_sink * t_s).reshape(*lead, 1)
+            a4, c4, d4, dpd4 = (x.view(B, H, BM, 1) for x in (abar, c_sum, delta, dpd))
+            dsink = (p_sink * (-c4 - d4 * (t_s - a4) + a4 * dpd4)).sum(dim=(0, 2, 3))
+        r1 = abar * dpd - c_sum  # r0 − ā Δ, r0 = Δ ā + ā Δ_pd − C
+        dg = pav.sub_(abar * out_b)  # ∂L/∂g = Σ p z (a − ā) v + Σ p z t_v
+        # -- pass 2: s̄ = p (e + r1) + (dP − Δ) w', ā_s = p (dP − Δ), w = z w', w' = p a − ā p --
+        dq = torch.zeros(*lead, h.D, dtype=h.acc, device=h.q.device)
+        g_delta = torch.cat([g_b, -delta], -1)  # [g | −Δ]·[v | 1]ᵀ = dP − Δ
+        g_r1 = None if self.tv3 is None else torch.cat([r1, g_b], -1)  # e + r1, alike
+        for n0, n1, full in key_tiles:
+            shape = (*lead, n1 - n0)
+            at_pa, at_p = places[n0]
+            keep = None
+            if at_p is None:
+                p, keep = self._scores(m0, m1, n0, n1, full, ql_b, self._buf("s", shape))
+            else:
+                p = arena[at_p:at_p + math.prod(shape)].view(shape)
+            if at_pa is None:
+                if keep is None:
+                    keep = h.ts.allowed(m0, m1, n0, n1, full)
+                pa = self._pa(m0, m1, n0, n1, qa_b, p, keep, self._buf("a", shape))
+            else:
+                pa = arena[at_pa:at_pa + math.prod(shape)].view(shape)
+            z = self._z(m0, m1, n0, n1)
+            # dP − Δ and e + r1 (with dropout, z dP − Δ and z e + r1)
+            if z is None:
+                dp = torch.bmm(g_delta, self.vx[:, n0:n1, :Dv + 1].transpose(1, 2),
+                               out=self._buf("dp", shape))
+            else:
+                dp = torch.bmm(g_b, self.v3[:, n0:n1].transpose(1, 2),
+                               out=self._buf("dp", shape)).mul_(z).sub_(delta)
+            if self.tv3 is None:
+                s_bar = torch.mul(p, r1, out=self._buf("e", shape))
+            elif z is None:
+                s_bar = torch.bmm(g_r1, self.vx[:, n0:n1, Dv:].transpose(1, 2),
+                                  out=self._buf("e", shape)).mul_(p)
+            else:
+                s_bar = torch.bmm(g_b, self.tv3[:, n0:n1].transpose(1, 2),
+                                  out=self._buf("e", shape)).mul_(z).add_(r1).mul_(p)
+            w = pa.addcmul_(p, abar, value=-1.0)
+            s_bar.addcmul_(dp, w)
+            a_bar = dp.mul_(p)
+            if z is not None:
+                w.mul_(z)
+            dq.baddbmm_(s_bar, self.k3[:, n0:n1], alpha=h.scale)
+            if self.tk3 is not None:
+                dq.baddbmm_(a_bar, self.tk3[:, n0:n1], alpha=h.scale)
+            q4 = (B, H, BM, -1)
+            dk_terms = [(s_bar.view(q4), q_b.reshape(q4), 1.0)]
+            if tq_b is not None:
+                dk_terms.append((a_bar.view(q4), tq_b.reshape(q4), 1.0))
+            kv_into(n0, n1, dk_terms, [(w.view(q4), g_b.view(q4), 1.0)])
+        return (dq.view(B, H, BM, h.D), dg.view(B, H, BM, Dv), abar.view(B, H, BM), dsink,
+                None, None)
+
+
 def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
     hvp = _Hvp(q, k, v, lse, spec, ops, g, glse, t, first)
     H, Nq, D, Dv, acc = q.shape[1], q.shape[2], hvp.D, hvp.Dv, hvp.acc
@@ -293,7 +508,12 @@ def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
         isinstance(x, Tensor) and x.requires_grad for x in tensors))
     blocks = list(hvp.ts.query_blocks())
     if pooled:
-        res, parts = _pooled(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc, threads)
+        block = hvp.block
+        # _PlainHvp builds s = c q kᵀ by hand: no score term (jvp.SCORE_TERMS) may join it
+        if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
+                and not spec.terms.items and (hvp.tq is not None or hvp.tk is not None)):
+            block = _PlainHvp(hvp, out, blocks).block
+        res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
     else:
         res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
     dsink, dcap, dmask_rows = parts
