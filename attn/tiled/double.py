@@ -307,7 +307,7 @@ class _PlainHvp:
 
     def __init__(self, hvp: _Hvp, out: Tensor, blocks) -> None:
         self.h = hvp
-        B, H, D, G, acc, scale = hvp.B, hvp.H, hvp.D, hvp.G, hvp.acc, hvp.scale
+        B, H, G, acc = hvp.B, hvp.H, hvp.G, hvp.acc
         self.Hkv = H // G
         self.k3 = self._kv3(hvp.k.to(acc))  # (B·Hkv, Nk, ·)
         self.tk3 = None if hvp.tk is None else self._kv3(hvp.tk)
