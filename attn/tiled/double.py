@@ -393,7 +393,9 @@ class _PlainHvp:
         return {n0: tuple(x) for n0, x in places.items()}
 
     def block(self, m0, m1, key_tiles, kv_into):
-        """:meth:`_Hvp.block` (its return value and ``kv_into`` terms)."""
+        """:meth:`_Hvp.block` (its return value and ``kv_into`` terms). Long on purpose: the
+        two passes and the row sums between them share the block's operands, kept tiles and
+        buffers; split, each part would take them all."""
         h = self.h
         B, H, BM, Dv = h.B, h.H, m1 - m0, h.Dv
         lead = (B * self.Hkv, BM * h.G)
