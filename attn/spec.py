@@ -30,14 +30,16 @@ from attn.masks import (PARTIAL, Band, Blocks, band_kinds, classify_band, classi
                         combine_kinds)
 
 
-@dataclass(frozen=True)
-class ScoreTerms:
+class ScoreTerms(NamedTuple):
     """The constants of built-in score variants that carry no tensor, by name, a float each:
     the one :class:`LaunchSpec` field a new static score variant fills, so it adds no spec
     field, no call flag and no resolver line (docs/adding-a-variant.md). A backend applies
     the terms its score step names (``SCORE_TERMS`` in :mod:`attn.tiled.tile` and in
     :mod:`attn.flash_triton.kernels`) and refuses a call carrying any other; backends
-    without a score step (sdpa, fused) refuse every term. Build it with :meth:`of`."""
+    without a score step (sdpa, fused) refuse every term. Build it with :meth:`of`.
+
+    A NamedTuple like :class:`attn.masks.Band`: torch.compile (2.11 included) traces the
+    default ``ScoreTerms()``, where a dataclass instance breaks the graph."""
 
     items: tuple[tuple[str, float], ...] = ()  # (name, value), sorted by name
 
