@@ -173,8 +173,7 @@ class _Hvp:
         dsink = None
         if sums.p_sink is not None:
             t_s = 0.0 if self.t_sink is None else self.t_sink
-            dsink = sums.p_sink * (-sums.c_sum - sums.delta * (t_s - sums.abar)
-                                   + sums.abar * sums.dpd)
+            dsink = _sink_terms(sums.p_sink, t_s, sums.abar, sums.c_sum, sums.delta, sums.dpd)
             if gd_blk is not None:
                 dsink = dsink - sums.p_sink * sums.delta_dot
             dsink = dsink.sum(dim=(0, 2, 3))
@@ -283,6 +282,13 @@ class _Hvp:
             if "mask" in grads:
                 dmask.add(n0, n1, grads["mask"])
         return dq_blk, dcap, dmask
+
+
+def _sink_terms(p_sink: Tensor, t_s, abar: Tensor, c_sum: Tensor, delta: Tensor,
+                dpd: Tensor) -> Tensor:
+    """The sinks' part of the double backward per row, before the sum over rows:
+    p_s (−C − Δ (t_s − ā) + ā Δ_pd), shared by :class:`_Hvp` and :class:`_PlainHvp`."""
+    return p_sink * (-c_sum - delta * (t_s - abar) + abar * dpd)
 
 
 class _PlainHvp:
@@ -446,7 +452,7 @@ class _PlainHvp:
             t_s = 0.0 if h.t_sink is None else h.t_sink
             abar = abar + (p_sink * t_s).reshape(*lead, 1)
             a4, c4, d4, dpd4 = (x.view(B, H, BM, 1) for x in (abar, c_sum, delta, dpd))
-            dsink = (p_sink * (-c4 - d4 * (t_s - a4) + a4 * dpd4)).sum(dim=(0, 2, 3))
+            dsink = _sink_terms(p_sink, t_s, a4, c4, d4, dpd4).sum(dim=(0, 2, 3))
         r1 = abar * dpd - c_sum  # r0 − ā Δ, r0 = Δ ā + ā Δ_pd − C
         dg = pav.sub_(abar * out_b)  # ∂L/∂g = Σ p z (a − ā) v + Σ p z t_v
         # -- pass 2: s̄ = p (e + r1) + (dP − Δ) w', ā_s = p (dP − Δ), w = z w', w' = p a − ā p --
