@@ -226,6 +226,10 @@ class FusedConfig:
     # so each mask is block-sized. spec.block_m, where set, wins.
     masked_block_m: int = 256
     masked_block_n: int = 1024
+    # a call whose only mask is ALiBi's bias: its blocks' diagonals are masked, the keys left
+    # (and right) of them fold the bias into q and k, so larger blocks mean fewer pieces,
+    # copies and merges for a little more masked area
+    alibi_block_m: int = 1024
     # the backward: a sequence's query blocks are cut into runs (each with dK/dV partials of
     # its own, summed in run order) to give about items_per_row items over the kv heads, at
     # most bwd_max_runs
@@ -238,6 +242,10 @@ class FusedConfig:
     split_max_chunks: int = 8
     # calls smaller than this (scores visited) run their items in order on the caller
     serial_max_scores: int = 1 << 16
+    # ALiBi's causal diagonal pieces keep the kernel's causal flag beside their bias (torch's
+    # CPU op takes both; the bias then needs no -inf and no check for rows without keys),
+    # else they are masked pieces with the band in the mask
+    causal_bias: bool = True
     # an item takes several kv heads at once (one op call for the group, which runs them
     # itself) while its scores stay within item_max_scores: small blocks then pay attn's
     # cost per call (slicing, masks, merges) once per group, not once per head. 0: one kv
@@ -465,8 +473,10 @@ def plan(seq: Seq, hkv: int, spec: LaunchSpec, ops: Operands, config: FusedConfi
                      every)
     if spec.block_m:
         bm = spec.block_m
-    elif every or seq.band.left is not None or ops.alibi is not None:
+    elif every or seq.band.left is not None:
         bm = config.masked_block_m
+    elif ops.alibi is not None:
+        bm = config.alibi_block_m
     else:
         want = max(1, -(-config.items_per_row // hkv))
         bm = max(config.min_block_m, -(-n_q // want))
@@ -479,16 +489,18 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
     all, where everything is masked) cut to at most ``masked_block_n`` keys. With ``alibi``
     a piece every row sees that crosses the block's diagonal is cut into the keys on its
     left, the square around it (masked: ALiBi's bias there is |j - i|), and the keys on its
-    right, and the causal diagonal is masked too, so that the keys off the block's diagonal
-    take the bias folded into q and k (:func:`_fold`) and the masks stay block-sized."""
+    right, and the causal diagonal gets its bias as a mask too (beside the causal flag where
+    ``config.causal_bias``, else masked), so that the keys off the block's diagonal take the
+    bias folded into q and k (:func:`_fold`) and the masks stay block-sized."""
     out = []
     if alibi and p.mask_pieces is None and not p.masked:
         off = seq.band.offset
         for pc in block_pieces(seq, p, m0, m1, n_lo, n_hi, config):
-            if pc.causal:  # the diagonal: its bias as a block-sized mask, the band with it
-                # (folded, its scores would carry terms up to slope x rows where its
-                # probabilities are: 2e-5 off in float32 at 128 rows and slope 1)
-                out.append(Piece(pc.n0, pc.n1, False, True))
+            if pc.causal:  # the diagonal: its bias as a block-sized mask, with the causal
+                # flag or the band in the mask (folded, its scores would carry terms up to
+                # slope x rows where its probabilities are: 2e-5 off in float32 at 128 rows
+                # and slope 1)
+                out.append(pc if config.causal_bias else Piece(pc.n0, pc.n1, False, True))
                 continue
             if pc.masked or _side(pc, m0, m1, off) != 0:
                 out.append(pc)
@@ -551,11 +563,16 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
             add = user.to(dtype)
         may_hide = True
     if slopes is not None:  # ALiBi: -slope_h |j - (i + offset)|, built in float32
-        dist = (torch.arange(pc.n0, pc.n1, dtype=torch.float32, device=device)[None, :]
-                - torch.arange(m0 + seq.band.offset, m1 + seq.band.offset,
-                               dtype=torch.float32, device=device)[:, None]).abs_()
-        bias = dist * -slopes[seq.slopes_row, heads].float().view(1, -1, 1, 1)
-        add = bias.to(dtype) if add is None else add + bias.to(dtype)
+        dist = _distances(pc.n0 - m0 - seq.band.offset, m1 - m0, pc.n1 - pc.n0, device)
+        minus = -slopes[seq.slopes_row, heads].float().view(1, -1, 1, 1)
+        if add is None and dtype == torch.float32:  # into the thread's buffer: a fresh
+            # block-sized mask per piece costs its page faults each time (workers.scratch)
+            buf = workers.scratch("fused_alibi", (1, minus.shape[1], *dist.shape), dtype,
+                                  device)
+            add = torch.mul(dist, minus, out=buf)
+        else:
+            bias = (dist * minus).to(dtype)
+            add = bias if add is None else add + bias
     shape = (1, 1, m1 - m0, pc.n1 - pc.n0)
     if add is None:
         add = torch.zeros(shape, dtype=dtype, device=device)
@@ -566,6 +583,17 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
         return add, None
     empty = ~(add[0] > float("-inf")).any(-1)  # (G or 1, rows): rows that see no key here
     return add, (empty if bool(empty.any()) else None)
+
+
+@functools.lru_cache(maxsize=16)
+def _distances(shift: int, rows: int, keys: int, device: torch.device) -> Tensor:
+    """``|c + shift - r|`` for rows r and keys c of a piece, float32 ``(rows, keys)``: ALiBi's
+    distances, the same for every block at the same place relative to the diagonal (each
+    causal diagonal of a call), so built once (read only; outside inference mode, so a
+    call with autograd reads it too)."""
+    with torch.inference_mode(False):
+        return (torch.arange(shift, shift + keys, dtype=torch.float32, device=device)[None, :]
+                - torch.arange(rows, dtype=torch.float32, device=device)[:, None]).abs_()
 
 
 def _side(pc: Piece, m0: int, m1: int, off: int) -> int:
@@ -634,7 +662,7 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
 # mask needs it: one query block per sequence, masks of up to 1024 x 4096
 CUDA = FusedConfig(items_per_row=1, min_block_m=1 << 30, masked_block_m=1024,
                    masked_block_n=4096, bwd_max_runs=1, serial_max_scores=0,
-                   item_max_scores=0)
+                   item_max_scores=0, causal_bias=False)
 
 
 def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
@@ -743,8 +771,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
                                      pc, q.dtype, q.device, mask_mods[si])
             qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
-            o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal and add is None, add,
-                                              spec.qk_scale)
+            o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal, add, spec.qk_scale)
             o, l_ = o[0, ..., :Dv], l_[0]
             if folded is not None:
                 l_ = l_ - folded.shift
@@ -761,7 +788,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         o_to[s.b, heads, s.q0 + m0:s.q0 + m1] = o
         l_to[s.b, heads, s.q0 + m0:s.q0 + m1] = l_
 
-    workers.run_items(run, len(items), threads=_threads(seqs, config, q))
+    workers.run_items(run, len(items), threads=_threads(seqs, config, q), flush_denormals=True)
     return _sinks_joined(out, lse, parts_out, parts_lse, ops.sinks)
 
 
@@ -878,8 +905,7 @@ def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, 
         qb, kb, vb = (torch.nn.functional.pad(t, (0, 2)) for t in (qb, kb, vb))
         ob = torch.cat([ob, pad], -1)
         dob = torch.nn.functional.pad(dob, (0, 2), value=1.0)
-    return kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal and add is None, add,
-                                     spec.qk_scale)
+    return kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal, add, spec.qk_scale)
 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -950,7 +976,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
                 dk_to[:, pc.n0:pc.n1] += gk[0, :, :, :D]
                 dv_to[:, pc.n0:pc.n1] += gv[0, :, :, :Dv]
 
-    workers.run_items(run, len(items), threads=_threads(seqs, config, q))
+    workers.run_items(run, len(items), threads=_threads(seqs, config, q), flush_denormals=True)
     for si, hk, r in sorted(extra):  # runs' partials in run order: fixed, whatever finished
         s, kvh = seqs[si], slice(hk, hk + hgs[si])
         dk[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][0]

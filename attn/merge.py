@@ -98,8 +98,9 @@ def _merge(outs: Sequence[Tensor], lses: Sequence[Tensor], names, check_values: 
                              f"-inf (flash-attn's +inf, which attn.compat returns, must be "
                              f"mapped to -inf before merging)")
     lse = torch.logsumexp(lse_all, dim=0)  # -inf only where every part is -inf
-    lse_safe = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
-    out = torch.zeros(shape, dtype=acc, device=device)
-    for o, lse_p in zip(outs, lse_all):
-        out = out + torch.exp(lse_p - lse_safe).unsqueeze(-1) * o.to(acc)  # weight 0 at -inf
+    # each partial's weight, 0 at -inf; one product, then one fused update per partial
+    w = torch.exp(lse_all - lse.masked_fill(lse == float("-inf"), 0.0)).unsqueeze(-1)
+    out = outs[0].to(acc) * w[0]
+    for o, w_p in zip(outs[1:], w[1:]):
+        out.addcmul_(o.to(acc), w_p)
     return out.to(outs[0].dtype), lse

@@ -91,6 +91,29 @@ class single_thread:
             torch.set_num_threads(self.saved)
 
 
+class flushed_denormals:
+    """Denormal floats flushed to zero (and read as zero) on the calling thread for a block,
+    then the thread's own setting given back. Why: a probability ``exp(s - m)`` between
+    2^-149 and 2^-126 is a denormal, and every multiply that reads one is slow on x86 (about
+    2x for a whole ALiBi call, whose far keys land there: docs/benchmarks.md, "Measurements
+    behind the code's choices"). Flushed, such a probability counts as 0 in a row whose
+    largest is 1: a change far below the dtype's rounding. torch has a setter only, so the
+    setting is read back by one multiply whose exact result is a denormal. ``on=False``:
+    nothing changes."""
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        if self.on:
+            self.saved = float(torch.tensor(1e-30) * 1e-10) == 0.0
+            torch.set_flush_denormal(True)
+
+    def __exit__(self, *exc) -> None:
+        if self.on:
+            torch.set_flush_denormal(self.saved)
+
+
 def workers_for_call() -> int:
     """How many threads a call's items run on: torch's intra-op thread count now (the caller
     is one of them), or 1 where items must run in order on the caller: inside a worker,
@@ -123,7 +146,8 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     return flat[:n].view(shape)
 
 
-def run_items(fn: Callable[[int], None], n_items: int, *, threads: int | None = None) -> None:
+def run_items(fn: Callable[[int], None], n_items: int, *, threads: int | None = None,
+              flush_denormals: bool = False) -> None:
     """``fn(i)`` for every ``i < n_items``, each exactly once, pulled in order of ``i`` from
     one shared counter by the caller and ``threads - 1`` pool workers (default
     :func:`workers_for_call`; 1: in order here; 0: in order with torch's threads untouched,
@@ -131,14 +155,15 @@ def run_items(fn: Callable[[int], None], n_items: int, *, threads: int | None = 
     intra-op thread, so an item computes the same bits whichever thread takes it: ``fn``
     must write only its own outputs. The workers take the caller's grad and inference modes
     (per thread in torch). After an exception no new item starts; the first is raised here
-    once every started item has finished, so none still writes into the outputs."""
+    once every started item has finished, so none still writes into the outputs. With
+    ``flush_denormals`` each thread runs its items under :class:`flushed_denormals`."""
     if threads == 0:  # traced by torch.compile, or not on CPU: a plain loop
         for i in range(n_items):
             fn(i)
         return
     n = workers_for_call() if threads is None else threads
     if n <= 1 or n_items <= 1:
-        with single_thread():
+        with single_thread(), flushed_denormals(flush_denormals):
             for i in range(n_items):
                 fn(i)
         return
@@ -147,7 +172,8 @@ def run_items(fn: Callable[[int], None], n_items: int, *, threads: int | None = 
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def drain() -> None:
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        with (torch.inference_mode(inference), torch.set_grad_enabled(grad),
+              flushed_denormals(flush_denormals)):
             while not errors:
                 i = next(counter)
                 if i >= n_items:

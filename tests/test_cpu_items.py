@@ -352,3 +352,43 @@ def test_chunked_prefill_runs_as_items_in_one_region(monkeypatch):
     # blocks into runs) the join adding their dK/dV partials in run order
     assert len(calls) in (2, 3) and min(calls[:2]) >= 96 // 32, calls
     assert_close_to_reference(fn, q, k, v, causal=True)
+
+
+def _flushing() -> bool:
+    """Whether this thread flushes denormals now (a product whose exact value is one)."""
+    return float(torch.tensor(1e-30) * 1e-10) == 0.0
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_flushed_denormals_gives_each_thread_its_setting_back(before):
+    """Items run with denormals flushed on every thread that takes them; afterwards each
+    thread (the caller with either setting, the pool's workers) has its own back."""
+    from attn import workers
+    torch.set_flush_denormal(before)
+    try:
+        def states(flush: bool) -> dict[int, set[bool]]:
+            seen: dict[int, set[bool]] = {}
+
+            def item(i: int) -> None:
+                seen.setdefault(threading.get_ident(), set()).add(_flushing())
+                time.sleep(0.001)  # so that more than one thread takes items
+            workers.run_items(item, 32, threads=2, flush_denormals=flush)
+            return seen
+        own = states(False)
+        assert own[threading.get_ident()] == {before}
+        assert set().union(*states(True).values()) == {True}
+        assert _flushing() == before
+        after = states(False)
+        assert all(after[t] == own[t] for t in after if t in own)
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("backend", ["fused", "tiled"])
+def test_steep_alibi_with_denormal_probabilities_matches_reference(backend):
+    """Slopes of 2 and 8 put many probabilities of each row among float32's denormals,
+    which the items flush to zero: out, lse and every gradient stay within the budget."""
+    q, k, v = make_inputs(1, 2, 300, 40, dtype=torch.float32, seed=3)
+    slopes = torch.tensor([2.0, 8.0])
+    assert_close_to_reference(lambda *a, **kw: attn.attention(*a, backend=backend, **kw),
+                              q, k, v, causal=True, alibi_slopes=slopes)
