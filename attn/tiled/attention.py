@@ -113,7 +113,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
             c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine,
             blocks=plan.blocks[bi:bi + 1], facts=f))
 
-    cpu.run_items(run, len(items), threads=plan.threads)
+    cpu.run_items(run, len(items), threads=plan.threads, flush_denormals=True)
     return (out, lse, lse2) if want_lse2 else (out, lse)
 
 
@@ -172,7 +172,8 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
             c.bh(parts_out[r]), c.bh(parts_lse[r]), c.bh(scratch[r]), b0=c.b0,
             engine=plan.engine, facts=f))
 
-    cpu.run_items(run, len(items), threads=plan.threads)  # (the count read before _caller)
+    cpu.run_items(run, len(items), threads=plan.threads,  # (the count read before _caller)
+                  flush_denormals=True)
     merged, merged_lse = _merge_partials(parts_out, parts_lse, ops.sinks)
     out.copy_(merged)
     lse.copy_(merged_lse)
@@ -307,7 +308,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             c.kv(into[1]).add_(c.kv(dk))
             c.kv(into[2]).add_(c.kv(dv))
 
-    cpu.run_items(run, len(items), threads=plan.threads)
+    cpu.run_items(run, len(items), threads=plan.threads, flush_denormals=True)
     if extra:
         cpu.run_items(join, len(plan.chunks), threads=plan.threads)
     with _caller(plan):

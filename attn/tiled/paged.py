@@ -260,7 +260,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
             qb, k, v, ispec, iops, out, parts_lse[it.r, b:b + 1], scratch[it.r, b:b + 1],
             facts=f, key_scales=(k_mult, v_mult)))
 
-    cpu.run_items(run, len(items), threads=threads)
+    cpu.run_items(run, len(items), threads=threads, flush_denormals=True)
     with caller:
         out, lse = _merge_partials(parts_out, parts_lse, ops.sinks)
         return out.to(q.dtype), lse
