@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
+import threading
 import warnings
 from typing import Callable, NamedTuple
 
@@ -530,12 +532,21 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
 
 # -- launchers ---------------------------------------------------------------------------------
 
+# what each thread's "fused_alibi" scratch buffer holds: (launch, slopes row, heads, the
+# piece's shift, rows, keys, device), so the next piece of the same launch and heads at the
+# same place relative to the diagonal (each causal diagonal) reads it without the multiply
+_ALIBI_HELD = threading.local()
+_LAUNCHES = itertools.count()  # a token per launch, never reused (unlike an id())
+
+
 def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: slice,
                 m0: int, m1: int, pc: Piece, dtype: torch.dtype, device: torch.device,
-                mask_mod: Callable | None = None) -> tuple[Tensor | None, Tensor | None]:
+                mask_mod: Callable | None = None, launch: int | None = None
+                ) -> tuple[Tensor | None, Tensor | None]:
     """The additive mask of one piece ``(1, G or 1, rows, keys)`` in q's dtype (0 / -inf for
     bool masks and the band, a float mask's values, ALiBi's bias), and which rows see no key
-    of the piece ``(G or 1, rows)`` (None when every row sees one)."""
+    of the piece ``(G or 1, rows)`` (None when every row sees one). ``launch``: the caller's
+    token from ``_LAUNCHES``, under which an ALiBi bias alone is reused (``_ALIBI_HELD``)."""
     if not pc.masked and mask4 is None and slopes is None:
         return None, None
     rows = torch.arange(m0, m1, device=device)
@@ -563,13 +574,19 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
             add = user.to(dtype)
         may_hide = True
     if slopes is not None:  # ALiBi: -slope_h |j - (i + offset)|, built in float32
-        dist = _distances(pc.n0 - m0 - seq.band.offset, m1 - m0, pc.n1 - pc.n0, device)
+        shift = pc.n0 - m0 - seq.band.offset
+        dist = _distances(shift, m1 - m0, pc.n1 - pc.n0, device)
         minus = -slopes[seq.slopes_row, heads].float().view(1, -1, 1, 1)
         if add is None and dtype == torch.float32:  # into the thread's buffer: a fresh
             # block-sized mask per piece costs its page faults each time (workers.scratch)
-            buf = workers.scratch("fused_alibi", (1, minus.shape[1], *dist.shape), dtype,
+            add = workers.scratch("fused_alibi", (1, minus.shape[1], *dist.shape), dtype,
                                   device)
-            add = torch.mul(dist, minus, out=buf)
+            held = (launch, seq.slopes_row, heads.start, heads.stop, shift, *dist.shape,
+                    device)
+            if launch is None or getattr(_ALIBI_HELD, "key", None) != held:
+                _ALIBI_HELD.key = None  # (the buffer is being rewritten)
+                torch.mul(dist, minus, out=add)
+                _ALIBI_HELD.key = held
         else:
             bias = (dist * minus).to(dtype)
             add = bias if add is None else add + bias
@@ -751,8 +768,12 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     if R > 1:  # key ranges' partials, merged after the items (-inf: a range a row lacks)
         parts_out = torch.zeros(R, B, H, Nq, Dv, dtype=q.dtype, device=q.device)
         parts_lse = torch.full((R, B, H, Nq), float("-inf"), dtype=acc, device=q.device)
-    items = [(si, hk, bi, r) for si, p in enumerate(plans) for bi in range(len(p.blocks))
-             for r in range(len(p.ranges)) for hk in range(0, Hkv, hgs[si])]
+    # a head group's items one after another (its keys stay in cache, an ALiBi bias is
+    # reused), the largest blocks (causal: the last) first, so the call's end waits on a
+    # small one
+    items = [(si, hk, bi, r) for si, p in enumerate(plans) for hk in range(0, Hkv, hgs[si])
+             for bi in reversed(range(len(p.blocks))) for r in range(len(p.ranges))]
+    launch = next(_LAUNCHES)
 
     def run(i: int) -> None:
         si, hk, bi, r = items[i]
@@ -769,7 +790,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
                                    config) for t in (k, v))
             folded = _fold(qb, kb, vb, slopes, s, p, mask_mods[si], m0, m1, pc, spec.qk_scale)
             add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
-                                     pc, q.dtype, q.device, mask_mods[si])
+                                     pc, q.dtype, q.device, mask_mods[si], launch)
             qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
             o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal, add, spec.qk_scale)
             o, l_ = o[0, ..., :Dv], l_[0]

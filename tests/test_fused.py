@@ -448,3 +448,20 @@ def test_key_padding_is_a_cut_of_the_keys(dtype, monkeypatch):
     # the same padding for every row given as a 1-d (Nk,) or 2-d (1, Nk) mask
     for shared in (mask[0, 0, 0], mask[1, 0]):
         assert_close_to_reference(fn, q, k, v, attn_mask=shared, causal=True)
+
+
+@pytest.mark.parametrize("H, N", [(4, 300), (1, 320)])
+def test_alibi_bias_reused_only_within_its_launch_and_heads(H, N):
+    """A thread reuses the bias of a causal diagonal for the next piece of the same launch,
+    slopes row and heads (64-row blocks, one kv head per item here): each head keeps its
+    own slopes, and slopes changed in place between two calls are read again (one head,
+    whole blocks: the second call's first piece has the first call's last shape)."""
+    config = dataclasses.replace(fused.DEFAULT, item_max_scores=0, alibi_block_m=64)
+    q, k, v = make_inputs(B=1, H=H, Hkv=H, N=N, D=16, seed=5)
+    slopes = 2.0 ** -torch.tensor([1.0, 2.0, 3.0, 4.0][:H])
+    for _ in range(2):
+        call, spec, ops = attn.api.resolve(q, k, v, band=Band(0, None, 0), alibi_slopes=slopes)
+        got = fused.fused_attention(q, k, v, spec, ops, config=config)[0]
+        want = attn.attention(q, k, v, causal=True, alibi_slopes=slopes, backend="reference")
+        torch.testing.assert_close(got, want)
+        slopes.mul_(2.0)  # the next call's slopes, in the same storage
