@@ -636,14 +636,18 @@ class _Folded(NamedTuple):
 
 
 def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor | None, seq: Seq, p: _Plan,
-          mask_mod, m0: int, m1: int, pc: Piece, scale: float) -> _Folded | None:
+          mask_mod, m0: int, m1: int, pc: Piece, scale: float,
+          v_padded: Tensor | None = None) -> _Folded | None:
     """ALiBi folded into a piece's q, k, v where it folds (else None): a piece the band does
     not cut, no other mask on it, on one side of every row's diagonal (:func:`_side`). There
     ALiBi's ``-s_h |j - (i + off)|`` is ``side·s_h·(j - c) - side·s_h·(i + off - c)``: a term
     per key, which G more columns fold into the scores (a one-hot per query head in q,
     ``side·s_h·(j - c) / scale`` per head in k, zeros in v), and a term per row, which the
     softmax ignores and the lse gives back. ``c`` is the piece's edge nearest the diagonal, so
-    the folded terms stay as small as the bias itself where the probabilities are."""
+    the folded terms stay as small as the bias itself where the probabilities are.
+    ``v_padded``: vb with those zero columns already (the launch's V padded once). q and k
+    are built in the calling thread's buffers (:func:`attn.workers.scratch`), read before
+    its next piece."""
     side = _side(pc, m0, m1, seq.band.offset)
     if slopes is None or pc.masked or p.masked or mask_mod is not None or side == 0:
         return None
@@ -653,10 +657,16 @@ def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor | None, seq: Seq, p
     s = slopes[seq.slopes_row].to(acc)  # (G,)
     j = torch.arange(pc.n0 - c, pc.n1 - c, dtype=acc, device=qb.device)
     cols = (side / scale) * j[:, None] * s[None, :]  # (keys, G)
-    eye = torch.eye(G, dtype=qb.dtype, device=qb.device).view(1, G, 1, G)
-    q2 = torch.cat([qb, eye.expand(1, G, rows, G)], -1)
-    k2 = torch.cat([kb, cols.to(kb.dtype).view(1, 1, n, G).expand(1, kb.shape[1], n, G)], -1)
-    v2 = torch.nn.functional.pad(vb, (0, k2.shape[-1] - vb.shape[-1]))
+    D = qb.shape[-1]
+    q2 = workers.scratch("fused_fold_q", (1, G, rows, D + G), qb.dtype, qb.device)
+    q2[..., :D] = qb
+    q2[..., D:] = torch.eye(G, dtype=qb.dtype, device=qb.device).view(1, G, 1, G)
+    k2 = workers.scratch("fused_fold_k", (1, kb.shape[1], n, D + G), kb.dtype, kb.device)
+    k2[..., :D] = kb
+    k2[..., D:] = cols.to(kb.dtype).view(1, 1, n, G)
+    v2 = v_padded
+    if v2 is None:
+        v2 = torch.nn.functional.pad(vb, (0, D + G - vb.shape[-1]))
     i = torch.arange(m0 + seq.band.offset - c, m1 + seq.band.offset - c, dtype=acc,
                      device=qb.device)
     shift = side * s[:, None] * i[None, :]  # (G, rows)
@@ -774,6 +784,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     items = [(si, hk, bi, r) for si, p in enumerate(plans) for hk in range(0, Hkv, hgs[si])
              for bi in reversed(range(len(p.blocks))) for r in range(len(p.ranges))]
     launch = next(_LAUNCHES)
+    # ALiBi's folded pieces read V with zero columns for the folded ones: padded once here,
+    # per width (an item's query heads), rather than per piece
+    v_pads = {} if ops.alibi is None else {
+        w: torch.nn.functional.pad(v, (0, q.shape[-1] + w - Dv)) for w in {hg * G for hg in hgs}}
 
     def run(i: int) -> None:
         si, hk, bi, r = items[i]
@@ -788,7 +802,9 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
                                alibi=slopes is not None):
             kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1], m1 - m0,
                                    config) for t in (k, v))
-            folded = _fold(qb, kb, vb, slopes, s, p, mask_mods[si], m0, m1, pc, spec.qk_scale)
+            vp = v_pads.get(hgs[si] * G)
+            folded = _fold(qb, kb, vb, slopes, s, p, mask_mods[si], m0, m1, pc, spec.qk_scale,
+                           None if vp is None else vp[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1])
             add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
                                      pc, q.dtype, q.device, mask_mods[si], launch)
             qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
