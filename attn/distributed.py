@@ -33,7 +33,7 @@ from torch import Tensor
 from attn import fused
 from attn.call import _validate_qkv, acc_dtype, resolve, run, select_backend
 from attn.call import _draw_seed as _local_seed
-from attn.grads import reduce_to, sink_grad
+from attn.grads import call_sink_grad, reduce_to
 from attn.masks import Band, make_band, window_pair
 from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec, Operands, all_finite
@@ -612,13 +612,7 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
         dkv = dkv_hop.wait()
     dk_p, dv_p = _unpack(c, dkv, c.rank, widths, k)
     dk, dv = torch.cat(dk_p, dim=2), torch.cat(dv_p, dim=2)
-    dsinks = None
-    if sinks is not None:
-        delta = (do.to(acc) * out.to(acc)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(acc)
-        dsinks = sink_grad(sinks, lse.to(acc), delta)
-    return dq, dk, dv, dsinks, dcap
+    return dq, dk, dv, call_sink_grad(sinks, do, dlse, out, lse, acc), dcap
 
 
 class _RingAttention(torch.autograd.Function):
