@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 
-import torch
 from torch import Tensor
 from torch.nn.attention.bias import CausalBias as _CausalBias
 from torch.nn.attention.bias import CausalVariant as _CausalVariant
@@ -18,7 +17,7 @@ from torch.nn.attention.bias import CausalVariant as _CausalVariant
 # the checks and the backend choice live in attn.call; its public names stay importable here
 from attn.call import (BACKENDS, AttentionCall, BackendChoice, acc_dtype,  # noqa: F401
                        resolve, run, select_backend, unsupported_reason)
-from attn.call import _check_tensor, _validate_qkv, attend, sdpa_errors
+from attn.call import _check_tensor, _validate_qkv, attend, broadcasts_to, sdpa_errors
 from attn.masks import Band, make_band, window_pair
 
 # keywords of torch's and flash-attn's signatures that attention() spells its own way
@@ -210,11 +209,7 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor 
                              f"is_causal=True: Explicit attn_mask should not be set when "
                              f"is_causal=True (AND the causal mask into attn_mask instead)")
         scores = (*lead, *query.shape[-3:-2], L, S) if query.dim() >= 4 else (*lead, L, S)
-        try:  # broadcasts *to* the scores: the mask may not grow them
-            full = torch.broadcast_shapes(attn_mask.shape, scores)
-        except RuntimeError:
-            full = None
-        if full != torch.Size(scores) or attn_mask.dim() > query.dim():
+        if not broadcasts_to(attn_mask.shape, scores):  # the mask may not grow the scores
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
                              f"to the scores' shape {(*query.shape[:-1], S)}")
         if query.dim() == 3:

@@ -334,15 +334,17 @@ def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...], q_name:
                         f"scores), got {attn_mask.dtype}")
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device}, {q_name} on {q.device}")
-    ok = attn_mask.dim() <= 4
-    if ok:
-        try:
-            ok = torch.broadcast_shapes(tuple(attn_mask.shape), shape) == shape
-        except RuntimeError:
-            ok = False
-    if not ok:
+    if not broadcasts_to(attn_mask.shape, shape):
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"(B, H, Nq, Nk) = {shape}")
+
+
+def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to exactly ``target`` (no more dims)."""
+    try:
+        return len(shape) <= len(target) and torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def _validate_sinks(sinks: object, H: int, q: Tensor) -> None:
@@ -388,11 +390,7 @@ def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
             raise TypeError(f"{name} tensor must be floating, got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, {q_name} on {q.device}")
-        try:
-            ok = x.dim() <= len(shape_ok) and torch.broadcast_shapes(x.shape, shape_ok) == shape_ok
-        except RuntimeError:
-            ok = False
-        if not ok:
+        if not broadcasts_to(x.shape, shape_ok):
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {shape_ok}")
         # a data-dependent check (one host sync per call): skipped while torch.compile traces,
         # so that it does not break the graph. Written as "not (finite and > 0)" because NaN

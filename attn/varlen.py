@@ -18,8 +18,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, fused_keys_ok,
-                       resolve, run, select_backend)
+from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, broadcasts_to,
+                       fused_keys_ok, resolve, run, select_backend)
 from attn.masks import Band, classify_band, make_band, window_pair
 from attn.tiled import SequenceBlocks
 
@@ -291,14 +291,9 @@ def varlen_attention(
     for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
             raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
-    if isinstance(temperature, Tensor):
-        try:
-            ok = torch.broadcast_shapes(temperature.shape, (H,)) == (H,)
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
-                             f"broadcast to (H,) = ({H},) in the packed layout")
+    if isinstance(temperature, Tensor) and not broadcasts_to(temperature.shape, (H,)):
+        raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast "
+                         f"to (H,) = ({H},) in the packed layout")
     _validate_dropout(dropout_p)
     if alibi_slopes is not None:
         alibi_slopes = _validate_alibi(alibi_slopes, cu_q.numel() - 1, "num_seqs", H, q)
