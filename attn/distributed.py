@@ -94,10 +94,6 @@ def _peer(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _local_lengths(n: int, P: int, layout: str) -> list[int]:
-    return _lengths(shard_ranges(n, P, layout))
-
-
 def _lengths(ranges: list[list[tuple[int, int]]]) -> list[int]:
     """Each rank's number of positions."""
     return [sum(b - a for a, b in rs) for rs in ranges]
@@ -129,7 +125,7 @@ def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
     dist.all_gather(lens, n_l, group=group)
     lens = [int(t) for t in lens]
     n = sum(lens)
-    want = _local_lengths(n, P, layout)
+    want = _lengths(shard_ranges(n, P, layout))
     if lens != want:
         raise ValueError(f"gather_sequence: shard lengths {lens} along dim {dim} are not the "
                          f"{layout!r} split of N = {n} over {P} ranks ({want})")
@@ -145,35 +141,29 @@ def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
     return _place(x_l.new_empty(shape), parts, shard_ranges(n, P, layout), dim)
 
 
-class _Shard(torch.autograd.Function):
-    """Forward: this rank's part. Backward: every rank's part of the gradient gathered, i.e.
-    the gradient of a replicated input under a replicated loss (see the module docstring)."""
+def _shard_or_gather(x: Tensor, to_full: bool, layout: str, group, dim: int) -> Tensor:
+    """The full tensor from every rank's shard (``to_full``), or this rank's shard of it."""
+    if to_full:
+        return _all_gather_seq(x.contiguous(), layout, group, dim)
+    rank, P = _world(group)
+    return _take(x, shard_ranges(x.shape[dim], P, layout)[rank], dim)
+
+
+class _Reshard(torch.autograd.Function):
+    """Shard (``to_full=False``) or gather along ``dim``; the backward is the other one. A
+    shard's gradient is every rank's part gathered (the gradient of a replicated input under
+    a replicated loss, see the module docstring); a gather's is this rank's part (each rank
+    computes the same loss from the gathered tensor, so no sum is needed)."""
 
     @staticmethod
-    def forward(ctx, x, layout, group, dim):
-        rank, P = _world(group)
-        ctx.layout, ctx.group, ctx.dim = layout, group, dim
-        return _take(x, shard_ranges(x.shape[dim], P, layout)[rank], dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather_seq(g.contiguous(), ctx.layout, ctx.group, ctx.dim), None, None, None
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: the full sequence on every rank. Backward: this rank's part of the gradient
-    (each rank computes the same loss from the gathered tensor, so no sum is needed)."""
-
-    @staticmethod
-    def forward(ctx, x_l, layout, group, dim):
-        ctx.layout, ctx.group, ctx.dim = layout, group, dim
-        return _all_gather_seq(x_l.contiguous(), layout, group, dim)
+    def forward(ctx, x, to_full, layout, group, dim):
+        ctx.to_full, ctx.layout, ctx.group, ctx.dim = to_full, layout, group, dim
+        return _shard_or_gather(x, to_full, layout, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        rank, P = _world(ctx.group)
-        ranges = shard_ranges(g.shape[ctx.dim], P, ctx.layout)[rank]
-        return _take(g, ranges, ctx.dim), None, None, None
+        g = _shard_or_gather(g, not ctx.to_full, ctx.layout, ctx.group, ctx.dim)
+        return g, None, None, None, None
 
 
 def shard_sequence(x: Tensor, layout: str = "zigzag", group=None, *, dim: int = 2) -> Tensor:
@@ -190,7 +180,7 @@ def shard_sequence(x: Tensor, layout: str = "zigzag", group=None, *, dim: int = 
     if x.dim() <= dim or x.shape[dim] < P:
         raise ValueError(f"shard_sequence: x of shape {tuple(x.shape)} needs a dim {dim} of "
                          f"length >= {P} (the world size) so that no rank is empty")
-    return _Shard.apply(x, layout, group, dim)
+    return _Reshard.apply(x, False, layout, group, dim)
 
 
 def gather_sequence(x_l: Tensor, layout: str = "zigzag", group=None, *, dim: int = 2) -> Tensor:
@@ -203,7 +193,7 @@ def gather_sequence(x_l: Tensor, layout: str = "zigzag", group=None, *, dim: int
         raise TypeError(f"x_l must be a torch.Tensor, got {type(x_l).__name__}")
     if x_l.dim() <= dim:
         raise ValueError(f"gather_sequence: x_l of shape {tuple(x_l.shape)} has no dim {dim}")
-    return _Gather.apply(x_l, layout, group, dim)
+    return _Reshard.apply(x_l, True, layout, group, dim)
 
 
 # -- validation: locally, then one all-gather so that every rank raises together ---------------
@@ -297,7 +287,7 @@ def _agree(strategy: str, group, local: dict | Exception) -> list[dict]:
                                  f"dim: rank 0 {a}, rank {r} {b}")
     for name in ("q", "k"):
         lens = [rec[name][2] for rec in records]
-        want = _local_lengths(sum(lens), P, ref["layout"])
+        want = _lengths(shard_ranges(sum(lens), P, ref["layout"]))
         if lens != want:
             bad = ", ".join(f"rank {r} has {a}, expected {b}"
                             for r, (a, b) in enumerate(zip(lens, want)) if a != b)
@@ -318,16 +308,14 @@ def _draw_seed(dropout_p: float, group) -> int:
     return int(seed.item())
 
 
-def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperature, softcap,
-             window, sinks, dropout_p, backend, attn_mask) -> tuple["_Call", Operands]:
+def _prepare(strategy: str, q, k, v, *, group, **kw) -> tuple["_Call", Operands]:
     """Validate on every rank (so bad input on one raises on all), then set the global band
-    and the shared dropout seed on the call :func:`attn.call.resolve` made."""
+    and the shared dropout seed on the call :func:`attn.call.resolve` made; ``kw``: the
+    public function's keywords but ``group`` and ``return_lse``."""
     rank, P = _world(group)
+    causal, layout, window, backend = kw["causal"], kw["layout"], kw["window"], kw["backend"]
     try:
-        local, (call, spec, ops) = _check_local(
-            strategy, q, k, v, causal=causal, layout=layout, scale=scale,
-            temperature=temperature, softcap=softcap, window=window, sinks=sinks,
-            dropout_p=dropout_p, backend=backend, attn_mask=attn_mask)
+        local, (call, spec, ops) = _check_local(strategy, q, k, v, **kw)
         if strategy == "ulysses_attention":
             _ulysses_heads(q.shape[1], k.shape[1], P)
     except (ValueError, TypeError, NotImplementedError) as exc:
@@ -336,7 +324,7 @@ def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperatur
     n_q = sum(r["q"][2] for r in records)
     n_k = sum(r["k"][2] for r in records)
     band = make_band(n_q, n_k, causal=causal, window=window_pair(window))
-    spec = replace(spec, band=band, dropout_seed=_draw_seed(float(dropout_p), group))
+    spec = replace(spec, band=band, dropout_seed=_draw_seed(float(kw["dropout_p"]), group))
     # the shape one launch sees, the same on every rank: the ring's largest (local queries,
     # one rank's keys) pair, Ulysses' whole sequence
     if strategy == "ring_attention":
@@ -394,12 +382,8 @@ def _launchers(backend: str):
 
 def _fused_bwd(do, dlse, q, k, v, out, lse, spec, ops, *, need_dcap: bool = False):
     """fused's backward with tiled's keyword: a fused step never has a softcap (refused in
-    :func:`_fused_refuses`), so ``need_dcap`` asks for nothing here. No ``precise``
-    recompute: it would redo the step's own forward, whose lse is not the call's. Saturated
-    rows (|lse| past ``fused.LSE_PRECISE_LIMIT``) lose precision here as in tiled's ring
-    backward, which also rebuilds P from the one global lse; handing such steps to tiled's
-    backward measured worse (dq/dk/dv 5-7x attn.testing's budget where fused's own were at
-    most 1.6x: float32, temperature 1e-3, P = 2)."""
+    :func:`_fused_refuses`), so ``need_dcap`` asks for nothing here; no ``precise``
+    recompute (docs/context-parallel.md, "Ring")."""
     return fused._bwd(do, dlse, q, k, v, out, lse, spec, ops)
 
 
