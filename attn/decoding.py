@@ -1,18 +1,13 @@
 """Attention of new queries against the keys a KV cache holds (decoding, chunked prefill).
 
 :func:`decode` is attn's one entry for attending from a cache object
-(:class:`attn.kvcache.PagedKVCache`), exported as ``attn.decode``.
-``flash_attn_with_kvcache`` reads flash-attn's caches through it. Batch row i of q is
-sequence ``seq_ids[i]`` of the cache, which holds the keys ``[starts, lengths)`` of it.
-
-How the keys are read depends on the device and the call (:func:`read_plan` says which and
-why): on CPU the tiled backend's work items read the pages through the block table (or the
-fused backend's page spans, where ``auto``'s table prefers it); on CUDA the triton kernel
-loads page ids from the block table; elsewhere a view of the pages or the keys in use copied,
-through :func:`attn.call.attend` or :func:`attn.varlen_attention`. Quantized caches are
-dequantized as they are read, never whole. Forward only. Under ``torch.compile`` a traced call hands the cache's tensors to the
-opaque op ``attn::paged_decode``, whose implementation is the eager read, ``_read``. The
-reads and the compiled path: docs/kvcache.md.
+(:class:`attn.kvcache.PagedKVCache`), exported as ``attn.decode``; compat, HF and the toy
+GPT call it. Batch row i of q is sequence ``seq_ids[i]`` of the cache, which holds its keys
+``[starts, lengths)``. :func:`read_plan` says how a call reads them (the tiled or fused
+backend's work items on CPU, triton's paged kernel on CUDA, else a view or a copy through
+attention / varlen_attention) and why. Forward only. Under ``torch.compile`` a traced call
+hands the cache's tensors to the opaque op ``attn::paged_decode``, whose body is the eager
+read, ``_read``. The reads and the compiled path: docs/kvcache.md.
 """
 
 from __future__ import annotations

@@ -345,11 +345,9 @@ def _let_continuous_batching_keep(name: str) -> None:
 
 class _CachedKV(Tensor):
     """What :class:`AttnQuantizedCache` returns from ``update`` in place of the keys (or
-    values): a tensor with the shape, dtype and device of the cached states ``(B, Hkv, N, D)``
-    and no storage. HF's attention layers hand it, untouched, to the attention function,
-    where attn's recognises it and reads the layer's pages (:func:`attn.decode`). Any other
-    attention (eager, sdpa, ...) would have to read it as data: every operation on it
-    raises, so a model not running attn fails loudly instead of attending over nothing."""
+    values): the shape, dtype and device of the cached states ``(B, Hkv, N, D)``, no storage.
+    attn's attention function reads the layer's pages instead; any operation on it raises,
+    so another attention fails loudly instead of attending over nothing (docs/hf.md)."""
 
     layer: "_QuantizedLayer"
 
@@ -376,13 +374,11 @@ class _CachedKV(Tensor):
 
 class _QuantizedLayer(CacheLayerMixin):
     """One attention layer's keys and values in an :class:`attn.kvcache.PagedKVCache` of
-    quantized pages (allocated at the first update, from the states' shapes).
+    quantized pages (allocated at the first update, from the states' shapes)."""
 
-    Every position stays addressed (sliding layers included): HF's masks are laid over all
-    of them (``get_mask_sizes``), attn's window does the sliding, and pages wholly outside a
-    sliding layer's window go back to the pool after each step's attention."""
-
-    is_sliding = False  # every position stays addressed; see the class docstring
+    # every position stays addressed, sliding layers included: HF's masks are laid over all
+    # of them (get_mask_sizes), attn's window does the sliding (docs/hf.md)
+    is_sliding = False
     is_compileable = False
     is_croppable = False
 
@@ -521,20 +517,10 @@ class AttnQuantizedCache(Cache):
     """A KV cache for ``model.generate(cache=...)`` (``past_key_values=`` before transformers
     5.24) that stores every layer's keys and values quantized (:mod:`attn.kvquant`) in an
     :class:`attn.kvcache.PagedKVCache`, read tile by tile by :func:`attn.decode`: no
-    dequantized copy of the cache is ever built.
-
-        attn.integrations.hf.register()
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
-        cache = AttnQuantizedCache(model.config, quant="int4", max_tokens=4096)
-        out = model.generate(ids, cache=cache, max_new_tokens=256)
-
-    ``quant``: a :class:`attn.kvquant.KVQuant` or its kind; ``max_tokens``: positions per
-    sequence (prompt, padding included, plus new tokens); ``page_size``; ``max_batch``
-    (default: the first batch's size); ``fp8_scales`` ``(k, v)``; ``quantized_q``: int8 keys
-    scored against q rounded to int8 (``attn.decode``'s opt-in). Needs ``register()``'s
-    attention (any other raises on the stand-ins ``update`` returns); forward only; equal or
-    left-padded prompts; beam search, assisted decoding and ``crop`` raise
-    NotImplementedError. Details: docs/hf.md.
+    dequantized copy of the cache is ever built. ``quant``: a :class:`attn.kvquant.KVQuant`
+    or its kind; ``max_tokens``: positions per sequence, padding and new tokens included.
+    Needs ``register()``'s attention; forward only; equal or left-padded prompts. The other
+    arguments, an example and what raises NotImplementedError: docs/hf.md.
     """
 
     def __init__(self, config, quant: KVQuant | str = "int8", *, max_tokens: int,
