@@ -44,11 +44,6 @@ _TAG_KV, _TAG_DKV = 11, 12  # distinct tags: a K/V and a dK/dV message may be in
 
 # -- layouts -----------------------------------------------------------------------------------
 
-def _split_sizes(n: int, parts: int) -> list[int]:
-    """Sizes of ``torch.tensor_split(x, parts)`` along a dim of length n."""
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-
-
 def shard_ranges(n: int, world_size: int, layout: str = "zigzag") -> list[list[tuple[int, int]]]:
     """Global ``[start, end)`` ranges each rank holds, in its local order (empty ones kept)."""
     _check_layout(layout)
@@ -60,10 +55,10 @@ def shard_ranges(n: int, world_size: int, layout: str = "zigzag") -> list[list[t
             raise ValueError(f"{name} must be {what} int, got {x!r}")
     P = world_size
     parts = 2 * P if layout == "zigzag" else P
-    bounds, s = [], 0
-    for size in _split_sizes(n, parts):
-        bounds.append((s, s + size))
-        s += size
+    # where torch.tensor_split(x, parts) cuts a dim of length n: the first n % parts chunks
+    # one longer
+    cuts = [r * (n // parts) + min(r, n % parts) for r in range(parts + 1)]
+    bounds = list(zip(cuts, cuts[1:]))
     if layout == "contiguous":
         return [[bounds[r]] for r in range(P)]
     return [[bounds[r], bounds[2 * P - 1 - r]] for r in range(P)]

@@ -297,7 +297,9 @@ def varlen_attention(
     _validate_dropout(dropout_p)
     if alibi_slopes is not None:
         alibi_slopes = _validate_alibi(alibi_slopes, cu_q.numel() - 1, "num_seqs", H, q)
-    band = make_band_pair(causal, window_pair(window))
+    # per sequence, in end-relative positions (offset 0: both counted from the sequence's
+    # end, which is the bottom-right alignment)
+    band = make_band(0, 0, causal=causal, window=window_pair(window))
     # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
 
@@ -335,9 +337,3 @@ def varlen_attention(
     out, lse = run(choice.name, q4, k4, v4, spec, ops)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out
-
-
-def make_band_pair(causal: bool, window: tuple[int, int] | None) -> Band:
-    """The per-sequence band in end-relative positions (offset 0: both counted from the
-    sequence's end, which is the bottom-right alignment)."""
-    return make_band(0, 0, causal=causal, window=window)

@@ -313,13 +313,9 @@ def _varlen(query: Tensor, key: Tensor, value: Tensor, cu_q, cu_k, **options) ->
 
 
 def _let_continuous_batching_keep(name: str) -> None:
-    """Let HF's continuous batching run with attn's implementation ``name``.
-
-    Its manager switches the model to an implementation of HF's own when it starts (5.17: the
-    "paged|" variant of the name; 5.23: refuses anything but eager, sdpa and flash). Wrapped
-    once, so that it leaves the names attn registered as they are and decides for all others
-    as before.
-    """
+    """Let HF's continuous batching run with attn's implementation ``name``: its manager's
+    switch to an implementation of HF's own, wrapped once, leaves the names attn registered
+    as they are (docs/hf.md, "Continuous batching")."""
     _registered.add(name)
     try:
         from transformers.generation.continuous_batching.continuous_api import (
