@@ -715,11 +715,9 @@ def register(name: str = "attn", backend: str = "auto") -> str:
     """Register attn with transformers under ``name``; returns ``name``.
 
     Afterwards ``from_pretrained(..., attn_implementation=name)`` (or ``from_config``, or
-    ``model.set_attn_implementation(name)``) runs every attention layer through
-    ``attn.attention(..., backend=backend)``. Registering several names with different
-    backends is fine (e.g. "attn" and "attn_tiled"); registering a name again replaces it.
-    ``model.generate_batch`` (continuous batching) then runs on attn too: HF's manager would
-    otherwise switch such a model to one of its own implementations.
+    ``model.set_attn_implementation(name)``) runs every attention layer on attn with
+    ``backend=backend``, ``model.generate_batch`` (continuous batching) too. Several names
+    with different backends may be registered; registering one again replaces it.
     """
     if not isinstance(name, str) or not name or name in _RESERVED or "/" in name:
         raise ValueError(f"name must be a new implementation name (not one of HF's own "

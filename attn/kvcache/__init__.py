@@ -103,16 +103,11 @@ class PagedKVCache:
                  fp8_scales: tuple[float | Tensor, float | Tensor] = (1.0, 1.0)
                  ) -> "PagedKVCache":
         """An empty cache of ``max_seqs`` sequences that owns ``num_blocks`` pages of
-        ``page_size`` positions, stored in ``dtype`` (attention reads them in q's dtype,
-        converted range by range); a sequence holds at most ``max_pages`` pages (default
-        all). Pages are handed out in increasing order as sequences grow, so a sequence
-        appended in one piece lies in consecutive pages (read as one view).
-
-        ``quant``: an :class:`attn.kvquant.KVQuant` (or its kind, ``"int8"``, ``"int4"``,
-        ``"fp8_e4m3"``): the pages hold codes and scales, ``dtype`` is then the storage of
-        the full-precision recent pages. ``fp8_scales``: fp8's fixed scales ``(k, v)``, each
-        a float or an ``(Hkv,)`` tensor (per kv head), stored fp16; values past ``448 ·
-        scale`` saturate."""
+        ``page_size`` positions, stored in ``dtype``; a sequence holds at most ``max_pages``
+        pages (default all). ``quant``: an :class:`attn.kvquant.KVQuant` or its kind (the
+        pages hold codes and scales, ``dtype`` is then the recent pages' storage);
+        ``fp8_scales``: fp8's fixed scales ``(k, v)``, each a float or an ``(Hkv,)`` tensor.
+        The page order, the formats and the window: docs/kvcache.md."""
         quant = checks.check_allocate(dict(
             num_blocks=num_blocks, page_size=page_size, heads_kv=heads_kv, head_dim=head_dim,
             max_seqs=max_seqs, max_pages=max_pages or 1, head_dim_v=head_dim_v or 1), dtype,
