@@ -80,18 +80,11 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     ``causal`` / ``window`` are bottom-right over each sequence's own keys (query i sees key
     j iff ``j <= i + N_s − Nq``); ``scale``, ``softcap``, ``sinks (H,)`` and ``alibi_slopes``
     ``(H,)`` or ``(B, H)`` mean what they mean in :func:`attn.attention`. A sequence without
-    keys gives zeros and lse −inf (or the sink); a sequence that
-    :meth:`~attn.kvcache.PagedKVCache.free` emptied, with nothing appended since, raises
-    ValueError instead (eager calls; a slip rather than a row to skip). Pages stored in
-    another dtype than q's are converted range by range as they are read, quantized pages
-    dequantized likewise.
-    Forward only. After :meth:`~attn.kvcache.PagedKVCache.free_outside_window`, a call whose
-    window reaches keys given back raises ValueError.
-
-    ``quantized_q`` (opt-in; an int8 cache with one scale per token, read on CPU): each query
-    row is rounded to int8 with its own scale and scored against the int8 keys by integer
-    products (llama.cpp's way), so the keys are never converted; q's rounding (half a step
-    of ``max|row| / 127`` per element) adds to the cache's quantization error.
+    keys gives zeros and lse −inf (or the sink). Forward only. Reading a sequence that
+    ``free`` emptied, or keys that ``free_outside_window`` gave back, raises ValueError.
+    ``quantized_q`` (opt-in; an int8 cache with one scale per token, on CPU) scores q
+    rounded to int8 against the int8 keys by integer products. The reads, the dtypes and
+    the quantization error: docs/kvcache.md.
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an attn.kvcache.PagedKVCache, got "

@@ -638,11 +638,9 @@ def ring_attention(
     q (B, H, Nq_r, D), k (B, Hkv, Nk_r, D), v (B, Hkv, Nk_r, Dv): this rank's shards in
     ``layout`` (as :func:`shard_sequence` cuts them) → out (B, H, Nq_r, Dv), and with
     ``return_lse`` the lse (B, H, Nq_r), float32 (float64 for float64 input). Every keyword
-    means what it means in :func:`attn.attention` on the full sequence: ``causal`` aligned
-    bottom-right in the *global* (Nq, Nk), ``window=(left, right)`` likewise, ``scale``,
-    ``temperature`` (float or per-head tensor), ``softcap`` (float or learnable tensor),
-    ``sinks`` (H,), ``dropout_p`` (the same mask as the unsharded call under the same
-    ``torch.manual_seed``, on either backend: the dropout hash reads global positions).
+    means what it means in :func:`attn.attention` on the full sequence: ``causal`` and
+    ``window`` in the *global* (Nq, Nk), ``dropout_p`` the unsharded call's mask under the
+    same ``torch.manual_seed`` (docs/context-parallel.md, "Variants").
     ``attn_mask`` raises NotImplementedError. ``backend``: ``"auto"``, ``"tiled"``,
     ``"fused"`` or ``"triton"``, the launchers every step runs (:data:`last_ring_stats`'s
     ``backend`` and ``reason`` say which ran and why).

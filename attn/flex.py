@@ -197,11 +197,8 @@ def flex_attention(
     in partial ones. Tensors a score_mod captures receive exact, deterministic gradients.
     ``H != Hkv`` needs ``enable_gqa=True``. A row that sees no key gives zeros, lse -inf.
 
-    ``kernel_options``: only ``BLOCK_M`` / ``BLOCK_N`` are read, as the tiled backend's tile
-    sizes (they must divide the block mask's BLOCK_SIZE); other keys are accepted and
-    ignored. ``return_aux=AuxRequest(lse=True)`` returns ``(out, AuxOutput(lse=...))``;
-    ``max_scores`` is not provided. ``backend``: as in :func:`attn.attention` (triton
-    refuses mods, so "auto" runs tiled).
+    ``kernel_options`` (only ``BLOCK_M`` / ``BLOCK_N`` are read, as tiled's tile sizes) and
+    ``return_aux`` (lse only): docs/flex-varlen.md. ``backend``: as in :func:`attn.attention`.
     """
     _validate_qkv(query, key, value, ("query", "key", "value"))
     B, H, Nq, _ = query.shape

@@ -268,15 +268,11 @@ def varlen_attention(
     inside it), whatever the packing; ``alibi_slopes`` (H,) or (B, H) (one row per
     sequence) adds ``−slope · |i + Lk_b − Lq_b − j|`` in each sequence's own positions.
 
-    On every backend the sequences are isolated (module docstring): a NaN or inf in one
-    sequence's q, k or v changes no bit of another's out, lse or gradients. ``max_seqlen_*``
-    are optional: given both, the triton path reads ``cu_seqlens`` only on the device (no
-    host sync, the offsets trusted as flash-attn trusts them); otherwise the offsets are
-    checked on the host (start at 0, never decrease, end at the total) and a given
-    max_seqlen must cover the longest sequence.
-
-    Long for its docstring (the packed layout's contract) and its checks in the caller's
-    names; the work itself is one resolve, one backend choice and one run.
+    Sequences are isolated on every backend (docs/flex-varlen.md). ``max_seqlen_*`` are
+    optional: given both, triton trusts ``cu_seqlens`` as flash-attn does (no host read);
+    otherwise the offsets are checked on the host (:func:`check_cu_values`) and a given
+    max_seqlen must cover the longest sequence. Long for its checks in the caller's names;
+    the work itself is one resolve, one backend choice and one run.
     """
     _validate_packed(q, k, v)
     if not isinstance(causal, bool):
