@@ -155,12 +155,6 @@ def _plan_for_mask(mask: Tensor, n_q: int, n_k: int, causal: bool,
     return plan
 
 
-def _check_cu_seqlens(name: str, cu: object, n: int) -> Tensor:
-    """HF's packed offsets by attn's one rule (:func:`attn.varlen.check_cu_form`): from 0 to
-    the packed length ``n``, never decreasing; on the host."""
-    return check_cu_values(name, check_cu_form(name, cu), n, "the packed length")
-
-
 def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
     """Sequence boundaries of a padding-free batch (B = 1) whose position_ids restart, else None.
 
@@ -199,10 +193,11 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
         if batch != 1:
             raise ValueError(f"cu_seq_lens_q/k describe a packed batch of one row, got batch "
                              f"size {batch}")
-        cu_q = _check_cu_seqlens("cu_seq_lens_q", cu_seq_lens_q if cu_seq_lens_q is not None
-                                 else cu_seq_lens_k, n_q)
-        cu_k = _check_cu_seqlens("cu_seq_lens_k", cu_seq_lens_k if cu_seq_lens_k is not None
-                                 else cu_seq_lens_q, n_k)
+        given = (cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k,
+                 cu_seq_lens_k if cu_seq_lens_k is not None else cu_seq_lens_q)
+        # attn's one rule for packed offsets (attn.varlen.check_cu_form), read on the host
+        cu_q, cu_k = (check_cu_values(name, check_cu_form(name, cu), n, "the packed length")
+                      for name, cu, n in zip(("cu_seq_lens_q", "cu_seq_lens_k"), given, (n_q, n_k)))
     else:
         cu_q = cu_k = _packed_cu_seqlens(position_ids, n_q)
     packed = plan  # one sequence: nothing to keep apart
