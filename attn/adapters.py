@@ -1,15 +1,12 @@
 """Someone else's attention function, called in attn's convention.
 
 ``attn check`` and ``attn bench --fn`` take a user's function by name (``pkg.mod:fn`` or
-``path/to/file.py:fn``) and need to call it the way they call attn's backends: q, k, v in
-(B, H, N, D), the keywords of :func:`attn.attention`, and back the output (B, H, Nq, Dv) or
-``(out, lse)`` with a natural-log lse of shape (B, H, Nq) that is -inf on rows with no key.
-:func:`adapt` does that translation for four calling styles, :data:`STYLES`: ``attn``
-(attn.attention's keywords), ``torch`` (``F.scaled_dot_product_attention``'s), ``flash``
-(flash-attn's ``flash_attn_func``, (B, N, H, D)) and ``hf`` (a transformers attention
-interface); docs/conformance.md, "Calling styles", tabulates what each takes. A keyword a
-style cannot express makes the adapted call raise ``NotImplementedError`` naming it, so a
-conformance matrix reads "not supported" rather than a wrong answer.
+``path/to/file.py:fn``, :func:`load_target`) and call it as they call attn's backends: q, k,
+v in (B, H, N, D), :func:`attn.attention`'s keywords, back out (B, H, Nq, Dv) or ``(out,
+lse)`` with a natural-log lse that is -inf on rows with no key. :func:`adapt` translates for
+the calling styles :data:`STYLES` (docs/conformance.md, "Calling styles"); a keyword a style
+cannot express raises ``NotImplementedError`` naming it, so a conformance matrix reads "not
+supported" rather than a wrong answer.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 
-import torch
 from torch import Tensor
 from torch.nn.attention.bias import CausalBias as _CausalBias
 from torch.nn.attention.bias import CausalVariant as _CausalVariant
@@ -18,7 +17,7 @@ from torch.nn.attention.bias import CausalVariant as _CausalVariant
 # the checks and the backend choice live in attn.call; its public names stay importable here
 from attn.call import (BACKENDS, AttentionCall, BackendChoice, acc_dtype,  # noqa: F401
                        resolve, run, select_backend, unsupported_reason)
-from attn.call import _check_tensor, _validate_qkv, attend, sdpa_errors
+from attn.call import _check_tensor, _validate_qkv, attend, broadcasts_to, sdpa_errors
 from attn.masks import Band, make_band, window_pair
 
 # keywords of torch's and flash-attn's signatures that attention() spells its own way
@@ -69,13 +68,12 @@ def attention(
     q's dtype; with ``return_lse`` also lse (B, H, Nq), float32 (float64 for float64 input).
     ``H % Hkv == 0``: query head h reads kv head ``h // (H // Hkv)`` (GQA, MQA).
 
-    Score ``s = (q·k) · scale / temperature``, ``scale`` defaulting to ``D ** -0.5``, then:
-
-    * ``softcap=c``: ``s = c·tanh(s / c)`` (Gemma 2); a float, or a tensor broadcastable to
-      (H,) that receives a gradient.
-    * masks, combined with AND: ``attn_mask`` bool (True = attend) or float (added to s),
-      broadcastable to (B, H, Nq, Nk); ``causal`` aligned bottom-right; ``window=(left,
-      right)`` bounds the same diagonal offset (-1 = unbounded)::
+    Score ``s = (q·k) · scale / temperature`` (``scale`` defaulting to ``D ** -0.5``,
+    ``temperature`` a positive float or a learnable tensor broadcastable to (B, H)), then
+    ``softcap=c``: ``c·tanh(s / c)`` (Gemma 2), ``alibi_slopes`` (ALiBi, Press et al. 2022),
+    and the masks, combined with AND: ``attn_mask`` bool (True = attend) or float (added),
+    ``causal`` aligned bottom-right, ``window=(left, right)`` bounding the same diagonal
+    offset (-1 = unbounded)::
 
           causal, Nq=3, Nk=5       window=(1, 0), Nq=Nk=4
           q0  x x x . .            x . . .
@@ -83,28 +81,13 @@ def attention(
           q2  x x x x x            . x x .
                                    . . x x
 
-    * ``sinks`` (H,): per-head logits that join only the softmax denominator (attention
-      sinks, Xiao et al. 2023; gpt-oss); learnable.
-    * ``temperature``: a positive float or a tensor broadcastable to (B, H) (learnable).
-    * ``alibi_slopes`` (H,) or (B, H), float32 (ALiBi, Press et al. 2022): the bias
-      ``−slope_h · |i + Nk − Nq − j|`` (distance from the bottom-right diagonal) is added to
-      the scores after softcap, tile by tile (never an (Nq, Nk) tensor). Constants, as in
-      flash-attn: slopes that require grad raise ValueError. Not on ``sdpa``.
-    * ``dropout_p``: dropout on the probabilities; its mask is a hash of a seed drawn from
-      torch's generator, so ``torch.manual_seed`` reproduces it on every backend.
-    * ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx) -> bool``:
-      FlexAttention's programmable score and mask (see :mod:`attn.flex`); tensors a
-      score_mod captures receive gradients. Order of operations: scale/temperature →
-      score_mod → softcap → ALiBi → masks (causal, window, attn_mask AND mask_mod) → sinks.
-      Run by the tiled (or reference) backend.
-
-    A row that sees no key returns zeros and lse = -inf (or its sink), never NaN; so does
-    every row when Nk = 0, and B = 0 or Nq = 0 give an empty result, on every backend, with
-    gradients (zeros) to every input. Heads and head dims must be at least 1 (ValueError).
-    ``backend``: "auto" (triton on CUDA when it can, else tiled), "reference", "tiled",
-    "triton" or "sdpa"; see :func:`select_backend`. ``block_m`` / ``block_n``: the tiled
-    backend's tile sizes (queries x keys; default :class:`attn.tiled.TileConfig`'s, chosen
-    by measurement); the other backends ignore them (triton autotunes its own).
+    ``sinks`` (H,): learnable logits in the softmax denominator only (attention sinks, Xiao
+    et al. 2023). ``dropout_p``: a hash mask from a seed drawn from torch's generator.
+    ``score_mod`` / ``mask_mod``: FlexAttention's (:mod:`attn.flex`), run by tiled and
+    reference. A row that sees no key returns zeros and lse = -inf (or its sink), never NaN.
+    ``backend``: see :func:`select_backend`; ``block_m`` / ``block_n``: the tiled backend's
+    tile sizes. Each keyword's exact meaning, the order of the score steps and the empty
+    cases: docs/variants.md.
     """
     _validate_qkv(q, k, v, allow_empty=True)
     if isinstance(attn_mask, _CausalBias):  # its tensor data is not a mask: never read it
@@ -136,21 +119,13 @@ def scaled_dot_product_attention(
 ) -> Tensor:
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on attn's backends.
 
-    Same arguments and semantics as torch's: inputs (..., H, L, E) / (..., Hkv, S, E)
-    (2 or more dims: (L, E) is one sequence of one head, (N, L, E) one head per batch row), ``is_causal`` aligned top-left (query i sees keys j <= i), bool mask
-    True = attend, float mask added, ``enable_gqa`` required when H != Hkv. ``attn_mask``
-    may be one of torch's causal biases (``torch.nn.attention.bias.causal_upper_left`` /
-    ``causal_lower_right``): it becomes attn's top-left or bottom-right causal band, never a
-    dense mask. An ``attn_mask`` together with ``is_causal=True`` is refused, as torch's
-    contract says (``attn.attention(causal=True, attn_mask=...)`` combines them).
-
-    Input errors are :class:`attn.call.SdpaInputError`, both a ValueError and the
-    RuntimeError torch raises (:class:`attn.call.SdpaTypeError`, also a TypeError, for a
-    wrong type or dtype); they name the argument and the shapes. Rows that see no key give
-    zeros. Dropout draws its mask from attn's hash RNG, not torch's. Empty inputs as in
-    torch: L = 0 (or an empty batch) gives an empty output, S = 0 zeros, with torch's
-    (zero) gradients; H = 0 or E = 0 raise (torch answers those too, but no model has them,
-    and the default scale 1/sqrt(E) does not exist at E = 0).
+    Same arguments and semantics as torch's: inputs (..., H, L, E) / (..., Hkv, S, E), 2 or
+    more dims ((L, E) is one sequence of one head, (N, L, E) one head per batch row);
+    ``is_causal`` aligned top-left; ``enable_gqa`` required when H != Hkv; ``attn_mask``
+    also one of torch's causal biases, which becomes a band, never a dense mask. Input errors
+    are :class:`attn.call.SdpaInputError` (a ValueError and torch's RuntimeError). Where
+    torch's contract is stricter than :func:`attention`'s, and the known differences (rows
+    with no key give zeros, attn's dropout mask): docs/variants.md, "The drop-in".
     """
     with sdpa_errors():
         q4, k4, v4, mask4, band = _sdpa_operands(query, key, value, attn_mask, is_causal,
@@ -210,11 +185,7 @@ def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor 
                              f"is_causal=True: Explicit attn_mask should not be set when "
                              f"is_causal=True (AND the causal mask into attn_mask instead)")
         scores = (*lead, *query.shape[-3:-2], L, S) if query.dim() >= 4 else (*lead, L, S)
-        try:  # broadcasts *to* the scores: the mask may not grow them
-            full = torch.broadcast_shapes(attn_mask.shape, scores)
-        except RuntimeError:
-            full = None
-        if full != torch.Size(scores) or attn_mask.dim() > query.dim():
+        if not broadcasts_to(attn_mask.shape, scores):  # the mask may not grow the scores
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast "
                              f"to the scores' shape {(*query.shape[:-1], S)}")
         if query.dim() == 3:

@@ -114,14 +114,11 @@ def _triton_unsupported(call: AttentionCall) -> str | None:
     return flash_triton.unsupported_reason(call)
 
 
-def _transform_unsupported(call: AttentionCall, backend: str = "fused") -> str | None:
-    """Why ``backend`` (fused or triton) does not run a transformed call: fused's
-    autograd.Function has no vmap or forward-mode rule; triton's has both (its own
-    forward-mode kernel), but its packed launchers take no vmap's batched tensors."""
+def _transform_unsupported(call: AttentionCall) -> str | None:
+    """Why fused does not run a transformed call: its autograd.Function has no vmap or
+    forward-mode rule (triton's has both: :func:`_triton_transform_unsupported`)."""
     if call.transform is None:
         return None
-    if backend == "triton":
-        return _triton_transform_unsupported(call)
     return (f"torch.func transforms and forward-mode AD ({call.transform}): backend='tiled' "
             f"and backend='reference' run vmap, grad, jvp and their compositions "
             f"(backend='triton' too, on CUDA)")
@@ -132,6 +129,8 @@ def _triton_transform_unsupported(call: AttentionCall) -> str | None:
     tangents differentiated again (a grad level outside a jvp level), a backward
     differentiated again (a grad level inside another level) where its hand-off to tiled's
     backward cannot serve (a learnable softcap, packed sequences), packed calls under vmap."""
+    if call.transform is None:
+        return None
     names = call.transform.split("+")  # outermost first, dual tensors ("forward AD") last
     modes = [n for n in names if n in ("grad", "jvp", "forward AD")]
     fwd = [i for i, n in enumerate(modes) if n != "grad"]
@@ -157,7 +156,7 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
         return _mods_unsupported(call) or _sdpa_unsupported(call)
     if backend == "triton":
         return (_mods_unsupported(call, native_varlen=True)
-                or _transform_unsupported(call, "triton") or _triton_unsupported(call))
+                or _triton_transform_unsupported(call) or _triton_unsupported(call))
     if backend == "fused":
         return _fused_unsupported(call)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -174,10 +173,8 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
     :mod:`attn.choose` prefers it for the call's class and dtype on this kind of CPU. An
     explicit request that cannot compute the call raises NotImplementedError.
 
-    Inside triton, decoding takes split-KV (Flash-Decoding): a call of at most 16 query rows
-    per head against at least 512 keys that needs no gradient, no dropout and is not packed
-    has its keys cut into chunks (``attn.flash_triton.split_kv_plan``: chunks of at least
-    256 keys, their count from Nk and the SMs alone). The reason says which path runs.
+    Inside triton, decoding calls take split-KV (docs/gpu.md, "Split-KV decoding"); the
+    reason says which path runs.
     """
     if not isinstance(call, AttentionCall):
         raise TypeError(f"call must be an AttentionCall (attn.api.AttentionCall), got "
@@ -205,8 +202,7 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
         return BackendChoice("fused", f"auto: fused on CUDA, torch's {op} kernel per block "
                                       f"(verified exact for this torch, GPU, dtype and head "
                                       f"dim in attn/fused_cuda_table.json)")
-    why = (_mods_unsupported(call, native_varlen=True)
-           or _transform_unsupported(call, "triton") or _triton_unsupported(call))
+    why = unsupported_reason("triton", call)
     if why is None:
         from attn import flash_triton  # importable: _triton_unsupported just imported it
         under = ("" if call.transform is None else
@@ -334,15 +330,17 @@ def _validate_mask(attn_mask: Tensor, q: Tensor, shape: tuple[int, ...], q_name:
                         f"scores), got {attn_mask.dtype}")
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device}, {q_name} on {q.device}")
-    ok = attn_mask.dim() <= 4
-    if ok:
-        try:
-            ok = torch.broadcast_shapes(tuple(attn_mask.shape), shape) == shape
-        except RuntimeError:
-            ok = False
-    if not ok:
+    if not broadcasts_to(attn_mask.shape, shape):
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"(B, H, Nq, Nk) = {shape}")
+
+
+def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to exactly ``target`` (no more dims)."""
+    try:
+        return len(shape) <= len(target) and torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def _validate_sinks(sinks: object, H: int, q: Tensor) -> None:
@@ -388,11 +386,7 @@ def _positive(name: str, x: float | Tensor, shape_ok: tuple[int, ...], q: Tensor
             raise TypeError(f"{name} tensor must be floating, got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, {q_name} on {q.device}")
-        try:
-            ok = x.dim() <= len(shape_ok) and torch.broadcast_shapes(x.shape, shape_ok) == shape_ok
-        except RuntimeError:
-            ok = False
-        if not ok:
+        if not broadcasts_to(x.shape, shape_ok):
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {shape_ok}")
         # a data-dependent check (one host sync per call): skipped while torch.compile traces,
         # so that it does not break the graph. Written as "not (finite and > 0)" because NaN

@@ -1,18 +1,13 @@
 """Attention of new queries against the keys a KV cache holds (decoding, chunked prefill).
 
 :func:`decode` is attn's one entry for attending from a cache object
-(:class:`attn.kvcache.PagedKVCache`), exported as ``attn.decode``.
-``flash_attn_with_kvcache`` reads flash-attn's caches through it. Batch row i of q is
-sequence ``seq_ids[i]`` of the cache, which holds the keys ``[starts, lengths)`` of it.
-
-How the keys are read depends on the device and the call (:func:`read_plan` says which and
-why): on CPU the tiled backend's work items read the pages through the block table (or the
-fused backend's page spans, where ``auto``'s table prefers it); on CUDA the triton kernel
-loads page ids from the block table; elsewhere a view of the pages or the keys in use copied,
-through :func:`attn.call.attend` or :func:`attn.varlen_attention`. Quantized caches are
-dequantized as they are read, never whole. Forward only. Under ``torch.compile`` a traced call hands the cache's tensors to the
-opaque op ``attn::paged_decode``, whose implementation is the eager read, ``_read``. The
-reads and the compiled path: docs/kvcache.md.
+(:class:`attn.kvcache.PagedKVCache`), exported as ``attn.decode``; compat, HF and the toy
+GPT call it. Batch row i of q is sequence ``seq_ids[i]`` of the cache, which holds its keys
+``[starts, lengths)``. :func:`read_plan` says how a call reads them (the tiled or fused
+backend's work items on CPU, triton's paged kernel on CUDA, else a view or a copy through
+attention / varlen_attention) and why. Forward only. Under ``torch.compile`` a traced call
+hands the cache's tensors to the opaque op ``attn::paged_decode``, whose body is the eager
+read, ``_read``. The reads and the compiled path: docs/kvcache.md.
 """
 
 from __future__ import annotations
@@ -85,18 +80,11 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     ``causal`` / ``window`` are bottom-right over each sequence's own keys (query i sees key
     j iff ``j <= i + N_s − Nq``); ``scale``, ``softcap``, ``sinks (H,)`` and ``alibi_slopes``
     ``(H,)`` or ``(B, H)`` mean what they mean in :func:`attn.attention`. A sequence without
-    keys gives zeros and lse −inf (or the sink); a sequence that
-    :meth:`~attn.kvcache.PagedKVCache.free` emptied, with nothing appended since, raises
-    ValueError instead (eager calls; a slip rather than a row to skip). Pages stored in
-    another dtype than q's are converted range by range as they are read, quantized pages
-    dequantized likewise.
-    Forward only. After :meth:`~attn.kvcache.PagedKVCache.free_outside_window`, a call whose
-    window reaches keys given back raises ValueError.
-
-    ``quantized_q`` (opt-in; an int8 cache with one scale per token, read on CPU): each query
-    row is rounded to int8 with its own scale and scored against the int8 keys by integer
-    products (llama.cpp's way), so the keys are never converted; q's rounding (half a step
-    of ``max|row| / 127`` per element) adds to the cache's quantization error.
+    keys gives zeros and lse −inf (or the sink). Forward only. Reading a sequence that
+    ``free`` emptied, or keys that ``free_outside_window`` gave back, raises ValueError.
+    ``quantized_q`` (opt-in; an int8 cache with one scale per token, on CPU) scores q
+    rounded to int8 against the int8 keys by integer products. The reads, the dtypes and
+    the quantization error: docs/kvcache.md.
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an attn.kvcache.PagedKVCache, got "

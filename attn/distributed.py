@@ -33,7 +33,7 @@ from torch import Tensor
 from attn import fused
 from attn.call import _validate_qkv, acc_dtype, resolve, run, select_backend
 from attn.call import _draw_seed as _local_seed
-from attn.grads import reduce_to, sink_grad
+from attn.grads import call_sink_grad, reduce_to
 from attn.masks import Band, make_band, window_pair
 from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec, Operands, all_finite
@@ -43,11 +43,6 @@ _TAG_KV, _TAG_DKV = 11, 12  # distinct tags: a K/V and a dK/dV message may be in
 
 
 # -- layouts -----------------------------------------------------------------------------------
-
-def _split_sizes(n: int, parts: int) -> list[int]:
-    """Sizes of ``torch.tensor_split(x, parts)`` along a dim of length n."""
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-
 
 def shard_ranges(n: int, world_size: int, layout: str = "zigzag") -> list[list[tuple[int, int]]]:
     """Global ``[start, end)`` ranges each rank holds, in its local order (empty ones kept)."""
@@ -60,10 +55,10 @@ def shard_ranges(n: int, world_size: int, layout: str = "zigzag") -> list[list[t
             raise ValueError(f"{name} must be {what} int, got {x!r}")
     P = world_size
     parts = 2 * P if layout == "zigzag" else P
-    bounds, s = [], 0
-    for size in _split_sizes(n, parts):
-        bounds.append((s, s + size))
-        s += size
+    # where torch.tensor_split(x, parts) cuts a dim of length n: the first n % parts chunks
+    # one longer
+    cuts = [r * (n // parts) + min(r, n % parts) for r in range(parts + 1)]
+    bounds = list(zip(cuts, cuts[1:]))
     if layout == "contiguous":
         return [[bounds[r]] for r in range(P)]
     return [[bounds[r], bounds[2 * P - 1 - r]] for r in range(P)]
@@ -92,10 +87,6 @@ def _world(group) -> tuple[int, int]:
 def _peer(group, rank: int) -> int:
     """The global rank P2P ops expect for ``rank`` of ``group``."""
     return rank if group is None else dist.get_global_rank(group, rank)
-
-
-def _local_lengths(n: int, P: int, layout: str) -> list[int]:
-    return _lengths(shard_ranges(n, P, layout))
 
 
 def _lengths(ranges: list[list[tuple[int, int]]]) -> list[int]:
@@ -129,7 +120,7 @@ def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
     dist.all_gather(lens, n_l, group=group)
     lens = [int(t) for t in lens]
     n = sum(lens)
-    want = _local_lengths(n, P, layout)
+    want = _lengths(shard_ranges(n, P, layout))
     if lens != want:
         raise ValueError(f"gather_sequence: shard lengths {lens} along dim {dim} are not the "
                          f"{layout!r} split of N = {n} over {P} ranks ({want})")
@@ -145,35 +136,29 @@ def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
     return _place(x_l.new_empty(shape), parts, shard_ranges(n, P, layout), dim)
 
 
-class _Shard(torch.autograd.Function):
-    """Forward: this rank's part. Backward: every rank's part of the gradient gathered, i.e.
-    the gradient of a replicated input under a replicated loss (see the module docstring)."""
+def _shard_or_gather(x: Tensor, to_full: bool, layout: str, group, dim: int) -> Tensor:
+    """The full tensor from every rank's shard (``to_full``), or this rank's shard of it."""
+    if to_full:
+        return _all_gather_seq(x.contiguous(), layout, group, dim)
+    rank, P = _world(group)
+    return _take(x, shard_ranges(x.shape[dim], P, layout)[rank], dim)
+
+
+class _Reshard(torch.autograd.Function):
+    """Shard (``to_full=False``) or gather along ``dim``; the backward is the other one. A
+    shard's gradient is every rank's part gathered (the gradient of a replicated input under
+    a replicated loss, see the module docstring); a gather's is this rank's part (each rank
+    computes the same loss from the gathered tensor, so no sum is needed)."""
 
     @staticmethod
-    def forward(ctx, x, layout, group, dim):
-        rank, P = _world(group)
-        ctx.layout, ctx.group, ctx.dim = layout, group, dim
-        return _take(x, shard_ranges(x.shape[dim], P, layout)[rank], dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather_seq(g.contiguous(), ctx.layout, ctx.group, ctx.dim), None, None, None
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: the full sequence on every rank. Backward: this rank's part of the gradient
-    (each rank computes the same loss from the gathered tensor, so no sum is needed)."""
-
-    @staticmethod
-    def forward(ctx, x_l, layout, group, dim):
-        ctx.layout, ctx.group, ctx.dim = layout, group, dim
-        return _all_gather_seq(x_l.contiguous(), layout, group, dim)
+    def forward(ctx, x, to_full, layout, group, dim):
+        ctx.to_full, ctx.layout, ctx.group, ctx.dim = to_full, layout, group, dim
+        return _shard_or_gather(x, to_full, layout, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        rank, P = _world(ctx.group)
-        ranges = shard_ranges(g.shape[ctx.dim], P, ctx.layout)[rank]
-        return _take(g, ranges, ctx.dim), None, None, None
+        g = _shard_or_gather(g, not ctx.to_full, ctx.layout, ctx.group, ctx.dim)
+        return g, None, None, None, None
 
 
 def shard_sequence(x: Tensor, layout: str = "zigzag", group=None, *, dim: int = 2) -> Tensor:
@@ -190,7 +175,7 @@ def shard_sequence(x: Tensor, layout: str = "zigzag", group=None, *, dim: int = 
     if x.dim() <= dim or x.shape[dim] < P:
         raise ValueError(f"shard_sequence: x of shape {tuple(x.shape)} needs a dim {dim} of "
                          f"length >= {P} (the world size) so that no rank is empty")
-    return _Shard.apply(x, layout, group, dim)
+    return _Reshard.apply(x, False, layout, group, dim)
 
 
 def gather_sequence(x_l: Tensor, layout: str = "zigzag", group=None, *, dim: int = 2) -> Tensor:
@@ -203,7 +188,7 @@ def gather_sequence(x_l: Tensor, layout: str = "zigzag", group=None, *, dim: int
         raise TypeError(f"x_l must be a torch.Tensor, got {type(x_l).__name__}")
     if x_l.dim() <= dim:
         raise ValueError(f"gather_sequence: x_l of shape {tuple(x_l.shape)} has no dim {dim}")
-    return _Gather.apply(x_l, layout, group, dim)
+    return _Reshard.apply(x_l, True, layout, group, dim)
 
 
 # -- validation: locally, then one all-gather so that every rank raises together ---------------
@@ -297,7 +282,7 @@ def _agree(strategy: str, group, local: dict | Exception) -> list[dict]:
                                  f"dim: rank 0 {a}, rank {r} {b}")
     for name in ("q", "k"):
         lens = [rec[name][2] for rec in records]
-        want = _local_lengths(sum(lens), P, ref["layout"])
+        want = _lengths(shard_ranges(sum(lens), P, ref["layout"]))
         if lens != want:
             bad = ", ".join(f"rank {r} has {a}, expected {b}"
                             for r, (a, b) in enumerate(zip(lens, want)) if a != b)
@@ -318,16 +303,14 @@ def _draw_seed(dropout_p: float, group) -> int:
     return int(seed.item())
 
 
-def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperature, softcap,
-             window, sinks, dropout_p, backend, attn_mask) -> tuple["_Call", Operands]:
+def _prepare(strategy: str, q, k, v, *, group, **kw) -> tuple["_Call", Operands]:
     """Validate on every rank (so bad input on one raises on all), then set the global band
-    and the shared dropout seed on the call :func:`attn.call.resolve` made."""
+    and the shared dropout seed on the call :func:`attn.call.resolve` made; ``kw``: the
+    public function's keywords but ``group`` and ``return_lse``."""
     rank, P = _world(group)
+    causal, layout, window, backend = kw["causal"], kw["layout"], kw["window"], kw["backend"]
     try:
-        local, (call, spec, ops) = _check_local(
-            strategy, q, k, v, causal=causal, layout=layout, scale=scale,
-            temperature=temperature, softcap=softcap, window=window, sinks=sinks,
-            dropout_p=dropout_p, backend=backend, attn_mask=attn_mask)
+        local, (call, spec, ops) = _check_local(strategy, q, k, v, **kw)
         if strategy == "ulysses_attention":
             _ulysses_heads(q.shape[1], k.shape[1], P)
     except (ValueError, TypeError, NotImplementedError) as exc:
@@ -336,7 +319,7 @@ def _prepare(strategy: str, q, k, v, *, causal, layout, group, scale, temperatur
     n_q = sum(r["q"][2] for r in records)
     n_k = sum(r["k"][2] for r in records)
     band = make_band(n_q, n_k, causal=causal, window=window_pair(window))
-    spec = replace(spec, band=band, dropout_seed=_draw_seed(float(dropout_p), group))
+    spec = replace(spec, band=band, dropout_seed=_draw_seed(float(kw["dropout_p"]), group))
     # the shape one launch sees, the same on every rank: the ring's largest (local queries,
     # one rank's keys) pair, Ulysses' whole sequence
     if strategy == "ring_attention":
@@ -394,12 +377,8 @@ def _launchers(backend: str):
 
 def _fused_bwd(do, dlse, q, k, v, out, lse, spec, ops, *, need_dcap: bool = False):
     """fused's backward with tiled's keyword: a fused step never has a softcap (refused in
-    :func:`_fused_refuses`), so ``need_dcap`` asks for nothing here. No ``precise``
-    recompute: it would redo the step's own forward, whose lse is not the call's. Saturated
-    rows (|lse| past ``fused.LSE_PRECISE_LIMIT``) lose precision here as in tiled's ring
-    backward, which also rebuilds P from the one global lse; handing such steps to tiled's
-    backward measured worse (dq/dk/dv 5-7x attn.testing's budget where fused's own were at
-    most 1.6x: float32, temperature 1e-3, P = 2)."""
+    :func:`_fused_refuses`), so ``need_dcap`` asks for nothing here; no ``precise``
+    recompute (docs/context-parallel.md, "Ring")."""
     return fused._bwd(do, dlse, q, k, v, out, lse, spec, ops)
 
 
@@ -612,13 +591,7 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
         dkv = dkv_hop.wait()
     dk_p, dv_p = _unpack(c, dkv, c.rank, widths, k)
     dk, dv = torch.cat(dk_p, dim=2), torch.cat(dv_p, dim=2)
-    dsinks = None
-    if sinks is not None:
-        delta = (do.to(acc) * out.to(acc)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(acc)
-        dsinks = sink_grad(sinks, lse.to(acc), delta)
-    return dq, dk, dv, dsinks, dcap
+    return dq, dk, dv, call_sink_grad(sinks, do, dlse, out, lse, acc), dcap
 
 
 class _RingAttention(torch.autograd.Function):
@@ -665,11 +638,9 @@ def ring_attention(
     q (B, H, Nq_r, D), k (B, Hkv, Nk_r, D), v (B, Hkv, Nk_r, Dv): this rank's shards in
     ``layout`` (as :func:`shard_sequence` cuts them) → out (B, H, Nq_r, Dv), and with
     ``return_lse`` the lse (B, H, Nq_r), float32 (float64 for float64 input). Every keyword
-    means what it means in :func:`attn.attention` on the full sequence: ``causal`` aligned
-    bottom-right in the *global* (Nq, Nk), ``window=(left, right)`` likewise, ``scale``,
-    ``temperature`` (float or per-head tensor), ``softcap`` (float or learnable tensor),
-    ``sinks`` (H,), ``dropout_p`` (the same mask as the unsharded call under the same
-    ``torch.manual_seed``, on either backend: the dropout hash reads global positions).
+    means what it means in :func:`attn.attention` on the full sequence: ``causal`` and
+    ``window`` in the *global* (Nq, Nk), ``dropout_p`` the unsharded call's mask under the
+    same ``torch.manual_seed`` (docs/context-parallel.md, "Variants").
     ``attn_mask`` raises NotImplementedError. ``backend``: ``"auto"``, ``"tiled"``,
     ``"fused"`` or ``"triton"``, the launchers every step runs (:data:`last_ring_stats`'s
     ``backend`` and ``reason`` say which ran and why).

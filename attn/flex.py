@@ -71,10 +71,8 @@ def block_mask_blocks(block_mask: BlockMask, B: int, H: int, n_q: int, n_k: int,
                              f"the block mask's BLOCK_SIZE {(bs_m, bs_n)}")
         # sub-tiles inherit their block's kind; the grid is then trimmed to the lengths
         rm, rn = bs_m // block_m, bs_n // block_n
-        visit = visit.repeat_interleave(rm, 2).repeat_interleave(rn, 3)
-        full = full.repeat_interleave(rm, 2).repeat_interleave(rn, 3)
-        visit = visit[:, :, :-(-n_q // block_m), :-(-n_k // block_n)]
-        full = full[:, :, :-(-n_q // block_m), :-(-n_k // block_n)]
+        visit, full = (t.repeat_interleave(rm, 2).repeat_interleave(rn, 3)
+                       [:, :, :-(-n_q // block_m), :-(-n_k // block_n)] for t in (visit, full))
     return union_blocks(visit, full, n_q, n_k, block_m, block_n)
 
 
@@ -199,11 +197,8 @@ def flex_attention(
     in partial ones. Tensors a score_mod captures receive exact, deterministic gradients.
     ``H != Hkv`` needs ``enable_gqa=True``. A row that sees no key gives zeros, lse -inf.
 
-    ``kernel_options``: only ``BLOCK_M`` / ``BLOCK_N`` are read, as the tiled backend's tile
-    sizes (they must divide the block mask's BLOCK_SIZE); other keys are accepted and
-    ignored. ``return_aux=AuxRequest(lse=True)`` returns ``(out, AuxOutput(lse=...))``;
-    ``max_scores`` is not provided. ``backend``: as in :func:`attn.attention` (triton
-    refuses mods, so "auto" runs tiled).
+    ``kernel_options`` (only ``BLOCK_M`` / ``BLOCK_N`` are read, as tiled's tile sizes) and
+    ``return_aux`` (lse only): docs/flex-varlen.md. ``backend``: as in :func:`attn.attention`.
     """
     _validate_qkv(query, key, value, ("query", "key", "value"))
     B, H, Nq, _ = query.shape

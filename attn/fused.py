@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from attn import fused_cuda, workers
-from attn.grads import Grads, sink_grad
+from attn.grads import Grads, call_sink_grad
 from attn.masks import EMPTY, FULL, PARTIAL, Band, Blocks, as_4d, band_kinds, combine_kinds
 from attn.mods import mask_mod_kinds
 from attn.merge import _merge_trusted
@@ -1018,12 +1018,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         s, kvh = seqs[si], slice(hk, hk + hgs[si])
         dk[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][0]
         dv[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][1]
-    dsinks = None
-    if ops.sinks is not None:
-        delta = (do.to(acc) * out.to(acc)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(acc)
-        dsinks = sink_grad(ops.sinks, lse.to(acc), delta)
+    dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc)
     return Grads(dq, dk, dv, None, dsinks, None, ())
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["Grads", "reduce_to", "sink_grad"]
+__all__ = ["Grads", "call_sink_grad", "reduce_to", "sink_grad"]
 
 
 class Grads(NamedTuple):
@@ -30,6 +30,18 @@ def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     with ``P_sink = exp(sink_h − lse_i)`` (shared by every backend's backward)."""
     p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
     return -(p_sink * delta.to(lse.dtype)).sum(dim=(0, 2))
+
+
+def call_sink_grad(sinks: Tensor | None, do: Tensor, dlse: Tensor | None, out: Tensor,
+                   lse: Tensor, acc: torch.dtype) -> Tensor | None:
+    """dsinks (H,) of a whole call in one pass over its rows, or None without sinks:
+    ``Δ = rowsum(dO ∘ O) − dlse`` in ``acc``, then :func:`sink_grad`."""
+    if sinks is None:
+        return None
+    delta = (do.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    return sink_grad(sinks, lse.to(acc), delta)
 
 
 def reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:

@@ -2,18 +2,12 @@
 token costs in bytes.
 
 Every format is symmetric (no zero point) and stores plain integer tensors beside fp16
-scales, so a kernel can read them with integer loads and arithmetic alone: ``int8`` (one
-signed byte per element), ``int4`` (``[-7, 7]``, two per byte, each stored as ``code + 8``),
-``fp8_e4m3`` (the byte of an e4m3fn number with one fixed scale per kv head, decoded
-arithmetically by :func:`e4m3_to_float`); the table of codes and scales is in
-docs/kvcache.md. ``int`` codes are ``round(x / s)`` clamped to ``±qmax``, where ``s`` is the
-group's ``amax / qmax`` rounded to fp16 first, so dequantizing is ``code · s`` exactly (an
-8-bit code times an 11-bit fp16 mantissa is exact in float32). Keys may instead be scaled per
-channel over a full page's tokens (KIVI, Liu et al. 2024: :func:`quantize_channels`).
-
-Scales broadcast against the codes' ``(…, tokens, Hkv, groups)``; :func:`dequantize` takes
-every scale shape. Nothing here knows about pages or sequences: :mod:`attn.kvcache` lays the
-codes out in pages and :mod:`attn.tiled` reads them.
+scales, so a kernel can read them with integer loads and arithmetic alone: ``int8``,
+``int4`` (two per byte) and ``fp8_e4m3`` (bytes, decoded by :func:`e4m3_to_float`), keys
+optionally per channel (KIVI, Liu et al. 2024: :func:`quantize_channels`). Scales are
+rounded to fp16 before the codes are made, so ``code · s`` is the exact dequantized value
+(an 8-bit code times an 11-bit mantissa is exact in float32). The table of codes, scales
+and bytes per token: docs/kvcache.md. Nothing here knows about pages or sequences.
 """
 
 from __future__ import annotations

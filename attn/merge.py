@@ -12,10 +12,6 @@ import torch
 from torch import Tensor
 
 
-def _state_dtype(dtypes) -> torch.dtype:
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
 def merge_attention(*args) -> tuple[Tensor, Tensor]:
     """Merge partial attentions over disjoint key sets into attention over their union.
 
@@ -88,7 +84,7 @@ def _merge(outs: Sequence[Tensor], lses: Sequence[Tensor], names, check_values: 
         if lse.shape != shape[:-1]:
             raise ValueError(f"{lname} has shape {tuple(lse.shape)}, expected out.shape[:-1] = "
                              f"{tuple(shape[:-1])}")
-    acc = _state_dtype([t.dtype for t in list(outs) + list(lses)])
+    acc = torch.float64 if any(t.dtype == torch.float64 for _, t in everything) else torch.float32
     lse_all = torch.stack([lse.to(acc) for lse in lses])  # (P, ...)
     if check_values and not torch.compiler.is_compiling():
         pos = torch.isposinf(lse_all).flatten(1).any(1)  # (P,): one sync below, not P

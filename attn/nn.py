@@ -1,18 +1,8 @@
-"""Modules that hold attention's parameters and call :func:`attn.attention`.
-
-* :class:`QKNorm` — normalise queries and keys per head before the dot product: "l2"
-  (cosine attention with a learnable scale g, Henry et al. 2020, "Query-Key Normalization for
-  Transformers"), "rms" (RMSNorm with a per-dim gain shared across heads, Qwen3 / Gemma 3),
-  "layer" (LayerNorm without bias, ViT-22B, Dehghani et al. 2023).
-* :class:`RotaryEmbedding` — RoPE (Su et al. 2021), rotate-half layout, any position offset.
-* :class:`AttentionOptions` — every variant option of the module, declared once (the GPT's
-  config and the training command line derive from it).
-* :class:`MultiHeadAttention` — projections, optional RoPE and QK-norm, a fixed or learnable
-  per-head temperature and softcap, sliding window, attention sinks, GQA, and a KV-cache path
-  for decoding.
-
-Layout is attn's everywhere: ``(B, H, N, D)``; activations entering and leaving
-:class:`MultiHeadAttention` are ``(B, N, C)``.
+"""Modules that hold attention's parameters and call :func:`attn.attention`: :class:`QKNorm`,
+:class:`RotaryEmbedding`, :class:`AttentionOptions` (every option of the module, declared
+once: the GPT's config and the training command line derive from it) and
+:class:`MultiHeadAttention`. Layout ``(B, H, N, D)`` inside; activations entering and
+leaving :class:`MultiHeadAttention` are ``(B, N, C)``. Defaults and usage: docs/modules.md.
 """
 
 from __future__ import annotations
@@ -75,12 +65,13 @@ class QKNormConfig:
 class QKNorm(nn.Module):
     """Normalise q (B, H, Nq, D) and k (B, Hkv, Nk, D) over D, in float32 (float64 stays).
 
-    * "l2": ``q̂ = q/‖q‖``, ``k̂ = k/‖k‖``, and the learnable scalar ``g`` multiplied into
-      q̂, so the caller must attend with ``scale=1.0`` (see :attr:`attention_scale`): the score
-      is then ``g · cos(q, k)``, and autograd gives g its exact gradient.
-    * "rms": ``x / rms(x) · w`` with separate gains ``q_weight``, ``k_weight`` of shape (D,),
-      shared across heads.
-    * "layer": ``(x − mean) / std · w`` with gains of shape (D,), no bias (as in ViT-22B).
+    * "l2" (Henry et al. 2020): ``q̂ = q/‖q‖``, ``k̂ = k/‖k‖``, and the learnable scalar ``g``
+      multiplied into q̂, so the caller must attend with ``scale=1.0`` (see
+      :attr:`attention_scale`): the score is then ``g · cos(q, k)``, with g's exact gradient.
+    * "rms" (Qwen3, Gemma 3): ``x / rms(x) · w`` with separate gains ``q_weight``,
+      ``k_weight`` of shape (D,), shared across heads.
+    * "layer": ``(x − mean) / std · w`` with gains of shape (D,), no bias (as in ViT-22B,
+      Dehghani et al. 2023).
     """
 
     def __init__(self, config: QKNormConfig | str, head_dim: int) -> None:
@@ -323,19 +314,10 @@ class MultiHeadAttention(nn.Module):
     an unbatched ``x (N, C)`` gives ``(N, C)``, as in ``torch.nn.MultiheadAttention``.
 
     ``MultiHeadAttention(dim, heads=None, **options)``: ``dim`` is the model width C;
-    ``heads`` (H) defaults to :class:`AttentionOptions`' 4 (or the ``options`` given) and must
-    divide ``dim``. Every other argument is a field of :class:`AttentionOptions` (its docs and
-    help texts say what each does), given as keywords or as ``options=AttentionOptions(...)``
-    (keywords then override it). In short: GQA/MQA through ``kv_heads``; QK-norm; a fixed or
-    learnable per-head temperature and softcap; a sliding window (an int w is ``(w, 0)`` when
-    causal and ``(w, w)`` when not); learnable sinks; RoPE; dropout of the attention
-    probabilities in training mode.
-
-    Defaults: ``heads=4``, ``causal=False`` (as in torch: a decoder passes ``causal=True``),
-    ``rope=True`` (torch's module has no position encoding: ``rope=False`` for that), no bias
-    on the projections (torch's has one: ``bias=True``), kv_heads = heads, no QK-norm,
-    temperature 1, no softcap, window, sinks or dropout, ``backend="auto"``. The module's
-    repr shows them.
+    ``heads`` (H, default 4) must divide ``dim``. Every other argument is a field of
+    :class:`AttentionOptions` (its help texts say what each does), given as keywords or as
+    ``options=AttentionOptions(...)`` (keywords then override it). Defaults (``causal=False``
+    and ``rope=True`` among them, where torch's module differs): docs/modules.md.
 
     ``forward(x, kv_cache)``: with a cache (see :class:`KVCacheLike`) the new keys/values are
     appended and the new queries, at positions ``cache.length …``, attend to everything

@@ -6,15 +6,11 @@ Both fast backends take the same protocol::
     grads = _bwd(do, dlse, q, k, v, out, lse, spec, ops, need_dmask=..., need_dcap=...)
 
 ``spec`` (:class:`LaunchSpec`) holds static values only; ``ops`` (:class:`Operands`) the
-optional tensors (pinned: tensors that can need a gradient — a learnable softcap, sinks, a
-float mask — stay explicit arguments of each autograd.Function, which flattens the
-operands in ``apply`` and rebuilds them inside).
-
-Positions are *global*: a call may be one shard of a longer computation (a ring step, a
-split-KV chunk, a Ulysses head group), and the band, ALiBi's distances, the dropout hash
-and the score/mask mods read ``q_start + i``, ``k_start + j`` and ``head_start + h``
-against the total lengths, so every
-shard reproduces the unsharded computation bit for bit, dropout mask included.
+optional tensors. Positions are *global*: a call may be one shard of a longer computation
+(a ring step, a split-KV chunk, a Ulysses head group), and the band, ALiBi's distances, the
+dropout hash and the score/mask mods read ``q_start + i``, ``k_start + j`` and
+``head_start + h`` against the total lengths, so every shard reproduces the unsharded
+computation bit for bit, dropout mask included.
 """
 
 from __future__ import annotations

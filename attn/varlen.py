@@ -18,8 +18,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, fused_keys_ok,
-                       resolve, run, select_backend)
+from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, broadcasts_to,
+                       fused_keys_ok, resolve, run, select_backend)
 from attn.masks import Band, classify_band, make_band, window_pair
 from attn.tiled import SequenceBlocks
 
@@ -268,15 +268,11 @@ def varlen_attention(
     inside it), whatever the packing; ``alibi_slopes`` (H,) or (B, H) (one row per
     sequence) adds ``−slope · |i + Lk_b − Lq_b − j|`` in each sequence's own positions.
 
-    On every backend the sequences are isolated (module docstring): a NaN or inf in one
-    sequence's q, k or v changes no bit of another's out, lse or gradients. ``max_seqlen_*``
-    are optional: given both, the triton path reads ``cu_seqlens`` only on the device (no
-    host sync, the offsets trusted as flash-attn trusts them); otherwise the offsets are
-    checked on the host (start at 0, never decrease, end at the total) and a given
-    max_seqlen must cover the longest sequence.
-
-    Long for its docstring (the packed layout's contract) and its checks in the caller's
-    names; the work itself is one resolve, one backend choice and one run.
+    Sequences are isolated on every backend (docs/flex-varlen.md). ``max_seqlen_*`` are
+    optional: given both, triton trusts ``cu_seqlens`` as flash-attn does (no host read);
+    otherwise the offsets are checked on the host (:func:`check_cu_values`) and a given
+    max_seqlen must cover the longest sequence. Long for its checks in the caller's names;
+    the work itself is one resolve, one backend choice and one run.
     """
     _validate_packed(q, k, v)
     if not isinstance(causal, bool):
@@ -291,18 +287,15 @@ def varlen_attention(
     for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
             raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
-    if isinstance(temperature, Tensor):
-        try:
-            ok = torch.broadcast_shapes(temperature.shape, (H,)) == (H,)
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
-                             f"broadcast to (H,) = ({H},) in the packed layout")
+    if isinstance(temperature, Tensor) and not broadcasts_to(temperature.shape, (H,)):
+        raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast "
+                         f"to (H,) = ({H},) in the packed layout")
     _validate_dropout(dropout_p)
     if alibi_slopes is not None:
         alibi_slopes = _validate_alibi(alibi_slopes, cu_q.numel() - 1, "num_seqs", H, q)
-    band = make_band_pair(causal, window_pair(window))
+    # per sequence, in end-relative positions (offset 0: both counted from the sequence's
+    # end, which is the bottom-right alignment)
+    band = make_band(0, 0, causal=causal, window=window_pair(window))
     # (total, H, D) -> (1, H, total, D): one batch row, the tokens along the sequence axis
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
 
@@ -340,9 +333,3 @@ def varlen_attention(
     out, lse = run(choice.name, q4, k4, v4, spec, ops)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out
-
-
-def make_band_pair(causal: bool, window: tuple[int, int] | None) -> Band:
-    """The per-sequence band in end-relative positions (offset 0: both counted from the
-    sequence's end, which is the bottom-right alignment)."""
-    return make_band(0, 0, causal=causal, window=window)

@@ -1,16 +1,10 @@
 """Other libraries' APIs on attn's backends; today flash-attn 2's (:mod:`attn.compat.flash_attn`).
 
-Two ways in:
-
-* ``from attn.compat import flash_attn as fa`` then ``fa.flash_attn_func(q, k, v, ...)``:
-  flash-attn 2.8.3's functions, layouts ``(B, N, H, D)`` and conventions, every device;
-* :func:`install_flash_attn` registers a ``flash_attn`` package in ``sys.modules`` so that
-  unmodified ``from flash_attn import flash_attn_func`` code runs on attn; for a script you
-  cannot edit, ``python -m attn.compat your_script.py args...`` does that first.
-
-``importlib.metadata`` does not see the shim (no distribution is installed): checks built on
-it, such as Hugging Face transformers' ``is_flash_attn_2_available()``, still report
-flash-attn missing. Hugging Face users have :mod:`attn.integrations.hf` instead.
+``from attn.compat import flash_attn as fa`` gives flash-attn 2.8.3's functions, layouts and
+conventions on every device; :func:`install_flash_attn` (or ``python -m attn.compat
+script.py args...``) registers a ``flash_attn`` package in ``sys.modules`` so unmodified
+flash-attn code runs on attn. ``importlib.metadata`` does not see it (no distribution is
+installed): docs/flash-attn.md.
 """
 
 from __future__ import annotations
@@ -30,13 +24,12 @@ _saved: dict[str, types.ModuleType | None] = {}  # what the shim replaced, for u
 
 
 class _ShimLoader(importlib.abc.Loader):
-    """Loader of the shim modules: each is built from attn.compat's own modules."""
-
-    def create_module(self, spec):
-        return None  # the default module object
+    """Loader of the shim modules: each is built from attn.compat's own modules (the default
+    module object: Loader.create_module's None)."""
 
     def exec_module(self, module) -> None:
-        _populate(module)
+        module.__dict__.update(_contents(module.__name__))
+        setattr(module, _SHIM, True)
 
 
 def _public(mod) -> dict:
@@ -60,11 +53,6 @@ def _contents(name: str) -> dict:
 _NAMES = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.bert_padding",
           "flash_attn.layers", "flash_attn.layers.rotary")
 _PACKAGES = ("flash_attn", "flash_attn.layers")
-
-
-def _populate(module: types.ModuleType) -> None:
-    module.__dict__.update(_contents(module.__name__))
-    setattr(module, _SHIM, True)
 
 
 def _make(name: str) -> types.ModuleType:
@@ -93,18 +81,12 @@ def _real_flash_attn_importable() -> bool:
 
 
 def install_flash_attn(force: bool = False) -> bool:
-    """Register attn's flash-attn 2.8.3 API as the ``flash_attn`` package.
-
-    Modules: ``flash_attn`` (the seven functions, ``__version__ = "2.8.3"``, a real
-    ``__spec__`` that ``importlib.util.find_spec`` returns), ``flash_attn.flash_attn_interface``,
-    ``flash_attn.bert_padding`` (``unpad_input``, ``pad_input``, ``index_first_axis``,
-    ``index_put_first_axis``) and ``flash_attn.layers.rotary`` (``apply_rotary_emb``).
-
-    Returns True when the shim is in place (also when it already was). When a real flash-attn
-    is importable it does nothing and returns False, unless ``force=True`` (which replaces it
-    for this process; :func:`uninstall_flash_attn` puts it back). ``importlib.metadata``
-    does not see the shim (see the package docstring).
-    """
+    """Register attn's flash-attn 2.8.3 API as the ``flash_attn`` package: ``flash_attn``
+    (``__version__ = "2.8.3"``, a ``__spec__`` that ``find_spec`` returns),
+    ``flash_attn.flash_attn_interface``, ``flash_attn.bert_padding`` and
+    ``flash_attn.layers.rotary``. True when the shim is in place (also when it already was);
+    False, doing nothing, when a real flash-attn is importable, unless ``force=True``
+    (replaced for this process; :func:`uninstall_flash_attn` puts it back)."""
     present = sys.modules.get("flash_attn")
     if present is not None and getattr(present, _SHIM, False):
         return True

@@ -1,22 +1,15 @@
 """flash-attn 2.8.3's public functions, names, signatures and layouts, on attn's backends.
 
-Code written for flash-attn runs unchanged on every device and dtype attn supports, with
-gradients. This module only translates layouts, flags and conventions; the attention is
+This module only translates layouts, flags and conventions; the attention is
 :func:`attn.attention` (q viewed ``(B, H, N, D)``), :func:`attn.varlen_attention`, and for a
-KV cache an :class:`attn.kvcache.PagedKVCache` read by :func:`attn.decode`.
-
-Layouts are flash-attn's (the documented exception to attn's ``(B, H, N, D)``): q
-``(B, Nq, H, D)``, k and v ``(B, Nk, Hkv, D)``; varlen ``(total, H, D)`` with ``cu_seqlens``
-``(B + 1,)``; ``softmax_lse`` ``(B, H, Nq)`` (varlen ``(H, total_q)``), natural log, and a
-row that sees no key has out = 0 and **lse = +inf** (attn's own functions return −inf; the
-conversion happens here only). Causal and windows are bottom-right, with 2.8.3's window rule
-(:func:`_band`); softcap on the scaled scores; ``alibi_slopes`` ``(H,)`` or ``(B, H)`` added
-after softcap, and under pure causal the lse flash-attn returns, ``lse + slope·(i + Nk −
-Nq)``. Errors are :class:`FlashAttnError` (a ValueError and a RuntimeError) naming the
-argument as the caller passed it, with its shape in the caller's layout; wrong types raise
-TypeError. Every ``block_table`` id is checked before any page is read or written, and only
-the positions below each sequence's length are read. Supersets, dropout and costs:
-docs/flash-attn.md.
+KV cache an :class:`attn.kvcache.PagedKVCache` read by :func:`attn.decode`. Layouts are
+flash-attn's: ``(B, N, H, D)``, varlen ``(total, H, D)`` with ``cu_seqlens (B + 1,)``;
+``softmax_lse`` ``(B, H, Nq)`` (varlen ``(H, total_q)``), and a row that sees no key has
+out = 0 and **lse = +inf** (attn's own functions return −inf; converted here only, with
+pure-causal ALiBi's ``+ slope·(i + Nk − Nq)``). Windows follow 2.8.3's rule (:func:`_band`).
+Errors are :class:`FlashAttnError` naming the argument as the caller passed it, with its
+shape in the caller's layout; wrong types raise TypeError. Conventions, supersets,
+dropout and costs: docs/flash-attn.md.
 """
 
 from __future__ import annotations
@@ -52,6 +45,17 @@ def _tensor(name: str, t: object, dims: int, letters: str) -> Tensor:
         raise FlashAttnError(f"{name} must have {dims} dims {letters}, got shape "
                              f"{tuple(t.shape)}")
     return t
+
+
+def _unbind_packed(name: str, t: object, layout: str) -> tuple[Tensor, ...]:
+    """``t`` checked as ``layout`` (``"(total, 3, nheads, headdim)"``) and unbound along its
+    one numbered dim, which must hold that many tensors (qkv: 3, kv: 2)."""
+    dims = layout.strip("()").split(", ")
+    axis = next(i for i, d in enumerate(dims) if d.isdigit())
+    _tensor(name, t, len(dims), layout)
+    if t.shape[axis] != int(dims[axis]):
+        raise FlashAttnError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    return t.unbind(axis)
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -247,11 +251,7 @@ def flash_attn_qkvpacked_func(
     With ``return_attn_probs``: ``(out, softmax_lse (B, H, N), S)``, S empty. See
     :func:`flash_attn_func` for the keywords.
     """
-    _tensor("qkv", qkv, 5, "(batch_size, seqlen, 3, nheads, headdim)")
-    if qkv.shape[2] != 3:
-        raise FlashAttnError(f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got shape "
-                             f"{tuple(qkv.shape)}")
-    q, k, v = qkv.unbind(2)
+    q, k, v = _unbind_packed("qkv", qkv, "(batch_size, seqlen, 3, nheads, headdim)")
     _check_qkv(q, k, v, ("qkv",) * 3, {"qkv": qkv}, batch=True)
     out, lse = _dense(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
@@ -274,11 +274,7 @@ def flash_attn_kvpacked_func(
     gradients flow to q and kv. See :func:`flash_attn_func` for the keywords.
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
-    _tensor("kv", kv, 5, "(batch_size, seqlen, 2, nheads_k, headdim)")
-    if kv.shape[2] != 2:
-        raise FlashAttnError(f"kv must be (batch_size, seqlen, 2, nheads_k, headdim), got shape "
-                             f"{tuple(kv.shape)}")
-    k, v = kv.unbind(2)
+    k, v = _unbind_packed("kv", kv, "(batch_size, seqlen, 2, nheads_k, headdim)")
     _check_qkv(q, k, v, ("q", "kv", "kv"), {"q": q, "kv": kv}, batch=True)
     out, lse = _dense(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
@@ -427,11 +423,7 @@ def flash_attn_varlen_qkvpacked_func(
 ):
     """Packed sequences, qkv ``(total, 3, H, D)`` → out ``(total, H, D)``; gradients flow to
     qkv. See :func:`flash_attn_varlen_func`."""
-    _tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
-    if qkv.shape[1] != 3:
-        raise FlashAttnError(f"qkv must be (total, 3, nheads, headdim), got shape "
-                             f"{tuple(qkv.shape)}")
-    q, k, v = qkv.unbind(1)
+    q, k, v = _unbind_packed("qkv", qkv, "(total, 3, nheads, headdim)")
     out, lse = _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -458,11 +450,7 @@ def flash_attn_varlen_kvpacked_func(
 ):
     """Packed sequences, q ``(total_q, H, D)``, kv ``(total_k, 2, Hkv, D)`` → out
     ``(total_q, H, D)``; gradients flow to q and kv. See :func:`flash_attn_varlen_func`."""
-    _tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
-    if kv.shape[1] != 2:
-        raise FlashAttnError(f"kv must be (total_k, 2, nheads_k, headdim), got shape "
-                             f"{tuple(kv.shape)}")
-    k, v = kv.unbind(1)
+    k, v = _unbind_packed("kv", kv, "(total_k, 2, nheads_k, headdim)")
     out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
                                      _attn_fwd, _attn_jvp)
@@ -255,17 +256,15 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
 def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
                    grad: bool, transform: str | None = None) -> SplitPlan | None:
     """The split-KV plan of a dense call (q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv,
-    Nk, Dv)), or None when
-    it runs the plain kernels: not eligible (``split_kv_unsupported``), or one chunk. Reads
-    ``ATTN_TRITON_SPLIT_KV`` now, at the call."""
+    Nk, Dv)), or None when it runs the plain kernels: not eligible
+    (``split_kv_unsupported``), or one chunk. Reads ``ATTN_TRITON_SPLIT_KV`` at the call."""
     why = split_kv_unsupported(n_q=q.shape[2], grad=grad, dropout=spec.dropout_p > 0.0,
                                varlen=ops.cu_seqlens_q is not None, transform=transform)
     if why is not None:
         return None
     _, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    _, block_n, _, _ = split_config(max(16, pow2(D)),
-                                    max(16, pow2(Dv)), q.element_size(),
+    _, block_n, _, _ = split_config(max(16, pow2(D)), max(16, pow2(Dv)), q.element_size(),
                                     (H // Hkv) * Nq)
     plan = split_kv_plan(Nk, Nq, sm_count_of(q.device), tile=block_n,
                          force=split_kv_override())
@@ -671,7 +670,7 @@ def _direct(*tensors: Tensor | None) -> bool:
     launcher and adds only its dispatch (host time per call: docs/gpu.md)."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or _transforms_on():
         return False
-    if _dispatch_mode() is not None:
+    if _get_current_dispatch_mode() is not None:
         return False
     return all(t is None or type(t) is Tensor for t in tensors)
 
@@ -679,12 +678,6 @@ def _direct(*tensors: Tensor | None) -> bool:
 def _transforms_on() -> bool:
     on = getattr(torch._C, "_are_functorch_transforms_active", None)
     return True if on is None else bool(on())  # unknown on this torch: the op, to be safe
-
-
-def _dispatch_mode():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode()
 
 
 @torch.library.custom_op("attn::flash_fwd", mutates_args=())
@@ -981,31 +974,18 @@ def triton_attention(
     *,
     second=None,
 ) -> tuple[Tensor, Tensor]:
-    """Fused attention kernels. Inputs already validated by ``attn.api`` (or ``attn.varlen``).
-
-    q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
-    lse (B, H, Nq) float32. Same protocol as the tiled backend's ``tiled_attention``:
-    ``spec`` holds the static values (q·k scale with any tensor temperature already folded
-    into q, band, a fixed softcap, dropout from the ``attn.masks.dropout_keep`` hash, global
-    positions); ``operands`` the optional tensors: ``softcap`` a learnable tensor
-    broadcastable to (H,), ``sinks`` (H,), ``attn_mask`` bool or float broadcastable to
-    (B, H, Nq, Nk), ``alibi`` ALiBi slopes broadcastable to (B, H), constants (the bias is
-    measured from the band's diagonal).
-
-    Packed sequences (``operands.cu_seqlens_q`` / ``_k``, int32 or int64 (sequences + 1,)
-    offsets, ``spec.max_seqlen_q`` / ``_k`` set): q (total_q, H, D), k, v (total_k, Hkv, D /
-    Dv) → out (total_q, H, Dv), lse (H, total_q); the band per sequence from its bottom-right
-    corner, ALiBi slopes (sequences, H), dropout drawn with sequence b as batch row b.
+    """Fused attention kernels, inputs already validated by ``attn.call``: the protocol of
+    :func:`attn.tiled.tiled_attention` (q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk,
+    Dv) → out (B, H, Nq, Dv) in v's dtype, lse (B, H, Nq) float32; ``spec`` static,
+    ``operands`` the optional tensors), but no score_mod. Packed sequences are the same
+    launchers (module docstring): out (total_q, H, Dv), lse (H, total_q).
 
     ``second(do, dlse, q, k, v, out, lse, spec, ops) -> (dq, dk, dv, dsinks)``: a backward
-    whose gradients are differentiable (the caller's: tiled's), run where one is asked for
+    whose gradients are differentiable (tiled's), run where one is asked for
     (``create_graph=True``); without it, or for what it cannot differentiate, that raises
-    NotImplementedError rather than give gradients that silently have none.
-
-    torch.func: under a transform or dual tensors (``attn.transforms.active``) the call runs
-    :class:`_FlashAttentionJvp`, whose forward-mode rule is the ``_attn_jvp`` kernel (tangents
-    of q, k, v, a float mask, sinks, a learnable softcap and the ALiBi slopes) and whose
-    vmap rule folds the mapped dim into B (dense q, k, v, mask, slopes) or loops per sample.
+    NotImplementedError rather than give gradients that silently have none. Under a
+    torch.func transform or dual tensors the call runs :class:`_FlashAttentionJvp` (its
+    forward-mode rule the ``_attn_jvp`` kernel, its vmap rule a fold into B or a loop).
     """
     ops = Operands() if operands is None else operands
     if ops.captured:

@@ -1,37 +1,15 @@
-"""Attention from a paged KV cache with the pages read through the block table in the kernel.
+"""Attention from a paged KV cache, the pages read through the block table in the kernel.
 
-The storage is flash-attn's paged layout, ``k_pages (num_blocks, page_size, Hkv, D)`` and
-``v_pages (…, Dv)``, read through its strides; batch row b reads the keys ``[first_b,
-end_b)`` of its sequence, key position t lying in page ``Table[b, t // page_size]`` at slot
-``t % page_size``. The grid is split-KV's (:mod:`attn.flash_triton.split`): one program per
-(block of the GQA group's rows, key chunk, batch row · kv head), its partial out and lse
-merged by the same combine kernel, sinks included. What differs is where a key tile comes
-from: each key's page id is loaded from the table (so a tile may straddle pages, of any
-size), and every load of the table, the keys and the values is masked past the row's own
-length: no slot of another sequence, nor the tail of the row's last page, is ever read.
-
-Each row has its own number of keys ``N_b``; its band and ALiBi distances are counted from
-its own end (query i sees key j iff ``j <= i + N_b − N_Q`` when causal). Pages stored in
-another dtype than q's are converted tile by tile after the load. The page addressing lives
-in :func:`_page_slots` (which page and slot) and :func:`_load_page_tile` (the load).
-
-A quantized cache (``QUANT`` 1 int8, 2 int4, 3 fp8 e4m3; 0 is the unquantized kernel, its
-code unchanged) swaps the load for :func:`_load_quant_tile`: the codes at the same addresses
-and their fp16 scales, multiplied in float32 (``code · scale`` is exact there) and then
-converted to q's dtype for the dot, as the tiled backend's items do. The formats are
-:mod:`attn.kvquant`'s: int4's element d is the nibble ``d % 2`` of byte ``d // 2``, fp8's
-byte is decoded by integer arithmetic (no fp8 type, so sm_80 and the interpreter run it).
-Every scale layout is one address, ``page · s0 + slot · s1 + head · s2 + (d // GROUP) ·
-s3``: per token or group as stored, per channel with ``s1 = 0`` (a page's one row), per kv
-head with ``s0 = s1 = 0``. Row b's pages ``j >= recent_from_b`` are full-precision pages
-of the cache's recent ring (the table holds ring ids there): each key is loaded from the one
-of the two stores its page belongs to, so a tile may straddle both.
-
-The value offset that keeps ``acc`` finite for values near float32's largest
-(``_value_offset``) is taken per key tile here, from the tile's own values: the dense
-kernels read a per-(sequence, kv head) maximum computed beforehand, which for pages would be
-a pass over every page the row holds. Any offset at least that large keeps the bound, and
-the running max only grows, so each tile's own is enough.
+Split-KV's grid and combine (:mod:`attn.flash_triton.split`) with another key-tile load:
+each key's page id comes from ``Table[b, t // page_size]`` (:func:`_page_slots`), its slot is
+``t % page_size``, and every load of the table, keys and values (:func:`_load_page_tile`) is
+masked past the row's own length ``N_b``, from whose end its band and ALiBi count. A
+quantized cache (``QUANT`` 1 int8, 2 int4, 3 fp8 e4m3; 0 compiles none of it) loads through
+:func:`_load_quant_tile`: the codes at the same addresses, their fp16 scales at ``page · s0 +
+slot · s1 + head · s2 + (d // GROUP) · s3`` (per channel ``s1 = 0``, per kv head ``s0 = s1 =
+0``), ``code · scale`` in float32, and keys of pages ``>= recent_from_b`` from the recent
+ring. ``_value_offset`` is taken per key tile from the tile's own values. Why each of these,
+the formats and the tests: docs/kvcache.md, "How CUDA reads the pages".
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Split-KV decoding (Flash-Decoding): the plan, and the two kernels that carry it out.
 
-With a few query rows per head (decoding, speculative verification: Nq <= 16) and a long
-cache, the plain forward has one program per (batch, head): B·H programs on a GPU of ~100
-SMs leaves most of it idle while each program walks the whole cache. Here the keys are cut
-into chunks and each program attends to one chunk for one (batch, kv head), with the whole
-GQA group packed into its query block (row r is head ``r // Nq`` of the group, query
-``r % Nq``), so each K/V tile is read once per group, not once per query head. It writes a
-partial output and lse in float32; a combine kernel then merges the chunks through their
-lse, the N-way ``merge_attention`` math, with the sinks added once as one more partial of
-value 0, and casts the output once.
-
-The plan (:func:`split_kv_plan`) is a pure function of (Nk, Nq, SM count): results depend
-on the shapes and the SM count only, never on timing, and never on the batch: a sequence
-is cut the same way, and so gets the same bits, whatever else its batch holds. ``ATTN_TRITON_SPLIT_KV``
-(read at every call) overrides it for measurements: ``auto`` (default), ``0`` (never
-split) or an integer (that many chunks, where the call is eligible).
-
-Forward only: a call that needs gradients, dropout, or packed sequences runs the plain
-kernels (:func:`split_kv_unsupported`).
+A dense, forward-only call with a few query rows per head (Nq <= 16) against a long cache
+has its keys cut into chunks (:func:`split_kv_plan`, a pure function of Nk, Nq and the SM
+count, never of the batch; ``ATTN_TRITON_SPLIT_KV`` overrides it at every call). One program
+per (group rows block, chunk, batch·kv head) attends with the whole GQA group packed into
+its query block (row r is head ``r // Nq`` of the group, query ``r % Nq``) and writes a
+float32 partial out and lse; a combine kernel merges the chunks in order through their lse,
+the sinks as one more partial of value 0. Other calls run the plain kernels
+(:func:`split_kv_unsupported`). When, why and how many chunks: docs/gpu.md, "Split-KV
+decoding".
 """
 
 from __future__ import annotations

@@ -96,9 +96,8 @@ def tuned_table() -> dict[str, dict]:
     the file is missing or ``ATTN_TRITON_TUNED=0`` (the tune stage times the autotuner's
     own pick that way). Read at each autotuner miss (a new key: rare, and beside compiling
     its configs the read costs nothing), so an adopted table is seen at once."""
-    if os.environ.get("ATTN_TRITON_TUNED", "1").strip().lower() in ("0", "off", "false", "no"):
-        return {}
-    if not TUNED.exists():
+    off = os.environ.get("ATTN_TRITON_TUNED", "1").strip().lower() in ("0", "off", "false", "no")
+    if off or not TUNED.exists():
         return {}
     return {row["key"]: row for row in json.loads(TUNED.read_text())["rows"]}
 
@@ -119,14 +118,10 @@ def _tabled(kept: list[triton.Config], key: str) -> list[triton.Config] | None:
 
 
 def autotune_off() -> bool:
-    """``ATTN_TRITON_AUTOTUNE=0``: launch one kept config (the one nearest 64 x 64 tiles,
-    4 warps, 2 stages) instead of timing every kept one. The autotuner compiles each kept
-    config once per new set of variant flags (~20 builds), which makes a test suite that
-    visits hundreds of flag sets take hours on a GPU; tests/conftest.py sets it on CUDA
-    machines. A mid-size config, not the largest: the shared-memory model under-counts some
-    float32 builds (on an H100 with triton 3.6 a float32, float-mask forward at 128 x 128
-    needed 368 KiB where ``smem_estimate`` said 209), which the autotuner survives by timing
-    the config as failed, but a single config would not."""
+    """``ATTN_TRITON_AUTOTUNE=0`` (tests/conftest.py sets it on CUDA machines): launch one
+    kept config, the one nearest 64 x 64 tiles, 4 warps, 2 stages, instead of compiling and
+    timing every kept one per set of variant flags. Not the largest: the shared-memory model
+    under-counts some float32 builds (docs/benchmarks.md, "Triton kernels compiled")."""
     return os.environ.get("ATTN_TRITON_AUTOTUNE", "1").strip().lower() in ("0", "off", "false", "no")
 
 
@@ -167,32 +162,21 @@ def smem_estimate(kind: str, c: triton.Config, args: dict) -> int:
     return resident + s * streamed + 1024  # + reduction and layout-conversion scratch
 
 
+# The pruning rules below keep ptxas under ~1 KiB of spills per thread; the spills each
+# one answers: docs/benchmarks.md, "Triton kernels compiled for sm_90".
+
 # dK/dV with dropout, a softcap or an attn_mask holds more per score (the dropout hash, the
-# softcap's u and t, the mask tile): with every flag on, ptxas spilled 2.3 KB per thread at
-# 64 x 128, D = 64 (triton 3.9, sm_90) and 1.2 KB at 32 x 128, D = 128; tiles up to this
-# BLOCK_M·BLOCK_N·D stay under 1 KiB (32 x 128 at D = 64: 344 bytes; 64 x 64: 996).
+# softcap's u and t, the mask tile): tiles up to this BLOCK_M·BLOCK_N·D stay under 1 KiB
 _HEAVY_DKDV_MAX_TILE = 32 * 128 * 64
-
-
-# The forward-mode kernel with every flag on holds ṡ, P, u, t and the dropout scale per
-# score beside q, q̇ and A: at D = 128 (triton 3.9, sm_90, ptxas -v) 64 x 64 spilled 2008
-# bytes with 4 warps and 1824 with 8, 128 x 64 (8 warps) 1356, while key tiles of 32 spill
-# at most 64 (128 x 32 w8: 64 / 16 with 2 / 3 stages; 64 x 32 w4: 32). At D = 256 the
-# smallest (64 x 16, 8 warps) still spills 1820 bytes, 64 x 32 2596: such launches keep key
-# tiles of at most 32 (16 from D = 256).
-
 
 # triton before 3.7 (the GPU image's 3.6) spills more on the heaviest launches
 _TRITON_36 = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
 
 
 def _wide_dkdv_tile(c: triton.Config) -> bool:
-    """dK/dV's 64 x 128, 8-warp tiles with 2 or 3 stages, which triton 3.6 (the GPU image's)
-    builds for sm_90 at D = 128 with wgmma n64 and 480 / 552 (2 stages, plain / causal) and
-    836 / 924 bytes (3 stages) of spills, under the 1 KiB the other rules keep to; triton
-    3.9 spills 1072-1628 bytes there, packed sequences 6.9-7.7 KB and sm_80 tens of KB
-    (``attn bench compile --kernel _attn_bwd_dkdv --d 128``), so only dense plain or banded
-    launches on sm_90 with triton < 3.7 keep them (:func:`prune_for`)."""
+    """dK/dV's 64 x 128, 8-warp tiles with 2 or 3 stages: under 1 KiB of spills only as
+    triton 3.6 (the GPU image's) builds them for sm_90 at D = 128 (wgmma n64), so only
+    dense plain or banded launches there keep them (:func:`prune_for`)."""
     return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) == (64, 128, 8) \
         and c.num_stages <= 3
 
@@ -219,17 +203,8 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
 
 
 # float32 inputs run their dots as exact fp32 FMAs (input_precision "ieee"), not on tensor
-# cores, and the product tile then lives in registers. Compiled for sm_90 (ptxas -v), 4 warps
-# spill at every tile these kernels use from D = 128 (179 KB per thread for a 64 x 64 forward,
-# triton 3.9), and 8 warps stay under ~1.5 KiB up to these BLOCK_M·BLOCK_N·D with triton 3.6
-# (the GPU image's) and 3.9; past them (the forward from D = 128) the smallest 8-warp tile is
-# kept, which still spills 2.8 KB with triton 3.6 (none with 3.9). On an H100 the float32
-# tests ran past 150 s each with the spilling configs.
-# With the base-2 forward (issue 39) the 64 x 32, 8-warp forward at D = 128 spills 3.6 KB
-# (triton 3.9, sm_90, any stages); 32 x 32 with 8 warps spills 1 KB, 4 warps 3.4 KB.
-# The forward-mode kernel holds q and q̇ as float32 dot operands besides A: at D = 128 ptxas
-# spilled 57 KB for 64 x 16 (8 warps), 10 KB for 32 x 16 and 16 x 16 with 4 warps, and 1144
-# bytes for 16 x 16 with 8 (triton 3.9, sm_90).
+# cores, and the product tile then lives in registers: 4 warps spill from D = 128, 8 warps
+# stay under ~1.5 KiB up to these BLOCK_M·BLOCK_N·D (past them the smallest 8-warp tile)
 _FP32_MAX_TILE = {"fwd": 64 * 32 * 64, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 128,
                   "jvp": 16 * 16 * 128}
 
@@ -250,8 +225,7 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
     smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
     heavy = _heavy_scores(args)
     fp32 = getattr(args.get("Q"), "dtype", None) == torch.float32
-    # dK/dV's 64 x 128 tiles at D = 128 (wgmma n64 where the kept 32 x 128 runs n32): see
-    # _wide_dkdv_tile for where they stay under ~1 KiB of spills
+    # dK/dV's 64 x 128 tiles at D = 128 (wgmma n64 where the kept 32 x 128 runs n32)
     wide_dkdv = (kind == "dkdv" and _TRITON_36 and arch == 90 and d == 128 and not heavy
                  and not args.get("VARLEN"))
     kept = []
@@ -260,19 +234,19 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
         if min(bm, bn) > 16 and max(bm, bn) > n:
             continue
         if kind == "fwd" and bm * bn < 64 * 32 and not fp32:
-            continue  # 32 x 32 serves float32 only (its 64 x 32 forward spills, see below)
+            continue  # 32 x 32 serves float32 only (its 64 x 32 forward spills)
         if smem is not None and smem_estimate(kind, c, args) > smem:
             continue
         if _spills_heavily(kind, c, d) and not (wide_dkdv and _wide_dkdv_tile(c)):
             continue
         if kind == "dkdv" and heavy and (bm * bn * d > _HEAVY_DKDV_MAX_TILE
                                          or c.num_stages > 3):
-            continue  # (32 x 64, D = 128, packed sequences: 1208 bytes with 4 stages)
+            continue
         if kind == "jvp" and heavy and d >= 128 and bn > (16 if d >= 256 else 32):
-            continue  # the tangent pass's wide key tiles spill (see above)
+            continue  # the tangent pass's wide key tiles spill
         if _TRITON_36 and heavy and d >= 128 and (
                 (kind == "fwd" and bm * bn > 128 * 64) or (kind == "dkdv" and c.num_stages > 2)):
-            continue  # triton 3.6, packed, every flag, D = 128: 2056 / 1444 bytes there
+            continue  # triton 3.6 spills more there
         if d >= 256 and (bm * bn > 64 * 64 or c.num_stages > 2):
             continue
         if d >= 128 and bm * bn >= 128 * 128 and c.num_warps < 8:

@@ -155,12 +155,6 @@ def _plan_for_mask(mask: Tensor, n_q: int, n_k: int, causal: bool,
     return plan
 
 
-def _check_cu_seqlens(name: str, cu: object, n: int) -> Tensor:
-    """HF's packed offsets by attn's one rule (:func:`attn.varlen.check_cu_form`): from 0 to
-    the packed length ``n``, never decreasing; on the host."""
-    return check_cu_values(name, check_cu_form(name, cu), n, "the packed length")
-
-
 def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
     """Sequence boundaries of a padding-free batch (B = 1) whose position_ids restart, else None.
 
@@ -199,10 +193,11 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
         if batch != 1:
             raise ValueError(f"cu_seq_lens_q/k describe a packed batch of one row, got batch "
                              f"size {batch}")
-        cu_q = _check_cu_seqlens("cu_seq_lens_q", cu_seq_lens_q if cu_seq_lens_q is not None
-                                 else cu_seq_lens_k, n_q)
-        cu_k = _check_cu_seqlens("cu_seq_lens_k", cu_seq_lens_k if cu_seq_lens_k is not None
-                                 else cu_seq_lens_q, n_k)
+        given = (cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k,
+                 cu_seq_lens_k if cu_seq_lens_k is not None else cu_seq_lens_q)
+        # attn's one rule for packed offsets (attn.varlen.check_cu_form), read on the host
+        cu_q, cu_k = (check_cu_values(name, check_cu_form(name, cu), n, "the packed length")
+                      for name, cu, n in zip(("cu_seq_lens_q", "cu_seq_lens_k"), given, (n_q, n_k)))
     else:
         cu_q = cu_k = _packed_cu_seqlens(position_ids, n_q)
     packed = plan  # one sequence: nothing to keep apart
@@ -313,13 +308,9 @@ def _varlen(query: Tensor, key: Tensor, value: Tensor, cu_q, cu_k, **options) ->
 
 
 def _let_continuous_batching_keep(name: str) -> None:
-    """Let HF's continuous batching run with attn's implementation ``name``.
-
-    Its manager switches the model to an implementation of HF's own when it starts (5.17: the
-    "paged|" variant of the name; 5.23: refuses anything but eager, sdpa and flash). Wrapped
-    once, so that it leaves the names attn registered as they are and decides for all others
-    as before.
-    """
+    """Let HF's continuous batching run with attn's implementation ``name``: its manager's
+    switch to an implementation of HF's own, wrapped once, leaves the names attn registered
+    as they are (docs/hf.md, "Continuous batching")."""
     _registered.add(name)
     try:
         from transformers.generation.continuous_batching.continuous_api import (
@@ -345,11 +336,9 @@ def _let_continuous_batching_keep(name: str) -> None:
 
 class _CachedKV(Tensor):
     """What :class:`AttnQuantizedCache` returns from ``update`` in place of the keys (or
-    values): a tensor with the shape, dtype and device of the cached states ``(B, Hkv, N, D)``
-    and no storage. HF's attention layers hand it, untouched, to the attention function,
-    where attn's recognises it and reads the layer's pages (:func:`attn.decode`). Any other
-    attention (eager, sdpa, ...) would have to read it as data: every operation on it
-    raises, so a model not running attn fails loudly instead of attending over nothing."""
+    values): the shape, dtype and device of the cached states ``(B, Hkv, N, D)``, no storage.
+    attn's attention function reads the layer's pages instead; any operation on it raises,
+    so another attention fails loudly instead of attending over nothing (docs/hf.md)."""
 
     layer: "_QuantizedLayer"
 
@@ -376,13 +365,11 @@ class _CachedKV(Tensor):
 
 class _QuantizedLayer(CacheLayerMixin):
     """One attention layer's keys and values in an :class:`attn.kvcache.PagedKVCache` of
-    quantized pages (allocated at the first update, from the states' shapes).
+    quantized pages (allocated at the first update, from the states' shapes)."""
 
-    Every position stays addressed (sliding layers included): HF's masks are laid over all
-    of them (``get_mask_sizes``), attn's window does the sliding, and pages wholly outside a
-    sliding layer's window go back to the pool after each step's attention."""
-
-    is_sliding = False  # every position stays addressed; see the class docstring
+    # every position stays addressed, sliding layers included: HF's masks are laid over all
+    # of them (get_mask_sizes), attn's window does the sliding (docs/hf.md)
+    is_sliding = False
     is_compileable = False
     is_croppable = False
 
@@ -521,20 +508,10 @@ class AttnQuantizedCache(Cache):
     """A KV cache for ``model.generate(cache=...)`` (``past_key_values=`` before transformers
     5.24) that stores every layer's keys and values quantized (:mod:`attn.kvquant`) in an
     :class:`attn.kvcache.PagedKVCache`, read tile by tile by :func:`attn.decode`: no
-    dequantized copy of the cache is ever built.
-
-        attn.integrations.hf.register()
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
-        cache = AttnQuantizedCache(model.config, quant="int4", max_tokens=4096)
-        out = model.generate(ids, cache=cache, max_new_tokens=256)
-
-    ``quant``: a :class:`attn.kvquant.KVQuant` or its kind; ``max_tokens``: positions per
-    sequence (prompt, padding included, plus new tokens); ``page_size``; ``max_batch``
-    (default: the first batch's size); ``fp8_scales`` ``(k, v)``; ``quantized_q``: int8 keys
-    scored against q rounded to int8 (``attn.decode``'s opt-in). Needs ``register()``'s
-    attention (any other raises on the stand-ins ``update`` returns); forward only; equal or
-    left-padded prompts; beam search, assisted decoding and ``crop`` raise
-    NotImplementedError. Details: docs/hf.md.
+    dequantized copy of the cache is ever built. ``quant``: a :class:`attn.kvquant.KVQuant`
+    or its kind; ``max_tokens``: positions per sequence, padding and new tokens included.
+    Needs ``register()``'s attention; forward only; equal or left-padded prompts. The other
+    arguments, an example and what raises NotImplementedError: docs/hf.md.
     """
 
     def __init__(self, config, quant: KVQuant | str = "int8", *, max_tokens: int,
@@ -733,11 +710,9 @@ def register(name: str = "attn", backend: str = "auto") -> str:
     """Register attn with transformers under ``name``; returns ``name``.
 
     Afterwards ``from_pretrained(..., attn_implementation=name)`` (or ``from_config``, or
-    ``model.set_attn_implementation(name)``) runs every attention layer through
-    ``attn.attention(..., backend=backend)``. Registering several names with different
-    backends is fine (e.g. "attn" and "attn_tiled"); registering a name again replaces it.
-    ``model.generate_batch`` (continuous batching) then runs on attn too: HF's manager would
-    otherwise switch such a model to one of its own implementations.
+    ``model.set_attn_implementation(name)``) runs every attention layer on attn with
+    ``backend=backend``, ``model.generate_batch`` (continuous batching) too. Several names
+    with different backends may be registered; registering one again replaces it.
     """
     if not isinstance(name, str) or not name or name in _RESERVED or "/" in name:
         raise ValueError(f"name must be a new implementation name (not one of HF's own "

@@ -1,25 +1,14 @@
 """A paged KV cache: fixed-size pages of keys and values, a block table per sequence, lengths.
 
 Storage is flash-attn's (and vLLM's) paged layout, the documented exception to attn's
-``(B, H, N, D)``: ``k_pages (num_blocks, page_size, Hkv, D)``, ``v_pages (..., Dv)``;
-sequence b's position t lives in page ``block_table[b, t // page_size]`` at offset ``t %
-page_size``, and b holds the keys ``[starts[b], lengths[b])``. Reads stop at each sequence's
-length, so unused slots may hold anything, NaN included. A contiguous cache ``(rows, L, Hkv,
-D)`` is the paged one whose pages are whole rows. A cache made by :meth:`PagedKVCache.allocate`
-owns its pages (append, fork, free, free_outside_window) and may store them quantized
-(``quant=``, :mod:`attn.kvquant`); one built on the caller's block table leaves the pages to
-the caller.
-
-The parts, each a module of this package: :mod:`~attn.kvcache.pages` (the page allocator:
-reference counts, free list, window freeing), :mod:`~attn.kvcache.quantized` (format, scales,
-recent ring, the quantizing writer and dequantizing read), :mod:`~attn.kvcache.read` (the
-dense reads: one sequence, a batch, packed) and :mod:`~attn.kvcache.checks` (argument checks).
-:class:`PagedKVCache` holds the storage, block table and lengths, and ties them together.
-
-Bad input raises ValueError (TypeError for a wrong type) naming the argument as the caller
-passed it (``names``) and the shapes seen; every page id is checked, unused slots included,
-before any page is read or written. The cache, its quantized formats and how attention reads
-it: docs/kvcache.md.
+``(B, H, N, D)``: sequence b's position t lives in page ``block_table[b, t // page_size]``
+at offset ``t % page_size``, and b holds the keys ``[starts[b], lengths[b])``; reads stop at
+each sequence's length, so unused slots may hold anything, NaN included. The parts, each a
+module of this package: :mod:`~attn.kvcache.pages` (the page allocator),
+:mod:`~attn.kvcache.quantized` (the quantized format, writer and read),
+:mod:`~attn.kvcache.read` (the dense reads) and :mod:`~attn.kvcache.checks` (argument
+checks, each message naming the caller's argument and shapes); :class:`PagedKVCache` ties
+them together. The cache, its formats and how attention reads it: docs/kvcache.md.
 """
 
 from __future__ import annotations
@@ -114,16 +103,11 @@ class PagedKVCache:
                  fp8_scales: tuple[float | Tensor, float | Tensor] = (1.0, 1.0)
                  ) -> "PagedKVCache":
         """An empty cache of ``max_seqs`` sequences that owns ``num_blocks`` pages of
-        ``page_size`` positions, stored in ``dtype`` (attention reads them in q's dtype,
-        converted range by range); a sequence holds at most ``max_pages`` pages (default
-        all). Pages are handed out in increasing order as sequences grow, so a sequence
-        appended in one piece lies in consecutive pages (read as one view).
-
-        ``quant``: an :class:`attn.kvquant.KVQuant` (or its kind, ``"int8"``, ``"int4"``,
-        ``"fp8_e4m3"``): the pages hold codes and scales, ``dtype`` is then the storage of
-        the full-precision recent pages. ``fp8_scales``: fp8's fixed scales ``(k, v)``, each
-        a float or an ``(Hkv,)`` tensor (per kv head), stored fp16; values past ``448 ·
-        scale`` saturate."""
+        ``page_size`` positions, stored in ``dtype``; a sequence holds at most ``max_pages``
+        pages (default all). ``quant``: an :class:`attn.kvquant.KVQuant` or its kind (the
+        pages hold codes and scales, ``dtype`` is then the recent pages' storage);
+        ``fp8_scales``: fp8's fixed scales ``(k, v)``, each a float or an ``(Hkv,)`` tensor.
+        The page order, the formats and the window: docs/kvcache.md."""
         quant = checks.check_allocate(dict(
             num_blocks=num_blocks, page_size=page_size, heads_kv=heads_kv, head_dim=head_dim,
             max_seqs=max_seqs, max_pages=max_pages or 1, head_dim_v=head_dim_v or 1), dtype,

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from attn.grads import SATURATED_LOG2L, Grads, sink_grad
+from attn.grads import SATURATED_LOG2L, Grads, call_sink_grad, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
@@ -322,14 +322,10 @@ def _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask, nee
     H = out.shape[1]
     acc_dtype = into[0].dtype
     # the per-head, mask and captured gradients: each item's into its chunk's slice, in order
-    dmask = dsinks = dsoftcap = None
+    dmask = dsoftcap = None
     if need_dmask:
         dmask = torch.zeros(as_4d(ops.attn_mask).shape, dtype=acc_dtype, device=out.device)
-    if ops.sinks is not None:  # Δ = rowsum(dO ∘ O) − dlse over every row, as _bwd_rows's
-        delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(acc_dtype)
-        dsinks = sink_grad(ops.sinks, lse.to(acc_dtype), delta)
+    dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc_dtype)  # Δ as _bwd_rows's
     if ops.softcap is not None and need_dcap:
         dsoftcap = torch.zeros(H, dtype=acc_dtype, device=out.device)
     dcaptured: list[Tensor | None] = [None] * len(ops.captured)
