@@ -214,12 +214,13 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
 
 
 def _add_check_args(p: argparse.ArgumentParser) -> None:
+    from attn.bench.sweep import DTYPES
+
     p.add_argument("targets", nargs="+", metavar="TARGET",
                    help="module:function or path/to/file.py:function (several: one table "
                         "each, and --markdown compares them)")
     _add_style_args(p, "the targets")
-    p.add_argument("--dtype", default="float32",
-                   choices=("float32", "float16", "bfloat16", "float64"))
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--cases", nargs="+", default=None, metavar="NAME",
                    help="run only these cases (names as in the table)")
@@ -328,22 +329,6 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="pt", file=sys.stderr, dynamic_ncols=True)
 
 
-def _label(r: Row) -> str:
-    return (f"{r.backend} {r.mode} N={r.N} D={r.D}{' causal' if r.causal else ''} {r.dtype}")
-
-
-def _point_line(r: Row) -> str:
-    """One finished point, as printed while the sweep runs."""
-    if r.status != "ok":
-        return f"{_label(r)}: {r.status}" + (f" ({r.note})" if r.note else "")
-    parts = []
-    if r.ms is not None:
-        parts.append(f"{r.ms:.3g} ms, {r.tflops:.3g} TFLOP/s")
-    if r.peak_bytes is not None:
-        parts.append(f"peak {r.peak_bytes / 2**20:,.1f} MiB")
-    return f"{_label(r)}: {', '.join(parts)}"
-
-
 def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
            header: dict | None = None) -> list[Row]:
     """Run the sweep, printing each point as it finishes (above the progress bar, which
@@ -355,15 +340,15 @@ def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
     rows = plan(cfg)
     bar = _progress(len(rows), show_progress)
     if bar is not None and rows:
-        bar.set_description(_label(rows[0]))
+        bar.set_description(rows[0].label())
     done = []
     for r in run_sweep(cfg, rows):
         done.append(r)
-        line = f"[{len(done)}/{len(rows)}] {_point_line(r)}"
+        line = f"[{len(done)}/{len(rows)}] {r.line()}"
         if bar is not None:
             bar.write(line, file=sys.stderr)
             if len(done) < len(rows):  # the slow points take minutes: say which one runs
-                bar.set_description(_label(rows[len(done)]), refresh=False)
+                bar.set_description(rows[len(done)].label(), refresh=False)
             bar.update()
         else:
             print(line, file=sys.stderr, flush=True)
@@ -450,7 +435,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               file=sys.stderr)
     for r in rows:
         if r.status in ("error", "failed"):
-            print(f"{r.status.upper()} at {_label(r)}: {r.note}", file=sys.stderr)
+            print(f"{r.status.upper()} at {r.label()}: {r.note}", file=sys.stderr)
     # a user's function failing at a point is its result, not a failure of this run
     errors = [r for r in rows if r.status == "error"]
     return 1 if failed or errors else 0

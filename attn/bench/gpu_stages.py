@@ -18,6 +18,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from unittest import mock
 
 from attn.bench.gpu_record import StageContext, exc_line
 
@@ -224,31 +225,24 @@ def _variant_kwargs(name: str, H: int, N: int, dev: str) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(N)
+    extra = {"softcap": {"softcap": 20.0}, "window": {"window": (max(N // 4, 1), 0)},
+             "dropout": {"dropout_p": 0.1}, "temperature": {"temperature": 0.5},
+             "causal": {}, "gqa": {}}
+    if name in extra:
+        return {"causal": True, **extra[name]}
     if name == "plain":
         return {}
-    if name == "causal":
-        return {"causal": True}
-    if name == "softcap":
-        return {"causal": True, "softcap": 20.0}
     if name == "sinks":
         return {"causal": True, "sinks": torch.randn(H, generator=g).to(dev).requires_grad_()}
-    if name == "window":
-        return {"causal": True, "window": (max(N // 4, 1), 0)}
-    if name == "gqa":
-        return {"causal": True}
     if name == "alibi":
         slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
         return {"causal": True, "alibi_slopes": slopes.to(dev)}
-    if name == "dropout":
-        return {"causal": True, "dropout_p": 0.1}
     if name == "float_mask":
         mask = torch.randn(N, N, generator=g)
         mask[torch.rand(N, N, generator=g) < 0.2] = float("-inf")
         return {"attn_mask": mask.to(dev, torch.bfloat16)}
     if name == "bool_mask":
         return {"attn_mask": (torch.rand(N, N, generator=g) > 0.2).to(dev)}
-    if name == "temperature":
-        return {"causal": True, "temperature": 0.5}
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -392,10 +386,7 @@ def speed(ctx: StageContext) -> None:
         r = finish([row], rate)[0]
         extra = autotune_picks() if r.backend == "triton" and r.status == "ok" else {}
         ctx.row(kind="speed", **r.as_dict(), autotune=extra)
-        ctx.log(f"{r.backend} {r.mode} N={r.N} D={r.D}{' causal' if r.causal else ''}: "
-                + (f"{r.ms:.3g} ms, {r.tflops:.3g} TFLOP/s, peak "
-                   f"{(r.peak_bytes or 0) / 2**20:.1f} MiB" if r.status == "ok"
-                   else f"{r.status} ({r.note})"))
+        ctx.log(r.line())
         if i + 1 < len(rows):
             ctx.running(_group(rows[i + 1]) + f" N={rows[i + 1].N}")
         if i + 1 < len(rows) and ctx.left() < reserve:
@@ -499,6 +490,7 @@ def _varlen(ctx: StageContext) -> None:
 
     import attn
     from attn.sdpa import torch_sdpa
+    from attn.varlen import cu_seqlens_from_lengths, unpack
 
     dev = _device(ctx)
     backend = "tiled" if ctx.dry_run else "triton"
@@ -509,18 +501,12 @@ def _varlen(ctx: StageContext) -> None:
     if not _fits(ctx, 12 * len(lengths) * H * longest * D * 2, "varlen"):
         return
     q, k, v = (torch.randn(total, H, D, generator=g).to(dev, torch.bfloat16) for _ in range(3))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device=dev)
-    padded = []
-    for x in (q, k, v):
-        p = x.new_zeros(len(lengths), H, longest, D)
-        for i, (s, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
-            p[i, :, :n] = x[s:s + n].transpose(0, 1)
-        padded.append(p)
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths)).to(dev)
+    real = (torch.arange(longest) < torch.tensor(lengths)[:, None]).to(dev)  # (B, longest)
+    padded = [unpack(x, real).transpose(1, 2).contiguous() for x in (q, k, v)]
     shape = f"{len(lengths)} sequences, {total} tokens (longest {longest}), H={H} D={D}, bf16"
-    paths = {f"{backend} packed": lambda: attn.varlen_attention(q, k, v, cu, cu, longest,
-                                                                 longest, causal=True,
-                                                                 backend=backend),
+    paths = {f"{backend} packed": lambda: attn.varlen_attention(
+                 q, k, v, cu, cu, longest, longest, causal=True, backend=backend),
              "sdpa padded": lambda: torch_sdpa(*padded, is_causal=True)}
     ms = {}
     for name, fn in paths.items():
@@ -544,29 +530,14 @@ def _decode_paths(ctx: StageContext) -> dict[str, str | None]:
 
 
 def _decode_call(path: str, q, k, v):
-    """The step of one path; triton's split-KV override is read at call time."""
+    """The step of one path (plain and split-KV triton differ in ATTN_TRITON_SPLIT_KV only,
+    which :func:`_decode` sets around each path's timing)."""
     import attn
     from attn.sdpa import torch_sdpa
 
     if path == "sdpa":
         return lambda: torch_sdpa(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
-    backend = "tiled" if path == "tiled" else "triton"
-    force = {"plain triton": "0"}.get(path)
-
-    def step():
-        old = os.environ.get("ATTN_TRITON_SPLIT_KV")
-        if force is not None:
-            os.environ["ATTN_TRITON_SPLIT_KV"] = force
-        else:
-            os.environ.pop("ATTN_TRITON_SPLIT_KV", None)
-        try:
-            return attn.attention(q, k, v, backend=backend)
-        finally:
-            if old is None:
-                os.environ.pop("ATTN_TRITON_SPLIT_KV", None)
-            else:
-                os.environ["ATTN_TRITON_SPLIT_KV"] = old
-    return step
+    return lambda: attn.attention(q, k, v, backend="tiled" if path == "tiled" else "triton")
 
 
 def _decode(ctx: StageContext) -> None:
@@ -605,8 +576,12 @@ def _decode(ctx: StageContext) -> None:
                 ctx.row(**base, path=path, status="skipped", note=why)
                 continue
             ctx.running(f"decode {path} Nq={nq} B={B} Nk={nk}")
-            t = _try_ms(ctx, _decode_call(path, q, k, v), 3 if ctx.dry_run else 20, **base,
-                        path=path)
+            with mock.patch.dict(os.environ):  # split-KV off for plain triton, else auto
+                os.environ.pop("ATTN_TRITON_SPLIT_KV", None)
+                if path == "plain triton":
+                    os.environ["ATTN_TRITON_SPLIT_KV"] = "0"
+                t = _try_ms(ctx, _decode_call(path, q, k, v), 3 if ctx.dry_run else 20,
+                            **base, path=path)
             if t is not None:
                 ms[path] = t
         for path, t in ms.items():
@@ -639,8 +614,6 @@ def _tune_configs(kind: str, N: int, D: int, arch: int | None) -> list:
 def _forced(kind: str, config):
     """A context that makes one kernel launch ``config`` (the autotuner's list, set to one
     entry, is used without timing), restoring the list after."""
-    from unittest import mock
-
     import attn.flash_triton as ft
 
     return mock.patch.object(getattr(ft, _KERNELS[kind]), "configs", [config])
@@ -664,8 +637,6 @@ def tune(ctx: StageContext) -> None:
                         note=f"{GPU_ONLY}: the interpreter has one config and times nothing")
         ctx.log("planned the sweep; nothing timed without a GPU")
         return
-    import os
-
     import torch
 
     os.environ["ATTN_TRITON_TUNED"] = "0"  # before the first launch reads the table

@@ -211,6 +211,19 @@ class Row:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def label(self) -> str:
+        return f"{self.backend} {self.mode} N={self.N} D={self.D}" \
+            f"{' causal' if self.causal else ''} {self.dtype}"
+
+    def line(self) -> str:
+        """The finished point, as a sweep prints it while it runs."""
+        if self.status != "ok":
+            return f"{self.label()}: {self.status}" + (f" ({self.note})" if self.note else "")
+        parts = [] if self.ms is None else [f"{self.ms:.3g} ms, {self.tflops:.3g} TFLOP/s"]
+        if self.peak_bytes is not None:
+            parts.append(f"peak {self.peak_bytes / 2**20:,.1f} MiB")
+        return f"{self.label()}: {', '.join(parts)}"
+
 
 def plan(cfg: SweepConfig) -> list[Row]:
     """Every point of the sweep, in run order, before anything runs."""
