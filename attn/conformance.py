@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -77,8 +77,7 @@ class CheckResult:
         return {"target": self.target, "style": self.style, "layout": self.layout,
                 "detected": self.detected, "dtype": self.dtype, "device": self.device,
                 "ok": self.ok,
-                "rows": [{"case": r.case, "status": r.status, "detail": r.detail,
-                          "diagnosis": r.diagnosis, "where": r.where} for r in self.rows]}
+                "rows": [asdict(r) for r in self.rows]}
 
     def table(self) -> str:
         """One line per case, except the cases the function does not support: one line per
@@ -202,12 +201,6 @@ def _empty_uniform(q, k, v, kw):
     return torch.where(empty[..., None], mean_v, out)
 
 
-def _no_causal(q, k, v, kw):
-    if not kw.get("causal"):
-        return None
-    return _exact(q, k, v, {**kw, "causal": False})
-
-
 def _mask_inverted(q, k, v, kw):
     mask = kw.get("attn_mask")
     if mask is None or mask.dtype != torch.bool:
@@ -217,7 +210,9 @@ def _mask_inverted(q, k, v, kw):
 
 def _without(name):
     def hypothesis(q, k, v, kw):
-        return None if kw.get(name) is None else _exact(q, k, v, {**kw, name: None})
+        if kw.get(name) is None or kw.get(name) is False:
+            return None
+        return _exact(q, k, v, {**kw, name: False if name == "causal" else None})
     return hypothesis
 
 
@@ -235,7 +230,7 @@ HYPOTHESES: dict[str, Callable] = {
     "instead of returning zeros": _empty_uniform,
     "sinks ignored": _without("sinks"),
     "softcap ignored": _without("softcap"),
-    "causal mask missing (causal=True ignored: every query sees every key)": _no_causal,
+    "causal mask missing (causal=True ignored: every query sees every key)": _without("causal"),
     "attn_mask ignored": _without("attn_mask"),
     "bool attn_mask inverted (True read as masked out; attn's True means attend)":
         _mask_inverted,
@@ -355,13 +350,16 @@ def run_case(fn: Adapted | Callable, case: Case, dtype: torch.dtype = torch.floa
     """One row: run ``case`` on ``fn`` (attn's convention), judge it, diagnose it."""
     q, k, v, kw = case.inputs(dtype, device)
     _short_ = partial(_short, name=getattr(fn, "name", ""))
+
+    def refused(e: Exception) -> Row:  # the function could not express the case, or crashed
+        return Row(case.name, "not supported" if isinstance(e, _UNSUPPORTED) else "error",
+                   _short_(e))
+
     if kw.get("dropout_p"):
         try:
             problem = check_dropout(fn, q, k, v, **kw)
-        except _UNSUPPORTED as e:
-            return Row(case.name, "not supported", _short_(e))
         except Exception as e:  # noqa: BLE001 - the user's function may raise anything
-            return Row(case.name, "error", _short_(e))
+            return refused(e)
         if problem is None:
             return Row(case.name, "correct")
         row = Row(case.name, "NaN" if "NaN" in problem else "wrong", problem)
@@ -372,10 +370,8 @@ def run_case(fn: Adapted | Callable, case: Case, dtype: torch.dtype = torch.floa
     try:
         with torch.no_grad():
             res = fn(q, k, v, **kw, **({"return_lse": True} if case.lse else {}))
-    except _UNSUPPORTED as e:
-        return Row(case.name, "not supported", _short_(e))
     except Exception as e:  # noqa: BLE001
-        return Row(case.name, "error", _short_(e))
+        return refused(e)
     got, got_lse = (res[0], res[1]) if isinstance(res, (tuple, list)) else (res, None)
     B, H, Nq, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
     if not isinstance(got, Tensor) or tuple(got.shape) != (B, H, Nq, Dv):
@@ -392,15 +388,13 @@ def run_case(fn: Adapted | Callable, case: Case, dtype: torch.dtype = torch.floa
                 else t) for n, t in kw.items()}
     try:
         report = compare_to_reference(fn, q, k, v, grad=case.grad, check_lse=case.lse, **kw)
-    except _UNSUPPORTED + (RuntimeError,) as e:
-        if case.grad and not isinstance(e, _UNSUPPORTED):  # no autograd graph, or a backward
-            return Row(case.name, "not supported", "gradients: " + _short_(e))  # that refuses
-        return Row(case.name, "not supported" if isinstance(e, _UNSUPPORTED) else "error",
-                   _short_(e))
     except AssertionError as e:
         return Row(case.name, "wrong", _short_(e))
     except Exception as e:  # noqa: BLE001
-        return Row(case.name, "error", _short_(e))
+        if case.grad and isinstance(e, RuntimeError) and not isinstance(e, _UNSUPPORTED):
+            # no autograd graph, or a backward that refuses
+            return Row(case.name, "not supported", "gradients: " + _short_(e))
+        return refused(e)
     if report.ok:
         return Row(case.name, "correct")
 

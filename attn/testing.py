@@ -50,6 +50,11 @@ class Report:
     def ok(self) -> bool:
         return all(c.ok for c in self.comparisons)
 
+    @property
+    def worst(self) -> float:
+        """The largest error / budget over the comparisons (at most 1 passes)."""
+        return max(c.error / c.budget for c in self.comparisons)
+
     def __getitem__(self, name: str) -> Comparison:
         for c in self.comparisons:
             if c.name == name:

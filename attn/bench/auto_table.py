@@ -100,9 +100,7 @@ def _merge_into(table_path: Path, kind: str, cpu: str, rows: list[dict], margin:
 
 def markdown(header: dict, rows: list[dict]) -> str:
     lines = [f"# attn bench auto-table: {header['kind']} ({header['device_name']})", "",
-             f"{header['busy']}; torch {header['torch']}, {header['torch_threads']} threads, "
-             f"{header['date']}, load {header['loadavg_1min']}", "",
-             f"`{header['command']}`", "",
+             *report.machine_lines(header, f"; {header['busy']}"), "",
              "| class | dtype | sdpa ms | fused ms | tiled ms | fused/tiled time | "
              "SDPA/fused | SDPA/tiled |", "|:--|:--|--:|--:|--:|--:|--:|--:|"]
     for r in rows:

@@ -156,12 +156,7 @@ def markdown(header: dict, rows: list[dict]) -> str:
     what = ("flash_attn_with_kvcache (append + attend), contiguous and paged" if header["compat"]
             else "attn.attention (tiled)")
     lines = [f"# Decoding on CPU: {what} vs torch SDPA", "",
-             f"- device: {header['device_name']} ({header['cpu_count']} CPUs, "
-             f"{header['torch_threads']} torch threads); load at the start "
-             f"{header['loadavg_1min']:.2f}",
-             f"- torch {header['torch']}, python {header['python']}, attn {header['attn']}, "
-             f"{header['date']}; attn backend: {header['attn_backend']}",
-             f"- command: `{header['command']}`",
+             *report.machine_lines(header, f"; attn backend: {header['attn_backend']}"),
              f"- step: B={s['B']}, Nq=1, H={s['H']}, Hkv={s['Hkv']}, D={s['D']}, fp32, "
              f"attending to the whole cache; median of {header['repeats']} rounds after "
              f"{header['warmup']} warm-up, the paths taking turns",

@@ -130,12 +130,7 @@ def add_rows(args: argparse.Namespace, B: int, H: int, Hkv: int, D: int, lengths
 def markdown(header: dict, rows: list[dict]) -> str:
     s = header["shape"]
     lines = ["# Decoding on CPU from each cache format, contiguous and paged, vs torch SDPA", "",
-             f"- device: {header['device_name']} ({header['cpu_count']} CPUs, "
-             f"{header['torch_threads']} torch threads); load at the start "
-             f"{header['loadavg_1min']:.2f}",
-             f"- torch {header['torch']}, python {header['python']}, attn {header['attn']}, "
-             f"{header['date']}",
-             f"- command: `{header['command']}`",
+             *report.machine_lines(header),
              *([f"- note: {header['note']}"] if header.get("note") else []),
              f"- step: Nq={', '.join(map(str, s['Nq']))}, H={s['H']}, Hkv={s['Hkv']}, "
              f"D={s['D']}, q float32, attending to the whole cache (Nq > 1: a chunked-prefill "
@@ -161,9 +156,9 @@ def markdown(header: dict, rows: list[dict]) -> str:
 
 def plots(rows: list[dict], out: Path) -> list[Path]:
     """step.png (ms per step vs L, one line per path, a panel per B) and bytes.png."""
-    try:
-        from attn.bench.plots import _pyplot
+    from attn.bench.plots import _pyplot, save
 
+    try:
         plt = _pyplot()
     except ImportError:
         return []
@@ -180,15 +175,12 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
                title=f"B={B}" + (f", Nq={n_q}" if n_q > 1 else ""))
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=6)
-    fig.savefig(out / "step.png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    step = save(fig, out / "step.png")
     sizes = rows[0]["bytes_per_token"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.bar(list(sizes), list(sizes.values()))
     ax.set(ylabel="bytes per token (K+V, all kv heads)", title="cache size per token")
-    fig.savefig(out / "bytes.png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return [out / "step.png", out / "bytes.png"]
+    return [step, save(fig, out / "bytes.png")]
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

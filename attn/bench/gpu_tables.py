@@ -4,6 +4,7 @@ draws them again for joined runs). Ratios come first: they are what a person com
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from attn.bench import plots as sweep_plots
@@ -139,21 +140,20 @@ def _pytest_section(doc: dict) -> list[str]:
     rs = _rows(doc, "pytest")
     if not rs and not _rows(doc, "pytest-collected"):
         return []
-    per_file: dict[str, dict[str, int]] = {}
+    per_file: dict[str, Counter] = {}
     for r in rs:
-        counts = per_file.setdefault(r["file"], {})
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    collected: dict[str, int] = {}
+        per_file.setdefault(r["file"], Counter())[r["outcome"]] += 1
+    collected: Counter = Counter()
     for r in _rows(doc, "pytest-collected"):
-        collected[r["file"]] = collected.get(r["file"], 0) + r["count"]
+        collected[r["file"]] += r["count"]
     out = ["## pytest, per test file", "",
            "| file | passed | failed | error | skipped | not run (cut by the box) |",
            "|:--|--:|--:|--:|--:|--:|"]
     for f in sorted(set(per_file) | set(collected)):
-        c = per_file.get(f, {})
-        not_run = max(collected[f] - sum(c.values()), 0) if f in collected else None
-        out.append(f"| {f} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
-                   f"{c.get('error', 0)} | {c.get('skipped', 0)} | {_f(not_run, 'd')} |")
+        c = per_file.get(f, Counter())
+        not_run = max(collected[f] - c.total(), 0) if f in collected else None
+        out.append(f"| {f} | {c['passed']} | {c['failed']} | {c['error']} | {c['skipped']} | "
+                   f"{_f(not_run, 'd')} |")
     bad = [r for r in rs if r["outcome"] in ("failed", "error")]
     if bad:
         out += ["", "Failures (full text in pytest.txt and log.txt):", ""]
@@ -233,9 +233,7 @@ def _plot_decode(rows: list[dict], path: Path, title: str) -> Path | None:
            title=title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=6)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return sweep_plots.save(fig, path)
 
 
 def plots(doc: dict, out: Path, kinds: set[str] = frozenset({"speed", "decode"})

@@ -149,11 +149,7 @@ def markdown(header: dict, rows: list[dict]) -> str:
     for r in rows:
         names += [n for n in r["ratio"] if n not in names]
     lines = ["# tiled vs torch SDPA on CPU: paired ratios (sdpa time / backend time)", "",
-             f"- device: {header['device_name']} ({header['cpu_count']} CPUs, "
-             f"{header['torch_threads']} torch threads); torch {header['torch']}; "
-             f"{header['date']}; load at the start {header['loadavg_1min']:.2f}; "
-             f"{header['busy']}",
-             f"- command: `{header['command']}`",
+             *report.machine_lines(header, f"; {header['busy']}"),
              f"- shape: {header['shape']}; each round runs every backend in turn, reps calls "
              "each (~50 ms); the ratio is the median over rounds of the in-round ratio "
              "(> 1: faster than SDPA), with its 10th percentile (the slow tail) in brackets; "

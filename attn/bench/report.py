@@ -15,6 +15,7 @@ import os
 import platform
 import shlex
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -81,6 +82,15 @@ def run_header(device: str, argv: list[str], prog: str = "attn") -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([prog, *map(shlex.quote, argv)]),
     }
+
+
+def machine_lines(h: dict, more: str = "") -> list[str]:
+    """A question's results.md lines for :func:`run_header`'s machine, versions, date and
+    command (``more`` ends the versions line)."""
+    return [f"- device: {h['device_name']} ({h['cpu_count']} CPUs, {h['torch_threads']} torch "
+            f"threads); load at the start {h['loadavg_1min']:.2f}",
+            f"- torch {h['torch']}, python {h['python']}, attn {h['attn']}, {h['date']}{more}",
+            f"- command: `{h['command']}`"]
 
 
 def make_header(cfg: SweepConfig, argv: list[str] | None = None,
@@ -165,10 +175,8 @@ def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torc
                 add(Check(backend, shape, causal, "failed",
                           message=f"{type(exc).__name__}: {exc}"))
                 continue
-            worst = max(c.error / c.budget if c.budget > 0 else float(c.error > 0)
-                        for c in rep.comparisons)
             bad = [c.name for c in rep.comparisons if not c.ok]
-            add(Check(backend, shape, causal, "ok" if rep.ok else "failed", worst,
+            add(Check(backend, shape, causal, "ok" if rep.ok else "failed", rep.worst,
                       "" if rep.ok else f"over budget: {', '.join(bad)}\n{rep}"))
     return checks
 
@@ -277,10 +285,7 @@ def check_row(c: dict) -> str:
 
 def skipped_notes(checks: list[dict]) -> list[str]:
     """One line per backend and reason for the skipped checks."""
-    skipped: dict[tuple, int] = {}
-    for c in checks:
-        if c["status"] == "skipped":
-            skipped[(c["backend"], c["message"])] = skipped.get((c["backend"], c["message"]), 0) + 1
+    skipped = Counter((c["backend"], c["message"]) for c in checks if c["status"] == "skipped")
     return [f"- {b}: {n} check(s) skipped: {m}" for (b, m), n in skipped.items()]
 
 
@@ -295,9 +300,7 @@ def checks_table(checks: list[dict]) -> str:
 
 def checks_summary(checks: list[dict]) -> str:
     """One line for the end of a run whose check table was printed at its start."""
-    counts: dict[str, int] = {}
-    for c in checks:
-        counts[c["status"]] = counts.get(c["status"], 0) + 1
+    counts = Counter(c["status"] for c in checks)
     return ("correctness against the float64 reference (table above): "
             + ", ".join(f"{n} {status}" for status, n in counts.items()))
 
