@@ -1,12 +1,7 @@
-"""Compare any attention implementation with attn's float64 reference, within an honest budget.
-
-The budget follows flash-attention's tests: an implementation in a low precision may be off
-from the exact (float64) answer by at most ``factor`` times what plain PyTorch — the naive
-reference run in that same precision — is off, plus a rounding floor of a few ulps at unit
-scale (or at the tensor's largest entry, if larger). So a bf16 kernel is held to bf16
-standards, a float64 one to float64. ``fn`` is called as ``fn(q, k, v, **kwargs)`` in attn's
-layout and may return the output alone or ``(out, lse)`` (:func:`compare_to_reference`).
-How to use it in your own tests, and the conformance cases: docs/testing.md.
+"""Compare any attention implementation with attn's float64 reference, within an honest budget:
+at most ``factor`` times plain PyTorch's own error in the same dtype (the naive reference run
+there), plus a rounding floor, as flash-attention's tests hold their kernels. How to use it in
+your own tests, and the conformance cases: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -190,21 +185,15 @@ def _max_err(a: Tensor, exact: Tensor, name: str) -> float:
 def compare_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, grad: bool = True,
                          check_lse: bool | None = None, out_factor: float = 2.0,
                          grad_factor: float = 3.0, seed: int = 0, **kwargs) -> Report:
-    """Errors of ``fn`` and of plain PyTorch (the reference in q's dtype) against float64.
-
-    Checks out, lse and, when ``grad``, the gradients of q, k, v and of every tensor keyword
-    that requires grad (temperature, sinks, softcap, attn_mask), from a random upstream
-    gradient on out (and lse). ``check_lse``: None (default) passes ``return_lse=True``
-    when ``fn``'s signature takes it (or ``**kwargs``), checks the lse when one comes back
-    and notes in the report when it does not; True requires it (TypeError if ``fn`` returns
-    only the output); False never asks for it.
-    Budgets: ``out_factor`` × plain error for out and lse, ``grad_factor`` × for gradients,
-    each plus a rounding floor of a few ulps at max(1, the exact tensor's largest entry)
-    (``_FLOOR``); gradients of variant parameters, each a sum over many scores, also get a
-    random-walk term ``2·eps·sqrt(terms summed per entry)`` at that scale.
-
-    An output of the wrong shape (a (B, N, H, D) layout, say) raises AssertionError naming
-    the shapes; q, k, v that attn.attention would refuse raise its ValueError.
+    """Errors of ``fn`` (called ``fn(q, k, v, **kwargs)``) and of plain PyTorch (the reference
+    in q's dtype) against float64, each with its budget (docs/testing.md): out, lse and, when
+    ``grad``, the gradients of q, k, v and of every tensor keyword that requires grad.
+    ``check_lse``: None asks for the lse when ``fn``'s signature takes ``return_lse`` (or
+    ``**kwargs``) and checks what comes back; True requires it (TypeError when only the output
+    comes back); False never asks. Budgets: ``out_factor`` × plain error for out and lse,
+    ``grad_factor`` × for gradients, each plus ``_FLOOR`` at max(1, the exact tensor's largest
+    entry). A wrong output shape raises AssertionError naming the shapes; inputs
+    attn.attention refuses raise its ValueError.
     """
     from attn.api import attention  # here, not at import: attn.api may import this module
 

@@ -66,10 +66,8 @@ def _top_level() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPa
 
 
 def _triton_preset(device_name: str) -> dict:
-    """attn's triton kernels against torch SDPA (its default choice and each kernel forced)
-    and compiled FlexAttention on one GPU, bf16, with an 8192² matmul for the ceiling. Batch
-    and heads follow FlashAttention's benchmarks: a fixed 16k tokens and model width 2048
-    (B = 16384 // N, H = 2048 // D), unless --batch / --heads are given."""
+    """``--preset triton`` (its help says what it runs), with an 8192² matmul for the ceiling and
+    FlashAttention's fixed 16k tokens and model width 2048 per point."""
     from attn.bench.competitors import COMPETITORS
 
     folder = device_name.replace(" ", "_").replace("/", "_")

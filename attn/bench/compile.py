@@ -1,19 +1,8 @@
-"""Ahead-of-time compiles of the Triton kernels for named GPU archs, on a machine without a GPU.
-
-The interpreter runs the kernels' Python, never the compiler: a ``tl.dot`` shape the compiler
-refuses, a loop it cannot software-pipeline, or a tile that outgrows shared memory would pass
-every interpreter test. Here each kernel the triton backend launches is compiled for a
-target (``GPUTarget("cuda", 90 | 80, 32)``) exactly as the JIT would compile it at run time:
-
-1. the public ``triton_attention`` runs forward and backward on CPU tensors with every
-   kernel replaced by a recorder, so the arguments are the launchers' real ones (no list of
-   parameter names to keep in sync with the kernels);
-2. triton's own binder specializes them as a launch does (16-divisible pointers and ints get
-   ``tt.divisibility``, ints equal to 1 become constants, e.g. unit last-dim strides);
-3. ``triton.compile`` lowers them to TTGIR, PTX and a cubin with the wheel's bundled ptxas.
-
-What a :class:`Build` reports is in its fields and in docs/gpu.md ("Built for GPUs, checked
-without one").
+"""Ahead-of-time compiles of the Triton kernels for named GPU archs, on a machine without a GPU
+(docs/gpu.md, "Built for GPUs, checked without one": the method and what a :class:`Build`
+reports). The launches are the launchers' own, recorded from ``triton_attention`` on CPU
+tensors (no list of parameter names to keep in sync with the kernels), specialized by
+triton's binder and built by ``triton.compile`` as the JIT would build them at run time.
 
 Must run in a process where the triton backend is *not* in interpreter mode
 (``TRITON_INTERPRET`` unset before ``attn.flash_triton`` is imported).
@@ -39,13 +28,7 @@ KERNELS = ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"
            "_attn_fwd_split", "_attn_split_combine", "_attn_fwd_paged", "_attn_jvp")
 # row reductions: no dots, nothing to pipeline
 NO_DOT = ("_attn_bwd_preprocess", "_attn_split_combine")
-# the variant flags a kernel can be specialized on; "all" turns every one on at once (ALiBi
-# included); "varlen" is "all" on packed sequences; "decode" is split-KV decoding (forward
-# only, Nq = 16) with every flag its kernel takes (all but dropout); "paged" is decoding
-# from a paged cache (pages of 16, a shuffled block table, ragged lengths) with every flag
-# its kernel takes (all but dropout and attn_mask); "paged_int4" is the same from a quantized
-# cache, the format that takes the most of the kernel's code (int4 codes, KIVI's per-channel
-# key scales, per-group value scales, two full-precision recent pages)
+# the variant flags a kernel is specialized on (docs/gpu.md says what each turns on)
 VARIANTS = ("plain", "causal", "all", "varlen", "decode", "paged", "paged_int4")
 _PAGED = ("paged", "paged_int4")
 _FORWARD_ONLY = ("decode", *_PAGED)
@@ -444,15 +427,13 @@ def add_arguments(p) -> None:
 
 
 def _header(argv: list[str]) -> dict:
-    import datetime
-    import platform
-
     import triton
 
-    return {"what": "ahead-of-time Triton compiles of attn's kernels (no GPU used)",
-            "command": "attn " + " ".join(argv), "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(),
+    from attn.bench import report  # here: it imports attn.api, after TRITON_INTERPRET is off
+
+    return {**report.run_header("cpu", argv),
+            "what": "ahead-of-time Triton compiles of attn's kernels (no GPU used)",
+            "triton": triton.__version__,
             "smem_limit_bytes": {f"sm_{a}": SMEM_LIMIT[a] for a in ARCHS}}
 
 

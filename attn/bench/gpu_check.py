@@ -284,29 +284,24 @@ def _adopt(folders: list[Path]) -> int:
     folder's fused_cuda_table.json merged into the committed fused table."""
     from attn.flash_triton import tune
 
-    rows = []
-    for folder in folders:
-        path = Path(folder) / "results.json"
-        if not path.is_file():
+    rows, fused_rows = [], []
+    for folder in map(Path, folders):
+        if not (folder / "results.json").is_file():
             print(f"attn gpu-check: --adopt: no results.json in {folder}", file=sys.stderr)
             return 2
-        doc = json.loads(path.read_text())
-        device = doc.get("header", {}).get("device_name")
-        for r in doc.get("rows", []):
-            if (r.get("kind") == "tune" and r.get("note") == "best of the sweep"
-                    and r.get("key") and r.get("fields")):
-                rows.append({"key": r["key"], "config": r["fields"], "ms": r.get("ms"),
-                             "pick_ms": r.get("pick_ms"), "shape": r.get("shape"),
-                             "device": r.get("device") or device,
-                             "date": doc.get("header", {}).get("date")})
+        doc = json.loads((folder / "results.json").read_text())
+        header = doc.get("header", {})
+        rows += [{"key": r["key"], "config": r["fields"], "ms": r.get("ms"),
+                  "pick_ms": r.get("pick_ms"), "shape": r.get("shape"),
+                  "device": r.get("device") or header.get("device_name"),
+                  "date": header.get("date")} for r in doc.get("rows", [])
+                 if r.get("kind") == "tune" and r.get("note") == "best of the sweep"
+                 and r.get("key") and r.get("fields")]
+        if (folder / "fused_cuda_table.json").is_file():  # the fused-cuda stage's table
+            fused_rows += json.loads((folder / "fused_cuda_table.json").read_text())["rows"]
     table = adopt_tuned(rows)
     print(f"adopted {len(rows)} tuned configs into {tune.TUNED} "
           f"({len(table['rows'])} rows in all)")
-    fused_rows = []
-    for folder in folders:  # the fused-cuda stage's table, written beside the results
-        path = Path(folder) / "fused_cuda_table.json"
-        if path.is_file():
-            fused_rows += json.loads(path.read_text())["rows"]
     if fused_rows:
         from attn import fused_cuda
         from attn.bench import fused_verify

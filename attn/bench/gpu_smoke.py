@@ -7,6 +7,9 @@ wrong or raises is a failed row, never the stage's error.
 
 from __future__ import annotations
 
+import torch
+
+import attn
 from attn.bench.gpu_record import StageContext, exc_line
 from attn.bench.gpu_stages import _device, _variant_kwargs
 
@@ -33,10 +36,6 @@ def _varlen_case(N: int, dev: str):
     """Packed sequences as a (1, H, N, D) call: ``fn`` packs and runs
     attn.varlen_attention on triton; the reference gets the same packing as a
     block-diagonal causal mask (the ``attn_mask`` keyword, which ``fn`` leaves to it)."""
-    import torch
-
-    import attn
-
     lengths = [n for n in (N // 4, N - N // 4) if n]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
@@ -56,9 +55,6 @@ def _varlen_case(N: int, dev: str):
 
 def _case(variant: str, dtype_name: str, D: int, N: int, dev: str):
     """q, k, v, the attn.attention keywords and ``fn(q, k, v, **kw)`` on triton."""
-    import torch
-
-    import attn
     from attn.testing import make_inputs
 
     dtype = getattr(torch, dtype_name)
@@ -82,8 +78,6 @@ def _case(variant: str, dtype_name: str, D: int, N: int, dev: str):
 
 def _bits(fn, q, k, v, kw: dict) -> list:
     """Out, lse and every gradient of one call on fresh leaves (dropout's seed fixed)."""
-    import torch
-
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     kw = {n: (t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor)
               and t.requires_grad else t) for n, t in kw.items()}
@@ -100,8 +94,6 @@ def check_case(variant: str, dtype_name: str, D: int, N: int, dev: str) -> dict:
     """One smoke case's row fields: ``status`` ok or failed, ``worst`` (the largest
     error / budget over out, lse and the gradients), ``repeatable`` (two calls, same bits)
     and a ``note`` naming what failed."""
-    import torch
-
     from attn.testing import compare_to_reference
 
     q, k, v, kw, fn = _case(variant, dtype_name, D, N, dev)

@@ -20,6 +20,9 @@ import traceback
 from pathlib import Path
 from unittest import mock
 
+import torch
+
+import attn
 from attn.bench.gpu_record import StageContext, exc_line
 
 GPU_ONLY = "GPU only"
@@ -55,8 +58,6 @@ def _time_ms(ctx: StageContext, fn, repeats: int) -> float:
 def _try_ms(ctx: StageContext, fn, repeats: int, **row) -> float | None:
     """:func:`_time_ms` of ``fn`` without autograd, or None after a failed row with
     ``row``'s fields (a point that raises is its result, not the stage's error)."""
-    import torch
-
     try:
         with torch.no_grad():
             return _time_ms(ctx, fn, repeats)
@@ -80,8 +81,6 @@ def _driver() -> str | None:
 def env(ctx: StageContext) -> None:
     """Device, versions, and the ceilings measured now: bf16 matmul TFLOP/s and
     device-to-device copy GB/s."""
-    import torch
-
     from attn.bench import report
     from attn.bench.flops import matmul_tflops
     from attn.timing import benchmark
@@ -177,8 +176,6 @@ def _finish_pytest(ctx: StageContext, started) -> None:
 
 
 def _triton_inputs(ctx: StageContext, B: int, H: int, N: int, D: int, Hkv: int | None = None):
-    import torch
-
     from attn.testing import make_inputs
 
     q, k, v = make_inputs(B=B, H=H, Hkv=Hkv, N=N, D=D, dtype=torch.bfloat16,
@@ -188,10 +185,6 @@ def _triton_inputs(ctx: StageContext, B: int, H: int, N: int, D: int, Hkv: int |
 
 def _determinism(ctx: StageContext) -> None:
     """The forward and dK/dV, called again and again on the same inputs: bit for bit equal."""
-    import torch
-
-    import attn
-
     runs = 2 if ctx.dry_run else 100  # the dry run: one repeat shows the comparison works
     shape = dict(B=1, H=2, N=40, D=16) if ctx.dry_run else dict(B=2, H=8, N=2048, D=128)
     q, k, v = _triton_inputs(ctx, **shape)
@@ -222,8 +215,6 @@ def _determinism(ctx: StageContext) -> None:
 
 def _variant_kwargs(name: str, H: int, N: int, dev: str) -> dict:
     """attn.attention keywords of one variant (Hkv through the ``gqa`` name)."""
-    import torch
-
     g = torch.Generator().manual_seed(N)
     extra = {"softcap": {"softcap": 20.0}, "window": {"window": (max(N // 4, 1), 0)},
              "dropout": {"dropout_p": 0.1}, "temperature": {"temperature": 0.5},
@@ -253,10 +244,6 @@ VARIANTS = ("plain", "causal", "softcap", "sinks", "window", "gqa", "alibi", "dr
 def _nan_scan(ctx: StageContext) -> None:
     """Every variant on triton, forward and backward, at lengths that leave tiles partly
     empty: out and every gradient finite."""
-    import torch
-
-    import attn
-
     lengths = (5,) if ctx.dry_run else (17, 1, 4097, 2, 5)
     H, D = (4, 16) if ctx.dry_run else (8, 64)
     if ctx.dry_run:
@@ -291,8 +278,6 @@ def _compile_check(ctx: StageContext) -> None:
                 status="skipped", note=f"{GPU_ONLY}: inductor around the triton op compiles "
                                        "for minutes on CPU")
         return
-    import torch
-
     from attn.nn import MultiHeadAttention
 
     torch.manual_seed(0)
@@ -409,8 +394,6 @@ def _flex_side(ctx: StageContext, name: str, kw: dict, q, k, v, ours, ours_ms: f
     """The flex fields of a variant's row: compiled flex on the same variant and inputs
     (compiled before the timing), its ms, ``flex_ratio`` = flex ms / ours ms and its largest
     difference from our output; or why flex did not run."""
-    import torch
-
     from attn.bench.competitors import flex_variant
 
     fn = flex_variant(kw, q.shape[2], _device(ctx))
@@ -440,10 +423,6 @@ def _flex_side(ctx: StageContext, name: str, kw: dict, q, k, v, ours, ours_ms: f
 def _variant_costs(ctx: StageContext) -> None:
     """Each variant's forward at one shape: its ms as a ratio to plain causal and, for
     :data:`FLEX_COMPARED`, compiled flex's ms on the same variant."""
-    import torch
-
-    import attn
-
     backend = "tiled" if ctx.dry_run else "triton"
     B, H, N, D = (1, 4, 64, 16) if ctx.dry_run else (4, 16, 4096, 128)
     if not _fits(ctx, 8 * B * H * N * D * 2 + N * N * 2, f"variant costs N={N}"):
@@ -486,9 +465,6 @@ def _variant_costs(ctx: StageContext) -> None:
 def _varlen(ctx: StageContext) -> None:
     """Packed varlen on ours against SDPA on the same sequences padded to the longest
     (causal: the padded keys come after every real one, so no padding mask is needed)."""
-    import torch
-
-    import attn
     from attn.sdpa import torch_sdpa
     from attn.varlen import cu_seqlens_from_lengths, unpack
 
@@ -532,7 +508,6 @@ def _decode_paths(ctx: StageContext) -> dict[str, str | None]:
 def _decode_call(path: str, q, k, v):
     """The step of one path (plain and split-KV triton differ in ATTN_TRITON_SPLIT_KV only,
     which :func:`_decode` sets around each path's timing)."""
-    import attn
     from attn.sdpa import torch_sdpa
 
     if path == "sdpa":
@@ -542,8 +517,6 @@ def _decode_call(path: str, q, k, v):
 
 def _decode(ctx: StageContext) -> None:
     """One step of Nq new queries against a cache of Nk keys (GQA 32:8, D=128, bf16)."""
-    import torch
-
     H, Hkv, D = (4, 2, 16) if ctx.dry_run else (32, 8, 128)
     if ctx.dry_run:
         grid = [(1, B, nk) for B in (1, 2) for nk in (64, 256)]
@@ -637,10 +610,7 @@ def tune(ctx: StageContext) -> None:
                         note=f"{GPU_ONLY}: the interpreter has one config and times nothing")
         ctx.log("planned the sweep; nothing timed without a GPU")
         return
-    import torch
-
     os.environ["ATTN_TRITON_TUNED"] = "0"  # before the first launch reads the table
-    import attn
     from attn.flash_triton import tune as tuning
     from attn.flash_triton.tune import _device_arch
 
@@ -701,7 +671,6 @@ def tune(ctx: StageContext) -> None:
 def context_parallel(ctx: StageContext) -> None:
     """Ring and Ulysses through the public API on a group of one (NCCL on the GPU, gloo in a
     dry run), forward and backward against the float64 reference; alone in its process."""
-    import torch
     import torch.distributed as dist
 
     import attn.distributed as cp
@@ -744,10 +713,10 @@ def context_parallel(ctx: StageContext) -> None:
 def stage_process(target: str, ctx_json: str, env: dict) -> None:
     """The body of a stage's process, forked from gpu-check's fork server: its own process
     group (so a kill at its deadline reaches what it started), the environment triton reads
-    at import, then :func:`main`. It lives here, in a module that imports neither torch's
-    compiler nor triton, because the child imports the target's module before running it:
-    from attn.bench.gpu_check, torch 2.13's ``torch.nn.attention.bias`` pulled triton in
-    before ``TRITON_INTERPRET`` was set, and the dry run's interpreted kernels failed."""
+    at import, then :func:`main`. The child imports this module before running it, so it
+    imports torch (the fork server's preload) and attn's lazy top level, never triton or
+    torch's compiler: torch 2.13's ``torch.nn.attention.bias`` pulls triton in before
+    ``TRITON_INTERPRET`` is set, and the dry run's interpreted kernels fail."""
     os.setsid()
     os.environ.clear()
     os.environ.update(env)

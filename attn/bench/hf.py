@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -84,7 +84,6 @@ class Row:
     decode_cache_from: str | None = None  # which implementation filled the decoding cache
     logits_max_diff_vs_eager: float | None = None  # last-position prefill logits
     note: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def prefill(model, ids):

@@ -14,8 +14,6 @@ after an N-token prompt per cache. docs/hf.md summarises the results.
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import statistics
 import time
 from pathlib import Path
@@ -131,7 +129,7 @@ def cache_types(head_dim: int, page: int, residual: int) -> dict:
     }
 
 
-def _teacher_forced(model, ids, tokens, cache, steps):
+def _teacher_forced(model, ids, tokens, cache):
     """Logits (B, 1 + new, V): the prompt's last position, then each baseline token fed in."""
     out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
     for t in range(tokens.shape[1] - 1):
@@ -153,13 +151,13 @@ def agreement(model, family: str, types: dict, args) -> list[dict]:
         base_cfg = types["fp32 (DynamicCache)"]
         want = model.generate(ids, past_key_values=base_cfg[1](model.config, n),
                               **gen)[:, args.prompt:]
-        base = _teacher_forced(model, ids, want, base_cfg[1](model.config, n), args.steps)
+        base = _teacher_forced(model, ids, want, base_cfg[1](model.config, n))
         for label, (impl, make) in types.items():
             model.set_attn_implementation(impl or dense)
             try:
                 got = model.generate(ids, past_key_values=make(model.config, n),
                                      **gen)[:, args.prompt:]
-                logits = _teacher_forced(model, ids, want, make(model.config, n), args.steps)
+                logits = _teacher_forced(model, ids, want, make(model.config, n))
             except Exception as exc:  # e.g. quanto missing: recorded, the table goes on
                 rows.append(dict(family=family, cache=label, error=f"{type(exc).__name__}: "
                                  f"{str(exc)[:300]}"))
@@ -225,11 +223,11 @@ def step_times(lengths: list[int], types: dict, args) -> list[dict]:
 
 def _markdown(header: dict, rows: list[dict], steps: list[dict], args) -> str:
     lines = ["# Quantized KV caches in Hugging Face decoders: agreement with fp32", "",
-             f"`{header['command']}`; {header['date']}, {header['device']} "
-             f"({header['cpus']} CPUs), torch {header['torch']}, "
+             f"`{header['command']}`; {header['date']}, {header['device_name']} "
+             f"({header['cpu_count']} CPUs), torch {header['torch']}, "
              f"transformers {header['transformers']}, optimum-quanto {header['quanto']}, "
-             f"{header['threads']} threads, load average {header['load_average'][0]:.1f} at "
-             f"the end.", "",
+             f"{header['torch_threads']} threads, load average {header['loadavg_1min']:.1f} "
+             "at the end.", "",
              f"Random-weight decoders (see `attn/bench/hf_quant.py`), {args.batch} prompts of "
              f"{args.prompt} random tokens, {args.new} greedy new tokens, pages of {args.page} "
              f"(attn), quanto residual length {header['quanto_residual']}. Agreement: share of "
@@ -285,12 +283,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     step_residual = 128  # quanto's default residual length
     steps = step_times(args.step_tokens, cache_types(128, args.page, step_residual), args) \
         if args.step_tokens else []
-    header = {"command": "attn " + shlex.join(argv), "device": report.device_name("cpu"),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "quanto": quanto, "quanto_residual": residual, "step_residual": step_residual,
-              "threads": torch.get_num_threads(),
-              "load_average": os.getloadavg()}
+    header = {**report.run_header("cpu", argv), "transformers": transformers.__version__,
+              "quanto": quanto, "quanto_residual": residual, "step_residual": step_residual}
     report.write_results(args.out, header, rows, _markdown(header, rows, steps, args),
                          step_times=steps)
     return 0

@@ -43,10 +43,6 @@ TILED_VARIANTS = {
 DEFAULT_N = (512, 1024, 2048, 4096, 8192, 16384)
 
 
-def _rounds(N: int) -> int:
-    return 9 if N <= 2048 else 5 if N <= 4096 else 3
-
-
 def sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
     """torch SDPA's keywords for attn's ``causal`` (bottom-right; SDPA's ``is_causal`` is
     top-left): ``is_causal`` when Nq = Nk, else the same band as a bool mask (Nq = 1 sees
@@ -201,7 +197,7 @@ def _measure_shape(args, B, H, N, D, dtype, mode, causals) -> list[dict]:
                          flex_max_n=args.flex_max_n, variants=variants)
         shape = args.shape if args.shape == "square" else f"{args.shape} Nq={n_q} Hkv={h_kv}"
         row = {"shape": shape, "N": N, "D": D, "dtype": dtype, "B": B, "H": H, "mode": mode,
-               "causal": causal, **measure(fns, args.repeats or _rounds(N))}
+               "causal": causal, **measure(fns, args.repeats or (9 if N <= 2048 else 5 if N <= 4096 else 3))}
         # the matmul-equivalent rate (attn.bench.flops) of each contender, as a fraction of
         # the dense matmul rate measured in this run: the physical ceiling on this machine
         flops = attention_flops(B, H, n_q, N, D, mode=mode) * _visited(n_q, N, causal)

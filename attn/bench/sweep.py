@@ -1,15 +1,11 @@
 """The sweep runner: backends × N × D × causal × dtype × {fwd, fwd+bwd} on one device.
 
-Each point allocates its inputs first, then measures peak memory above them with one call,
-then times the call (:mod:`attn.timing`). Points run in order of growing N with every backend
-of one shape back to back, so ``ratio_to_sdpa = sdpa_ms / ms`` compares like with like.
-Besides attn's backends a sweep times torch's own kernels by name
-(:mod:`attn.bench.competitors`) and users' functions (``SweepConfig(backends=(..., fn))``:
-``fn(q, k, v, causal=True)`` in attn's convention, as ``attn.adapters.adapt`` makes it; its
-memory is predicted as the reference's, and a point where it raises is ``failed``, or
-``skipped`` for NotImplementedError). A point is skipped without running when its backend
-cannot compute the call, the device lacks the backend, or its predicted peak memory exceeds
-the budget.
+Each point allocates its inputs, measures peak memory above them with one call, then times
+the call (:mod:`attn.timing`); every backend of one shape runs back to back, so
+``ratio_to_sdpa = sdpa_ms / ms`` compares like with like. The backends are attn's, torch's
+own kernels by name (:mod:`attn.bench.competitors`) and users' functions
+(``SweepConfig(backends=(..., fn))``, ``fn(q, k, v, causal=True)`` in attn's convention, as
+``attn.adapters.adapt`` makes it; docs/benchmarks.md, ``--fn``).
 """
 
 from __future__ import annotations
@@ -32,13 +28,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # Predicted peak bytes = QUAD · (one N² score tensor: B·H·N²·itemsize)
 #                      + LIN · (one input: B·H·N·D·itemsize)
-#                      + TILE · (one fp32 tile: B·H·min(N, 256)·min(N, 512)·4).
-# The reference keeps s, exp(s - m) and p alive in the forward (measured 3.07 score tensors
-# on CPU fp32) and their gradients too in the backward (6.1); the other backends are linear
-# in N. Constants are the CPU measurements rounded up, so a point predicted to fit does fit;
-# tests/test_bench.py checks that the prediction bounds the measurement. A backend whose
-# memory exceeds it anyway (torch SDPA's math fallback on some GPUs is N²) shows up as "oom"
-# and the rest of its series is skipped.
+#                      + TILE · (one fp32 tile: B·H·min(N, 256)·min(N, 512)·4),
+# constants rounded up from CPU measurements (docs/benchmarks.md) so that a point predicted
+# to fit does fit (tests/test_bench.py checks that the prediction bounds the measurement).
 _PREDICT = {  # backend: {mode: (QUAD, LIN, TILE)}
     "reference": {"fwd": (3.4, 2, 0), "fwd+bwd": (6.7, 6, 0)},
     "tiled": {"fwd": (0, 3, 6), "fwd+bwd": (0, 8, 12)},
