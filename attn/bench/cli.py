@@ -327,8 +327,7 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="pt", file=sys.stderr, dynamic_ncols=True)
 
 
-def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
-           header: dict | None = None) -> list[Row]:
+def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path, header: dict) -> list[Row]:
     """Run the sweep, printing each point as it finishes (above the progress bar, which
     names the point now running); after each point, rewrite ``partial`` (JSON) so an
     interrupted hour-long sweep still leaves what it measured."""
@@ -350,8 +349,7 @@ def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
             bar.update()
         else:
             print(line, file=sys.stderr, flush=True)
-        if partial is not None:
-            report.write_json(partial, {**(header or {}), "partial": True}, done)
+        report.write_json(partial, {**header, "partial": True}, done)
     if bar is not None:
         bar.close()
     return done

@@ -449,16 +449,14 @@ def markdown(header: dict, builds: list[Build]) -> str:
             "regs", "spills", "loop SASS", "tensor cores", "wgmma N", "mma.sync", "TMA",
             "warp spec", "pipelined", "error")
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    yes = {True: "yes", False: "no"}
     for b in builds:
         kept = "yes" if "kept" in b.notes else ("no" if "pruned" in b.notes else "")
         cells = (b.kernel, f"sm_{b.arch}", b.head_dim, b.dtype, b.variant, b.config, kept,
                  f"{b.shared / 1024:.0f}", "yes" if b.fits else "**no**",
-                 "" if b.registers is None else b.registers,
-                 "" if b.spill_bytes is None else b.spill_bytes,
-                 "" if b.loop_sass is None else b.loop_sass,
-                 "yes" if b.tensor_cores else "no", b.wgmma_n or "",
-                 "yes" if b.mma_sync else "no", "yes" if b.tma else "no",
-                 "yes" if b.warp_specialized else "no", "yes" if b.pipelined else "no",
+                 *("" if x is None else x for x in (b.registers, b.spill_bytes, b.loop_sass)),
+                 yes[b.tensor_cores], b.wgmma_n or "",
+                 *(yes[x] for x in (b.mma_sync, b.tma, b.warp_specialized, b.pipelined)),
                  b.error or "")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"

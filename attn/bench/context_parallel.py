@@ -219,7 +219,7 @@ def _header(cfg: dict, argv: list[str], load_start: float) -> dict:
                           "allocation); the max over ranks"),
         "time_method": "wall time of one call, median of --repeat runs after a warm-up, the "
                        "slowest rank; ms_per_step = ms / P for the ring",
-        "config": {k: v for k, v in cfg.items()},
+        "config": dict(cfg),
     }
 
 

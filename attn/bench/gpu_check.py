@@ -15,6 +15,7 @@ their boxes, statuses and files (:mod:`attn.bench.gpu_record`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -114,25 +115,19 @@ def _child_env(name: str, dry_run: bool) -> dict:
     return env
 
 
-_FORKSERVER = None
-
-
+@functools.cache
 def _stage_starter():
     """Stage processes fork from a server that imported torch once (1.5 s a process here)
     and nothing that reads the environment a stage sets or touches CUDA: each stage still
     gets a fresh process and its own CUDA context."""
-    global _FORKSERVER
-    if _FORKSERVER is None:
-        import multiprocessing
+    import multiprocessing.forkserver
 
-        import multiprocessing.forkserver
-
-        _FORKSERVER = multiprocessing.get_context("forkserver")
-        _FORKSERVER.set_forkserver_preload(["torch"])
-        # start it now, before any stage's box opens: its torch import (seconds on a loaded
-        # machine) is no stage's time
-        multiprocessing.forkserver.ensure_running()
-    return _FORKSERVER
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    # start it now, before any stage's box opens: its torch import (seconds on a loaded
+    # machine) is no stage's time
+    multiprocessing.forkserver.ensure_running()
+    return context
 
 
 def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[str, str, dict]:

@@ -584,14 +584,6 @@ def _tune_configs(kind: str, N: int, D: int, arch: int | None) -> list:
     return tune.prune_for(tune.gpu_configs(kind), args, kind=kind, arch=arch)
 
 
-def _forced(kind: str, config):
-    """A context that makes one kernel launch ``config`` (the autotuner's list, set to one
-    entry, is used without timing), restoring the list after."""
-    import attn.flash_triton as ft
-
-    return mock.patch.object(getattr(ft, _KERNELS[kind]), "configs", [config])
-
-
 def tune(ctx: StageContext) -> None:
     """Per shape, every config prune_for keeps for fwd, dK/dV and dQ, timed against the
     autotuner's pick (the committed table set aside: ``ATTN_TRITON_TUNED=0``); fwd configs
@@ -611,6 +603,7 @@ def tune(ctx: StageContext) -> None:
         ctx.log("planned the sweep; nothing timed without a GPU")
         return
     os.environ["ATTN_TRITON_TUNED"] = "0"  # before the first launch reads the table
+    import attn.flash_triton as ft
     from attn.flash_triton import tune as tuning
     from attn.flash_triton.tune import _device_arch
 
@@ -642,13 +635,11 @@ def tune(ctx: StageContext) -> None:
                     ctx.dropped(f"tune {kind} {shape} and after", "the box ran short")
                     return
                 ctx.running(f"tune {kind} {shape} {config}")
-                try:
-                    with _forced(kind, config):
-                        ms = _time_ms(ctx, fn, 10)
-                    status, note = "ok", ""
+                try:  # the autotuner's list cut to one config, which it runs without timing
+                    with mock.patch.object(getattr(ft, _KERNELS[kind]), "configs", [config]):
+                        ms, status, note = _time_ms(ctx, fn, 10), "ok", ""
                 except Exception as exc:  # a config that does not launch here
-                    ms, status = None, "failed"
-                    note = exc_line(exc, 160)
+                    ms, status, note = None, "failed", exc_line(exc, 160)
                 is_pick = str(config) == picks.get(kind)
                 pick_config = config if is_pick else pick_config
                 ctx.row(kind="tune", kernel=kind, shape=shape, config=str(config),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from attn.bench import plots as sweep_plots
 from attn.bench import report
+from attn.bench.report import _fmt
 
 PLOTS = ("speed.png", "memory.png", "decode.png")  # gpu_record.FILES' PNGs, in order
 
@@ -17,10 +18,6 @@ TORCH_KERNELS = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex")
 
 def _rows(doc: dict, kind: str) -> list[dict]:
     return [r for r in doc["rows"] if r.get("kind") == kind]
-
-
-def _f(x, spec: str = ".3g") -> str:
-    return "—" if x is None else format(x, spec)
 
 
 def speed_ratios(rows: list[dict]) -> list[dict]:
@@ -76,8 +73,8 @@ def _ratio_section(doc: dict) -> list[str]:
                 "faster)", "",
                 f"| variant | ratio to causal | ms | flex ms | flex / {mine} | flex |",
                 "|:--|--:|--:|--:|--:|:--|"]
-        out += [f"| {r['variant']} | {r['ratio']:.2f} | {_f(r['ms'])} | "
-                f"{_f(r.get('flex_ms'))} | {_f(r.get('flex_ratio'), '.2f')} | "
+        out += [f"| {r['variant']} | {r['ratio']:.2f} | {_fmt(r['ms'])} | "
+                f"{_fmt(r.get('flex_ms'))} | {_fmt(r.get('flex_ratio'), '.2f')} | "
                 f"{_flex_cell(r)} |" for r in variants]
         out.append("")
     for kind, what in (("varlen", "packed varlen"), ("decode", "decode")):
@@ -101,7 +98,7 @@ def _flex_cell(r: dict) -> str:
     if "flex_status" not in r:
         return ""
     if r["flex_status"] == "ok":
-        return f"ok, max diff {_f(r.get('flex_max_diff'), '.1e')}"
+        return f"ok, max diff {_fmt(r.get('flex_max_diff'), '.1e')}"
     return f"{r['flex_status']}: {r.get('flex_note', '')}".replace("|", "/")
 
 
@@ -129,7 +126,7 @@ def _smoke_section(doc: dict) -> list[str]:
                 str(r["N"]))
         shapes = "; ".join(f"{k}: N {', '.join(ns)}" for k, ns in by.items())
         out.append(f"| {variant} | {sum(r['status'] == 'ok' for r in mine)}/{len(mine)} | "
-                   f"{_f(max(worst) if worst else None, '.2f')} | {shapes} |")
+                   f"{_fmt(max(worst) if worst else None, '.2f')} | {shapes} |")
     bad = [r for r in rs if r["status"] != "ok"]
     if bad:
         out += ["", "Failed cases:", ""] + [f"- {r['what']}: {r['note']}" for r in bad]
@@ -153,7 +150,7 @@ def _pytest_section(doc: dict) -> list[str]:
         c = per_file.get(f, Counter())
         not_run = max(collected[f] - c.total(), 0) if f in collected else None
         out.append(f"| {f} | {c['passed']} | {c['failed']} | {c['error']} | {c['skipped']} | "
-                   f"{_f(not_run, 'd')} |")
+                   f"{_fmt(not_run, 'd')} |")
     bad = [r for r in rs if r["outcome"] in ("failed", "error")]
     if bad:
         out += ["", "Failures (full text in pytest.txt and log.txt):", ""]
@@ -167,7 +164,7 @@ def _simple_table(rs: list[dict], cols: tuple[str, ...]) -> list[str]:
     for r in rs:
         out.append("| " + " | ".join(str(r.get(c, "")).replace("|", "/")
                                      if not isinstance(r.get(c), float)
-                                     else _f(r[c]) for c in cols) + " |")
+                                     else _fmt(r[c]) for c in cols) + " |")
     return out + [""]
 
 

@@ -57,27 +57,24 @@ def build(family: str, large: bool = False):
     common.update(max_position_embeddings=8192, tie_word_embeddings=False, pad_token_id=0,
                   bos_token_id=None, eos_token_id=None)
     head = common["hidden_size"] // common["num_attention_heads"]
+    # family: (transformers' class prefix, its config's keywords beyond the common ones)
+    families = {
+        "llama": ("Llama", {}), "mistral": ("Mistral", dict(sliding_window=5)),
+        "gemma2": ("Gemma2", dict(head_dim=head, sliding_window=5, attn_logit_softcapping=2.0,
+                                  final_logit_softcapping=30.0, query_pre_attn_scalar=24)),
+        "gpt_oss": ("GptOss", dict(head_dim=head, sliding_window=5, num_local_experts=4,
+                                   num_experts_per_tok=2, experts_implementation="eager",
+                                   intermediate_size=32)),
+        "qwen3": ("Qwen3", dict(head_dim=head))}
+    if family not in families:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    name, extra = families[family]
     torch.manual_seed(0)
-    if family == "llama":
-        model = T.LlamaForCausalLM(T.LlamaConfig(**common))
-    elif family == "mistral":
-        model = T.MistralForCausalLM(T.MistralConfig(sliding_window=5, **common))
-    elif family == "gemma2":
-        model = T.Gemma2ForCausalLM(T.Gemma2Config(
-            head_dim=head, sliding_window=5, attn_logit_softcapping=2.0,
-            final_logit_softcapping=30.0, query_pre_attn_scalar=24, **common))
-    elif family == "gpt_oss":
-        common["intermediate_size"] = 32
-        model = T.GptOssForCausalLM(T.GptOssConfig(
-            head_dim=head, sliding_window=5, num_local_experts=4, num_experts_per_tok=2,
-            experts_implementation="eager", **common))
+    model = getattr(T, f"{name}ForCausalLM")(getattr(T, f"{name}Config")(**{**common, **extra}))
+    if family == "gpt_oss":
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)
-    elif family == "qwen3":
-        model = T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=head, **common))
-    else:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     return model.eval()
 
 

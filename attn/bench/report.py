@@ -214,7 +214,7 @@ def load_json(path: str | Path) -> tuple[dict, list[dict], list[dict]]:
     return doc["header"], doc["rows"], doc.get("checks", [])
 
 
-def _fmt(x: float | None, spec: str) -> str:
+def _fmt(x: float | None, spec: str = ".3g") -> str:
     return "—" if x is None else format(x, spec)
 
 
