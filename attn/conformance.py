@@ -152,13 +152,11 @@ def _scores(q: Tensor, k: Tensor, kw: dict) -> Tensor:
     return q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * _scale(q, kw)
 
 
-def _no_scale(q, k, v, kw):
-    return None if _scale(q, kw) == 1.0 else _exact(q, k, v, {**kw, "scale": 1.0})
-
-
-def _double_scale(q, k, v, kw):
-    s = _scale(q, kw)
-    return None if s == 1.0 else _exact(q, k, v, {**kw, "scale": s * s})
+def _scale_wrong(twice: bool):  # the scale left out, or applied twice
+    def hypothesis(q, k, v, kw):
+        s = _scale(q, kw)
+        return None if s == 1.0 else _exact(q, k, v, {**kw, "scale": s * s if twice else 1.0})
+    return hypothesis
 
 
 def _gqa_repeat(q, k, v, kw):
@@ -220,8 +218,8 @@ def _without(name):
 HYPOTHESES: dict[str, Callable] = {
     "causal aligned top-left (attn's causal is bottom-right: query i sees key j iff "
     "j <= i + Nk - Nq)": _top_left,
-    "scale missing (scores not multiplied by D**-0.5)": _no_scale,
-    "scale applied twice": _double_scale,
+    "scale missing (scores not multiplied by D**-0.5)": _scale_wrong(False),
+    "scale applied twice": _scale_wrong(True),
     "GQA heads grouped by repeat (query head h reads kv head h % Hkv) instead of "
     "repeat_interleave (h // (H // Hkv))": _gqa_repeat,
     "softmax over the wrong axis (normalized over queries, not keys)": _wrong_axis,

@@ -7,6 +7,7 @@ your own tests, and the conformance cases: docs/testing.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import inspect
@@ -151,20 +152,18 @@ def _run(fn: Callable, q: Tensor, k: Tensor, v: Tensor, kwargs: dict, dtype: tor
         got_lse = None
     B, H, Nq = q.shape[:3]
     _check_shape("out", out, (B, H, Nq, v.shape[-1]), "(B, H, Nq, Dv)", q, k, v)
-    if got_lse is not None:
-        _check_shape("lse", got_lse, (B, H, Nq), "(B, H, Nq)", q, k, v)
     got = {"out": out.detach().to(torch.float64)}
     if got_lse is not None:
+        _check_shape("lse", got_lse, (B, H, Nq), "(B, H, Nq)", q, k, v)
         got["lse"] = got_lse.detach().to(torch.float64)
     if grad:
         loss = (out.to(torch.float64) * d_out).sum()
         if got_lse is not None and d_lse is not None:
             finite = torch.isfinite(got_lse)
             loss = loss + torch.where(finite, got_lse.to(torch.float64), 0.0).mul(d_lse).sum()
-        names = list(leaves)
-        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
-        for n, g in zip(names, grads):
-            got["d" + n] = (torch.zeros_like(leaves[n], dtype=torch.float64) if g is None
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        for (n, leaf), g in zip(leaves.items(), grads):
+            got["d" + n] = (torch.zeros_like(leaf, dtype=torch.float64) if g is None
                             else g.detach().to(torch.float64))
     return got
 
@@ -207,14 +206,12 @@ def compare_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, grad:
     dtype = q.dtype
     g = torch.Generator().manual_seed(seed + 1)
     B, H, Nq = q.shape[0], q.shape[1], q.shape[2]
-    d_out = torch.randn(B, H, Nq, v.shape[-1], generator=g, dtype=torch.float64) if grad else None
-    d_lse = (torch.randn(B, H, Nq, generator=g, dtype=torch.float64)
-             if grad and check_lse is not False else None)
-    if d_out is not None:
-        d_out, d_lse = d_out.to(q.device), None if d_lse is None else d_lse.to(q.device)
-
-    def reference(*a, **kw):
-        return attention(*a, **kw, backend="reference")
+    d_out = d_lse = None
+    if grad:
+        d_out = torch.randn(B, H, Nq, v.shape[-1], generator=g, dtype=torch.float64).to(q.device)
+        if check_lse is not False:
+            d_lse = torch.randn(B, H, Nq, generator=g, dtype=torch.float64).to(q.device)
+    reference = partial(attention, backend="reference")
 
     def run_reference(dtype_, lse: bool):
         return _run(reference, q, k, v, kwargs, dtype_, grad=grad, lse=lse, seed=seed,

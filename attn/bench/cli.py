@@ -121,17 +121,12 @@ def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> Non
                        help="small sizes and few repeats: about 1-2 minutes on 2 CPU cores")
         p.add_argument("--no-checks", action="store_true",
                        help="skip the correctness checks against the reference")
-    else:
-        _add_function_args(p)
-
-
-def _add_function_args(p: argparse.ArgumentParser) -> None:
-    """``--fn``: users' attention functions measured beside the backends."""
-    p.add_argument("--fn", action="append", default=[], metavar="MODULE:FUNCTION",
-                   help="your attention function, measured beside the backends (repeatable): "
-                        "mypkg.mod:fn or path/to/file.py:fn. A point where it raises is "
-                        "recorded as failed there; the sweep goes on")
-    _add_style_args(p, "--fn functions")
+    else:  # users' attention functions measured beside the backends
+        p.add_argument("--fn", action="append", default=[], metavar="MODULE:FUNCTION",
+                       help="your attention function, measured beside the backends "
+                            "(repeatable): mypkg.mod:fn or path/to/file.py:fn. A point where "
+                            "it raises is recorded as failed there; the sweep goes on")
+        _add_style_args(p, "--fn functions")
 
 
 def _add_style_args(p: argparse.ArgumentParser, what: str) -> None:

@@ -11,6 +11,7 @@ Must run in a process where the triton backend is *not* in interpreter mode
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import subprocess
@@ -379,29 +380,26 @@ def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,
     ``mark_kept`` notes on each build whether ``_prune`` keeps its config on that arch.
     ``kernels`` keeps only those kernels; ``config_names`` (as :func:`_config_name` writes
     them) builds those configs, kept or pruned, where a kernel has them, instead."""
-    for dtype in dtypes:
-        for d in head_dims:
-            for variant in variants:
-                launches = record_launches(head_dim=d, dtype=dtype, variant=variant)
-                for launch in launches:
-                    if kernels and launch.name not in kernels:
-                        continue
-                    if launch.name in NO_DOT and variant not in ("plain", "decode", "paged"):
-                        # (paged_int4's combine is paged's: the codes are the paged kernel's)
-                        continue  # no variant flags: one build per D is enough
-                    for arch in archs:
-                        cfgs = launch.configs(arch=arch, pruned=pruned)
-                        kept = launch.configs(arch=arch, pruned=True) if mark_kept else []
-                        chosen = cfgs if all_configs else [largest(cfgs)]
-                        if config_names:
-                            every = launch.configs(arch=arch, pruned=False)
-                            chosen = [c for c in every if _config_name(c) in config_names]
-                        for cfg in chosen:
-                            build = compile_launch(launch, cfg, arch=arch, variant=variant,
-                                                   ptxas_verbose=ptxas_verbose)
-                            if mark_kept and launch.autotuned:
-                                build.notes.append("kept" if cfg in kept else "pruned")
-                            yield build
+    for dtype, d, variant in itertools.product(dtypes, head_dims, variants):
+        for launch in record_launches(head_dim=d, dtype=dtype, variant=variant):
+            if kernels and launch.name not in kernels:
+                continue
+            if launch.name in NO_DOT and variant not in ("plain", "decode", "paged"):
+                # (paged_int4's combine is paged's: the codes are the paged kernel's)
+                continue  # no variant flags: one build per D is enough
+            for arch in archs:
+                cfgs = launch.configs(arch=arch, pruned=pruned)
+                kept = launch.configs(arch=arch, pruned=True) if mark_kept else []
+                chosen = cfgs if all_configs else [largest(cfgs)]
+                if config_names:
+                    every = launch.configs(arch=arch, pruned=False)
+                    chosen = [c for c in every if _config_name(c) in config_names]
+                for cfg in chosen:
+                    build = compile_launch(launch, cfg, arch=arch, variant=variant,
+                                           ptxas_verbose=ptxas_verbose)
+                    if mark_kept and launch.autotuned:
+                        build.notes.append("kept" if cfg in kept else "pruned")
+                    yield build
 
 
 # -- the report: `attn bench compile` ----------------------------------------------------------

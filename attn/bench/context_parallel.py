@@ -1,12 +1,10 @@
 """``attn bench context-parallel``: ring and Ulysses attention over P gloo processes on CPU.
 
 For each world size P (a fresh group on 127.0.0.1, one torch thread per rank), strategy, N
-and mode, every rank measures its shard's peak memory above its inputs
-(:func:`attn.timing.peak_bytes`, expected ∝ N / P) and the time of one call; a row keeps the
-max over ranks, ``ms_per_step`` (ms / P for the ring) and ``comm_share``, the share of the
-time spent waiting on communication. Then float32 against float64 ``attn.attention`` per P
-(``errors``): the error must not grow with P. docs/benchmarks.md ("Context parallelism")
-has the numbers; P processes on fewer cores cannot show a speed-up.
+and mode, every rank measures its shard's peak memory and the time of one call (a row keeps
+the max over ranks and the share spent waiting on communication); then float32 against
+float64 ``attn.attention`` per P (``errors``), which must not grow with P.
+docs/benchmarks.md ("Context parallelism") has the numbers.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,10 +48,6 @@ def _inputs(shape, D, dtype, device, seed):
     return q, k, v, g
 
 
-def _fused(q, k, v, **kw):
-    return attention(q, k, v, backend="fused", **kw)
-
-
 def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda", *,
                speed: bool = True) -> dict:
     """One table row: the op's key, whether every case is within budget, the worst
@@ -74,7 +71,8 @@ def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda",
                 keep[:, :, 7] = False  # a row that sees no key: zeros, lse -inf
                 kw["attn_mask"] = keep.to(device)
             try:
-                rep = compare_to_reference(_fused, q, k, v, check_lse=True, **kw)
+                rep = compare_to_reference(partial(attention, backend="fused"), q, k, v,
+                                           check_lse=True, **kw)
             except Exception as exc:  # recorded: the op is not verified for this row
                 row["exact"] = False
                 row["error"] = row["error"] or f"{name}: {type(exc).__name__}: {exc}"[:500]

@@ -165,10 +165,6 @@ def _say(out: Path, line: str) -> None:
         f.write(f"[gpu-check] {line}\n")
 
 
-def _with_origin(rows: list[dict], header: dict) -> list[dict]:
-    return [{**r, **{k: header.get(k) for k in gpu_record.ROW_ORIGIN}} for r in rows]
-
-
 def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str] | None = None
                ) -> dict:
     """Run the selected stages in order (``stages``: name → MODULE:FUNCTION, default
@@ -222,7 +218,8 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
                 header.update({k: got["info"][k] for k in ("device_name", "cuda", "driver",
                                                            "sm_count", "memory_gib")
                                if k in got["info"]})
-            doc["rows"] += _with_origin(got["rows"], header)
+            origin = {k: header.get(k) for k in gpu_record.ROW_ORIGIN}
+            doc["rows"] += [{**r, **origin} for r in got["rows"]]
             doc["stages"][name] = gpu_record.stage_entry(
                 status, why=why, seconds=time.time() - started, dropped=got["dropped"],
                 budget_s=box)

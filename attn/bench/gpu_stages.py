@@ -497,14 +497,6 @@ def _varlen(ctx: StageContext) -> None:
         ctx.log(f"varlen {name}: {t:.3g} ms" + (f", SDPA / this {ratio:.2f}" if ratio else ""))
 
 
-def _decode_paths(ctx: StageContext) -> dict[str, str | None]:
-    """Each decode path and why it cannot run here (None: it runs)."""
-    if ctx.dry_run:
-        gpu = f"{GPU_ONLY}: compiled triton"
-        return {"split-KV triton": gpu, "plain triton": gpu, "sdpa": None, "tiled": None}
-    return {"split-KV triton": None, "plain triton": None, "sdpa": None}
-
-
 def _decode_call(path: str, q, k, v):
     """The step of one path (plain and split-KV triton differ in ATTN_TRITON_SPLIT_KV only,
     which :func:`_decode` sets around each path's timing)."""
@@ -518,14 +510,17 @@ def _decode_call(path: str, q, k, v):
 def _decode(ctx: StageContext) -> None:
     """One step of Nq new queries against a cache of Nk keys (GQA 32:8, D=128, bf16)."""
     H, Hkv, D = (4, 2, 16) if ctx.dry_run else (32, 8, 128)
+    # each path, and why it cannot run here (None: it runs)
+    paths = {"split-KV triton": None, "plain triton": None, "sdpa": None}
     if ctx.dry_run:
         grid = [(1, B, nk) for B in (1, 2) for nk in (64, 256)]
         ctx.dropped("decode Nq=4, B=8/64, Nk 1k-128k", "dry run: tiny sizes")
+        gpu = f"{GPU_ONLY}: compiled triton"
+        paths = {"split-KV triton": gpu, "plain triton": gpu, "sdpa": None, "tiled": None}
     else:  # B=8, Nq=1 first: the common serving case
         grid = sorted(((nq, B, nk) for nq in (1, 4) for B in (1, 8, 64)
                        for nk in (1024, 4096, 16384, 65536, 131072)),
                       key=lambda p: (p[0] != 1, p[1] != 8, p[1], p[2]))
-    paths = _decode_paths(ctx)
     dev = _device(ctx)
     for i, (nq, B, nk) in enumerate(grid):
         if ctx.left() < 3:

@@ -249,8 +249,7 @@ def plots(doc: dict, out: Path, kinds: set[str] = frozenset({"speed", "decode"})
         D = max(r["D"] for r in speed)
         rs = [r for r in speed if r["D"] == D]
         if any(r.get("ms") for r in rs):
-            made.append(sweep_plots.plot_speed(rs, out / "speed.png", {**doc["header"],
-                                                                 "device_name": title}))
+            made.append(sweep_plots.plot_speed(rs, out / "speed.png", doc["header"]))
         if any(r.get("peak_bytes") for r in rs):
             made.append(sweep_plots.plot_memory(rs, out / "memory.png", {"device_name": title}))
     decode = (_plot_decode(_rows(doc, "decode"), out / "decode.png", f"Decode — {title}")

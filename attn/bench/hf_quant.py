@@ -179,13 +179,10 @@ def step_times(lengths: list[int], types: dict, args) -> list[dict]:
     """One decode step after an N-token prompt, per cache type: every cache is prefilled
     first, then the caches take turns for ``--repeats`` rounds (a busy moment of a shared
     machine lands on all of them alike); median per cache, the first round dropped."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from attn.bench.hf import Shape, build_model
 
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=1024,
-                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                      head_dim=128, max_position_embeddings=1 << 16)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    # hidden and MLP widths and the vocabulary: 1024 (Shape's defaults)
+    model = build_model(Shape(layers=2, heads=8, kv_heads=2, head_dim=128))
     picked = ("fp32 (DynamicCache)", "attn int8", "attn int4", "quanto int4 (HF QuantizedCache)")
     rows = []
     for n in lengths:

@@ -141,9 +141,7 @@ def busy_core(enabled: bool) -> Iterator[int | None]:
 
 
 def markdown(header: dict, rows: list[dict]) -> str:
-    names = []
-    for r in rows:
-        names += [n for n in r["ratio"] if n not in names]
+    names = list(dict.fromkeys(n for r in rows for n in r["ratio"]))
     lines = ["# tiled vs torch SDPA on CPU: paired ratios (sdpa time / backend time)", "",
              *report.machine_lines(header, f"; {header['busy']}"),
              f"- shape: {header['shape']}; each round runs every backend in turn, reps calls "
@@ -196,8 +194,9 @@ def _measure_shape(args, B, H, N, D, dtype, mode, causals) -> list[dict]:
         fns = contenders(q, k, v, causal=causal, bwd=bwd, compiled=not args.no_compiled,
                          flex_max_n=args.flex_max_n, variants=variants)
         shape = args.shape if args.shape == "square" else f"{args.shape} Nq={n_q} Hkv={h_kv}"
+        rounds = args.repeats or (9 if N <= 2048 else 5 if N <= 4096 else 3)
         row = {"shape": shape, "N": N, "D": D, "dtype": dtype, "B": B, "H": H, "mode": mode,
-               "causal": causal, **measure(fns, args.repeats or (9 if N <= 2048 else 5 if N <= 4096 else 3))}
+               "causal": causal, **measure(fns, rounds)}
         # the matmul-equivalent rate (attn.bench.flops) of each contender, as a fraction of
         # the dense matmul rate measured in this run: the physical ceiling on this machine
         flops = attention_flops(B, H, n_q, N, D, mode=mode) * _visited(n_q, N, causal)

@@ -24,19 +24,14 @@ def _pyplot():
     return plt
 
 
-def _series(rows: list[dict], backend: str, causal: bool, mode: str, field: str):
-    pts = sorted((r["N"], r[field]) for r in rows if r["backend"] == backend
-                 and r["causal"] == causal and r["mode"] == mode and r["status"] == "ok"
-                 and r[field] is not None)
-    return [n for n, _ in pts], [y for _, y in pts]
-
-
 def _draw(ax, rows, mode, field, scale=1.0):
     for backend in dict.fromkeys(r["backend"] for r in rows):
         for causal in sorted({r["causal"] for r in rows}):
-            xs, ys = _series(rows, backend, causal, mode, field)
-            if xs:
-                ax.plot(xs, [y * scale for y in ys], marker="o", ms=4,
+            pts = sorted((r["N"], r[field]) for r in rows if r["backend"] == backend
+                         and r["causal"] == causal and r["mode"] == mode
+                         and r["status"] == "ok" and r[field] is not None)
+            if pts:
+                ax.plot([n for n, _ in pts], [y * scale for _, y in pts], marker="o", ms=4,
                         color=_COLORS.get(backend), ls="--" if causal else "-",
                         label=backend + (" causal" if causal else ""))
     ax.set_xscale("log", base=2)

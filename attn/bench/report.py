@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import shlex
-import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -93,13 +92,13 @@ def machine_lines(h: dict, more: str = "") -> list[str]:
             f"- command: `{h['command']}`"]
 
 
-def make_header(cfg: SweepConfig, argv: list[str] | None = None,
+def make_header(cfg: SweepConfig, argv: list[str],
                 matmul_tflops: dict[str, float] | None = None) -> dict:
     """Everything needed to trust or reproduce the numbers: versions, device, date, command."""
     is_cuda = torch.device(cfg.device).type == "cuda"
     return {
         "schema": SCHEMA_VERSION,
-        **run_header(cfg.device, sys.argv[1:] if argv is None else argv),
+        **run_header(cfg.device, argv),
         "triton": _triton_version(),
         "kind": "gpu" if is_cuda else "cpu",
         "tiled_path": steps_path_reason(cfg.device),  # the tiled path a call takes here
@@ -230,10 +229,6 @@ def per_path_lines(rows: list[dict], cells) -> list[str]:
     return ["| " + " | ".join(cells(r, n, ms)) + " |" for r in rows for n, ms in r["ms"].items()]
 
 
-def group_key(r: dict) -> tuple:
-    return (r["dtype"], r["D"], r["causal"], r["mode"])
-
-
 def markdown_tables(rows: list[dict]) -> str:
     """One table per (dtype, D, causal, mode): ms, TFLOP/s, share of the matmul rate, peak
     memory above the inputs, and sdpa's time over ours (> 1: faster than torch SDPA). B and H
@@ -243,7 +238,7 @@ def markdown_tables(rows: list[dict]) -> str:
     out = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault(group_key(r), []).append(r)
+        groups.setdefault((r["dtype"], r["D"], r["causal"], r["mode"]), []).append(r)
     for (dtype, D, causal, mode), rs in groups.items():
         shapes = {(r["B"], r["H"]) for r in rs}
         fixed = len(shapes) == 1

@@ -10,6 +10,7 @@ own kernels by name (:mod:`attn.bench.competitors`) and users' functions
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -220,16 +221,11 @@ class Row:
 def plan(cfg: SweepConfig) -> list[Row]:
     """Every point of the sweep, in run order, before anything runs."""
     rows = []
-    for dtype in cfg.dtypes:
-        for D in cfg.d:
-            for causal in cfg.causal:
-                for mode in cfg.modes:
-                    for N in sorted(cfg.n):
-                        B = cfg.batch if cfg.tokens is None else max(1, cfg.tokens // N)
-                        H = cfg.heads if cfg.width is None else max(1, cfg.width // D)
-                        for backend in cfg.backends:
-                            rows.append(Row(backend, cfg.device, dtype, B, H, N, D, causal,
-                                            mode))
+    for dtype, D, causal, mode, N in itertools.product(cfg.dtypes, cfg.d, cfg.causal,
+                                                       cfg.modes, sorted(cfg.n)):
+        B = cfg.batch if cfg.tokens is None else max(1, cfg.tokens // N)
+        H = cfg.heads if cfg.width is None else max(1, cfg.width // D)
+        rows += [Row(b, cfg.device, dtype, B, H, N, D, causal, mode) for b in cfg.backends]
     return rows
 
 
@@ -316,11 +312,6 @@ def _measure(row: Row, cfg: SweepConfig) -> None:
         row.tflops = row.flops / (row.ms * 1e-3) / 1e12
 
 
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "memory" in str(exc).lower())
-
-
 def run_sweep(cfg: SweepConfig, rows: list[Row] | None = None) -> Iterator[Row]:
     """Run (or skip) every planned point, yielding each row as soon as it is done.
 
@@ -342,7 +333,9 @@ def run_sweep(cfg: SweepConfig, rows: list[Row] | None = None) -> Iterator[Row]:
         try:
             _measure(row, cfg)
         except Exception as exc:  # one bad point must not end an hour-long sweep
-            row.status = "oom" if _is_oom(exc) else "error"
+            oom = isinstance(exc, torch.OutOfMemoryError) or (
+                isinstance(exc, RuntimeError) and "memory" in str(exc).lower())
+            row.status = "oom" if oom else "error"
             if row.status == "error" and row.backend in COMPETITORS:
                 row.status = "skipped"  # torch's kernel refusing a shape is not attn's error
             elif row.status == "error" and row.backend in cfg.functions:
