@@ -167,17 +167,18 @@ def _gqa_repeat(q, k, v, kw):
     return _exact(q, k.repeat(1, g, 1, 1), v.repeat(1, g, 1, 1), kw)
 
 
+def _masked_scores(q: Tensor, k: Tensor, kw: dict) -> Tensor:
+    """:func:`_scores` with a float attn_mask added and every masked-out key at -inf."""
+    s, mask, keep = _scores(q, k, kw), kw.get("attn_mask"), _keep(q, k, kw)
+    if mask is not None and mask.dtype != torch.bool:
+        s = s + mask
+    return s if keep is None else s.masked_fill(~keep, -math.inf)
+
+
 def _wrong_axis(q, k, v, kw):
     if kw.get("sinks") is not None or kw.get("softcap") is not None:
         return None
-    s = _scores(q, k, kw)
-    mask = kw.get("attn_mask")
-    if mask is not None and mask.dtype != torch.bool:
-        s = s + mask
-    keep = _keep(q, k, kw)
-    if keep is not None:
-        s = s.masked_fill(~keep, -math.inf)
-    p = torch.softmax(s, dim=-2).nan_to_num(0.0)  # normalized over the queries
+    p = torch.softmax(_masked_scores(q, k, kw), dim=-2).nan_to_num(0.0)  # over the queries
     return p @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)
 
 
@@ -308,19 +309,14 @@ def _row_max(q, k, kw) -> Tensor | None:
     mask = kw.get("attn_mask")
     if mask is not None and mask.dtype != torch.bool:
         return None
-    s = _scores(q, k, kw)  # (B, H, Nq, Nk)
-    keep = _keep(q, k, kw)
-    if keep is not None:
-        s = s.masked_fill(~keep, -math.inf)
-    return s.amax(-1)
+    return _masked_scores(q, k, kw).amax(-1)  # (B, H, Nq)
 
 
 def _diagnose_lse(got: Tensor, q, k, v, kw, tol: float) -> list[str]:
     _, exact = _exact(q, k, v, kw, lse=True)
     empty = torch.isinf(exact)
     names = []
-    if torch.equal(torch.isinf(got), empty) and (got[~empty] - exact[~empty] / math.log(2)
-                                                 ).abs().max().item() <= tol / math.log(2):
+    if _lse_fits(got, exact / math.log(2), empty, tol / math.log(2)):
         names.append("lse in base 2 (log2 instead of the natural log)")
     m_i = _row_max(q, k, kw)
     if m_i is not None and _lse_fits(got, exact - m_i, empty, tol):

@@ -71,12 +71,9 @@ def make_inputs(B: int = 2, H: int = 4, N: int = 128, D: int = 64, *, Hkv: int |
                 Nk: int | None = None, Dv: int | None = None, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", seed: int = 0, logit_scale: float = 1.0
                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Seeded standard-normal q (B, H, N, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv).
-
-    ``logit_scale`` multiplies q, so the scores ``q·k·D**-0.5`` have a standard deviation of
-    about ``logit_scale``: at 1 the softmax is mild and forgives a lot; from ~30 the largest
-    float32 scores pass 88, where ``exp`` overflows in a softmax without max-subtraction.
-    """
+    """Seeded standard-normal q (B, H, N, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); q times
+    ``logit_scale``, the scores' standard deviation (from ~30 the largest float32 scores pass
+    88, where ``exp`` overflows in a softmax without max-subtraction)."""
     if not logit_scale > 0:
         raise ValueError(f"logit_scale must be positive, got {logit_scale}")
     g = torch.Generator().manual_seed(seed)
@@ -377,15 +374,11 @@ _CASES = (
 
 def conformance_cases(names: list[str] | tuple[str, ...] | None = None, *,
                       quick: bool = False) -> list[Case]:
-    """The conformance matrix's cases (``attn check``'s rows), for ``pytest.mark.parametrize``::
-
-        @pytest.mark.parametrize("case", conformance_cases(), ids=str)
-        def test_my_attention(case):
-            case.check(my_attention)          # AssertionError with the error table if wrong
-
-    ``names`` picks cases by name (ValueError naming unknown ones); ``quick`` leaves out the
-    N = 1025 rows. Rows your function cannot express raise its own error (TypeError,
-    NotImplementedError): skip those in your test, or let ``attn check`` sort them out.
+    """The conformance matrix's cases (``attn check``'s rows), for
+    ``pytest.mark.parametrize("case", conformance_cases(), ids=str)`` and ``case.check(fn)``
+    (docs/conformance.md). ``names`` picks cases by name (ValueError naming unknown ones);
+    ``quick`` leaves out the N = 1025 rows. Rows your function cannot express raise its own
+    error (TypeError, NotImplementedError): skip those, or let ``attn check`` sort them out.
     """
     cases = [c for c in _CASES if not (quick and c.Nq >= 1025)]
     if names is None:

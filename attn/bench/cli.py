@@ -1,18 +1,6 @@
-"""The ``attn`` command: ``attn report`` (the main job) and the ``attn bench`` questions.
-
-    attn report --quick                 # ~1-2 min on 2 CPU cores: checks, sweep, tables, plots
-    attn report --device cuda --out results/h100
-    attn bench memory --n 1024 4096 16384 --backends tiled sdpa --mode fwd+bwd
-    attn bench speed --n 2048 --d 64 128 --causal both --dtype float16 --device cuda
-    attn bench speed --preset triton    # triton against torch's kernels on one GPU
-    attn bench speed --paired           # tiled against torch SDPA on CPU, in-round ratios
-    attn bench speed --fn mypkg.mod:my_attention --style torch   # yours beside attn's
-    attn bench decode [--compat]        # one new token against a long KV cache, vs SDPA
-    attn bench hf --context 2048 8192   # a transformers Llama with attn, sdpa and eager
-    attn bench train-step               # one GPT training step: peak memory and time
-    attn bench context-parallel --world-sizes 1 2 4 --n 2048 8192 32768
-    attn check mypkg.mod:my_attention   # the conformance matrix on your function (--json)
-    attn gpu-check --out gpu                # on a GPU machine, one 8-minute run (docs/gpu.md)
+"""The ``attn`` command: ``attn report`` (the main job), the ``attn bench`` questions (``attn
+bench --help`` lists them), ``attn check`` and ``attn gpu-check``; docs/benchmarks.md,
+docs/conformance.md and docs/gpu.md show each in use.
 """
 
 from __future__ import annotations
@@ -428,8 +416,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if r.status in ("error", "failed"):
             print(f"{r.status.upper()} at {r.label()}: {r.note}", file=sys.stderr)
     # a user's function failing at a point is its result, not a failure of this run
-    errors = [r for r in rows if r.status == "error"]
-    return 1 if failed or errors else 0
+    return 1 if failed or any(r.status == "error" for r in rows) else 0
 
 
 def parse_args(argv: list[str], device_name: str | None = None) -> argparse.Namespace:

@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Iterator
 from unittest import mock
 
 import torch
+
+from attn.masks import make_band
+from attn.spec import LaunchSpec, Operands, PageTable, QuantPages
 
 ARCHS = (90, 80)
 # opt-in shared memory per block: H100 227 KiB, A100 163 KiB
@@ -120,9 +126,6 @@ class _Recorder:
 
 def _variant_call(variant: str, H: int, n_q: int, n_k: int, scale: float) -> tuple[Any, dict]:
     """The launch spec and tensor arguments of one variant."""
-    from attn.masks import make_band
-    from attn.spec import LaunchSpec
-
     if variant == "plain":
         return LaunchSpec(qk_scale=scale), {}
     if variant == "causal":
@@ -152,8 +155,6 @@ def _paged_call(tri, spec, tensors: dict, rand, *, head_dim: int, B: int, H: int
     table, B rows of ragged lengths up to N (the last one N), split-KV forced as for decode.
     ``quant``: the pages hold int4 codes, keys scaled per channel and values per group of
     32, each row's last two pages full-precision ids into a ring of its own."""
-    from attn.spec import Operands, PageTable, QuantPages
-
     page = 16
     per_row = -(-N // page)
     g = torch.Generator().manual_seed(1)
@@ -184,10 +185,6 @@ def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int
     forward-mode pass (``tri._jvp``, a tangent on every input that takes one) for dense
     and varlen, or a decoding forward (decode: 16 query rows, split-KV forced to 4 chunks;
     paged: the same through a block table; paged_int4: from a quantized cache)."""
-    from dataclasses import replace
-
-    from attn.spec import Operands
-
     g = torch.Generator().manual_seed(0)
     forward_only = variant in _FORWARD_ONLY
     n_q = 16 if forward_only else N  # 16 rows x a group of 4: the largest q block
@@ -476,11 +473,6 @@ def _appended(old: dict, builds: list[Build], header: dict) -> tuple[list[Build]
 
 
 def run(args, argv: list[str]) -> int:
-    import json
-    import sys
-    from dataclasses import asdict
-    from pathlib import Path
-
     if os.environ.get("TRITON_INTERPRET") == "1":
         if "attn.flash_triton" in sys.modules:
             raise SystemExit("attn bench compile: run it without TRITON_INTERPRET=1")

@@ -1,13 +1,10 @@
 """Verify the fused backend's CUDA ops against the float64 reference, and write the table
 ``auto`` reads (``attn/fused_cuda_table.json``, see :mod:`attn.fused_cuda`; docs/gpu.md).
 
-For each op (flash, efficient, cuDNN), dtype and head dim the op takes, the fused backend runs
-:data:`CASES` with every piece on that op (:func:`attn.fused_cuda.force_op`); a row is
-``exact`` when out, lse and every gradient of every case are within DESIGN's budget, and an
-exception (an op refusing its arguments on this GPU) is recorded. The fused backend calls
-torch's op once per (sequence, kv head, piece) where triton launches one kernel, so each exact
-row is also timed against triton on :data:`SPEED_SHAPE` (``speedup_vs_triton``; ``auto``
-takes the op only where it is at least 1, :func:`attn.fused_cuda.verified_op`).
+Each op runs :data:`CASES` with every piece on it (:func:`attn.fused_cuda.force_op`). The
+fused backend calls torch's op once per (sequence, kv head, piece) where triton launches one
+kernel, so an exact row is also timed against triton (``speedup_vs_triton``; ``auto`` takes
+the op only where it is at least 1, :func:`attn.fused_cuda.verified_op`).
 """
 
 from __future__ import annotations
@@ -148,10 +145,8 @@ SPEED_MIN_S = 20  # a speed row below this much box left would be cut mid-way: d
 
 def stage(ctx) -> None:
     """``attn gpu-check``'s fused stage (docs/gpu.md): :func:`verify_one` for every (op, dtype,
-    head dim), exactness first, then each exact row's speed (bf16, then D = 128 first: triton
-    autotunes once per dtype and head dim, every op of the pair reuses it), the table rewritten
-    after each row. A dry run verifies one op at one head dim and writes only beside the
-    results."""
+    head dim), then each exact row's speed (bf16 and D = 128 first: triton autotunes once per
+    pair, every op reuses it). A dry run verifies one op and writes only beside the results."""
     if ctx.dry_run:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":

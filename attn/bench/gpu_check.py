@@ -15,9 +15,11 @@ their boxes, statuses and files (:mod:`attn.bench.gpu_record`).
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import os
+import platform
 import shlex
 import signal
 import sys
@@ -25,7 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from attn.bench import gpu_record, gpu_tables
+import torch
+
+from attn.bench import gpu_record, gpu_stages, gpu_tables, report
 
 STAGES = {"env": "attn.bench.gpu_stages:env",
           # every variant at small shapes against the float64 reference, bits repeated
@@ -86,13 +90,6 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _header(args: argparse.Namespace, argv: list[str]) -> dict:
-    import datetime
-    import platform
-
-    import torch
-
-    from attn.bench import report
-
     return {"device_name": report.device_name("cpu") if args.dry_run else None,
             "torch": torch.__version__, "triton": report._triton_version(),
             "python": platform.python_version(), "cuda": torch.version.cuda,
@@ -132,8 +129,6 @@ def _stage_starter():
 
 def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[str, str, dict]:
     """Run one stage in its own process: (status, why, its records)."""
-    from attn.bench import gpu_stages
-
     proc = _stage_starter().Process(
         target=gpu_stages.stage_process, name=f"attn gpu-check {name}",
         args=(target, json.dumps(ctx.__dict__), _child_env(name, ctx.dry_run)))
@@ -187,7 +182,6 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
     _stage_starter()
     env_facts: dict = {}
     with tempfile.TemporaryDirectory(prefix="attn-gpu-check-") as tmp:
-        scratch_dir = Path(tmp)
         for i, name in enumerate(selected):
             left = total - (time.time() - t0)
             weight = WEIGHTS.get(name, 1.0)
@@ -204,7 +198,7 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
                 continue
             _say(out, f"stage {name} ({box:.0f} s box)")
             ctx = gpu_record.StageContext(
-                name=name, out=str(out.resolve()), scratch=str(scratch_dir / f"{name}.jsonl"),
+                name=name, out=str(out.resolve()), scratch=str(Path(tmp) / f"{name}.jsonl"),
                 deadline=time.time() + box, dry_run=args.dry_run, cores=os.cpu_count() or 1,
                 tests=str(args.tests.resolve()), budget_s=box, env=env_facts)
             # if this process is killed now, the stage reads as what it is: unfinished
@@ -231,8 +225,6 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
             gpu_record.write_results(out, doc)
             _say(out, f"stage {name}: {status}{' (' + why + ')' if why else ''}")
     if header["device_name"] is None:  # env not run: name the device all the same
-        from attn.bench import report
-
         header["device_name"] = report.device_name("cuda")
         gpu_record.write_results(out, doc)
     return doc
@@ -317,13 +309,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"merged {len(args.merge)} runs into {args.out}: "
               + ", ".join(f"{n} {e['status']}" for n, e in doc["stages"].items()))
         return 0
-    if not args.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("attn gpu-check: torch sees no CUDA device; on a machine without a GPU, "
-                  "--dry-run runs every stage at tiny sizes", file=sys.stderr)
-            return 2
+    if not args.dry_run and not torch.cuda.is_available():
+        print("attn gpu-check: torch sees no CUDA device; on a machine without a GPU, "
+              "--dry-run runs every stage at tiny sizes", file=sys.stderr)
+        return 2
     doc = run_stages(args, argv)
     bad = failures(doc)
     for line in bad:

@@ -1,8 +1,5 @@
-"""``attn gpu-check``'s smoke stage (docs/gpu.md): the triton kernels as they are now, every
-variant at a few small shapes, forward and backward against the float64 reference
-(:func:`attn.testing.compare_to_reference`), and the same call twice giving the same bits.
-Cases run in priority order, so a short box still holds every variant once; a case that is
-wrong or raises is a failed row, never the stage's error.
+"""``attn gpu-check``'s smoke stage (docs/gpu.md): every variant of the triton kernels at a
+few small shapes against the float64 reference, and the same call twice giving the same bits.
 """
 
 from __future__ import annotations
@@ -11,6 +8,7 @@ import torch
 
 import attn
 from attn.bench.gpu_record import StageContext, exc_line
+from attn.testing import compare_to_reference, make_inputs
 from attn.bench.gpu_stages import _device, _variant_kwargs
 
 # the variants of the smoke, in the order they run at each shape
@@ -55,8 +53,6 @@ def _varlen_case(N: int, dev: str):
 
 def _case(variant: str, dtype_name: str, D: int, N: int, dev: str):
     """q, k, v, the attn.attention keywords and ``fn(q, k, v, **kw)`` on triton."""
-    from attn.testing import make_inputs
-
     dtype = getattr(torch, dtype_name)
     B, H = (1, 2) if dev == "cpu" else (2, 4)  # the interpreter's cost is per program
     B = 1 if variant == "varlen" else B
@@ -94,8 +90,6 @@ def check_case(variant: str, dtype_name: str, D: int, N: int, dev: str) -> dict:
     """One smoke case's row fields: ``status`` ok or failed, ``worst`` (the largest
     error / budget over out, lse and the gradients), ``repeatable`` (two calls, same bits)
     and a ``note`` naming what failed."""
-    from attn.testing import compare_to_reference
-
     q, k, v, kw, fn = _case(variant, dtype_name, D, N, dev)
     report = compare_to_reference(fn, q, k, v, check_lse=True, **kw)
     first, again = _bits(fn, q, k, v, kw), _bits(fn, q, k, v, kw)

@@ -4,8 +4,7 @@
 its :class:`~attn.bench.gpu_record.StageContext`. A process per stage gives every stage a hard
 time box (killed at its deadline, its rows kept), keeps an out-of-memory or a crashed driver
 from taking the other stages down, and lets each stage set the environment triton reads at
-import. Each stage checks its box before each point, in priority order, and records what it
-leaves out; in a dry run (no GPU) the same code runs at tiny sizes.
+import (docs/gpu.md: the stages, their boxes, what each drops to fit and the dry run).
 """
 
 from __future__ import annotations
@@ -14,16 +13,24 @@ import importlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import traceback
+from importlib.util import find_spec
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 import attn
+from attn.bench.competitors import SDPA_KERNELS, flex_variant
+from attn.bench.flops import matmul_tflops
 from attn.bench.gpu_record import StageContext, exc_line
+from attn.sdpa import torch_sdpa
+from attn.testing import compare_to_reference, make_inputs
+from attn.timing import benchmark
+from attn.varlen import cu_seqlens_from_lengths, unpack
 
 GPU_ONLY = "GPU only"
 # the triton outer kernels by the kind their autotune configs are listed under
@@ -49,8 +56,6 @@ def _fits(ctx: StageContext, nbytes: float, what: str) -> bool:
 
 
 def _time_ms(ctx: StageContext, fn, repeats: int) -> float:
-    from attn.timing import benchmark
-
     return benchmark(fn, device=_device(ctx), warmup=1, repeats=repeats, min_repeats=1,
                      budget_s=0.05 if ctx.dry_run else 1.0).median_ms
 
@@ -82,8 +87,6 @@ def env(ctx: StageContext) -> None:
     """Device, versions, and the ceilings measured now: bf16 matmul TFLOP/s and
     device-to-device copy GB/s."""
     from attn.bench import report
-    from attn.bench.flops import matmul_tflops
-    from attn.timing import benchmark
 
     dev = _device(ctx)
     facts = {"device_name": report.device_name(dev), "torch": torch.__version__,
@@ -118,8 +121,6 @@ def env(ctx: StageContext) -> None:
 # -- 2. correctness ----------------------------------------------------------------------------
 
 def _pytest_command(ctx: StageContext) -> list[str]:
-    from importlib.util import find_spec
-
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
            "-p", "no:benchmark", "-p", "attn.bench.gpu_pytest"]
     if ctx.dry_run:
@@ -159,8 +160,6 @@ def _start_pytest(ctx: StageContext):
 
 def _finish_pytest(ctx: StageContext, started) -> None:
     """Wait for pytest until the box (less a few seconds to write), then cut it."""
-    import signal
-
     if started is None:
         return
     proc, f = started
@@ -176,8 +175,6 @@ def _finish_pytest(ctx: StageContext, started) -> None:
 
 
 def _triton_inputs(ctx: StageContext, B: int, H: int, N: int, D: int, Hkv: int | None = None):
-    from attn.testing import make_inputs
-
     q, k, v = make_inputs(B=B, H=H, Hkv=Hkv, N=N, D=D, dtype=torch.bfloat16,
                           device=_device(ctx), seed=N)
     return tuple(t.requires_grad_() for t in (q, k, v))
@@ -298,9 +295,7 @@ def _compile_check(ctx: StageContext) -> None:
 
 def correctness(ctx: StageContext) -> None:
     """pytest -m cuda in its own process and, beside it on the cores its workers leave free,
-    determinism, the NaN scan and the torch.compile check; both until the box ends. One
-    config per triton launch (ATTN_TRITON_AUTOTUNE=0): this stage is about right answers,
-    and the autotuner compiles ~20 configs per set of variant flags."""
+    determinism, the NaN scan and the torch.compile check, until the box ends (docs/gpu.md)."""
     started = _start_pytest(ctx)
     _determinism(ctx)
     _compile_check(ctx)
@@ -311,7 +306,6 @@ def correctness(ctx: StageContext) -> None:
 # -- 3. speed and memory -----------------------------------------------------------------------
 
 def _speed_config(ctx: StageContext):
-    from attn.bench.competitors import SDPA_KERNELS
     from attn.bench.sweep import SweepConfig
 
     if ctx.dry_run:
@@ -340,12 +334,8 @@ def autotune_picks() -> dict[str, str]:
         import attn.flash_triton as ft
     except ImportError:
         return {}
-    picks = {}
-    for kind, name in _KERNELS.items():
-        best = getattr(getattr(ft, name, None), "best_config", None)
-        if best is not None:
-            picks[kind] = str(best)
-    return picks
+    return {kind: str(best) for kind, name in _KERNELS.items()
+            if (best := getattr(getattr(ft, name, None), "best_config", None)) is not None}
 
 
 def _group(row) -> str:
@@ -394,8 +384,6 @@ def _flex_side(ctx: StageContext, name: str, kw: dict, q, k, v, ours, ours_ms: f
     """The flex fields of a variant's row: compiled flex on the same variant and inputs
     (compiled before the timing), its ms, ``flex_ratio`` = flex ms / ours ms and its largest
     difference from our output; or why flex did not run."""
-    from attn.bench.competitors import flex_variant
-
     fn = flex_variant(kw, q.shape[2], _device(ctx))
     if isinstance(fn, str):  # a variant flex cannot express
         return {"flex_status": "skipped", "flex_note": fn}
@@ -414,8 +402,7 @@ def _flex_side(ctx: StageContext, name: str, kw: dict, q, k, v, ours, ours_ms: f
         diff = (call().float() - ours.float()).abs().max().item()  # the compile, untimed
         flex_ms = _time_ms(ctx, call, 10)
     except Exception as exc:
-        return {"flex_status": "failed",
-                "flex_note": exc_line(exc)}
+        return {"flex_status": "failed", "flex_note": exc_line(exc)}
     return {"flex_status": "ok", "flex_ms": flex_ms, "flex_ratio": flex_ms / ours_ms,
             "flex_max_diff": diff}
 
@@ -465,9 +452,6 @@ def _variant_costs(ctx: StageContext) -> None:
 def _varlen(ctx: StageContext) -> None:
     """Packed varlen on ours against SDPA on the same sequences padded to the longest
     (causal: the padded keys come after every real one, so no padding mask is needed)."""
-    from attn.sdpa import torch_sdpa
-    from attn.varlen import cu_seqlens_from_lengths, unpack
-
     dev = _device(ctx)
     backend = "tiled" if ctx.dry_run else "triton"
     H, D = (2, 16) if ctx.dry_run else (16, 128)
@@ -500,8 +484,6 @@ def _varlen(ctx: StageContext) -> None:
 def _decode_call(path: str, q, k, v):
     """The step of one path (plain and split-KV triton differ in ATTN_TRITON_SPLIT_KV only,
     which :func:`_decode` sets around each path's timing)."""
-    from attn.sdpa import torch_sdpa
-
     if path == "sdpa":
         return lambda: torch_sdpa(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
     return lambda: attn.attention(q, k, v, backend="tiled" if path == "tiled" else "triton")
@@ -580,12 +562,9 @@ def _tune_configs(kind: str, N: int, D: int, arch: int | None) -> list:
 
 
 def tune(ctx: StageContext) -> None:
-    """Per shape, every config prune_for keeps for fwd, dK/dV and dQ, timed against the
-    autotuner's pick (the committed table set aside: ``ATTN_TRITON_TUNED=0``); fwd configs
-    time the forward, dK/dV and dQ configs the forward and backward with the other kernels at
-    their picks. Each kernel and shape ends in a "best of the sweep" row with the launch's
-    table key and the config: ``attn gpu-check --adopt DIR`` merges those into
-    attn/flash_triton/tuned.json, which the autotuner reads first. Changes no code."""
+    """Every config prune_for keeps, forced on its kernel, against the autotuner's pick
+    (docs/gpu.md); dK/dV and dQ configs time the forward and backward, the other kernels at
+    their picks. Changes no code: ``--adopt`` writes the "best of the sweep" rows."""
     shapes = [(D, causal) for D in (128, 64) for causal in (False, True)]
     N, B, H = 4096, 4, 16
     if ctx.dry_run:
@@ -661,7 +640,6 @@ def context_parallel(ctx: StageContext) -> None:
 
     import attn.distributed as cp
     from attn.bench.context_parallel import _free_port
-    from attn.testing import compare_to_reference, make_inputs
 
     dev = _device(ctx)
     port = _free_port()

@@ -1,12 +1,9 @@
 """``attn bench hf-quant``: what a quantized KV cache changes in a Hugging Face decoder's output.
 
-For random-weight decoders of the families ``tests/test_hf.py`` runs (and a larger Llama,
-``--large``), a batch of random prompts is decoded greedily with each cache type
-(:func:`cache_types`: bf16, attn's :class:`attn.integrations.hf.AttnQuantizedCache` formats,
-HF's quanto ``QuantizedCache`` when it imports) and compared with HF's float32
-``DynamicCache``: teacher-forced argmax agreement, the free-running identical prefix and the
-logit differences (results.md defines each). ``--step-tokens N`` adds one decode step's time
-after an N-token prompt per cache. docs/hf.md summarises the results.
+Random-weight decoders of the families ``tests/test_hf.py`` runs (and a larger Llama,
+``--large``) decode random prompts greedily with each cache type (:func:`cache_types`),
+compared with HF's float32 ``DynamicCache`` (results.md defines the columns, docs/hf.md
+summarises them); ``--step-tokens N`` adds one decode step's time after an N-token prompt.
 
     attn bench hf-quant --large --step-tokens 4096 --out benchmarks/results/hf_quant_agreement_cpu
 """

@@ -63,10 +63,7 @@ class _RoundTrip:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache.append(k.float(), v.float())
         self.length += k.shape[2]
-        kv = [self.cache.sequence_kv(b) for b in range(k.shape[0])]
-        # (N, Hkv, D) per sequence -> (B, Hkv, N, D) in k's dtype
-        return tuple(torch.stack([x[i] for x in kv]).transpose(1, 2).to(k.dtype)
-                     for i in (0, 1))
+        return tuple(x.to(k.dtype) for x in self.cache.batch_kv())  # (B, Hkv, N, D)
 
 
 def _loss(model, x: torch.Tensor, y: torch.Tensor, caches) -> float:

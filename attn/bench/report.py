@@ -25,6 +25,7 @@ import attn
 from attn.api import attention, unsupported_reason
 from attn.bench.sweep import Row, SweepConfig, attn_backends, describe_function, \
     device_unsupported, square_call
+from attn.testing import compare_to_reference, make_inputs
 from attn.tiled import steps_path_reason
 from attn.timing import CPU_ERROR_BYTES
 
@@ -144,8 +145,6 @@ def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torc
     """Each backend against the float64 reference on :data:`CHECK_SHAPES`, through
     ``attn.testing.compare_to_reference``: outputs, lse and the gradients of q, k, v.
     ``on_check`` is called with each check as soon as it is done (to print it then)."""
-    from attn.testing import compare_to_reference, make_inputs
-
     checks = []
 
     def add(check: Check) -> None:

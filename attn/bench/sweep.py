@@ -162,12 +162,10 @@ class SweepConfig:
                 raise ValueError(f"backends: {b!r} is given twice")
             names.append(b)
         self.backends = tuple(names)
-        for m in self.modes:
-            if m not in MODES:
-                raise ValueError(f"modes must be among {MODES}, got {m!r}")
-        for dt in self.dtypes:
-            if dt not in DTYPES:
-                raise ValueError(f"dtypes must be among {tuple(DTYPES)}, got {dt!r}")
+        for name, allowed in (("modes", MODES), ("dtypes", tuple(DTYPES))):
+            bad = [x for x in getattr(self, name) if x not in allowed]
+            if bad:
+                raise ValueError(f"{name} must be among {allowed}, got {bad[0]!r}")
         if not (self.measure_memory or self.measure_time):
             raise ValueError("nothing to measure: measure_memory and measure_time are both off")
         if self.max_bytes is None:
@@ -313,12 +311,9 @@ def _measure(row: Row, cfg: SweepConfig) -> None:
 
 
 def run_sweep(cfg: SweepConfig, rows: list[Row] | None = None) -> Iterator[Row]:
-    """Run (or skip) every planned point, yielding each row as soon as it is done.
-
-    A point that runs out of memory marks the larger N of the same series as skipped instead
-    of trying them. ``ratio_to_sdpa`` and ``matmul_fraction`` are filled in by
-    :func:`finish` once the whole sweep (and so every sdpa row) is known.
-    """
+    """Run (or skip) every planned point, yielding each row as soon as it is done; a point out
+    of memory skips the larger N of its series. :func:`finish` fills ``ratio_to_sdpa`` and
+    ``matmul_fraction`` once every sdpa row is known."""
     rows = plan(cfg) if rows is None else rows
     failed: set[tuple] = set()
     for row in rows:
