@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import attn
-from attn.bench import report
+from attn.bench import decode_caches, report
+from attn.compat import flash_attn as fa
 from attn.sdpa import torch_sdpa
 from attn.timing import paired
 
@@ -101,8 +102,6 @@ def compat_paths(B, H, Hkv, D, L, pages, g) -> tuple[dict[str, Callable], torch.
     it seen as (B, Hkv, L, D) and on a head-major copy. The cache holds L - 1 keys before the
     step and the new one fills the last slot; it is written there up front too, so every
     repeated step writes the same value and sees the same keys."""
-    from attn.compat import flash_attn as fa
-
     kc, vc = (torch.randn(B, L, Hkv, D, generator=g) for _ in range(2))
     q = torch.randn(B, 1, H, D, generator=g)
     k_new, v_new = (torch.randn(B, 1, Hkv, D, generator=g) for _ in range(2))
@@ -173,8 +172,6 @@ def markdown(header: dict, rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.caches is not None:
-        from attn.bench import decode_caches
-
         if args.compat:
             raise SystemExit("attn: --caches and --compat are two questions: give one")
         args.caches = args.caches or list(decode_caches.FORMATS)

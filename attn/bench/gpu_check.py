@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from attn.bench import gpu_record, gpu_stages, gpu_tables, report
+from attn import fused_cuda
+from attn.bench import fused_verify, gpu_record, gpu_stages, gpu_tables, report
 
 STAGES = {"env": "attn.bench.gpu_stages:env",
           # every variant at small shapes against the float64 reference, bits repeated
@@ -287,9 +288,6 @@ def _adopt(folders: list[Path]) -> int:
     print(f"adopted {len(rows)} tuned configs into {tune.TUNED} "
           f"({len(table['rows'])} rows in all)")
     if fused_rows:
-        from attn import fused_cuda
-        from attn.bench import fused_verify
-
         merged = fused_verify.write_table(fused_rows)
         print(f"adopted {len(fused_rows)} fused-cuda rows into {fused_cuda.TABLE} "
               f"({len(merged['rows'])} rows in all)")

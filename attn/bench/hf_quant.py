@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from attn.bench import report
+from attn.bench.hf import Shape, build_model
 from attn.kvcache import PagedKVCache
 from attn.kvquant import KVQuant
 
@@ -176,8 +177,6 @@ def step_times(lengths: list[int], types: dict, args) -> list[dict]:
     """One decode step after an N-token prompt, per cache type: every cache is prefilled
     first, then the caches take turns for ``--repeats`` rounds (a busy moment of a shared
     machine lands on all of them alike); median per cache, the first round dropped."""
-    from attn.bench.hf import Shape, build_model
-
     # hidden and MLP widths and the vocabulary: 1024 (Shape's defaults)
     model = build_model(Shape(layers=2, heads=8, kv_heads=2, head_dim=128))
     picked = ("fp32 (DynamicCache)", "attn int8", "attn int4", "quanto int4 (HF QuantizedCache)")
