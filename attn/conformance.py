@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -77,8 +77,7 @@ class CheckResult:
         return {"target": self.target, "style": self.style, "layout": self.layout,
                 "detected": self.detected, "dtype": self.dtype, "device": self.device,
                 "ok": self.ok,
-                "rows": [{"case": r.case, "status": r.status, "detail": r.detail,
-                          "diagnosis": r.diagnosis, "where": r.where} for r in self.rows]}
+                "rows": [asdict(r) for r in self.rows]}
 
     def table(self) -> str:
         """One line per case, except the cases the function does not support: one line per
@@ -153,13 +152,11 @@ def _scores(q: Tensor, k: Tensor, kw: dict) -> Tensor:
     return q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * _scale(q, kw)
 
 
-def _no_scale(q, k, v, kw):
-    return None if _scale(q, kw) == 1.0 else _exact(q, k, v, {**kw, "scale": 1.0})
-
-
-def _double_scale(q, k, v, kw):
-    s = _scale(q, kw)
-    return None if s == 1.0 else _exact(q, k, v, {**kw, "scale": s * s})
+def _scale_wrong(twice: bool):  # the scale left out, or applied twice
+    def hypothesis(q, k, v, kw):
+        s = _scale(q, kw)
+        return None if s == 1.0 else _exact(q, k, v, {**kw, "scale": s * s if twice else 1.0})
+    return hypothesis
 
 
 def _gqa_repeat(q, k, v, kw):
@@ -170,17 +167,18 @@ def _gqa_repeat(q, k, v, kw):
     return _exact(q, k.repeat(1, g, 1, 1), v.repeat(1, g, 1, 1), kw)
 
 
+def _masked_scores(q: Tensor, k: Tensor, kw: dict) -> Tensor:
+    """:func:`_scores` with a float attn_mask added and every masked-out key at -inf."""
+    s, mask, keep = _scores(q, k, kw), kw.get("attn_mask"), _keep(q, k, kw)
+    if mask is not None and mask.dtype != torch.bool:
+        s = s + mask
+    return s if keep is None else s.masked_fill(~keep, -math.inf)
+
+
 def _wrong_axis(q, k, v, kw):
     if kw.get("sinks") is not None or kw.get("softcap") is not None:
         return None
-    s = _scores(q, k, kw)
-    mask = kw.get("attn_mask")
-    if mask is not None and mask.dtype != torch.bool:
-        s = s + mask
-    keep = _keep(q, k, kw)
-    if keep is not None:
-        s = s.masked_fill(~keep, -math.inf)
-    p = torch.softmax(s, dim=-2).nan_to_num(0.0)  # normalized over the queries
+    p = torch.softmax(_masked_scores(q, k, kw), dim=-2).nan_to_num(0.0)  # over the queries
     return p @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)
 
 
@@ -202,12 +200,6 @@ def _empty_uniform(q, k, v, kw):
     return torch.where(empty[..., None], mean_v, out)
 
 
-def _no_causal(q, k, v, kw):
-    if not kw.get("causal"):
-        return None
-    return _exact(q, k, v, {**kw, "causal": False})
-
-
 def _mask_inverted(q, k, v, kw):
     mask = kw.get("attn_mask")
     if mask is None or mask.dtype != torch.bool:
@@ -217,7 +209,9 @@ def _mask_inverted(q, k, v, kw):
 
 def _without(name):
     def hypothesis(q, k, v, kw):
-        return None if kw.get(name) is None else _exact(q, k, v, {**kw, name: None})
+        if kw.get(name) is None or kw.get(name) is False:
+            return None
+        return _exact(q, k, v, {**kw, name: False if name == "causal" else None})
     return hypothesis
 
 
@@ -225,8 +219,8 @@ def _without(name):
 HYPOTHESES: dict[str, Callable] = {
     "causal aligned top-left (attn's causal is bottom-right: query i sees key j iff "
     "j <= i + Nk - Nq)": _top_left,
-    "scale missing (scores not multiplied by D**-0.5)": _no_scale,
-    "scale applied twice": _double_scale,
+    "scale missing (scores not multiplied by D**-0.5)": _scale_wrong(False),
+    "scale applied twice": _scale_wrong(True),
     "GQA heads grouped by repeat (query head h reads kv head h % Hkv) instead of "
     "repeat_interleave (h // (H // Hkv))": _gqa_repeat,
     "softmax over the wrong axis (normalized over queries, not keys)": _wrong_axis,
@@ -235,7 +229,7 @@ HYPOTHESES: dict[str, Callable] = {
     "instead of returning zeros": _empty_uniform,
     "sinks ignored": _without("sinks"),
     "softcap ignored": _without("softcap"),
-    "causal mask missing (causal=True ignored: every query sees every key)": _no_causal,
+    "causal mask missing (causal=True ignored: every query sees every key)": _without("causal"),
     "attn_mask ignored": _without("attn_mask"),
     "bool attn_mask inverted (True read as masked out; attn's True means attend)":
         _mask_inverted,
@@ -315,19 +309,14 @@ def _row_max(q, k, kw) -> Tensor | None:
     mask = kw.get("attn_mask")
     if mask is not None and mask.dtype != torch.bool:
         return None
-    s = _scores(q, k, kw)  # (B, H, Nq, Nk)
-    keep = _keep(q, k, kw)
-    if keep is not None:
-        s = s.masked_fill(~keep, -math.inf)
-    return s.amax(-1)
+    return _masked_scores(q, k, kw).amax(-1)  # (B, H, Nq)
 
 
 def _diagnose_lse(got: Tensor, q, k, v, kw, tol: float) -> list[str]:
     _, exact = _exact(q, k, v, kw, lse=True)
     empty = torch.isinf(exact)
     names = []
-    if torch.equal(torch.isinf(got), empty) and (got[~empty] - exact[~empty] / math.log(2)
-                                                 ).abs().max().item() <= tol / math.log(2):
+    if _lse_fits(got, exact / math.log(2), empty, tol / math.log(2)):
         names.append("lse in base 2 (log2 instead of the natural log)")
     m_i = _row_max(q, k, kw)
     if m_i is not None and _lse_fits(got, exact - m_i, empty, tol):
@@ -355,13 +344,16 @@ def run_case(fn: Adapted | Callable, case: Case, dtype: torch.dtype = torch.floa
     """One row: run ``case`` on ``fn`` (attn's convention), judge it, diagnose it."""
     q, k, v, kw = case.inputs(dtype, device)
     _short_ = partial(_short, name=getattr(fn, "name", ""))
+
+    def refused(e: Exception) -> Row:  # the function could not express the case, or crashed
+        return Row(case.name, "not supported" if isinstance(e, _UNSUPPORTED) else "error",
+                   _short_(e))
+
     if kw.get("dropout_p"):
         try:
             problem = check_dropout(fn, q, k, v, **kw)
-        except _UNSUPPORTED as e:
-            return Row(case.name, "not supported", _short_(e))
         except Exception as e:  # noqa: BLE001 - the user's function may raise anything
-            return Row(case.name, "error", _short_(e))
+            return refused(e)
         if problem is None:
             return Row(case.name, "correct")
         row = Row(case.name, "NaN" if "NaN" in problem else "wrong", problem)
@@ -372,10 +364,8 @@ def run_case(fn: Adapted | Callable, case: Case, dtype: torch.dtype = torch.floa
     try:
         with torch.no_grad():
             res = fn(q, k, v, **kw, **({"return_lse": True} if case.lse else {}))
-    except _UNSUPPORTED as e:
-        return Row(case.name, "not supported", _short_(e))
     except Exception as e:  # noqa: BLE001
-        return Row(case.name, "error", _short_(e))
+        return refused(e)
     got, got_lse = (res[0], res[1]) if isinstance(res, (tuple, list)) else (res, None)
     B, H, Nq, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
     if not isinstance(got, Tensor) or tuple(got.shape) != (B, H, Nq, Dv):
@@ -392,15 +382,13 @@ def run_case(fn: Adapted | Callable, case: Case, dtype: torch.dtype = torch.floa
                 else t) for n, t in kw.items()}
     try:
         report = compare_to_reference(fn, q, k, v, grad=case.grad, check_lse=case.lse, **kw)
-    except _UNSUPPORTED + (RuntimeError,) as e:
-        if case.grad and not isinstance(e, _UNSUPPORTED):  # no autograd graph, or a backward
-            return Row(case.name, "not supported", "gradients: " + _short_(e))  # that refuses
-        return Row(case.name, "not supported" if isinstance(e, _UNSUPPORTED) else "error",
-                   _short_(e))
     except AssertionError as e:
         return Row(case.name, "wrong", _short_(e))
     except Exception as e:  # noqa: BLE001
-        return Row(case.name, "error", _short_(e))
+        if case.grad and isinstance(e, RuntimeError) and not isinstance(e, _UNSUPPORTED):
+            # no autograd graph, or a backward that refuses
+            return Row(case.name, "not supported", "gradients: " + _short_(e))
+        return refused(e)
     if report.ok:
         return Row(case.name, "correct")
 

@@ -1,17 +1,13 @@
-"""Compare any attention implementation with attn's float64 reference, within an honest budget.
-
-The budget follows flash-attention's tests: an implementation in a low precision may be off
-from the exact (float64) answer by at most ``factor`` times what plain PyTorch — the naive
-reference run in that same precision — is off, plus a rounding floor of a few ulps at unit
-scale (or at the tensor's largest entry, if larger). So a bf16 kernel is held to bf16
-standards, a float64 one to float64. ``fn`` is called as ``fn(q, k, v, **kwargs)`` in attn's
-layout and may return the output alone or ``(out, lse)`` (:func:`compare_to_reference`).
-How to use it in your own tests, and the conformance cases: docs/testing.md.
+"""Compare any attention implementation with attn's float64 reference, within an honest budget:
+at most ``factor`` times plain PyTorch's own error in the same dtype (the naive reference run
+there), plus a rounding floor, as flash-attention's tests hold their kernels. How to use it in
+your own tests, and the conformance cases: docs/testing.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import inspect
@@ -50,6 +46,11 @@ class Report:
     def ok(self) -> bool:
         return all(c.ok for c in self.comparisons)
 
+    @property
+    def worst(self) -> float:
+        """The largest error / budget over the comparisons (at most 1 passes)."""
+        return max(c.error / c.budget for c in self.comparisons)
+
     def __getitem__(self, name: str) -> Comparison:
         for c in self.comparisons:
             if c.name == name:
@@ -70,12 +71,9 @@ def make_inputs(B: int = 2, H: int = 4, N: int = 128, D: int = 64, *, Hkv: int |
                 Nk: int | None = None, Dv: int | None = None, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", seed: int = 0, logit_scale: float = 1.0
                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Seeded standard-normal q (B, H, N, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv).
-
-    ``logit_scale`` multiplies q, so the scores ``q·k·D**-0.5`` have a standard deviation of
-    about ``logit_scale``: at 1 the softmax is mild and forgives a lot; from ~30 the largest
-    float32 scores pass 88, where ``exp`` overflows in a softmax without max-subtraction.
-    """
+    """Seeded standard-normal q (B, H, N, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); q times
+    ``logit_scale``, the scores' standard deviation (from ~30 the largest float32 scores pass
+    88, where ``exp`` overflows in a softmax without max-subtraction)."""
     if not logit_scale > 0:
         raise ValueError(f"logit_scale must be positive, got {logit_scale}")
     g = torch.Generator().manual_seed(seed)
@@ -151,20 +149,18 @@ def _run(fn: Callable, q: Tensor, k: Tensor, v: Tensor, kwargs: dict, dtype: tor
         got_lse = None
     B, H, Nq = q.shape[:3]
     _check_shape("out", out, (B, H, Nq, v.shape[-1]), "(B, H, Nq, Dv)", q, k, v)
-    if got_lse is not None:
-        _check_shape("lse", got_lse, (B, H, Nq), "(B, H, Nq)", q, k, v)
     got = {"out": out.detach().to(torch.float64)}
     if got_lse is not None:
+        _check_shape("lse", got_lse, (B, H, Nq), "(B, H, Nq)", q, k, v)
         got["lse"] = got_lse.detach().to(torch.float64)
     if grad:
         loss = (out.to(torch.float64) * d_out).sum()
         if got_lse is not None and d_lse is not None:
             finite = torch.isfinite(got_lse)
             loss = loss + torch.where(finite, got_lse.to(torch.float64), 0.0).mul(d_lse).sum()
-        names = list(leaves)
-        grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
-        for n, g in zip(names, grads):
-            got["d" + n] = (torch.zeros_like(leaves[n], dtype=torch.float64) if g is None
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        for (n, leaf), g in zip(leaves.items(), grads):
+            got["d" + n] = (torch.zeros_like(leaf, dtype=torch.float64) if g is None
                             else g.detach().to(torch.float64))
     return got
 
@@ -185,21 +181,15 @@ def _max_err(a: Tensor, exact: Tensor, name: str) -> float:
 def compare_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, grad: bool = True,
                          check_lse: bool | None = None, out_factor: float = 2.0,
                          grad_factor: float = 3.0, seed: int = 0, **kwargs) -> Report:
-    """Errors of ``fn`` and of plain PyTorch (the reference in q's dtype) against float64.
-
-    Checks out, lse and, when ``grad``, the gradients of q, k, v and of every tensor keyword
-    that requires grad (temperature, sinks, softcap, attn_mask), from a random upstream
-    gradient on out (and lse). ``check_lse``: None (default) passes ``return_lse=True``
-    when ``fn``'s signature takes it (or ``**kwargs``), checks the lse when one comes back
-    and notes in the report when it does not; True requires it (TypeError if ``fn`` returns
-    only the output); False never asks for it.
-    Budgets: ``out_factor`` × plain error for out and lse, ``grad_factor`` × for gradients,
-    each plus a rounding floor of a few ulps at max(1, the exact tensor's largest entry)
-    (``_FLOOR``); gradients of variant parameters, each a sum over many scores, also get a
-    random-walk term ``2·eps·sqrt(terms summed per entry)`` at that scale.
-
-    An output of the wrong shape (a (B, N, H, D) layout, say) raises AssertionError naming
-    the shapes; q, k, v that attn.attention would refuse raise its ValueError.
+    """Errors of ``fn`` (called ``fn(q, k, v, **kwargs)``) and of plain PyTorch (the reference
+    in q's dtype) against float64, each with its budget (docs/testing.md): out, lse and, when
+    ``grad``, the gradients of q, k, v and of every tensor keyword that requires grad.
+    ``check_lse``: None asks for the lse when ``fn``'s signature takes ``return_lse`` (or
+    ``**kwargs``) and checks what comes back; True requires it (TypeError when only the output
+    comes back); False never asks. Budgets: ``out_factor`` × plain error for out and lse,
+    ``grad_factor`` × for gradients, each plus ``_FLOOR`` at max(1, the exact tensor's largest
+    entry). A wrong output shape raises AssertionError naming the shapes; inputs
+    attn.attention refuses raise its ValueError.
     """
     from attn.api import attention  # here, not at import: attn.api may import this module
 
@@ -213,14 +203,12 @@ def compare_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, grad:
     dtype = q.dtype
     g = torch.Generator().manual_seed(seed + 1)
     B, H, Nq = q.shape[0], q.shape[1], q.shape[2]
-    d_out = torch.randn(B, H, Nq, v.shape[-1], generator=g, dtype=torch.float64) if grad else None
-    d_lse = (torch.randn(B, H, Nq, generator=g, dtype=torch.float64)
-             if grad and check_lse is not False else None)
-    if d_out is not None:
-        d_out, d_lse = d_out.to(q.device), None if d_lse is None else d_lse.to(q.device)
-
-    def reference(*a, **kw):
-        return attention(*a, **kw, backend="reference")
+    d_out = d_lse = None
+    if grad:
+        d_out = torch.randn(B, H, Nq, v.shape[-1], generator=g, dtype=torch.float64).to(q.device)
+        if check_lse is not False:
+            d_lse = torch.randn(B, H, Nq, generator=g, dtype=torch.float64).to(q.device)
+    reference = partial(attention, backend="reference")
 
     def run_reference(dtype_, lse: bool):
         return _run(reference, q, k, v, kwargs, dtype_, grad=grad, lse=lse, seed=seed,
@@ -386,15 +374,11 @@ _CASES = (
 
 def conformance_cases(names: list[str] | tuple[str, ...] | None = None, *,
                       quick: bool = False) -> list[Case]:
-    """The conformance matrix's cases (``attn check``'s rows), for ``pytest.mark.parametrize``::
-
-        @pytest.mark.parametrize("case", conformance_cases(), ids=str)
-        def test_my_attention(case):
-            case.check(my_attention)          # AssertionError with the error table if wrong
-
-    ``names`` picks cases by name (ValueError naming unknown ones); ``quick`` leaves out the
-    N = 1025 rows. Rows your function cannot express raise its own error (TypeError,
-    NotImplementedError): skip those in your test, or let ``attn check`` sort them out.
+    """The conformance matrix's cases (``attn check``'s rows), for
+    ``pytest.mark.parametrize("case", conformance_cases(), ids=str)`` and ``case.check(fn)``
+    (docs/conformance.md). ``names`` picks cases by name (ValueError naming unknown ones);
+    ``quick`` leaves out the N = 1025 rows. Rows your function cannot express raise its own
+    error (TypeError, NotImplementedError): skip those, or let ``attn check`` sort them out.
     """
     cases = [c for c in _CASES if not (quick and c.Nq >= 1025)]
     if names is None:

@@ -61,19 +61,14 @@ def _inputs(shape, dtype: torch.dtype):
     return q, k, v, mask, causal, backward
 
 
-def _contenders(q, k, v, mask, causal: bool, backward: bool) -> dict:
+def measure(cls: str, dtype: str, rounds: int) -> dict:
+    q, k, v, mask, causal, backward = _inputs(SHAPES[cls], getattr(torch, dtype))
     kw = {"attn_mask": mask, **sdpa_kwargs(q, k, causal)}  # a causal band replaces the mask
     fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, **kw), backward)}
     for name in ("fused", "tiled"):
         fns[name] = step(lambda name=name: attn.attention(q, k, v, causal=causal,
                                                           attn_mask=mask, backend=name),
                          backward)
-    return fns
-
-
-def measure(cls: str, dtype: str, rounds: int) -> dict:
-    q, k, v, mask, causal, backward = _inputs(SHAPES[cls], getattr(torch, dtype))
-    fns = _contenders(q, k, v, mask, causal, backward)
     times = paired(fns, rounds, warmup=1)
     return {"class": cls, "dtype": dtype, "shape": list(SHAPES[cls]),
             "ms": {n: 1e3 * sorted(t)[len(t) // 2] for n, t in times.items()},
@@ -100,9 +95,7 @@ def _merge_into(table_path: Path, kind: str, cpu: str, rows: list[dict], margin:
 
 def markdown(header: dict, rows: list[dict]) -> str:
     lines = [f"# attn bench auto-table: {header['kind']} ({header['device_name']})", "",
-             f"{header['busy']}; torch {header['torch']}, {header['torch_threads']} threads, "
-             f"{header['date']}, load {header['loadavg_1min']}", "",
-             f"`{header['command']}`", "",
+             *report.machine_lines(header, f"; {header['busy']}"), "",
              "| class | dtype | sdpa ms | fused ms | tiled ms | fused/tiled time | "
              "SDPA/fused | SDPA/tiled |", "|:--|:--|--:|--:|--:|--:|--:|--:|"]
     for r in rows:

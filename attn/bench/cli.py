@@ -1,18 +1,6 @@
-"""The ``attn`` command: ``attn report`` (the main job) and the ``attn bench`` questions.
-
-    attn report --quick                 # ~1-2 min on 2 CPU cores: checks, sweep, tables, plots
-    attn report --device cuda --out results/h100
-    attn bench memory --n 1024 4096 16384 --backends tiled sdpa --mode fwd+bwd
-    attn bench speed --n 2048 --d 64 128 --causal both --dtype float16 --device cuda
-    attn bench speed --preset triton    # triton against torch's kernels on one GPU
-    attn bench speed --paired           # tiled against torch SDPA on CPU, in-round ratios
-    attn bench speed --fn mypkg.mod:my_attention --style torch   # yours beside attn's
-    attn bench decode [--compat]        # one new token against a long KV cache, vs SDPA
-    attn bench hf --context 2048 8192   # a transformers Llama with attn, sdpa and eager
-    attn bench train-step               # one GPT training step: peak memory and time
-    attn bench context-parallel --world-sizes 1 2 4 --n 2048 8192 32768
-    attn check mypkg.mod:my_attention   # the conformance matrix on your function (--json)
-    attn gpu-check --out gpu                # on a GPU machine, one 8-minute run (docs/gpu.md)
+"""The ``attn`` command: ``attn report`` (the main job), the ``attn bench`` questions (``attn
+bench --help`` lists them), ``attn check`` and ``attn gpu-check``; docs/benchmarks.md,
+docs/conformance.md and docs/gpu.md show each in use.
 """
 
 from __future__ import annotations
@@ -66,10 +54,8 @@ def _top_level() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPa
 
 
 def _triton_preset(device_name: str) -> dict:
-    """attn's triton kernels against torch SDPA (its default choice and each kernel forced)
-    and compiled FlexAttention on one GPU, bf16, with an 8192² matmul for the ceiling. Batch
-    and heads follow FlashAttention's benchmarks: a fixed 16k tokens and model width 2048
-    (B = 16384 // N, H = 2048 // D), unless --batch / --heads are given."""
+    """``--preset triton`` (its help says what it runs), with an 8192² matmul for the ceiling and
+    FlashAttention's fixed 16k tokens and model width 2048 per point."""
     from attn.bench.competitors import COMPETITORS
 
     folder = device_name.replace(" ", "_").replace("/", "_")
@@ -123,17 +109,12 @@ def _add_sweep_args(p: argparse.ArgumentParser, *, report_defaults: bool) -> Non
                        help="small sizes and few repeats: about 1-2 minutes on 2 CPU cores")
         p.add_argument("--no-checks", action="store_true",
                        help="skip the correctness checks against the reference")
-    else:
-        _add_function_args(p)
-
-
-def _add_function_args(p: argparse.ArgumentParser) -> None:
-    """``--fn``: users' attention functions measured beside the backends."""
-    p.add_argument("--fn", action="append", default=[], metavar="MODULE:FUNCTION",
-                   help="your attention function, measured beside the backends (repeatable): "
-                        "mypkg.mod:fn or path/to/file.py:fn. A point where it raises is "
-                        "recorded as failed there; the sweep goes on")
-    _add_style_args(p, "--fn functions")
+    else:  # users' attention functions measured beside the backends
+        p.add_argument("--fn", action="append", default=[], metavar="MODULE:FUNCTION",
+                       help="your attention function, measured beside the backends "
+                            "(repeatable): mypkg.mod:fn or path/to/file.py:fn. A point where "
+                            "it raises is recorded as failed there; the sweep goes on")
+        _add_style_args(p, "--fn functions")
 
 
 def _add_style_args(p: argparse.ArgumentParser, what: str) -> None:
@@ -214,12 +195,13 @@ def build_parser(preset: dict | None = None) -> argparse.ArgumentParser:
 
 
 def _add_check_args(p: argparse.ArgumentParser) -> None:
+    from attn.bench.sweep import DTYPES
+
     p.add_argument("targets", nargs="+", metavar="TARGET",
                    help="module:function or path/to/file.py:function (several: one table "
                         "each, and --markdown compares them)")
     _add_style_args(p, "the targets")
-    p.add_argument("--dtype", default="float32",
-                   choices=("float32", "float16", "bfloat16", "float64"))
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--cases", nargs="+", default=None, metavar="NAME",
                    help="run only these cases (names as in the table)")
@@ -328,24 +310,7 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="pt", file=sys.stderr, dynamic_ncols=True)
 
 
-def _label(r: Row) -> str:
-    return (f"{r.backend} {r.mode} N={r.N} D={r.D}{' causal' if r.causal else ''} {r.dtype}")
-
-
-def _point_line(r: Row) -> str:
-    """One finished point, as printed while the sweep runs."""
-    if r.status != "ok":
-        return f"{_label(r)}: {r.status}" + (f" ({r.note})" if r.note else "")
-    parts = []
-    if r.ms is not None:
-        parts.append(f"{r.ms:.3g} ms, {r.tflops:.3g} TFLOP/s")
-    if r.peak_bytes is not None:
-        parts.append(f"peak {r.peak_bytes / 2**20:,.1f} MiB")
-    return f"{_label(r)}: {', '.join(parts)}"
-
-
-def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
-           header: dict | None = None) -> list[Row]:
+def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path, header: dict) -> list[Row]:
     """Run the sweep, printing each point as it finishes (above the progress bar, which
     names the point now running); after each point, rewrite ``partial`` (JSON) so an
     interrupted hour-long sweep still leaves what it measured."""
@@ -355,20 +320,19 @@ def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path | None = None,
     rows = plan(cfg)
     bar = _progress(len(rows), show_progress)
     if bar is not None and rows:
-        bar.set_description(_label(rows[0]))
+        bar.set_description(rows[0].label())
     done = []
     for r in run_sweep(cfg, rows):
         done.append(r)
-        line = f"[{len(done)}/{len(rows)}] {_point_line(r)}"
+        line = f"[{len(done)}/{len(rows)}] {r.line()}"
         if bar is not None:
             bar.write(line, file=sys.stderr)
             if len(done) < len(rows):  # the slow points take minutes: say which one runs
-                bar.set_description(_label(rows[len(done)]), refresh=False)
+                bar.set_description(rows[len(done)].label(), refresh=False)
             bar.update()
         else:
             print(line, file=sys.stderr, flush=True)
-        if partial is not None:
-            report.write_json(partial, {**(header or {}), "partial": True}, done)
+        report.write_json(partial, {**header, "partial": True}, done)
     if bar is not None:
         bar.close()
     return done
@@ -450,10 +414,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               file=sys.stderr)
     for r in rows:
         if r.status in ("error", "failed"):
-            print(f"{r.status.upper()} at {_label(r)}: {r.note}", file=sys.stderr)
+            print(f"{r.status.upper()} at {r.label()}: {r.note}", file=sys.stderr)
     # a user's function failing at a point is its result, not a failure of this run
-    errors = [r for r in rows if r.status == "error"]
-    return 1 if failed or errors else 0
+    return 1 if failed or any(r.status == "error" for r in rows) else 0
 
 
 def parse_args(argv: list[str], device_name: str | None = None) -> argparse.Namespace:

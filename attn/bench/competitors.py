@@ -2,13 +2,9 @@
 F.scaled_dot_product_attention with one kernel forced (:data:`SDPA_KERNELS`; plain ``sdpa``
 is attn's backend of that name, torch's own choice and the baseline of ``ratio_to_sdpa``)
 and FlexAttention compiled (``flex``; :func:`flex_variant` builds flex for an attn.attention
-variant, to time flex on the same variant).
-
-Whether a forced kernel runs depends on the GPU, the build, dtype and head dim, so
-:func:`competitor_unsupported` asks it once on a tiny input of the point's dtype, head dim
-and mode, and a refusal becomes the point's skip reason. They call
-:data:`attn.sdpa.torch_sdpa`, torch's function captured at import: under
-:func:`attn.patch_sdpa` the name in ``torch.nn.functional`` leads to attn.
+variant, to time flex on the same variant). They call :data:`attn.sdpa.torch_sdpa`, torch's
+function captured at import: under :func:`attn.patch_sdpa` the name in
+``torch.nn.functional`` leads to attn.
 """
 
 from __future__ import annotations
@@ -112,7 +108,8 @@ def make_forward(name: str, causal: bool, N: int, device: str
 def competitor_unsupported(name: str, device: str, dtype: torch.dtype, D: int, causal: bool,
                            mode: str) -> str | None:
     """Why competitor ``name`` cannot run a point with this device, dtype, head dim, causal
-    flag and mode ("fwd" or "fwd+bwd"), or None when it can."""
+    flag and mode ("fwd" or "fwd+bwd"), or None when it can (a forced kernel's answer depends
+    on the GPU and the build: it is asked once, on a tiny input)."""
     _check_name(name)
     kind = torch.device(device).type
     if name in _CUDA_ONLY and kind != "cuda":

@@ -1,19 +1,8 @@
-"""Ahead-of-time compiles of the Triton kernels for named GPU archs, on a machine without a GPU.
-
-The interpreter runs the kernels' Python, never the compiler: a ``tl.dot`` shape the compiler
-refuses, a loop it cannot software-pipeline, or a tile that outgrows shared memory would pass
-every interpreter test. Here each kernel the triton backend launches is compiled for a
-target (``GPUTarget("cuda", 90 | 80, 32)``) exactly as the JIT would compile it at run time:
-
-1. the public ``triton_attention`` runs forward and backward on CPU tensors with every
-   kernel replaced by a recorder, so the arguments are the launchers' real ones (no list of
-   parameter names to keep in sync with the kernels);
-2. triton's own binder specializes them as a launch does (16-divisible pointers and ints get
-   ``tt.divisibility``, ints equal to 1 become constants, e.g. unit last-dim strides);
-3. ``triton.compile`` lowers them to TTGIR, PTX and a cubin with the wheel's bundled ptxas.
-
-What a :class:`Build` reports is in its fields and in docs/gpu.md ("Built for GPUs, checked
-without one").
+"""Ahead-of-time compiles of the Triton kernels for named GPU archs, on a machine without a GPU
+(docs/gpu.md, "Built for GPUs, checked without one": the method and what a :class:`Build`
+reports). The launches are the launchers' own, recorded from ``triton_attention`` on CPU
+tensors (no list of parameter names to keep in sync with the kernels), specialized by
+triton's binder and built by ``triton.compile`` as the JIT would build them at run time.
 
 Must run in a process where the triton backend is *not* in interpreter mode
 (``TRITON_INTERPRET`` unset before ``attn.flash_triton`` is imported).
@@ -22,15 +11,22 @@ Must run in a process where the triton backend is *not* in interpreter mode
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Iterator
 from unittest import mock
 
 import torch
+
+from attn.masks import make_band
+from attn.spec import LaunchSpec, Operands, PageTable, QuantPages
 
 ARCHS = (90, 80)
 # opt-in shared memory per block: H100 227 KiB, A100 163 KiB
@@ -39,13 +35,7 @@ KERNELS = ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"
            "_attn_fwd_split", "_attn_split_combine", "_attn_fwd_paged", "_attn_jvp")
 # row reductions: no dots, nothing to pipeline
 NO_DOT = ("_attn_bwd_preprocess", "_attn_split_combine")
-# the variant flags a kernel can be specialized on; "all" turns every one on at once (ALiBi
-# included); "varlen" is "all" on packed sequences; "decode" is split-KV decoding (forward
-# only, Nq = 16) with every flag its kernel takes (all but dropout); "paged" is decoding
-# from a paged cache (pages of 16, a shuffled block table, ragged lengths) with every flag
-# its kernel takes (all but dropout and attn_mask); "paged_int4" is the same from a quantized
-# cache, the format that takes the most of the kernel's code (int4 codes, KIVI's per-channel
-# key scales, per-group value scales, two full-precision recent pages)
+# the variant flags a kernel is specialized on (docs/gpu.md says what each turns on)
 VARIANTS = ("plain", "causal", "all", "varlen", "decode", "paged", "paged_int4")
 _PAGED = ("paged", "paged_int4")
 _FORWARD_ONLY = ("decode", *_PAGED)
@@ -136,9 +126,6 @@ class _Recorder:
 
 def _variant_call(variant: str, H: int, n_q: int, n_k: int, scale: float) -> tuple[Any, dict]:
     """The launch spec and tensor arguments of one variant."""
-    from attn.masks import make_band
-    from attn.spec import LaunchSpec
-
     if variant == "plain":
         return LaunchSpec(qk_scale=scale), {}
     if variant == "causal":
@@ -168,8 +155,6 @@ def _paged_call(tri, spec, tensors: dict, rand, *, head_dim: int, B: int, H: int
     table, B rows of ragged lengths up to N (the last one N), split-KV forced as for decode.
     ``quant``: the pages hold int4 codes, keys scaled per channel and values per group of
     32, each row's last two pages full-precision ids into a ring of its own."""
-    from attn.spec import Operands, PageTable, QuantPages
-
     page = 16
     per_row = -(-N // page)
     g = torch.Generator().manual_seed(1)
@@ -200,10 +185,6 @@ def _run_variant(tri, variant: str, *, head_dim: int, dtype: torch.dtype, B: int
     forward-mode pass (``tri._jvp``, a tangent on every input that takes one) for dense
     and varlen, or a decoding forward (decode: 16 query rows, split-KV forced to 4 chunks;
     paged: the same through a block table; paged_int4: from a quantized cache)."""
-    from dataclasses import replace
-
-    from attn.spec import Operands
-
     g = torch.Generator().manual_seed(0)
     forward_only = variant in _FORWARD_ONLY
     n_q = 16 if forward_only else N  # 16 rows x a group of 4: the largest q block
@@ -396,29 +377,26 @@ def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,
     ``mark_kept`` notes on each build whether ``_prune`` keeps its config on that arch.
     ``kernels`` keeps only those kernels; ``config_names`` (as :func:`_config_name` writes
     them) builds those configs, kept or pruned, where a kernel has them, instead."""
-    for dtype in dtypes:
-        for d in head_dims:
-            for variant in variants:
-                launches = record_launches(head_dim=d, dtype=dtype, variant=variant)
-                for launch in launches:
-                    if kernels and launch.name not in kernels:
-                        continue
-                    if launch.name in NO_DOT and variant not in ("plain", "decode", "paged"):
-                        # (paged_int4's combine is paged's: the codes are the paged kernel's)
-                        continue  # no variant flags: one build per D is enough
-                    for arch in archs:
-                        cfgs = launch.configs(arch=arch, pruned=pruned)
-                        kept = launch.configs(arch=arch, pruned=True) if mark_kept else []
-                        chosen = cfgs if all_configs else [largest(cfgs)]
-                        if config_names:
-                            every = launch.configs(arch=arch, pruned=False)
-                            chosen = [c for c in every if _config_name(c) in config_names]
-                        for cfg in chosen:
-                            build = compile_launch(launch, cfg, arch=arch, variant=variant,
-                                                   ptxas_verbose=ptxas_verbose)
-                            if mark_kept and launch.autotuned:
-                                build.notes.append("kept" if cfg in kept else "pruned")
-                            yield build
+    for dtype, d, variant in itertools.product(dtypes, head_dims, variants):
+        for launch in record_launches(head_dim=d, dtype=dtype, variant=variant):
+            if kernels and launch.name not in kernels:
+                continue
+            if launch.name in NO_DOT and variant not in ("plain", "decode", "paged"):
+                # (paged_int4's combine is paged's: the codes are the paged kernel's)
+                continue  # no variant flags: one build per D is enough
+            for arch in archs:
+                cfgs = launch.configs(arch=arch, pruned=pruned)
+                kept = launch.configs(arch=arch, pruned=True) if mark_kept else []
+                chosen = cfgs if all_configs else [largest(cfgs)]
+                if config_names:
+                    every = launch.configs(arch=arch, pruned=False)
+                    chosen = [c for c in every if _config_name(c) in config_names]
+                for cfg in chosen:
+                    build = compile_launch(launch, cfg, arch=arch, variant=variant,
+                                           ptxas_verbose=ptxas_verbose)
+                    if mark_kept and launch.autotuned:
+                        build.notes.append("kept" if cfg in kept else "pruned")
+                    yield build
 
 
 # -- the report: `attn bench compile` ----------------------------------------------------------
@@ -444,15 +422,13 @@ def add_arguments(p) -> None:
 
 
 def _header(argv: list[str]) -> dict:
-    import datetime
-    import platform
-
     import triton
 
-    return {"what": "ahead-of-time Triton compiles of attn's kernels (no GPU used)",
-            "command": "attn " + " ".join(argv), "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(),
+    from attn.bench import report  # here: it imports attn.api, after TRITON_INTERPRET is off
+
+    return {**report.run_header("cpu", argv),
+            "what": "ahead-of-time Triton compiles of attn's kernels (no GPU used)",
+            "triton": triton.__version__,
             "smem_limit_bytes": {f"sm_{a}": SMEM_LIMIT[a] for a in ARCHS}}
 
 
@@ -468,16 +444,14 @@ def markdown(header: dict, builds: list[Build]) -> str:
             "regs", "spills", "loop SASS", "tensor cores", "wgmma N", "mma.sync", "TMA",
             "warp spec", "pipelined", "error")
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    yes = {True: "yes", False: "no"}
     for b in builds:
         kept = "yes" if "kept" in b.notes else ("no" if "pruned" in b.notes else "")
         cells = (b.kernel, f"sm_{b.arch}", b.head_dim, b.dtype, b.variant, b.config, kept,
                  f"{b.shared / 1024:.0f}", "yes" if b.fits else "**no**",
-                 "" if b.registers is None else b.registers,
-                 "" if b.spill_bytes is None else b.spill_bytes,
-                 "" if b.loop_sass is None else b.loop_sass,
-                 "yes" if b.tensor_cores else "no", b.wgmma_n or "",
-                 "yes" if b.mma_sync else "no", "yes" if b.tma else "no",
-                 "yes" if b.warp_specialized else "no", "yes" if b.pipelined else "no",
+                 *("" if x is None else x for x in (b.registers, b.spill_bytes, b.loop_sass)),
+                 yes[b.tensor_cores], b.wgmma_n or "",
+                 *(yes[x] for x in (b.mma_sync, b.tma, b.warp_specialized, b.pipelined)),
                  b.error or "")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -499,11 +473,6 @@ def _appended(old: dict, builds: list[Build], header: dict) -> tuple[list[Build]
 
 
 def run(args, argv: list[str]) -> int:
-    import json
-    import sys
-    from dataclasses import asdict
-    from pathlib import Path
-
     if os.environ.get("TRITON_INTERPRET") == "1":
         if "attn.flash_triton" in sys.modules:
             raise SystemExit("attn bench compile: run it without TRITON_INTERPRET=1")

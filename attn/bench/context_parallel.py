@@ -1,12 +1,10 @@
 """``attn bench context-parallel``: ring and Ulysses attention over P gloo processes on CPU.
 
 For each world size P (a fresh group on 127.0.0.1, one torch thread per rank), strategy, N
-and mode, every rank measures its shard's peak memory above its inputs
-(:func:`attn.timing.peak_bytes`, expected ∝ N / P) and the time of one call; a row keeps the
-max over ranks, ``ms_per_step`` (ms / P for the ring) and ``comm_share``, the share of the
-time spent waiting on communication. Then float32 against float64 ``attn.attention`` per P
-(``errors``): the error must not grow with P. docs/benchmarks.md ("Context parallelism")
-has the numbers; P processes on fewer cores cannot show a speed-up.
+and mode, every rank measures its shard's peak memory and the time of one call (a row keeps
+the max over ranks and the share spent waiting on communication); then float32 against
+float64 ``attn.attention`` per P (``errors``), which must not grow with P.
+docs/benchmarks.md ("Context parallelism") has the numbers.
 """
 
 from __future__ import annotations
@@ -20,7 +18,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+import attn
+import attn.distributed as cp
+from attn.bench import report
+from attn.bench.plots import _pyplot, save
 from attn.timing import CPU_ERROR_BYTES, peak_bytes
 
 STRATEGIES = ("ring", "ulysses")
@@ -45,14 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # -- one rank -------------------------------------------------------------------------------------
 
 def _call(strategy: str):
-    import attn.distributed as cp
-
     return cp.ring_attention if strategy == "ring" else cp.ulysses_attention
 
 
 def _comm_s(strategy: str, bwd: bool) -> float:
-    import attn.distributed as cp
-
     if strategy == "ulysses":
         return cp.last_ulysses_stats.comm_wait_s  # forward and backward all-to-alls
     return cp.last_ring_stats.comm_wait_s + (cp.last_ring_backward_stats.comm_wait_s
@@ -60,18 +60,13 @@ def _comm_s(strategy: str, bwd: bool) -> float:
 
 
 def _point(cfg: dict, strategy: str, N: int, mode: str, rank: int, P: int) -> dict:
-    import torch.distributed as dist
-
-    import attn.distributed as cp
-
     B, H, D, layout = cfg["batch"], cfg["heads"], cfg["d"], cfg["layout"]
     row = dict(strategy=strategy, P=P, N=N, mode=mode, B=B, H=H, D=D, layout=layout,
                causal=cfg["causal"], status="ok", note="")
     if strategy == "ulysses" and H % P:
         return {**row, "status": "skipped", "note": f"H={H} does not divide over P={P}"}
     g = torch.Generator().manual_seed(0)
-    n_l = cp.shard_ranges(N, P, layout)[rank]
-    n_l = sum(b - a for a, b in n_l)
+    n_l = sum(b - a for a, b in cp.shard_ranges(N, P, layout)[rank])  # this rank's rows
     bwd = mode == "fwd+bwd"
     q, k, v = (torch.randn(B, H, n_l, D, generator=g).requires_grad_(bwd) for _ in range(3))
     do = torch.randn(B, H, n_l, D, generator=g) if bwd else None
@@ -108,9 +103,6 @@ def _point(cfg: dict, strategy: str, N: int, mode: str, rank: int, P: int) -> di
 
 def _errors(cfg: dict, rank: int, P: int) -> list[dict]:
     """float32 sharded attention against float64 attn.attention, fwd and bwd, per strategy."""
-    import attn
-    import attn.distributed as cp
-
     N, H, D, layout = cfg["error_n"], cfg["heads"], cfg["d"], cfg["layout"]
     g = torch.Generator().manual_seed(1)
     full = [torch.randn(1, H, N, D, generator=g, dtype=torch.float64) for _ in range(3)]
@@ -136,8 +128,6 @@ def _errors(cfg: dict, rank: int, P: int) -> list[dict]:
 
 def _worker(rank: int, P: int, port: int, cfg: dict, out_q) -> None:
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=P, timeout=timedelta(seconds=cfg["timeout"]))
     try:
@@ -175,8 +165,6 @@ def _free_port() -> int:
 
 
 def _run_world(P: int, cfg: dict) -> tuple[list[dict], list[dict]]:
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     port = _free_port()
@@ -208,8 +196,6 @@ def _run_world(P: int, cfg: dict) -> tuple[list[dict], list[dict]]:
 
 
 def _header(cfg: dict, argv: list[str], load_start: float) -> dict:
-    from attn.bench import report
-
     return {
         **report.run_header("cpu", argv),
         "backend": "gloo on 127.0.0.1, one process per rank, torch threads per rank: 1",
@@ -219,7 +205,7 @@ def _header(cfg: dict, argv: list[str], load_start: float) -> dict:
                           "allocation); the max over ranks"),
         "time_method": "wall time of one call, median of --repeat runs after a warm-up, the "
                        "slowest rank; ms_per_step = ms / P for the ring",
-        "config": {k: v for k, v in cfg.items()},
+        "config": dict(cfg),
     }
 
 
@@ -262,8 +248,6 @@ def markdown(header: dict, rows: list[dict], errors: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    from attn.bench.plots import _pyplot, save
-
     plt = _pyplot()
     ok = [r for r in rows if r["status"] == "ok"]
     modes = sorted({r["mode"] for r in ok}, key=len)
@@ -283,10 +267,8 @@ def plot(rows: list[dict], path: Path) -> Path:
                                              ("ms per call (slowest rank)", "time"))):
             ax = axes[i][j]
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("sequence length N")
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"{title}, {mode}")
+            ax.set(yscale="log", xlabel="sequence length N", ylabel=ylabel,
+                   title=f"{title}, {mode}")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
     return save(fig, path)
@@ -304,8 +286,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         r, e = _run_world(P, cfg)
         rows += r
         errors += e
-    from attn.bench import report
-
     header = _header(cfg, argv, load_start)
     args.out.mkdir(parents=True, exist_ok=True)
     png = plot(rows, args.out / "context_parallel.png")

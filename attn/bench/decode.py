@@ -1,16 +1,8 @@
 """``attn bench decode``: one new query against a long KV cache on CPU, attn against torch SDPA.
 
-Each step: q of one token, H query heads, a cache of L positions with Hkv kv heads (GQA),
-fp32, attending to all L keys, one of two ways in:
-
-* default: ``attn.attention`` (tiled) on q ``(B, H, 1, D)`` and k, v ``(B, Hkv, L, D)``,
-  beside SDPA on the same cache (``enable_gqa``) and on a cache expanded to H heads once,
-  outside the timing;
-* ``--compat``: a full step of ``flash_attn_with_kvcache`` (append, then attend) on a
-  contiguous ``(B, L, Hkv, D)`` cache and on the same cache in pages of each ``--pages``
-  size behind a shuffled block table, beside SDPA with the same append on that cache seen as
-  ``(B, Hkv, L, D)`` and on a head-major copy (its best case).
-
+Each step: one token's q (H heads) against a cache of L positions (Hkv kv heads), fp32,
+through ``attn.attention`` (:func:`attention_paths`) or, ``--compat``, a full step of
+``flash_attn_with_kvcache``, contiguous and paged (:func:`compat_paths`), each beside SDPA.
 Each path is checked against float64 SDPA, then the paths take turns for ``--repeats``
 rounds; results.md defines its columns. ``--caches``: :mod:`attn.bench.decode_caches`.
 
@@ -29,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import attn
-from attn.bench import report
+from attn.bench import decode_caches, report
+from attn.compat import flash_attn as fa
 from attn.sdpa import torch_sdpa
 from attn.timing import paired
 
@@ -89,7 +82,8 @@ def _sdpa(q, k, v):
 
 
 def attention_paths(B, H, Hkv, D, L, g) -> tuple[dict[str, Callable], torch.Tensor, Callable]:
-    """The default question's paths, its float64 answer, and a map of outputs to (B, H, D)."""
+    """The default question's paths (tiled; SDPA on the same cache and on one expanded to H
+    heads outside the timing), its float64 answer, and a map of outputs to (B, H, D)."""
     q = torch.randn(B, H, 1, D, generator=g)
     k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
     k_rep, v_rep = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))
@@ -103,11 +97,11 @@ def attention_paths(B, H, Hkv, D, L, g) -> tuple[dict[str, Callable], torch.Tens
 def compat_paths(B, H, Hkv, D, L, pages, g) -> tuple[dict[str, Callable], torch.Tensor,
                                                       Callable]:
     """The ``--compat`` question's paths (each a full step: append, then attend), its float64
-    answer, and a map of outputs to (B, H, D). The cache holds L - 1 keys before the step and
-    the new one fills the last slot; it is written there up front too, so every repeated step
-    writes the same value and sees the same keys."""
-    from attn.compat import flash_attn as fa
-
+    answer, and a map of outputs to (B, H, D): a contiguous (B, L, Hkv, D) cache, the same in
+    pages of each ``pages`` size behind a shuffled block table, SDPA with the same append on
+    it seen as (B, Hkv, L, D) and on a head-major copy. The cache holds L - 1 keys before the
+    step and the new one fills the last slot; it is written there up front too, so every
+    repeated step writes the same value and sees the same keys."""
     kc, vc = (torch.randn(B, L, Hkv, D, generator=g) for _ in range(2))
     q = torch.randn(B, 1, H, D, generator=g)
     k_new, v_new = (torch.randn(B, 1, Hkv, D, generator=g) for _ in range(2))
@@ -156,12 +150,7 @@ def markdown(header: dict, rows: list[dict]) -> str:
     what = ("flash_attn_with_kvcache (append + attend), contiguous and paged" if header["compat"]
             else "attn.attention (tiled)")
     lines = [f"# Decoding on CPU: {what} vs torch SDPA", "",
-             f"- device: {header['device_name']} ({header['cpu_count']} CPUs, "
-             f"{header['torch_threads']} torch threads); load at the start "
-             f"{header['loadavg_1min']:.2f}",
-             f"- torch {header['torch']}, python {header['python']}, attn {header['attn']}, "
-             f"{header['date']}; attn backend: {header['attn_backend']}",
-             f"- command: `{header['command']}`",
+             *report.machine_lines(header, f"; attn backend: {header['attn_backend']}"),
              f"- step: B={s['B']}, Nq=1, H={s['H']}, Hkv={s['Hkv']}, D={s['D']}, fp32, "
              f"attending to the whole cache; median of {header['repeats']} rounds after "
              f"{header['warmup']} warm-up, the paths taking turns",
@@ -183,8 +172,6 @@ def markdown(header: dict, rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.caches is not None:
-        from attn.bench import decode_caches
-
         if args.compat:
             raise SystemExit("attn: --caches and --compat are two questions: give one")
         args.caches = args.caches or list(decode_caches.FORMATS)

@@ -22,6 +22,7 @@ import torch
 
 import attn
 from attn.bench import report
+from attn.bench.plots import _pyplot, save
 from attn.kvcache import KVQuant, PagedKVCache
 from attn.sdpa import torch_sdpa
 from attn.timing import paired
@@ -59,18 +60,17 @@ def _bottom_right(n_q: int, n_k: int) -> torch.Tensor | None:
 
 
 def _answer(q: torch.Tensor, rows) -> torch.Tensor:
-    """float64 SDPA of q ``(B, H, Nq, D)`` on each row's keys and values ``(L, Hkv, D)``,
+    """float64 SDPA of q ``(B, H, Nq, D)`` on each row's keys and values ``(Hkv, L, D)``,
     causal from the end for Nq > 1, one row and one kv head's group at a time (a whole
     float64 batch of 32k keys is gigabytes)."""
     outs = []
     for b, (k, v) in enumerate(rows):
-        Hkv = k.shape[1]
-        G = q.shape[1] // Hkv
-        mask = _bottom_right(q.shape[2], k.shape[0])
+        G = q.shape[1] // k.shape[0]
+        mask = _bottom_right(q.shape[2], k.shape[1])
         outs.append(torch.cat([torch_sdpa(q[b:b + 1, h * G:(h + 1) * G].double(),
-                                          *(x[:, h:h + 1].transpose(0, 1)[None].double()
-                                            for x in (k, v)), attn_mask=mask, enable_gqa=True)
-                               for h in range(Hkv)], dim=1))
+                                          k[None, h:h + 1].double(), v[None, h:h + 1].double(),
+                                          attn_mask=mask, enable_gqa=True)
+                               for h in range(k.shape[0])], dim=1))
     return torch.cat(outs)
 
 
@@ -81,14 +81,12 @@ def cache_paths(B, H, Hkv, D, L, page, formats, g, n_q: int = 1):
     q = torch.randn(B, H, n_q, D, generator=g)
     k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
-    exact = _answer(q, ((k[b].transpose(0, 1), v[b].transpose(0, 1)) for b in range(B)))
+    exact = _answer(q, zip(k, v))
     mask = _bottom_right(n_q, L)
     paths: dict[str, Callable] = {
         BASELINE: lambda: torch_sdpa(q, k, v, attn_mask=mask, enable_gqa=True),
         "sdpa, dense bf16": lambda: torch_sdpa(qb, kb, vb, attn_mask=mask, enable_gqa=True)}
-    wants = {BASELINE: exact,
-             "sdpa, dense bf16": _answer(qb, ((kb[b].transpose(0, 1), vb[b].transpose(0, 1))
-                                              for b in range(B)))}
+    wants = {BASELINE: exact, "sdpa, dense bf16": _answer(qb, zip(kb, vb))}
     sizes = {}
     for name in formats:
         dtype, quant = FORMATS[name]
@@ -97,7 +95,8 @@ def cache_paths(B, H, Hkv, D, L, page, formats, g, n_q: int = 1):
             seq = list(range(B))
             path = f"attn {name} {layout}"
             paths[path] = (lambda c=cache, s=seq: attn.decode(q, c, seq_ids=s, causal=True))
-            wants[path] = _answer(q, (cache.sequence_kv(b) for b in range(B)))
+            wants[path] = _answer(q, ((x.transpose(0, 1) for x in cache.sequence_kv(b))
+                                      for b in range(B)))
             if name == "int8":  # the opt-in: keys scored against q rounded to int8
                 paths[path + QQ] = (lambda c=cache, s=seq: attn.decode(
                     q, c, seq_ids=s, causal=True, quantized_q=True))
@@ -130,12 +129,7 @@ def add_rows(args: argparse.Namespace, B: int, H: int, Hkv: int, D: int, lengths
 def markdown(header: dict, rows: list[dict]) -> str:
     s = header["shape"]
     lines = ["# Decoding on CPU from each cache format, contiguous and paged, vs torch SDPA", "",
-             f"- device: {header['device_name']} ({header['cpu_count']} CPUs, "
-             f"{header['torch_threads']} torch threads); load at the start "
-             f"{header['loadavg_1min']:.2f}",
-             f"- torch {header['torch']}, python {header['python']}, attn {header['attn']}, "
-             f"{header['date']}",
-             f"- command: `{header['command']}`",
+             *report.machine_lines(header),
              *([f"- note: {header['note']}"] if header.get("note") else []),
              f"- step: Nq={', '.join(map(str, s['Nq']))}, H={s['H']}, Hkv={s['Hkv']}, "
              f"D={s['D']}, q float32, attending to the whole cache (Nq > 1: a chunked-prefill "
@@ -162,8 +156,6 @@ def markdown(header: dict, rows: list[dict]) -> str:
 def plots(rows: list[dict], out: Path) -> list[Path]:
     """step.png (ms per step vs L, one line per path, a panel per B) and bytes.png."""
     try:
-        from attn.bench.plots import _pyplot
-
         plt = _pyplot()
     except ImportError:
         return []
@@ -180,15 +172,12 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
                title=f"B={B}" + (f", Nq={n_q}" if n_q > 1 else ""))
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=6)
-    fig.savefig(out / "step.png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    step = save(fig, out / "step.png")
     sizes = rows[0]["bytes_per_token"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.bar(list(sizes), list(sizes.values()))
     ax.set(ylabel="bytes per token (K+V, all kv heads)", title="cache size per token")
-    fig.savefig(out / "bytes.png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return [out / "step.png", out / "bytes.png"]
+    return [step, save(fig, out / "bytes.png")]
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

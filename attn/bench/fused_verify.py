@@ -1,19 +1,17 @@
 """Verify the fused backend's CUDA ops against the float64 reference, and write the table
 ``auto`` reads (``attn/fused_cuda_table.json``, see :mod:`attn.fused_cuda`; docs/gpu.md).
 
-For each op (flash, efficient, cuDNN), dtype and head dim the op takes, the fused backend runs
-:data:`CASES` with every piece on that op (:func:`attn.fused_cuda.force_op`); a row is
-``exact`` when out, lse and every gradient of every case are within DESIGN's budget, and an
-exception (an op refusing its arguments on this GPU) is recorded. The fused backend calls
-torch's op once per (sequence, kv head, piece) where triton launches one kernel, so each exact
-row is also timed against triton on :data:`SPEED_SHAPE` (``speedup_vs_triton``; ``auto``
-takes the op only where it is at least 1, :func:`attn.fused_cuda.verified_op`).
+Each op runs :data:`CASES` with every piece on it (:func:`attn.fused_cuda.force_op`). The
+fused backend calls torch's op once per (sequence, kv head, piece) where triton launches one
+kernel, so an exact row is also timed against triton (``speedup_vs_triton``; ``auto`` takes
+the op only where it is at least 1, :func:`attn.fused_cuda.verified_op`).
 """
 
 from __future__ import annotations
 
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,10 +45,6 @@ def _inputs(shape, D, dtype, device, seed):
     return q, k, v, g
 
 
-def _fused(q, k, v, **kw):
-    return attention(q, k, v, backend="fused", **kw)
-
-
 def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda", *,
                speed: bool = True) -> dict:
     """One table row: the op's key, whether every case is within budget, the worst
@@ -74,16 +68,15 @@ def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda",
                 keep[:, :, 7] = False  # a row that sees no key: zeros, lse -inf
                 kw["attn_mask"] = keep.to(device)
             try:
-                rep = compare_to_reference(_fused, q, k, v, check_lse=True, **kw)
+                rep = compare_to_reference(partial(attention, backend="fused"), q, k, v,
+                                           check_lse=True, **kw)
             except Exception as exc:  # recorded: the op is not verified for this row
                 row["exact"] = False
                 row["error"] = row["error"] or f"{name}: {type(exc).__name__}: {exc}"[:500]
                 row["cases"][name] = None
                 row["traceback"] = traceback.format_exc(limit=4)[-2000:]
                 continue
-            worst = max(c.error / c.budget if c.budget > 0 else float("inf")
-                        for c in rep.comparisons)
-            row["cases"][name] = round(worst, 4)
+            row["cases"][name] = round(rep.worst, 4)
             row["exact"] = row["exact"] and rep.ok
         if row["exact"] and speed:
             row["speedup_vs_triton"] = _speedup(dtype, head_dim, device)
@@ -152,10 +145,8 @@ SPEED_MIN_S = 20  # a speed row below this much box left would be cut mid-way: d
 
 def stage(ctx) -> None:
     """``attn gpu-check``'s fused stage (docs/gpu.md): :func:`verify_one` for every (op, dtype,
-    head dim), exactness first, then each exact row's speed (bf16, then D = 128 first: triton
-    autotunes once per dtype and head dim, every op of the pair reuses it), the table rewritten
-    after each row. A dry run verifies one op at one head dim and writes only beside the
-    results."""
+    head dim), then each exact row's speed (bf16 and D = 128 first: triton autotunes once per
+    pair, every op reuses it). A dry run verifies one op and writes only beside the results."""
     if ctx.dry_run:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":

@@ -15,8 +15,11 @@ their boxes, statuses and files (:mod:`attn.bench.gpu_record`).
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
 import json
 import os
+import platform
 import shlex
 import signal
 import sys
@@ -24,7 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from attn.bench import gpu_record, gpu_tables
+import torch
+
+from attn import fused_cuda
+from attn.bench import fused_verify, gpu_record, gpu_stages, gpu_tables, report
 
 STAGES = {"env": "attn.bench.gpu_stages:env",
           # every variant at small shapes against the float64 reference, bits repeated
@@ -85,13 +91,6 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _header(args: argparse.Namespace, argv: list[str]) -> dict:
-    import datetime
-    import platform
-
-    import torch
-
-    from attn.bench import report
-
     return {"device_name": report.device_name("cpu") if args.dry_run else None,
             "torch": torch.__version__, "triton": report._triton_version(),
             "python": platform.python_version(), "cuda": torch.version.cuda,
@@ -114,31 +113,23 @@ def _child_env(name: str, dry_run: bool) -> dict:
     return env
 
 
-_FORKSERVER = None
-
-
+@functools.cache
 def _stage_starter():
     """Stage processes fork from a server that imported torch once (1.5 s a process here)
     and nothing that reads the environment a stage sets or touches CUDA: each stage still
     gets a fresh process and its own CUDA context."""
-    global _FORKSERVER
-    if _FORKSERVER is None:
-        import multiprocessing
+    import multiprocessing.forkserver
 
-        import multiprocessing.forkserver
-
-        _FORKSERVER = multiprocessing.get_context("forkserver")
-        _FORKSERVER.set_forkserver_preload(["torch"])
-        # start it now, before any stage's box opens: its torch import (seconds on a loaded
-        # machine) is no stage's time
-        multiprocessing.forkserver.ensure_running()
-    return _FORKSERVER
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    # start it now, before any stage's box opens: its torch import (seconds on a loaded
+    # machine) is no stage's time
+    multiprocessing.forkserver.ensure_running()
+    return context
 
 
 def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[str, str, dict]:
     """Run one stage in its own process: (status, why, its records)."""
-    from attn.bench import gpu_stages
-
     proc = _stage_starter().Process(
         target=gpu_stages.stage_process, name=f"attn gpu-check {name}",
         args=(target, json.dumps(ctx.__dict__), _child_env(name, ctx.dry_run)))
@@ -170,10 +161,6 @@ def _say(out: Path, line: str) -> None:
         f.write(f"[gpu-check] {line}\n")
 
 
-def _with_origin(rows: list[dict], header: dict) -> list[dict]:
-    return [{**r, **{k: header.get(k) for k in gpu_record.ROW_ORIGIN}} for r in rows]
-
-
 def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str] | None = None
                ) -> dict:
     """Run the selected stages in order (``stages``: name → MODULE:FUNCTION, default
@@ -196,7 +183,6 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
     _stage_starter()
     env_facts: dict = {}
     with tempfile.TemporaryDirectory(prefix="attn-gpu-check-") as tmp:
-        scratch_dir = Path(tmp)
         for i, name in enumerate(selected):
             left = total - (time.time() - t0)
             weight = WEIGHTS.get(name, 1.0)
@@ -213,7 +199,7 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
                 continue
             _say(out, f"stage {name} ({box:.0f} s box)")
             ctx = gpu_record.StageContext(
-                name=name, out=str(out.resolve()), scratch=str(scratch_dir / f"{name}.jsonl"),
+                name=name, out=str(out.resolve()), scratch=str(Path(tmp) / f"{name}.jsonl"),
                 deadline=time.time() + box, dry_run=args.dry_run, cores=os.cpu_count() or 1,
                 tests=str(args.tests.resolve()), budget_s=box, env=env_facts)
             # if this process is killed now, the stage reads as what it is: unfinished
@@ -227,7 +213,8 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
                 header.update({k: got["info"][k] for k in ("device_name", "cuda", "driver",
                                                            "sm_count", "memory_gib")
                                if k in got["info"]})
-            doc["rows"] += _with_origin(got["rows"], header)
+            origin = {k: header.get(k) for k in gpu_record.ROW_ORIGIN}
+            doc["rows"] += [{**r, **origin} for r in got["rows"]]
             doc["stages"][name] = gpu_record.stage_entry(
                 status, why=why, seconds=time.time() - started, dropped=got["dropped"],
                 budget_s=box)
@@ -239,8 +226,6 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
             gpu_record.write_results(out, doc)
             _say(out, f"stage {name}: {status}{' (' + why + ')' if why else ''}")
     if header["device_name"] is None:  # env not run: name the device all the same
-        from attn.bench import report
-
         header["device_name"] = report.device_name("cuda")
         gpu_record.write_results(out, doc)
     return doc
@@ -284,33 +269,25 @@ def _adopt(folders: list[Path]) -> int:
     folder's fused_cuda_table.json merged into the committed fused table."""
     from attn.flash_triton import tune
 
-    rows = []
-    for folder in folders:
-        path = Path(folder) / "results.json"
-        if not path.is_file():
+    rows, fused_rows = [], []
+    for folder in map(Path, folders):
+        if not (folder / "results.json").is_file():
             print(f"attn gpu-check: --adopt: no results.json in {folder}", file=sys.stderr)
             return 2
-        doc = json.loads(path.read_text())
-        device = doc.get("header", {}).get("device_name")
-        for r in doc.get("rows", []):
-            if (r.get("kind") == "tune" and r.get("note") == "best of the sweep"
-                    and r.get("key") and r.get("fields")):
-                rows.append({"key": r["key"], "config": r["fields"], "ms": r.get("ms"),
-                             "pick_ms": r.get("pick_ms"), "shape": r.get("shape"),
-                             "device": r.get("device") or device,
-                             "date": doc.get("header", {}).get("date")})
+        doc = json.loads((folder / "results.json").read_text())
+        header = doc.get("header", {})
+        rows += [{"key": r["key"], "config": r["fields"], "ms": r.get("ms"),
+                  "pick_ms": r.get("pick_ms"), "shape": r.get("shape"),
+                  "device": r.get("device") or header.get("device_name"),
+                  "date": header.get("date")} for r in doc.get("rows", [])
+                 if r.get("kind") == "tune" and r.get("note") == "best of the sweep"
+                 and r.get("key") and r.get("fields")]
+        if (folder / "fused_cuda_table.json").is_file():  # the fused-cuda stage's table
+            fused_rows += json.loads((folder / "fused_cuda_table.json").read_text())["rows"]
     table = adopt_tuned(rows)
     print(f"adopted {len(rows)} tuned configs into {tune.TUNED} "
           f"({len(table['rows'])} rows in all)")
-    fused_rows = []
-    for folder in folders:  # the fused-cuda stage's table, written beside the results
-        path = Path(folder) / "fused_cuda_table.json"
-        if path.is_file():
-            fused_rows += json.loads(path.read_text())["rows"]
     if fused_rows:
-        from attn import fused_cuda
-        from attn.bench import fused_verify
-
         merged = fused_verify.write_table(fused_rows)
         print(f"adopted {len(fused_rows)} fused-cuda rows into {fused_cuda.TABLE} "
               f"({len(merged['rows'])} rows in all)")
@@ -330,13 +307,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"merged {len(args.merge)} runs into {args.out}: "
               + ", ".join(f"{n} {e['status']}" for n, e in doc["stages"].items()))
         return 0
-    if not args.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("attn gpu-check: torch sees no CUDA device; on a machine without a GPU, "
-                  "--dry-run runs every stage at tiny sizes", file=sys.stderr)
-            return 2
+    if not args.dry_run and not torch.cuda.is_available():
+        print("attn gpu-check: torch sees no CUDA device; on a machine without a GPU, "
+              "--dry-run runs every stage at tiny sizes", file=sys.stderr)
+        return 2
     doc = run_stages(args, argv)
     bad = failures(doc)
     for line in bad:

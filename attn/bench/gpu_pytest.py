@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import pytest
 
@@ -54,9 +55,7 @@ def _write_collected(ids: list[str]) -> None:
     if _collected_written or not rows or not ids:
         return
     _collected_written = True
-    per_file: dict[str, int] = {}
-    for nodeid in ids:
-        per_file[nodeid.split("::")[0]] = per_file.get(nodeid.split("::")[0], 0) + 1
+    per_file = Counter(nodeid.split("::")[0] for nodeid in ids)
     with open(rows, "a") as f:
         for file, n in per_file.items():
             f.write(json.dumps({"row": {"stage": "correctness", "kind": "pytest-collected",

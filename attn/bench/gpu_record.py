@@ -83,16 +83,13 @@ def read_scratch(path: str | Path) -> dict:
             rec = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a kill
             continue
-        if "row" in rec:
-            got["rows"].append(rec["row"])
-        elif "dropped" in rec:
-            got["dropped"].append(rec["dropped"])
-        elif "info" in rec:
-            got["info"].update(rec["info"])
-        elif "running" in rec:
-            got["running"] = rec["running"]
-        elif "error" in rec:
-            got["error"] = rec["error"]
+        for kind, value in rec.items():  # one of row, dropped, info, running, error
+            if kind in ("row", "dropped"):
+                got["rows" if kind == "row" else "dropped"].append(value)
+            elif kind == "info":
+                got["info"].update(value)
+            else:
+                got[kind] = value
     return got
 
 

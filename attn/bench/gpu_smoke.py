@@ -1,13 +1,14 @@
-"""``attn gpu-check``'s smoke stage (docs/gpu.md): the triton kernels as they are now, every
-variant at a few small shapes, forward and backward against the float64 reference
-(:func:`attn.testing.compare_to_reference`), and the same call twice giving the same bits.
-Cases run in priority order, so a short box still holds every variant once; a case that is
-wrong or raises is a failed row, never the stage's error.
+"""``attn gpu-check``'s smoke stage (docs/gpu.md): every variant of the triton kernels at a
+few small shapes against the float64 reference, and the same call twice giving the same bits.
 """
 
 from __future__ import annotations
 
+import torch
+
+import attn
 from attn.bench.gpu_record import StageContext, exc_line
+from attn.testing import compare_to_reference, make_inputs
 from attn.bench.gpu_stages import _device, _variant_kwargs
 
 # the variants of the smoke, in the order they run at each shape
@@ -33,10 +34,6 @@ def _varlen_case(N: int, dev: str):
     """Packed sequences as a (1, H, N, D) call: ``fn`` packs and runs
     attn.varlen_attention on triton; the reference gets the same packing as a
     block-diagonal causal mask (the ``attn_mask`` keyword, which ``fn`` leaves to it)."""
-    import torch
-
-    import attn
-
     lengths = [n for n in (N // 4, N - N // 4) if n]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
@@ -56,11 +53,6 @@ def _varlen_case(N: int, dev: str):
 
 def _case(variant: str, dtype_name: str, D: int, N: int, dev: str):
     """q, k, v, the attn.attention keywords and ``fn(q, k, v, **kw)`` on triton."""
-    import torch
-
-    import attn
-    from attn.testing import make_inputs
-
     dtype = getattr(torch, dtype_name)
     B, H = (1, 2) if dev == "cpu" else (2, 4)  # the interpreter's cost is per program
     B = 1 if variant == "varlen" else B
@@ -82,8 +74,6 @@ def _case(variant: str, dtype_name: str, D: int, N: int, dev: str):
 
 def _bits(fn, q, k, v, kw: dict) -> list:
     """Out, lse and every gradient of one call on fresh leaves (dropout's seed fixed)."""
-    import torch
-
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     kw = {n: (t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor)
               and t.requires_grad else t) for n, t in kw.items()}
@@ -100,15 +90,8 @@ def check_case(variant: str, dtype_name: str, D: int, N: int, dev: str) -> dict:
     """One smoke case's row fields: ``status`` ok or failed, ``worst`` (the largest
     error / budget over out, lse and the gradients), ``repeatable`` (two calls, same bits)
     and a ``note`` naming what failed."""
-    import torch
-
-    from attn.testing import compare_to_reference
-
     q, k, v, kw, fn = _case(variant, dtype_name, D, N, dev)
     report = compare_to_reference(fn, q, k, v, check_lse=True, **kw)
-    worst = max((c.error / c.budget if c.budget > 0 else (0.0 if c.error == 0 else
-                                                          float("inf")))
-                for c in report.comparisons)
     first, again = _bits(fn, q, k, v, kw), _bits(fn, q, k, v, kw)
     names = ["out", "lse", "dq", "dk", "dv", *[f"d{n}" for n, t in kw.items()
                                                 if isinstance(t, torch.Tensor) and
@@ -118,7 +101,7 @@ def check_case(variant: str, dtype_name: str, D: int, N: int, dev: str) -> dict:
     notes = ([f"over budget: {', '.join(over)}"] if over else []) + (
         [f"not bitwise repeatable: {', '.join(differ)}"] if differ else [])
     return {"status": "ok" if report.ok and not differ else "failed",
-            "worst": worst if worst != float("inf") else None,
+            "worst": report.worst if report.worst != float("inf") else None,
             "repeatable": not differ, "note": "; ".join(notes)}
 
 

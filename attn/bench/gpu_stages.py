@@ -4,8 +4,7 @@
 its :class:`~attn.bench.gpu_record.StageContext`. A process per stage gives every stage a hard
 time box (killed at its deadline, its rows kept), keeps an out-of-memory or a crashed driver
 from taking the other stages down, and lets each stage set the environment triton reads at
-import. Each stage checks its box before each point, in priority order, and records what it
-leaves out; in a dry run (no GPU) the same code runs at tiny sizes.
+import (docs/gpu.md: the stages, their boxes, what each drops to fit and the dry run).
 """
 
 from __future__ import annotations
@@ -14,12 +13,24 @@ import importlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import traceback
+from importlib.util import find_spec
 from pathlib import Path
+from unittest import mock
 
+import torch
+
+import attn
+from attn.bench.competitors import SDPA_KERNELS, flex_variant
+from attn.bench.flops import matmul_tflops
 from attn.bench.gpu_record import StageContext, exc_line
+from attn.sdpa import torch_sdpa
+from attn.testing import compare_to_reference, make_inputs
+from attn.timing import benchmark
+from attn.varlen import cu_seqlens_from_lengths, unpack
 
 GPU_ONLY = "GPU only"
 # the triton outer kernels by the kind their autotune configs are listed under
@@ -45,8 +56,6 @@ def _fits(ctx: StageContext, nbytes: float, what: str) -> bool:
 
 
 def _time_ms(ctx: StageContext, fn, repeats: int) -> float:
-    from attn.timing import benchmark
-
     return benchmark(fn, device=_device(ctx), warmup=1, repeats=repeats, min_repeats=1,
                      budget_s=0.05 if ctx.dry_run else 1.0).median_ms
 
@@ -54,8 +63,6 @@ def _time_ms(ctx: StageContext, fn, repeats: int) -> float:
 def _try_ms(ctx: StageContext, fn, repeats: int, **row) -> float | None:
     """:func:`_time_ms` of ``fn`` without autograd, or None after a failed row with
     ``row``'s fields (a point that raises is its result, not the stage's error)."""
-    import torch
-
     try:
         with torch.no_grad():
             return _time_ms(ctx, fn, repeats)
@@ -79,11 +86,7 @@ def _driver() -> str | None:
 def env(ctx: StageContext) -> None:
     """Device, versions, and the ceilings measured now: bf16 matmul TFLOP/s and
     device-to-device copy GB/s."""
-    import torch
-
     from attn.bench import report
-    from attn.bench.flops import matmul_tflops
-    from attn.timing import benchmark
 
     dev = _device(ctx)
     facts = {"device_name": report.device_name(dev), "torch": torch.__version__,
@@ -118,8 +121,6 @@ def env(ctx: StageContext) -> None:
 # -- 2. correctness ----------------------------------------------------------------------------
 
 def _pytest_command(ctx: StageContext) -> list[str]:
-    from importlib.util import find_spec
-
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
            "-p", "no:benchmark", "-p", "attn.bench.gpu_pytest"]
     if ctx.dry_run:
@@ -159,8 +160,6 @@ def _start_pytest(ctx: StageContext):
 
 def _finish_pytest(ctx: StageContext, started) -> None:
     """Wait for pytest until the box (less a few seconds to write), then cut it."""
-    import signal
-
     if started is None:
         return
     proc, f = started
@@ -176,10 +175,6 @@ def _finish_pytest(ctx: StageContext, started) -> None:
 
 
 def _triton_inputs(ctx: StageContext, B: int, H: int, N: int, D: int, Hkv: int | None = None):
-    import torch
-
-    from attn.testing import make_inputs
-
     q, k, v = make_inputs(B=B, H=H, Hkv=Hkv, N=N, D=D, dtype=torch.bfloat16,
                           device=_device(ctx), seed=N)
     return tuple(t.requires_grad_() for t in (q, k, v))
@@ -187,10 +182,6 @@ def _triton_inputs(ctx: StageContext, B: int, H: int, N: int, D: int, Hkv: int |
 
 def _determinism(ctx: StageContext) -> None:
     """The forward and dK/dV, called again and again on the same inputs: bit for bit equal."""
-    import torch
-
-    import attn
-
     runs = 2 if ctx.dry_run else 100  # the dry run: one repeat shows the comparison works
     shape = dict(B=1, H=2, N=40, D=16) if ctx.dry_run else dict(B=2, H=8, N=2048, D=128)
     q, k, v = _triton_inputs(ctx, **shape)
@@ -221,34 +212,25 @@ def _determinism(ctx: StageContext) -> None:
 
 def _variant_kwargs(name: str, H: int, N: int, dev: str) -> dict:
     """attn.attention keywords of one variant (Hkv through the ``gqa`` name)."""
-    import torch
-
     g = torch.Generator().manual_seed(N)
+    extra = {"softcap": {"softcap": 20.0}, "window": {"window": (max(N // 4, 1), 0)},
+             "dropout": {"dropout_p": 0.1}, "temperature": {"temperature": 0.5},
+             "causal": {}, "gqa": {}}
+    if name in extra:
+        return {"causal": True, **extra[name]}
     if name == "plain":
         return {}
-    if name == "causal":
-        return {"causal": True}
-    if name == "softcap":
-        return {"causal": True, "softcap": 20.0}
     if name == "sinks":
         return {"causal": True, "sinks": torch.randn(H, generator=g).to(dev).requires_grad_()}
-    if name == "window":
-        return {"causal": True, "window": (max(N // 4, 1), 0)}
-    if name == "gqa":
-        return {"causal": True}
     if name == "alibi":
         slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
         return {"causal": True, "alibi_slopes": slopes.to(dev)}
-    if name == "dropout":
-        return {"causal": True, "dropout_p": 0.1}
     if name == "float_mask":
         mask = torch.randn(N, N, generator=g)
         mask[torch.rand(N, N, generator=g) < 0.2] = float("-inf")
         return {"attn_mask": mask.to(dev, torch.bfloat16)}
     if name == "bool_mask":
         return {"attn_mask": (torch.rand(N, N, generator=g) > 0.2).to(dev)}
-    if name == "temperature":
-        return {"causal": True, "temperature": 0.5}
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -259,10 +241,6 @@ VARIANTS = ("plain", "causal", "softcap", "sinks", "window", "gqa", "alibi", "dr
 def _nan_scan(ctx: StageContext) -> None:
     """Every variant on triton, forward and backward, at lengths that leave tiles partly
     empty: out and every gradient finite."""
-    import torch
-
-    import attn
-
     lengths = (5,) if ctx.dry_run else (17, 1, 4097, 2, 5)
     H, D = (4, 16) if ctx.dry_run else (8, 64)
     if ctx.dry_run:
@@ -297,8 +275,6 @@ def _compile_check(ctx: StageContext) -> None:
                 status="skipped", note=f"{GPU_ONLY}: inductor around the triton op compiles "
                                        "for minutes on CPU")
         return
-    import torch
-
     from attn.nn import MultiHeadAttention
 
     torch.manual_seed(0)
@@ -319,9 +295,7 @@ def _compile_check(ctx: StageContext) -> None:
 
 def correctness(ctx: StageContext) -> None:
     """pytest -m cuda in its own process and, beside it on the cores its workers leave free,
-    determinism, the NaN scan and the torch.compile check; both until the box ends. One
-    config per triton launch (ATTN_TRITON_AUTOTUNE=0): this stage is about right answers,
-    and the autotuner compiles ~20 configs per set of variant flags."""
+    determinism, the NaN scan and the torch.compile check, until the box ends (docs/gpu.md)."""
     started = _start_pytest(ctx)
     _determinism(ctx)
     _compile_check(ctx)
@@ -332,7 +306,6 @@ def correctness(ctx: StageContext) -> None:
 # -- 3. speed and memory -----------------------------------------------------------------------
 
 def _speed_config(ctx: StageContext):
-    from attn.bench.competitors import SDPA_KERNELS
     from attn.bench.sweep import SweepConfig
 
     if ctx.dry_run:
@@ -361,12 +334,8 @@ def autotune_picks() -> dict[str, str]:
         import attn.flash_triton as ft
     except ImportError:
         return {}
-    picks = {}
-    for kind, name in _KERNELS.items():
-        best = getattr(getattr(ft, name, None), "best_config", None)
-        if best is not None:
-            picks[kind] = str(best)
-    return picks
+    return {kind: str(best) for kind, name in _KERNELS.items()
+            if (best := getattr(getattr(ft, name, None), "best_config", None)) is not None}
 
 
 def _group(row) -> str:
@@ -392,10 +361,7 @@ def speed(ctx: StageContext) -> None:
         r = finish([row], rate)[0]
         extra = autotune_picks() if r.backend == "triton" and r.status == "ok" else {}
         ctx.row(kind="speed", **r.as_dict(), autotune=extra)
-        ctx.log(f"{r.backend} {r.mode} N={r.N} D={r.D}{' causal' if r.causal else ''}: "
-                + (f"{r.ms:.3g} ms, {r.tflops:.3g} TFLOP/s, peak "
-                   f"{(r.peak_bytes or 0) / 2**20:.1f} MiB" if r.status == "ok"
-                   else f"{r.status} ({r.note})"))
+        ctx.log(r.line())
         if i + 1 < len(rows):
             ctx.running(_group(rows[i + 1]) + f" N={rows[i + 1].N}")
         if i + 1 < len(rows) and ctx.left() < reserve:
@@ -418,10 +384,6 @@ def _flex_side(ctx: StageContext, name: str, kw: dict, q, k, v, ours, ours_ms: f
     """The flex fields of a variant's row: compiled flex on the same variant and inputs
     (compiled before the timing), its ms, ``flex_ratio`` = flex ms / ours ms and its largest
     difference from our output; or why flex did not run."""
-    import torch
-
-    from attn.bench.competitors import flex_variant
-
     fn = flex_variant(kw, q.shape[2], _device(ctx))
     if isinstance(fn, str):  # a variant flex cannot express
         return {"flex_status": "skipped", "flex_note": fn}
@@ -440,8 +402,7 @@ def _flex_side(ctx: StageContext, name: str, kw: dict, q, k, v, ours, ours_ms: f
         diff = (call().float() - ours.float()).abs().max().item()  # the compile, untimed
         flex_ms = _time_ms(ctx, call, 10)
     except Exception as exc:
-        return {"flex_status": "failed",
-                "flex_note": exc_line(exc)}
+        return {"flex_status": "failed", "flex_note": exc_line(exc)}
     return {"flex_status": "ok", "flex_ms": flex_ms, "flex_ratio": flex_ms / ours_ms,
             "flex_max_diff": diff}
 
@@ -449,10 +410,6 @@ def _flex_side(ctx: StageContext, name: str, kw: dict, q, k, v, ours, ours_ms: f
 def _variant_costs(ctx: StageContext) -> None:
     """Each variant's forward at one shape: its ms as a ratio to plain causal and, for
     :data:`FLEX_COMPARED`, compiled flex's ms on the same variant."""
-    import torch
-
-    import attn
-
     backend = "tiled" if ctx.dry_run else "triton"
     B, H, N, D = (1, 4, 64, 16) if ctx.dry_run else (4, 16, 4096, 128)
     if not _fits(ctx, 8 * B * H * N * D * 2 + N * N * 2, f"variant costs N={N}"):
@@ -495,11 +452,6 @@ def _variant_costs(ctx: StageContext) -> None:
 def _varlen(ctx: StageContext) -> None:
     """Packed varlen on ours against SDPA on the same sequences padded to the longest
     (causal: the padded keys come after every real one, so no padding mask is needed)."""
-    import torch
-
-    import attn
-    from attn.sdpa import torch_sdpa
-
     dev = _device(ctx)
     backend = "tiled" if ctx.dry_run else "triton"
     H, D = (2, 16) if ctx.dry_run else (16, 128)
@@ -509,18 +461,12 @@ def _varlen(ctx: StageContext) -> None:
     if not _fits(ctx, 12 * len(lengths) * H * longest * D * 2, "varlen"):
         return
     q, k, v = (torch.randn(total, H, D, generator=g).to(dev, torch.bfloat16) for _ in range(3))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device=dev)
-    padded = []
-    for x in (q, k, v):
-        p = x.new_zeros(len(lengths), H, longest, D)
-        for i, (s, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
-            p[i, :, :n] = x[s:s + n].transpose(0, 1)
-        padded.append(p)
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths)).to(dev)
+    real = (torch.arange(longest) < torch.tensor(lengths)[:, None]).to(dev)  # (B, longest)
+    padded = [unpack(x, real).transpose(1, 2).contiguous() for x in (q, k, v)]
     shape = f"{len(lengths)} sequences, {total} tokens (longest {longest}), H={H} D={D}, bf16"
-    paths = {f"{backend} packed": lambda: attn.varlen_attention(q, k, v, cu, cu, longest,
-                                                                 longest, causal=True,
-                                                                 backend=backend),
+    paths = {f"{backend} packed": lambda: attn.varlen_attention(
+                 q, k, v, cu, cu, longest, longest, causal=True, backend=backend),
              "sdpa padded": lambda: torch_sdpa(*padded, is_causal=True)}
     ms = {}
     for name, fn in paths.items():
@@ -535,53 +481,28 @@ def _varlen(ctx: StageContext) -> None:
         ctx.log(f"varlen {name}: {t:.3g} ms" + (f", SDPA / this {ratio:.2f}" if ratio else ""))
 
 
-def _decode_paths(ctx: StageContext) -> dict[str, str | None]:
-    """Each decode path and why it cannot run here (None: it runs)."""
-    if ctx.dry_run:
-        gpu = f"{GPU_ONLY}: compiled triton"
-        return {"split-KV triton": gpu, "plain triton": gpu, "sdpa": None, "tiled": None}
-    return {"split-KV triton": None, "plain triton": None, "sdpa": None}
-
-
 def _decode_call(path: str, q, k, v):
-    """The step of one path; triton's split-KV override is read at call time."""
-    import attn
-    from attn.sdpa import torch_sdpa
-
+    """The step of one path (plain and split-KV triton differ in ATTN_TRITON_SPLIT_KV only,
+    which :func:`_decode` sets around each path's timing)."""
     if path == "sdpa":
         return lambda: torch_sdpa(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
-    backend = "tiled" if path == "tiled" else "triton"
-    force = {"plain triton": "0"}.get(path)
-
-    def step():
-        old = os.environ.get("ATTN_TRITON_SPLIT_KV")
-        if force is not None:
-            os.environ["ATTN_TRITON_SPLIT_KV"] = force
-        else:
-            os.environ.pop("ATTN_TRITON_SPLIT_KV", None)
-        try:
-            return attn.attention(q, k, v, backend=backend)
-        finally:
-            if old is None:
-                os.environ.pop("ATTN_TRITON_SPLIT_KV", None)
-            else:
-                os.environ["ATTN_TRITON_SPLIT_KV"] = old
-    return step
+    return lambda: attn.attention(q, k, v, backend="tiled" if path == "tiled" else "triton")
 
 
 def _decode(ctx: StageContext) -> None:
     """One step of Nq new queries against a cache of Nk keys (GQA 32:8, D=128, bf16)."""
-    import torch
-
     H, Hkv, D = (4, 2, 16) if ctx.dry_run else (32, 8, 128)
+    # each path, and why it cannot run here (None: it runs)
+    paths = {"split-KV triton": None, "plain triton": None, "sdpa": None}
     if ctx.dry_run:
         grid = [(1, B, nk) for B in (1, 2) for nk in (64, 256)]
         ctx.dropped("decode Nq=4, B=8/64, Nk 1k-128k", "dry run: tiny sizes")
+        gpu = f"{GPU_ONLY}: compiled triton"
+        paths = {"split-KV triton": gpu, "plain triton": gpu, "sdpa": None, "tiled": None}
     else:  # B=8, Nq=1 first: the common serving case
         grid = sorted(((nq, B, nk) for nq in (1, 4) for B in (1, 8, 64)
                        for nk in (1024, 4096, 16384, 65536, 131072)),
                       key=lambda p: (p[0] != 1, p[1] != 8, p[1], p[2]))
-    paths = _decode_paths(ctx)
     dev = _device(ctx)
     for i, (nq, B, nk) in enumerate(grid):
         if ctx.left() < 3:
@@ -605,8 +526,12 @@ def _decode(ctx: StageContext) -> None:
                 ctx.row(**base, path=path, status="skipped", note=why)
                 continue
             ctx.running(f"decode {path} Nq={nq} B={B} Nk={nk}")
-            t = _try_ms(ctx, _decode_call(path, q, k, v), 3 if ctx.dry_run else 20, **base,
-                        path=path)
+            with mock.patch.dict(os.environ):  # split-KV off for plain triton, else auto
+                os.environ.pop("ATTN_TRITON_SPLIT_KV", None)
+                if path == "plain triton":
+                    os.environ["ATTN_TRITON_SPLIT_KV"] = "0"
+                t = _try_ms(ctx, _decode_call(path, q, k, v), 3 if ctx.dry_run else 20,
+                            **base, path=path)
             if t is not None:
                 ms[path] = t
         for path, t in ms.items():
@@ -636,23 +561,10 @@ def _tune_configs(kind: str, N: int, D: int, arch: int | None) -> list:
     return tune.prune_for(tune.gpu_configs(kind), args, kind=kind, arch=arch)
 
 
-def _forced(kind: str, config):
-    """A context that makes one kernel launch ``config`` (the autotuner's list, set to one
-    entry, is used without timing), restoring the list after."""
-    from unittest import mock
-
-    import attn.flash_triton as ft
-
-    return mock.patch.object(getattr(ft, _KERNELS[kind]), "configs", [config])
-
-
 def tune(ctx: StageContext) -> None:
-    """Per shape, every config prune_for keeps for fwd, dK/dV and dQ, timed against the
-    autotuner's pick (the committed table set aside: ``ATTN_TRITON_TUNED=0``); fwd configs
-    time the forward, dK/dV and dQ configs the forward and backward with the other kernels at
-    their picks. Each kernel and shape ends in a "best of the sweep" row with the launch's
-    table key and the config: ``attn gpu-check --adopt DIR`` merges those into
-    attn/flash_triton/tuned.json, which the autotuner reads first. Changes no code."""
+    """Every config prune_for keeps, forced on its kernel, against the autotuner's pick
+    (docs/gpu.md); dK/dV and dQ configs time the forward and backward, the other kernels at
+    their picks. Changes no code: ``--adopt`` writes the "best of the sweep" rows."""
     shapes = [(D, causal) for D in (128, 64) for causal in (False, True)]
     N, B, H = 4096, 4, 16
     if ctx.dry_run:
@@ -664,12 +576,8 @@ def tune(ctx: StageContext) -> None:
                         note=f"{GPU_ONLY}: the interpreter has one config and times nothing")
         ctx.log("planned the sweep; nothing timed without a GPU")
         return
-    import os
-
-    import torch
-
     os.environ["ATTN_TRITON_TUNED"] = "0"  # before the first launch reads the table
-    import attn
+    import attn.flash_triton as ft
     from attn.flash_triton import tune as tuning
     from attn.flash_triton.tune import _device_arch
 
@@ -701,13 +609,11 @@ def tune(ctx: StageContext) -> None:
                     ctx.dropped(f"tune {kind} {shape} and after", "the box ran short")
                     return
                 ctx.running(f"tune {kind} {shape} {config}")
-                try:
-                    with _forced(kind, config):
-                        ms = _time_ms(ctx, fn, 10)
-                    status, note = "ok", ""
+                try:  # the autotuner's list cut to one config, which it runs without timing
+                    with mock.patch.object(getattr(ft, _KERNELS[kind]), "configs", [config]):
+                        ms, status, note = _time_ms(ctx, fn, 10), "ok", ""
                 except Exception as exc:  # a config that does not launch here
-                    ms, status = None, "failed"
-                    note = exc_line(exc, 160)
+                    ms, status, note = None, "failed", exc_line(exc, 160)
                 is_pick = str(config) == picks.get(kind)
                 pick_config = config if is_pick else pick_config
                 ctx.row(kind="tune", kernel=kind, shape=shape, config=str(config),
@@ -730,12 +636,10 @@ def tune(ctx: StageContext) -> None:
 def context_parallel(ctx: StageContext) -> None:
     """Ring and Ulysses through the public API on a group of one (NCCL on the GPU, gloo in a
     dry run), forward and backward against the float64 reference; alone in its process."""
-    import torch
     import torch.distributed as dist
 
     import attn.distributed as cp
     from attn.bench.context_parallel import _free_port
-    from attn.testing import compare_to_reference, make_inputs
 
     dev = _device(ctx)
     port = _free_port()
@@ -773,10 +677,10 @@ def context_parallel(ctx: StageContext) -> None:
 def stage_process(target: str, ctx_json: str, env: dict) -> None:
     """The body of a stage's process, forked from gpu-check's fork server: its own process
     group (so a kill at its deadline reaches what it started), the environment triton reads
-    at import, then :func:`main`. It lives here, in a module that imports neither torch's
-    compiler nor triton, because the child imports the target's module before running it:
-    from attn.bench.gpu_check, torch 2.13's ``torch.nn.attention.bias`` pulled triton in
-    before ``TRITON_INTERPRET`` was set, and the dry run's interpreted kernels failed."""
+    at import, then :func:`main`. The child imports this module before running it, so it
+    imports torch (the fork server's preload) and attn's lazy top level, never triton or
+    torch's compiler: torch 2.13's ``torch.nn.attention.bias`` pulls triton in before
+    ``TRITON_INTERPRET`` is set, and the dry run's interpreted kernels fail."""
     os.setsid()
     os.environ.clear()
     os.environ.update(env)

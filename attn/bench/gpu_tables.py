@@ -4,10 +4,12 @@ draws them again for joined runs). Ratios come first: they are what a person com
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from attn.bench import plots as sweep_plots
 from attn.bench import report
+from attn.bench.report import _fmt
 
 PLOTS = ("speed.png", "memory.png", "decode.png")  # gpu_record.FILES' PNGs, in order
 
@@ -16,10 +18,6 @@ TORCH_KERNELS = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex")
 
 def _rows(doc: dict, kind: str) -> list[dict]:
     return [r for r in doc["rows"] if r.get("kind") == kind]
-
-
-def _f(x, spec: str = ".3g") -> str:
-    return "—" if x is None else format(x, spec)
 
 
 def speed_ratios(rows: list[dict]) -> list[dict]:
@@ -75,8 +73,8 @@ def _ratio_section(doc: dict) -> list[str]:
                 "faster)", "",
                 f"| variant | ratio to causal | ms | flex ms | flex / {mine} | flex |",
                 "|:--|--:|--:|--:|--:|:--|"]
-        out += [f"| {r['variant']} | {r['ratio']:.2f} | {_f(r['ms'])} | "
-                f"{_f(r.get('flex_ms'))} | {_f(r.get('flex_ratio'), '.2f')} | "
+        out += [f"| {r['variant']} | {r['ratio']:.2f} | {_fmt(r['ms'])} | "
+                f"{_fmt(r.get('flex_ms'))} | {_fmt(r.get('flex_ratio'), '.2f')} | "
                 f"{_flex_cell(r)} |" for r in variants]
         out.append("")
     for kind, what in (("varlen", "packed varlen"), ("decode", "decode")):
@@ -100,7 +98,7 @@ def _flex_cell(r: dict) -> str:
     if "flex_status" not in r:
         return ""
     if r["flex_status"] == "ok":
-        return f"ok, max diff {_f(r.get('flex_max_diff'), '.1e')}"
+        return f"ok, max diff {_fmt(r.get('flex_max_diff'), '.1e')}"
     return f"{r['flex_status']}: {r.get('flex_note', '')}".replace("|", "/")
 
 
@@ -128,7 +126,7 @@ def _smoke_section(doc: dict) -> list[str]:
                 str(r["N"]))
         shapes = "; ".join(f"{k}: N {', '.join(ns)}" for k, ns in by.items())
         out.append(f"| {variant} | {sum(r['status'] == 'ok' for r in mine)}/{len(mine)} | "
-                   f"{_f(max(worst) if worst else None, '.2f')} | {shapes} |")
+                   f"{_fmt(max(worst) if worst else None, '.2f')} | {shapes} |")
     bad = [r for r in rs if r["status"] != "ok"]
     if bad:
         out += ["", "Failed cases:", ""] + [f"- {r['what']}: {r['note']}" for r in bad]
@@ -139,21 +137,20 @@ def _pytest_section(doc: dict) -> list[str]:
     rs = _rows(doc, "pytest")
     if not rs and not _rows(doc, "pytest-collected"):
         return []
-    per_file: dict[str, dict[str, int]] = {}
+    per_file: dict[str, Counter] = {}
     for r in rs:
-        counts = per_file.setdefault(r["file"], {})
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    collected: dict[str, int] = {}
+        per_file.setdefault(r["file"], Counter())[r["outcome"]] += 1
+    collected: Counter = Counter()
     for r in _rows(doc, "pytest-collected"):
-        collected[r["file"]] = collected.get(r["file"], 0) + r["count"]
+        collected[r["file"]] += r["count"]
     out = ["## pytest, per test file", "",
            "| file | passed | failed | error | skipped | not run (cut by the box) |",
            "|:--|--:|--:|--:|--:|--:|"]
     for f in sorted(set(per_file) | set(collected)):
-        c = per_file.get(f, {})
-        not_run = max(collected[f] - sum(c.values()), 0) if f in collected else None
-        out.append(f"| {f} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
-                   f"{c.get('error', 0)} | {c.get('skipped', 0)} | {_f(not_run, 'd')} |")
+        c = per_file.get(f, Counter())
+        not_run = max(collected[f] - c.total(), 0) if f in collected else None
+        out.append(f"| {f} | {c['passed']} | {c['failed']} | {c['error']} | {c['skipped']} | "
+                   f"{_fmt(not_run, 'd')} |")
     bad = [r for r in rs if r["outcome"] in ("failed", "error")]
     if bad:
         out += ["", "Failures (full text in pytest.txt and log.txt):", ""]
@@ -167,7 +164,7 @@ def _simple_table(rs: list[dict], cols: tuple[str, ...]) -> list[str]:
     for r in rs:
         out.append("| " + " | ".join(str(r.get(c, "")).replace("|", "/")
                                      if not isinstance(r.get(c), float)
-                                     else _f(r[c]) for c in cols) + " |")
+                                     else _fmt(r[c]) for c in cols) + " |")
     return out + [""]
 
 
@@ -233,9 +230,7 @@ def _plot_decode(rows: list[dict], path: Path, title: str) -> Path | None:
            title=title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=6)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return sweep_plots.save(fig, path)
 
 
 def plots(doc: dict, out: Path, kinds: set[str] = frozenset({"speed", "decode"})
@@ -254,8 +249,7 @@ def plots(doc: dict, out: Path, kinds: set[str] = frozenset({"speed", "decode"})
         D = max(r["D"] for r in speed)
         rs = [r for r in speed if r["D"] == D]
         if any(r.get("ms") for r in rs):
-            made.append(sweep_plots.plot_speed(rs, out / "speed.png", {**doc["header"],
-                                                                 "device_name": title}))
+            made.append(sweep_plots.plot_speed(rs, out / "speed.png", doc["header"]))
         if any(r.get("peak_bytes") for r in rs):
             made.append(sweep_plots.plot_memory(rs, out / "memory.png", {"device_name": title}))
     decode = (_plot_decode(_rows(doc, "decode"), out / "decode.png", f"Decode — {title}")

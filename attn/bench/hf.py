@@ -2,13 +2,9 @@
 
     attn bench hf --out benchmarks/results/hf_cpu --context 2048 8192 32768
 
-A Llama built from a config (no download) with a realistic attention layout and a narrow
-rest (:class:`Shape`), so attention is what the numbers are about; per context N one random
-prompt is prefilled as ``generate`` runs it (peak memory above the weights, median time) and
-decoded greedily (tokens/s from the median and the fastest step). Each prefill's last logits
-are compared with eager's. A prefill predicted to pass 60 % of free memory is skipped and its
-implementation decodes from attn's cache. docs/benchmarks.md ("A Llama in transformers on
-CPU") has the method and the numbers.
+A Llama built from a config (:class:`Shape`), per context N one prompt prefilled and decoded
+greedily by each implementation, each prefill's last logits compared with eager's;
+docs/benchmarks.md ("A Llama in transformers on CPU") has the method and the numbers.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -84,7 +80,6 @@ class Row:
     decode_cache_from: str | None = None  # which implementation filled the decoding cache
     logits_max_diff_vs_eager: float | None = None  # last-position prefill logits
     note: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def prefill(model, ids):

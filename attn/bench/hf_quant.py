@@ -1,12 +1,9 @@
 """``attn bench hf-quant``: what a quantized KV cache changes in a Hugging Face decoder's output.
 
-For random-weight decoders of the families ``tests/test_hf.py`` runs (and a larger Llama,
-``--large``), a batch of random prompts is decoded greedily with each cache type
-(:func:`cache_types`: bf16, attn's :class:`attn.integrations.hf.AttnQuantizedCache` formats,
-HF's quanto ``QuantizedCache`` when it imports) and compared with HF's float32
-``DynamicCache``: teacher-forced argmax agreement, the free-running identical prefix and the
-logit differences (results.md defines each). ``--step-tokens N`` adds one decode step's time
-after an N-token prompt per cache. docs/hf.md summarises the results.
+Random-weight decoders of the families ``tests/test_hf.py`` runs (and a larger Llama,
+``--large``) decode random prompts greedily with each cache type (:func:`cache_types`),
+compared with HF's float32 ``DynamicCache`` (results.md defines the columns, docs/hf.md
+summarises them); ``--step-tokens N`` adds one decode step's time after an N-token prompt.
 
     attn bench hf-quant --large --step-tokens 4096 --out benchmarks/results/hf_quant_agreement_cpu
 """
@@ -14,8 +11,6 @@ after an N-token prompt per cache. docs/hf.md summarises the results.
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +18,7 @@ from pathlib import Path
 import torch
 
 from attn.bench import report
+from attn.bench.hf import Shape, build_model
 from attn.kvcache import PagedKVCache
 from attn.kvquant import KVQuant
 
@@ -59,27 +55,24 @@ def build(family: str, large: bool = False):
     common.update(max_position_embeddings=8192, tie_word_embeddings=False, pad_token_id=0,
                   bos_token_id=None, eos_token_id=None)
     head = common["hidden_size"] // common["num_attention_heads"]
+    # family: (transformers' class prefix, its config's keywords beyond the common ones)
+    families = {
+        "llama": ("Llama", {}), "mistral": ("Mistral", dict(sliding_window=5)),
+        "gemma2": ("Gemma2", dict(head_dim=head, sliding_window=5, attn_logit_softcapping=2.0,
+                                  final_logit_softcapping=30.0, query_pre_attn_scalar=24)),
+        "gpt_oss": ("GptOss", dict(head_dim=head, sliding_window=5, num_local_experts=4,
+                                   num_experts_per_tok=2, experts_implementation="eager",
+                                   intermediate_size=32)),
+        "qwen3": ("Qwen3", dict(head_dim=head))}
+    if family not in families:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    name, extra = families[family]
     torch.manual_seed(0)
-    if family == "llama":
-        model = T.LlamaForCausalLM(T.LlamaConfig(**common))
-    elif family == "mistral":
-        model = T.MistralForCausalLM(T.MistralConfig(sliding_window=5, **common))
-    elif family == "gemma2":
-        model = T.Gemma2ForCausalLM(T.Gemma2Config(
-            head_dim=head, sliding_window=5, attn_logit_softcapping=2.0,
-            final_logit_softcapping=30.0, query_pre_attn_scalar=24, **common))
-    elif family == "gpt_oss":
-        common["intermediate_size"] = 32
-        model = T.GptOssForCausalLM(T.GptOssConfig(
-            head_dim=head, sliding_window=5, num_local_experts=4, num_experts_per_tok=2,
-            experts_implementation="eager", **common))
+    model = getattr(T, f"{name}ForCausalLM")(getattr(T, f"{name}Config")(**{**common, **extra}))
+    if family == "gpt_oss":
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)
-    elif family == "qwen3":
-        model = T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=head, **common))
-    else:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     return model.eval()
 
 
@@ -131,7 +124,7 @@ def cache_types(head_dim: int, page: int, residual: int) -> dict:
     }
 
 
-def _teacher_forced(model, ids, tokens, cache, steps):
+def _teacher_forced(model, ids, tokens, cache):
     """Logits (B, 1 + new, V): the prompt's last position, then each baseline token fed in."""
     out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
     for t in range(tokens.shape[1] - 1):
@@ -153,13 +146,13 @@ def agreement(model, family: str, types: dict, args) -> list[dict]:
         base_cfg = types["fp32 (DynamicCache)"]
         want = model.generate(ids, past_key_values=base_cfg[1](model.config, n),
                               **gen)[:, args.prompt:]
-        base = _teacher_forced(model, ids, want, base_cfg[1](model.config, n), args.steps)
+        base = _teacher_forced(model, ids, want, base_cfg[1](model.config, n))
         for label, (impl, make) in types.items():
             model.set_attn_implementation(impl or dense)
             try:
                 got = model.generate(ids, past_key_values=make(model.config, n),
                                      **gen)[:, args.prompt:]
-                logits = _teacher_forced(model, ids, want, make(model.config, n), args.steps)
+                logits = _teacher_forced(model, ids, want, make(model.config, n))
             except Exception as exc:  # e.g. quanto missing: recorded, the table goes on
                 rows.append(dict(family=family, cache=label, error=f"{type(exc).__name__}: "
                                  f"{str(exc)[:300]}"))
@@ -184,13 +177,8 @@ def step_times(lengths: list[int], types: dict, args) -> list[dict]:
     """One decode step after an N-token prompt, per cache type: every cache is prefilled
     first, then the caches take turns for ``--repeats`` rounds (a busy moment of a shared
     machine lands on all of them alike); median per cache, the first round dropped."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=1024,
-                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                      head_dim=128, max_position_embeddings=1 << 16)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    # hidden and MLP widths and the vocabulary: 1024 (Shape's defaults)
+    model = build_model(Shape(layers=2, heads=8, kv_heads=2, head_dim=128))
     picked = ("fp32 (DynamicCache)", "attn int8", "attn int4", "quanto int4 (HF QuantizedCache)")
     rows = []
     for n in lengths:
@@ -225,11 +213,11 @@ def step_times(lengths: list[int], types: dict, args) -> list[dict]:
 
 def _markdown(header: dict, rows: list[dict], steps: list[dict], args) -> str:
     lines = ["# Quantized KV caches in Hugging Face decoders: agreement with fp32", "",
-             f"`{header['command']}`; {header['date']}, {header['device']} "
-             f"({header['cpus']} CPUs), torch {header['torch']}, "
+             f"`{header['command']}`; {header['date']}, {header['device_name']} "
+             f"({header['cpu_count']} CPUs), torch {header['torch']}, "
              f"transformers {header['transformers']}, optimum-quanto {header['quanto']}, "
-             f"{header['threads']} threads, load average {header['load_average'][0]:.1f} at "
-             f"the end.", "",
+             f"{header['torch_threads']} threads, load average {header['loadavg_1min']:.1f} "
+             "at the end.", "",
              f"Random-weight decoders (see `attn/bench/hf_quant.py`), {args.batch} prompts of "
              f"{args.prompt} random tokens, {args.new} greedy new tokens, pages of {args.page} "
              f"(attn), quanto residual length {header['quanto_residual']}. Agreement: share of "
@@ -285,12 +273,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     step_residual = 128  # quanto's default residual length
     steps = step_times(args.step_tokens, cache_types(128, args.page, step_residual), args) \
         if args.step_tokens else []
-    header = {"command": "attn " + shlex.join(argv), "device": report.device_name("cpu"),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "quanto": quanto, "quanto_residual": residual, "step_residual": step_residual,
-              "threads": torch.get_num_threads(),
-              "load_average": os.getloadavg()}
+    header = {**report.run_header("cpu", argv), "transformers": transformers.__version__,
+              "quanto": quanto, "quanto_residual": residual, "step_residual": step_residual}
     report.write_results(args.out, header, rows, _markdown(header, rows, steps, args),
                          step_times=steps)
     return 0

@@ -13,7 +13,6 @@ without a cache.
 from __future__ import annotations
 
 import argparse
-import shlex
 from pathlib import Path
 
 import torch
@@ -64,10 +63,7 @@ class _RoundTrip:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache.append(k.float(), v.float())
         self.length += k.shape[2]
-        kv = [self.cache.sequence_kv(b) for b in range(k.shape[0])]
-        # (N, Hkv, D) per sequence -> (B, Hkv, N, D) in k's dtype
-        return tuple(torch.stack([x[i] for x in kv]).transpose(1, 2).to(k.dtype)
-                     for i in (0, 1))
+        return tuple(x.to(k.dtype) for x in self.cache.batch_kv())  # (B, Hkv, N, D)
 
 
 def _loss(model, x: torch.Tensor, y: torch.Tensor, caches) -> float:
@@ -107,15 +103,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             rows.append(dict(cache=label, loss=loss, ratio=loss / base, bytes_per_token=size))
             print(f"{label}: loss {loss:.4f} ({100 * (loss / base - 1):+.2f}%), "
                   f"{size:.0f} bytes per token", flush=True)
-    header = {"command": "attn " + shlex.join(argv), "checkpoint": str(args.ckpt),
+    header = {**report.run_header("cpu", argv), "checkpoint": str(args.ckpt),
               "step": state.get("step"), "tokens": tokens, "page": args.page,
-              "block_size": T, "heads_kv": Hkv, "head_dim": D, "n_layer": cfg.n_layer,
-              "device": report.device_name("cpu"), "torch": torch.__version__}
+              "block_size": T, "heads_kv": Hkv, "head_dim": D, "n_layer": cfg.n_layer}
     lines = ["# KV-cache formats: the toy GPT's validation loss", "",
              f"`{header['command']}`: checkpoint `{args.ckpt.name}` (step {header['step']}), "
              f"{tokens} validation tokens (teacher-forced, {args.batches} batches of "
              f"{args.batch_size} x {T}), pages of {args.page}, {cfg.n_layer} layers x "
-             f"{Hkv} kv heads x D = {D}; {header['device']}, torch {header['torch']}.", "",
+             f"{Hkv} kv heads x D = {D}; {header['device_name']}, torch {header['torch']}.", "",
              "bytes per token: one layer's K and V, scales included; a full-precision window "
              f"averaged over {T} tokens.", "",
              "| cache | val loss | vs fp32 | bytes per token (one layer) | vs fp32 |",

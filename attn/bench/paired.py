@@ -1,11 +1,9 @@
 """``attn bench speed --paired``: tiled against torch SDPA on CPU, as paired ratios.
 
-On a shared machine a slow minute can land on one backend of a block-by-block sweep. Here
-the contenders (:func:`contenders`: SDPA, ``auto``, ``fused``, tiled in each of
-:data:`TILED_VARIANTS`' settings, compiled flex for the causal forward) take turns round after
-round, each sample ``reps`` calls in a row (~50 ms, the same for every contender); the ratio
-is the median over rounds of ``sdpa time / contender time`` within the round (> 1: faster
-than SDPA).
+The contenders (:func:`contenders`) take turns round after round, each sample ``reps`` calls
+in a row (~50 ms, the same for every contender), and the ratio is the median over rounds of
+``sdpa time / contender time`` within the round (> 1: faster than SDPA): a slow minute of a
+shared machine lands on all of them alike (docs/benchmarks.md).
 
     attn bench speed --paired --out benchmarks/results/cpu_ratio
 """
@@ -31,7 +29,7 @@ from attn.bench.competitors import make_forward
 from attn.bench.flops import MODES, attention_flops, matmul_tflops
 from attn.bench.sweep import CAUSAL, DTYPES
 from attn.sdpa import torch_sdpa
-from attn.tiled import steps_path_reason
+from attn.tiled import cpu, steps_path_reason
 from attn.timing import benchmark, median_ratio, paired
 
 # the environment each tiled variant runs under (set before each of its calls)
@@ -41,10 +39,6 @@ TILED_VARIANTS = {
     "tiled compiled": {"ATTN_TILED_COMPILE": "1", "ATTN_TILED_GEMM": "auto"},
 }
 DEFAULT_N = (512, 1024, 2048, 4096, 8192, 16384)
-
-
-def _rounds(N: int) -> int:
-    return 9 if N <= 2048 else 5 if N <= 4096 else 3
 
 
 def sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
@@ -76,21 +70,18 @@ def contenders(q, k, v, *, causal: bool, bwd: bool, compiled: bool, flex_max_n: 
                variants: tuple[str, ...] = tuple(TILED_VARIANTS)
                ) -> dict[str, Callable[[], None]]:
     """The calls of one round (each a :func:`step`), SDPA first (:func:`sdpa_kwargs`)."""
-    def tiled():
-        return attn.attention(q, k, v, causal=causal, backend="tiled")
+    def call(backend):
+        return lambda: attn.attention(q, k, v, causal=causal, backend=backend)
     Nq, Nk = q.shape[2], k.shape[2]
     kw = sdpa_kwargs(q, k, causal)
     fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, **kw), bwd)}
-    for name in ("auto", "fused"):
-        fns[name] = step(lambda name=name: attn.attention(q, k, v, causal=causal, backend=name),
-                         bwd, TILED_VARIANTS["tiled"])  # tiled's defaults, should auto take it
-    from attn.tiled import cpu
-
+    for name in ("auto", "fused"):  # under tiled's defaults, should auto take it
+        fns[name] = step(call(name), bwd, TILED_VARIANTS["tiled"])
     same = cpu.gemm_engine()[0] == "bmm"  # then "tiled bmm" is the default path again
     for name, env in TILED_VARIANTS.items():
         if name in variants and (compiled or name != "tiled compiled") \
                 and not (same and name == "tiled bmm"):
-            fns[name] = step(tiled, bwd, env)
+            fns[name] = step(call("tiled"), bwd, env)
     if not bwd and causal and Nq <= flex_max_n and Nq == Nk and not kw.get("enable_gqa"):
         flex = make_forward("flex", causal, Nq, "cpu")
         fns["flex (compiled)"] = step(lambda: flex(q, k, v), bwd)
@@ -145,15 +136,9 @@ def busy_core(enabled: bool) -> Iterator[int | None]:
 
 
 def markdown(header: dict, rows: list[dict]) -> str:
-    names = []
-    for r in rows:
-        names += [n for n in r["ratio"] if n not in names]
+    names = list(dict.fromkeys(n for r in rows for n in r["ratio"]))
     lines = ["# tiled vs torch SDPA on CPU: paired ratios (sdpa time / backend time)", "",
-             f"- device: {header['device_name']} ({header['cpu_count']} CPUs, "
-             f"{header['torch_threads']} torch threads); torch {header['torch']}; "
-             f"{header['date']}; load at the start {header['loadavg_1min']:.2f}; "
-             f"{header['busy']}",
-             f"- command: `{header['command']}`",
+             *report.machine_lines(header, f"; {header['busy']}"),
              f"- shape: {header['shape']}; each round runs every backend in turn, reps calls "
              "each (~50 ms); the ratio is the median over rounds of the in-round ratio "
              "(> 1: faster than SDPA), with its 10th percentile (the slow tail) in brackets; "
@@ -204,8 +189,9 @@ def _measure_shape(args, B, H, N, D, dtype, mode, causals) -> list[dict]:
         fns = contenders(q, k, v, causal=causal, bwd=bwd, compiled=not args.no_compiled,
                          flex_max_n=args.flex_max_n, variants=variants)
         shape = args.shape if args.shape == "square" else f"{args.shape} Nq={n_q} Hkv={h_kv}"
+        rounds = args.repeats or (9 if N <= 2048 else 5 if N <= 4096 else 3)
         row = {"shape": shape, "N": N, "D": D, "dtype": dtype, "B": B, "H": H, "mode": mode,
-               "causal": causal, **measure(fns, args.repeats or _rounds(N))}
+               "causal": causal, **measure(fns, rounds)}
         # the matmul-equivalent rate (attn.bench.flops) of each contender, as a fraction of
         # the dense matmul rate measured in this run: the physical ceiling on this machine
         flops = attention_flops(B, H, n_q, N, D, mode=mode) * _visited(n_q, N, causal)
@@ -230,8 +216,6 @@ def _visited(n_q: int, n_k: int, causal: bool) -> float:
 def matmul_rates(dtypes: list[str], n: int = 2048) -> dict[str, float]:
     """TFLOP/s of an n x n matmul per dtype, the best of torch.mm and (fp32) oneDNN, at the
     current thread count: the dense rate attention's is compared with."""
-    from attn.tiled import cpu
-
     rates = {}
     for name in dtypes:
         rates[name] = matmul_tflops("cpu", DTYPES[name], n)
@@ -264,8 +248,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     causals = CAUSAL[args.causal or default_causal]
     modes = MODES if args.mode == "both" else (args.mode,)
     header = report.run_header("cpu", argv)
-    dims = ", ".join(map(str, args.d))
-    header.update(shape=f"{', '.join(args.dtype)}, B={B}, H={H}, D={dims}",
+    header.update(shape=f"{', '.join(args.dtype)}, B={B}, H={H}, D={', '.join(map(str, args.d))}",
                   tiled_path=steps_path_reason("cpu"))
     rows = []
     with mock.patch.dict(os.environ), busy_core(args.busy_core) as core:

@@ -7,6 +7,7 @@ dashed guides have slopes 1 and 2.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 _COLORS = {"reference": "tab:red", "tiled": "tab:blue", "sdpa": "tab:green",
@@ -24,27 +25,21 @@ def _pyplot():
     return plt
 
 
-def _series(rows: list[dict], backend: str, causal: bool, mode: str, field: str):
-    pts = sorted((r["N"], r[field]) for r in rows if r["backend"] == backend
-                 and r["causal"] == causal and r["mode"] == mode and r["status"] == "ok"
-                 and r[field] is not None)
-    return [n for n, _ in pts], [y for _, y in pts]
-
-
 def _draw(ax, rows, mode, field, scale=1.0):
     for backend in dict.fromkeys(r["backend"] for r in rows):
         for causal in sorted({r["causal"] for r in rows}):
-            xs, ys = _series(rows, backend, causal, mode, field)
-            if xs:
-                ax.plot(xs, [y * scale for y in ys], marker="o", ms=4,
+            pts = sorted((r["N"], r[field]) for r in rows if r["backend"] == backend
+                         and r["causal"] == causal and r["mode"] == mode
+                         and r["status"] == "ok" and r[field] is not None)
+            if pts:
+                ax.plot([n for n, _ in pts], [y * scale for _, y in pts], marker="o", ms=4,
                         color=_COLORS.get(backend), ls="--" if causal else "-",
                         label=backend + (" causal" if causal else ""))
     ax.set_xscale("log", base=2)
     ns = sorted({r["N"] for r in rows})
     ax.set_xticks(ns, [str(n) for n in ns])  # the measured N, not powers of two in 2^k form
     ax.minorticks_off()
-    ax.set_xlabel("sequence length N")
-    ax.set_title(mode)
+    ax.set(xlabel="sequence length N", title=mode)
     ax.grid(True, which="both", alpha=0.3)
 
 
@@ -104,8 +99,7 @@ def plot_memory(rows: list[dict], path: str | Path, header: dict | None = None) 
     for ax, mode in zip(axes[0], modes):
         _draw(ax, rows, mode, "peak_bytes", 1 / 2**20)
         _guides(ax, rows, mode, 1 / 2**20)
-        ax.set_yscale("log")
-        ax.set_ylabel("peak MiB above inputs")
+        ax.set(yscale="log", ylabel="peak MiB above inputs")
         _legend(ax)
     return save(fig, path, "Peak memory — " + _title(rows, header))
 
@@ -119,14 +113,12 @@ def plot_speed(rows: list[dict], path: str | Path, header: dict | None = None) -
     rate = (header or {}).get("matmul_tflops", {}).get(rows[0]["dtype"])
     for col, mode in enumerate(modes):
         _draw(axes[0, col], rows, mode, "ms")
-        axes[0, col].set_yscale("log")
-        axes[0, col].set_ylabel("ms (median)")
+        axes[0, col].set(yscale="log", ylabel="ms (median)")
         _legend(axes[0, col])
         _draw(axes[1, col], rows, mode, "tflops")
         if rate:
             axes[1, col].axhline(rate, color="black", ls=":", lw=1, label="square matmul")
-        axes[1, col].set_ylabel("TFLOP/s (4·B·H·N²·D fwd, ×3.5 fwd+bwd)")
-        axes[1, col].set_ylim(bottom=0)
+        axes[1, col].set(ylabel="TFLOP/s (4·B·H·N²·D fwd, ×3.5 fwd+bwd)", ylim=(0, None))
         _legend(axes[1, col])
     return save(fig, path, "Speed — " + _title(rows, header))
 
@@ -137,8 +129,6 @@ def write_plots(rows: list[dict], out_dir: str | Path, header: dict | None = Non
     try:
         _pyplot()
     except ImportError:
-        import sys
-
         print("attn: matplotlib is not installed, no plots (pip install matplotlib)",
               file=sys.stderr)
         return []

@@ -14,7 +14,7 @@ import json
 import os
 import platform
 import shlex
-import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -25,6 +25,7 @@ import attn
 from attn.api import attention, unsupported_reason
 from attn.bench.sweep import Row, SweepConfig, attn_backends, describe_function, \
     device_unsupported, square_call
+from attn.testing import compare_to_reference, make_inputs
 from attn.tiled import steps_path_reason
 from attn.timing import CPU_ERROR_BYTES
 
@@ -83,13 +84,22 @@ def run_header(device: str, argv: list[str], prog: str = "attn") -> dict:
     }
 
 
-def make_header(cfg: SweepConfig, argv: list[str] | None = None,
+def machine_lines(h: dict, more: str = "") -> list[str]:
+    """A question's results.md lines for :func:`run_header`'s machine, versions, date and
+    command (``more`` ends the versions line)."""
+    return [f"- device: {h['device_name']} ({h['cpu_count']} CPUs, {h['torch_threads']} torch "
+            f"threads); load at the start {h['loadavg_1min']:.2f}",
+            f"- torch {h['torch']}, python {h['python']}, attn {h['attn']}, {h['date']}{more}",
+            f"- command: `{h['command']}`"]
+
+
+def make_header(cfg: SweepConfig, argv: list[str],
                 matmul_tflops: dict[str, float] | None = None) -> dict:
     """Everything needed to trust or reproduce the numbers: versions, device, date, command."""
     is_cuda = torch.device(cfg.device).type == "cuda"
     return {
         "schema": SCHEMA_VERSION,
-        **run_header(cfg.device, sys.argv[1:] if argv is None else argv),
+        **run_header(cfg.device, argv),
         "triton": _triton_version(),
         "kind": "gpu" if is_cuda else "cpu",
         "tiled_path": steps_path_reason(cfg.device),  # the tiled path a call takes here
@@ -135,8 +145,6 @@ def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torc
     """Each backend against the float64 reference on :data:`CHECK_SHAPES`, through
     ``attn.testing.compare_to_reference``: outputs, lse and the gradients of q, k, v.
     ``on_check`` is called with each check as soon as it is done (to print it then)."""
-    from attn.testing import compare_to_reference, make_inputs
-
     checks = []
 
     def add(check: Check) -> None:
@@ -165,10 +173,8 @@ def run_checks(device: str, backends: tuple[str, ...], dtype: torch.dtype = torc
                 add(Check(backend, shape, causal, "failed",
                           message=f"{type(exc).__name__}: {exc}"))
                 continue
-            worst = max(c.error / c.budget if c.budget > 0 else float(c.error > 0)
-                        for c in rep.comparisons)
             bad = [c.name for c in rep.comparisons if not c.ok]
-            add(Check(backend, shape, causal, "ok" if rep.ok else "failed", worst,
+            add(Check(backend, shape, causal, "ok" if rep.ok else "failed", rep.worst,
                       "" if rep.ok else f"over budget: {', '.join(bad)}\n{rep}"))
     return checks
 
@@ -206,7 +212,7 @@ def load_json(path: str | Path) -> tuple[dict, list[dict], list[dict]]:
     return doc["header"], doc["rows"], doc.get("checks", [])
 
 
-def _fmt(x: float | None, spec: str) -> str:
+def _fmt(x: float | None, spec: str = ".3g") -> str:
     return "—" if x is None else format(x, spec)
 
 
@@ -222,10 +228,6 @@ def per_path_lines(rows: list[dict], cells) -> list[str]:
     return ["| " + " | ".join(cells(r, n, ms)) + " |" for r in rows for n, ms in r["ms"].items()]
 
 
-def group_key(r: dict) -> tuple:
-    return (r["dtype"], r["D"], r["causal"], r["mode"])
-
-
 def markdown_tables(rows: list[dict]) -> str:
     """One table per (dtype, D, causal, mode): ms, TFLOP/s, share of the matmul rate, peak
     memory above the inputs, and sdpa's time over ours (> 1: faster than torch SDPA). B and H
@@ -235,7 +237,7 @@ def markdown_tables(rows: list[dict]) -> str:
     out = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault(group_key(r), []).append(r)
+        groups.setdefault((r["dtype"], r["D"], r["causal"], r["mode"]), []).append(r)
     for (dtype, D, causal, mode), rs in groups.items():
         shapes = {(r["B"], r["H"]) for r in rs}
         fixed = len(shapes) == 1
@@ -277,10 +279,7 @@ def check_row(c: dict) -> str:
 
 def skipped_notes(checks: list[dict]) -> list[str]:
     """One line per backend and reason for the skipped checks."""
-    skipped: dict[tuple, int] = {}
-    for c in checks:
-        if c["status"] == "skipped":
-            skipped[(c["backend"], c["message"])] = skipped.get((c["backend"], c["message"]), 0) + 1
+    skipped = Counter((c["backend"], c["message"]) for c in checks if c["status"] == "skipped")
     return [f"- {b}: {n} check(s) skipped: {m}" for (b, m), n in skipped.items()]
 
 
@@ -295,9 +294,7 @@ def checks_table(checks: list[dict]) -> str:
 
 def checks_summary(checks: list[dict]) -> str:
     """One line for the end of a run whose check table was printed at its start."""
-    counts: dict[str, int] = {}
-    for c in checks:
-        counts[c["status"]] = counts.get(c["status"], 0) + 1
+    counts = Counter(c["status"] for c in checks)
     return ("correctness against the float64 reference (table above): "
             + ", ".join(f"{n} {status}" for status, n in counts.items()))
 

@@ -1,19 +1,16 @@
 """The sweep runner: backends × N × D × causal × dtype × {fwd, fwd+bwd} on one device.
 
-Each point allocates its inputs first, then measures peak memory above them with one call,
-then times the call (:mod:`attn.timing`). Points run in order of growing N with every backend
-of one shape back to back, so ``ratio_to_sdpa = sdpa_ms / ms`` compares like with like.
-Besides attn's backends a sweep times torch's own kernels by name
-(:mod:`attn.bench.competitors`) and users' functions (``SweepConfig(backends=(..., fn))``:
-``fn(q, k, v, causal=True)`` in attn's convention, as ``attn.adapters.adapt`` makes it; its
-memory is predicted as the reference's, and a point where it raises is ``failed``, or
-``skipped`` for NotImplementedError). A point is skipped without running when its backend
-cannot compute the call, the device lacks the backend, or its predicted peak memory exceeds
-the budget.
+Each point allocates its inputs, measures peak memory above them with one call, then times
+the call (:mod:`attn.timing`); every backend of one shape runs back to back, so
+``ratio_to_sdpa = sdpa_ms / ms`` compares like with like. The backends are attn's, torch's
+own kernels by name (:mod:`attn.bench.competitors`) and users' functions
+(``SweepConfig(backends=(..., fn))``, ``fn(q, k, v, causal=True)`` in attn's convention, as
+``attn.adapters.adapt`` makes it; docs/benchmarks.md, ``--fn``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -32,13 +29,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # Predicted peak bytes = QUAD · (one N² score tensor: B·H·N²·itemsize)
 #                      + LIN · (one input: B·H·N·D·itemsize)
-#                      + TILE · (one fp32 tile: B·H·min(N, 256)·min(N, 512)·4).
-# The reference keeps s, exp(s - m) and p alive in the forward (measured 3.07 score tensors
-# on CPU fp32) and their gradients too in the backward (6.1); the other backends are linear
-# in N. Constants are the CPU measurements rounded up, so a point predicted to fit does fit;
-# tests/test_bench.py checks that the prediction bounds the measurement. A backend whose
-# memory exceeds it anyway (torch SDPA's math fallback on some GPUs is N²) shows up as "oom"
-# and the rest of its series is skipped.
+#                      + TILE · (one fp32 tile: B·H·min(N, 256)·min(N, 512)·4),
+# constants rounded up from CPU measurements (docs/benchmarks.md) so that a point predicted
+# to fit does fit (tests/test_bench.py checks that the prediction bounds the measurement).
 _PREDICT = {  # backend: {mode: (QUAD, LIN, TILE)}
     "reference": {"fwd": (3.4, 2, 0), "fwd+bwd": (6.7, 6, 0)},
     "tiled": {"fwd": (0, 3, 6), "fwd+bwd": (0, 8, 12)},
@@ -169,12 +162,10 @@ class SweepConfig:
                 raise ValueError(f"backends: {b!r} is given twice")
             names.append(b)
         self.backends = tuple(names)
-        for m in self.modes:
-            if m not in MODES:
-                raise ValueError(f"modes must be among {MODES}, got {m!r}")
-        for dt in self.dtypes:
-            if dt not in DTYPES:
-                raise ValueError(f"dtypes must be among {tuple(DTYPES)}, got {dt!r}")
+        for name, allowed in (("modes", MODES), ("dtypes", tuple(DTYPES))):
+            bad = [x for x in getattr(self, name) if x not in allowed]
+            if bad:
+                raise ValueError(f"{name} must be among {allowed}, got {bad[0]!r}")
         if not (self.measure_memory or self.measure_time):
             raise ValueError("nothing to measure: measure_memory and measure_time are both off")
         if self.max_bytes is None:
@@ -211,20 +202,28 @@ class Row:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def label(self) -> str:
+        return f"{self.backend} {self.mode} N={self.N} D={self.D}" \
+            f"{' causal' if self.causal else ''} {self.dtype}"
+
+    def line(self) -> str:
+        """The finished point, as a sweep prints it while it runs."""
+        if self.status != "ok":
+            return f"{self.label()}: {self.status}" + (f" ({self.note})" if self.note else "")
+        parts = [] if self.ms is None else [f"{self.ms:.3g} ms, {self.tflops:.3g} TFLOP/s"]
+        if self.peak_bytes is not None:
+            parts.append(f"peak {self.peak_bytes / 2**20:,.1f} MiB")
+        return f"{self.label()}: {', '.join(parts)}"
+
 
 def plan(cfg: SweepConfig) -> list[Row]:
     """Every point of the sweep, in run order, before anything runs."""
     rows = []
-    for dtype in cfg.dtypes:
-        for D in cfg.d:
-            for causal in cfg.causal:
-                for mode in cfg.modes:
-                    for N in sorted(cfg.n):
-                        B = cfg.batch if cfg.tokens is None else max(1, cfg.tokens // N)
-                        H = cfg.heads if cfg.width is None else max(1, cfg.width // D)
-                        for backend in cfg.backends:
-                            rows.append(Row(backend, cfg.device, dtype, B, H, N, D, causal,
-                                            mode))
+    for dtype, D, causal, mode, N in itertools.product(cfg.dtypes, cfg.d, cfg.causal,
+                                                       cfg.modes, sorted(cfg.n)):
+        B = cfg.batch if cfg.tokens is None else max(1, cfg.tokens // N)
+        H = cfg.heads if cfg.width is None else max(1, cfg.width // D)
+        rows += [Row(b, cfg.device, dtype, B, H, N, D, causal, mode) for b in cfg.backends]
     return rows
 
 
@@ -311,18 +310,10 @@ def _measure(row: Row, cfg: SweepConfig) -> None:
         row.tflops = row.flops / (row.ms * 1e-3) / 1e12
 
 
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "memory" in str(exc).lower())
-
-
 def run_sweep(cfg: SweepConfig, rows: list[Row] | None = None) -> Iterator[Row]:
-    """Run (or skip) every planned point, yielding each row as soon as it is done.
-
-    A point that runs out of memory marks the larger N of the same series as skipped instead
-    of trying them. ``ratio_to_sdpa`` and ``matmul_fraction`` are filled in by
-    :func:`finish` once the whole sweep (and so every sdpa row) is known.
-    """
+    """Run (or skip) every planned point, yielding each row as soon as it is done; a point out
+    of memory skips the larger N of its series. :func:`finish` fills ``ratio_to_sdpa`` and
+    ``matmul_fraction`` once every sdpa row is known."""
     rows = plan(cfg) if rows is None else rows
     failed: set[tuple] = set()
     for row in rows:
@@ -337,7 +328,9 @@ def run_sweep(cfg: SweepConfig, rows: list[Row] | None = None) -> Iterator[Row]:
         try:
             _measure(row, cfg)
         except Exception as exc:  # one bad point must not end an hour-long sweep
-            row.status = "oom" if _is_oom(exc) else "error"
+            oom = isinstance(exc, torch.OutOfMemoryError) or (
+                isinstance(exc, RuntimeError) and "memory" in str(exc).lower())
+            row.status = "oom" if oom else "error"
             if row.status == "error" and row.backend in COMPETITORS:
                 row.status = "skipped"  # torch's kernel refusing a shape is not attn's error
             elif row.status == "error" and row.backend in cfg.functions:

@@ -72,12 +72,7 @@ def markdown(header: dict, rows: list[dict]) -> str:
     reference = {r["N"]: r["peak_bytes"] for r in rows if r["backend"] == "reference"}
     lines = [
         "# One GPT training step on CPU: peak memory and time per attention backend", "",
-        f"- command: `{header['command']}`",
-        f"- machine: {header['device_name']} ({header['cpu_count']} CPUs, "
-        f"{header['torch_threads']} torch threads); load at the start "
-        f"{header['loadavg_1min']:.2f}",
-        f"- versions: torch {header['torch']}, Python {header['python']}, attn {header['attn']}",
-        f"- date: {header['date']}",
+        *report.machine_lines(header),
         f"- model: GPT n_layer={m['n_layer']}, dim={m['dim']}, heads={m['heads']} "
         f"(head_dim {m['dim'] // m['heads']}), RoPE, causal, batch {m['batch']}, fp32, AdamW",
         "- peak memory: attn.timing.peak_bytes (torch profiler allocator events, bytes above "
