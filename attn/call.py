@@ -218,9 +218,9 @@ def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
     """``auto`` off CUDA: fused where it can compute the call and the committed table
     (:mod:`attn.choose`) prefers it for this kind of CPU, the call's dtype and class; else
     tiled."""
-    why = _fused_unsupported(call)
-    if why is None and torch.compiler.is_compiling():
-        why = "traced by torch.compile (fused runs eager items)"
+    # asked first: fused's own checks read torch's private ops, which dynamo cannot trace
+    why = ("traced by torch.compile (fused runs eager items)"
+           if torch.compiler.is_compiling() else _fused_unsupported(call))
     if why is not None:
         return BackendChoice("tiled", f"auto: tiled, because fused cannot: {why}; "
                                       f"{_tiled_reason(call)}")

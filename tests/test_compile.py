@@ -43,3 +43,25 @@ def test_fullgraph_compile_matches_eager(backend):
     torch.testing.assert_close(outs[1], outs[0])
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_fullgraph_compile_of_several_blocks_with_and_without_grad(grad):
+    """Past one block of rows (the epilogue writes into slices of the outputs) and with
+    nothing to differentiate (dynamo then calls the Function's forward itself): the tiled
+    call traces whole, as `auto` runs it under torch.compile on CPU."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 300, 16, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    x = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    compiled = torch.compile(lambda q, k, v: attn.attention(q, k, v, causal=True),
+                             fullgraph=True, backend="aot_eager")
+    out = compiled(*x)
+    want = attn.attention(q, k, v, causal=True, backend="tiled")
+    torch.testing.assert_close(out, want)
+    if grad:
+        out.sum().backward()
+        y = [t.clone().requires_grad_() for t in (q, k, v)]
+        attn.attention(*y, causal=True, backend="tiled").sum().backward()
+        for a, b in zip(x, y):
+            torch.testing.assert_close(a.grad, b.grad)

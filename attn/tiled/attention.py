@@ -234,7 +234,7 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
         part = lse2[:, :, m0:m1]
         part[..., 0] = torch.where(seen, m_i, float("-inf")).view(B, H, -1)
         part[..., 1] = torch.where(seen, torch.log2(l_i), 0.0).view(B, H, -1)
-        torch.mul(part.sum(-1), LN2, out=lse[:, :, m0:m1])
+        lse[:, :, m0:m1] = part.sum(-1) * LN2  # (not out=: dynamo refuses a strided out)
 
 
 def _softmax_delta(tile: _Tile, q_blk: Tensor, dp_of, lse_blk: Tensor, m0: int,
@@ -655,6 +655,12 @@ def tiled_attention(
         spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
     ts = (q, k, v, *operands[:4], *operands.captured)
     fn = _TiledAttention
+    if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
+            isinstance(t, Tensor) and t.requires_grad for t in ts)):
+        # nothing to differentiate: the forward alone. (dynamo traces such an apply by
+        # calling forward itself, and hands a Function whose forward takes *captured its
+        # ctx as q: torch.compile(fullgraph=True) of an inference call failed)
+        return _fwd(q, k, v, spec, operands, config=config)
     if transforms.active(*ts):
         dual = jvp.forward_with_tangent(q, k, v, spec, operands)  # forward AD alone: one pass
         if dual is not None:
