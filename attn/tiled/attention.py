@@ -16,8 +16,8 @@ from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec, Operands, all_finite
 from attn.spec import acc_dtype as _acc_dtype
-from attn import transforms
-from attn.tiled import batching, cpu, double, jvp
+from attn import batching, transforms
+from attn.tiled import cpu, double, jvp
 from attn.tiled.gemm import _Gemm, low_gemms
 from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items,
                              backward_runs, forward_items)
@@ -484,7 +484,7 @@ class _TiledAttention(torch.autograd.Function):
     lse2 is a third, non-differentiable output (the backward's row constants). torch.func:
     the backward is :class:`attn.tiled.double._TiledBackward` (differentiable again), the
     forward-mode rule :func:`attn.tiled.jvp.tiled_jvp`, the vmap rule folds the mapped dim
-    into B or loops (:mod:`attn.tiled.batching`)."""
+    into B or loops (:mod:`attn.batching`)."""
 
     @staticmethod
     def forward(q, k, v, spec: LaunchSpec, config: TileConfig, attn_mask, sinks, softcap,

@@ -34,12 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attn import transforms
+from attn import batching, transforms
 from attn.grads import reduce_to
 from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
-from attn.tiled import batching
 from attn.tiled import cpu
 from attn.tiled.jvp import (TileScores, grouped, one_thread, plain, probs, pv, qk_t, rows,
                             safe_lse, span, tp_kv, unsupported)
@@ -719,7 +718,7 @@ class Static:
 
 
 def _foldable(spec: LaunchSpec, ops: Operands, need_dmask: bool) -> bool:
-    """Whether the mapped dimension may fold into B (:mod:`attn.tiled.batching`)."""
+    """Whether the mapped dimension may fold into B (:mod:`attn.batching`)."""
     return (spec.score_mod is None and spec.mask_mod is None and spec.mask_blocks is None
             and spec.dropout_p == 0.0 and not spec.sharded and spec.alibi_rows is None
             and ops.sinks is None and ops.softcap is None and not ops.captured
