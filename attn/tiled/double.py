@@ -87,9 +87,7 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
 _RUNS = 4
 # Pass 1's probabilities and score tangents of a query block, kept for pass 2 up to this
 # many bytes per block (the rest recomputed): three GEMMs and an exp per kept tile saved, a
-# bounded buffer per worker, so memory stays linear in N. With the tiles below, Cascade
-# Lake, fp32 B=1 H=2 D=64 causal N=4096: 128 x 256 tiles and 4 MiB 1088 ms, 256 x 512 and
-# 4 MiB 926 ms, 256 x 512 and 16 MiB 837 ms, 128 x 512 and 8 MiB 1128 ms
+# bounded buffer per worker, so memory stays linear in N (docs/benchmarks.md: the sizes)
 _KEEP_BYTES = 16 << 20
 _HVP_BLOCKS = (256, 512)
 

@@ -38,18 +38,11 @@ from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.plan import _blocks
 
-# tile sizes of the transform kernels (a spec's own block sizes win): 128 query rows by 256
-# keys measured fastest or tied for the jvp's pass (Cascade Lake, fp32 H=2 D=64 causal, N =
-# 2048, loaded: 2.2x the forward against 3.0x at 128 x 128, 2.3-2.8x at 256 rows)
+# tile sizes of the transform kernels (a spec's own block sizes win), and the one pass's
+# score tile over every batch row and head (forward_with_tangent) at most ONE_PASS_TILE_BYTES
+# in the accumulation dtype, the forward's unit tile: docs/benchmarks.md has the measurements
 BLOCK_M = 128
 BLOCK_N = 256
-# ... and of the one pass that computes primal and tangent together (forward_with_tangent):
-# its score tile (all batch rows and heads at once) at most ONE_PASS_TILE_BYTES in the
-# accumulation dtype, the forward's own unit tile (512 x 512 float32, one head), with 512 keys
-# from 4096 on (else 256) and the query rows the budget leaves. Fewer, larger tiles pay its
-# per-tile eager ops and keep K/V streaming down; the working memory is a few such tiles,
-# whatever N. Cascade Lake, fp32 B=1 H=2 D=64 causal N=16384, one pass / forward: 192 x 256
-# 4.0x (1.2x the forward's working memory), 256 x 512 3.2x (2.8x), 512 x 512 2.4x (5.4x)
 ONE_PASS_TILE_BYTES = 1 << 20
 
 

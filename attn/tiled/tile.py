@@ -14,15 +14,10 @@ from attn.spec import LaunchSpec
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled.gemm import _Gemm
 
-# Scores live in base-2 units (s·log2 e) and probabilities are exp2(s - m): on CPU torch's
-# exp2 runs ~4.6x faster than exp at 1.2 ulp in fp32, and exp was the largest non-GEMM cost
-# per tile. When nothing nonlinear sits between q·kᵀ and the softmax (no softcap, score_mod
-# or float mask), log2 e folds into the q scale and costs nothing; otherwise the finished
-# scores are multiplied once. The forward keeps lse2 = (m, log2 l) for the backward, in two
-# parts: P = exp2(s - m) / l. One fp32 number m + log2(l) loses log2 l where it is
-# below half an ulp of m (at logits of 1e4 an ulp is 1e-3: a row whose second key has
-# P = 1e-5 came back as P = 1 exactly, and dV went 2x over its error budget), and the natural
-# lse the forward returns cannot be turned back at all (the round trip moves P by 1e-3).
+# Scores live in base-2 units (s·log2 e), probabilities are exp2(s - m), and the forward
+# keeps lse2 = (m, log2 l) for the backward in two parts (docs/design.md, "Base-2 scores";
+# the measurements: docs/benchmarks.md): the natural lse, one rounded number, cannot be
+# turned back into them exactly (at logits of 1e4 the round trip moves P by 1e-3).
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # The static score variants' terms (attn.spec.ScoreTerms, by name) _Tile.scores applies; a
