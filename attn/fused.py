@@ -1097,17 +1097,11 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     ``[starts[b], lengths[b])`` row b reads, the band is counted from each row's end
     (``spec.band`` of a call with no key, its offset plus ``N_b``), ALiBi slopes ``(B, H)``.
 
-    Each row's slots are cut into ranges (:func:`page_ranges`), narrowed to the keys its
-    band reaches; a range is :func:`_fwd` on :func:`page_span`'s keys (a view where its pages
-    are consecutive ids, else a copy of those pages only). A row's ranges, then the sinks,
-    merge through their lse in key order, so its bits depend on its own lengths only
-    (docs/kvcache.md, "CPU, fused").
-
-    ``fallback``: the same signature, run instead for a row whose band hides keys from some
-    of its query rows through a mask (more than one query row, :func:`masks_scores`) and
-    whose keys read are not all finite, since torch's op adds its mask to the scores
-    (0·NaN); without it such rows take the NaN. Only that row moves: the others' bits do
-    not depend on it."""
+    Each row's ranges (:func:`page_ranges`, :func:`page_span`) run :func:`_fwd` and merge
+    with the sinks in key order (docs/kvcache.md, "CPU, fused"). ``fallback``: the same
+    signature, run instead for a row whose band masks keys from some of its query rows
+    (:func:`masks_scores`) and whose keys read are not all finite (torch's op adds its mask
+    to the scores: 0·NaN); without it such rows take the NaN. The others' bits do not move."""
     if ops.pages is None or ops.quant is not None or ops.attn_mask is not None:
         raise ValueError("fused paged_attention takes ops.pages of float pages, no quant and "
                          "no attn_mask")

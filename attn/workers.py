@@ -1,12 +1,8 @@
 """The CPU worker pool that runs a call's work items: shared by the backends that cut a call
-into items (tiled, fused), so each call is one parallel region.
-
-Why: run op by op with torch's intra-op threads, each op is an OpenMP parallel region ending in
-a barrier, and when the OS deschedules one thread (another process on the machine) every
-region waits for it. So a call is cut into work items that the caller and the pool's workers
-pull from one shared counter, each thread with a single intra-op thread (:func:`run_items`): a
-thread that is slowed down takes fewer items, and nothing waits on it but the call's end. torch
-releases the GIL inside ops, so items run side by side.
+into items (tiled, fused), so each call is one parallel region, not one OpenMP region with
+its barrier per op (why: docs/design.md, "The tiled backend on CPU"). The caller and the
+pool's workers pull items from one shared counter, each thread with a single intra-op thread
+(:func:`run_items`); torch releases the GIL inside ops, so items run side by side.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ def openmp_threads() -> bool:
     return "OpenMP" in torch.__config__.parallel_info()
 
 
-# -- the worker pool (module docstring) -------------------------------------------------------
+# -- the worker pool ---------------------------------------------------------------------------
 # One pool per worker count is made once and never shut down: concurrent callers share it,
 # each draining its own items itself too.
 

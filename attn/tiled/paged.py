@@ -178,20 +178,11 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     ``spec.band`` with ``N_b`` added to its offset (pass the band of a call with no key,
     ``make_band(Nq, 0, …)``, for attn's bottom-right convention). ALiBi slopes ``(B, H)``.
 
-    Work items are (row, key range) pairs, the ranges cut on page boundaries
-    (:func:`attn.tiled.plan.page_ranges`; ``kv_split``'s chunk, or ``split_min_chunk``
-    keys for longer query blocks): each item reads only its own pages, a view where they
-    are consecutive in the storage and a copy of them where not, so no row's keys are
-    gathered whole and no other row's page, nor a slot past a row's length, is ever read.
-    Each gives a partial output and lse; a row's partials (and the sinks) are merged in
-    key order, so the bits depend on the lengths and the page size, never on the number of
-    workers, nor on where the pages lie. Storage in another dtype than q's is converted
-    item by item.
-
-    With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold codes: each item
-    dequantizes its own range (codes and scales of its pages, and its row's full-precision
-    recent pages) into its thread's buffer in q's dtype before the tile math, so neither a
-    sequence nor the cache is ever dequantized whole.
+    Work items are (row, key range) pairs (:func:`attn.tiled.plan.page_ranges`; ``kv_split``'s
+    chunk, or ``split_min_chunk`` keys for longer query blocks), each reading only its own
+    pages, a row's partials and the sinks merged in key order (docs/kvcache.md, "How
+    attention reads it"). With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold
+    codes, which each item dequantizes for its own range only (:func:`_read_codes`).
 
     Long for this docstring: the body plans the items, runs them and merges each row's
     partials, as :func:`attn.tiled.attention._fwd_split` does for dense keys."""
