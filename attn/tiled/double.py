@@ -13,14 +13,10 @@ c_j = a_j dp_j + z_j e_j, row sums ā = Σ p a, C = Σ p c, Δ_pd = Σ p dp, Δ 
     ∂L/∂v_j = z_j p_j (a_j − ā) g,
 
 and ``(∂L/∂s, ∂L/∂a)`` go back through the tile's score function and its tangent map (the
-vjp of a jvp, one tile at a time) to q, k, the softcap and the mask: by hand where the map is
-linear in q and k (no score_mod, no softcap), else through ``torch.func.vjp``. A first pass
-over a query block's tiles gives the row sums (C and Δ_pd as g·Σ (p z a) v + g·Σ (p z) t_v and
-g·Σ (p z) v, GEMMs into (BM, Dv) rows), a second the gradients, reusing the first's p and a
-up to a fixed byte budget per block. Plain CPU tensors run as runs of query blocks on the
-tiled backend's worker pool, each run with its own dK/dV partial. The forward-mode rule of the
-backward (what ``jacfwd(jacrev(f))`` needs) is the same kernel with the tangent of ``g`` added
-as a first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
+vjp of a jvp, one tile at a time) to q, k, the softcap and the mask, in two passes per query
+block: row sums, then gradients (docs/transforms.md). The forward-mode rule of the backward
+(what ``jacfwd(jacrev(f))`` needs) is the same kernel with the tangent of ``g`` added as a
+first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
 """
 
 from __future__ import annotations

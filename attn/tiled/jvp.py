@@ -1,25 +1,15 @@
-"""Forward-mode AD of tiled attention, tile by tile: the tangent of ``(out, lse)`` from the
-saved out and lse in one pass over the tiles, O(N) memory.
-
-With ``p_j = exp(s_j − lse)`` known from the forward, the online softmax has a forward-mode
-twin that needs no running max: for ``o = Σ_j p_j v_j`` (dropout's kept scale ``z_j`` folded
-into the sums over values),
+"""Forward-mode AD of tiled attention, tile by tile, O(N) memory (docs/transforms.md, "How it
+works"). With ``p_j = exp(s_j − lse)`` known from the forward and dropout's kept scale ``z_j``
+folded into the sums over values,
 
     ȯ = Σ_j p_j z_j (ṡ_j − Σ_k p_k ṡ_k) v_j + Σ_j p_j z_j v̇_j,    lsė = Σ_j p_j ṡ_j,
 
 so a query block accumulates ``A = Σ (p z ṡ) v + Σ (p z) v̇`` and ``b = Σ p ṡ`` over its key
-tiles and ends with ``ȯ = A − b·o``. The sinks join ``b`` as one more key of value 0. That is
-the autograd.Function's ``jvp`` rule (:func:`tiled_jvp`), which torch runs after the forward.
-Where forward mode alone differentiates a call, :func:`forward_with_tangent` instead computes
-out, lse and both tangents in one online-softmax pass (the same sums, rescaled by the running
-max) and returns dual tensors: one read of q·kᵀ per tile instead of two.
-
-The tile's score tangent ṡ comes from :class:`TileScores`, a differentiable rebuild of one
-tile's scores (scale → score_mod → softcap → ALiBi → masks, the reference's order) in natural
-units beside their tangent, step by step: tangents of q, k, a learnable softcap, a float mask
-and the ALiBi slopes all reach ṡ exactly, whatever the variant. The same class serves the
-double backward (:mod:`attn.tiled.double`). Everything here is plain tensor code with no
-host reads, so it runs under vmap as it is.
+tiles and ends with ``ȯ = A − b·o``; the sinks join ``b`` as one more key of value 0. That is
+the autograd.Function's ``jvp`` rule (:func:`tiled_jvp`); :func:`forward_with_tangent` is the
+one pass that computes out, lse and both tangents together. The score tangent ṡ comes from
+:class:`TileScores` (the reference's order of score steps; also the double backward's): plain
+tensor code with no host reads, so it runs under vmap as it is.
 """
 
 from __future__ import annotations
