@@ -113,14 +113,12 @@ def mask_mod_kinds(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block
             kh_ = keep.shape[-3] if keep.dim() >= 3 else 1
             keep = torch.broadcast_to(keep, (kb_, kh_, m1 - m0, n1 - n0))
             pad = (j1 - j0) * block_n - (n1 - n0)  # the last key block may be short
-            any_ = torch.nn.functional.pad(keep, (0, pad), value=False)
-            # a ragged edge tile is never full, as in torch's create_block_mask (whose
-            # kernels rely on it to mask the positions past the end)
-            all_ = torch.nn.functional.pad(keep, (0, pad), value=False)
-            any_ = any_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).any(dim=4).any(dim=2)
-            all_ = all_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).all(dim=4).all(dim=2)
-            visit[:, :, i, j0:j1] = any_
-            full[:, :, i, j0:j1] = all_ & (m1 - m0 == block_m)
+            # padded with False: a ragged edge tile is never full, as in torch's
+            # create_block_mask (whose kernels rely on it to mask the positions past the end)
+            tiles = torch.nn.functional.pad(keep, (0, pad), value=False).view(
+                kb_, kh_, m1 - m0, j1 - j0, block_n)
+            visit[:, :, i, j0:j1] = tiles.any(dim=4).any(dim=2)
+            full[:, :, i, j0:j1] = tiles.all(dim=4).all(dim=2) & (m1 - m0 == block_m)
     return visit, full
 
 

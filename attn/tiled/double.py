@@ -661,10 +661,7 @@ def _join_rows(blocks: list[tuple[int, int, Tensor]], mask4: Tensor, Nq: int) ->
     if not blocks:
         return torch.zeros(mask4.shape, dtype=acc, device=mask4.device)
     if mask4.shape[2] == 1:
-        total = blocks[0][2]
-        for _, _, x in blocks[1:]:
-            total = total + x
-        return total
+        return _sum(x for _, _, x in blocks)
     parts, at = [], 0
     for m0, m1, x in blocks:
         if m0 > at:
