@@ -1,15 +1,10 @@
-"""The fused backend: torch's own fused attention kernels as attn's block primitive.
-
-torch's fused attention ops return the log-sum-exp beside the output, and their backward
-takes both back. Called on the pieces of attn's plan and merged through their lse (the online
-softmax at block granularity, :mod:`attn.merge`), they compute attn's calls exactly. This is
-the only module that calls torch's private ``aten::_scaled_dot_product_*`` ops, never through
-``F.scaled_dot_product_attention``; their schemas are checked when first used. Items are
-(sequence, kv head group, query block, key range) (:func:`head_group`), a block's keys cut by
-the band into at most three pieces (:func:`pieces`); every cut depends on a sequence's own
-lengths and the model's heads, so a sequence's bits do not depend on its batch. What it
-expresses is an allow-list (:func:`call_reason`, :data:`SPEC_DECISIONS`). The items, pieces,
-decoding, backward and CUDA ops: docs/design.md, "The fused backend".
+"""The fused backend: torch's own fused attention kernels as attn's block primitive, called on
+the pieces of attn's plan and merged through their lse (the online softmax at block
+granularity, :mod:`attn.merge`). The only module that calls torch's private
+``aten::_scaled_dot_product_*`` ops, never through ``F.scaled_dot_product_attention``; their
+schemas are checked when first used. What it expresses is an allow-list (:func:`call_reason`,
+:data:`SPEC_DECISIONS`). Items, pieces, decoding, the backward, batch invariance and the CUDA
+ops: docs/design.md, "The fused backend".
 """
 
 from __future__ import annotations
@@ -218,40 +213,33 @@ class FusedConfig:
     """How the fused backend cuts a call. Every count depends on a sequence's own lengths and
     the model's heads, never on the batch or the number of workers."""
 
-    # a call whose pieces need no mask (bandless, causal) is cut into query blocks only for
-    # parallelism: about items_per_row items per sequence (kv heads x query blocks), blocks
-    # of at least min_block_m query rows
+    # unmasked calls (bandless, causal) are cut into query blocks only for parallelism: about
+    # items_per_row items per sequence (kv heads x query blocks), min_block_m rows or more
     items_per_row: int = 8
     min_block_m: int = 256
-    # a call with masked pieces (a window's left edge, a user mask, ALiBi's bias) takes
-    # blocks of masked_block_m query rows and masked pieces of at most masked_block_n keys,
-    # so each mask is block-sized. spec.block_m, where set, wins.
+    # calls with masked pieces (a window's left edge, a user mask, ALiBi's bias): blocks of
+    # masked_block_m query rows, masks of at most masked_block_n keys; ALiBi alone takes
+    # alibi_block_m rows (its off-diagonal keys fold into q and k, so larger blocks mean
+    # fewer pieces, copies and merges). spec.block_m, where set, wins.
     masked_block_m: int = 256
     masked_block_n: int = 1024
-    # a call whose only mask is ALiBi's bias: its blocks' diagonals are masked, the keys left
-    # (and right) of them fold the bias into q and k, so larger blocks mean fewer pieces,
-    # copies and merges for a little more masked area
     alibi_block_m: int = 1024
-    # the backward: a sequence's query blocks are cut into runs (each with dK/dV partials of
-    # its own, summed in run order) to give about items_per_row items over the kv heads, at
-    # most bwd_max_runs
+    # the backward cuts a sequence's query blocks into runs (each with dK/dV partials of its
+    # own, summed in run order) for about items_per_row items, at most bwd_max_runs
     bwd_max_runs: int = 4
-    # split-KV decoding: at most split_max_q query rows per head and at least split_min_keys
-    # keys: key ranges of split_min_chunk, doubled until at most split_max_chunks
+    # split-KV decoding: at most split_max_q query rows per head, at least split_min_keys
+    # keys, ranges of split_min_chunk keys doubled until at most split_max_chunks
     split_max_q: int = 16
     split_min_keys: int = 8192
     split_min_chunk: int = 4096
     split_max_chunks: int = 8
     # calls smaller than this (scores visited) run their items in order on the caller
     serial_max_scores: int = 1 << 16
-    # ALiBi's causal diagonal pieces keep the kernel's causal flag beside their bias (torch's
-    # CPU op takes both; the bias then needs no -inf and no check for rows without keys),
-    # else they are masked pieces with the band in the mask
+    # ALiBi's causal diagonals keep torch's causal flag beside their bias (the CPU op takes
+    # both: no -inf in the bias, no check for rows without keys), else they are masked
     causal_bias: bool = True
-    # an item takes several kv heads at once (one op call for the group, which runs them
-    # itself) while its scores stay within item_max_scores: small blocks then pay attn's
-    # cost per call (slicing, masks, merges) once per group, not once per head. 0: one kv
-    # head per item.
+    # an item takes as many kv heads as keep its scores within item_max_scores (one op call
+    # per group: small blocks pay attn's per-call cost once per group); 0: one kv head each
     item_max_scores: int = 1 << 21
 
 
@@ -710,20 +698,15 @@ def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
 
 
 # dtypes whose forward torch's CPU kernel computes per (batch row, head) alike whatever the
-# call's batch or threads: no packing (its bf16/fp16 paths pack K/V by a rule that reads
-# batch x heads and the thread count), each (row, head, query split) one thread's work. Its
-# backward is not: float32 B=4 H=6 N=160 D=40 gave other dQ/dK/dV bits on 1 and 2 threads
-# (torch 2.13), so the backward keeps its items (one intra-op thread each)
+# call's batch or threads (docs/design.md, "The fused backend", Items: the one exception)
 _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
 
 
 def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
                 mask4: Tensor | None, ops: Operands, mask_mods: list) -> Piece | None:
-    """The one piece a CPU call is, where its forward can be one op call over the whole
-    batch instead of an item per sequence and head group (float32/float64, every batch row
-    of the call's full lengths, each one item of one unmasked piece: no user mask,
-    mask_mod, ALiBi or split-KV): what the items would compute, without their per-call
-    cost (the toy model's B=32 H=4 N=64 training step: 32 items)."""
+    """The one piece a CPU call is, where its forward can be one op call over the whole batch
+    (float32/float64, every batch row of the call's full lengths, each one item of one
+    unmasked piece: no user mask, mask_mod, ALiBi or split-KV), else None."""
     if q.device.type != "cpu" or q.dtype not in _WHOLE_CALL_DTYPES or not seqs:
         return None
     if mask4 is not None or ops.alibi is not None or any(m is not None for m in mask_mods):
@@ -877,10 +860,9 @@ def bwd_runs(n_blocks: int, groups: int, config: FusedConfig = DEFAULT
     return [(cuts[i], cuts[i + 1]) for i in range(n)]
 
 
-# |lse| from which torch's backward op, which rebuilds P = exp(s - lse) from one rounded lse,
-# loses more than the error budget allows (P's relative error is about |lse| · 2^-24 in
-# float32; one-hot rows at logits of 1e4 came out 4e-3 off in dV): such calls recompute
-# through ``precise`` (the tiled backward keeps a row's max and denominator apart)
+# |lse| from which torch's backward op, rebuilding P = exp(s - lse) from one rounded lse, loses
+# more than the error budget allows (P's relative error is about |lse| · 2^-24 in float32;
+# docs/design.md, "Backward"): such calls recompute through ``precise``
 LSE_PRECISE_LIMIT = {torch.float32: 64.0, torch.float16: 4096.0, torch.bfloat16: 4096.0}
 
 
@@ -951,12 +933,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     """Gradients of a fused forward from its merged ``out`` and ``lse``: dq, dk, dv in the
     accumulation dtype, and the sinks'. Items are (sequence, kv head group, run of query
     blocks); a run's dK/dV go into a partial of its own when the sequence has several, summed
-    in run order afterwards.
-
-    A gradient ``dlse`` of the lse output adds ``dlse_i · P_ij`` to dS, which torch's
-    backward op has no argument for: it gets it through two extra head-dim columns (zeros
-    in q, k, v; ``-dlse`` split into a high and a low part of q's dtype in out, ones in dO),
-    so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse`` and nothing else changes."""
+    in run order afterwards. A gradient ``dlse`` of the lse output reaches dS through two
+    extra head-dim columns (zeros in q, k, v; ``-dlse`` in a high and a low part of q's dtype
+    in out, ones in dO), so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse``."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, D = q.shape
