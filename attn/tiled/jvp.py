@@ -468,10 +468,8 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
         res[3][:, :, m0:m1] = r.squeeze(-1)
 
     blocks = list(ts.query_blocks())
-    cpu.run_items(block, len(blocks), threads=threads)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (res[0].to(v.dtype), res[1].to(lse_dtype), res[2].to(v.dtype),
-            res[3].to(lse_dtype))
+    cpu.run_items(block, len(blocks), threads=threads)  # lse and lsė: acc, the lse's dtype
+    return res[0].to(v.dtype), res[1], res[2].to(v.dtype), res[3]
 
 
 def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
