@@ -21,8 +21,8 @@ from attn.tiled import cpu, double, jvp
 from attn.tiled.gemm import _Gemm, low_gemms
 from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items,
                              backward_runs, forward_items)
-from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps, _fwd_tile,
-                              _fwd_tile_compiled, _run_compiled)
+from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps,
+                              _fwd_tile, _fwd_tile_compiled, _run_compiled)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
                              _values_may_overflow)
 
@@ -139,11 +139,9 @@ def _merge_partials(parts_out: Tensor, parts_lse: Tensor, sinks: Tensor | None
 
 def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Facts,
                out: Tensor, lse: Tensor, lse2: Tensor) -> None:
-    """Split-KV decoding: items are (chunk, key range) pairs over all of a chunk's heads (a
-    GQA group reads each K/V range once); each writes a partial output and lse in the
-    accumulation dtype, and the partials are merged in key order (with the sinks as one
-    more partial of value 0), so the bits do not depend on which item finished first.
-    lse2 = (lse·log2 e, 0): the backward then takes Δ from the tiles (exact)."""
+    """Split-KV decoding (docs/design.md, "The tiled backend on CPU"): (chunk, key range)
+    items over all of a chunk's heads, each writing a partial output and lse, merged in key
+    order with the sinks. lse2 = (lse·log2 e, 0): the backward then takes Δ from the tiles."""
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[-1]
     acc_dtype = lse.dtype
@@ -187,9 +185,8 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
               ) -> None:
     """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
     ``facts``: the call's, :func:`_facts`; ``b0``: its first batch row's index in the call;
-    ``engine``: the plan's; ``key_scales``: per-key multipliers of k and v, ``_Gemm``'s),
-    for the query ``blocks`` given (all of them by default),
-    writing only their rows."""
+    ``engine``: the plan's; ``key_scales``: per-key multipliers of k and v, ``_Gemm``'s), for
+    the query ``blocks`` given (all of them by default), writing only their rows."""
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -633,16 +630,12 @@ def tiled_attention(
     """Memory-linear exact attention. Inputs already validated by ``attn.api``.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
-    lse (B, H, Nq) in float32 (float64 for float64 inputs). ``spec`` holds the static
-    values (q·k scale, band, fixed softcap, dropout, global positions, block sizes; a tensor
-    temperature must already be folded into q). ``operands`` (:class:`attn.spec.Operands`)
-    holds the optional tensors: the mask, a learnable ``softcap`` broadcastable to (H,),
-    ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed: (sequences, H) with
-    ``spec.alibi_rows``), constants; ``captured`` the tensors ``spec.score_mod`` reads that
-    need a gradient (see :func:`attn.mods.captured_tensors`). ``config``: how the call is
-    cut (:class:`attn.tiled.plan.TileConfig`, the measured defaults); block sizes are
-    ``spec.block_m`` / ``block_n`` where set, else the config's, and a callable
-    ``spec.mask_blocks`` (see :func:`attn.mods.mod_spec`) is called here at those sizes.
+    lse (B, H, Nq) in float32 (float64 for float64 inputs). ``spec`` holds the static values
+    (a tensor temperature already folded into q), ``operands`` the optional tensors (their
+    fields: :class:`attn.spec.LaunchSpec`, :class:`attn.spec.Operands`). ``config``: how the
+    call is cut (:class:`attn.tiled.plan.TileConfig`); block sizes are ``spec.block_m`` /
+    ``block_n`` where set, else the config's, and a callable ``spec.mask_blocks``
+    (:func:`attn.mods.mod_spec`) is called here at those sizes.
     """
     operands = _NO_OPERANDS if operands is None else operands
     _check_operands(operands)
