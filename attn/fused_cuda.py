@@ -178,11 +178,6 @@ def _bias(mask: Tensor | None, G: int, rows: int, keys: int) -> Tensor | None:
     return store[..., :keys]
 
 
-def _lse_rows(lse: Tensor, rows: int) -> Tensor:
-    """An op's lse as (1, G, rows): the efficient op pads rows to 32, cuDNN adds a last 1."""
-    return lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows]
-
-
 def _no_mask(mask: Tensor | None) -> None:
     if mask is not None:
         raise ValueError("the flash op takes no mask: a masked piece must run another op")
@@ -210,8 +205,10 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
             bias = _bias(mask, q.shape[1], rows, k.shape[2])
             res = a[op](qp, kp, vp, bias, True, 0.0, causal and bias is None, scale=scale)
         # (a row the mask hides entirely may come back NaN: the fused backend zeroes the
-        # rows its piece mask hides, on every device)
-        return res[0][..., :Dv], _lse_rows(res[1], rows)
+        # rows its piece mask hides, on every device). The lse as (1, G, rows): the
+        # efficient op pads rows to 32, cuDNN adds a last 1
+        lse = res[1]
+        return res[0][..., :Dv], lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows]
 
     def bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
             causal: bool, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -151,11 +151,6 @@ def reference_attention(
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
-def _batch_row(b: int):
-    """dropout_rows of sequence b run alone: batch row b, positions as they are."""
-    return lambda offs_m, offs_n: (torch.full_like(offs_m, b), offs_m, offs_n)
-
-
 def reference_packed(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, *, band: Band, scale: float | Tensor = 1.0,
                      softcap: float | Tensor | None = None, sinks: Tensor | None = None,
@@ -187,7 +182,8 @@ def reference_packed(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         out, lse = reference_attention(
             q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], band=seq_band, scale=scale,
             softcap=softcap, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
-            dropout_rows=_batch_row(b),
+            # dropout_rows of sequence b run alone: batch row b, positions as they are
+            dropout_rows=lambda offs_m, offs_n, b=b: (torch.full_like(offs_m, b), offs_m, offs_n),
             alibi_slopes=None if alibi_slopes is None else alibi_slopes[b:b + 1], **terms)
         outs.append(out)
         lses.append(lse)

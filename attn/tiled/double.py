@@ -171,8 +171,11 @@ class _Hvp:
                 dsink = dsink - sums.p_sink * sums.delta_dot
             dsink = dsink.sum(dim=(0, 2, 3))
         drow = None
-        if self.mask4 is not None and dmask.parts:
-            drow = dmask.join(self.mask4.shape[3], _mask_like(self.mask4, m1 - m0))
+        if self.mask4 is not None and dmask.parts:  # as the block's rows of the mask
+            m4 = self.mask4
+            like = torch.zeros(*m4.shape[:2], 1 if m4.shape[2] == 1 else m1 - m0, m4.shape[3],
+                               dtype=_acc_dtype(m4.dtype), device=m4.device)
+            drow = dmask.join(m4.shape[3], like)
         return dq_blk, sums.dg, sums.abar.squeeze(-1), dsink, dcap, drow
 
     def _pass1(self, m0, m1, key_tiles, lse_col, g_blk, gd_blk) -> _Sums:
@@ -644,14 +647,6 @@ def _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads):
     res = {"q": dq, "do": dg, "dlse": dl, "k": dk, "v": dv}
     mask_rows = [(m0, m1, e[2]) for (m0, m1, _), e in zip(blocks, extras) if e[2] is not None]
     return res, (_sum(e[0] for e in extras), _sum(e[1] for e in extras), mask_rows)
-
-
-def _mask_like(mask4: Tensor, BM: int) -> Tensor:
-    """Zeros shaped as a query block's rows of the mask ``(b, h, BM or 1, Nk or 1)``."""
-    shape = list(mask4.shape)
-    if shape[2] != 1:
-        shape[2] = BM
-    return torch.zeros(shape, dtype=_acc_dtype(mask4.dtype), device=mask4.device)
 
 
 def _join_rows(blocks: list[tuple[int, int, Tensor]], mask4: Tensor, Nq: int) -> Tensor:
