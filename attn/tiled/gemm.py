@@ -144,9 +144,8 @@ class _Gemm:
 
     def low_operand(self, x: Tensor, name: str) -> Tensor:
         """``x`` (a tile in the accumulation dtype) rounded to bf16 once, into a reused
-        buffer: P (in [0, 1]) for the forward's P·V and the backward's dV, and dS (bf16
-        keeps fp32's exponent range, so only 2^-9 of each entry is lost, as in any bf16
-        attention backward) for :meth:`add_tn` and :meth:`add_dq`'s bf16 GEMMs."""
+        buffer: P for the forward's P·V and the backward's dV, and dS for :meth:`add_tn` and
+        :meth:`add_dq`'s bf16 GEMMs (docs/design.md, "bf16": what that rounding loses)."""
         return self.buffer(name, x.shape, torch.bfloat16).copy_(x)
 
     def add_dq(self, dq_blk: Tensor, ds: Tensor, n0: int, n1: int) -> None:
@@ -165,11 +164,10 @@ class _Gemm:
 
     def add_tn(self, dst: Tensor, a: Tensor, b: Tensor, name: str) -> None:
         """``dst += aᵀ b``: dV += Pᵀ dO and dK += dSᵀ Q for one tile, ``a (·, G·BM, BN)``,
-        ``b (·, G·BM, D)``. Both engines add a contiguous product into the slice (a GEMM
-        into a column slice of (B·Hkv, Nk, D) runs as one addmm per batch entry, ~10%
-        slower). On oneDNN ``a`` is keys-major (:attr:`keys_major`): ``aᵀ`` is row-major.
-        bf16 ``a`` and ``b`` (:meth:`low_operand`, the raw bf16 q, dO/l rounded) run a bf16
-        GEMM whose product, rounded to bf16 once, joins the fp32 ``dst``."""
+        ``b (·, G·BM, D)``. Both engines add a contiguous product into the slice
+        (docs/benchmarks.md: faster than a GEMM into it). On oneDNN ``a`` is keys-major
+        (:attr:`keys_major`). bf16 ``a`` and ``b`` (:meth:`low_operand`, the raw bf16 q, dO/l
+        rounded) run a bf16 GEMM whose product, rounded to bf16 once, joins the fp32 ``dst``."""
         if a.dtype == torch.bfloat16:
             dst.add_(self._bmm16(a.transpose(1, 2), b, name + "16"))
         elif self.onednn:

@@ -359,16 +359,13 @@ _TANGENT_NAMES = ("q", "k", "v", "mask", "sinks", "softcap", "alibi")
 def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
                          ) -> tuple[Tensor, Tensor] | None:
     """``(out, lse)`` as dual tensors of forward-mode AD, primal and tangent in one pass over
-    the tiles, where forward-mode AD is all that differentiates the call: one
-    ``torch.func.jvp`` level (or ``torch.autograd.forward_ad`` dual tensors), nothing that
-    requires grad, no score_mod / mask_mod. Else None, and the caller takes its
-    autograd.Function, whose ``jvp`` rule (:func:`tiled_jvp`) runs after the forward and so
-    recomputes every tile's scores: the pass here reads q·kᵀ once, six GEMMs per tile
-    against the rule's five after the forward's two.
-
-    The online softmax carries the tangent's accumulators beside its own (the same running
-    max rescales them): ``A = Σ e^(s−m) (z ṡ v + z v̇)`` and ``r = Σ e^(s−m) ṡ``, so with the
-    denominator l, ``ȯ = A/l − (r/l)·o`` and ``lsė = r/l``."""
+    the tiles (docs/transforms.md, "How it works"), where forward-mode AD is all that
+    differentiates the call: one ``torch.func.jvp`` level (or ``torch.autograd.forward_ad``
+    dual tensors), nothing that requires grad, no score_mod / mask_mod. Else None, and the
+    caller takes its autograd.Function, whose ``jvp`` rule (:func:`tiled_jvp`) reads q·kᵀ
+    again after the forward (six GEMMs per tile here, its five after the forward's two). With
+    the denominator l, ``A = Σ e^(s−m) (z ṡ v + z v̇)`` and ``r = Σ e^(s−m) ṡ``: ``ȯ = A/l −
+    (r/l)·o`` and ``lsė = r/l``."""
     import torch.autograd.forward_ad as fwad
 
     if ops.captured or spec.score_mod is not None or spec.mask_mod is not None or spec.sharded:
