@@ -78,10 +78,11 @@ def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
 
 # -- block classification of a mask_mod -------------------------------------------------------
 
-def _checked(keep: object, name: str = "mask_mod") -> Tensor:
+def checked_keep(keep: object) -> Tensor:
+    """A mask_mod's result, or TypeError where it is not a bool tensor."""
     if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
         what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
-        raise TypeError(f"{name} must return a bool tensor (True = attend), got {what}")
+        raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
     return keep
 
 
@@ -106,7 +107,7 @@ def mask_mod_kinds(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block
             j1 = min(j0 + kb_step, kb)
             n0, n1 = j0 * block_n, min(j1 * block_n, n_k)
             kv_idx = torch.arange(n0, n1, device=device).view(1, 1, 1, -1)
-            keep = _checked(mask_mod(b, h, q_idx, kv_idx))
+            keep = checked_keep(mask_mod(b, h, q_idx, kv_idx))
             # reduce on the mask's own batch / head extent (1 when it ignores b or h), then
             # broadcast the per-tile answer: no (B, H, BM, keys) copy of a shared mask
             kb_ = keep.shape[-4] if keep.dim() >= 4 else 1

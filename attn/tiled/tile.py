@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from attn.masks import as_4d, dropout_keep, dropout_keep_rows
+from attn.mods import checked_keep
 from attn.spec import LaunchSpec
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled.gemm import _Gemm
@@ -160,10 +161,7 @@ class _Tile:
 
     def mask_mod_keep(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
         """``mask_mod`` on one tile: bool broadcastable to (B, H, BM, BN), True = attend."""
-        keep = self.mask_mod(*self._idx(m0, m1, n0, n1))
-        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
-            what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
-            raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
+        keep = checked_keep(self.mask_mod(*self._idx(m0, m1, n0, n1)))
         shape = (self.B, self.H, m1 - m0, n1 - n0)
         try:
             torch.broadcast_shapes(keep.shape, shape)
