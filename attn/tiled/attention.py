@@ -97,7 +97,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     if plan.threads is None:  # the call's worker count, read before _caller sets it to 1
         plan = plan._replace(threads=cpu.workers_for_call())
     packed = spec.alibi_rows is not None
-    with _caller(plan):  # its own passes too run on one thread: no parallel region
+    with _caller(plan.threads):  # its own passes too run on one thread: no parallel region
         facts = _facts(q, k, v, spec, ops, items=plan.threads != 0)
         if plan.kv_chunk is not None:
             _fwd_split(q, k, v, plan, ops, facts, out, lse, lse2)
@@ -117,11 +117,11 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     return (out, lse, lse2) if want_lse2 else (out, lse)
 
 
-def _caller(plan) -> contextlib.AbstractContextManager:
+def _caller(threads: int | None) -> contextlib.AbstractContextManager:
     """The calling thread's own work of a call on the items path (checks before the items,
     merges after them) runs with one intra-op thread: the call's one parallel region is
     its items'."""
-    return cpu.single_thread() if plan.threads != 0 else contextlib.nullcontext()
+    return cpu.single_thread() if threads != 0 else contextlib.nullcontext()
 
 
 def _merge_partials(parts_out: Tensor, parts_lse: Tensor, sinks: Tensor | None
@@ -270,7 +270,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     B, H, Nq, D = q.shape
     acc_dtype = _acc_dtype(q.dtype)
     runs = backward_runs(plan, config)
-    with _caller(plan):
+    with _caller(plan.threads):
         facts = _facts(q, k, v, spec, ops)
         # dq's rows no run covers (query blocks with no key tile) are 0; the items write the
         # rest, and each zeroes its own dk / dv slice before adding into it (run r > 0 of a
@@ -308,7 +308,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     cpu.run_items(run, len(items), threads=plan.threads, flush_denormals=True)
     if extra:
         cpu.run_items(join, len(plan.chunks), threads=plan.threads)
-    with _caller(plan):
+    with _caller(plan.threads):
         return _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask,
                          need_dcap)
 

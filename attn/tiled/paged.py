@@ -6,7 +6,6 @@ The launchers and tiles are :mod:`attn.tiled.attention`'s."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -18,7 +17,8 @@ from attn.masks import Band
 from attn.spec import LaunchSpec, Operands, PageTable, QuantPages, check_paged_forward_only
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
-from attn.tiled.attention import _check_operands, _facts, _fwd_item, _fwd_rows, _merge_partials
+from attn.tiled.attention import (_caller, _check_operands, _facts, _fwd_item, _fwd_rows,
+                                  _merge_partials)
 from attn.tiled.plan import DEFAULT, TileConfig, item_threads, kv_split, page_ranges
 
 __all__ = ["paged_attention"]
@@ -209,7 +209,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     threads = item_threads(q, Nq * H * int(n_keys.sum()), config)
     if threads is None:
         threads = cpu.workers_for_call()
-    caller = cpu.single_thread() if threads != 0 else contextlib.nullcontext()
+    caller = _caller(threads)
     with caller:
         parts_out = torch.empty(R, B, H, Nq, Dv, dtype=acc_dtype, device=q.device)
         parts_lse = torch.empty(R, B, H, Nq, dtype=acc_dtype, device=q.device)
