@@ -118,8 +118,6 @@ class _Hvp:
         self.G = self.H // k.shape[1]
         self.acc = acc = _acc_dtype(q.dtype)
         self.ts = TileScores(q, k, spec, ops, blocks=_HVP_BLOCKS)
-        self.primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask,
-                       "alibi": ops.alibi}
         self.lse_a, self.g_a = safe_lse(lse, acc), g.to(acc)
         self.tv = None if t.get("v") is None else t["v"].to(acc)
         gd, self.glse_d = (None, None) if first is None else first
@@ -142,7 +140,7 @@ class _Hvp:
         """A tile's primal and tangent operands, score function, V and t_V tiles (KV heads:
         the grouped GEMMs take them) and dropout keep-scale."""
         ts = self.ts
-        xs = ts.operands(self.primal, m0, m1, n0, n1)
+        xs = ts.operands(ts.primal, m0, m1, n0, n1)
         txs = ts.operands(self.t, m0, m1, n0, n1)
         vt = span(self.v, 2, n0, n1).to(self.acc)
         tvt = None if self.tv is None else span(self.tv, 2, n0, n1)

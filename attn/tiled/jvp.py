@@ -86,6 +86,9 @@ class TileScores:
         self.float_mask = mask is not None and mask.dtype != torch.bool
         self.has_cap = ops.softcap is not None
         self.has_alibi = ops.alibi is not None
+        # the call's own operands by SCORE_INPUTS name, for :meth:`operands` to slice
+        self.primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask,
+                       "alibi": ops.alibi}
         bm = spec.block_m or blocks[0]
         bn = spec.block_n or blocks[1]
         self.spec_sized = dataclasses.replace(spec, block_m=bm, block_n=bn)
@@ -412,7 +415,6 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
     G, Dv = H // k.shape[1], v.shape[-1]
     acc = _acc_dtype(q.dtype)
     ts = TileScores(q, k, spec, ops, blocks=_one_pass_blocks(q, k), inplace=True)
-    primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask, "alibi": ops.alibi}
     tv, t_sink = tangents.get("v"), tangents.get("sinks")
     dev = q.device
     res = (torch.empty(B, H, Nq, Dv, dtype=acc, device=dev),
@@ -435,7 +437,7 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
         o = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
         a = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
         for n0, n1, full in key_tiles:
-            xs = ts.operands(primal, m0, m1, n0, n1)
+            xs = ts.operands(ts.primal, m0, m1, n0, n1)
             s, sd = ts.fn(m0, m1, n0, n1, full, ts.operands(tangents, m0, m1, n0, n1))(*xs)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
@@ -477,7 +479,6 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
     G = H // k.shape[1]
     acc = _acc_dtype(q.dtype)
     ts = TileScores(q, k, spec, ops)
-    primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask, "alibi": ops.alibi}
     lse_a = safe_lse(lse, acc)
     out_a = out.to(acc)
     tv = tangents.get("v")
@@ -488,7 +489,7 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
         a_acc = torch.zeros(B, H, m1 - m0, v.shape[-1], dtype=acc, device=q.device)
         b_acc = torch.zeros(B, H, m1 - m0, 1, dtype=acc, device=q.device)
         for n0, n1, full in key_tiles:
-            xs = ts.operands(primal, m0, m1, n0, n1)
+            xs = ts.operands(ts.primal, m0, m1, n0, n1)
             txs = ts.operands(tangents, m0, m1, n0, n1)
             s, sd = ts.fn(m0, m1, n0, n1, full, txs)(*xs)
             p = probs(s, lse_col)
@@ -506,7 +507,7 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
         return a_acc - b_acc * span(out_a, 2, m0, m1), b_acc.squeeze(-1)
 
     blocks = list(ts.query_blocks())
-    if plain(q, k, v, out, lse, *primal.values(), *tangents.values()):
+    if plain(q, k, v, out, lse, *ts.primal.values(), *tangents.values()):
         # plain CPU tensors: the query blocks are work items on the tiled backend's pool,
         # each writing its own rows (bits independent of the worker count)
         d_out = torch.empty(B, H, Nq, v.shape[-1], dtype=acc, device=q.device)
