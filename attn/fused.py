@@ -879,11 +879,8 @@ def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: La
                  ops: Operands) -> Grads:
     """The backward through ``precise(do, dlse, q, k, v, spec, ops) -> Grads`` (the caller's
     dense backward), sequence by sequence: each its own slices, band and operands."""
-    B, H, Nq, D = q.shape
     acc = _acc_dtype(q.dtype)
-    dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
     dsinks = None
     for s in seqs:
         rows, keys, b = slice(s.q0, s.q1), slice(s.k0, s.k1), slice(s.b, s.b + 1)
