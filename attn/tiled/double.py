@@ -119,7 +119,6 @@ class _Hvp:
         self.acc = acc = _acc_dtype(q.dtype)
         self.ts = TileScores(q, k, spec, ops, blocks=_HVP_BLOCKS)
         self.lse_a, self.g_a = safe_lse(lse, acc), g.to(acc)
-        self.tv = None if t.get("v") is None else t["v"].to(acc)
         gd, self.glse_d = (None, None) if first is None else first
         self.gd = None if gd is None else gd.to(acc)
         self.sinks = None if ops.sinks is None else ops.sinks.to(acc).view(1, self.H, 1, 1)
@@ -132,8 +131,7 @@ class _Hvp:
         # the score map is linear in q and k (no score_mod, no softcap): its vjp by hand, two
         # GEMMs per operand, rather than through torch.func.vjp per tile
         self.linear = spec.score_mod is None and spec.softcap is None and not self.ts.has_cap
-        self.tq = None if t.get("q") is None else t["q"].to(acc)
-        self.tk = None if t.get("k") is None else t["k"].to(acc)
+        self.tq, self.tk, self.tv = (None if t.get(n) is None else t[n].to(acc) for n in "qkv")
         self.scale = spec.qk_scale
 
     def tile(self, m0, m1, n0, n1, full):

@@ -237,8 +237,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
             v = _read_pages(v_pages, table[b], page, it, "paged v")
         if k.dtype != q.dtype and k.dtype != torch.int8:  # int8: codes scored as they are
             k = k.to(q.dtype)
-        if v.dtype != q.dtype:
-            v = v.to(q.dtype)
+        v = v.to(q.dtype)
         row_band = Band(band.offset + int(n_keys[b]), band.left, band.right)
         ispec = dataclasses.replace(spec, band=row_band).shard(k_start=it.n0)
         iops = Operands(softcap=ops.softcap,
