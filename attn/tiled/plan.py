@@ -186,8 +186,8 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     backward's plan is the forward's without split-KV."""
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    unit, _, uspec, scores = _unit_path(q, k, spec, config)
-    if unit:
+    uspec = _unit_path(q, k, spec, config)
+    if uspec is not None:
         units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
         return _finish(_Plan(units, "onednn", uspec), q, k, config, backward)
     if backward and _items_here(q) and spec.mask_blocks is None and spec.mask_mod is None:
@@ -201,10 +201,8 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
                                           .query_blocks()))
     spec = config.tiles(spec)
     whole = [_Chunk(0, B, 0, Hkv, B, H, Hkv)]
-    if spec.score_mod is not None or spec.mask_mod is not None \
+    if B == 1 or spec.score_mod is not None or spec.mask_mod is not None \
             or spec.dropout_rows is not None:
-        return _finish(_Plan(whole, "bmm", spec), q, k, config, backward)
-    if B == 1:
         return _finish(_Plan(whole, "bmm", spec), q, k, config, backward)
     per_row = (H * min(spec.block_m, Nq) * min(spec.block_n, Nk)
                * torch.finfo(_acc_dtype(q.dtype)).bits // 8)
@@ -358,10 +356,11 @@ def _heads_merge(x: Tensor) -> bool:
 
 
 def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec, config: TileConfig = DEFAULT
-               ) -> tuple[bool, str, LaunchSpec, int]:
-    """Whether a call runs as units on the oneDNN engine, why (not), the spec with the unit
-    tile sizes, and the scores it visits (B·H·Nq·Nk inside the band)."""
-    B, H, Nq, _ = q.shape
+               ) -> LaunchSpec | None:
+    """The spec with the unit tile sizes where a call runs as units on the oneDNN engine (a
+    float32 CPU call, eager, no score_mod, mask_mod, block mask or packed sequences, tiles of
+    enough rows and keys and mostly unmasked, oneDNN this CPU's engine), else None."""
+    H, Nq = q.shape[1], q.shape[2]
     Hkv, Nk = k.shape[1], k.shape[2]
     G = H // Hkv
     tile_rows = (config.unit_rows_full
@@ -369,37 +368,21 @@ def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec, config: TileConfig = DEFA
                  else config.unit_rows)
     uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, tile_rows // G),
                                 block_n=spec.block_n or config.unit_block_n)
-
-    def no(why: str) -> tuple[bool, str, LaunchSpec, int]:
-        return False, why, spec, 0
-    if q.device.type != "cpu":
-        return no("not on CPU")
-    if _acc_dtype(q.dtype) != torch.float32:
-        return no("float64 stays on bmm")
-    if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
-        return no("score_mod / mask_mod run batched")
-    if spec.dropout_rows is not None or spec.alibi_rows is not None:
-        return no("packed sequences run batched")
-    if compiled_steps_default():
-        return no("ATTN_TILED_COMPILE=1 compiles the batched steps")
-    if torch.compiler.is_compiling():
-        return no("under torch.compile")
-    rows = G * min(Nq, uspec.block_m)
-    if rows < config.unit_min_rows or Nk < config.unit_min_keys:
-        return no(f"{rows} query rows x {Nk} keys per tile is below the unit path's "
-                  f"{config.unit_min_rows} x {config.unit_min_keys}")
-    visited = partial = area = 0
-    for m0, m1, key_tiles in _blocks(uspec, Nq, Nk).query_blocks():
-        for n0, n1, full in key_tiles:
-            visited += 1
-            partial += not full
-            area += (m1 - m0) * (n1 - n0)
+    if (q.device.type != "cpu" or _acc_dtype(q.dtype) != torch.float32
+            or spec.score_mod is not None or spec.mask_mod is not None
+            or spec.mask_blocks is not None or spec.dropout_rows is not None
+            or spec.alibi_rows is not None or compiled_steps_default()
+            or torch.compiler.is_compiling()):
+        return None
+    if G * min(Nq, uspec.block_m) < config.unit_min_rows or Nk < config.unit_min_keys:
+        return None
+    visited = partial = 0
+    for _, _, key_tiles in _blocks(uspec, Nq, Nk).query_blocks():
+        visited += len(key_tiles)
+        partial += sum(not full for _, _, full in key_tiles)
     if visited == 0 or partial > config.unit_max_partial * visited:
-        return no(f"{partial} of {visited} unit tiles are partly masked")
-    engine, why = cpu.gemm_engine()
-    if engine != "onednn":
-        return no(why)
-    return True, why, uspec, B * H * area
+        return None
+    return uspec if cpu.gemm_engine()[0] == "onednn" else None
 
 
 def cpu_path_reason(device: str, n_q: int, n_k: int, *, split_allowed: bool = True,
