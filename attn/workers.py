@@ -68,10 +68,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
 
 
-def in_worker() -> bool:
-    return getattr(_WORKER, "active", False)
-
-
 class single_thread:
     """The calling thread's intra-op threads set to 1 for a block, then given back: its items
     then run as a worker's do (same ops, same bits), and none of its ops wakes OpenMP's
@@ -116,7 +112,8 @@ def workers_for_call() -> int:
     under the profiler (it records only the threads it started on, so ops and allocations
     on workers would be missing from profiles and attn.bench's CPU peaks), and under
     torch's native thread pool (``set_num_threads`` there resizes one shared pool)."""
-    if in_worker() or torch._C._autograd._profiler_enabled() or not openmp_threads():
+    if (getattr(_WORKER, "active", False) or torch._C._autograd._profiler_enabled()
+            or not openmp_threads()):
         return 1
     return torch.get_num_threads()
 

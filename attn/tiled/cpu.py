@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from attn.timing import median_ratio, paired
-from attn.workers import (_forget_pools, _pool, in_worker, openmp_threads,  # noqa: F401
-                          run_items, scratch, single_thread, workers_for_call)
+from attn.workers import (_pool, openmp_threads, run_items, scratch,  # noqa: F401
+                          single_thread, workers_for_call)
 
 ENGINES = ("auto", "onednn", "bmm")
 # auto takes oneDNN when it runs the calibration GEMMs at least this much faster than bmm

@@ -74,8 +74,7 @@ class _Tile:
 
     def __init__(self, q: Tensor, k: Tensor, spec: LaunchSpec, gemm: _Gemm,
                  attn_mask: Tensor | None, softcap_t: Tensor | None,
-                 alibi: Tensor | None = None, b0: int = 0,
-                 finite_scores: bool | None = None) -> None:
+                 alibi: Tensor | None = None, b0: int = 0, *, finite_scores: bool) -> None:
         B, H, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         spec.terms.refuse_unknown(SCORE_TERMS, "the tiled backend")
@@ -100,9 +99,7 @@ class _Tile:
         # checked once per call from max |q|, max |k| (NaN-propagating), where a mask exists
         self.masked = (not self.band.is_full or attn_mask is not None
                        or spec.mask_mod is not None)
-        # (``finite_scores``: the caller's answer for the whole call, asked once)
-        if finite_scores is None:
-            finite_scores = _scores_finite(q, k, spec)
+        # (``finite_scores``: the caller's answer for the whole call, asked once, _facts)
         self.finite_scores = not self.masked or finite_scores
         # set by the forward (_values_may_overflow): whether value_offset looks at the tiles
         self.values_may_overflow = False
