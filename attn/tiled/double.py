@@ -65,19 +65,6 @@ class _Tiles:
         return torch.zeros_like(like) if total is None else total
 
 
-def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: LaunchSpec,
-              ops: Operands, g: Tensor, glse: Tensor | None, t: dict[str, Tensor | None],
-              first: tuple[Tensor | None, Tensor | None] | None = None) -> dict[str, Tensor]:
-    """The gradient of ``L = g·ȯ(t) + g_lse·lsė(t)`` (see the module docstring) with respect
-    to g ("do"), g_lse ("dlse"), q, k, v, the float mask, sinks and softcap, each in the
-    accumulation dtype at its operand's shape. ``t``: directions by name (q, k, v, mask,
-    sinks, softcap, alibi; missing: 0). ``first = (ġ, ġ_lse)``: the forward-mode rule of the
-    backward, ``Jᵀ ġ`` added to the q, k, v, mask, sinks and softcap entries."""
-    threads = cpu.workers_for_call()  # read before one_thread sets the caller's to 1
-    with one_thread(q):
-        return _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads)
-
-
 # Runs of query blocks in the pooled double backward (:func:`_pooled`): each sums dK and dV
 # into a partial of its own; a few more than the workers a 2-4 core machine has balance them
 _RUNS = 4
@@ -498,33 +485,42 @@ class _PlainHvp:
                 None, None)
 
 
-def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
-    hvp = _Hvp(q, k, v, lse, spec, ops, g, glse, t, first)
-    H, Nq, D, Dv, acc = q.shape[1], q.shape[2], hvp.D, hvp.Dv, hvp.acc
-    Hkv, Nk = k.shape[1], k.shape[2]
-    gd, glse_d = (None, None) if first is None else first
-    tensors = (q, k, v, out, lse, g, glse, gd, glse_d, *ops[:4], *t.values())
-    pooled = plain(*tensors) and not (torch.is_grad_enabled() and any(
-        isinstance(x, Tensor) and x.requires_grad for x in tensors))
-    blocks = list(hvp.ts.query_blocks())
-    if pooled:
-        block = hvp.block
-        # _PlainHvp builds s = c q kᵀ by hand: no score term (jvp.SCORE_TERMS) may join it
-        if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
-                and not spec.terms.items and (hvp.tq is not None or hvp.tk is not None)):
-            block = _PlainHvp(hvp, out, blocks).block
-        res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
-    else:
-        res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
-    dsink, dcap, dmask_rows = parts
-    if hvp.mask4 is not None:
-        res["mask"] = _join_rows(dmask_rows, hvp.mask4, Nq).reshape(ops.attn_mask.shape)
-    if ops.softcap is not None:
-        res["softcap"] = (torch.zeros_like(ops.softcap, dtype=acc) if dcap is None
-                          else reduce_to(dcap, ops.softcap.shape))
-    if ops.sinks is not None:
-        res["sinks"] = torch.zeros(H, dtype=acc, device=q.device) if dsink is None else dsink
-    return res
+def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: LaunchSpec,
+              ops: Operands, g: Tensor, glse: Tensor | None, t: dict[str, Tensor | None],
+              first: tuple[Tensor | None, Tensor | None] | None = None) -> dict[str, Tensor]:
+    """The gradient of ``L = g·ȯ(t) + g_lse·lsė(t)`` (see the module docstring) with respect
+    to g ("do"), g_lse ("dlse"), q, k, v, the float mask, sinks and softcap, each in the
+    accumulation dtype at its operand's shape. ``t``: directions by name (q, k, v, mask,
+    sinks, softcap, alibi; missing: 0). ``first = (ġ, ġ_lse)``: the forward-mode rule of the
+    backward, ``Jᵀ ġ`` added to the q, k, v, mask, sinks and softcap entries."""
+    threads = cpu.workers_for_call()  # read before one_thread sets the caller's to 1
+    with one_thread(q):
+        hvp = _Hvp(q, k, v, lse, spec, ops, g, glse, t, first)
+        H, Nq, D, Dv, acc = q.shape[1], q.shape[2], hvp.D, hvp.Dv, hvp.acc
+        Hkv, Nk = k.shape[1], k.shape[2]
+        gd, glse_d = (None, None) if first is None else first
+        tensors = (q, k, v, out, lse, g, glse, gd, glse_d, *ops[:4], *t.values())
+        pooled = plain(*tensors) and not (torch.is_grad_enabled() and any(
+            isinstance(x, Tensor) and x.requires_grad for x in tensors))
+        blocks = list(hvp.ts.query_blocks())
+        if pooled:
+            block = hvp.block
+            # _PlainHvp builds s = c q kᵀ by hand: no score term (jvp.SCORE_TERMS) may join it
+            if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
+                    and not spec.terms.items and (hvp.tq is not None or hvp.tk is not None)):
+                block = _PlainHvp(hvp, out, blocks).block
+            res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
+        else:
+            res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
+        dsink, dcap, dmask_rows = parts
+        if hvp.mask4 is not None:
+            res["mask"] = _join_rows(dmask_rows, hvp.mask4, Nq).reshape(ops.attn_mask.shape)
+        if ops.softcap is not None:
+            res["softcap"] = (torch.zeros_like(ops.softcap, dtype=acc) if dcap is None
+                              else reduce_to(dcap, ops.softcap.shape))
+        if ops.sinks is not None:
+            res["sinks"] = torch.zeros(H, dtype=acc, device=q.device) if dsink is None else dsink
+        return res
 
 
 def _terms(x, G: int) -> Tensor:
