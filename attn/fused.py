@@ -486,10 +486,8 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
     if alibi and p.mask_pieces is None and not p.masked:
         off = seq.band.offset
         for pc in block_pieces(seq, p, m0, m1, n_lo, n_hi, config):
-            if pc.causal:  # the diagonal: its bias as a block-sized mask, with the causal
-                # flag or the band in the mask (folded, its scores would carry terms up to
-                # slope x rows where its probabilities are: 2e-5 off in float32 at 128 rows
-                # and slope 1)
+            if pc.causal:  # the diagonal is not folded: its scores would carry terms up to
+                # slope x rows where its probabilities are (2e-5 off, float32, 128 rows, slope 1)
                 out.append(pc if config.causal_bias else Piece(pc.n0, pc.n1, False, True))
                 continue
             if pc.masked or _side(pc, m0, m1, off) != 0:

@@ -32,9 +32,7 @@ _NO_OPERANDS = Operands()
 def _check_operands(ops: Operands) -> None:
     if not isinstance(ops, Operands):
         raise TypeError(f"ops must be an attn.spec.Operands, got {type(ops).__name__}")
-    if ops.cu_seqlens_q is not None or ops.cu_seqlens_k is not None:
-        # packed sequences reach this backend as a document mask (attn.varlen: a mask_mod
-        # with SequenceBlocks in the spec), never as offsets
+    if ops.cu_seqlens_q is not None or ops.cu_seqlens_k is not None:  # (SequenceBlocks)
         raise NotImplementedError("tiled: cu_seqlens operands are not read; packed sequences "
                                   "run as a document mask (attn.varlen_attention)")
     if ops.q_scale is not None:
@@ -258,10 +256,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     """Gradients of one call, as work items of :func:`backward_runs` (a chunk's run of
     query blocks each): dq, dk, dv always; the float mask's only with ``need_dmask`` (an
     N x N tensor when the mask is), sinks' when given, the learnable softcap's when given
-    and ``need_dcap``, and those of the tensors ``ops.captured`` by ``spec.score_mod``.
-    Everything summed across items (dK/dV of a chunk's runs, the per-head and mask
-    gradients) is summed in item order afterwards: deterministic, no atomics. ALiBi's
-    slopes are constants (no gradient of their own). ``lse2``: the forward's two-part
+    and ``need_dcap``, and those of the tensors ``ops.captured`` by ``spec.score_mod``, each
+    summed across items in item order afterwards (no atomics). ALiBi's slopes are constants. ``lse2``: the forward's two-part
     base-2 lse (``_fwd(want_lse2=True)``); without it ``lse·log2 e`` stands in, exact up to
     its rounding. ``config``: the forward's."""
     _check_operands(ops)

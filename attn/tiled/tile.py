@@ -88,18 +88,14 @@ class _Tile:
         self.mask5 = self.mask4 = None
         self.ninf = torch.tensor(float("-inf"), dtype=acc, device=q.device)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
-            # kept at its own broadcast shape; each tile's slice becomes a 0 / -inf bias:
-            # masked_fill_ through a broadcast mask ran 10x slower than add_ (250 vs 25 us)
-            self.mask4 = as_4d(attn_mask)
+            self.mask4 = as_4d(attn_mask)  # its own broadcast shape; per tile a 0 / -inf bias
         elif attn_mask is not None:
             self.mask5 = as_4d(attn_mask).expand(B, H, Nq, Nk).view(B, Hkv, self.G, Nq, Nk)
         # Masked scores are *replaced* by -inf, so a key outside the mask never reaches a row
-        # (NaN + -inf is NaN). The additive 0 / -inf bias is as exact and runs 10-50x faster
-        # than a broadcast where / masked_fill on CPU, but only while every q·k is finite:
-        # checked once per call from max |q|, max |k| (NaN-propagating), where a mask exists
+        # (NaN + -inf is NaN). The additive 0 / -inf bias (docs/design.md, "Masks as a bias")
+        # is as exact only while every q·k is finite: the caller's answer (_facts, once a call)
         self.masked = (not self.band.is_full or attn_mask is not None
                        or spec.mask_mod is not None)
-        # (``finite_scores``: the caller's answer for the whole call, asked once, _facts)
         self.finite_scores = not self.masked or finite_scores
         # set by the forward (_values_may_overflow): whether value_offset looks at the tiles
         self.values_may_overflow = False
