@@ -86,11 +86,10 @@ class single_thread:
 class flushed_denormals:
     """Denormal floats flushed to zero (and read as zero) on the calling thread for a block,
     then the thread's own setting given back. Why: a probability ``exp(s - m)`` between
-    2^-149 and 2^-126 is a denormal, and every multiply that reads one is slow on x86 (about
-    2x for a whole ALiBi call, whose far keys land there: docs/benchmarks.md, "Measurements
-    behind the code's choices"). Flushed, such a probability counts as 0 in a row whose
-    largest is 1: a change far below the dtype's rounding. torch has a setter only, so the
-    setting is read back by one multiply whose exact result is a denormal. ``on=False``:
+    2^-149 and 2^-126 is a denormal, and every multiply that reads one is slow on x86 (ALiBi's
+    far keys land there: docs/benchmarks.md). Flushed, such a probability counts as 0 in a row
+    whose largest is 1: a change far below the dtype's rounding. torch has a setter only, so
+    the setting is read back by one multiply whose exact result is a denormal. ``on=False``:
     nothing changes."""
 
     def __init__(self, on: bool = True) -> None:

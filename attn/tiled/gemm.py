@@ -30,9 +30,8 @@ class _Gemm:
         # (or column-major, the second): k and v converted once here
         self.onednn = engine == "onednn"
         # the backward on oneDNN computes its tiles keys-major, (BN, G·BM) in memory, seen
-        # through a transposed view: dV += Pᵀ dO and dK += dSᵀ Q then read Pᵀ and dSᵀ
-        # row-major and dQ += dS K takes dS as a column-major weight (set by _bwd_rows; the
-        # forward, keys-major too, measured 20-35% slower: its row reductions run strided)
+        # through a transposed view (set by _bwd_rows; docs/benchmarks.md: why, and why not
+        # the forward)
         self.keys_major = False
         if self.onednn:
             if B * Hkv != 1:

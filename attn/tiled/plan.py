@@ -210,9 +210,8 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     D = q.shape[-1]
     if not (_heads_merge(k) and (v is None or _heads_merge(v))) \
             and H * Nq * Nk * D >= config.row_min_products:
-        # k / v seen head-first from a (B, N, Hkv, D) layout (a cache, a fused QKV
-        # projection): (B·Hkv, N, D) would be a copy, one batch row's (Hkv, N, D) is a view.
-        # A row with enough work pays its Python step: rows go one by one, no copy
+        # head-first k / v with no (B·Hkv, N, D) view (a cache, a fused QKV projection):
+        # one batch row's (Hkv, N, D) is a view, so rows go one by one (row_min_products)
         step = 1
     chunks = [_Chunk(b, min(b + step, B), 0, Hkv, B, H, Hkv) for b in range(0, B, step)]
     return _finish(_Plan(chunks, "bmm", spec), q, k, config, backward)
