@@ -257,9 +257,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     query blocks each): dq, dk, dv always; the float mask's only with ``need_dmask`` (an
     N x N tensor when the mask is), sinks' when given, the learnable softcap's when given
     and ``need_dcap``, and those of the tensors ``ops.captured`` by ``spec.score_mod``, each
-    summed across items in item order afterwards (no atomics). ALiBi's slopes are constants. ``lse2``: the forward's two-part
-    base-2 lse (``_fwd(want_lse2=True)``); without it ``lse·log2 e`` stands in, exact up to
-    its rounding. ``config``: the forward's."""
+    summed across items in item order afterwards (no atomics). ALiBi's slopes are constants.
+    ``lse2``: the forward's two-part base-2 lse (``_fwd(want_lse2=True)``); without it
+    ``lse·log2 e`` stands in, exact up to its rounding. ``config``: the forward's."""
     _check_operands(ops)
     plan = _plan(q, k, spec, v, config, backward=True)
     packed = spec.alibi_rows is not None
@@ -472,9 +472,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
 
 class _TiledAttention(torch.autograd.Function):
     """Saves q, k, v, out, lse (and lse2, the mask, sinks, softcap, slopes); the backward
-    recomputes each tile. ``apply`` takes every optional tensor explicitly (those that can
-    need a gradient must be inputs); forward and backward rebuild the Operands from them.
-    lse2 is a third, non-differentiable output (the backward's row constants). torch.func:
+    recomputes each tile. ``apply`` takes every optional tensor explicitly (attn.spec.Operands'
+    rule); lse2 is a third, non-differentiable output (the backward's row constants). torch.func:
     the backward is :class:`attn.tiled.double._TiledBackward` (differentiable again), the
     forward-mode rule :func:`attn.tiled.jvp.tiled_jvp`, the vmap rule folds the mapped dim
     into B or loops (:mod:`attn.batching`)."""
