@@ -1,9 +1,6 @@
 """score_mod / mask_mod helpers the core needs: the tensors a mod captures, the block
-classification of a mask_mod, and the spec of a call with mods.
-
-They sit below the public entry points (:mod:`attn.api`, :mod:`attn.flex`, :mod:`attn.varlen`)
-so that ``attention(score_mod=..., mask_mod=...)`` and ``flex_attention`` share them without
-importing each other; :mod:`attn.flex` re-exports the public ones.
+classification of a mask_mod, and the spec of a call with mods; shared ground below the entry
+points (docs/design.md, "The layers"), :mod:`attn.flex` re-exports the public ones.
 """
 
 from __future__ import annotations

@@ -27,9 +27,7 @@ def openmp_threads() -> bool:
     return "OpenMP" in torch.__config__.parallel_info()
 
 
-# -- the worker pool ---------------------------------------------------------------------------
-# One pool per worker count is made once and never shut down: concurrent callers share it,
-# each draining its own items itself too.
+# -- the worker pool: one per worker count, made once, never shut down, shared by callers -------
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
