@@ -432,8 +432,7 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
                  else t_sink.to(acc).view(1, H, 1, 1).expand(col).clone())
         else:
             m = torch.full(col, float("-inf"), dtype=acc, device=dev)
-            l_i, r = torch.zeros(col, dtype=acc, device=dev), torch.zeros(col, dtype=acc,
-                                                                          device=dev)
+            l_i, r = (torch.zeros(col, dtype=acc, device=dev) for _ in range(2))
         o = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
         a = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
         for n0, n1, full in key_tiles:
