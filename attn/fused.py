@@ -120,8 +120,7 @@ def cuda_kernels(dtype: torch.dtype, head_dim: int, device: torch.device) -> Ker
 # -- what it expresses -------------------------------------------------------------------------
 
 # Every LaunchSpec field and what the fused backend does with it: "read" (computed exactly),
-# "default" (expressible only at the field's default value). A field missing here makes
-# every call inexpressible (spec_reason), and tests/test_fused.py fails until it is decided.
+# "default" (only at the field's default); a field missing here makes every call inexpressible
 SPEC_DECISIONS: dict[str, str] = {
     "qk_scale": "read",  # torch's scale argument
     "band": "read",  # pieces: full, top-left causal diagonal, masked strip
@@ -687,9 +686,8 @@ def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
     """Keys (or values) ``(B, heads, n, D)`` for ``rows`` query rows with each key's row right
     after the previous one: x itself where they are, or where the rows are at most
     ``config.split_max_q`` (decoding reads each key about once: a copy costs what it saves),
-    else a copy of them. torch's CPU op rereads keys whose rows lie apart (a paged cache's
-    heads interleaved per key, flash-attn's (B, N, H, D) layout) more slowly than the copy
-    costs (docs/benchmarks.md, "Measurements behind the code's choices")."""
+    else a copy of them: torch's CPU op rereads keys whose rows lie apart (a paged cache's
+    heads interleaved per key, flash-attn's (B, N, H, D) layout) slowly (docs/benchmarks.md)."""
     if x.shape[2] < 2 or x.stride(2) == x.shape[3] or rows <= config.split_max_q:
         return x
     return x.contiguous()
