@@ -142,7 +142,9 @@ class TileScores:
                 keep = kmod if keep is None else keep & kmod
         if self.bool_mask is not None:
             m = self.bool_mask
-            tile = m[:, :, m0:m1 if m.shape[2] != 1 else None, n0:n1 if m.shape[3] != 1 else None]
+            # a dim the mask broadcasts along is taken whole (``m0:None`` would be empty)
+            tile = m[:, :, slice(m0, m1) if m.shape[2] != 1 else slice(None),
+                     slice(n0, n1) if m.shape[3] != 1 else slice(None)]
             keep = tile if keep is None else keep & tile
         return keep
 
