@@ -1,13 +1,9 @@
-"""What ``backend="auto"`` prefers on a CPU, read from a committed table of measurements.
-
-Among the backends that can compute a call exactly, ``auto`` takes the one the table prefers
-for the call's class on this kind of CPU. The table (``auto_table.json`` beside this module)
-is written by ``attn bench auto-table`` on a machine of each kind and committed with the CPU
-model and the medians behind each entry; nothing is timed at call time.
-
-Kinds of CPU are told apart by the instruction sets that decide attention's speed there:
-``amx`` (AMX tiles: bf16 GEMMs ~8x fp32's), ``avx512-bf16`` (native bf16 dot products, e.g.
-Zen 4), ``avx512`` (AVX-512 without bf16, e.g. Cascade Lake), ``avx2``, ``other``.
+"""What ``backend="auto"`` prefers on a CPU, read from the committed table of measurements
+``auto_table.json`` beside this module (``attn bench auto-table`` writes it; docs/design.md,
+"Choosing a backend"). Kinds of CPU are told apart by the instruction sets that decide
+attention's speed there: ``amx`` (AMX tiles: bf16 GEMMs ~8x fp32's), ``avx512-bf16`` (native
+bf16 dot products, e.g. Zen 4), ``avx512`` (AVX-512 without bf16, e.g. Cascade Lake),
+``avx2``, ``other``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""The fused backend: torch's own fused attention kernels as attn's block primitive.
-
-torch's fused attention ops return the log-sum-exp beside the output, and their backward
-takes both back. Called on the pieces of attn's plan and merged through their lse (the online
-softmax at block granularity, :mod:`attn.merge`), they compute attn's calls exactly. This is
-the only module that calls torch's private ``aten::_scaled_dot_product_*`` ops, never through
-``F.scaled_dot_product_attention``; their schemas are checked when first used. Items are
-(sequence, kv head group, query block, key range) (:func:`head_group`), a block's keys cut by
-the band into at most three pieces (:func:`pieces`); every cut depends on a sequence's own
-lengths and the model's heads, so a sequence's bits do not depend on its batch. What it
-expresses is an allow-list (:func:`call_reason`, :data:`SPEC_DECISIONS`). The items, pieces,
-decoding, backward and CUDA ops: docs/design.md, "The fused backend".
+"""The fused backend: torch's own fused attention kernels as attn's block primitive, called on
+the pieces of attn's plan and merged through their lse (the online softmax at block
+granularity, :mod:`attn.merge`). The only module that calls torch's private
+``aten::_scaled_dot_product_*`` ops, never through ``F.scaled_dot_product_attention``; their
+schemas are checked when first used. What it expresses is an allow-list (:func:`call_reason`,
+:data:`SPEC_DECISIONS`). Items, pieces, decoding, the backward, batch invariance and the CUDA
+ops: docs/design.md, "The fused backend".
 """
 
 from __future__ import annotations
@@ -125,8 +120,7 @@ def cuda_kernels(dtype: torch.dtype, head_dim: int, device: torch.device) -> Ker
 # -- what it expresses -------------------------------------------------------------------------
 
 # Every LaunchSpec field and what the fused backend does with it: "read" (computed exactly),
-# "default" (expressible only at the field's default value). A field missing here makes
-# every call inexpressible (spec_reason), and tests/test_fused.py fails until it is decided.
+# "default" (only at the field's default); a field missing here makes every call inexpressible
 SPEC_DECISIONS: dict[str, str] = {
     "qk_scale": "read",  # torch's scale argument
     "band": "read",  # pieces: full, top-left causal diagonal, masked strip
@@ -218,40 +212,33 @@ class FusedConfig:
     """How the fused backend cuts a call. Every count depends on a sequence's own lengths and
     the model's heads, never on the batch or the number of workers."""
 
-    # a call whose pieces need no mask (bandless, causal) is cut into query blocks only for
-    # parallelism: about items_per_row items per sequence (kv heads x query blocks), blocks
-    # of at least min_block_m query rows
+    # unmasked calls (bandless, causal) are cut into query blocks only for parallelism: about
+    # items_per_row items per sequence (kv heads x query blocks), min_block_m rows or more
     items_per_row: int = 8
     min_block_m: int = 256
-    # a call with masked pieces (a window's left edge, a user mask, ALiBi's bias) takes
-    # blocks of masked_block_m query rows and masked pieces of at most masked_block_n keys,
-    # so each mask is block-sized. spec.block_m, where set, wins.
+    # calls with masked pieces (a window's left edge, a user mask, ALiBi's bias): blocks of
+    # masked_block_m query rows, masks of at most masked_block_n keys; ALiBi alone takes
+    # alibi_block_m rows (its off-diagonal keys fold into q and k, so larger blocks mean
+    # fewer pieces, copies and merges). spec.block_m, where set, wins.
     masked_block_m: int = 256
     masked_block_n: int = 1024
-    # a call whose only mask is ALiBi's bias: its blocks' diagonals are masked, the keys left
-    # (and right) of them fold the bias into q and k, so larger blocks mean fewer pieces,
-    # copies and merges for a little more masked area
     alibi_block_m: int = 1024
-    # the backward: a sequence's query blocks are cut into runs (each with dK/dV partials of
-    # its own, summed in run order) to give about items_per_row items over the kv heads, at
-    # most bwd_max_runs
+    # the backward cuts a sequence's query blocks into runs (each with dK/dV partials of its
+    # own, summed in run order) for about items_per_row items, at most bwd_max_runs
     bwd_max_runs: int = 4
-    # split-KV decoding: at most split_max_q query rows per head and at least split_min_keys
-    # keys: key ranges of split_min_chunk, doubled until at most split_max_chunks
+    # split-KV decoding: at most split_max_q query rows per head, at least split_min_keys
+    # keys, ranges of split_min_chunk keys doubled until at most split_max_chunks
     split_max_q: int = 16
     split_min_keys: int = 8192
     split_min_chunk: int = 4096
     split_max_chunks: int = 8
     # calls smaller than this (scores visited) run their items in order on the caller
     serial_max_scores: int = 1 << 16
-    # ALiBi's causal diagonal pieces keep the kernel's causal flag beside their bias (torch's
-    # CPU op takes both; the bias then needs no -inf and no check for rows without keys),
-    # else they are masked pieces with the band in the mask
+    # ALiBi's causal diagonals keep torch's causal flag beside their bias (the CPU op takes
+    # both: no -inf in the bias, no check for rows without keys), else they are masked
     causal_bias: bool = True
-    # an item takes several kv heads at once (one op call for the group, which runs them
-    # itself) while its scores stay within item_max_scores: small blocks then pay attn's
-    # cost per call (slicing, masks, merges) once per group, not once per head. 0: one kv
-    # head per item.
+    # an item takes as many kv heads as keep its scores within item_max_scores (one op call
+    # per group: small blocks pay attn's per-call cost once per group); 0: one kv head each
     item_max_scores: int = 1 << 21
 
 
@@ -498,10 +485,8 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
     if alibi and p.mask_pieces is None and not p.masked:
         off = seq.band.offset
         for pc in block_pieces(seq, p, m0, m1, n_lo, n_hi, config):
-            if pc.causal:  # the diagonal: its bias as a block-sized mask, with the causal
-                # flag or the band in the mask (folded, its scores would carry terms up to
-                # slope x rows where its probabilities are: 2e-5 off in float32 at 128 rows
-                # and slope 1)
+            if pc.causal:  # the diagonal is not folded: its scores would carry terms up to
+                # slope x rows where its probabilities are (2e-5 off, float32, 128 rows, slope 1)
                 out.append(pc if config.causal_bias else Piece(pc.n0, pc.n1, False, True))
                 continue
             if pc.masked or _side(pc, m0, m1, off) != 0:
@@ -701,29 +686,23 @@ def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
     """Keys (or values) ``(B, heads, n, D)`` for ``rows`` query rows with each key's row right
     after the previous one: x itself where they are, or where the rows are at most
     ``config.split_max_q`` (decoding reads each key about once: a copy costs what it saves),
-    else a copy of them. torch's CPU op rereads keys whose rows lie apart (a paged cache's
-    heads interleaved per key, flash-attn's (B, N, H, D) layout) more slowly than the copy
-    costs (docs/benchmarks.md, "Measurements behind the code's choices")."""
+    else a copy of them: torch's CPU op rereads keys whose rows lie apart (a paged cache's
+    heads interleaved per key, flash-attn's (B, N, H, D) layout) slowly (docs/benchmarks.md)."""
     if x.shape[2] < 2 or x.stride(2) == x.shape[3] or rows <= config.split_max_q:
         return x
     return x.contiguous()
 
 
 # dtypes whose forward torch's CPU kernel computes per (batch row, head) alike whatever the
-# call's batch or threads: no packing (its bf16/fp16 paths pack K/V by a rule that reads
-# batch x heads and the thread count), each (row, head, query split) one thread's work. Its
-# backward is not: float32 B=4 H=6 N=160 D=40 gave other dQ/dK/dV bits on 1 and 2 threads
-# (torch 2.13), so the backward keeps its items (one intra-op thread each)
+# call's batch or threads (docs/design.md, "The fused backend", Items: the one exception)
 _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
 
 
 def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
                 mask4: Tensor | None, ops: Operands, mask_mods: list) -> Piece | None:
-    """The one piece a CPU call is, where its forward can be one op call over the whole
-    batch instead of an item per sequence and head group (float32/float64, every batch row
-    of the call's full lengths, each one item of one unmasked piece: no user mask,
-    mask_mod, ALiBi or split-KV): what the items would compute, without their per-call
-    cost (the toy model's B=32 H=4 N=64 training step: 32 items)."""
+    """The one piece a CPU call is, where its forward can be one op call over the whole batch
+    (float32/float64, every batch row of the call's full lengths, each one item of one
+    unmasked piece: no user mask, mask_mod, ALiBi or split-KV), else None."""
     if q.device.type != "cpu" or q.dtype not in _WHOLE_CALL_DTYPES or not seqs:
         return None
     if mask4 is not None or ops.alibi is not None or any(m is not None for m in mask_mods):
@@ -877,10 +856,9 @@ def bwd_runs(n_blocks: int, groups: int, config: FusedConfig = DEFAULT
     return [(cuts[i], cuts[i + 1]) for i in range(n)]
 
 
-# |lse| from which torch's backward op, which rebuilds P = exp(s - lse) from one rounded lse,
-# loses more than the error budget allows (P's relative error is about |lse| · 2^-24 in
-# float32; one-hot rows at logits of 1e4 came out 4e-3 off in dV): such calls recompute
-# through ``precise`` (the tiled backward keeps a row's max and denominator apart)
+# |lse| from which torch's backward op, rebuilding P = exp(s - lse) from one rounded lse, loses
+# more than the error budget allows (P's relative error is about |lse| · 2^-24 in float32;
+# docs/design.md, "Backward"): such calls recompute through ``precise``
 LSE_PRECISE_LIMIT = {torch.float32: 64.0, torch.float16: 4096.0, torch.bfloat16: 4096.0}
 
 
@@ -897,11 +875,8 @@ def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: La
                  ops: Operands) -> Grads:
     """The backward through ``precise(do, dlse, q, k, v, spec, ops) -> Grads`` (the caller's
     dense backward), sequence by sequence: each its own slices, band and operands."""
-    B, H, Nq, D = q.shape
     acc = _acc_dtype(q.dtype)
-    dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
     dsinks = None
     for s in seqs:
         rows, keys, b = slice(s.q0, s.q1), slice(s.k0, s.k1), slice(s.b, s.b + 1)
@@ -951,12 +926,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     """Gradients of a fused forward from its merged ``out`` and ``lse``: dq, dk, dv in the
     accumulation dtype, and the sinks'. Items are (sequence, kv head group, run of query
     blocks); a run's dK/dV go into a partial of its own when the sequence has several, summed
-    in run order afterwards.
-
-    A gradient ``dlse`` of the lse output adds ``dlse_i · P_ij`` to dS, which torch's
-    backward op has no argument for: it gets it through two extra head-dim columns (zeros
-    in q, k, v; ``-dlse`` split into a high and a low part of q's dtype in out, ones in dO),
-    so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse`` and nothing else changes."""
+    in run order afterwards. A gradient ``dlse`` of the lse output reaches dS through two
+    extra head-dim columns (zeros in q, k, v; ``-dlse`` in a high and a low part of q's dtype
+    in out, ones in dO), so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse``."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, D = q.shape
@@ -1097,17 +1069,11 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     ``[starts[b], lengths[b])`` row b reads, the band is counted from each row's end
     (``spec.band`` of a call with no key, its offset plus ``N_b``), ALiBi slopes ``(B, H)``.
 
-    Each row's slots are cut into ranges (:func:`page_ranges`), narrowed to the keys its
-    band reaches; a range is :func:`_fwd` on :func:`page_span`'s keys (a view where its pages
-    are consecutive ids, else a copy of those pages only). A row's ranges, then the sinks,
-    merge through their lse in key order, so its bits depend on its own lengths only
-    (docs/kvcache.md, "CPU, fused").
-
-    ``fallback``: the same signature, run instead for a row whose band hides keys from some
-    of its query rows through a mask (more than one query row, :func:`masks_scores`) and
-    whose keys read are not all finite, since torch's op adds its mask to the scores
-    (0·NaN); without it such rows take the NaN. Only that row moves: the others' bits do
-    not depend on it."""
+    Each row's ranges (:func:`page_ranges`, :func:`page_span`) run :func:`_fwd` and merge
+    with the sinks in key order (docs/kvcache.md, "CPU, fused"). ``fallback``: the same
+    signature, run instead for a row whose band masks keys from some of its query rows
+    (:func:`masks_scores`) and whose keys read are not all finite (torch's op adds its mask
+    to the scores: 0·NaN); without it such rows take the NaN. The others' bits do not move."""
     if ops.pages is None or ops.quant is not None or ops.attn_mask is not None:
         raise ValueError("fused paged_attention takes ops.pages of float pages, no quant and "
                          "no attn_mask")

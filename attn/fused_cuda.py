@@ -1,17 +1,13 @@
 """torch's fused CUDA attention kernels, shaped as the fused backend's block primitive.
 
-The fused backend (:mod:`attn.fused`) calls one kernel pair per piece of its plan:
-``fwd(q, k, v, causal, mask, scale) -> (out, lse)`` and ``bwd(do, q, k, v, out, lse, causal,
-mask, scale) -> (dq, dk, dv)``, with q ``(1, G, rows, D)``, k and v ``(1, 1, keys, D)`` (one kv
-head with its G query heads), ``causal`` torch's top-left causal, ``mask`` an additive mask of
-q's dtype ``(1, G or 1, rows, keys)`` or None, and an lse ``(1, G, rows)`` in float32 (natural
-log). On CPU that pair is torch's ``_for_cpu`` op. Here it is built from torch's three CUDA
-ops that return an lse (cuDNN's, FlashAttention-2's and the memory-efficient one), whose
-quirks this module hides: K/V expanded (a view) to the G query heads, dK/dV summed back in
-order, head dims padded with zeros to a multiple of 8, the efficient op's bias stored
-16-aligned and its lse padded, cuDNN's ``(B, H, rows, 1)`` lse. ``auto`` takes one only where
-``attn gpu-check`` verified it (:func:`verified_op`, ``attn/fused_cuda_table.json``); see
-docs/design.md, "The fused backend".
+:mod:`attn.fused` calls one kernel pair per piece of its plan: ``fwd(q, k, v, causal, mask,
+scale) -> (out, lse)`` and ``bwd(do, q, k, v, out, lse, causal, mask, scale) -> (dq, dk,
+dv)``, q ``(1, G, rows, D)``, k and v ``(1, 1, keys, D)`` (one kv head with its G query
+heads), ``causal`` torch's top-left causal, ``mask`` additive in q's dtype ``(1, G or 1, rows,
+keys)`` or None, lse ``(1, G, rows)`` float32. On CPU the pair is torch's ``_for_cpu`` op;
+here it is one of torch's three CUDA ops that return an lse, their quirks hidden
+(docs/design.md, "The fused backend"). ``auto`` takes one only where ``attn gpu-check``
+verified it (:func:`verified_op`, ``attn/fused_cuda_table.json``).
 """
 
 from __future__ import annotations
@@ -182,11 +178,6 @@ def _bias(mask: Tensor | None, G: int, rows: int, keys: int) -> Tensor | None:
     return store[..., :keys]
 
 
-def _lse_rows(lse: Tensor, rows: int) -> Tensor:
-    """An op's lse as (1, G, rows): the efficient op pads rows to 32, cuDNN adds a last 1."""
-    return lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows]
-
-
 def _no_mask(mask: Tensor | None) -> None:
     if mask is not None:
         raise ValueError("the flash op takes no mask: a masked piece must run another op")
@@ -214,8 +205,10 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
             bias = _bias(mask, q.shape[1], rows, k.shape[2])
             res = a[op](qp, kp, vp, bias, True, 0.0, causal and bias is None, scale=scale)
         # (a row the mask hides entirely may come back NaN: the fused backend zeroes the
-        # rows its piece mask hides, on every device)
-        return res[0][..., :Dv], _lse_rows(res[1], rows)
+        # rows its piece mask hides, on every device). The lse as (1, G, rows): the
+        # efficient op pads rows to 32, cuDNN adds a last 1
+        lse = res[1]
+        return res[0][..., :Dv], lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows]
 
     def bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
             causal: bool, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:

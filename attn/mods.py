@@ -1,9 +1,6 @@
 """score_mod / mask_mod helpers the core needs: the tensors a mod captures, the block
-classification of a mask_mod, and the spec of a call with mods.
-
-They sit below the public entry points (:mod:`attn.api`, :mod:`attn.flex`, :mod:`attn.varlen`)
-so that ``attention(score_mod=..., mask_mod=...)`` and ``flex_attention`` share them without
-importing each other; :mod:`attn.flex` re-exports the public ones.
+classification of a mask_mod, and the spec of a call with mods; shared ground below the entry
+points (docs/design.md, "The layers"), :mod:`attn.flex` re-exports the public ones.
 """
 
 from __future__ import annotations
@@ -78,10 +75,11 @@ def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
 
 # -- block classification of a mask_mod -------------------------------------------------------
 
-def _checked(keep: object, name: str = "mask_mod") -> Tensor:
+def checked_keep(keep: object) -> Tensor:
+    """A mask_mod's result, or TypeError where it is not a bool tensor."""
     if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
         what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
-        raise TypeError(f"{name} must return a bool tensor (True = attend), got {what}")
+        raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
     return keep
 
 
@@ -106,21 +104,19 @@ def mask_mod_kinds(mask_mod: Callable, B: int, H: int, n_q: int, n_k: int, block
             j1 = min(j0 + kb_step, kb)
             n0, n1 = j0 * block_n, min(j1 * block_n, n_k)
             kv_idx = torch.arange(n0, n1, device=device).view(1, 1, 1, -1)
-            keep = _checked(mask_mod(b, h, q_idx, kv_idx))
+            keep = checked_keep(mask_mod(b, h, q_idx, kv_idx))
             # reduce on the mask's own batch / head extent (1 when it ignores b or h), then
             # broadcast the per-tile answer: no (B, H, BM, keys) copy of a shared mask
             kb_ = keep.shape[-4] if keep.dim() >= 4 else 1
             kh_ = keep.shape[-3] if keep.dim() >= 3 else 1
             keep = torch.broadcast_to(keep, (kb_, kh_, m1 - m0, n1 - n0))
             pad = (j1 - j0) * block_n - (n1 - n0)  # the last key block may be short
-            any_ = torch.nn.functional.pad(keep, (0, pad), value=False)
-            # a ragged edge tile is never full, as in torch's create_block_mask (whose
-            # kernels rely on it to mask the positions past the end)
-            all_ = torch.nn.functional.pad(keep, (0, pad), value=False)
-            any_ = any_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).any(dim=4).any(dim=2)
-            all_ = all_.view(kb_, kh_, m1 - m0, j1 - j0, block_n).all(dim=4).all(dim=2)
-            visit[:, :, i, j0:j1] = any_
-            full[:, :, i, j0:j1] = all_ & (m1 - m0 == block_m)
+            # padded with False: a ragged edge tile is never full, as in torch's
+            # create_block_mask (whose kernels rely on it to mask the positions past the end)
+            tiles = torch.nn.functional.pad(keep, (0, pad), value=False).view(
+                kb_, kh_, m1 - m0, j1 - j0, block_n)
+            visit[:, :, i, j0:j1] = tiles.any(dim=4).any(dim=2)
+            full[:, :, i, j0:j1] = tiles.all(dim=4).all(dim=2) & (m1 - m0 == block_m)
     return visit, full
 
 

@@ -98,8 +98,8 @@ def reference_attention(
     if softcap is not None:
         c = softcap if isinstance(softcap, float) else softcap.to(s.dtype).reshape(-1, 1, 1)
         s = c * torch.tanh(s / c)
+    offs_m, offs_n = torch.arange(Nq, device=q.device), torch.arange(Nk, device=q.device)
     if alibi_slopes is not None:  # ALiBi (Press et al. 2022), the bias built whole
-        offs_m, offs_n = torch.arange(Nq, device=q.device), torch.arange(Nk, device=q.device)
         if alibi_rows is None:
             dist = (offs_n[None, :] - (offs_m[:, None] + band.offset)).abs()  # (Nq, Nk)
             slope = alibi_slopes.reshape(B, H, 1, 1)
@@ -108,7 +108,7 @@ def reference_attention(
             dist = (pos_n[None, :] - pos_m[:, None]).abs()
             slope = alibi_slopes[seq].t().reshape(1, H, Nq, 1)
         s = s - slope.to(s.dtype) * dist.to(s.dtype)
-    allowed = band.mask(torch.arange(Nq, device=q.device), torch.arange(Nk, device=q.device))
+    allowed = band.mask(offs_m, offs_n)
     if mask_mod is not None:
         keep = torch.broadcast_to(mask_mod(*idx), s.shape)
         allowed = keep if allowed is None else allowed & keep
@@ -135,25 +135,18 @@ def reference_attention(
     p = p / l_safe
     # -inf where the row sees nothing; log of l_safe keeps that row's gradient finite
     lse = torch.where(l > 0, m + torch.log(l_safe), float("-inf")).squeeze(-1)
-    if dropout_p > 0.0 and dropout_rows is not None:
-        b_rows, offs_m, offs_n = dropout_rows(torch.arange(Nq, device=q.device),
-                                              torch.arange(Nk, device=q.device))
-        bh = b_rows.view(1, 1, Nq) * H + torch.arange(H, device=q.device).view(1, H, 1)
-        keep = dropout_keep_rows(dropout_seed, bh, offs_m, offs_n, dropout_p)
-        p = p * keep / (1.0 - dropout_p)
-    elif dropout_p > 0.0:
-        bh = torch.arange(B * H, device=q.device).reshape(B, H)
-        keep = dropout_keep(dropout_seed, bh, torch.arange(Nq, device=q.device),
-                            torch.arange(Nk, device=q.device), dropout_p)
+    if dropout_p > 0.0:
+        if dropout_rows is not None:
+            b_rows, rows_m, rows_n = dropout_rows(offs_m, offs_n)
+            bh = b_rows.view(1, 1, Nq) * H + torch.arange(H, device=q.device).view(1, H, 1)
+            keep = dropout_keep_rows(dropout_seed, bh, rows_m, rows_n, dropout_p)
+        else:
+            bh = torch.arange(B * H, device=q.device).reshape(B, H)
+            keep = dropout_keep(dropout_seed, bh, offs_m, offs_n, dropout_p)
         p = p * keep / (1.0 - dropout_p)
     out = p @ v
     lse_dtype = acc_dtype(q.dtype)
     return out.to(q.dtype), lse.to(lse_dtype)
-
-
-def _batch_row(b: int):
-    """dropout_rows of sequence b run alone: batch row b, positions as they are."""
-    return lambda offs_m, offs_n: (torch.full_like(offs_m, b), offs_m, offs_n)
 
 
 def reference_packed(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -187,7 +180,8 @@ def reference_packed(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         out, lse = reference_attention(
             q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], band=seq_band, scale=scale,
             softcap=softcap, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
-            dropout_rows=_batch_row(b),
+            # dropout_rows of sequence b run alone: batch row b, positions as they are
+            dropout_rows=lambda offs_m, offs_n, b=b: (torch.full_like(offs_m, b), offs_m, offs_n),
             alibi_slopes=None if alibi_slopes is None else alibi_slopes[b:b + 1], **terms)
         outs.append(out)
         lses.append(lse)

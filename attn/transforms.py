@@ -1,11 +1,8 @@
 """Where a call runs under torch's function transforms (``torch.func``'s vmap, grad, jvp,
 and forward-mode AD through ``torch.autograd.forward_ad``), asked by the entry points and the
-backends: which transform is active, and a tensor's values seen through its wrappers.
-
-Data-dependent checks (``bool(tensor)``, ``.item()``) cannot run on a tensor that vmap
-batches; the entry points read such values through :func:`physical` (every sample at once)
-or skip an optional rewrite, and backends whose autograd.Function has no rule for a
-transform are not chosen under it (:func:`active`).
+backends: which transform is active (:func:`active`: a backend with no rule for it is not
+chosen), and a tensor's values seen through its wrappers (:func:`physical`: data checks under
+vmap read every sample at once, docs/transforms.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The CPU worker pool that runs a call's work items: shared by the backends that cut a call
-into items (tiled, fused), so each call is one parallel region.
-
-Why: run op by op with torch's intra-op threads, each op is an OpenMP parallel region ending in
-a barrier, and when the OS deschedules one thread (another process on the machine) every
-region waits for it. So a call is cut into work items that the caller and the pool's workers
-pull from one shared counter, each thread with a single intra-op thread (:func:`run_items`): a
-thread that is slowed down takes fewer items, and nothing waits on it but the call's end. torch
-releases the GIL inside ops, so items run side by side.
+into items (tiled, fused), so each call is one parallel region, not one OpenMP region with
+its barrier per op (why: docs/design.md, "The tiled backend on CPU"). The caller and the
+pool's workers pull items from one shared counter, each thread with a single intra-op thread
+(:func:`run_items`); torch releases the GIL inside ops, so items run side by side.
 """
 
 from __future__ import annotations
@@ -31,9 +27,7 @@ def openmp_threads() -> bool:
     return "OpenMP" in torch.__config__.parallel_info()
 
 
-# -- the worker pool (module docstring) -------------------------------------------------------
-# One pool per worker count is made once and never shut down: concurrent callers share it,
-# each draining its own items itself too.
+# -- the worker pool: one per worker count, made once, never shut down, shared by callers -------
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
@@ -72,10 +66,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
 
 
-def in_worker() -> bool:
-    return getattr(_WORKER, "active", False)
-
-
 class single_thread:
     """The calling thread's intra-op threads set to 1 for a block, then given back: its items
     then run as a worker's do (same ops, same bits), and none of its ops wakes OpenMP's
@@ -94,11 +84,10 @@ class single_thread:
 class flushed_denormals:
     """Denormal floats flushed to zero (and read as zero) on the calling thread for a block,
     then the thread's own setting given back. Why: a probability ``exp(s - m)`` between
-    2^-149 and 2^-126 is a denormal, and every multiply that reads one is slow on x86 (about
-    2x for a whole ALiBi call, whose far keys land there: docs/benchmarks.md, "Measurements
-    behind the code's choices"). Flushed, such a probability counts as 0 in a row whose
-    largest is 1: a change far below the dtype's rounding. torch has a setter only, so the
-    setting is read back by one multiply whose exact result is a denormal. ``on=False``:
+    2^-149 and 2^-126 is a denormal, and every multiply that reads one is slow on x86 (ALiBi's
+    far keys land there: docs/benchmarks.md). Flushed, such a probability counts as 0 in a row
+    whose largest is 1: a change far below the dtype's rounding. torch has a setter only, so
+    the setting is read back by one multiply whose exact result is a denormal. ``on=False``:
     nothing changes."""
 
     def __init__(self, on: bool = True) -> None:
@@ -120,7 +109,8 @@ def workers_for_call() -> int:
     under the profiler (it records only the threads it started on, so ops and allocations
     on workers would be missing from profiles and attn.bench's CPU peaks), and under
     torch's native thread pool (``set_num_threads`` there resizes one shared pool)."""
-    if in_worker() or torch._C._autograd._profiler_enabled() or not openmp_threads():
+    if (getattr(_WORKER, "active", False) or torch._C._autograd._profiler_enabled()
+            or not openmp_threads()):
         return 1
     return torch.get_num_threads()
 

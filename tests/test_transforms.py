@@ -428,6 +428,27 @@ def test_double_backward_over_many_tiles(monkeypatch, name, keep_bytes):
         assert torch.equal(a, b)
 
 
+def test_a_bool_mask_broadcast_over_rows_past_one_block():
+    """A key-padding bool mask (1, 1, 1, Nk) past one query block: tiled's jvp (128-row
+    blocks) and double backward (256-row blocks) take its one row for every block, against
+    the reference (a slice from the block's first row of that one row was empty)."""
+    n = 300
+    mask = torch.ones(1, 1, 1, n, dtype=torch.bool)
+    mask[..., 250:] = False
+    q, k, v = _randn(1, 2, n, 8, seed=120), _randn(1, 2, n, 8, seed=121), _randn(1, 2, n, 8,
+                                                                              seed=122)
+    res = {}
+    for be in ("reference", "tiled"):
+        def f(q_, be=be):
+            return _call(be, {"attn_mask": mask}, q_, k, v)
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = _call(be, {"attn_mask": mask}, *xs)
+        g = torch.autograd.grad((out ** 2).sum() + lse.sum(), xs, create_graph=True)
+        second = torch.autograd.grad(sum((x * torch.cos(x)).sum() for x in g), xs)
+        res[be] = (jvp(f, (q,), (_randn(*q.shape, seed=123),)), second)
+    close(res["tiled"], res["reference"])
+
+
 @pytest.mark.parametrize("name", ["causal", "sinks", "alibi"])
 def test_hessian_and_jacfwd_of_jacrev(qkv, name):
     kw, _ = VARIANTS[name]

@@ -16,13 +16,13 @@ from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec, Operands, all_finite
 from attn.spec import acc_dtype as _acc_dtype
-from attn import transforms
-from attn.tiled import batching, cpu, double, jvp
+from attn import batching, transforms
+from attn.tiled import cpu, double, jvp
 from attn.tiled.gemm import _Gemm, low_gemms
 from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items,
                              backward_runs, forward_items)
-from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps, _fwd_tile,
-                              _fwd_tile_compiled, _run_compiled)
+from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps,
+                              _fwd_tile, _fwd_tile_compiled, _run_compiled)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
                              _values_may_overflow)
 
@@ -32,9 +32,7 @@ _NO_OPERANDS = Operands()
 def _check_operands(ops: Operands) -> None:
     if not isinstance(ops, Operands):
         raise TypeError(f"ops must be an attn.spec.Operands, got {type(ops).__name__}")
-    if ops.cu_seqlens_q is not None or ops.cu_seqlens_k is not None:
-        # packed sequences reach this backend as a document mask (attn.varlen: a mask_mod
-        # with SequenceBlocks in the spec), never as offsets
+    if ops.cu_seqlens_q is not None or ops.cu_seqlens_k is not None:  # (SequenceBlocks)
         raise NotImplementedError("tiled: cu_seqlens operands are not read; packed sequences "
                                   "run as a document mask (attn.varlen_attention)")
     if ops.q_scale is not None:
@@ -97,7 +95,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     if plan.threads is None:  # the call's worker count, read before _caller sets it to 1
         plan = plan._replace(threads=cpu.workers_for_call())
     packed = spec.alibi_rows is not None
-    with _caller(plan):  # its own passes too run on one thread: no parallel region
+    with _caller(plan.threads):  # its own passes too run on one thread: no parallel region
         facts = _facts(q, k, v, spec, ops, items=plan.threads != 0)
         if plan.kv_chunk is not None:
             _fwd_split(q, k, v, plan, ops, facts, out, lse, lse2)
@@ -117,11 +115,11 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     return (out, lse, lse2) if want_lse2 else (out, lse)
 
 
-def _caller(plan) -> contextlib.AbstractContextManager:
+def _caller(threads: int | None) -> contextlib.AbstractContextManager:
     """The calling thread's own work of a call on the items path (checks before the items,
     merges after them) runs with one intra-op thread: the call's one parallel region is
     its items'."""
-    return cpu.single_thread() if plan.threads != 0 else contextlib.nullcontext()
+    return cpu.single_thread() if threads != 0 else contextlib.nullcontext()
 
 
 def _merge_partials(parts_out: Tensor, parts_lse: Tensor, sinks: Tensor | None
@@ -139,11 +137,9 @@ def _merge_partials(parts_out: Tensor, parts_lse: Tensor, sinks: Tensor | None
 
 def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Facts,
                out: Tensor, lse: Tensor, lse2: Tensor) -> None:
-    """Split-KV decoding: items are (chunk, key range) pairs over all of a chunk's heads (a
-    GQA group reads each K/V range once); each writes a partial output and lse in the
-    accumulation dtype, and the partials are merged in key order (with the sinks as one
-    more partial of value 0), so the bits do not depend on which item finished first.
-    lse2 = (lse·log2 e, 0): the backward then takes Δ from the tiles (exact)."""
+    """Split-KV decoding (docs/design.md, "The tiled backend on CPU"): (chunk, key range)
+    items over all of a chunk's heads, each writing a partial output and lse, merged in key
+    order with the sinks. lse2 = (lse·log2 e, 0): the backward then takes Δ from the tiles."""
     B, H, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[-1]
     acc_dtype = lse.dtype
@@ -187,9 +183,8 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
               ) -> None:
     """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
     ``facts``: the call's, :func:`_facts`; ``b0``: its first batch row's index in the call;
-    ``engine``: the plan's; ``key_scales``: per-key multipliers of k and v, ``_Gemm``'s),
-    for the query ``blocks`` given (all of them by default),
-    writing only their rows."""
+    ``engine``: the plan's; ``key_scales``: per-key multipliers of k and v, ``_Gemm``'s), for
+    the query ``blocks`` given (all of them by default), writing only their rows."""
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -261,19 +256,17 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     """Gradients of one call, as work items of :func:`backward_runs` (a chunk's run of
     query blocks each): dq, dk, dv always; the float mask's only with ``need_dmask`` (an
     N x N tensor when the mask is), sinks' when given, the learnable softcap's when given
-    and ``need_dcap``, and those of the tensors ``ops.captured`` by ``spec.score_mod``.
-    Everything summed across items (dK/dV of a chunk's runs, the per-head and mask
-    gradients) is summed in item order afterwards: deterministic, no atomics. ALiBi's
-    slopes are constants (no gradient of their own). ``lse2``: the forward's two-part
-    base-2 lse (``_fwd(want_lse2=True)``); without it ``lse·log2 e`` stands in, exact up to
-    its rounding. ``config``: the forward's."""
+    and ``need_dcap``, and those of the tensors ``ops.captured`` by ``spec.score_mod``, each
+    summed across items in item order afterwards (no atomics). ALiBi's slopes are constants.
+    ``lse2``: the forward's two-part base-2 lse (``_fwd(want_lse2=True)``); without it
+    ``lse·log2 e`` stands in, exact up to its rounding. ``config``: the forward's."""
     _check_operands(ops)
     plan = _plan(q, k, spec, v, config, backward=True)
     packed = spec.alibi_rows is not None
     B, H, Nq, D = q.shape
     acc_dtype = _acc_dtype(q.dtype)
     runs = backward_runs(plan, config)
-    with _caller(plan):
+    with _caller(plan.threads):
         facts = _facts(q, k, v, spec, ops)
         # dq's rows no run covers (query blocks with no key tile) are 0; the items write the
         # rest, and each zeroes its own dk / dv slice before adding into it (run r > 0 of a
@@ -311,7 +304,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     cpu.run_items(run, len(items), threads=plan.threads, flush_denormals=True)
     if extra:
         cpu.run_items(join, len(plan.chunks), threads=plan.threads)
-    with _caller(plan):
+    with _caller(plan.threads):
         return _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask,
                          need_dcap)
 
@@ -479,12 +472,11 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
 
 class _TiledAttention(torch.autograd.Function):
     """Saves q, k, v, out, lse (and lse2, the mask, sinks, softcap, slopes); the backward
-    recomputes each tile. ``apply`` takes every optional tensor explicitly (those that can
-    need a gradient must be inputs); forward and backward rebuild the Operands from them.
-    lse2 is a third, non-differentiable output (the backward's row constants). torch.func:
+    recomputes each tile. ``apply`` takes every optional tensor explicitly (attn.spec.Operands'
+    rule); lse2 is a third, non-differentiable output (the backward's row constants). torch.func:
     the backward is :class:`attn.tiled.double._TiledBackward` (differentiable again), the
     forward-mode rule :func:`attn.tiled.jvp.tiled_jvp`, the vmap rule folds the mapped dim
-    into B or loops (:mod:`attn.tiled.batching`)."""
+    into B or loops (:mod:`attn.batching`)."""
 
     @staticmethod
     def forward(q, k, v, spec: LaunchSpec, config: TileConfig, attn_mask, sinks, softcap,
@@ -633,16 +625,12 @@ def tiled_attention(
     """Memory-linear exact attention. Inputs already validated by ``attn.api``.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) → out (B, H, Nq, Dv) in v's dtype,
-    lse (B, H, Nq) in float32 (float64 for float64 inputs). ``spec`` holds the static
-    values (q·k scale, band, fixed softcap, dropout, global positions, block sizes; a tensor
-    temperature must already be folded into q). ``operands`` (:class:`attn.spec.Operands`)
-    holds the optional tensors: the mask, a learnable ``softcap`` broadcastable to (H,),
-    ``sinks`` (H,), ``alibi`` the ALiBi slopes (B, H) (packed: (sequences, H) with
-    ``spec.alibi_rows``), constants; ``captured`` the tensors ``spec.score_mod`` reads that
-    need a gradient (see :func:`attn.mods.captured_tensors`). ``config``: how the call is
-    cut (:class:`attn.tiled.plan.TileConfig`, the measured defaults); block sizes are
-    ``spec.block_m`` / ``block_n`` where set, else the config's, and a callable
-    ``spec.mask_blocks`` (see :func:`attn.mods.mod_spec`) is called here at those sizes.
+    lse (B, H, Nq) in float32 (float64 for float64 inputs). ``spec`` holds the static values
+    (a tensor temperature already folded into q), ``operands`` the optional tensors (their
+    fields: :class:`attn.spec.LaunchSpec`, :class:`attn.spec.Operands`). ``config``: how the
+    call is cut (:class:`attn.tiled.plan.TileConfig`); block sizes are ``spec.block_m`` /
+    ``block_n`` where set, else the config's, and a callable ``spec.mask_blocks``
+    (:func:`attn.mods.mod_spec`) is called here at those sizes.
     """
     operands = _NO_OPERANDS if operands is None else operands
     _check_operands(operands)

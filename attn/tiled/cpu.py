@@ -1,16 +1,9 @@
-"""CPU execution for the tiled backend: which GEMM engine runs the tiles, and the worker pool
-that runs a call's work items (:mod:`attn.workers`, shared with the fused backend; its names
-are importable from here).
-
-Why the engine choice: on CPU the tiled backend spends most of its time in GEMMs. torch's
-``bmm`` goes to MKL, whose fp32 GEMM takes its AVX2 path on AMD processors, where oneDNN's
-AVX-512 kernels (in every x86 torch build, reached through
-``torch.ops.mkldnn._linear_pointwise``) run the same tile GEMMs faster. oneDNN's per-call
-cost makes it pay only on whole-tile 2-D GEMMs, one head at a time (the plan's units).
-``ATTN_TILED_GEMM=auto|onednn|bmm`` picks the engine (read at each call). ``auto`` times
-both on one tile-sized GEMM the first time it is asked (once per process) and takes oneDNN
-only where it is clearly faster: an Intel CPU, where MKL has its AVX-512 path, keeps
-``bmm``. The measurements: docs/benchmarks.md, "Measurements behind the code's choices".
+"""CPU execution for the tiled backend: which GEMM engine runs the tiles (``ATTN_TILED_GEMM=
+auto|onednn|bmm``: torch's ``bmm``, MKL, or oneDNN's AVX-512 kernels, in every x86 torch build
+through ``torch.ops.mkldnn._linear_pointwise``, whose per-call cost pays only on whole-tile
+2-D GEMMs, one head at a time: the plan's units), and the worker pool that runs a call's items
+(:mod:`attn.workers`, shared with the fused backend; its names are importable from here).
+Why and when each engine: docs/design.md, "Engines"; the measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,10 +17,8 @@ import torch
 from torch import Tensor
 
 from attn.timing import median_ratio, paired
-# the worker pool lives in shared ground (the fused backend runs items too); its names stay
-# importable from here, where the tiled backend and its tests reach them
-from attn.workers import (_forget_pools, _pool, in_worker, openmp_threads,  # noqa: F401
-                          run_items, scratch, single_thread, workers_for_call)
+from attn.workers import (_pool, openmp_threads, run_items, scratch,  # noqa: F401
+                          single_thread, workers_for_call)
 
 ENGINES = ("auto", "onednn", "bmm")
 # auto takes oneDNN when it runs the calibration GEMMs at least this much faster than bmm

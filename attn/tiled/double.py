@@ -13,14 +13,10 @@ c_j = a_j dp_j + z_j e_j, row sums ā = Σ p a, C = Σ p c, Δ_pd = Σ p dp, Δ 
     ∂L/∂v_j = z_j p_j (a_j − ā) g,
 
 and ``(∂L/∂s, ∂L/∂a)`` go back through the tile's score function and its tangent map (the
-vjp of a jvp, one tile at a time) to q, k, the softcap and the mask: by hand where the map is
-linear in q and k (no score_mod, no softcap), else through ``torch.func.vjp``. A first pass
-over a query block's tiles gives the row sums (C and Δ_pd as g·Σ (p z a) v + g·Σ (p z) t_v and
-g·Σ (p z) v, GEMMs into (BM, Dv) rows), a second the gradients, reusing the first's p and a
-up to a fixed byte budget per block. Plain CPU tensors run as runs of query blocks on the
-tiled backend's worker pool, each run with its own dK/dV partial. The forward-mode rule of the
-backward (what ``jacfwd(jacrev(f))`` needs) is the same kernel with the tangent of ``g`` added
-as a first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
+vjp of a jvp, one tile at a time) to q, k, the softcap and the mask, in two passes per query
+block: row sums, then gradients (docs/transforms.md). The forward-mode rule of the backward
+(what ``jacfwd(jacrev(f))`` needs) is the same kernel with the tangent of ``g`` added as a
+first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
 """
 
 from __future__ import annotations
@@ -34,12 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attn import transforms
+from attn import batching, transforms
 from attn.grads import reduce_to
 from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
-from attn.tiled import batching
 from attn.tiled import cpu
 from attn.tiled.jvp import (TileScores, grouped, one_thread, plain, probs, pv, qk_t, rows,
                             safe_lse, span, tp_kv, unsupported)
@@ -70,27 +65,12 @@ class _Tiles:
         return torch.zeros_like(like) if total is None else total
 
 
-def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: LaunchSpec,
-              ops: Operands, g: Tensor, glse: Tensor | None, t: dict[str, Tensor | None],
-              first: tuple[Tensor | None, Tensor | None] | None = None) -> dict[str, Tensor]:
-    """The gradient of ``L = g·ȯ(t) + g_lse·lsė(t)`` (see the module docstring) with respect
-    to g ("do"), g_lse ("dlse"), q, k, v, the float mask, sinks and softcap, each in the
-    accumulation dtype at its operand's shape. ``t``: directions by name (q, k, v, mask,
-    sinks, softcap, alibi; missing: 0). ``first = (ġ, ġ_lse)``: the forward-mode rule of the
-    backward, ``Jᵀ ġ`` added to the q, k, v, mask, sinks and softcap entries."""
-    threads = cpu.workers_for_call()  # read before one_thread sets the caller's to 1
-    with one_thread(q):
-        return _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads)
-
-
 # Runs of query blocks in the pooled double backward (:func:`_pooled`): each sums dK and dV
 # into a partial of its own; a few more than the workers a 2-4 core machine has balance them
 _RUNS = 4
 # Pass 1's probabilities and score tangents of a query block, kept for pass 2 up to this
 # many bytes per block (the rest recomputed): three GEMMs and an exp per kept tile saved, a
-# bounded buffer per worker, so memory stays linear in N. With the tiles below, Cascade
-# Lake, fp32 B=1 H=2 D=64 causal N=4096: 128 x 256 tiles and 4 MiB 1088 ms, 256 x 512 and
-# 4 MiB 926 ms, 256 x 512 and 16 MiB 837 ms, 128 x 512 and 8 MiB 1128 ms
+# bounded buffer per worker, so memory stays linear in N (docs/benchmarks.md: the sizes)
 _KEEP_BYTES = 16 << 20
 _HVP_BLOCKS = (256, 512)
 
@@ -125,10 +105,7 @@ class _Hvp:
         self.G = self.H // k.shape[1]
         self.acc = acc = _acc_dtype(q.dtype)
         self.ts = TileScores(q, k, spec, ops, blocks=_HVP_BLOCKS)
-        self.primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask,
-                       "alibi": ops.alibi}
         self.lse_a, self.g_a = safe_lse(lse, acc), g.to(acc)
-        self.tv = None if t.get("v") is None else t["v"].to(acc)
         gd, self.glse_d = (None, None) if first is None else first
         self.gd = None if gd is None else gd.to(acc)
         self.sinks = None if ops.sinks is None else ops.sinks.to(acc).view(1, self.H, 1, 1)
@@ -141,15 +118,14 @@ class _Hvp:
         # the score map is linear in q and k (no score_mod, no softcap): its vjp by hand, two
         # GEMMs per operand, rather than through torch.func.vjp per tile
         self.linear = spec.score_mod is None and spec.softcap is None and not self.ts.has_cap
-        self.tq = None if t.get("q") is None else t["q"].to(acc)
-        self.tk = None if t.get("k") is None else t["k"].to(acc)
+        self.tq, self.tk, self.tv = (None if t.get(n) is None else t[n].to(acc) for n in "qkv")
         self.scale = spec.qk_scale
 
     def tile(self, m0, m1, n0, n1, full):
         """A tile's primal and tangent operands, score function, V and t_V tiles (KV heads:
         the grouped GEMMs take them) and dropout keep-scale."""
         ts = self.ts
-        xs = ts.operands(self.primal, m0, m1, n0, n1)
+        xs = ts.operands(ts.primal, m0, m1, n0, n1)
         txs = ts.operands(self.t, m0, m1, n0, n1)
         vt = span(self.v, 2, n0, n1).to(self.acc)
         tvt = None if self.tv is None else span(self.tv, 2, n0, n1)
@@ -178,8 +154,11 @@ class _Hvp:
                 dsink = dsink - sums.p_sink * sums.delta_dot
             dsink = dsink.sum(dim=(0, 2, 3))
         drow = None
-        if self.mask4 is not None and dmask.parts:
-            drow = dmask.join(self.mask4.shape[3], _mask_like(self.mask4, m1 - m0))
+        if self.mask4 is not None and dmask.parts:  # as the block's rows of the mask
+            m4 = self.mask4
+            like = torch.zeros(*m4.shape[:2], 1 if m4.shape[2] == 1 else m1 - m0, m4.shape[3],
+                               dtype=_acc_dtype(m4.dtype), device=m4.device)
+            drow = dmask.join(m4.shape[3], like)
         return dq_blk, sums.dg, sums.abar.squeeze(-1), dsink, dcap, drow
 
     def _pass1(self, m0, m1, key_tiles, lse_col, g_blk, gd_blk) -> _Sums:
@@ -506,33 +485,42 @@ class _PlainHvp:
                 None, None)
 
 
-def _tiled_hvp(q, k, v, out, lse, spec, ops, g, glse, t, first, threads):
-    hvp = _Hvp(q, k, v, lse, spec, ops, g, glse, t, first)
-    H, Nq, D, Dv, acc = q.shape[1], q.shape[2], hvp.D, hvp.Dv, hvp.acc
-    Hkv, Nk = k.shape[1], k.shape[2]
-    gd, glse_d = (None, None) if first is None else first
-    tensors = (q, k, v, out, lse, g, glse, gd, glse_d, *ops[:4], *t.values())
-    pooled = plain(*tensors) and not (torch.is_grad_enabled() and any(
-        isinstance(x, Tensor) and x.requires_grad for x in tensors))
-    blocks = list(hvp.ts.query_blocks())
-    if pooled:
-        block = hvp.block
-        # _PlainHvp builds s = c q kᵀ by hand: no score term (jvp.SCORE_TERMS) may join it
-        if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
-                and not spec.terms.items and (hvp.tq is not None or hvp.tk is not None)):
-            block = _PlainHvp(hvp, out, blocks).block
-        res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
-    else:
-        res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
-    dsink, dcap, dmask_rows = parts
-    if hvp.mask4 is not None:
-        res["mask"] = _join_rows(dmask_rows, hvp.mask4, Nq).reshape(ops.attn_mask.shape)
-    if ops.softcap is not None:
-        res["softcap"] = (torch.zeros_like(ops.softcap, dtype=acc) if dcap is None
-                          else reduce_to(dcap, ops.softcap.shape))
-    if ops.sinks is not None:
-        res["sinks"] = torch.zeros(H, dtype=acc, device=q.device) if dsink is None else dsink
-    return res
+def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: LaunchSpec,
+              ops: Operands, g: Tensor, glse: Tensor | None, t: dict[str, Tensor | None],
+              first: tuple[Tensor | None, Tensor | None] | None = None) -> dict[str, Tensor]:
+    """The gradient of ``L = g·ȯ(t) + g_lse·lsė(t)`` (see the module docstring) with respect
+    to g ("do"), g_lse ("dlse"), q, k, v, the float mask, sinks and softcap, each in the
+    accumulation dtype at its operand's shape. ``t``: directions by name (q, k, v, mask,
+    sinks, softcap, alibi; missing: 0). ``first = (ġ, ġ_lse)``: the forward-mode rule of the
+    backward, ``Jᵀ ġ`` added to the q, k, v, mask, sinks and softcap entries."""
+    threads = cpu.workers_for_call()  # read before one_thread sets the caller's to 1
+    with one_thread(q):
+        hvp = _Hvp(q, k, v, lse, spec, ops, g, glse, t, first)
+        H, Nq, D, Dv, acc = q.shape[1], q.shape[2], hvp.D, hvp.Dv, hvp.acc
+        Hkv, Nk = k.shape[1], k.shape[2]
+        gd, glse_d = (None, None) if first is None else first
+        tensors = (q, k, v, out, lse, g, glse, gd, glse_d, *ops[:4], *t.values())
+        pooled = plain(*tensors) and not (torch.is_grad_enabled() and any(
+            isinstance(x, Tensor) and x.requires_grad for x in tensors))
+        blocks = list(hvp.ts.query_blocks())
+        if pooled:
+            block = hvp.block
+            # _PlainHvp builds s = c q kᵀ by hand: no score term (jvp.SCORE_TERMS) may join it
+            if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
+                    and not spec.terms.items and (hvp.tq is not None or hvp.tk is not None)):
+                block = _PlainHvp(hvp, out, blocks).block
+            res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
+        else:
+            res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
+        dsink, dcap, dmask_rows = parts
+        if hvp.mask4 is not None:
+            res["mask"] = _join_rows(dmask_rows, hvp.mask4, Nq).reshape(ops.attn_mask.shape)
+        if ops.softcap is not None:
+            res["softcap"] = (torch.zeros_like(ops.softcap, dtype=acc) if dcap is None
+                              else reduce_to(dcap, ops.softcap.shape))
+        if ops.sinks is not None:
+            res["sinks"] = torch.zeros(H, dtype=acc, device=q.device) if dsink is None else dsink
+        return res
 
 
 def _terms(x, G: int) -> Tensor:
@@ -653,14 +641,6 @@ def _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads):
     return res, (_sum(e[0] for e in extras), _sum(e[1] for e in extras), mask_rows)
 
 
-def _mask_like(mask4: Tensor, BM: int) -> Tensor:
-    """Zeros shaped as a query block's rows of the mask ``(b, h, BM or 1, Nk or 1)``."""
-    shape = list(mask4.shape)
-    if shape[2] != 1:
-        shape[2] = BM
-    return torch.zeros(shape, dtype=_acc_dtype(mask4.dtype), device=mask4.device)
-
-
 def _join_rows(blocks: list[tuple[int, int, Tensor]], mask4: Tensor, Nq: int) -> Tensor:
     """The mask's gradient from its query blocks' rows (summed where the mask broadcasts
     along the rows)."""
@@ -668,10 +648,7 @@ def _join_rows(blocks: list[tuple[int, int, Tensor]], mask4: Tensor, Nq: int) ->
     if not blocks:
         return torch.zeros(mask4.shape, dtype=acc, device=mask4.device)
     if mask4.shape[2] == 1:
-        total = blocks[0][2]
-        for _, _, x in blocks[1:]:
-            total = total + x
-        return total
+        return _sum(x for _, _, x in blocks)
     parts, at = [], 0
     for m0, m1, x in blocks:
         if m0 > at:
@@ -719,7 +696,7 @@ class Static:
 
 
 def _foldable(spec: LaunchSpec, ops: Operands, need_dmask: bool) -> bool:
-    """Whether the mapped dimension may fold into B (:mod:`attn.tiled.batching`)."""
+    """Whether the mapped dimension may fold into B (:mod:`attn.batching`)."""
     return (spec.score_mod is None and spec.mask_mod is None and spec.mask_blocks is None
             and spec.dropout_p == 0.0 and not spec.sharded and spec.alibi_rows is None
             and ops.sinks is None and ops.softcap is None and not ops.captured

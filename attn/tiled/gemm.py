@@ -30,9 +30,8 @@ class _Gemm:
         # (or column-major, the second): k and v converted once here
         self.onednn = engine == "onednn"
         # the backward on oneDNN computes its tiles keys-major, (BN, G·BM) in memory, seen
-        # through a transposed view: dV += Pᵀ dO and dK += dSᵀ Q then read Pᵀ and dSᵀ
-        # row-major and dQ += dS K takes dS as a column-major weight (set by _bwd_rows; the
-        # forward, keys-major too, measured 20-35% slower: its row reductions run strided)
+        # through a transposed view (set by _bwd_rows; docs/benchmarks.md: why, and why not
+        # the forward)
         self.keys_major = False
         if self.onednn:
             if B * Hkv != 1:
@@ -42,16 +41,9 @@ class _Gemm:
             self.v3 = self.v3.to(acc_dtype).contiguous()
         self.k3_dq = self.k3  # the backward's dQ += dS K reads this (see _bwd_rows)
         self._buffers: dict[tuple, Tensor] = {}
-        # ``low`` (bmm engine, opted into where the CPU has bf16 GEMMs: low_gemms):
-        # - the forward's P·V takes P rounded to bf16 (P in [0, 1]: 2^-9 relative, as any
-        #   bf16 attention rounds it) and bf16 values as they are; the product joins the
-        #   fp32 accumulator;
-        # - q·kᵀ (bf16 k) multiplies the raw bf16 queries (_Tile.q_block) by the keys as
-        #   they are, accumulating in fp32 inside oneDNN; the product comes out rounded
-        #   to bf16 (torch's CPU GEMMs have no fp32 output for bf16 operands), 2^-9 of |s|
-        #   as in plain bf16 attention, and the scale joins in fp32 as it is converted.
-        #   The backward recomputes its scores the same way, so its P matches the
-        #   forward's lse even where that rounding is large (logits of 1e4: 20)
+        # ``low`` (bmm engine, opted into: low_gemms; docs/design.md, "bf16"): P·V takes P
+        # rounded to bf16 and the bf16 values as they are, q·kᵀ the raw bf16 queries
+        # (_Tile.q_block) and keys, its scale joining in fp32 as the product is converted
         self.low = (low and not self.onednn and v.dtype == torch.bfloat16
                     and key_scales[1] is None)
         self.low_qk = (low and not self.onednn and k.dtype == torch.bfloat16
@@ -112,9 +104,8 @@ class _Gemm:
     def _low_tile(self, x3: Tensor, n0: int, n1: int) -> Tensor:
         """Rows [n0, n1) of bf16 ``x3`` as a contiguous tile (a reused buffer unless the
         slice is one already): a transposed bf16 operand whose batch stride is not the
-        tile's own sends torch's bmm to a slower path than copying the tile first (Zen 4,
-        one thread: 6x at a decode tile of 8 x 4 x 128 by 2048 keys, 1.1-1.3x at the
-        square and training shapes' tiles)."""
+        tile's own sends torch's bmm to a slower path than copying the tile first
+        (docs/design.md, "bf16")."""
         tile = x3[:, n0:n1]
         if tile.is_contiguous():
             return tile
@@ -152,9 +143,8 @@ class _Gemm:
 
     def low_operand(self, x: Tensor, name: str) -> Tensor:
         """``x`` (a tile in the accumulation dtype) rounded to bf16 once, into a reused
-        buffer: P (in [0, 1]) for the forward's P·V and the backward's dV, and dS (bf16
-        keeps fp32's exponent range, so only 2^-9 of each entry is lost, as in any bf16
-        attention backward) for :meth:`add_tn` and :meth:`add_dq`'s bf16 GEMMs."""
+        buffer: P for the forward's P·V and the backward's dV, and dS for :meth:`add_tn` and
+        :meth:`add_dq`'s bf16 GEMMs (docs/design.md, "bf16": what that rounding loses)."""
         return self.buffer(name, x.shape, torch.bfloat16).copy_(x)
 
     def add_dq(self, dq_blk: Tensor, ds: Tensor, n0: int, n1: int) -> None:
@@ -173,11 +163,10 @@ class _Gemm:
 
     def add_tn(self, dst: Tensor, a: Tensor, b: Tensor, name: str) -> None:
         """``dst += aᵀ b``: dV += Pᵀ dO and dK += dSᵀ Q for one tile, ``a (·, G·BM, BN)``,
-        ``b (·, G·BM, D)``. Both engines add a contiguous product into the slice (a GEMM
-        into a column slice of (B·Hkv, Nk, D) runs as one addmm per batch entry, ~10%
-        slower). On oneDNN ``a`` is keys-major (:attr:`keys_major`): ``aᵀ`` is row-major.
-        bf16 ``a`` and ``b`` (:meth:`low_operand`, the raw bf16 q, dO/l rounded) run a bf16
-        GEMM whose product, rounded to bf16 once, joins the fp32 ``dst``."""
+        ``b (·, G·BM, D)``. Both engines add a contiguous product into the slice
+        (docs/benchmarks.md: faster than a GEMM into it). On oneDNN ``a`` is keys-major
+        (:attr:`keys_major`). bf16 ``a`` and ``b`` (:meth:`low_operand`, the raw bf16 q, dO/l
+        rounded) run a bf16 GEMM whose product, rounded to bf16 once, joins the fp32 ``dst``."""
         if a.dtype == torch.bfloat16:
             dst.add_(self._bmm16(a.transpose(1, 2), b, name + "16"))
         elif self.onednn:
@@ -201,11 +190,7 @@ def low_gemms(q: Tensor) -> bool:
     """Whether a call's q·kᵀ and P·V tile GEMMs run in bf16 (``_Gemm(low=True)``; the
     backward's q·kᵀ follows): only when asked for with ``ATTN_TILED_BF16_GEMM=1``, for bf16
     inputs on a CPU whose oneDNN has bf16 kernels, eager; read at each call, forward and
-    backward alike. Off by default: torch's CPU GEMMs round a bf16 product to bf16 (no
-    fp32 output on CPU), and each tile's product rounded before it joins the fp32
-    accumulator put bf16 outputs and gradients past flash-attn's test criterion (2x plain
-    PyTorch's error in bf16, DESIGN's "Accuracy in bf16/fp16"); upcast fp32 tiles stay
-    well inside it (at most 0.78x on its shapes, tests/test_bf16_accuracy.py)."""
+    backward alike. Why it is off by default (accuracy): docs/design.md, "bf16"."""
     if q.dtype != torch.bfloat16 or q.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     if os.environ.get("ATTN_TILED_BF16_GEMM", "0").strip() != "1":

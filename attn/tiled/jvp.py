@@ -1,25 +1,15 @@
-"""Forward-mode AD of tiled attention, tile by tile: the tangent of ``(out, lse)`` from the
-saved out and lse in one pass over the tiles, O(N) memory.
-
-With ``p_j = exp(s_j − lse)`` known from the forward, the online softmax has a forward-mode
-twin that needs no running max: for ``o = Σ_j p_j v_j`` (dropout's kept scale ``z_j`` folded
-into the sums over values),
+"""Forward-mode AD of tiled attention, tile by tile, O(N) memory (docs/transforms.md, "How it
+works"). With ``p_j = exp(s_j − lse)`` known from the forward and dropout's kept scale ``z_j``
+folded into the sums over values,
 
     ȯ = Σ_j p_j z_j (ṡ_j − Σ_k p_k ṡ_k) v_j + Σ_j p_j z_j v̇_j,    lsė = Σ_j p_j ṡ_j,
 
 so a query block accumulates ``A = Σ (p z ṡ) v + Σ (p z) v̇`` and ``b = Σ p ṡ`` over its key
-tiles and ends with ``ȯ = A − b·o``. The sinks join ``b`` as one more key of value 0. That is
-the autograd.Function's ``jvp`` rule (:func:`tiled_jvp`), which torch runs after the forward.
-Where forward mode alone differentiates a call, :func:`forward_with_tangent` instead computes
-out, lse and both tangents in one online-softmax pass (the same sums, rescaled by the running
-max) and returns dual tensors: one read of q·kᵀ per tile instead of two.
-
-The tile's score tangent ṡ comes from :class:`TileScores`, a differentiable rebuild of one
-tile's scores (scale → score_mod → softcap → ALiBi → masks, the reference's order) in natural
-units beside their tangent, step by step: tangents of q, k, a learnable softcap, a float mask
-and the ALiBi slopes all reach ṡ exactly, whatever the variant. The same class serves the
-double backward (:mod:`attn.tiled.double`). Everything here is plain tensor code with no
-host reads, so it runs under vmap as it is.
+tiles and ends with ``ȯ = A − b·o``; the sinks join ``b`` as one more key of value 0. That is
+the autograd.Function's ``jvp`` rule (:func:`tiled_jvp`); :func:`forward_with_tangent` is the
+one pass that computes out, lse and both tangents together. The score tangent ṡ comes from
+:class:`TileScores` (the reference's order of score steps; also the double backward's): plain
+tensor code with no host reads, so it runs under vmap as it is.
 """
 
 from __future__ import annotations
@@ -38,18 +28,11 @@ from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.plan import _blocks
 
-# tile sizes of the transform kernels (a spec's own block sizes win): 128 query rows by 256
-# keys measured fastest or tied for the jvp's pass (Cascade Lake, fp32 H=2 D=64 causal, N =
-# 2048, loaded: 2.2x the forward against 3.0x at 128 x 128, 2.3-2.8x at 256 rows)
+# tile sizes of the transform kernels (a spec's own block sizes win), and the one pass's
+# score tile over every batch row and head (forward_with_tangent) at most ONE_PASS_TILE_BYTES
+# in the accumulation dtype, the forward's unit tile: docs/benchmarks.md has the measurements
 BLOCK_M = 128
 BLOCK_N = 256
-# ... and of the one pass that computes primal and tangent together (forward_with_tangent):
-# its score tile (all batch rows and heads at once) at most ONE_PASS_TILE_BYTES in the
-# accumulation dtype, the forward's own unit tile (512 x 512 float32, one head), with 512 keys
-# from 4096 on (else 256) and the query rows the budget leaves. Fewer, larger tiles pay its
-# per-tile eager ops and keep K/V streaming down; the working memory is a few such tiles,
-# whatever N. Cascade Lake, fp32 B=1 H=2 D=64 causal N=16384, one pass / forward: 192 x 256
-# 4.0x (1.2x the forward's working memory), 256 x 512 3.2x (2.8x), 512 x 512 2.4x (5.4x)
 ONE_PASS_TILE_BYTES = 1 << 20
 
 
@@ -103,6 +86,9 @@ class TileScores:
         self.float_mask = mask is not None and mask.dtype != torch.bool
         self.has_cap = ops.softcap is not None
         self.has_alibi = ops.alibi is not None
+        # the call's own operands by SCORE_INPUTS name, for :meth:`operands` to slice
+        self.primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask,
+                       "alibi": ops.alibi}
         bm = spec.block_m or blocks[0]
         bn = spec.block_n or blocks[1]
         self.spec_sized = dataclasses.replace(spec, block_m=bm, block_n=bn)
@@ -156,7 +142,9 @@ class TileScores:
                 keep = kmod if keep is None else keep & kmod
         if self.bool_mask is not None:
             m = self.bool_mask
-            tile = m[:, :, m0:m1 if m.shape[2] != 1 else None, n0:n1 if m.shape[3] != 1 else None]
+            # a dim the mask broadcasts along is taken whole (``m0:None`` would be empty)
+            tile = m[:, :, slice(m0, m1) if m.shape[2] != 1 else slice(None),
+                     slice(n0, n1) if m.shape[3] != 1 else slice(None)]
             keep = tile if keep is None else keep & tile
         return keep
 
@@ -376,16 +364,13 @@ _TANGENT_NAMES = ("q", "k", "v", "mask", "sinks", "softcap", "alibi")
 def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
                          ) -> tuple[Tensor, Tensor] | None:
     """``(out, lse)`` as dual tensors of forward-mode AD, primal and tangent in one pass over
-    the tiles, where forward-mode AD is all that differentiates the call: one
-    ``torch.func.jvp`` level (or ``torch.autograd.forward_ad`` dual tensors), nothing that
-    requires grad, no score_mod / mask_mod. Else None, and the caller takes its
-    autograd.Function, whose ``jvp`` rule (:func:`tiled_jvp`) runs after the forward and so
-    recomputes every tile's scores: the pass here reads q·kᵀ once, six GEMMs per tile
-    against the rule's five after the forward's two.
-
-    The online softmax carries the tangent's accumulators beside its own (the same running
-    max rescales them): ``A = Σ e^(s−m) (z ṡ v + z v̇)`` and ``r = Σ e^(s−m) ṡ``, so with the
-    denominator l, ``ȯ = A/l − (r/l)·o`` and ``lsė = r/l``."""
+    the tiles (docs/transforms.md, "How it works"), where forward-mode AD is all that
+    differentiates the call: one ``torch.func.jvp`` level (or ``torch.autograd.forward_ad``
+    dual tensors), nothing that requires grad, no score_mod / mask_mod. Else None, and the
+    caller takes its autograd.Function, whose ``jvp`` rule (:func:`tiled_jvp`) reads q·kᵀ
+    again after the forward (six GEMMs per tile here, its five after the forward's two). With
+    the denominator l, ``A = Σ e^(s−m) (z ṡ v + z v̇)`` and ``r = Σ e^(s−m) ṡ``: ``ȯ = A/l −
+    (r/l)·o`` and ``lsė = r/l``."""
     import torch.autograd.forward_ad as fwad
 
     if ops.captured or spec.score_mod is not None or spec.mask_mod is not None or spec.sharded:
@@ -432,7 +417,6 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
     G, Dv = H // k.shape[1], v.shape[-1]
     acc = _acc_dtype(q.dtype)
     ts = TileScores(q, k, spec, ops, blocks=_one_pass_blocks(q, k), inplace=True)
-    primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask, "alibi": ops.alibi}
     tv, t_sink = tangents.get("v"), tangents.get("sinks")
     dev = q.device
     res = (torch.empty(B, H, Nq, Dv, dtype=acc, device=dev),
@@ -450,12 +434,11 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
                  else t_sink.to(acc).view(1, H, 1, 1).expand(col).clone())
         else:
             m = torch.full(col, float("-inf"), dtype=acc, device=dev)
-            l_i, r = torch.zeros(col, dtype=acc, device=dev), torch.zeros(col, dtype=acc,
-                                                                          device=dev)
+            l_i, r = (torch.zeros(col, dtype=acc, device=dev) for _ in range(2))
         o = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
         a = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
         for n0, n1, full in key_tiles:
-            xs = ts.operands(primal, m0, m1, n0, n1)
+            xs = ts.operands(ts.primal, m0, m1, n0, n1)
             s, sd = ts.fn(m0, m1, n0, n1, full, ts.operands(tangents, m0, m1, n0, n1))(*xs)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
@@ -485,10 +468,8 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
         res[3][:, :, m0:m1] = r.squeeze(-1)
 
     blocks = list(ts.query_blocks())
-    cpu.run_items(block, len(blocks), threads=threads)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (res[0].to(v.dtype), res[1].to(lse_dtype), res[2].to(v.dtype),
-            res[3].to(lse_dtype))
+    cpu.run_items(block, len(blocks), threads=threads)  # lse and lsė: acc, the lse's dtype
+    return res[0].to(v.dtype), res[1], res[2].to(v.dtype), res[3]
 
 
 def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
@@ -499,7 +480,6 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
     G = H // k.shape[1]
     acc = _acc_dtype(q.dtype)
     ts = TileScores(q, k, spec, ops)
-    primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask, "alibi": ops.alibi}
     lse_a = safe_lse(lse, acc)
     out_a = out.to(acc)
     tv = tangents.get("v")
@@ -510,7 +490,7 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
         a_acc = torch.zeros(B, H, m1 - m0, v.shape[-1], dtype=acc, device=q.device)
         b_acc = torch.zeros(B, H, m1 - m0, 1, dtype=acc, device=q.device)
         for n0, n1, full in key_tiles:
-            xs = ts.operands(primal, m0, m1, n0, n1)
+            xs = ts.operands(ts.primal, m0, m1, n0, n1)
             txs = ts.operands(tangents, m0, m1, n0, n1)
             s, sd = ts.fn(m0, m1, n0, n1, full, txs)(*xs)
             p = probs(s, lse_col)
@@ -528,7 +508,7 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
         return a_acc - b_acc * span(out_a, 2, m0, m1), b_acc.squeeze(-1)
 
     blocks = list(ts.query_blocks())
-    if plain(q, k, v, out, lse, *primal.values(), *tangents.values()):
+    if plain(q, k, v, out, lse, *ts.primal.values(), *tangents.values()):
         # plain CPU tensors: the query blocks are work items on the tiled backend's pool,
         # each writing its own rows (bits independent of the worker count)
         d_out = torch.empty(B, H, Nq, v.shape[-1], dtype=acc, device=q.device)

@@ -6,7 +6,6 @@ The launchers and tiles are :mod:`attn.tiled.attention`'s."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -18,7 +17,8 @@ from attn.masks import Band
 from attn.spec import LaunchSpec, Operands, PageTable, QuantPages, check_paged_forward_only
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
-from attn.tiled.attention import _check_operands, _facts, _fwd_item, _fwd_rows, _merge_partials
+from attn.tiled.attention import (_caller, _check_operands, _facts, _fwd_item, _fwd_rows,
+                                  _merge_partials)
 from attn.tiled.plan import DEFAULT, TileConfig, item_threads, kv_split, page_ranges
 
 __all__ = ["paged_attention"]
@@ -178,20 +178,11 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     ``spec.band`` with ``N_b`` added to its offset (pass the band of a call with no key,
     ``make_band(Nq, 0, …)``, for attn's bottom-right convention). ALiBi slopes ``(B, H)``.
 
-    Work items are (row, key range) pairs, the ranges cut on page boundaries
-    (:func:`attn.tiled.plan.page_ranges`; ``kv_split``'s chunk, or ``split_min_chunk``
-    keys for longer query blocks): each item reads only its own pages, a view where they
-    are consecutive in the storage and a copy of them where not, so no row's keys are
-    gathered whole and no other row's page, nor a slot past a row's length, is ever read.
-    Each gives a partial output and lse; a row's partials (and the sinks) are merged in
-    key order, so the bits depend on the lengths and the page size, never on the number of
-    workers, nor on where the pages lie. Storage in another dtype than q's is converted
-    item by item.
-
-    With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold codes: each item
-    dequantizes its own range (codes and scales of its pages, and its row's full-precision
-    recent pages) into its thread's buffer in q's dtype before the tile math, so neither a
-    sequence nor the cache is ever dequantized whole.
+    Work items are (row, key range) pairs (:func:`attn.tiled.plan.page_ranges`; ``kv_split``'s
+    chunk, or ``split_min_chunk`` keys for longer query blocks), each reading only its own
+    pages, a row's partials and the sinks merged in key order (docs/kvcache.md, "How
+    attention reads it"). With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold
+    codes, which each item dequantizes for its own range only (:func:`_read_codes`).
 
     Long for this docstring: the body plans the items, runs them and merges each row's
     partials, as :func:`attn.tiled.attention._fwd_split` does for dense keys."""
@@ -218,7 +209,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     threads = item_threads(q, Nq * H * int(n_keys.sum()), config)
     if threads is None:
         threads = cpu.workers_for_call()
-    caller = cpu.single_thread() if threads != 0 else contextlib.nullcontext()
+    caller = _caller(threads)
     with caller:
         parts_out = torch.empty(R, B, H, Nq, Dv, dtype=acc_dtype, device=q.device)
         parts_lse = torch.empty(R, B, H, Nq, dtype=acc_dtype, device=q.device)
@@ -246,8 +237,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
             v = _read_pages(v_pages, table[b], page, it, "paged v")
         if k.dtype != q.dtype and k.dtype != torch.int8:  # int8: codes scored as they are
             k = k.to(q.dtype)
-        if v.dtype != q.dtype:
-            v = v.to(q.dtype)
+        v = v.to(q.dtype)
         row_band = Band(band.offset + int(n_keys[b]), band.left, band.right)
         ispec = dataclasses.replace(spec, band=row_band).shard(k_start=it.n0)
         iops = Operands(softcap=ops.softcap,

@@ -21,78 +21,48 @@ from attn.tiled.steps import compiled_steps_default
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """How the tiled backend cuts a call into tiles, chunks and units. The defaults are the
-    measured ones; a call takes another config as an argument (tests force small tiles or the
-    unit path on small calls that way). ``spec.block_m`` / ``block_n``, where set, win over
-    the block sizes here."""
+    measured ones (docs/benchmarks.md, "Measurements behind the code's choices"); a call takes
+    another config as an argument (tests force small tiles or the unit path on small calls
+    that way). ``spec.block_m`` / ``block_n``, where set, win over the block sizes here."""
 
-    # Chosen by measurement (benchmarks/results/tiled_blocks_cpu.md): on 2 CPU cores, fp32,
-    # B=1, H=8, D=64, causal, 256 x 256 was fastest or tied at N = 4096 and 8192, forward and
-    # backward. Smaller tiles pay more per-tile Python and dispatch cost; larger ones
-    # (512 x 512: 8 MiB per score tile) fall out of cache and lose 5-25%.
+    # the batched path's tile
     block_m: int = 256
     block_n: int = 256
-    # Score tiles are batched over (B, heads). Past a few MiB a tile no longer stays in cache
-    # between the GEMM that writes it and the passes that read it: B=8, H=12, N=512 ran 19%
-    # faster batch row by batch row (3 MiB tiles) than as one 24 MiB tile. So the batch is
-    # cut into chunks whose tile fits tile_bytes, each run as its own call.
+    # a batched call whose score tile over (B, heads) would pass this runs in batch chunks,
+    # so the tile stays in cache between its GEMM and the passes that read it
     tile_bytes: int = 4 << 20
-    # The unit path (:mod:`attn.tiled.cpu`): when oneDNN runs this CPU's GEMMs clearly faster
-    # than torch's bmm, a call is cut into units — one batch row, one KV head with its G query
-    # heads — each tile's GEMMs 2-D through oneDNN, the units in order or on worker threads.
-    # Tiles are about unit_rows query rows (G·BM) by unit_block_n keys: oneDNN's per-call
-    # cost (~15 us) wants large GEMMs, and one head's 512 x 512 tile (1 MiB) still fits a
-    # core's L2. Calls with fewer rows per tile or keys than the minimums (decoding, short
-    # sequences) stay batched.
+    # the unit path (one batch row, one KV head with its G query heads, 2-D oneDNN GEMMs,
+    # docs/design.md): tiles of about unit_rows query rows (G·BM) by unit_block_n keys;
+    # unit_rows_full without a band from unit_rows_full_min_q query rows (G·Nq), where the
+    # larger tile's memory stays within budget; calls below unit_min_rows per tile or
+    # unit_min_keys keys stay batched, and so do bands whose visited tiles are more than
+    # unit_max_partial partial (causal at N <= 1024)
     unit_rows: int = 512
     unit_block_n: int = 512
-    # Without a band (no causal / window tiles to skip) twice the rows per tile measured 5-15%
-    # faster from N = 2048 (benchmarks/results/cpu_unit_tiles.md), but its 2 MiB tile (and
-    # one more per extra worker) would put the forward's peak over 1.5x SDPA's below 8192
-    # query rows.
     unit_rows_full: int = 1024
-    unit_rows_full_min_q: int = 8192  # query rows (G·Nq) from which a bandless call takes them
+    unit_rows_full_min_q: int = 8192
     unit_min_rows: int = 128
     unit_min_keys: int = 256
-    # A band whose visited tiles are mostly partial (causal at N <= 1024: 2 of 3) wastes too
-    # much of each large tile on masked scores: such calls stay batched with smaller tiles.
     unit_max_partial: float = 0.5
-    # Every eager CPU call runs as work items (attn.tiled.cpu.run_items): the forward's are
-    # (chunk, query block) pairs; the backward's (chunk, run of query blocks), each run
-    # accumulating dK/dV into a partial of its own when a chunk has several (summed in run
-    # order afterwards). The backward gets about bwd_items items per batch chunk from its kv
-    # heads first: a batched chunk is cut into min(Hkv, bwd_items) head groups, each writing
-    # its own dK/dV rows (no partial), and only what the heads cannot give comes from runs
-    # of query blocks (at most bwd_max_runs; each run beyond the first costs a dK/dV partial,
-    # small where there are few kv heads). The former rule, runs filling 16 items over the
-    # chunks, held up to 3 partials of the whole dK/dV (2.1x SDPA's fwd+bwd peak at
-    # B=1, H=8) and cut differently at another batch size; head groups and runs depend on
-    # the kv heads and the blocks only, never on the batch or the number of workers.
+    # the backward's items: about bwd_items per batch chunk, from head groups of its kv heads
+    # first (each writes its own dK/dV rows), then from runs of query blocks (at most
+    # bwd_max_runs, each beyond the first with a dK/dV partial, summed in run order); the kv
+    # heads and the blocks decide, never the batch or the workers
     bwd_items: int = 4
     bwd_max_runs: int = 4
-    # A sequence of at least this many query x key pairs runs its backward one batch row per
-    # chunk, cut into head groups (so no other row shares its tile GEMMs, which a batched
-    # GEMM over more matrices may round differently); shorter ones keep the forward's
-    # batched chunks, with runs for their items (their partials are small), where per-row
-    # items measured up to 9x slower (B=32, H=4, N=64 fwd+bwd: 25 -> 217 ms on 2 Cascade
-    # Lake cores): their tiles are too small to pay a Python step each.
+    # a sequence of at least this many query x key pairs runs its backward one batch row per
+    # chunk (no other row shares its tile GEMMs, which a batched GEMM over more matrices may
+    # round differently); shorter ones keep the forward's batched chunks
     bwd_row_min_scores: int = 1 << 18
     # K/V in a (B, N, Hkv, D) layout have no (B·Hkv, N, D) view: a call whose rows each do at
-    # least this many products (H·Nq·Nk·D) runs row by row on views; below it, its chunks
-    # copy their K/V. Row by row, the toy GPT's recall step (B=64, H=4, N=12, D=16, V from a
-    # fused QKV projection) ran 64 chunks per call: 0.52 CPU-s a step, loaded 2-core Xeon
+    # least this many products (H·Nq·Nk·D) runs row by row on views, else its chunks copy K/V
     row_min_products: int = 1 << 22
-    # Calls that visit fewer scores than this run their items in order on the caller (with
-    # one intra-op thread, so the same bits): waking the workers would cost more than the
-    # call.
+    # calls that visit fewer scores run their items in order on the caller (one intra-op
+    # thread, so the same bits): waking the workers would cost more than the call
     serial_max_scores: int = 1 << 16
-    # Split-KV decoding: a call with at most split_max_q query rows per head and at least
-    # split_min_keys keys runs as (chunk, key range) items over every head of the chunk,
-    # each one key tile giving a partial output and lse, merged in key order. Ranges are
-    # split_min_chunk keys, doubled until there are at most split_max_chunks of them.
-    # Measured (H=32, Hkv=8, D=128, fp32, 2 Zen 4 cores): a decode item costs ~1 ms of
-    # Python under the GIL whatever its size, so ranges below 2048 keys lost to fewer
-    # larger ones (Nk = 4096: 2 ranges 4.1 ms, 4 ranges 6.7, 8 ranges 5.7; SDPA 5.9), and
-    # at most 8 leave room for more cores than 2.
+    # split-KV decoding: at most split_max_q query rows per head and at least split_min_keys
+    # keys run as (chunk, key range) items, ranges of split_min_chunk keys doubled until
+    # there are at most split_max_chunks, merged in key order
     split_max_q: int = 16
     split_min_keys: int = 2048
     split_min_chunk: int = 2048
@@ -216,8 +186,8 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     backward's plan is the forward's without split-KV."""
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    unit, _, uspec, scores = _unit_path(q, k, spec, config)
-    if unit:
+    uspec = _unit_path(q, k, spec, config)
+    if uspec is not None:
         units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
         return _finish(_Plan(units, "onednn", uspec), q, k, config, backward)
     if backward and _items_here(q) and spec.mask_blocks is None and spec.mask_mod is None:
@@ -231,10 +201,8 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
                                           .query_blocks()))
     spec = config.tiles(spec)
     whole = [_Chunk(0, B, 0, Hkv, B, H, Hkv)]
-    if spec.score_mod is not None or spec.mask_mod is not None \
+    if B == 1 or spec.score_mod is not None or spec.mask_mod is not None \
             or spec.dropout_rows is not None:
-        return _finish(_Plan(whole, "bmm", spec), q, k, config, backward)
-    if B == 1:
         return _finish(_Plan(whole, "bmm", spec), q, k, config, backward)
     per_row = (H * min(spec.block_m, Nq) * min(spec.block_n, Nk)
                * torch.finfo(_acc_dtype(q.dtype)).bits // 8)
@@ -242,9 +210,8 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     D = q.shape[-1]
     if not (_heads_merge(k) and (v is None or _heads_merge(v))) \
             and H * Nq * Nk * D >= config.row_min_products:
-        # k / v seen head-first from a (B, N, Hkv, D) layout (a cache, a fused QKV
-        # projection): (B·Hkv, N, D) would be a copy, one batch row's (Hkv, N, D) is a view.
-        # A row with enough work pays its Python step: rows go one by one, no copy
+        # head-first k / v with no (B·Hkv, N, D) view (a cache, a fused QKV projection):
+        # one batch row's (Hkv, N, D) is a view, so rows go one by one (row_min_products)
         step = 1
     chunks = [_Chunk(b, min(b + step, B), 0, Hkv, B, H, Hkv) for b in range(0, B, step)]
     return _finish(_Plan(chunks, "bmm", spec), q, k, config, backward)
@@ -388,10 +355,11 @@ def _heads_merge(x: Tensor) -> bool:
 
 
 def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec, config: TileConfig = DEFAULT
-               ) -> tuple[bool, str, LaunchSpec, int]:
-    """Whether a call runs as units on the oneDNN engine, why (not), the spec with the unit
-    tile sizes, and the scores it visits (B·H·Nq·Nk inside the band)."""
-    B, H, Nq, _ = q.shape
+               ) -> LaunchSpec | None:
+    """The spec with the unit tile sizes where a call runs as units on the oneDNN engine (a
+    float32 CPU call, eager, no score_mod, mask_mod, block mask or packed sequences, tiles of
+    enough rows and keys and mostly unmasked, oneDNN this CPU's engine), else None."""
+    H, Nq = q.shape[1], q.shape[2]
     Hkv, Nk = k.shape[1], k.shape[2]
     G = H // Hkv
     tile_rows = (config.unit_rows_full
@@ -399,37 +367,21 @@ def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec, config: TileConfig = DEFA
                  else config.unit_rows)
     uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, tile_rows // G),
                                 block_n=spec.block_n or config.unit_block_n)
-
-    def no(why: str) -> tuple[bool, str, LaunchSpec, int]:
-        return False, why, spec, 0
-    if q.device.type != "cpu":
-        return no("not on CPU")
-    if _acc_dtype(q.dtype) != torch.float32:
-        return no("float64 stays on bmm")
-    if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
-        return no("score_mod / mask_mod run batched")
-    if spec.dropout_rows is not None or spec.alibi_rows is not None:
-        return no("packed sequences run batched")
-    if compiled_steps_default():
-        return no("ATTN_TILED_COMPILE=1 compiles the batched steps")
-    if torch.compiler.is_compiling():
-        return no("under torch.compile")
-    rows = G * min(Nq, uspec.block_m)
-    if rows < config.unit_min_rows or Nk < config.unit_min_keys:
-        return no(f"{rows} query rows x {Nk} keys per tile is below the unit path's "
-                  f"{config.unit_min_rows} x {config.unit_min_keys}")
-    visited = partial = area = 0
-    for m0, m1, key_tiles in _blocks(uspec, Nq, Nk).query_blocks():
-        for n0, n1, full in key_tiles:
-            visited += 1
-            partial += not full
-            area += (m1 - m0) * (n1 - n0)
+    if (q.device.type != "cpu" or _acc_dtype(q.dtype) != torch.float32
+            or spec.score_mod is not None or spec.mask_mod is not None
+            or spec.mask_blocks is not None or spec.dropout_rows is not None
+            or spec.alibi_rows is not None or compiled_steps_default()
+            or torch.compiler.is_compiling()):
+        return None
+    if G * min(Nq, uspec.block_m) < config.unit_min_rows or Nk < config.unit_min_keys:
+        return None
+    visited = partial = 0
+    for _, _, key_tiles in _blocks(uspec, Nq, Nk).query_blocks():
+        visited += len(key_tiles)
+        partial += sum(not full for _, _, full in key_tiles)
     if visited == 0 or partial > config.unit_max_partial * visited:
-        return no(f"{partial} of {visited} unit tiles are partly masked")
-    engine, why = cpu.gemm_engine()
-    if engine != "onednn":
-        return no(why)
-    return True, why, uspec, B * H * area
+        return None
+    return uspec if cpu.gemm_engine()[0] == "onednn" else None
 
 
 def cpu_path_reason(device: str, n_q: int, n_k: int, *, split_allowed: bool = True,

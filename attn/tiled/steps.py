@@ -40,9 +40,9 @@ def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
               need_dc: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One tile of the backward (Triton's ``_dkdv_inner`` / ``_dq_inner`` body): recompute
     P from lse, then ``dS = P ∘ (dP − Δ)`` with ``dP = dO Vᵀ`` given (consumed). Returns
-    ``(pd, ds, ds_capped, dc_terms)``: P
-    with dropout applied (for dV), dS before and after the softcap chain rule (dS feeds a
-    float mask's gradient; the capped one feeds dQ, dK), and the softcap gradient's terms."""
+    ``(pd, ds, ds_capped, dc_terms)``: P with dropout applied (for dV), dS before and after
+    the softcap chain rule (dS feeds a float mask's gradient; the capped one feeds dQ, dK),
+    and the softcap gradient's terms."""
     p = s.sub_(lse_blk).exp2_()  # (B·Hkv, G·BM, BN), s and lse in base-2 units
     # -- dropout scales P for dV and dP alike (ᵈ) --
     pd = p
@@ -65,13 +65,10 @@ def _softcap_chain(ds: Tensor, u: Tensor | None, t: Tensor | None, need_dc: bool
     return ds * one_m_t2, dc_terms
 
 
-# -- the compiled tiled steps: the same two steps, compiled ----------------------------------
-# torch.compile (inductor's C++ backend) turns each step's elementwise chain into two loops
-# over the tile (row max, then exp2 / sum / dS) instead of one pass per op, and drops the
-# per-op dispatch. The GEMMs stay eager (torch's bmm). Shapes are symbolic (dynamic=True:
-# measured as fast as static ones), so sequence lengths, edge tiles and batch sizes never
-# recompile; each combination of dtype, step variant and size-1 dims compiles once per
-# process, in a code object of its own so that no combination eats another's recompile budget.
+# -- the compiled tiled steps: the same two steps, compiled (docs/design.md, "The fused path")
+# The GEMMs stay eager. Shapes are symbolic (dynamic=True: measured as fast as static ones),
+# so lengths, edge tiles and batch sizes never recompile; each combination of dtype, step
+# variant and size-1 dims compiles once per process, in a code object of its own.
 
 def _fwd_tile_compiled(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -100,7 +97,7 @@ def _bwd_tile_compiled(s: Tensor, dp: Tensor, u: Tensor | None, t: Tensor | None
 
 
 _COMPILED: dict[str, Callable] = {}
-_COMPILED_FAILED: str | None = None  # why the compiled steps are off for this process, once it failed
+_COMPILED_FAILED: str | None = None  # why the compiled steps are off, once they failed
 
 
 def compiled_steps_default() -> bool:

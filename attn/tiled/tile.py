@@ -10,29 +10,20 @@ import torch
 from torch import Tensor
 
 from attn.masks import as_4d, dropout_keep, dropout_keep_rows
+from attn.mods import checked_keep
 from attn.spec import LaunchSpec
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled.gemm import _Gemm
 
-# Scores live in base-2 units (s·log2 e) and probabilities are exp2(s - m): on CPU torch's
-# exp2 runs ~4.6x faster than exp at 1.2 ulp in fp32, and exp was the largest non-GEMM cost
-# per tile. When nothing nonlinear sits between q·kᵀ and the softmax (no softcap, score_mod
-# or float mask), log2 e folds into the q scale and costs nothing; otherwise the finished
-# scores are multiplied once. The forward keeps lse2 = (m, log2 l) for the backward, in two
-# parts: P = exp2(s - m) / l. One fp32 number m + log2(l) loses log2 l where it is
-# below half an ulp of m (at logits of 1e4 an ulp is 1e-3: a row whose second key has
-# P = 1e-5 came back as P = 1 exactly, and dV went 2x over its error budget), and the natural
-# lse the forward returns cannot be turned back at all (the round trip moves P by 1e-3).
+# Scores live in base-2 units (s·log2 e), probabilities are exp2(s - m), and the forward
+# keeps lse2 = (m, log2 l) for the backward in two parts (docs/design.md, "Base-2 scores";
+# the measurements: docs/benchmarks.md): the natural lse, one rounded number, cannot be
+# turned back into them exactly (at logits of 1e4 the round trip moves P by 1e-3).
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # The static score variants' terms (attn.spec.ScoreTerms, by name) _Tile.scores applies; a
 # call carrying any other is refused when its tiles are built
 SCORE_TERMS: tuple[str, ...] = ()
-
-
-def _mask4d(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
-    """``mask`` expanded (no copy) to ``shape``."""
-    return as_4d(mask).expand(shape)
 
 
 def _scores_finite(q: Tensor, k: Tensor, spec: LaunchSpec) -> bool:
@@ -83,8 +74,7 @@ class _Tile:
 
     def __init__(self, q: Tensor, k: Tensor, spec: LaunchSpec, gemm: _Gemm,
                  attn_mask: Tensor | None, softcap_t: Tensor | None,
-                 alibi: Tensor | None = None, b0: int = 0,
-                 finite_scores: bool | None = None) -> None:
+                 alibi: Tensor | None = None, b0: int = 0, *, finite_scores: bool) -> None:
         B, H, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         spec.terms.refuse_unknown(SCORE_TERMS, "the tiled backend")
@@ -98,20 +88,14 @@ class _Tile:
         self.mask5 = self.mask4 = None
         self.ninf = torch.tensor(float("-inf"), dtype=acc, device=q.device)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
-            # kept at its own broadcast shape; each tile's slice becomes a 0 / -inf bias:
-            # masked_fill_ through a broadcast mask ran 10x slower than add_ (250 vs 25 us)
-            self.mask4 = as_4d(attn_mask)
+            self.mask4 = as_4d(attn_mask)  # its own broadcast shape; per tile a 0 / -inf bias
         elif attn_mask is not None:
-            self.mask5 = _mask4d(attn_mask, (B, H, Nq, Nk)).view(B, Hkv, self.G, Nq, Nk)
+            self.mask5 = as_4d(attn_mask).expand(B, H, Nq, Nk).view(B, Hkv, self.G, Nq, Nk)
         # Masked scores are *replaced* by -inf, so a key outside the mask never reaches a row
-        # (NaN + -inf is NaN). The additive 0 / -inf bias is as exact and runs 10-50x faster
-        # than a broadcast where / masked_fill on CPU, but only while every q·k is finite:
-        # checked once per call from max |q|, max |k| (NaN-propagating), where a mask exists
+        # (NaN + -inf is NaN). The additive 0 / -inf bias (docs/design.md, "Masks as a bias")
+        # is as exact only while every q·k is finite: the caller's answer (_facts, once a call)
         self.masked = (not self.band.is_full or attn_mask is not None
                        or spec.mask_mod is not None)
-        # (``finite_scores``: the caller's answer for the whole call, asked once)
-        if finite_scores is None:
-            finite_scores = _scores_finite(q, k, spec)
         self.finite_scores = not self.masked or finite_scores
         # set by the forward (_values_may_overflow): whether value_offset looks at the tiles
         self.values_may_overflow = False
@@ -170,10 +154,7 @@ class _Tile:
 
     def mask_mod_keep(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
         """``mask_mod`` on one tile: bool broadcastable to (B, H, BM, BN), True = attend."""
-        keep = self.mask_mod(*self._idx(m0, m1, n0, n1))
-        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
-            what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
-            raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
+        keep = checked_keep(self.mask_mod(*self._idx(m0, m1, n0, n1)))
         shape = (self.B, self.H, m1 - m0, n1 - n0)
         try:
             torch.broadcast_shapes(keep.shape, shape)
