@@ -587,12 +587,13 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
     return add, (empty if bool(empty.any()) else None)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=4)
 def _distances(shift: int, rows: int, keys: int, device: torch.device) -> Tensor:
     """``|c + shift - r|`` for rows r and keys c of a piece, float32 ``(rows, keys)``: ALiBi's
     distances, the same for every block at the same place relative to the diagonal (each
     causal diagonal of a call), so built once (read only; outside inference mode, so a
-    call with autograd reads it too)."""
+    call with autograd reads it too). A call has one or two such shapes (its full blocks,
+    its last): four kept, at most 16 MiB at 1024-row blocks."""
     with torch.inference_mode(False):
         return (torch.arange(shift, shift + keys, dtype=torch.float32, device=device)[None, :]
                 - torch.arange(rows, dtype=torch.float32, device=device)[:, None]).abs_()
