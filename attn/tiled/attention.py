@@ -643,8 +643,9 @@ def tiled_attention(
         spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
     ts = (q, k, v, *operands[:4], *operands.captured)
     fn = _TiledAttention
-    if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
-            isinstance(t, Tensor) and t.requires_grad for t in ts)):
+    if torch.compiler.is_compiling() and not transforms.active(*ts) and not (
+            torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                            for t in ts)):
         # nothing to differentiate: the forward alone. (dynamo traces such an apply by
         # calling forward itself, and hands a Function whose forward takes *captured its
         # ctx as q: torch.compile(fullgraph=True) of an inference call failed)
