@@ -764,8 +764,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     items = [(si, hk, bi, r) for si, p in enumerate(plans) for hk in range(0, Hkv, hgs[si])
              for bi in reversed(range(len(p.blocks))) for r in range(len(p.ranges))]
     launch = next(_LAUNCHES)
-    # ALiBi's folded pieces read V with zero columns for the folded ones: padded once here,
-    # per width (an item's query heads), rather than per piece
+    # ALiBi's folded pieces read V with one zero column per folded one (an item's query
+    # heads): V padded once here per such width, rather than once per piece
     v_pads = {} if ops.alibi is None else {
         w: torch.nn.functional.pad(v, (0, q.shape[-1] + w - Dv)) for w in {hg * G for hg in hgs}}
 
