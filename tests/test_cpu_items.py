@@ -15,7 +15,7 @@ import attn
 from attn import tiled
 from attn.masks import Band
 from attn.testing import assert_close_to_reference, make_inputs
-from attn.tiled import cpu
+from attn.tiled import cpu, steps
 from attn.tiled.gemm import _native_bf16
 from attn.tiled.plan import backward_items, backward_runs, forward_items, kv_split
 
@@ -125,6 +125,35 @@ def test_backward_bits_do_not_depend_on_the_batch(dtype):
         q[[3, 2]], k[[3, 2]], v[[3, 2]])
     for f, a, m in zip(full, alone, mixed):
         assert torch.equal(a[0], f[2]) and torch.equal(m[1], f[2])
+
+
+@pytest.mark.parametrize("shape", [(5, 2, 1, 300, 32), (3, 2, 2, 17, 40)])
+def test_short_sequences_bits_do_not_depend_on_the_batch(shape):
+    # below TileConfig.bwd_row_min_scores the backward's chunks hold several batch rows, so a
+    # sequence's rows sit at other offsets of each tile than alone: torch's exp2 rounds a
+    # contiguous loop's last elements on another path (steps.exp2_), which gave this row
+    # other dQ/dK/dV bits alone than in its batch
+    B, H, Hkv, N, D = shape
+    q, k, v = make_inputs(B=B, H=H, Hkv=Hkv, N=N, D=D, dtype=torch.float32, seed=1)
+
+    def grads(q, k, v):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = attn.attention(q, k, v, backend="tiled", return_lse=True)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out, lse, q.grad, k.grad, v.grad
+    full, alone = grads(q, k, v), grads(q[2:3], k[2:3], v[2:3])
+    for f, a in zip(full, alone):
+        assert torch.equal(a[0], f[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exp2_bits_do_not_depend_on_where_a_value_sits(dtype):
+    # every length and offset up to a few vector widths: each element as computed alone
+    x = torch.rand(700, generator=torch.Generator().manual_seed(0), dtype=dtype) * 60 - 50
+    whole = steps.exp2_(x.clone())
+    for n0, n1 in [(0, 1), (3, 20), (5, 69), (64, 700), (1, 699), (17, 700), (600, 613)]:
+        assert torch.equal(steps.exp2_(x[n0:n1].clone()), whole[n0:n1])
+    torch.testing.assert_close(whole, torch.exp2(x.double()).to(dtype), rtol=2e-7, atol=0)
 
 
 def test_kv_split_depends_on_the_shapes_alone():

@@ -22,7 +22,7 @@ from attn.tiled.gemm import _Gemm, low_gemms
 from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items,
                              backward_runs, forward_items)
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps,
-                              _fwd_tile, _fwd_tile_compiled, _run_compiled)
+                              _fwd_tile, _fwd_tile_compiled, _run_compiled, exp2_)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
                              _values_may_overflow)
 
@@ -241,7 +241,7 @@ def _softmax_delta(tile: _Tile, q_blk: Tensor, dp_of, lse_blk: Tensor, m0: int,
     delta = torch.zeros(q_blk.shape[:2] + (1,), dtype=tile.acc_dtype, device=q_blk.device)
     for n0, n1, full in key_tiles:
         s, _, _ = tile.scores(q_blk, m0, m1, n0, n1, full)
-        p = s.sub_(lse_blk).exp2_()
+        p = exp2_(s.sub_(lse_blk))
         dp = dp_of(n0, n1)
         if spec.dropout_p > 0.0:
             dp = dp * tile.dropout_scale(m0, m1, n0, n1)
@@ -380,7 +380,7 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         # P = exp2(s - m) / l: the tiles subtract m alone, and 1/l scales each row of dO and
         # Δ instead (dV = Σ P dO and dS = P∘(dP − Δ) are linear in both), so the second
         # part costs a (rows, D) multiply per query block, not a pass over every tile
-        lse_m, inv_l = lse2[..., 0], torch.exp2(-lse2[..., 1])
+        lse_m, inv_l = lse2[..., 0], exp2_(-lse2[..., 1])
     lse_m = lse_m.masked_fill(lse_m == float("-inf"), float("inf"))  # P = 0 on empty rows
     # query blocks holding a saturated row (l within SATURATED_LOG2L of 1) take Δ from the
     # tiles themselves (one host read of a (Nq,) flag per call). Rows the forward gave a

@@ -15,6 +15,34 @@ from attn.tiled import cpu
 
 # -- per-tile steps: the online-softmax update and dS, each in exactly one place ------------
 
+# torch's CPU exp2 computes a contiguous loop in vectors of 16 floats (AVX2; 32 on AVX-512)
+# and its last numel % 16 elements on a scalar path that rounds some values differently
+# (torch 2.13). A sequence's rows sit at other offsets of a batched tile than of its own, so
+# those tails would make its bits depend on its batch (the pinned batch invariance); exp2_
+# sends every element through the vector loop
+_EXP2_VECTOR = 64  # a multiple of the loop's width for float32 and float64 on every x86 CPU
+
+
+def exp2_(x: Tensor) -> Tensor:
+    """``x.exp2_()``, each element computed as in the middle of a long contiguous loop, so
+    its bits depend on its value alone. A non-contiguous ``x`` runs row by row (each row's
+    tail the same wherever the row sits), as torch does; so does a traced call (a branch on
+    the length would recompile per sequence length)."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or not x.is_contiguous():
+        return x.exp2_()
+    n = x.numel()
+    r = n % _EXP2_VECTOR
+    if r == 0:
+        return x.exp2_()
+    flat = x.view(-1)
+    if n > r:
+        flat[:n - r].exp2_()
+    tail = flat.new_zeros(_EXP2_VECTOR)
+    tail[:r] = flat[n - r:]
+    flat[n - r:] = tail.exp2_()[:r]
+    return x
+
+
 def _fwd_tile(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None, c: Tensor | None = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One key tile of the forward (Triton's ``_fwd_inner`` body, up to the P·V GEMM): the
@@ -27,8 +55,8 @@ def _fwd_tile(m_i: Tensor, l_i: Tensor, s: Tensor, z: Tensor | None, c: Tensor |
     if c is not None:
         m_tile.add_(c.expand(-1, m_tile.shape[1], -1))
     m_new = torch.maximum(m_i, m_tile)
-    p = s.sub_(m_new).exp2_()
-    alpha = (m_i - m_new).exp2_()
+    p = exp2_(s.sub_(m_new))
+    alpha = exp2_(m_i - m_new)
     l_i = l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
     if z is not None:  # the denominator counts every key, the values only the kept ones
         p.mul_(z)
@@ -43,7 +71,7 @@ def _bwd_tile(s: Tensor, u: Tensor | None, t: Tensor | None, lse_blk: Tensor,
     ``(pd, ds, ds_capped, dc_terms)``: P with dropout applied (for dV), dS before and after
     the softcap chain rule (dS feeds a float mask's gradient; the capped one feeds dQ, dK),
     and the softcap gradient's terms."""
-    p = s.sub_(lse_blk).exp2_()  # (B·Hkv, G·BM, BN), s and lse in base-2 units
+    p = exp2_(s.sub_(lse_blk))  # (B·Hkv, G·BM, BN), s and lse in base-2 units
     # -- dropout scales P for dV and dP alike (ᵈ) --
     pd = p
     if z is not None:
