@@ -655,6 +655,8 @@ def tiled_attention(
         if dual is not None:
             return dual
         fn = _TiledAttentionJvp
+    if torch.compiler.is_compiling():  # the tile sizes set here, where torch 2.11's dynamo
+        spec = config.tiles(spec)  # traces dataclasses.replace (inside the Function it cannot)
     out, lse, _ = fn.apply(q, k, v, spec, config, operands.attn_mask, operands.sinks,
                            operands.softcap, operands.alibi, *operands.captured)
     return out, lse

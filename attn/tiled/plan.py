@@ -70,6 +70,8 @@ class TileConfig:
 
     def tiles(self, spec: LaunchSpec) -> LaunchSpec:
         """``spec`` with its block sizes set (its own where given, else this config's)."""
+        if spec.block_m and spec.block_n:
+            return spec
         return dataclasses.replace(spec, block_m=spec.block_m or self.block_m,
                                    block_n=spec.block_n or self.block_n)
 
@@ -365,16 +367,17 @@ def _unit_path(q: Tensor, k: Tensor, spec: LaunchSpec, config: TileConfig = DEFA
     tile_rows = (config.unit_rows_full
                  if spec.band.is_full and G * Nq >= config.unit_rows_full_min_q
                  else config.unit_rows)
-    uspec = dataclasses.replace(spec, block_m=spec.block_m or max(1, tile_rows // G),
-                                block_n=spec.block_n or config.unit_block_n)
     if (q.device.type != "cpu" or _acc_dtype(q.dtype) != torch.float32
             or spec.score_mod is not None or spec.mask_mod is not None
             or spec.mask_blocks is not None or spec.dropout_rows is not None
             or spec.alibi_rows is not None or compiled_steps_default()
             or torch.compiler.is_compiling()):
+        return None  # (before dataclasses.replace, which torch 2.11's dynamo cannot trace)
+    block_m = spec.block_m or max(1, tile_rows // G)
+    if G * min(Nq, block_m) < config.unit_min_rows or Nk < config.unit_min_keys:
         return None
-    if G * min(Nq, uspec.block_m) < config.unit_min_rows or Nk < config.unit_min_keys:
-        return None
+    uspec = dataclasses.replace(spec, block_m=block_m,
+                                block_n=spec.block_n or config.unit_block_n)
     visited = partial = 0
     for _, _, key_tiles in _blocks(uspec, Nq, Nk).query_blocks():
         visited += len(key_tiles)
