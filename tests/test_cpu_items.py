@@ -146,6 +146,23 @@ def test_short_sequences_bits_do_not_depend_on_the_batch(shape):
         assert torch.equal(a[0], f[2])
 
 
+def test_a_saturated_neighbour_leaves_a_sequences_bits_alone():
+    # batch row 0's rows saturate (one key takes each row's weight: Δ comes from the tiles);
+    # row 2's do not, and its backward keeps rowsum(dO∘O) whatever shares its chunk
+    q, k, v = make_inputs(B=3, H=4, Hkv=2, N=400, D=32, dtype=torch.float32, seed=3)
+    q = q.clone()
+    q[0] *= 300
+
+    def grads(q, k, v):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = attn.attention(q, k, v, backend="tiled", return_lse=True)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out, lse, q.grad, k.grad, v.grad
+    full, alone = grads(q, k, v), grads(q[2:3], k[2:3], v[2:3])
+    for f, a in zip(full, alone):
+        assert torch.equal(a[0], f[2])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_exp2_bits_do_not_depend_on_where_a_value_sits(dtype):
     # every length and offset up to a few vector widths: each element as computed alone

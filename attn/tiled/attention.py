@@ -382,14 +382,17 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
         # part costs a (rows, D) multiply per query block, not a pass over every tile
         lse_m, inv_l = lse2[..., 0], exp2_(-lse2[..., 1])
     lse_m = lse_m.masked_fill(lse_m == float("-inf"), float("inf"))  # P = 0 on empty rows
-    # query blocks holding a saturated row (l within SATURATED_LOG2L of 1) take Δ from the
-    # tiles themselves (one host read of a (Nq,) flag per call). Rows the forward gave a
-    # value offset (l scaled by 2^-c, _Tile.value_offset) read as saturated too: exact, one
-    # more pass, and only at |v| near the dtype's largest
-    saturated = None
+    # saturated rows (l within SATURATED_LOG2L of 1) take Δ from the tiles themselves, in the
+    # query blocks that hold one (one host read of a (Nq,) flag per call); the block's other
+    # rows keep rowsum(dO∘O), so a row's Δ, and its bits, never depend on the other rows
+    # of its batch. Rows the forward gave a value offset (l scaled by 2^-c,
+    # _Tile.value_offset) read as saturated too: exact, one more pass, and only at |v|
+    # near the dtype's largest
+    saturated = saturated_rows = None
     # (a data-dependent branch: skipped while torch.compile traces, as the value checks are)
     if lse2 is not None and Nq > 0 and not torch.compiler.is_compiling():
-        saturated = (lse2[..., 1] < SATURATED_LOG2L).flatten(0, 1).any(0).cpu()
+        saturated_rows = lse2[..., 1] < SATURATED_LOG2L  # (B, H, Nq)
+        saturated = saturated_rows.flatten(0, 1).any(0).cpu()
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
     compiled = _compiled_steps(q) and engine == "bmm"
@@ -423,10 +426,12 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
                 return gemm.dp(do_blk, n0, n1)
         if inv_l is not None:
             if saturated is not None and bool(saturated[m0:m1].any()):
-                delta_blk = _softmax_delta(tile, q_blk, dp_of, lse_blk, m0, m1, key_tiles)
-                delta_blk.mul_(inv_l_blk)
+                tiles_delta = _softmax_delta(tile, q_blk, dp_of, lse_blk, m0, m1, key_tiles)
+                tiles_delta.mul_(inv_l_blk)
                 if dlse is not None:
-                    delta_blk.sub_(tile.rows(dlse.to(acc_dtype), m0, m1) * inv_l_blk)
+                    tiles_delta.sub_(tile.rows(dlse.to(acc_dtype), m0, m1) * inv_l_blk)
+                delta_blk = torch.where(tile.rows(saturated_rows, m0, m1), tiles_delta,
+                                        delta_blk)
         dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
         for n0, n1, full in key_tiles:
             BN = n1 - n0
