@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attn import choose, fused, mods, tiled, transforms
+from attn import choose, fused, mods, tiled, transforms, workers
 from attn.masks import Band, as_4d, simplify_mask
 from attn.reference import reference_attention, reference_packed
 from attn.sdpa import sdpa_attention
@@ -633,7 +633,8 @@ def fused_keys_ok(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> bool
     if (not fused.masks_scores(spec, ops, q.shape[2], k.shape[2]) or k.device.type != "cpu"
             or torch.compiler.is_compiling()):
         return True
-    return all_finite(k)
+    with workers.small_pass(k):
+        return all_finite(k)
 
 
 def _precise_backward(do, dlse, q, k, v, spec, ops):

@@ -524,7 +524,7 @@ _ALIBI_HELD = threading.local()
 _LAUNCHES = itertools.count()  # a token per launch, never reused (unlike an id())
 
 
-def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: slice,
+def _piece_mask(seq: Seq, mask4: _UserMask | None, slopes: Tensor | None, heads: slice,
                 m0: int, m1: int, pc: Piece, dtype: torch.dtype, device: torch.device,
                 mask_mod: Callable | None = None, launch: int | None = None
                 ) -> tuple[Tensor | None, Tensor | None]:
@@ -545,18 +545,13 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
         mm = mask_mod(torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device), hs,
                       rows.view(1, 1, -1, 1), cols.view(1, 1, 1, -1))
         keep = mm if keep is None else keep & mm
-    add = None
+    add = seen = None
     may_hide = keep is not None  # whether a row may see no key of the piece
     if mask4 is not None:
-        user = mask4[seq.b if mask4.shape[0] > 1 else 0,
-                     heads if mask4.shape[1] > 1 else slice(None)]
-        user = user[:, seq.q0 + m0:seq.q0 + m1] if user.shape[1] > 1 else user
-        user = user[..., seq.k0 + pc.n0:seq.k0 + pc.n1] if user.shape[2] > 1 else user
-        user = user[None]  # (1, G or 1, rows or 1, keys or 1)
-        if user.dtype == torch.bool:
-            keep = user if keep is None else keep & user
-        else:
-            add = user.to(dtype)
+        add = _user_piece(mask4.add, seq, heads, m0, m1, pc).to(dtype)
+        if mask4.keep is not None:  # what the rows see: the bool mask's piece (and the band)
+            seen = _user_piece(mask4.keep, seq, heads, m0, m1, pc)
+            seen = seen if keep is None else keep & seen
         may_hide = True
     if slopes is not None:  # ALiBi: -slope_h |j - (i + offset)|, built in float32
         shift = pc.n0 - m0 - seq.band.offset
@@ -583,8 +578,27 @@ def _piece_mask(seq: Seq, mask4: Tensor | None, slopes: Tensor | None, heads: sl
     add = add.expand(*add.shape[:2], *shape[2:])
     if not may_hide:
         return add, None
-    empty = ~(add[0] > float("-inf")).any(-1)  # (G or 1, rows): rows that see no key here
+    if seen is None:  # (a float mask's -inf hides keys too)
+        seen = add > float("-inf")
+    empty = _unseen(seen.expand(*seen.shape[:2], *shape[2:])[0])  # (G or 1, rows)
     return add, (empty if bool(empty.any()) else None)
+
+
+def _unseen(seen: Tensor) -> Tensor:
+    """Rows of a bool ``seen`` (True: the row sees that key) that see no key: the largest
+    byte per row is 0 (a uint8 max, 20-50x faster on CPU than a bool any over the last dim;
+    on the caller's thread alone where small, :func:`attn.workers.small_pass`)."""
+    with workers.small_pass(seen):
+        return seen.view(torch.uint8).amax(-1) == 0
+
+
+def _user_piece(t: Tensor, seq: Seq, heads: slice, m0: int, m1: int, pc: Piece) -> Tensor:
+    """The piece of a user mask ``t`` (4-d, broadcast dims kept) that query block ``[m0,
+    m1)`` of ``seq`` and its ``heads`` read: ``(1, G or 1, rows or 1, keys or 1)``, a view."""
+    user = t[seq.b if t.shape[0] > 1 else 0, heads if t.shape[1] > 1 else slice(None)]
+    user = user[:, seq.q0 + m0:seq.q0 + m1] if user.shape[1] > 1 else user
+    user = user[..., seq.k0 + pc.n0:seq.k0 + pc.n1] if user.shape[2] > 1 else user
+    return user[None]
 
 
 @functools.lru_cache(maxsize=4)
@@ -659,16 +673,31 @@ def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor | None, seq: Seq, p
     return _Folded(q2, k2, v2, shift)
 
 
+class _UserMask(NamedTuple):
+    """A call's user mask, 4-d with its broadcast dims: ``add``, what torch's op adds to the
+    scores (a float mask as given; a bool mask's 0 / -inf in q's dtype, built once per call
+    rather than once per piece and head group), and ``keep``, the bool mask (None for a float
+    one), which tells the rows that see no key of a piece at a byte a score."""
+    add: Tensor
+    keep: Tensor | None
+
+
 def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
-                        ) -> tuple[list[Seq], Tensor | None, Operands]:
-    """The call's sequences, its mask as 4-d (None where there is none, or where the mask is
-    key padding, which the sequences' key cuts already are), and the operands to match."""
+                        ) -> tuple[list[Seq], _UserMask | None, Operands]:
+    """The call's sequences, its mask (None where there is none, or where the mask is key
+    padding, which the sequences' key cuts already are), and the operands to match."""
     mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
     spans = None if ops.cu_seqlens_q is not None else key_spans(mask4, q.shape[0], k.shape[2])
     seqs = sequences(q, k, spec, ops, spans)
     if spans is not None:
-        mask4, ops = None, ops._replace(attn_mask=None)
-    return seqs, mask4, ops
+        return seqs, None, ops._replace(attn_mask=None)
+    if mask4 is None:
+        return seqs, None, ops
+    if mask4.dtype != torch.bool:
+        return seqs, _UserMask(mask4, None), ops
+    add = torch.where(mask4, torch.zeros((), dtype=q.dtype, device=q.device),
+                      torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
+    return seqs, _UserMask(add, mask4), ops
 
 
 # on CUDA a call runs its items in order on one stream, so it is cut only where the band or a
@@ -700,21 +729,27 @@ _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
 
 
 def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
-                mask4: Tensor | None, ops: Operands, mask_mods: list) -> Piece | None:
+                mask4: _UserMask | None, ops: Operands, mask_mods: list) -> Piece | None:
     """The one piece a CPU call is, where its forward can be one op call over the whole batch
-    (float32/float64, every batch row of the call's full lengths, each one item of one
-    unmasked piece: no user mask, mask_mod, ALiBi or split-KV), else None."""
+    (float32/float64, every batch row of the call's full lengths, a band that leaves one
+    piece the band does not mask, no mask_mod, ALiBi or split-KV; without a user mask, each
+    sequence one item of it), else None. A call with a user mask is one op call whatever
+    its size, the mask's 0 / -inf read whole as SDPA reads it: its items would wake the
+    worker pool beside OpenMP's team, which spins after each parallel region (libgomp's
+    default), so the pool's first item runs at half speed (docs/benchmarks.md)."""
     if q.device.type != "cpu" or q.dtype not in _WHOLE_CALL_DTYPES or not seqs:
         return None
-    if mask4 is not None or ops.alibi is not None or any(m is not None for m in mask_mods):
+    if ops.alibi is not None or any(m is not None for m in mask_mods):
         return None
     n_q, n_k, band = seqs[0].q1, seqs[0].k1, seqs[0].band
     if (n_q, seqs[0].k0) != (q.shape[2], 0):
         return None
     for s, p, hg in zip(seqs, plans, hgs):
-        if (s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band) or hg != hkv:
+        if (s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band):
             return None
-        if len(p.blocks) != 1 or len(p.ranges) != 1 or p.masked or p.mask_pieces is not None:
+        if len(p.ranges) != 1 or p.mask_pieces is not None:
+            return None
+        if mask4 is None and (len(p.blocks) != 1 or hg != hkv):
             return None
     ps = pieces(band, 0, n_q, n_k)
     if len(ps) != 1 or ps[0].masked or (ps[0].n0, ps[0].n1) != (0, n_k):
@@ -749,8 +784,19 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods)
     if whole is not None:  # one op call (torch's threads); the sinks join as below
         kw, vw = (_rows_packed(t, Nq, config) for t in (k, v))
-        out, lse = kern(False).fwd(q, kw, vw, whole.causal, None, spec.qk_scale)
-        return _sinks_joined(out, lse.to(acc), None, None, ops.sinks)
+        add = None if mask4 is None else mask4.add.to(q.dtype)
+        out, lse = kern(add is not None).fwd(q, kw, vw, whole.causal, add, spec.qk_scale)
+        lse = lse.to(acc)
+        if mask4 is not None:  # rows the mask (and band) hide whole: out 0, lse -inf
+            seen = mask4.add > float("-inf") if mask4.keep is None else mask4.keep
+            band = seqs[0].band.mask(torch.arange(Nq, device=q.device),
+                                     torch.arange(k.shape[2], device=q.device))
+            seen = seen if band is None else seen & band
+            empty = _unseen(seen.expand(*seen.shape[:2], Nq, k.shape[2]))
+            if bool(empty.any()):
+                lse = lse.masked_fill(empty, float("-inf"))
+                out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+        return _sinks_joined(out, lse, None, None, ops.sinks)
     R = max((len(p.ranges) for p in plans), default=1)
     out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)

@@ -7,6 +7,7 @@ pool's workers pull items from one shared counter, each thread with a single int
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -79,6 +80,20 @@ class single_thread:
     def __exit__(self, *exc) -> None:
         if self.saved != 1 and openmp_threads():
             torch.set_num_threads(self.saved)
+
+
+# elements up to which a cheap pass (a reduction, a finiteness sum) runs on the caller's
+# thread alone: about 0.5 ms there, where an op on torch's threads under one busy core waits
+# on the thread the busy core holds, several ms whatever its size (docs/benchmarks.md)
+SMALL_PASS = 1 << 22
+
+
+def small_pass(x: Tensor) -> single_thread | contextlib.nullcontext:
+    """:class:`single_thread` for one cheap pass over ``x`` on the CPU while it holds at
+    most :data:`SMALL_PASS` elements (eager), else nothing changed."""
+    if x.device.type != "cpu" or x.numel() > SMALL_PASS or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return single_thread()
 
 
 class flushed_denormals:

@@ -276,6 +276,10 @@ WHOLE = dict(B=3, H=4, Hkv=2, N=200, D=16)  # small: one op call for the batch (
     (torch.float64, WHOLE, dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))),
     # torch's backward op over a whole batch gave other bits on 1 and 2 threads here
     (torch.float32, dict(B=4, H=6, Hkv=6, N=160, D=40), dict(causal=True)),
+    # a user mask: the forward is one op call over the batch, the backward items
+    (torch.float32, dict(B=3, H=4, Hkv=2, N=300, D=16),
+     dict(attn_mask=torch.rand(1, 1, 300, 300, generator=torch.Generator().manual_seed(5))
+          > 0.3)),
 ])
 def test_bits_do_not_depend_on_threads_or_batch(dtype, shape, kw):
     q, k, v = make_inputs(**shape, dtype=dtype, seed=8)
@@ -317,6 +321,35 @@ def test_a_small_dense_forward_is_one_op_call(monkeypatch, dtype):
     calls.clear()
     attn.attention(q, k, v, backend="fused", window=(20, 0))  # masked pieces: per sequence
     assert len(calls) == 3 and all(c[4] and c[6] == 1 for c in calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["bool", "float per head", "bool causal GQA"])
+def test_a_masked_float_forward_is_one_op_call(monkeypatch, dtype, kind):
+    # float32/float64 with a user mask: one op call over the batch, the whole mask read as
+    # SDPA reads it, whatever the size (its items would run beside OpenMP's spinning team);
+    # rows the mask (and the band) hide whole come back out 0, lse -inf; against the
+    # reference, gradients (an item per piece) included
+    calls = _counting(monkeypatch)
+    H, Hkv = (4, 2) if "GQA" in kind else (4, 4)
+    q, k, v = make_inputs(B=2, H=H, Hkv=Hkv, N=600, D=16, dtype=dtype, seed=11)
+    g = torch.Generator().manual_seed(3)
+    keep = torch.rand(2, 1 if "bool" in kind else H, 600, 600, generator=g) > 0.3
+    keep[1, :, 7] = False  # a row that sees no key
+    keep[0, :, 450] = False
+    mask = keep if "bool" in kind else torch.zeros(keep.shape, dtype=dtype).masked_fill(
+        ~keep, float("-inf")) + torch.randn(keep.shape, generator=g, dtype=dtype)
+    causal = "causal" in kind
+    fn = functools.partial(attn.attention, backend="fused")
+    assert_close_to_reference(fn, q, k, v, attn_mask=mask, causal=causal)
+    calls.clear()
+    out, lse = fn(q, k, v, attn_mask=mask, causal=causal, return_lse=True)
+    assert [c[:1] + c[4:] for c in calls] == [("fwd", True, H, 2)]
+    seen = keep & (torch.ones(600, 600, dtype=torch.bool).tril() if causal else True)
+    empty = ~seen.any(-1).expand(2, H, 600)  # rows 7 and 450 of their batch rows, and more
+    assert bool(empty[1, :, 7].all() and empty[0, :, 450].all())
+    assert torch.equal(lse == float("-inf"), empty) and bool(torch.isfinite(lse[~empty]).all())
+    assert not out[empty].any()
 
 
 # -- what it expresses ---------------------------------------------------------------------------

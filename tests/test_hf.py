@@ -615,6 +615,33 @@ def test_split_band_padding_rejects_other_masks():
         split_band_padding(good.float(), band)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_band_padding_checks_every_row_past_its_sample(causal, monkeypatch):
+    """Past 16 query rows a few sampled rows are tested first: one entry off the pattern in
+    any row (sampled or not) still rejects the mask, and a mask of another kind is rejected
+    by the sample alone (one test of the rows, not two)."""
+    import attn.masks as masks
+    n = 40
+    band = make_band(n, n, causal=causal, window=None)
+    allowed = band.mask(*_grid(n, n))
+    allowed = torch.ones(n, n, dtype=torch.bool) if allowed is None else allowed
+    keys = torch.ones(2, n, dtype=torch.bool)
+    keys[1, :5] = False
+    good = (allowed & keys[:, None, :])[:, None]
+    assert bool((split_band_padding(good, band)[:, 0, 0] == keys).all())
+    for row in range(n):
+        flipped = good.clone()
+        col = int(allowed[row].nonzero()[0])  # a key every later row sees too
+        flipped[0, 0, row, col] = False
+        assert split_band_padding(flipped, band) is None, row
+    calls = []
+    real = masks._band_padding
+    monkeypatch.setattr(masks, "_band_padding", lambda *a: calls.append(a) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    assert split_band_padding(torch.rand(1, 1, n, n, generator=g) > 0.2, band) is None
+    assert len(calls) == 1
+
+
 # -- caches: chunked prefill (bottom-right) and a static cache (top-left mask) -----------------
 
 def test_chunked_prefill_through_the_cache_matches_one_shot():

@@ -7,7 +7,7 @@ rounds (attn.timing.paired), quiet or with one core kept busy (``--busy-core``).
 
 Rows (each fp32 and bf16 unless said):
 - what SDPA computes directly: plain N=2048, top-left causal N=4096, GQA 32:8 D=128 causal
-  N=2048, a padding bool mask N=2048; fwd and fwd+bwd; the training shape B=8 H=12 N=512
+  N=2048, a padding bool mask and a random one N=2048; fwd and fwd+bwd; the training shape B=8 H=12 N=512
   causal fwd+bwd. Target: attn >= 0.97x SDPA.
 - sliding window 1024 at N=16384 and bottom-right causal prefill 512 x 8192 (fwd), SDPA given
   the equivalent dense bool mask. Target: >= 2x.
@@ -61,7 +61,9 @@ def direct_rows(dtypes, rounds):
     cases = [("plain N=2048", 1, 8, 8, 2048, 2048, 64, False, None),
              ("top-left causal N=4096", 1, 8, 8, 4096, 4096, 64, True, None),
              ("GQA 32:8 D=128 causal N=2048", 1, 32, 8, 2048, 2048, 128, True, None),
-             ("padding bool mask N=2048", 2, 8, 8, 2048, 2048, 64, False, "pad")]
+             ("padding bool mask N=2048", 2, 8, 8, 2048, 2048, 64, False, "pad"),
+             # a mask of no band and padding, which every piece reads (1 in 5 pairs hidden)
+             ("random bool mask N=2048", 1, 8, 8, 2048, 2048, 64, False, "random")]
     for dtype in dtypes:
         for name, B, H, Hkv, Nq, Nk, D, causal, mask in cases:
             for grad in (False, True):
@@ -70,6 +72,9 @@ def direct_rows(dtypes, rounds):
                 if mask == "pad":
                     lengths = torch.tensor([Nk, Nk * 3 // 4])
                     m = (torch.arange(Nk)[None] < lengths[:, None])[:, None, None, :]
+                elif mask == "random":
+                    g = torch.Generator().manual_seed(1)
+                    m = torch.rand(B, 1, Nq, Nk, generator=g) > 0.2
                 kw = {"enable_gqa": True} if H != Hkv else {}
                 fns = {"sdpa": _step(lambda: torch_sdpa(q, k, v, attn_mask=m, is_causal=causal,
                                                         **kw), grad)}
