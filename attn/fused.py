@@ -240,6 +240,9 @@ class FusedConfig:
     # an item takes as many kv heads as keep its scores within item_max_scores (one op call
     # per group: small blocks pay attn's per-call cost once per group); 0: one kv head each
     item_max_scores: int = 1 << 21
+    # a CPU call :func:`_whole_call` allows is one op call over the whole batch; CUDA's
+    # pairs take one item (batch 1, one head group) at a time
+    whole_call: bool = True
 
 
 DEFAULT = FusedConfig()
@@ -584,12 +587,20 @@ def _piece_mask(seq: Seq, mask4: _UserMask | None, slopes: Tensor | None, heads:
     return add, (empty if bool(empty.any()) else None)
 
 
-def _unseen(seen: Tensor) -> Tensor:
-    """Rows of a bool ``seen`` (True: the row sees that key) that see no key: the largest
-    byte per row is 0 (a uint8 max, 20-50x faster on CPU than a bool any over the last dim;
-    on the caller's thread alone where small, :func:`attn.workers.small_pass`)."""
+def _unseen(seen: Tensor, causal_rows: int | None = None) -> Tensor:
+    """Rows of a bool ``seen`` (True: the row sees that key; broadcast dims kept) that see no
+    key: the largest byte per row is 0 (a uint8 max, 20-50x faster on CPU than a bool any
+    over the last dim; on the caller's thread alone where small,
+    :func:`attn.workers.small_pass`). With ``causal_rows``, the rows ``0..causal_rows-1`` of
+    a top-left causal call, row i seeing keys j <= i: a row is empty where its first key
+    (the index torch's max returns, the first of the largest) lies past i. No (rows, keys)
+    grid of the band is built."""
     with workers.small_pass(seen):
-        return seen.view(torch.uint8).amax(-1) == 0
+        if causal_rows is None:
+            return seen.view(torch.uint8).amax(-1) == 0
+        most, first = seen.view(torch.uint8).max(-1)
+        rows = torch.arange(causal_rows, device=seen.device)
+        return (most == 0) | (first > rows)
 
 
 def _user_piece(t: Tensor, seq: Seq, heads: slice, m0: int, m1: int, pc: Piece) -> Tensor:
@@ -704,7 +715,7 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
 # mask needs it: one query block per sequence, masks of up to 1024 x 4096
 CUDA = FusedConfig(items_per_row=1, min_block_m=1 << 30, masked_block_m=1024,
                    masked_block_n=4096, bwd_max_runs=1, serial_max_scores=0,
-                   item_max_scores=0, causal_bias=False)
+                   item_max_scores=0, causal_bias=False, whole_call=False)
 
 
 def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
@@ -729,7 +740,8 @@ _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
 
 
 def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
-                mask4: _UserMask | None, ops: Operands, mask_mods: list) -> Piece | None:
+                mask4: _UserMask | None, ops: Operands, mask_mods: list,
+                config: FusedConfig) -> Piece | None:
     """The one piece a CPU call is, where its forward can be one op call over the whole batch
     (float32/float64, every batch row of the call's full lengths, a band that leaves one
     piece the band does not mask, no mask_mod, ALiBi or split-KV; without a user mask, each
@@ -737,7 +749,8 @@ def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: l
     its size, the mask's 0 / -inf read whole as SDPA reads it: its items would wake the
     worker pool beside OpenMP's team, which spins after each parallel region (libgomp's
     default), so the pool's first item runs at half speed (docs/benchmarks.md)."""
-    if q.device.type != "cpu" or q.dtype not in _WHOLE_CALL_DTYPES or not seqs:
+    if (q.device.type != "cpu" or not config.whole_call or q.dtype not in _WHOLE_CALL_DTYPES
+            or not seqs):
         return None
     if ops.alibi is not None or any(m is not None for m in mask_mods):
         return None
@@ -781,7 +794,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     acc = _acc_dtype(q.dtype)
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=False)
-    whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods)
+    whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods, config)
     if whole is not None:  # one op call (torch's threads); the sinks join as below
         kw, vw = (_rows_packed(t, Nq, config) for t in (k, v))
         add = None if mask4 is None else mask4.add.to(q.dtype)
@@ -789,10 +802,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         lse = lse.to(acc)
         if mask4 is not None:  # rows the mask (and band) hide whole: out 0, lse -inf
             seen = mask4.add > float("-inf") if mask4.keep is None else mask4.keep
-            band = seqs[0].band.mask(torch.arange(Nq, device=q.device),
-                                     torch.arange(k.shape[2], device=q.device))
-            seen = seen if band is None else seen & band
-            empty = _unseen(seen.expand(*seen.shape[:2], Nq, k.shape[2]))
+            empty = _unseen(seen, Nq if whole.causal else None)
             if bool(empty.any()):
                 lse = lse.masked_fill(empty, float("-inf"))
                 out = out.masked_fill(empty.unsqueeze(-1), 0.0)
