@@ -737,25 +737,35 @@ def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
 # dtypes whose forward torch's CPU kernel computes per (batch row, head) alike whatever the
 # call's batch or threads (docs/design.md, "The fused backend", Items: the one exception)
 _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
+# torch's CPU kernel gives each of its threads a scratch buffer, thread t's at t times the
+# buffer's size; every term of that size is a multiple of the 32-row query split once a call
+# has 32 query rows or more, so each thread's buffer then starts aligned alike. With fewer
+# rows it does not, and the kernel's bits depend on where its buffer lies: float32 D=8 and
+# float64 at odd N in 9..31 gave other out/dQ/dK bits on the op's second thread (torch 2.13,
+# AMD EPYC Zen 3). Such calls keep their items (one intra-op thread each, always thread 0).
+_WHOLE_CALL_MIN_ROWS = 32
 
 
 def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
                 mask4: _UserMask | None, ops: Operands, mask_mods: list,
                 config: FusedConfig) -> Piece | None:
-    """The one piece a CPU call is, where its forward can be one op call over the whole batch
-    (float32/float64, every batch row of the call's full lengths, a band that leaves one
-    piece the band does not mask, no mask_mod, ALiBi or split-KV; without a user mask, each
-    sequence one item of it), else None. A call with a user mask is one op call whatever
-    its size, the mask's 0 / -inf read whole as SDPA reads it: its items would wake the
-    worker pool beside OpenMP's team, which spins after each parallel region (libgomp's
-    default), so the pool's first item runs at half speed (docs/benchmarks.md)."""
+    """The one piece a CPU call is, where its forward or backward (``plans`` and ``hgs``
+    its own) can be one op call over the whole batch (float32/float64, at least
+    :data:`_WHOLE_CALL_MIN_ROWS` query rows, every batch row of the call's full lengths, a
+    band that leaves one piece the band does not mask, no mask_mod, ALiBi or split-KV;
+    without a user mask, each sequence one item of it: the same bits as its items, since
+    torch's op computes each row and head alone), else None. A call with a user mask is one
+    op call whatever its size, the mask's 0 / -inf read whole as SDPA reads it (whether a
+    call is one depends on the call, never on the batch): its items would wake the worker
+    pool beside OpenMP's team, which spins after each parallel region (libgomp's default),
+    so the pool's first item runs at half speed (docs/benchmarks.md)."""
     if (q.device.type != "cpu" or not config.whole_call or q.dtype not in _WHOLE_CALL_DTYPES
             or not seqs):
         return None
     if ops.alibi is not None or any(m is not None for m in mask_mods):
         return None
     n_q, n_k, band = seqs[0].q1, seqs[0].k1, seqs[0].band
-    if (n_q, seqs[0].k0) != (q.shape[2], 0):
+    if (n_q, seqs[0].k0) != (q.shape[2], 0) or n_q < _WHOLE_CALL_MIN_ROWS:
         return None
     for s, p, hg in zip(seqs, plans, hgs):
         if (s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band):
@@ -1005,6 +1015,19 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         minus = -dlse.to(acc)
         hi = minus.to(q.dtype)
         pad = torch.stack([hi, (minus - hi.to(acc)).to(q.dtype)], -1)  # (B, H, Nq, 2)
+    whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods, config)
+    if whole is not None:  # one op call (torch's threads)
+        qw, kw, vw, ow, dow = q, k, v, out, do
+        if pad is not None:  # Δ - dlse through two more columns, as per piece
+            qw, kw, vw = (torch.nn.functional.pad(t, (0, 2)) for t in (q, k, v))
+            ow = torch.cat([out, pad], -1)
+            dow = torch.nn.functional.pad(do, (0, 2), value=1.0)
+        add = None if mask4 is None else mask4.add.to(q.dtype)
+        gq, gk, gv = kern(add is not None).bwd(dow, qw, kw, vw, ow, lse_in, whole.causal, add,
+                                               spec.qk_scale)
+        dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc)
+        return Grads(gq[..., :D].to(acc), gk[..., :D].to(acc), gv[..., :Dv].to(acc), None,
+                     dsinks, None, ())
     dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
     dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)

@@ -276,7 +276,14 @@ WHOLE = dict(B=3, H=4, Hkv=2, N=200, D=16)  # small: one op call for the batch (
     (torch.float64, WHOLE, dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))),
     # torch's backward op over a whole batch gave other bits on 1 and 2 threads here
     (torch.float32, dict(B=4, H=6, Hkv=6, N=160, D=40), dict(causal=True)),
-    # a user mask: the forward is one op call over the batch, the backward items
+    # fewer than 32 query rows: the op's threads' scratch buffers align apart, and its bits
+    # with them (one op call over the batch gave other bits on 2 threads here)
+    (torch.float64, dict(B=5, H=2, Hkv=1, N=17, D=32), {}),
+    (torch.float32, dict(B=5, H=2, Hkv=2, N=17, D=8), dict(causal=True)),
+    # 33 rows: one op call each way, its threads' buffers aligned alike (a torch whose
+    # buffers are cut otherwise fails here)
+    (torch.float64, dict(B=5, H=2, Hkv=1, N=33, D=8), {}),
+    # a user mask: the forward and the backward are one op call each over the batch
     (torch.float32, dict(B=3, H=4, Hkv=2, N=300, D=16),
      dict(attn_mask=torch.rand(1, 1, 300, 300, generator=torch.Generator().manual_seed(5))
           > 0.3)),
@@ -304,11 +311,11 @@ def test_bits_do_not_depend_on_threads_or_batch(dtype, shape, kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_small_dense_forward_is_one_op_call(monkeypatch, dtype):
+def test_a_small_dense_call_is_one_op_call_each_way(monkeypatch, dtype):
     # float32/float64 calls of one unmasked piece per sequence: torch's kernel runs the
-    # whole batch's forward at once (it computes each row and head alone there, see the
-    # bits test), the backward an item per sequence; against the reference, with the lse's
-    # gradient (two more columns) and sinks
+    # whole batch's forward at once and its backward at once (it computes each row and head
+    # alone there, see the bits test); against the reference, with the lse's gradient (two
+    # more columns) and sinks
     calls = _counting(monkeypatch)
     q, k, v = make_inputs(**WHOLE, dtype=dtype, seed=9)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=dtype).requires_grad_()
@@ -317,7 +324,7 @@ def test_a_small_dense_forward_is_one_op_call(monkeypatch, dtype):
     fwd = [c for c in calls if c[0] == "fwd"]
     assert fwd and all(c[1:3] + c[5:] == (200, 200, 4, 3) for c in fwd)
     bwd = [c for c in calls if c[0] == "bwd"]
-    assert len(bwd) == 3 * len(fwd) and all(c[1:3] + c[5:] == (200, 200, 4, 1) for c in bwd)
+    assert len(bwd) == len(fwd) and all(c[1:3] + c[5:] == (200, 200, 4, 3) for c in bwd)
     calls.clear()
     attn.attention(q, k, v, backend="fused", window=(20, 0))  # masked pieces: per sequence
     assert len(calls) == 3 and all(c[4] and c[6] == 1 for c in calls)
@@ -325,11 +332,11 @@ def test_a_small_dense_forward_is_one_op_call(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["bool", "float per head", "bool causal GQA"])
-def test_a_masked_float_forward_is_one_op_call(monkeypatch, dtype, kind):
-    # float32/float64 with a user mask: one op call over the batch, the whole mask read as
-    # SDPA reads it, whatever the size (its items would run beside OpenMP's spinning team);
-    # rows the mask (and the band) hide whole come back out 0, lse -inf; against the
-    # reference, gradients (an item per piece) included
+def test_a_masked_float_call_is_one_op_call_each_way(monkeypatch, dtype, kind):
+    # float32/float64 with a user mask: one op call over the batch each way, the whole mask
+    # read as SDPA reads it, whatever the size (its items would run beside OpenMP's spinning
+    # team); rows the mask (and the band) hide whole come back out 0, lse -inf, and get no
+    # gradient; against the reference, gradients included
     calls = _counting(monkeypatch)
     H, Hkv = (4, 2) if "GQA" in kind else (4, 4)
     q, k, v = make_inputs(B=2, H=H, Hkv=Hkv, N=600, D=16, dtype=dtype, seed=11)
@@ -350,6 +357,11 @@ def test_a_masked_float_forward_is_one_op_call(monkeypatch, dtype, kind):
     assert bool(empty[1, :, 7].all() and empty[0, :, 450].all())
     assert torch.equal(lse == float("-inf"), empty) and bool(torch.isfinite(lse[~empty]).all())
     assert not out[empty].any()
+    calls.clear()
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    fn(qg, kg, vg, attn_mask=mask, causal=causal).sum().backward()
+    assert [c[:1] + c[4:] for c in calls] == [("fwd", True, H, 2), ("bwd", True, H, 2)]
+    assert not qg.grad[empty].any()
 
 
 # -- what it expresses ---------------------------------------------------------------------------
