@@ -5,19 +5,10 @@
 # busier run is kept per cell) and the targets run again, quiet then busy.
 # Run from the checkout's root; results land beside this script.
 set -euo pipefail
+source benchmarks/results/cpu_issue42/lib.sh
 here=benchmarks/results/cpu_issue42/session_1206
-table=attn/auto_table.json
-python benchmarks/experiments/issue42_targets.py --rounds 4 --out "$here/targets_quiet_before"
-for mode in quiet busy; do
-  busy=(); [ "$mode" = busy ] && busy=(--busy-core)
-  attn bench auto-table --dtype float32 bfloat16 float16 --rounds 4 "${busy[@]}" \
-    --out "$here/auto_table_$mode" --write "$table"
-done
-for mode in quiet busy; do
-  busy=(); [ "$mode" = busy ] && busy=(--busy-core)
-  python benchmarks/experiments/issue42_targets.py --rounds 4 "${busy[@]}" --out "$here/targets_$mode"
-done
-attn bench memory --n 1024 4096 16384 --backends tiled fused sdpa --mode fwd+bwd --causal true \
-  --out "$here/memory"
-attn bench speed --paired --threads 2 --no-compiled --flex-max-n 0 --n 4096 16384 --mode fwd \
-  --causal true --dtype float32 bfloat16 --repeats 3 --out "$here/matmul_fraction"
+python $targets --rounds 4 --out "$here/targets_quiet_before"
+each_mode table_step 4 auto_table
+step() { python $targets --rounds 4 "${busy[@]}" --out "$here/targets_$mode"; }
+each_mode step
+memory_and_rate rate

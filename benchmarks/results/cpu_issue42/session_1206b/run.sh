@@ -5,29 +5,16 @@
 # targets' direct rows (the random bool mask row is new) in float32, quiet then busy, and the
 # auto-table's masked class in float32.
 set -euo pipefail
+source benchmarks/results/cpu_issue42/lib.sh
 here=benchmarks/results/cpu_issue42/session_1206b
-script=benchmarks/experiments/issue42_targets.py
-for mode in quiet busy; do
-  busy=(); [ "$mode" = busy ] && busy=(--busy-core)
-  PYTHONPATH=/tmp/base python $script --rounds 5 --dtype float32 --parts direct "${busy[@]}" \
-    --out "$here/targets_before_$mode"
-  python $script --rounds 5 --dtype float32 --parts direct "${busy[@]}" --out "$here/targets_$mode"
-  # (python -m puts the working folder first on sys.path: run "before" from /tmp/base)
-  (cd /tmp/base && python -m attn bench auto-table --dtype float32 --classes masked \
-    --rounds 8 "${busy[@]}" --out "$OLDPWD/$here/auto_table_before_$mode")
-  python -m attn bench auto-table --dtype float32 --classes masked --rounds 8 "${busy[@]}" \
-    --out "$here/auto_table_$mode"
-done
+step() {
+  targets_in /tmp/base targets_before --rounds 5 --dtype float32 --parts direct
+  targets_in "$PWD" targets --rounds 5 --dtype float32 --parts direct
+  table_in /tmp/base auto_table_before --dtype float32 --classes masked --rounds 8
+  table_in "$PWD" auto_table --dtype float32 --classes masked --rounds 8
+}
+each_mode step
 # the committed entry's masked float32 cell again, 16 rounds, quiet and busy, written
-python - <<'PY'
-import json
-p = "attn/auto_table.json"
-d = json.load(open(p))
-del d["avx2"]["entries"]["float32"]["masked"]
-open(p, "w").write(json.dumps(d, indent=1, sort_keys=True) + "\n")
-PY
-for mode in quiet busy; do
-  busy=(); [ "$mode" = busy ] && busy=(--busy-core)
-  python -m attn bench auto-table --dtype float32 --classes masked --rounds 16 "${busy[@]}" \
-    --out "$here/auto_table16_$mode" --write attn/auto_table.json
-done
+forget float32 masked
+step16() { table_in "$PWD" auto_table16 --dtype float32 --classes masked --rounds 16 --write "$table"; }
+each_mode step16
