@@ -227,6 +227,9 @@ def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
     cls = choose.call_class(call.n_q, call.n_k, call.grad,
                             call.mask is not None and not call.mask_padding)
     name, because = choose.preferred(choose.cpu_kind(), call.dtype, cls)
+    if name == "fused" and cls in ("tiny", "small") and fused.cut_per_sequence(call):
+        name, because = "tiled", (f"a {cls} call fused would cut into items per sequence, "
+                                  f"where the table's cell measured one op call: {because}")
     if name == "fused":
         return BackendChoice("fused", f"auto: fused, torch's CPU kernel per block ({because})")
     return BackendChoice("tiled", f"auto: tiled ({because}); {_tiled_reason(call)}")

@@ -16,14 +16,17 @@ from pathlib import Path
 import torch
 
 TABLE_PATH = Path(__file__).with_name("auto_table.json")
-CLASSES = ("decode", "chunk", "small", "dense", "train", "masked")
+CLASSES = ("decode", "chunk", "tiny", "small", "dense", "train", "masked")
 # Where the table has no entry for this kind of CPU: torch's kernel (fused) for what it
 # expresses, except decoding, where tiled's split-KV read the keys faster on every CPU
 # measured so far, and small calls, whose many tiny per-sequence kernel calls cost more in
 # Python than tiled's batched tiles (docs/benchmarks.md).
-FALLBACK = {"decode": "tiled", "chunk": "tiled", "small": "tiled", "dense": "fused",
-            "train": "fused", "masked": "fused"}
+FALLBACK = {"decode": "tiled", "chunk": "tiled", "tiny": "tiled", "small": "tiled",
+            "dense": "fused", "train": "fused", "masked": "fused"}
 SMALL_SCORES = 1 << 14  # query x key pairs per sequence and head up to which a call is small
+# query rows below which a small call is tiny: fused runs it as per-sequence items, never as
+# one op call over the batch (attn.fused._WHOLE_CALL_MIN_ROWS, the same number)
+SMALL_MIN_Q = 32
 CHUNK_MAX_Q = 128  # query rows per head up to which a call against 8x as many keys is a chunk
 
 
@@ -62,14 +65,15 @@ def call_class(n_q: int, n_k: int, grad: bool, masked: bool) -> str:
     """A call's class for the table: ``decode`` (at most 16 query rows per head, no
     gradient), ``chunk`` (a chunked prefill: at most :data:`CHUNK_MAX_Q` query rows against
     at least 8x as many keys, no gradient), ``small`` (at most :data:`SMALL_SCORES` query x
-    key pairs), ``train`` (a gradient will be asked), ``masked`` (a user mask other than key
-    padding, which the fused backend takes as a cut of the keys), else ``dense``."""
+    key pairs; ``tiny`` with fewer than :data:`SMALL_MIN_Q` query rows), ``train`` (a
+    gradient will be asked), ``masked`` (a user mask other than key padding, which the fused
+    backend takes as a cut of the keys), else ``dense``."""
     if n_q <= 16 and not grad:
         return "decode"
     if n_q <= CHUNK_MAX_Q and n_k >= 8 * n_q and not grad and not masked:
         return "chunk"
     if n_q * n_k <= SMALL_SCORES:
-        return "small"
+        return "tiny" if n_q < SMALL_MIN_Q else "small"
     if grad:
         return "train"
     return "masked" if masked else "dense"

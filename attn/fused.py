@@ -191,6 +191,18 @@ def call_reason(call) -> str | None:
     return ops_reason(call.device)
 
 
+def cut_per_sequence(call) -> bool:
+    """Whether fused runs each sequence of ``call`` as items of its own (a window's or
+    ALiBi's masked pieces, a bottom-right diagonal, a mask_mod, packed or key-padded
+    sequences) rather than as one op call over the batch, which is what the table's ``tiny``
+    and ``small`` cells measure: the toy GPT's recall steps (a window of 1 in their first
+    layer) ran fused at 0.37x tiled's tokens/s (docs/benchmarks.md)."""
+    if call.varlen or call.mask_mod or call.alibi or call.mask_padding:
+        return True
+    ps = pieces(call.band, 0, call.n_q, call.n_k)
+    return len(ps) != 1 or ps[0].masked or (ps[0].n0, ps[0].n1) != (0, call.n_k)
+
+
 def cuda_verified(call) -> str | None:
     """The op that ``attn gpu-check`` verified for this CUDA call (its torch, arch, dtype and
     head dim; one that also takes masked pieces) and measured at least as fast as triton,
@@ -234,6 +246,11 @@ class FusedConfig:
     split_max_chunks: int = 8
     # calls smaller than this (scores visited) run their items in order on the caller
     serial_max_scores: int = 1 << 16
+    # a call below 32 query rows that :func:`_whole_call` allows is one op call on the
+    # caller's thread alone up to this many scores (such rows are a few GEMMs of at most 31
+    # rows each: one call of 4 Mi scores is ~10-20 ms on one core, where as items each
+    # sequence would pay attn's ~0.1 ms of Python), else its items
+    serial_call_max_scores: int = 1 << 22
     # ALiBi's causal diagonals keep torch's causal flag beside their bias (the CPU op takes
     # both: no -inf in the bias, no check for rows without keys), else they are masked
     causal_bias: bool = True
@@ -742,8 +759,18 @@ _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
 # has 32 query rows or more, so each thread's buffer then starts aligned alike. With fewer
 # rows it does not, and the kernel's bits depend on where its buffer lies: float32 D=8 and
 # float64 at odd N in 9..31 gave other out/dQ/dK bits on the op's second thread (torch 2.13,
-# AMD EPYC Zen 3). Such calls keep their items (one intra-op thread each, always thread 0).
+# AMD EPYC Zen 3). Such a call is one op call only on the caller's thread alone (always the
+# first buffer, as its items), up to FusedConfig.serial_call_max_scores, else it keeps its
+# items.
 _WHOLE_CALL_MIN_ROWS = 32
+
+
+def _whole_threads(q: Tensor) -> contextlib.AbstractContextManager:
+    """How a call's one op call runs: on torch's threads from :data:`_WHOLE_CALL_MIN_ROWS`
+    query rows, below on the caller's thread alone."""
+    if q.shape[2] >= _WHOLE_CALL_MIN_ROWS:
+        return contextlib.nullcontext()
+    return workers.single_thread()
 
 
 def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
@@ -751,7 +778,8 @@ def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: l
                 config: FusedConfig) -> Piece | None:
     """The one piece a CPU call is, where its forward or backward (``plans`` and ``hgs``
     its own) can be one op call over the whole batch (float32/float64, at least
-    :data:`_WHOLE_CALL_MIN_ROWS` query rows, every batch row of the call's full lengths, a
+    :data:`_WHOLE_CALL_MIN_ROWS` query rows or a call small enough to run on the caller's
+    thread alone (``config.serial_call_max_scores``), every batch row of the call's full lengths, a
     band that leaves one piece the band does not mask, no mask_mod, ALiBi or split-KV;
     without a user mask, each sequence one item of it: the same bits as its items, since
     torch's op computes each row and head alone), else None. A call with a user mask is one
@@ -765,7 +793,11 @@ def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: l
     if ops.alibi is not None or any(m is not None for m in mask_mods):
         return None
     n_q, n_k, band = seqs[0].q1, seqs[0].k1, seqs[0].band
-    if (n_q, seqs[0].k0) != (q.shape[2], 0) or n_q < _WHOLE_CALL_MIN_ROWS:
+    if (n_q, seqs[0].k0) != (q.shape[2], 0):
+        return None
+    if n_q < _WHOLE_CALL_MIN_ROWS and (
+            n_q * n_k * q.shape[0] * q.shape[1] > config.serial_call_max_scores
+            or not workers.openmp_threads() or torch.compiler.is_compiling()):
         return None
     for s, p, hg in zip(seqs, plans, hgs):
         if (s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band):
@@ -782,11 +814,21 @@ def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: l
 
 def _plans(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
            config: FusedConfig, *, backward: bool) -> tuple[list[_Plan], list, list[int]]:
-    """Each sequence's plan, mask_mod in its own positions (or None) and kv heads per item."""
+    """Each sequence's plan, mask_mod in its own positions (or None) and kv heads per item.
+    Without a mask_mod or block mask a plan depends on the sequence's lengths and band
+    alone: made once per distinct one (a batch of 64 rows: one plan, not 64)."""
     H, Hkv = q.shape[1], k.shape[1]
-    plans = [plan(s, Hkv, spec, ops, config, backward=backward, heads=H) for s in seqs]
+    per_row = spec.mask_mod is not None or spec.mask_blocks is not None
+    made: dict = {}
+    plans, hgs = [], []
+    for s in seqs:
+        key = s if per_row else (s.q1 - s.q0, s.k1 - s.k0, s.band)
+        if key not in made:
+            p = plan(s, Hkv, spec, ops, config, backward=backward, heads=H)
+            made[key] = p, head_group(s, p, Hkv, H // Hkv, config)
+        plans.append(made[key][0])
+        hgs.append(made[key][1])
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
-    hgs = [head_group(s, p, Hkv, H // Hkv, config) for s, p in zip(seqs, plans)]
     return plans, mask_mods, hgs
 
 
@@ -808,7 +850,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     if whole is not None:  # one op call (torch's threads); the sinks join as below
         kw, vw = (_rows_packed(t, Nq, config) for t in (k, v))
         add = None if mask4 is None else mask4.add.to(q.dtype)
-        out, lse = kern(add is not None).fwd(q, kw, vw, whole.causal, add, spec.qk_scale)
+        with _whole_threads(q):
+            out, lse = kern(add is not None).fwd(q, kw, vw, whole.causal, add, spec.qk_scale)
         lse = lse.to(acc)
         if mask4 is not None:  # rows the mask (and band) hide whole: out 0, lse -inf
             seen = mask4.add > float("-inf") if mask4.keep is None else mask4.keep
@@ -905,7 +948,10 @@ def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAU
     """How many kv heads (and their G query heads each) one item of ``seq`` takes: the most
     that divide ``hkv`` with an item's scores (a block, or a key range, per head, times the
     heads) within ``config.item_max_scores``, at least 1. The sequence's lengths, its plan
-    and the model's heads alone decide."""
+    and the model's heads alone decide (a sequence without query rows has no blocks, nor
+    items: all its kv heads)."""
+    if not p.blocks:
+        return hkv
     per_head = ((seq.q1 - seq.q0) * (seq.k1 - seq.k0)
                 // (len(p.blocks) * len(p.ranges)))
     fits = [d for d in range(1, hkv + 1)
@@ -1006,7 +1052,6 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     if precise is not None and lse_too_large(lse, q.dtype):
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
     plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=True)
-    runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
     # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
     lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
     do = do.to(q.dtype)
@@ -1023,11 +1068,13 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             ow = torch.cat([out, pad], -1)
             dow = torch.nn.functional.pad(do, (0, 2), value=1.0)
         add = None if mask4 is None else mask4.add.to(q.dtype)
-        gq, gk, gv = kern(add is not None).bwd(dow, qw, kw, vw, ow, lse_in, whole.causal, add,
-                                               spec.qk_scale)
+        with _whole_threads(q):
+            gq, gk, gv = kern(add is not None).bwd(dow, qw, kw, vw, ow, lse_in, whole.causal,
+                                                   add, spec.qk_scale)
         dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc)
         return Grads(gq[..., :D].to(acc), gk[..., :D].to(acc), gv[..., :Dv].to(acc), None,
                      dsinks, None, ())
+    runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
     dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
     dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
     dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)

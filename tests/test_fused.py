@@ -256,6 +256,25 @@ def test_packed_sequences_with_a_hidden_non_finite_key(kw):
     torch.testing.assert_close(out[rows], want[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_packed_sequences_without_rows_or_keys(dtype):
+    # empty sequences (no queries, no keys, or neither) between real ones: no items, no
+    # op call, and every other sequence exact, gradients included (a sequence with no
+    # query rows once divided by its zero blocks)
+    cu_q, cu_k = torch.tensor([0, 0, 9, 9, 40, 40]), torch.tensor([0, 5, 5, 17, 50, 50])
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(n, 4, 16, generator=g, dtype=dtype).requires_grad_()
+               for n in (40, 50, 50))
+    do = torch.randn(40, 4, 16, generator=g, dtype=dtype)
+    res = []
+    for backend in ("fused", "reference"):
+        out = attn.varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend=backend)
+        res.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    for got, want in zip(*res):
+        torch.testing.assert_close(got, want.to(dtype), **tol)
+
+
 def _grads(q, k, v, **kw):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out, lse = attn.attention(q, k, v, backend="fused", return_lse=True, **kw)
@@ -452,11 +471,43 @@ def test_auto_reads_the_committed_table_per_cpu_kind_dtype_and_class(monkeypatch
     (17, 4096, False, False, "chunk"), (128, 1024, False, False, "chunk"),
     (129, 4096, False, False, "dense"), (128, 1023, False, False, "dense"),
     (64, 4096, True, False, "train"), (64, 4096, False, True, "masked"),
-    (64, 256, False, False, "small"), (2048, 2048, False, False, "dense")])
+    (64, 256, False, False, "small"), (2048, 2048, False, False, "dense"),
+    (31, 31, True, False, "tiny"), (32, 32, True, False, "small"), (20, 100, False, True, "tiny"),
+    (12, 12, True, False, "tiny")])
 def test_call_classes(n_q, n_k, grad, masked, cls):
     # a chunked prefill (a few query rows, many keys) is its own class: the dense square
     # call the table measures says little about it (fused 0.6x tiled at 32 x 2048 here)
     assert attn.choose.call_class(n_q, n_k, grad, masked) == cls
+
+
+def test_small_calls_fused_would_cut_per_sequence_take_tiled(monkeypatch):
+    # the table's tiny and small cells measure one op call over the batch: a small call
+    # fused would run as items per sequence (a window, ALiBi, bottom-right causal, packed,
+    # key padding) takes tiled whatever the cell says; a large one keeps the cell's choice
+    from attn import choose
+    table = {"testkind": {"cpu": "a test CPU", "entries": {"float32": {
+        c: {"backend": "fused", "ratio": 0.5} for c in ("tiny", "small", "train")}}}}
+    monkeypatch.setattr(choose, "cpu_kind", lambda: "testkind")
+    monkeypatch.setattr(choose, "load_table", lambda: table)
+
+    def choice(**kw):
+        base = dict(device="cpu", dtype=torch.float32, head_dim=16, head_dim_v=16, n_q=12,
+                    n_k=12, grad=True, band=Band(0, None, 0))
+        return attn.select_backend(attn.AttentionCall(**{**base, **kw}))
+    assert choice().name == "fused" and choice(n_q=64, n_k=64).name == "fused"
+    assert choice(band=Band()).name == "fused"
+    for kw in (dict(band=Band(0, 1, 0)), dict(alibi=True), dict(varlen=True),
+               dict(n_q=8, band=Band(4, None, 0)), dict(mask="bool", mask_padding=True),
+               dict(n_q=64, n_k=64, band=Band(0, 8, 0))):
+        got = choice(**kw)
+        assert got.name == "tiled" and "items per sequence" in got.reason, (kw, got)
+    assert choice(n_q=512, n_k=512, band=Band(0, 8, 0)).name == "fused"  # train: no such rule
+
+
+def test_tiny_calls_are_those_fused_cannot_make_one_op_call():
+    # below this many query rows fused runs per-sequence items (its op's threads' buffers
+    # align apart): the table's tiny class
+    assert attn.choose.SMALL_MIN_Q == fused._WHOLE_CALL_MIN_ROWS
 
 
 def test_the_committed_table_is_well_formed():

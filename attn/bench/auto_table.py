@@ -27,6 +27,7 @@ from attn.timing import median_ratio, paired
 SHAPES = {
     "decode": (1, 32, 8, 1, 16384, 128, False, False, False),
     "chunk": (1, 32, 8, 64, 4096, 128, True, False, False),  # a chunked prefill's step
+    "tiny": (64, 4, 4, 12, 12, 16, True, False, True),  # the toy GPT's recall training step
     "small": (32, 4, 4, 64, 64, 16, True, False, True),  # a toy model's training step
     "dense": (1, 8, 8, 2048, 2048, 64, True, False, False),
     "train": (2, 8, 8, 1024, 1024, 64, True, False, True),

@@ -47,7 +47,7 @@ d = json.load(open("attn/auto_table.json"))
 if len(sys.argv) == 1:
     d.pop(choose.cpu_kind(), None)
 else:
-    del d[choose.cpu_kind()]["entries"][sys.argv[1]][sys.argv[2]]
+    d[choose.cpu_kind()]["entries"][sys.argv[1]].pop(sys.argv[2], None)
 open("attn/auto_table.json", "w").write(json.dumps(d, indent=1, sort_keys=True) + "\n")
 PY
 }

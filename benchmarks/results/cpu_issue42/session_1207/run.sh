@@ -19,3 +19,15 @@ each_mode step
 forget float32 small
 step16() { table_in "$PWD" auto_table16 --dtype float32 --classes small --rounds 16 --write "$table"; }
 each_mode step16
+# the small cell's fused choice sent the toy GPT's recall steps (B=64 H=4 N=12: below fused's
+# 32-row floor for one op call, so 64 items a direction) to fused: the class `tiny` (small,
+# fewer than 32 query rows) measured on its own, quiet and busy, written: fused/tiled 3.69
+# quiet, 2.15 busy (auto_table_tiny_*). Then such calls, small enough for their items to run
+# in order on the caller, became one op call on the caller's thread alone, and a plan is
+# made once per distinct sequence length: tiny and small again, 16 rounds, written
+forget float32 tiny
+step_tiny() {
+  table_in "$PWD" auto_table_tiny_one_call --dtype float32 --classes tiny small --rounds 16 \
+    --write "$table"
+}
+each_mode step_tiny
