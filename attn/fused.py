@@ -779,8 +779,9 @@ def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: l
     """The one piece a CPU call is, where its forward or backward (``plans`` and ``hgs``
     its own) can be one op call over the whole batch (float32/float64, at least
     :data:`_WHOLE_CALL_MIN_ROWS` query rows or a call small enough to run on the caller's
-    thread alone (``config.serial_call_max_scores``), every batch row of the call's full lengths, a
-    band that leaves one piece the band does not mask, no mask_mod, ALiBi or split-KV;
+    thread alone, ``config.serial_call_max_scores``; every batch row of the call's full
+    lengths, a band that leaves one piece the band does not mask, no mask_mod, ALiBi or
+    split-KV;
     without a user mask, each sequence one item of it: the same bits as its items, since
     torch's op computes each row and head alone), else None. A call with a user mask is one
     op call whatever its size, the mask's 0 / -inf read whole as SDPA reads it (whether a
@@ -847,7 +848,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=False)
     whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods, config)
-    if whole is not None:  # one op call (torch's threads); the sinks join as below
+    if whole is not None:  # one op call (_whole_threads); the sinks join as below
         kw, vw = (_rows_packed(t, Nq, config) for t in (k, v))
         add = None if mask4 is None else mask4.add.to(q.dtype)
         with _whole_threads(q):
@@ -1061,7 +1062,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         hi = minus.to(q.dtype)
         pad = torch.stack([hi, (minus - hi.to(acc)).to(q.dtype)], -1)  # (B, H, Nq, 2)
     whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods, config)
-    if whole is not None:  # one op call (torch's threads)
+    if whole is not None:  # one op call (_whole_threads)
         qw, kw, vw, ow, dow = q, k, v, out, do
         if pad is not None:  # Δ - dlse through two more columns, as per piece
             qw, kw, vw = (torch.nn.functional.pad(t, (0, 2)) for t in (q, k, v))
