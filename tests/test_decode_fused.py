@@ -159,7 +159,10 @@ def test_the_op_gets_keys_packed_past_decoding(fused_reads, monkeypatch):
         strides.append((k.shape[2], k.stride(2), v.stride(2)))
         return ops.fwd(q, k, v, *a, **kw)
     monkeypatch.setattr(fused, "_cpu_ops", lambda: ops._replace(fwd=fwd))
-    cache, g = cache_of([0, 1, 97, 400], 16, "in order")
+    # every sequence from position 0: 20 rows against 400 keys are a chunk (against fewer
+    # than 160 they would be a tiny call, which auto sends to tiled where fused cuts it per
+    # sequence, as a bottom-right diagonal does)
+    cache, g = cache_of([0, 1, 97, 400], 16, "in order", starts=(0, 0, 0, 0))
     for nq, stride in ((20, D), (1, HKV * D)):
         strides.clear()
         q = torch.randn(4, H, nq, D, generator=g)
