@@ -24,8 +24,8 @@ CLASSES = ("decode", "chunk", "tiny", "small", "dense", "train", "masked")
 FALLBACK = {"decode": "tiled", "chunk": "tiled", "tiny": "tiled", "small": "tiled",
             "dense": "fused", "train": "fused", "masked": "fused"}
 SMALL_SCORES = 1 << 14  # query x key pairs per sequence and head up to which a call is small
-# query rows below which a small call is tiny: fused runs it as per-sequence items, never as
-# one op call over the batch (attn.fused._WHOLE_CALL_MIN_ROWS, the same number)
+# query rows below which a small call is tiny: fused's one op call over the batch runs on the
+# caller's thread alone there, never on torch's threads (attn.fused._WHOLE_CALL_MIN_ROWS)
 SMALL_MIN_Q = 32
 CHUNK_MAX_Q = 128  # query rows per head up to which a call against 8x as many keys is a chunk
 

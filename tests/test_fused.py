@@ -504,9 +504,9 @@ def test_small_calls_fused_would_cut_per_sequence_take_tiled(monkeypatch):
     assert choice(n_q=512, n_k=512, band=Band(0, 8, 0)).name == "fused"  # train: no such rule
 
 
-def test_tiny_calls_are_those_fused_cannot_make_one_op_call():
-    # below this many query rows fused runs per-sequence items (its op's threads' buffers
-    # align apart): the table's tiny class
+def test_tiny_calls_are_those_below_fuseds_threaded_one_op_call():
+    # below this many query rows fused's one op call runs on the caller's thread alone (the
+    # op's threads' buffers align apart): the table's tiny class
     assert attn.choose.SMALL_MIN_Q == fused._WHOLE_CALL_MIN_ROWS
 
 
