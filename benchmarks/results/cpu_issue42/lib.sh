@@ -22,6 +22,15 @@ targets_in() {
   PYTHONPATH=$tree python $targets "$@" "${busy[@]}" --out "$here/${name}_$mode"
 }
 
+# ab_targets BEFORE ARGS...: the targets on the attn of the checkout BEFORE (targets_before)
+# and on this checkout's (targets)
+ab_targets() {
+  local before=$1
+  shift
+  targets_in "$before" targets_before "$@"
+  targets_in "$PWD" targets "$@"
+}
+
 # table_in TREE NAME ARGS...: TREE's attn bench auto-table, into $here/NAME_$mode (python -m
 # puts the working folder first on sys.path: it runs from TREE)
 table_in() {

@@ -8,8 +8,7 @@ set -euo pipefail
 source benchmarks/results/cpu_issue42/lib.sh
 here=benchmarks/results/cpu_issue42/session_1206b
 step() {
-  targets_in /tmp/base targets_before --rounds 5 --dtype float32 --parts direct
-  targets_in "$PWD" targets --rounds 5 --dtype float32 --parts direct
+  ab_targets /tmp/base --rounds 5 --dtype float32 --parts direct
   table_in /tmp/base auto_table_before --dtype float32 --classes masked --rounds 8
   table_in "$PWD" auto_table --dtype float32 --classes masked --rounds 8
 }

@@ -8,8 +8,4 @@
 set -euo pipefail
 source benchmarks/results/cpu_issue42/lib.sh
 here=benchmarks/results/cpu_issue42/session_1207b
-step() {
-  targets_in /work/main targets_before --rounds 5 --dtype float32 --parts direct
-  targets_in "$PWD" targets --rounds 5 --dtype float32 --parts direct
-}
-each_mode step
+each_mode ab_targets /work/main --rounds 5 --dtype float32 --parts direct
