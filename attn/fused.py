@@ -191,6 +191,15 @@ def call_reason(call) -> str | None:
     return ops_reason(call.device)
 
 
+def _one_piece(band: Band, n_q: int, n_k: int) -> Piece | None:
+    """The piece a sequence of ``n_q`` rows and ``n_k`` keys is where ``band`` leaves it one
+    piece of all its keys that needs no mask (none, or top-left causal), else None."""
+    ps = pieces(band, 0, n_q, n_k)
+    if len(ps) != 1 or ps[0].masked or (ps[0].n0, ps[0].n1) != (0, n_k):
+        return None
+    return ps[0]
+
+
 def cut_per_sequence(call) -> bool:
     """Whether fused runs each sequence of ``call`` as items of its own (a window's or
     ALiBi's masked pieces, a bottom-right diagonal, a mask_mod, packed or key-padded
@@ -199,8 +208,7 @@ def cut_per_sequence(call) -> bool:
     layer) ran fused at 0.37x tiled's tokens/s (docs/benchmarks.md)."""
     if call.varlen or call.mask_mod or call.alibi or call.mask_padding:
         return True
-    ps = pieces(call.band, 0, call.n_q, call.n_k)
-    return len(ps) != 1 or ps[0].masked or (ps[0].n0, ps[0].n1) != (0, call.n_k)
+    return _one_piece(call.band, call.n_q, call.n_k) is None
 
 
 def cuda_verified(call) -> str | None:
@@ -247,9 +255,10 @@ class FusedConfig:
     # calls smaller than this (scores visited) run their items in order on the caller
     serial_max_scores: int = 1 << 16
     # a call below 32 query rows that :func:`_whole_call` allows is one op call on the
-    # caller's thread alone up to this many scores (such rows are a few GEMMs of at most 31
-    # rows each: one call of 4 Mi scores is ~10-20 ms on one core, where as items each
-    # sequence would pay attn's ~0.1 ms of Python), else its items
+    # caller's thread alone up to this many scores, else its items (each sequence's items
+    # pay attn's Python, ~0.1 ms a call). One op call of 4 Mi scores on one core (AMD EPYC
+    # Zen 3): forward 16-25 ms, backward 39-100 ms (31 rows, D 16-64); the bound is not
+    # tuned against the items on the pool
     serial_call_max_scores: int = 1 << 22
     # ALiBi's causal diagonals keep torch's causal flag beside their bias (the CPU op takes
     # both: no -inf in the bias, no check for rows without keys), else they are masked
@@ -807,10 +816,7 @@ def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: l
             return None
         if mask4 is None and (len(p.blocks) != 1 or hg != hkv):
             return None
-    ps = pieces(band, 0, n_q, n_k)
-    if len(ps) != 1 or ps[0].masked or (ps[0].n0, ps[0].n1) != (0, n_k):
-        return None
-    return ps[0]
+    return _one_piece(band, n_q, n_k)
 
 
 def _plans(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
@@ -1014,6 +1020,14 @@ def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: La
     return Grads(dq, dk, dv, None, dsinks, None, ())
 
 
+def _dlse_columns(q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, pad: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, k, v, out, dO)`` with the two more head-dim columns that carry ``-dlse`` into
+    the op's ``Δ`` (:func:`_bwd`'s docstring): zeros in q, k, v, ``pad`` in out, ones in dO."""
+    q, k, v = (torch.nn.functional.pad(t, (0, 2)) for t in (q, k, v))
+    return q, k, v, torch.cat([out, pad], -1), torch.nn.functional.pad(do, (0, 2), value=1.0)
+
+
 def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, mask4,
                slopes, heads, mask_mod):
     """torch's backward op on one piece of a query block: ``(dq, dk, dv)`` with the head dim
@@ -1027,10 +1041,8 @@ def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, 
         lb = lb + folded.shift.to(lb.dtype)  # (+inf rows stay +inf)
     add, _ = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1, pc,
                          qb.dtype, qb.device, mask_mod)
-    if pad is not None:  # Δ - dlse through two more columns (_bwd's docstring)
-        qb, kb, vb = (torch.nn.functional.pad(t, (0, 2)) for t in (qb, kb, vb))
-        ob = torch.cat([ob, pad], -1)
-        dob = torch.nn.functional.pad(dob, (0, 2), value=1.0)
+    if pad is not None:
+        qb, kb, vb, ob, dob = _dlse_columns(qb, kb, vb, ob, dob, pad)
     return kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal, add, spec.qk_scale)
 
 
@@ -1063,11 +1075,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         pad = torch.stack([hi, (minus - hi.to(acc)).to(q.dtype)], -1)  # (B, H, Nq, 2)
     whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods, config)
     if whole is not None:  # one op call (_whole_threads)
-        qw, kw, vw, ow, dow = q, k, v, out, do
-        if pad is not None:  # Δ - dlse through two more columns, as per piece
-            qw, kw, vw = (torch.nn.functional.pad(t, (0, 2)) for t in (q, k, v))
-            ow = torch.cat([out, pad], -1)
-            dow = torch.nn.functional.pad(do, (0, 2), value=1.0)
+        qw, kw, vw, ow, dow = ((q, k, v, out, do) if pad is None
+                               else _dlse_columns(q, k, v, out, do, pad))
         add = None if mask4 is None else mask4.add.to(q.dtype)
         with _whole_threads(q):
             gq, gk, gv = kern(add is not None).bwd(dow, qw, kw, vw, ow, lse_in, whole.causal,
