@@ -269,6 +269,8 @@ class FusedConfig:
     # a CPU call :func:`_whole_call` allows is one op call over the whole batch; CUDA's
     # pairs take one item (batch 1, one head group) at a time
     whole_call: bool = True
+    # GQA decoding (:func:`folds`): a kv head's query heads as query rows of one op call
+    fold_gqa: bool = True
 
 
 DEFAULT = FusedConfig()
@@ -327,6 +329,15 @@ def _cut(ps: list[Piece], width: int) -> list[Piece]:
             out.append(Piece(n0, n1, p.causal and n0 == p.n0,
                              p.masked or (p.causal and n0 != p.n0)))
     return out
+
+
+def folds(n_q: int, G: int, config: FusedConfig = DEFAULT) -> bool:
+    """Whether a forward of ``n_q`` query rows per head and ``G`` query heads per kv head
+    runs its unmasked, uncausal pieces with each kv head's G query heads as ``G * n_q`` rows
+    of one op call (decoding, at most ``config.split_max_q`` rows): torch's CPU op then reads
+    each key once per kv head instead of once per query head. Every such row sees the same
+    keys, so nothing else changes; the lse and out come back per query head."""
+    return config.fold_gqa and G > 1 and n_q <= config.split_max_q
 
 
 def kv_split(n_q: int, n_k: int, config: FusedConfig = DEFAULT) -> int | None:
@@ -741,7 +752,7 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
 # mask needs it: one query block per sequence, masks of up to 1024 x 4096
 CUDA = FusedConfig(items_per_row=1, min_block_m=1 << 30, masked_block_m=1024,
                    masked_block_n=4096, bwd_max_runs=1, serial_max_scores=0,
-                   item_max_scores=0, causal_bias=False, whole_call=False)
+                   item_max_scores=0, causal_bias=False, whole_call=False, fold_gqa=False)
 
 
 def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
@@ -832,7 +843,7 @@ def _plans(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operand
         key = s if per_row else (s.q1 - s.q0, s.k1 - s.k0, s.band)
         if key not in made:
             p = plan(s, Hkv, spec, ops, config, backward=backward, heads=H)
-            made[key] = p, head_group(s, p, Hkv, H // Hkv, config)
+            made[key] = p, head_group(s, p, Hkv, H // Hkv, config, fold=not backward)
         plans.append(made[key][0])
         hgs.append(made[key][1])
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
@@ -892,6 +903,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         kvh = slice(hk, hk + hgs[si])  # the item's kv heads, and their query heads
         heads = slice(hk * G, kvh.stop * G)
         qb = q[s.b:s.b + 1, heads, s.q0 + m0:s.q0 + m1]  # (1, heads, rows, D)
+        fold = folds(m1 - m0, G, config)
         outs, lses = [], []
         slopes = None if ops.alibi is None else ops.alibi[:, heads]
         for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config,
@@ -904,7 +916,13 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
                                      pc, q.dtype, q.device, mask_mods[si], launch)
             qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
-            o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal, add, spec.qk_scale)
+            if fold and add is None and folded is None and not pc.causal:
+                # each kv head's G query heads as G x rows query rows (folds)
+                o, l_ = kern(False).fwd(qb.reshape(1, kvh.stop - hk, -1, qb.shape[-1]), kb,
+                                        vb, False, None, spec.qk_scale)
+                o, l_ = o.reshape(qb.shape[:3] + o.shape[-1:]), l_.reshape(qb.shape[:3])
+            else:
+                o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal, add, spec.qk_scale)
             o, l_ = o[0, ..., :Dv], l_[0]
             if folded is not None:
                 l_ = l_ - folded.shift
@@ -951,18 +969,25 @@ def _threads(seqs: list[Seq], config: FusedConfig, q: Tensor) -> int | None:
     return 1 if scores < config.serial_max_scores else None
 
 
-def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT) -> int:
+def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT,
+               *, fold: bool = False) -> int:
     """How many kv heads (and their G query heads each) one item of ``seq`` takes: the most
     that divide ``hkv`` with an item's scores (a block, or a key range, per head, times the
-    heads) within ``config.item_max_scores``, at least 1. The sequence's lengths, its plan
-    and the model's heads alone decide (a sequence without query rows has no blocks, nor
-    items: all its kv heads)."""
+    heads) within ``config.item_max_scores``, at least 1. A forward that ``fold``s
+    (:func:`folds`) with at least ``config.serial_max_scores`` scores reads each key once
+    per item: there the sequence keeps ``config.items_per_row`` items (or one per kv head,
+    block and range, where it has fewer), so the pool has work. The sequence's lengths, its
+    plan and the model's heads alone decide (a sequence without query rows has no blocks,
+    nor items: all its kv heads)."""
     if not p.blocks:
         return hkv
-    per_head = ((seq.q1 - seq.q0) * (seq.k1 - seq.k0)
-                // (len(p.blocks) * len(p.ranges)))
+    n_q, n_k, parts = seq.q1 - seq.q0, seq.k1 - seq.k0, len(p.blocks) * len(p.ranges)
+    per_head = n_q * n_k // parts
     fits = [d for d in range(1, hkv + 1)
             if hkv % d == 0 and d * G * per_head <= config.item_max_scores]
+    if fold and folds(n_q, G, config) and n_q * n_k * hkv * G >= config.serial_max_scores:
+        want = min(config.items_per_row, hkv * parts)
+        fits = [d for d in fits if hkv // d * parts >= want]
     return max(fits, default=1)
 
 

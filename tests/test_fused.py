@@ -192,6 +192,36 @@ def test_split_kv_decoding_matches_reference(dtype):
     assert_close_to_reference(fn, q, k, v, causal=True, sinks=sinks, grad=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_q,causal", [(1, False), (1, True), (3, True)])
+def test_gqa_decoding_reads_each_kv_head_once(monkeypatch, dtype, n_q, causal):
+    # decoding (at most split_max_q rows): every piece no row's diagonal cuts is one op call
+    # per kv head with its G = 4 query heads as 4 x n_q rows, so the op reads each key once
+    # per kv head; bottom-right causal leaves 1 row all keys, 3 rows a causal diagonal of 3
+    # keys (called per query head, as before); 9000 keys: 3 ranges, each kv head its items
+    calls = _counting(monkeypatch)
+    q, k, v = make_inputs(B=2, H=8, Hkv=2, N=n_q, Nk=9000, D=32, dtype=dtype, seed=11)
+    sinks = torch.randn(8)
+    assert_close_to_reference(
+        lambda q, k, v, **kw: attn.attention(q, k, v, backend="fused", **kw), q, k, v,
+        causal=causal, sinks=sinks, check_lse=True, grad=False)
+    calls.clear()
+    attn.attention(q, k, v, causal=causal, backend="fused")
+    folded = [c for c in calls if not c[3]]
+    diagonal = [c for c in calls if c[3]]
+    assert folded and all(c[1] == 4 * n_q and c[5] == 1 for c in folded)
+    # each batch row: its 2 kv heads x 3 key ranges (the pool has 6 items, not 3)
+    diag = 3 if n_q == 3 else 0  # the diagonal's keys
+    assert len(folded) == 2 * 2 * 3 and sum(c[2] for c in folded) == 2 * 2 * (9000 - diag)
+    assert len(diagonal) == (2 * 2 if diag else 0)
+    assert all(c[1:3] == (3, 3) and c[5] == 4 for c in diagonal)
+
+
+def test_gqa_folding_is_off_past_decoding_and_on_cuda():
+    assert fused.folds(16, 4) and not fused.folds(17, 4) and not fused.folds(1, 1)
+    assert not fused.folds(1, 4, fused.CUDA)
+
+
 # -- isolation and bits --------------------------------------------------------------------------
 
 def test_poisoned_batch_rows_and_packed_neighbours_change_nothing():
@@ -302,6 +332,10 @@ WHOLE = dict(B=3, H=4, Hkv=2, N=200, D=16)  # small: one op call for the batch (
     # 33 rows: one op call each way, its threads' buffers aligned alike (a torch whose
     # buffers are cut otherwise fails here)
     (torch.float64, dict(B=5, H=2, Hkv=1, N=33, D=8), {}),
+    # GQA decoding: each kv head's query heads as rows of one op call, items per kv head
+    # and key range (9000 keys: 3 ranges)
+    (torch.float32, dict(B=3, H=8, Hkv=2, N=1, Nk=9000, D=32), {}),
+    (torch.bfloat16, dict(B=3, H=8, Hkv=2, N=2, Nk=9000, D=32), dict(causal=True)),
     # a user mask: the forward and the backward are one op call each over the batch
     (torch.float32, dict(B=3, H=4, Hkv=2, N=300, D=16),
      dict(attn_mask=torch.rand(1, 1, 300, 300, generator=torch.Generator().manual_seed(5))
