@@ -2,7 +2,8 @@
 this CPU, and write the entry ``backend="auto"`` reads (:mod:`attn.choose`).
 
 One shape per class (:data:`SHAPES`), each dtype asked, fused and tiled (and torch's SDPA, for
-the record) taking turns round after round; the entry keeps the median of the in-round ratios
+the record) taking turns round after round (SDPA first, and each backend right after it in
+half the rounds); the entry keeps the median of the in-round ratios
 fused time / tiled time, and prefers fused where it is at most ``--margin`` slower (it is
 torch's kernel: same error as SDPA, less Python). Run it quiet and with ``--busy-core``; the
 table keeps the busier (worse for fused) of the runs it is given with ``--merge``.
@@ -65,12 +66,18 @@ def _inputs(shape, dtype: torch.dtype):
 def measure(cls: str, dtype: str, rounds: int) -> dict:
     q, k, v, mask, causal, backward = _inputs(SHAPES[cls], getattr(torch, dtype))
     kw = {"attn_mask": mask, **sdpa_kwargs(q, k, causal)}  # a causal band replaces the mask
-    fns = {"sdpa": step(lambda: torch_sdpa(q, k, v, **kw), backward)}
-    for name in ("fused", "tiled"):
-        fns[name] = step(lambda name=name: attn.attention(q, k, v, causal=causal,
-                                                          attn_mask=mask, backend=name),
-                         backward)
-    times = paired(fns, rounds, warmup=1)
+    sdpa = step(lambda: torch_sdpa(q, k, v, **kw), backward)
+    ours = {name: step(lambda name=name: attn.attention(q, k, v, causal=causal,
+                                                        attn_mask=mask, backend=name),
+                       backward) for name in ("fused", "tiled")}
+    # half the rounds fused right after SDPA, half tiled: the one timed right after an
+    # OpenMP op shares a core with OpenMP's spinning team for a few ms (docs/benchmarks.md),
+    # which a fixed order would charge to one backend only
+    times = {n: [] for n in ("sdpa", "fused", "tiled")}
+    for order, n in ((("fused", "tiled"), -(-rounds // 2)), (("tiled", "fused"), rounds // 2)):
+        got = paired({"sdpa": sdpa, **{o: ours[o] for o in order}}, n, warmup=1)
+        for name, t in got.items():
+            times[name] += t
     return {"class": cls, "dtype": dtype, "shape": list(SHAPES[cls]),
             "ms": {n: 1e3 * sorted(t)[len(t) // 2] for n, t in times.items()},
             "fused_over_tiled": median_ratio(times, "fused", "tiled"),
