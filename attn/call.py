@@ -604,6 +604,8 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         if backend == "fused":  # torch's kernel takes q, k, v in one dtype: rounded once
             q = q.to(k.dtype)
     if backend == "fused" and not packed and not fused_keys_ok(q, k, spec, ops):
+        if q.shape[0] > 1 and spec.mask_mod is None and spec.mask_blocks is None:
+            return _rows_apart(q, k, v, spec, ops)
         backend = "tiled"  # a masked non-finite key: tiled keeps it out of every row
     if backend == "fused":
         out, lse = fused.fused_attention(q, k, v, spec, ops, precise=_precise_backward,
@@ -623,6 +625,27 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         else:
             out, lse = triton_attention(q, k, v, spec, ops, second=tiled.double_backward)
     return out.to(v.dtype), lse
+
+
+def _rows_apart(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
+                ) -> tuple[Tensor, Tensor]:
+    """A fused batch whose keys are not all finite where a mask hides some: each batch row
+    on its own, on fused where its keys are finite and on tiled where not, so one row's
+    non-finite keys never change another row's bits (fused computes a row alike in any
+    batch). A mask_mod reads the global batch row, so such calls are not split here."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        rows = slice(b, b + 1)
+        mask = None if ops.attn_mask is None else as_4d(ops.attn_mask)
+        alibi = ops.alibi
+        row = ops._replace(
+            attn_mask=None if mask is None else mask[rows] if mask.shape[0] > 1 else mask,
+            alibi=alibi[rows] if alibi is not None and alibi.dim() == 2
+            and alibi.shape[0] > 1 else alibi)
+        out, lse = run("fused", q[rows], k[rows], v[rows], spec, row)  # tiled where not finite
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
 
 
 def fused_keys_ok(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> bool:

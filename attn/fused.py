@@ -356,7 +356,8 @@ def masks_scores(spec: LaunchSpec, ops: Operands, n_q: int, n_k: int,
     scores it has computed (so a NaN or inf key the mask hides still reaches the row): a
     user mask, mask_mod or block mask, ALiBi's diagonals, a window's strips, rows without
     keys (a negative offset), split-KV ranges; packed sequences each by their own band and
-    lengths (a sequence never reads another's keys). A call of full pieces and causal
+    lengths (a sequence never reads another's keys; a window's left edge that hides no key
+    of the sequence, as flash-attn's compat gives, is none). A call of full pieces and causal
     diagonals only does not: the op's causal flag overwrites the scores right of the
     diagonal before anything reads them."""
     if (ops.attn_mask is not None or spec.mask_mod is not None or spec.mask_blocks is not None
@@ -367,6 +368,8 @@ def masks_scores(spec: LaunchSpec, ops: Operands, n_q: int, n_k: int,
         lengths = [(s.q1 - s.q0, s.k1 - s.k0, s.band)
                    for s in _packed_sequences(spec.local_band(), ops)]
     for m, n, b in lengths:
+        if b.left is not None and m - 1 + b.offset - b.left <= 0:
+            b = Band(b.offset, None, b.right)  # a left edge that hides no key of any row
         if b.is_full:
             continue
         if b.left is not None or b.right != 0 or b.offset < 0:

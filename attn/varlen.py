@@ -179,6 +179,54 @@ def _validate_packed(q: object, k: object, v: object) -> None:
 
 # -- the tile plan -----------------------------------------------------------------------------
 
+def _run_packed(name: str, q4: Tensor, k4: Tensor, v4: Tensor, spec, ops, band: Band
+                ) -> tuple[Tensor, Tensor]:
+    """A resolved packed call on backend ``name``: tiled takes the sequences as a document
+    mask of one batch row, the others the packed layout itself."""
+    if name == "tiled":
+        cu_q, cu_k = ops.cu_seqlens_q, ops.cu_seqlens_k
+        doc = _DocMask(cu_q, cu_k, q4.shape[2], k4.shape[2], band)
+        spec = replace(spec, band=Band(), mask_mod=doc, mask_blocks=doc.blocks,
+                       dropout_rows=doc.dropout_rows,
+                       alibi_rows=None if ops.alibi is None else doc.alibi_rows)
+        ops = ops._replace(cu_seqlens_q=None, cu_seqlens_k=None)
+    return run(name, q4, k4, v4, spec, ops)
+
+
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor, ops) -> bool:
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, ops.sinks, ops.q_scale))
+
+
+def _sequences_apart(q4: Tensor, k4: Tensor, v4: Tensor, spec, ops, band: Band
+                     ) -> tuple[Tensor, Tensor]:
+    """A packed fused call whose keys are not all finite where a mask hides some, forward
+    only: each sequence on its own, on fused where its keys are finite and on tiled where
+    not, so one sequence's non-finite keys never change another's bits (fused computes a
+    sequence alike in any packing)."""
+    cq, ck = ops.cu_seqlens_q.tolist(), ops.cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for s in range(len(cq) - 1):
+        nq, nk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
+        if nq == 0:
+            continue
+        rows, keys = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
+        qs, ks, vs = q4[:, :, rows], k4[:, :, keys], v4[:, :, keys]
+        one = (torch.tensor([0, nq], dtype=ops.cu_seqlens_q.dtype),
+               torch.tensor([0, nk], dtype=ops.cu_seqlens_k.dtype))
+        sops = ops._replace(cu_seqlens_q=one[0], cu_seqlens_k=one[1],
+                            alibi=ops.alibi[s:s + 1] if ops.alibi is not None
+                            and ops.alibi.shape[0] > 1 else ops.alibi)
+        sspec = replace(spec, max_seqlen_q=nq, max_seqlen_k=nk)
+        name = "fused" if nk > 0 and fused_keys_ok(qs, ks, sspec, sops) else "tiled"
+        out, lse = _run_packed(name, qs, ks, vs, sspec, sops, band)
+        outs.append(out)
+        lses.append(lse)
+    if not outs:  # no query rows at all
+        return _run_packed("tiled", q4, k4, v4, spec, ops, band)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
 class _DocMask:
     """mask_mod of packed sequences: same sequence, and the per-sequence bottom-right band
     ``-left <= (j - end_k) - (i - end_q) <= right`` (positions counted from each sequence's
@@ -323,13 +371,11 @@ def varlen_attention(
                 raise ValueError(f"{name}={given} is shorter than the longest sequence "
                                  f"({longest})")
     if choice.name == "fused" and not fused_keys_ok(q4, k4, spec, ops):
+        if not _needs_grad(q, k, v, ops):
+            out, lse = _sequences_apart(q4, k4, v4, spec, ops, band)
+            out = out[0].transpose(0, 1).contiguous()
+            return (out, lse[0]) if return_lse else out
         choice = select_backend(call, "tiled")  # a masked non-finite key: tiled's mask
-    if choice.name == "tiled":  # the sequences as a document mask of one batch row
-        doc = _DocMask(cu_q, cu_k, total_q, total_k, band)
-        spec = replace(spec, band=Band(), mask_mod=doc, mask_blocks=doc.blocks,
-                       dropout_rows=doc.dropout_rows,
-                       alibi_rows=None if alibi_slopes is None else doc.alibi_rows)
-        ops = ops._replace(cu_seqlens_q=None, cu_seqlens_k=None)
-    out, lse = run(choice.name, q4, k4, v4, spec, ops)
+    out, lse = _run_packed(choice.name, q4, k4, v4, spec, ops, band)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out

@@ -269,6 +269,33 @@ def test_a_hidden_non_finite_key_reaches_no_other_row(case, bad):
     torch.testing.assert_close(out[:, :, rows], want[:, :, rows].float())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("layout", ["batch", "packed"])
+def test_a_hidden_non_finite_key_leaves_the_other_sequences_bits(layout, bad):
+    # a window hides key 0 of sequence 1 from its late rows, so that call needs tiled for
+    # sequence 1; the other sequences keep fused's bits, as in the clean call (forward)
+    kw = dict(window=(20, 0), backend="fused")
+    if layout == "batch":
+        q, k, v = make_inputs(B=3, H=2, N=60, D=16, seed=12)
+        clean = attn.attention(q, k, v, **kw)
+        k[1, :, 0] = bad
+        got = attn.attention(q, k, v, **kw)
+        others = [0, 2]
+        seq = (slice(1, 2), slice(None), slice(21, None))
+    else:
+        cu = torch.tensor([0, 30, 90, 120], dtype=torch.int32)
+        q, k, v = (torch.randn(120, 2, 16, generator=torch.Generator().manual_seed(i))
+                   for i in range(3))
+        clean = attn.varlen_attention(q, k, v, cu, cu, **kw)
+        k[30] = bad
+        got = attn.varlen_attention(q, k, v, cu, cu, **kw)
+        others = torch.cat([torch.arange(0, 30), torch.arange(90, 120)])
+        seq = slice(51, 90)
+    assert torch.equal(got[others], clean[others])
+    assert torch.isfinite(got[seq]).all()
+    torch.testing.assert_close(got[seq], clean[seq])
+
+
 @pytest.mark.parametrize("kw", [dict(window=(3, 0)), dict(causal=True)])
 def test_packed_sequences_with_a_hidden_non_finite_key(kw):
     # packed: a sequence never reads another's keys; inside one (12 queries, 8 keys: rows
