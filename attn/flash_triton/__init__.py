@@ -6,15 +6,13 @@ Runs on CUDA; on CPU only under the Triton interpreter (``TRITON_INTERPRET=1`` s
 this module is imported), which is how the default test suite checks the kernels.
 """
 
-from attn.flash_triton.outer import (_attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess,
-                                     _attn_fwd, _attn_jvp)
+# the outer kernels by name for attn gpu-check's tune stage (gpu_stages: getattr on this module)
+from attn.flash_triton.outer import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd
 from attn.flash_triton.kernels import _INTERPRET, _stages
-from attn.flash_triton.launch import (_bwd, _bwd_op, _FlashAttention, _FlashAttentionJvp, _fwd,
-                                      _fwd_op, _jvp, _jvp_op, _op_args, Tangents,
-                                      paged_attention, triton_attention, unsupported_reason,
-                                      value_offset_args)
+from attn.flash_triton.launch import (_bwd, _fwd, paged_attention, triton_attention,
+                                      unsupported_reason, value_offset_args)
 from attn.flash_triton.split import SplitPlan, split_kv_plan, split_kv_reason
-from attn.flash_triton.tune import _configs, _prune, prune_for, smem_estimate
+from attn.flash_triton.tune import prune_for, smem_estimate
 
 __all__ = ["triton_attention", "paged_attention", "unsupported_reason", "prune_for",
            "smem_estimate", "value_offset_args", "split_kv_plan", "SplitPlan", "split_kv_reason"]
