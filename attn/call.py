@@ -419,10 +419,7 @@ def _check_mods(score_mod, mask_mod, q: Tensor) -> None:
         if not callable(mask_mod):
             raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
         zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
-        keep = mask_mod(zero, zero, zero, zero)
-        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
-            what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
-            raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
+        mods.checked_keep(mask_mod(zero, zero, zero, zero))
 
 
 def _draw_seed(dropout_p: float) -> int:
