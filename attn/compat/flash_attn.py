@@ -3,13 +3,9 @@
 This module only translates layouts, flags and conventions; the attention is
 :func:`attn.attention` (q viewed ``(B, H, N, D)``), :func:`attn.varlen_attention`, and for a
 KV cache an :class:`attn.kvcache.PagedKVCache` read by :func:`attn.decode`. Layouts are
-flash-attn's: ``(B, N, H, D)``, varlen ``(total, H, D)`` with ``cu_seqlens (B + 1,)``;
-``softmax_lse`` ``(B, H, Nq)`` (varlen ``(H, total_q)``), and a row that sees no key has
-out = 0 and **lse = +inf** (attn's own functions return −inf; converted here only, with
-pure-causal ALiBi's ``+ slope·(i + Nk − Nq)``). Windows follow 2.8.3's rule (:func:`_band`).
-Errors are :class:`FlashAttnError` naming the argument as the caller passed it, with its
-shape in the caller's layout; wrong types raise TypeError. Conventions, supersets,
-dropout and costs: docs/flash-attn.md.
+flash-attn's; its lse of +inf on rows with no key, its window rule (:func:`_band`), the
+errors (:class:`FlashAttnError` naming the caller's argument; wrong types raise TypeError),
+supersets, dropout and costs: docs/flash-attn.md.
 """
 
 from __future__ import annotations
