@@ -536,10 +536,8 @@ def _no_keys(q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None, linked: t
         if isinstance(t, Tensor) and t.requires_grad:
             tie = tie + t.reshape(-1)[:0].sum().to(acc)
     out = torch.zeros(B, H, Nq, v.shape[-1], dtype=acc, device=q.device) + tie
-    if sinks is None:
-        lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
-    else:
-        lse = sinks.to(acc).view(1, H, 1).expand(B, H, Nq)
+    lse = (torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device) if sinks is None
+           else sinks.to(acc).view(1, H, 1).expand(B, H, Nq))
     return out.to(v.dtype), lse + tie
 
 

@@ -318,10 +318,8 @@ def _prepare(strategy: str, q, k, v, *, group, **kw) -> tuple["_Call", Operands]
     spec = replace(spec, band=band, dropout_seed=_draw_seed(float(kw["dropout_p"]), group))
     # the shape one launch sees, the same on every rank: the ring's largest (local queries,
     # one rank's keys) pair, Ulysses' whole sequence
-    if strategy == "ring_attention":
-        shape = dict(n_q=max(r["q"][2] for r in records), n_k=max(r["k"][2] for r in records))
-    else:
-        shape = dict(n_q=n_q, n_k=n_k)
+    shape = (dict(n_q=max(r["q"][2] for r in records), n_k=max(r["k"][2] for r in records))
+             if strategy == "ring_attention" else dict(n_q=n_q, n_k=n_k))
     choice = select_backend(replace(call, band=band, **shape), backend)
     name, reason = choice.name, choice.reason
     if name == "fused":

@@ -529,10 +529,8 @@ def _kv_cache(q: Tensor, k_cache: object, v_cache: object, k: object, v: object,
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
 
     Nnew = _new_kv(q, k_cache, v_cache, k, v, cache_seqlens)
-    if cache_seqlens is None:
-        ends = torch.full((B,), capacity, dtype=torch.int64)
-    else:
-        ends = _as_lengths("cache_seqlens", cache_seqlens, B)
+    ends = (torch.full((B,), capacity, dtype=torch.int64) if cache_seqlens is None
+            else _as_lengths("cache_seqlens", cache_seqlens, B))
     starts = (torch.zeros(B, dtype=torch.int64) if cache_leftpad is None
               else _as_lengths("cache_leftpad", cache_leftpad, B))
     if cache_batch_idx is not None:

@@ -621,10 +621,8 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
                                kwargs, causal=causal, window=window, **options)
         return out, None
 
-    if attention_mask is None:
-        plan = _Plan(causal, window, None)
-    else:
-        plan = _plan_for_mask(attention_mask, Nq, Nk, causal, window)
+    plan = (_Plan(causal, window, None) if attention_mask is None
+            else _plan_for_mask(attention_mask, Nq, Nk, causal, window))
 
     # Restarting position_ids count whether or not HF handed a mask: HF draws the sequences'
     # borders into its masks only when no cache is in play, while with one (use_cache=True) a
