@@ -41,10 +41,7 @@ def fold(x: Tensor | None, dim: int | None, batch_size: int, rows: int) -> Tenso
     ``(X·B, ...)``: the samples' rows one after another."""
     if x is None:
         return None
-    if dim is None:
-        x = x.unsqueeze(0).expand(batch_size, *x.shape)
-    else:
-        x = x.movedim(dim, 0)
+    x = x.unsqueeze(0).expand(batch_size, *x.shape) if dim is None else x.movedim(dim, 0)
     return x.expand(batch_size, rows, *x.shape[2:]).flatten(0, 1)
 
 

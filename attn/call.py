@@ -2,17 +2,8 @@
 entry point, ``AttentionCall`` (a call without tensors), ``select_backend``,
 :func:`resolve` (a call's arguments → its ``AttentionCall``, ``LaunchSpec`` and ``Operands``)
 and :func:`run` (one backend on a resolved call), and the rules every entry point follows
-(accumulation dtype, dropout seed).
-
-Every entry point (:mod:`attn.api`, :mod:`attn.varlen`, :mod:`attn.flex`,
-:mod:`attn.distributed`) is the same three lines::
-
-    call, spec, ops = resolve(q, k, v, band=..., **options)
-    choice = select_backend(call, backend)
-    out, lse = run(choice.name, q, k, v, spec, ops)
-
-with its own conventions (argument names, layouts, the band's alignment, a distributed
-seed) settled before. The backends sit below.
+(accumulation dtype, dropout seed). How an entry point uses them: docs/design.md, "A call's
+path".
 """
 
 from __future__ import annotations
@@ -163,18 +154,10 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
 
 
 def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoice:
-    """The backend that runs ``call``: pure, cheap, and it explains itself.
-
-    ``auto`` on CUDA takes ``fused`` (torch's CUDA kernel per block) for a call whose op
-    ``attn gpu-check`` verified on this torch, GPU, dtype and head dim (the committed
-    ``attn/fused_cuda_table.json``), else prefers ``triton``, and falls back to ``tiled``
-    (every device, every variant); off CUDA it takes ``fused`` (torch's CPU kernel per
-    block) where that can compute the call and the committed, measured table of
-    :mod:`attn.choose` prefers it for the call's class and dtype on this kind of CPU. An
-    explicit request that cannot compute the call raises NotImplementedError.
-
-    Inside triton, decoding calls take split-KV (docs/gpu.md, "Split-KV decoding"); the
-    reason says which path runs.
+    """The backend that runs ``call``: pure, cheap, and it explains itself. An explicit
+    request that cannot compute the call raises NotImplementedError. What ``auto`` takes on
+    and off CUDA: docs/design.md, "Choosing a backend"; inside triton, decoding calls take
+    split-KV (docs/gpu.md, "Split-KV decoding"), and the reason says which path runs.
     """
     if not isinstance(call, AttentionCall):
         raise TypeError(f"call must be an AttentionCall (attn.api.AttentionCall), got "
@@ -419,10 +402,7 @@ def _check_mods(score_mod, mask_mod, q: Tensor) -> None:
         if not callable(mask_mod):
             raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
         zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
-        keep = mask_mod(zero, zero, zero, zero)
-        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
-            what = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
-            raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {what}")
+        mods.checked_keep(mask_mod(zero, zero, zero, zero))
 
 
 def _draw_seed(dropout_p: float) -> int:
@@ -556,10 +536,8 @@ def _no_keys(q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None, linked: t
         if isinstance(t, Tensor) and t.requires_grad:
             tie = tie + t.reshape(-1)[:0].sum().to(acc)
     out = torch.zeros(B, H, Nq, v.shape[-1], dtype=acc, device=q.device) + tie
-    if sinks is None:
-        lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
-    else:
-        lse = sinks.to(acc).view(1, H, 1).expand(B, H, Nq)
+    lse = (torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device) if sinks is None
+           else sinks.to(acc).view(1, H, 1).expand(B, H, Nq))
     return out.to(v.dtype), lse + tie
 
 

@@ -2,12 +2,9 @@
 
 :func:`decode` is attn's one entry for attending from a cache object
 (:class:`attn.kvcache.PagedKVCache`), exported as ``attn.decode``; compat, HF and the toy
-GPT call it. Batch row i of q is sequence ``seq_ids[i]`` of the cache, which holds its keys
-``[starts, lengths)``. :func:`read_plan` says how a call reads them (the tiled or fused
-backend's work items on CPU, triton's paged kernel on CUDA, else a view or a copy through
-attention / varlen_attention) and why. Forward only. Under ``torch.compile`` a traced call
-hands the cache's tensors to the opaque op ``attn::paged_decode``, whose body is the eager
-read, ``_read``. The reads and the compiled path: docs/kvcache.md.
+GPT call it. :func:`read_plan` says how a call reads the cache, and why. Forward only. The
+reads and the compiled path (the opaque op ``attn::paged_decode``, whose body is the eager
+read, ``_read``): docs/kvcache.md.
 """
 
 from __future__ import annotations

@@ -9,13 +9,9 @@ GPU)::
     out_l = cp.ring_attention(q_l, k_l, v_l, causal=True)
     out = cp.gather_sequence(out_l)                     # the full sequence on every rank
 
-Every function defaults to ``layout="zigzag"`` (rank r holds chunks r and 2P−1−r of
-``torch.tensor_split(x, 2P, dim)``; ``"contiguous"``: chunk r of P). They are collectives:
-every rank calls them in the same order, backward too, and each call first all-gathers a
-record of every rank's input so that bad input raises on every rank. Replicated tensors
-(sinks, a tensor temperature or softcap, :func:`shard_sequence`'s input) get this rank's
-contribution to their gradient. The layouts, the ring and Ulysses steps, the tests and the
-measurements: docs/context-parallel.md.
+The functions are collectives (every rank calls them in the same order, backward too). The
+layouts, the validation all-gather, the gradients of replicated tensors, the ring and
+Ulysses steps, the tests and the measurements: docs/context-parallel.md.
 """
 
 from __future__ import annotations
@@ -322,10 +318,8 @@ def _prepare(strategy: str, q, k, v, *, group, **kw) -> tuple["_Call", Operands]
     spec = replace(spec, band=band, dropout_seed=_draw_seed(float(kw["dropout_p"]), group))
     # the shape one launch sees, the same on every rank: the ring's largest (local queries,
     # one rank's keys) pair, Ulysses' whole sequence
-    if strategy == "ring_attention":
-        shape = dict(n_q=max(r["q"][2] for r in records), n_k=max(r["k"][2] for r in records))
-    else:
-        shape = dict(n_q=n_q, n_k=n_k)
+    shape = (dict(n_q=max(r["q"][2] for r in records), n_k=max(r["k"][2] for r in records))
+             if strategy == "ring_attention" else dict(n_q=n_q, n_k=n_k))
     choice = select_backend(replace(call, band=band, **shape), backend)
     name, reason = choice.name, choice.reason
     if name == "fused":

@@ -1,13 +1,9 @@
 """Programmable attention: FlexAttention's ``score_mod`` / ``mask_mod`` / block masks on attn.
 
 ``flex_attention`` and ``create_block_mask`` take the arguments of
-``torch.nn.attention.flex_attention`` and return torch's own ``BlockMask``, so code and masks
-move between the two. What differs is where it runs: on attn's tiled backend, eagerly, on
-every device, forward and backward, for any length without a recompile. A ``score_mod`` runs
-once per visited tile on the tile's scores viewed ``(B, H, BM, BN)`` with broadcast index
-tensors (an elementwise mod written for FlexAttention works on these), and its backward is
-autograd's, tile by tile in a fixed order; a ``mask_mod`` runs only in partial tiles.
-docs/flex-varlen.md has the rest, the order of the mods among attention's keywords included.
+``torch.nn.attention.flex_attention`` and return torch's own ``BlockMask``, but run eagerly on
+attn's tiled backend, on every device, any length without a recompile; how the mods run per
+tile and where they sit among attention's keywords: docs/flex-varlen.md.
 """
 
 from __future__ import annotations

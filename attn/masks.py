@@ -248,9 +248,7 @@ def as_bool_mask(mask: Tensor) -> Tensor | None:
     if mask.dtype == torch.bool:
         return mask
     keep = mask == 0
-    if bool((keep | (mask == float("-inf"))).all()):
-        return keep
-    return None
+    return keep if bool((keep | (mask == float("-inf"))).all()) else None
 
 
 def as_4d(mask: Tensor) -> Tensor:

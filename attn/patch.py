@@ -10,12 +10,8 @@ torch's and is not reached, except with one of torch's causal biases as ``attn_m
 ``__torch_function__``, by asking whether the function called *is* the one on
 ``torch.nn.functional``. While a patch is on that question would answer no and torch would
 read the bias as a dense tensor of garbage, so the patch also hooks the bias class: a call
-of torch's function with a bias goes to attn too.
-
-attn's ``sdpa`` backend and the torch competitors of ``attn bench`` call
-:data:`attn.sdpa.torch_sdpa`, torch's function as captured when attn was imported, so while a
-patch is on they still run torch's kernels: nothing recurses, and no benchmark compares attn
-with itself.
+of torch's function with a bias goes to attn too. attn's own callers of torch's kernels
+still reach them (:data:`attn.sdpa.torch_sdpa`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The launcher spec and operands: what a backend's launchers need for one call.
 
-Both fast backends take the same protocol::
-
-    out, lse = _fwd(q, k, v, spec, ops)
-    grads = _bwd(do, dlse, q, k, v, out, lse, spec, ops, need_dmask=..., need_dcap=...)
-
-``spec`` (:class:`LaunchSpec`) holds static values only; ``ops`` (:class:`Operands`) the
-optional tensors. Positions are *global*: a call may be one shard of a longer computation
-(a ring step, a split-KV chunk, a Ulysses head group), and the band, ALiBi's distances, the
-dropout hash and the score/mask mods read ``q_start + i``, ``k_start + j`` and
-``head_start + h`` against the total lengths, so every shard reproduces the unsharded
-computation bit for bit, dropout mask included.
+``spec`` (:class:`LaunchSpec`) holds static values only, ``ops`` (:class:`Operands`) the
+optional tensors; positions are global, so a shard reproduces the unsharded call (the
+protocol and why: docs/design.md, "A call's path").
 """
 
 from __future__ import annotations

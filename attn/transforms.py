@@ -20,9 +20,7 @@ __all__ = ["active", "below", "forward_ad", "graph_needed", "in_vmap", "levels",
 def _stack() -> list:
     """functorch's interpreters, outermost first; none while torch.compile traces (dynamo
     cannot read the stack, and a traced call runs under no transform of its own)."""
-    if torch.compiler.is_compiling():
-        return []
-    return list(_functorch.get_interpreter_stack() or ())
+    return [] if torch.compiler.is_compiling() else list(_functorch.get_interpreter_stack() or ())
 
 
 def levels() -> list[str]:

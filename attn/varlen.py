@@ -3,12 +3,8 @@
 The packed layout is one of the two documented exceptions to ``(B, H, N, D)``: q is
 ``(total_q, H, D)``, k and v ``(total_k, Hkv, D)``, the sequences laid end to end;
 ``cu_seqlens`` holds the ``B + 1`` offsets where they start (``[0, n0, n0 + n1, ...]``).
-
-:func:`varlen_attention` on the tiled backend is a document mask (:class:`_DocMask`) whose
-tile plan cuts query and key blocks at every sequence boundary, so a tile never holds two
-sequences and one sequence's NaN cannot reach another's rows; the reference backend runs the
-sequences one by one and triton's grid over (sequence, block) is isolated by construction
-(docs/flex-varlen.md).
+On tiled, :func:`varlen_attention` is a document mask (:class:`_DocMask`) cut at every
+sequence boundary; how each backend keeps the sequences apart: docs/flex-varlen.md.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 F.scaled_dot_product_attention with one kernel forced (:data:`SDPA_KERNELS`; plain ``sdpa``
 is attn's backend of that name, torch's own choice and the baseline of ``ratio_to_sdpa``)
 and FlexAttention compiled (``flex``; :func:`flex_variant` builds flex for an attn.attention
-variant, to time flex on the same variant). They call :data:`attn.sdpa.torch_sdpa`, torch's
-function captured at import: under :func:`attn.patch_sdpa` the name in
-``torch.nn.functional`` leads to attn.
+variant, to time flex on the same variant). They call :data:`attn.sdpa.torch_sdpa`
+(:mod:`attn.sdpa` says why).
 """
 
 from __future__ import annotations

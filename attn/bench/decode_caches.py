@@ -54,9 +54,7 @@ def _fill(k: torch.Tensor, v: torch.Tensor, page: int, dtype, quant, interleave:
 def _bottom_right(n_q: int, n_k: int) -> torch.Tensor | None:
     """The causal mask of ``n_q`` new queries whose keys are the last of ``n_k`` (query i sees
     key j iff ``j <= i + n_k − n_q``), as SDPA takes it; None for one query (it sees all)."""
-    if n_q == 1:
-        return None
-    return torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+    return None if n_q == 1 else torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
 
 
 def _answer(q: torch.Tensor, rows) -> torch.Tensor:

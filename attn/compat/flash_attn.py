@@ -3,13 +3,9 @@
 This module only translates layouts, flags and conventions; the attention is
 :func:`attn.attention` (q viewed ``(B, H, N, D)``), :func:`attn.varlen_attention`, and for a
 KV cache an :class:`attn.kvcache.PagedKVCache` read by :func:`attn.decode`. Layouts are
-flash-attn's: ``(B, N, H, D)``, varlen ``(total, H, D)`` with ``cu_seqlens (B + 1,)``;
-``softmax_lse`` ``(B, H, Nq)`` (varlen ``(H, total_q)``), and a row that sees no key has
-out = 0 and **lse = +inf** (attn's own functions return −inf; converted here only, with
-pure-causal ALiBi's ``+ slope·(i + Nk − Nq)``). Windows follow 2.8.3's rule (:func:`_band`).
-Errors are :class:`FlashAttnError` naming the argument as the caller passed it, with its
-shape in the caller's layout; wrong types raise TypeError. Conventions, supersets,
-dropout and costs: docs/flash-attn.md.
+flash-attn's; its lse of +inf on rows with no key, its window rule (:func:`_band`), the
+errors (:class:`FlashAttnError` naming the caller's argument; wrong types raise TypeError),
+supersets, dropout and costs: docs/flash-attn.md.
 """
 
 from __future__ import annotations
@@ -533,10 +529,8 @@ def _kv_cache(q: Tensor, k_cache: object, v_cache: object, k: object, v: object,
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
 
     Nnew = _new_kv(q, k_cache, v_cache, k, v, cache_seqlens)
-    if cache_seqlens is None:
-        ends = torch.full((B,), capacity, dtype=torch.int64)
-    else:
-        ends = _as_lengths("cache_seqlens", cache_seqlens, B)
+    ends = (torch.full((B,), capacity, dtype=torch.int64) if cache_seqlens is None
+            else _as_lengths("cache_seqlens", cache_seqlens, B))
     starts = (torch.zeros(B, dtype=torch.int64) if cache_leftpad is None
               else _as_lengths("cache_leftpad", cache_leftpad, B))
     if cache_batch_idx is not None:

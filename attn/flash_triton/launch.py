@@ -1,11 +1,7 @@
-"""The triton backend's launchers, custom ops, autograd.Function and public function.
-
-Three layers, as in the tiled backend: ``_fwd(q, k, v, spec, ops)`` / ``_bwd(...)``
-launchers (registered as ``torch.library`` custom ops with fake implementations, so
-``torch.compile`` traces through them), one ``torch.autograd.Function``, and the public
-:func:`triton_attention`. The same launchers serve packed sequences: ``ops.cu_seqlens_q``
-/ ``_k`` set, q (total_q, H, D), k and v (total_k, Hkv, D / Dv), out (total_q, H, Dv), lse
-(H, total_q), the grid sized by ``spec.max_seqlen_q`` / ``_k``.
+"""The triton backend's launchers, custom ops, autograd.Function and public function (the three
+layers and the ops: docs/gpu.md, "How the kernels work"). The same launchers serve packed
+sequences: ``ops.cu_seqlens_q`` / ``_k`` set, q (total_q, H, D), k and v (total_k, Hkv, D /
+Dv), out (total_q, H, Dv), lse (H, total_q), the grid sized by ``spec.max_seqlen_q`` / ``_k``.
 """
 
 from __future__ import annotations
@@ -1020,17 +1016,11 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
                     ops: Operands) -> tuple[Tensor, Tensor]:
     """Attention of q ``(B, H, Nq, D)`` against keys read through a page table inside the
     kernel, forward only → out ``(B, H, Nq, Dv)`` in q's dtype, lse ``(B, H, Nq)`` float32.
-    The same protocol as :func:`attn.tiled.paged_attention` (inputs validated by the caller,
-    ``attn.decode``): ``k_pages (num_blocks, page_size, Hkv, D)`` and ``v_pages (…, Dv)``
-    float16 / bfloat16 / float32 page storage on q's device, read through their strides;
-    ``ops.pages`` (:class:`attn.spec.PageTable`) says which keys row b reads (its table may
-    already be on q's device; the starts and lengths plan the call on the host); the band is
-    per row, ``spec.band`` with ``N_b`` added to its offset; ``ops`` also carries sinks,
-    a learnable softcap and ALiBi slopes broadcastable to (B, H).
-
-    With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold int8 / uint8 codes
-    (int4: ``Dv / 2`` bytes), its scales and recent ring on q's device too: each tile is
-    dequantized after its load, in float32, then converted to q's dtype."""
+    The protocol of :func:`attn.tiled.paged_attention` (inputs validated by ``attn.decode``),
+    with float16 / bfloat16 / float32 pages on q's device (the table may be there too; the
+    starts and lengths plan the call on the host), or with ``ops.quant`` int8 / uint8 codes
+    (int4: ``Dv / 2`` bytes), its scales and ring on q's device, each tile dequantized after
+    its load, in float32, then converted to q's dtype."""
     if ops.pages is None or ops.attn_mask is not None or ops.captured or ops.q_scale is not None:
         raise ValueError("triton paged_attention takes ops.pages, and no attn_mask, score_mod "
                          "or tensor temperature")

@@ -1,14 +1,7 @@
-"""Split-KV decoding (Flash-Decoding): the plan, and the two kernels that carry it out.
-
-A dense, forward-only call with a few query rows per head (Nq <= 16) against a long cache
-has its keys cut into chunks (:func:`split_kv_plan`, a pure function of Nk, Nq and the SM
-count, never of the batch; ``ATTN_TRITON_SPLIT_KV`` overrides it at every call). One program
-per (group rows block, chunk, batch·kv head) attends with the whole GQA group packed into
-its query block (row r is head ``r // Nq`` of the group, query ``r % Nq``) and writes a
-float32 partial out and lse; a combine kernel merges the chunks in order through their lse,
-the sinks as one more partial of value 0. Other calls run the plain kernels
-(:func:`split_kv_unsupported`). When, why and how many chunks: docs/gpu.md, "Split-KV
-decoding".
+"""Split-KV decoding (Flash-Decoding): the plan (:func:`split_kv_plan`), and the two kernels
+that carry it out, per-chunk partials and their combine; other calls run the plain kernels
+(:func:`split_kv_unsupported`). When, how many chunks and how the kernels pack the GQA group:
+docs/gpu.md, "Split-KV decoding".
 """
 
 from __future__ import annotations

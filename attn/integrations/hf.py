@@ -4,14 +4,11 @@
     attn.integrations.hf.register()                      # once, before building models
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
 
-``register`` adds an attention function to ``transformers.AttentionInterface`` and a mask
-function to ``transformers.AttentionMaskInterface`` under one name. This module only
-translates HF's keywords, layouts and mask conventions (HF's finfo.min masks become bool,
-``sliding_window=W`` becomes ``window=(W - 1, 0)``) into attn's calls: ``attn.attention``,
-``attn.varlen_attention`` for packed batches and HF's paged cache (continuous batching),
-``attn.decode`` for :class:`AttnQuantizedCache`. The keyword table, continuous batching,
-the quantized cache and the one difference to eager (rows that see no key are zeros):
-docs/hf.md.
+``register`` adds an attention function and a mask function under one name. This module
+only translates HF's keywords, layouts and mask conventions into attn's calls
+(``attn.attention``, ``attn.varlen_attention``, ``attn.decode``); the keyword table,
+continuous batching, :class:`AttnQuantizedCache` and the one difference to eager (rows that
+see no key are zeros): docs/hf.md.
 """
 
 from __future__ import annotations
@@ -624,10 +621,8 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
                                kwargs, causal=causal, window=window, **options)
         return out, None
 
-    if attention_mask is None:
-        plan = _Plan(causal, window, None)
-    else:
-        plan = _plan_for_mask(attention_mask, Nq, Nk, causal, window)
+    plan = (_Plan(causal, window, None) if attention_mask is None
+            else _plan_for_mask(attention_mask, Nq, Nk, causal, window))
 
     # Restarting position_ids count whether or not HF handed a mask: HF draws the sequences'
     # borders into its masks only when no cache is in play, while with one (use_cache=True) a

@@ -3,12 +3,9 @@
 Storage is flash-attn's (and vLLM's) paged layout, the documented exception to attn's
 ``(B, H, N, D)``: sequence b's position t lives in page ``block_table[b, t // page_size]``
 at offset ``t % page_size``, and b holds the keys ``[starts[b], lengths[b])``; reads stop at
-each sequence's length, so unused slots may hold anything, NaN included. The parts, each a
-module of this package: :mod:`~attn.kvcache.pages` (the page allocator),
-:mod:`~attn.kvcache.quantized` (the quantized format, writer and read),
-:mod:`~attn.kvcache.read` (the dense reads) and :mod:`~attn.kvcache.checks` (argument
-checks, each message naming the caller's argument and shapes); :class:`PagedKVCache` ties
-them together. The cache, its formats and how attention reads it: docs/kvcache.md.
+each sequence's length, so unused slots may hold anything, NaN included. :class:`PagedKVCache`
+ties this package's modules together (docs/design.md, "The layers", names each); the cache,
+its formats and how attention reads it: docs/kvcache.md.
 """
 
 from __future__ import annotations

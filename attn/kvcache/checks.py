@@ -1,5 +1,5 @@
-"""The argument checks of a paged cache: its storage, block table, lengths and sequence ids
-(what they raise: the package docstring).
+"""The argument checks of a paged cache: its storage, block table, lengths and sequence ids,
+each message naming the caller's argument and its shapes.
 """
 
 from __future__ import annotations

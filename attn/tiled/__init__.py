@@ -1,14 +1,9 @@
 """Tiled attention in PyTorch: FlashAttention's online softmax, block by block, on any device,
 nothing N x N alive but a mask the caller passes (docs/design.md, "The online softmax").
 GQA without copies: a query block is viewed as ``(B, Hkv, G·BLOCK_M, D)``, so one matmul serves
-every query head of a group and ``Pᵀ dO`` sums dV over the group.
-
-One idea per module: :mod:`.attention` (the launchers ``_fwd`` / ``_bwd``, the
-autograd.Function, :func:`tiled_attention`), :mod:`.paged` (paged reads of a KV cache),
-:mod:`.tile` (one tile's score pipeline), :mod:`.steps` (the per-tile online-softmax steps,
-eager and compiled), :mod:`.gemm` (the tile GEMMs), :mod:`.plan` (block sizes, batch chunks,
-units, work items), :mod:`.cpu` (GEMM engine, worker pool), :mod:`.jvp` and :mod:`.double`
-(forward-mode AD and the double backward).
+every query head of a group and ``Pᵀ dO`` sums dV over the group. One idea per module
+(docs/design.md, "The layers", lists them); :mod:`.jvp` and :mod:`.double` hold forward-mode
+AD and the double backward, :mod:`.paged` the paged reads of a KV cache.
 """
 
 import dataclasses

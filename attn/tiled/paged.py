@@ -1,8 +1,6 @@
-"""The tiled backend's paged reads: attention of new queries against keys stored in pages
-(a KV cache), read through the block table item by item, each item one row's range of keys
-cut on page boundaries, read as a view of its pages or a copy of that range's pages only; a
-quantized cache's codes dequantized range by range into the item's own buffer. Forward only.
-The launchers and tiles are :mod:`attn.tiled.attention`'s."""
+"""The tiled backend's paged reads of a KV cache, forward only: work items of one row's key
+range each, read as a view of its pages or a copy of them (docs/kvcache.md, "How attention
+reads it"); the launchers and tiles are :mod:`attn.tiled.attention`'s."""
 
 from __future__ import annotations
 
