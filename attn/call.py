@@ -612,10 +612,10 @@ def _rows_apart(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
     non-finite keys never change another row's bits (fused computes a row alike in any
     batch). A mask_mod reads the global batch row, so such calls are not split here."""
     outs, lses = [], []
+    mask = None if ops.attn_mask is None else as_4d(ops.attn_mask)
+    alibi = ops.alibi
     for b in range(q.shape[0]):
         rows = slice(b, b + 1)
-        mask = None if ops.attn_mask is None else as_4d(ops.attn_mask)
-        alibi = ops.alibi
         row = ops._replace(
             attn_mask=None if mask is None else mask[rows] if mask.shape[0] > 1 else mask,
             alibi=alibi[rows] if alibi is not None and alibi.dim() == 2

@@ -885,69 +885,71 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     # the caller's own passes (the outputs' fills, the merges) on its thread alone: an
     # op on torch's threads here would leave OpenMP's team spinning on the core a
     # worker needs (docs/benchmarks.md)
+    R = max((len(p.ranges) for p in plans), default=1)
     with _caller(threads):
-        R = max((len(p.ranges) for p in plans), default=1)
         out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
         parts_out = parts_lse = None
         if R > 1:  # key ranges' partials, merged after the items (-inf: a range a row lacks)
             parts_out = torch.zeros(R, B, H, Nq, Dv, dtype=q.dtype, device=q.device)
             parts_lse = torch.full((R, B, H, Nq), float("-inf"), dtype=acc, device=q.device)
-        # a head group's items one after another (its keys stay in cache, an ALiBi bias is
-        # reused), the largest blocks (causal: the last) first, so the call's end waits on a
-        # small one
-        items = [(si, hk, bi, r) for si, p in enumerate(plans) for hk in range(0, Hkv, hgs[si])
-                 for bi in reversed(range(len(p.blocks))) for r in range(len(p.ranges))]
-        launch = next(_LAUNCHES)
         # ALiBi's folded pieces read V with one zero column per folded one (an item's query
         # heads): V padded once here per such width, rather than once per piece
         v_pads = {} if ops.alibi is None else {
-            w: torch.nn.functional.pad(v, (0, q.shape[-1] + w - Dv)) for w in {hg * G for hg in hgs}}
+            w: torch.nn.functional.pad(v, (0, q.shape[-1] + w - Dv))
+            for w in {hg * G for hg in hgs}}
+    # a head group's items one after another (its keys stay in cache, an ALiBi bias is
+    # reused), the largest blocks (causal: the last) first, so the call's end waits on a
+    # small one
+    items = [(si, hk, bi, r) for si, p in enumerate(plans) for hk in range(0, Hkv, hgs[si])
+             for bi in reversed(range(len(p.blocks))) for r in range(len(p.ranges))]
+    launch = next(_LAUNCHES)
 
-        def run(i: int) -> None:
-            si, hk, bi, r = items[i]
-            s, p = seqs[si], plans[si]
-            m0, m1 = p.blocks[bi]
-            kvh = slice(hk, hk + hgs[si])  # the item's kv heads, and their query heads
-            heads = slice(hk * G, kvh.stop * G)
-            qb = q[s.b:s.b + 1, heads, s.q0 + m0:s.q0 + m1]  # (1, heads, rows, D)
-            fold = folds(m1 - m0, G, config)
-            outs, lses = [], []
-            slopes = None if ops.alibi is None else ops.alibi[:, heads]
-            for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config,
-                                   alibi=slopes is not None):
-                kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1], m1 - m0,
-                                       config) for t in (k, v))
-                vp = v_pads.get(hgs[si] * G)
-                folded = _fold(qb, kb, vb, slopes, s, p, mask_mods[si], m0, m1, pc, spec.qk_scale,
-                               None if vp is None else vp[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1])
-                add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
-                                         pc, q.dtype, q.device, mask_mods[si], launch)
-                qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
-                if fold and add is None and folded is None and not pc.causal:
-                    # each kv head's G query heads as G x rows query rows (folds)
-                    o, l_ = kern(False).fwd(qb.reshape(1, kvh.stop - hk, -1, qb.shape[-1]), kb,
-                                            vb, False, None, spec.qk_scale)
-                    o, l_ = o.reshape(qb.shape[:3] + o.shape[-1:]), l_.reshape(qb.shape[:3])
-                else:
-                    o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal, add, spec.qk_scale)
-                o, l_ = o[0, ..., :Dv], l_[0]
-                if folded is not None:
-                    l_ = l_ - folded.shift
-                if empty is not None:  # a row that saw no key: torch's CPU op gives out 0 and
-                    # lse 0, its CUDA ops may give NaN out: zeros and -inf, whatever ran
-                    l_ = l_.masked_fill(empty.expand_as(l_), float("-inf"))
-                    o = o.masked_fill(empty.unsqueeze(-1), 0.0)
-                outs.append(o)
-                lses.append(l_)
-            if not outs:  # the band leaves the block no key: zeros and -inf, as allocated
-                return
-            o, l_ = (outs[0], lses[0]) if len(outs) == 1 else _merge_trusted(outs, lses)
-            o_to, l_to = (out, lse) if parts_out is None else (parts_out[r], parts_lse[r])
-            o_to[s.b, heads, s.q0 + m0:s.q0 + m1] = o
-            l_to[s.b, heads, s.q0 + m0:s.q0 + m1] = l_
+    def run(i: int) -> None:
+        si, hk, bi, r = items[i]
+        s, p = seqs[si], plans[si]
+        m0, m1 = p.blocks[bi]
+        kvh = slice(hk, hk + hgs[si])  # the item's kv heads, and their query heads
+        heads = slice(hk * G, kvh.stop * G)
+        qb = q[s.b:s.b + 1, heads, s.q0 + m0:s.q0 + m1]  # (1, heads, rows, D)
+        fold = folds(m1 - m0, G, config)
+        outs, lses = [], []
+        slopes = None if ops.alibi is None else ops.alibi[:, heads]
+        for pc in block_pieces(s, p, m0, m1, *p.ranges[r], config=config,
+                               alibi=slopes is not None):
+            kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1], m1 - m0,
+                                   config) for t in (k, v))
+            vp = v_pads.get(hgs[si] * G)
+            folded = _fold(qb, kb, vb, slopes, s, p, mask_mods[si], m0, m1, pc, spec.qk_scale,
+                           None if vp is None else vp[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1])
+            add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
+                                     pc, q.dtype, q.device, mask_mods[si], launch)
+            qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
+            if fold and add is None and folded is None and not pc.causal:
+                # each kv head's G query heads as G x rows query rows (folds)
+                o, l_ = kern(False).fwd(qb.reshape(1, kvh.stop - hk, -1, qb.shape[-1]), kb,
+                                        vb, False, None, spec.qk_scale)
+                o, l_ = o.reshape(qb.shape[:3] + o.shape[-1:]), l_.reshape(qb.shape[:3])
+            else:
+                o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal, add, spec.qk_scale)
+            o, l_ = o[0, ..., :Dv], l_[0]
+            if folded is not None:
+                l_ = l_ - folded.shift
+            if empty is not None:  # a row that saw no key: torch's CPU op gives out 0 and
+                # lse 0, its CUDA ops may give NaN out: zeros and -inf, whatever ran
+                l_ = l_.masked_fill(empty.expand_as(l_), float("-inf"))
+                o = o.masked_fill(empty.unsqueeze(-1), 0.0)
+            outs.append(o)
+            lses.append(l_)
+        if not outs:  # the band leaves the block no key: zeros and -inf, as allocated
+            return
+        o, l_ = (outs[0], lses[0]) if len(outs) == 1 else _merge_trusted(outs, lses)
+        o_to, l_to = (out, lse) if parts_out is None else (parts_out[r], parts_lse[r])
+        o_to[s.b, heads, s.q0 + m0:s.q0 + m1] = o
+        l_to[s.b, heads, s.q0 + m0:s.q0 + m1] = l_
 
-        workers.run_items(run, len(items), threads=threads, flush_denormals=True)
+    workers.run_items(run, len(items), threads=threads, flush_denormals=True)
+    with _caller(threads):
         return _sinks_joined(out, lse, parts_out, parts_lse, ops.sinks)
 
 
@@ -1125,52 +1127,53 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         return Grads(gq[..., :D].to(acc), gk[..., :D].to(acc), gv[..., :Dv].to(acc), None,
                      dsinks, None, ())
     threads = _threads(seqs, config, q)
+    runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
     with _caller(threads):  # as the forward's
-        runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
         dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
         dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
         dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)
-        items = [(si, hk, r) for si in range(len(seqs)) for r in range(len(runs[si]))
-                 for hk in range(0, Hkv, hgs[si])]
-        extra: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
+    items = [(si, hk, r) for si in range(len(seqs)) for r in range(len(runs[si]))
+             for hk in range(0, Hkv, hgs[si])]
+    extra: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
 
-        def run(i: int) -> None:
-            si, hk, r = items[i]
-            s, p = seqs[si], plans[si]
-            kvh = slice(hk, hk + hgs[si])  # the item's kv heads, and their query heads
-            heads = slice(hk * G, kvh.stop * G)
-            keys = slice(s.k0, s.k1)
-            if r == 0:
-                dk_to, dv_to = dk[s.b, kvh, keys], dv[s.b, kvh, keys]
-            else:  # a later run's partial, joined in run order below
-                dk_to = torch.zeros(hgs[si], s.k1 - s.k0, D, dtype=acc, device=q.device)
-                dv_to = torch.zeros(hgs[si], s.k1 - s.k0, Dv, dtype=acc, device=q.device)
-                extra[si, hk, r] = (dk_to, dv_to)
-            b0, b1 = runs[si][r]
-            slopes = None if ops.alibi is None else ops.alibi[:, heads]
-            for m0, m1 in p.blocks[b0:b1]:
-                rows = slice(s.q0 + m0, s.q0 + m1)
-                qb0, dob0, ob0 = (t[s.b:s.b + 1, heads, rows] for t in (q, do, out))
-                lb0 = lse_in[s.b:s.b + 1, heads, rows]
-                dq_blk = dq[s.b, heads, rows]
-                for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
-                                       alibi=slopes is not None):
-                    kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
-                    vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
-                    gq, gk, gv = _piece_bwd(kern, s, p, pc, m0, m1, qb0, kb, vb, ob0, dob0, lb0,
-                                            None if pad is None else pad[s.b:s.b + 1, heads, rows],
-                                            spec, ops, mask4, slopes, heads, mask_mods[si])
-                    dq_blk += gq[0, ..., :D]
-                    dk_to[:, pc.n0:pc.n1] += gk[0, :, :, :D]
-                    dv_to[:, pc.n0:pc.n1] += gv[0, :, :, :Dv]
+    def run(i: int) -> None:
+        si, hk, r = items[i]
+        s, p = seqs[si], plans[si]
+        kvh = slice(hk, hk + hgs[si])  # the item's kv heads, and their query heads
+        heads = slice(hk * G, kvh.stop * G)
+        keys = slice(s.k0, s.k1)
+        if r == 0:
+            dk_to, dv_to = dk[s.b, kvh, keys], dv[s.b, kvh, keys]
+        else:  # a later run's partial, joined in run order below
+            dk_to = torch.zeros(hgs[si], s.k1 - s.k0, D, dtype=acc, device=q.device)
+            dv_to = torch.zeros(hgs[si], s.k1 - s.k0, Dv, dtype=acc, device=q.device)
+            extra[si, hk, r] = (dk_to, dv_to)
+        b0, b1 = runs[si][r]
+        slopes = None if ops.alibi is None else ops.alibi[:, heads]
+        for m0, m1 in p.blocks[b0:b1]:
+            rows = slice(s.q0 + m0, s.q0 + m1)
+            qb0, dob0, ob0 = (t[s.b:s.b + 1, heads, rows] for t in (q, do, out))
+            lb0 = lse_in[s.b:s.b + 1, heads, rows]
+            dq_blk = dq[s.b, heads, rows]
+            for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
+                                   alibi=slopes is not None):
+                kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
+                vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
+                gq, gk, gv = _piece_bwd(kern, s, p, pc, m0, m1, qb0, kb, vb, ob0, dob0, lb0,
+                                        None if pad is None else pad[s.b:s.b + 1, heads, rows],
+                                        spec, ops, mask4, slopes, heads, mask_mods[si])
+                dq_blk += gq[0, ..., :D]
+                dk_to[:, pc.n0:pc.n1] += gk[0, :, :, :D]
+                dv_to[:, pc.n0:pc.n1] += gv[0, :, :, :Dv]
 
-        workers.run_items(run, len(items), threads=threads, flush_denormals=True)
+    workers.run_items(run, len(items), threads=threads, flush_denormals=True)
+    with _caller(threads):
         for si, hk, r in sorted(extra):  # runs' partials in run order: fixed, whatever finished
             s, kvh = seqs[si], slice(hk, hk + hgs[si])
             dk[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][0]
             dv[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][1]
         dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc)
-        return Grads(dq, dk, dv, None, dsinks, None, ())
+    return Grads(dq, dk, dv, None, dsinks, None, ())
 
 
 # -- paged caches ------------------------------------------------------------------------------

@@ -189,11 +189,6 @@ def _run_packed(name: str, q4: Tensor, k4: Tensor, v4: Tensor, spec, ops, band: 
     return run(name, q4, k4, v4, spec, ops)
 
 
-def _needs_grad(q: Tensor, k: Tensor, v: Tensor, ops) -> bool:
-    return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, ops.sinks, ops.q_scale))
-
-
 def _sequences_apart(q4: Tensor, k4: Tensor, v4: Tensor, spec, ops, band: Band
                      ) -> tuple[Tensor, Tensor]:
     """A packed fused call whose keys are not all finite where a mask hides some, forward
@@ -366,12 +361,12 @@ def varlen_attention(
             if given is not None and given < longest:
                 raise ValueError(f"{name}={given} is shorter than the longest sequence "
                                  f"({longest})")
-    if choice.name == "fused" and not fused_keys_ok(q4, k4, spec, ops):
-        if not _needs_grad(q, k, v, ops):
-            out, lse = _sequences_apart(q4, k4, v4, spec, ops, band)
-            out = out[0].transpose(0, 1).contiguous()
-            return (out, lse[0]) if return_lse else out
-        choice = select_backend(call, "tiled")  # a masked non-finite key: tiled's mask
-    out, lse = _run_packed(choice.name, q4, k4, v4, spec, ops, band)
+    # a masked non-finite key: a forward runs each sequence apart, a call with a gradient
+    # runs tiled whole (tiled's mask keeps the key out)
+    apart = choice.name == "fused" and not fused_keys_ok(q4, k4, spec, ops)
+    if apart and call.grad:
+        choice, apart = select_backend(call, "tiled"), False
+    out, lse = (_sequences_apart(q4, k4, v4, spec, ops, band) if apart
+                else _run_packed(choice.name, q4, k4, v4, spec, ops, band))
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out
