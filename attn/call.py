@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attn import choose, fused, mods, tiled, transforms, workers
+from attn import choose, fused, mods, tiled, transforms
 from attn.masks import Band, as_4d, simplify_mask
 from attn.reference import reference_attention, reference_packed
 from attn.sdpa import sdpa_attention
-from attn.spec import LaunchSpec, Operands, ScoreTerms, acc_dtype, all_finite
+from attn.spec import LaunchSpec, Operands, ScoreTerms, acc_dtype
 
 
 BACKENDS = ("auto", "reference", "tiled", "fused", "triton", "sdpa")
@@ -581,13 +581,10 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         q, ops = q.to(acc) * ops.q_scale.to(acc), ops._replace(q_scale=None)
         if backend == "fused":  # torch's kernel takes q, k, v in one dtype: rounded once
             q = q.to(k.dtype)
-    if backend == "fused" and not packed and not fused_keys_ok(q, k, spec, ops):
-        if q.shape[0] > 1 and spec.mask_mod is None and spec.mask_blocks is None:
-            return _rows_apart(q, k, v, spec, ops)
-        backend = "tiled"  # a masked non-finite key: tiled keeps it out of every row
-    if backend == "fused":
+    if backend == "fused":  # a sequence with a masked non-finite key on tiled, forward and
+        # backward; the others keep fused's bits
         out, lse = fused.fused_attention(q, k, v, spec, ops, precise=_precise_backward,
-                                         second=tiled.double_backward)
+                                         second=tiled.double_backward, fallback=_fallback)
     elif backend == "tiled":
         if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
             spec, captured = mods.mod_spec(spec, q, k, spec.score_mod, spec.mask_mod,
@@ -605,40 +602,12 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
     return out.to(v.dtype), lse
 
 
-def _rows_apart(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
-                ) -> tuple[Tensor, Tensor]:
-    """A fused batch whose keys are not all finite where a mask hides some: each batch row
-    on its own, on fused where its keys are finite and on tiled where not, so one row's
-    non-finite keys never change another row's bits (fused computes a row alike in any
-    batch). A mask_mod reads the global batch row, so such calls are not split here."""
-    outs, lses = [], []
-    mask = None if ops.attn_mask is None else as_4d(ops.attn_mask)
-    alibi = ops.alibi
-    for b in range(q.shape[0]):
-        rows = slice(b, b + 1)
-        row = ops._replace(
-            attn_mask=None if mask is None else mask[rows] if mask.shape[0] > 1 else mask,
-            alibi=alibi[rows] if alibi is not None and alibi.dim() == 2
-            and alibi.shape[0] > 1 else alibi)
-        out, lse = run("fused", q[rows], k[rows], v[rows], spec, row)  # tiled where not finite
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
-
-
-def fused_keys_ok(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands) -> bool:
-    """Whether the fused backend may run a call with these keys: every key finite, or no
-    piece masked (:func:`attn.fused.masks_scores`). torch's kernel adds a mask to the
-    scores, so a NaN or inf key that a mask hides would still reach its row (0 * NaN); such
-    calls run on tiled, which never reads a masked key's score (:func:`run` switches; a
-    packed call's entry, attn.varlen, switches before building tiled's document mask). One
-    summing pass over k on CPU (a finite sum proves every key finite; an overflowing one
-    only sends the call to tiled)."""
-    if (not fused.masks_scores(spec, ops, q.shape[2], k.shape[2]) or k.device.type != "cpu"
-            or torch.compiler.is_compiling()):
-        return True
-    with workers.small_pass(k):
-        return all_finite(k)
+def _fallback(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
+              ) -> tuple[Tensor, Tensor]:
+    """The fused backend's forward for a sequence whose keys torch's kernel cannot take (a
+    NaN or inf key that a mask hides would still reach its row, 0·NaN): tiled's, which
+    never reads a masked key's score; its backward is :func:`_precise_backward`."""
+    return tiled._fwd(q, k, v, spec, ops)
 
 
 def _precise_backward(do, dlse, q, k, v, spec, ops):

@@ -796,7 +796,7 @@ def _whole_threads(q: Tensor) -> contextlib.AbstractContextManager:
     return workers.single_thread()
 
 
-def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
+def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
                 mask4: _UserMask | None, ops: Operands, mask_mods: list,
                 config: FusedConfig) -> Piece | None:
     """The one piece a CPU call is, where its forward or backward (``plans`` and ``hgs``
@@ -817,7 +817,8 @@ def _whole_call(q: Tensor, hkv: int, seqs: list[Seq], plans: list[_Plan], hgs: l
     if ops.alibi is not None or any(m is not None for m in mask_mods):
         return None
     n_q, n_k, band = seqs[0].q1, seqs[0].k1, seqs[0].band
-    if (n_q, seqs[0].k0) != (q.shape[2], 0):
+    hkv = k.shape[1]
+    if (n_q, seqs[0].k0, n_k) != (q.shape[2], 0, k.shape[2]):  # a key-padding cut: items
         return None
     if n_q < _WHOLE_CALL_MIN_ROWS and (
             n_q * n_k * q.shape[0] * q.shape[1] > config.serial_call_max_scores
@@ -853,12 +854,39 @@ def _plans(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operand
     return plans, mask_mods, hgs
 
 
+def _poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
+              config: FusedConfig) -> list[int]:
+    """The sequences (indices into ``seqs``) that torch's op cannot compute: on CPU, where
+    some piece of the call is masked (:func:`masks_scores`: torch's kernel adds a mask to
+    scores it has computed, so a NaN or inf key the mask hides still reaches the row, 0·NaN),
+    those whose own keys are not all finite. One summing pass over k, and one per sequence
+    only where that finds a non-finite key (a sequence's key cut is all it reads)."""
+    if (q.device.type != "cpu" or torch.compiler.is_compiling()
+            or not masks_scores(spec, ops, q.shape[2], k.shape[2], config)):
+        return []
+    with workers.small_pass(k):
+        if all_finite(k):
+            return []
+        return [i for i, s in enumerate(seqs)
+                if s.k1 > s.k0 and s.q1 > s.q0 and not all_finite(k[s.b, :, s.k0:s.k1])]
+
+
+def _rows_of(x: Tensor | None, rows: list[int] | None) -> Tensor | None:
+    """Batch rows ``rows`` of ``x`` (a copy), x itself where it broadcasts over the batch or
+    ``rows`` is None."""
+    return x if x is None or rows is None or x.shape[0] == 1 else x[rows]
+
+
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
-         config: FusedConfig = DEFAULT) -> tuple[Tensor, Tensor]:
+         config: FusedConfig = DEFAULT, fallback: Callable | None = None
+         ) -> tuple[Tensor, Tensor]:
     """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
     Items are (sequence, kv head group, query block, key range: :func:`head_group`); a
     sequence's key ranges (split-KV) and the sinks are merged in key order after the items.
-    A call :func:`_whole_call` allows is one op call."""
+    A call :func:`_whole_call` allows is one op call. ``fallback(q, k, v, spec, ops) ->
+    (out, lse)``: a dense forward that never reads a masked key's score, run instead for
+    each sequence torch's op cannot compute (:func:`_poisoned`); the others keep their bits
+    (without it those take the NaN)."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, _ = q.shape
@@ -866,20 +894,29 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
+    seqs, apart = _split_poisoned(q, k, seqs, spec, ops, config, fallback is not None)
     plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=False)
-    whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods, config)
-    if whole is not None:  # one op call (_whole_threads); the sinks join as below
-        kw, vw = (_rows_packed(t, Nq, config) for t in (k, v))
-        add = None if mask4 is None else mask4.add.to(q.dtype)
+    whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
+    if whole is not None:  # one op call (_whole_threads) over the rows it computes
+        rows = [s.b for s in seqs] if apart else None
+        kw, vw = (_rows_packed(_rows_of(t, rows), Nq, config) for t in (k, v))
+        add = None if mask4 is None else _rows_of(mask4.add, rows).to(q.dtype)
         with _whole_threads(q):
-            out, lse = kern(add is not None).fwd(q, kw, vw, whole.causal, add, spec.qk_scale)
-        lse = lse.to(acc)
+            o, l_ = kern(add is not None).fwd(_rows_of(q, rows), kw, vw, whole.causal, add,
+                                              spec.qk_scale)
+        l_ = l_.to(acc)
         if mask4 is not None:  # rows the mask (and band) hide whole: out 0, lse -inf
             seen = mask4.add > float("-inf") if mask4.keep is None else mask4.keep
-            empty = _unseen(seen, Nq if whole.causal else None)
+            empty = _unseen(_rows_of(seen, rows), Nq if whole.causal else None)
             if bool(empty.any()):
-                lse = lse.masked_fill(empty, float("-inf"))
-                out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+                l_ = l_.masked_fill(empty, float("-inf"))
+                o = o.masked_fill(empty.unsqueeze(-1), 0.0)
+        out, lse = o, l_
+        if apart:
+            out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
+            lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
+            out[rows], lse[rows] = o, l_
+            _apart_fwd(fallback, apart, q, k, v, spec, ops, out, lse)
         return _sinks_joined(out, lse, None, None, ops.sinks)
     threads = _threads(seqs, config, q)
     # the caller's own passes (the outputs' fills, the merges) on its thread alone: an
@@ -949,8 +986,30 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         l_to[s.b, heads, s.q0 + m0:s.q0 + m1] = l_
 
     workers.run_items(run, len(items), threads=threads, flush_denormals=True)
+    _apart_fwd(fallback, apart, q, k, v, spec, ops, out if parts_out is None else parts_out[0],
+               lse if parts_out is None else parts_lse[0])
     with _caller(threads):
         return _sinks_joined(out, lse, parts_out, parts_lse, ops.sinks)
+
+
+def _split_poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
+                    config: FusedConfig, check: bool) -> tuple[list[Seq], list[Seq]]:
+    """``seqs`` as (those torch's op computes, those it cannot: :func:`_poisoned`), where
+    ``check``; else (seqs, [])."""
+    bad = _poisoned(q, k, seqs, spec, ops, config) if check else []
+    if not bad:
+        return seqs, []
+    return [s for i, s in enumerate(seqs) if i not in bad], [seqs[i] for i in bad]
+
+
+def _apart_fwd(fallback: Callable | None, apart: list[Seq], q: Tensor, k: Tensor, v: Tensor,
+               spec: LaunchSpec, ops: Operands, out: Tensor, lse: Tensor) -> None:
+    """Each sequence of ``apart`` as a call of its own (:func:`_own_call`) on ``fallback``,
+    without the sinks (the call joins them after), into ``out`` and ``lse``."""
+    for s in apart:
+        (b, rows, keys), sspec, sops = _own_call(s, spec, ops, sinks=False)
+        o, l_ = fallback(q[b, :, rows], k[b, :, keys], v[b, :, keys], sspec, sops)
+        out[b, :, rows], lse[b, :, rows] = o, l_
 
 
 def _sinks_joined(out: Tensor, lse: Tensor, parts_out: Tensor | None,
@@ -1033,25 +1092,39 @@ def lse_too_large(lse: Tensor, dtype: torch.dtype) -> bool:
     return bool((lse.abs() > limit).logical_and_(torch.isfinite(lse)).any())
 
 
-def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: LaunchSpec,
-                 ops: Operands) -> Grads:
+def _own_call(s: Seq, spec: LaunchSpec, ops: Operands, *, sinks: bool = True
+              ) -> tuple[tuple[slice, slice, slice], LaunchSpec, Operands]:
+    """Sequence ``s`` as a dense call of its own: ``(batch row, query rows, keys)`` to slice
+    the call's tensors with, its spec (its band in its own positions, a mask_mod that reads
+    the call's global batch row, heads and positions; the whole call's block mask only
+    where there is no mask_mod: its tiles then cover the sequence's) and its operands (its
+    rows of the mask and the ALiBi slopes; the sinks unless ``sinks`` is False)."""
+    b = slice(s.b, s.b + 1)
+    mask = alibi = None
+    if ops.attn_mask is not None:
+        m4 = as_4d(ops.attn_mask)
+        mask = m4[b] if m4.shape[0] > 1 else m4
+    if ops.alibi is not None:
+        alibi = ops.alibi[s.slopes_row:s.slopes_row + 1] if ops.alibi.shape[0] > 1 else ops.alibi
+    mod = None if spec.mask_mod is None else _global_mask_mod(spec, s)
+    own = dataclasses.replace(spec, band=s.band, q_start=0, k_start=0, head_start=0,
+                              mask_mod=mod, mask_blocks=None if mod else spec.mask_blocks,
+                              max_seqlen_q=None, max_seqlen_k=None)
+    return ((b, slice(s.q0, s.q1), slice(s.k0, s.k1)), own,
+            Operands(attn_mask=mask, sinks=ops.sinks if sinks else None, alibi=alibi))
+
+
+def _precise_into(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: LaunchSpec,
+                  ops: Operands, dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor | None:
     """The backward through ``precise(do, dlse, q, k, v, spec, ops) -> Grads`` (the caller's
-    dense backward), sequence by sequence: each its own slices, band and operands."""
-    acc = _acc_dtype(q.dtype)
-    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
+    dense backward, which recomputes its forward) of each of ``seqs`` as a call of its own
+    (:func:`_own_call`), into ``dq``, ``dk``, ``dv``; returns the sinks' gradient summed
+    over them."""
     dsinks = None
     for s in seqs:
-        rows, keys, b = slice(s.q0, s.q1), slice(s.k0, s.k1), slice(s.b, s.b + 1)
         if s.q1 == s.q0:
             continue
-        mask = None
-        if ops.attn_mask is not None:
-            m4 = as_4d(ops.attn_mask)
-            mask = m4[b if m4.shape[0] > 1 else slice(None)]
-        alibi = None if ops.alibi is None else ops.alibi[s.slopes_row:s.slopes_row + 1]
-        sspec = dataclasses.replace(spec, band=s.band, q_start=0, k_start=0,
-                                    max_seqlen_q=None, max_seqlen_k=None)
-        sops = Operands(attn_mask=mask, sinks=ops.sinks, alibi=alibi)
+        (b, rows, keys), sspec, sops = _own_call(s, spec, ops)
         g = precise(do[b, :, rows], None if dlse is None else dlse[b, :, rows], q[b, :, rows],
                     k[b, :, keys], v[b, :, keys], sspec, sops)
         dq[b, :, rows] = g.dq
@@ -1059,6 +1132,15 @@ def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: La
         dv[b, :, keys] += g.dv
         if g.dsinks is not None:
             dsinks = g.dsinks if dsinks is None else dsinks + g.dsinks
+    return dsinks
+
+
+def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: LaunchSpec,
+                 ops: Operands) -> Grads:
+    """:func:`_precise_into` of every sequence, into zeros."""
+    acc = _acc_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
+    dsinks = _precise_into(precise, seqs, do, dlse, q, k, v, spec, ops, dq, dk, dv)
     return Grads(dq, dk, dv, None, dsinks, None, ())
 
 
@@ -1090,13 +1172,16 @@ def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, 
 
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
-         config: FusedConfig = DEFAULT, precise: Callable | None = None) -> Grads:
+         config: FusedConfig = DEFAULT, precise: Callable | None = None,
+         apart: bool = False) -> Grads:
     """Gradients of a fused forward from its merged ``out`` and ``lse``: dq, dk, dv in the
     accumulation dtype, and the sinks'. Items are (sequence, kv head group, run of query
     blocks); a run's dK/dV go into a partial of its own when the sequence has several, summed
     in run order afterwards. A gradient ``dlse`` of the lse output reaches dS through two
     extra head-dim columns (zeros in q, k, v; ``-dlse`` in a high and a low part of q's dtype
-    in out, ones in dO), so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse``."""
+    in out, ones in dO), so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse``.
+    ``apart``: the forward ran the sequences torch's op cannot compute (:func:`_poisoned`)
+    on its fallback; their gradients come from ``precise``."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, D = q.shape
@@ -1106,6 +1191,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     if precise is not None and lse_too_large(lse, q.dtype):
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
+    seqs, poisoned = _split_poisoned(q, k, seqs, spec, ops, config, apart)
+    if poisoned and precise is None:
+        raise ValueError("fused _bwd: apart=True needs precise, the backward of its fallback")
     plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=True)
     # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
     lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
@@ -1115,17 +1203,24 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         minus = -dlse.to(acc)
         hi = minus.to(q.dtype)
         pad = torch.stack([hi, (minus - hi.to(acc)).to(q.dtype)], -1)  # (B, H, Nq, 2)
-    whole = _whole_call(q, Hkv, seqs, plans, hgs, mask4, ops, mask_mods, config)
-    if whole is not None:  # one op call (_whole_threads)
-        qw, kw, vw, ow, dow = ((q, k, v, out, do) if pad is None
-                               else _dlse_columns(q, k, v, out, do, pad))
-        add = None if mask4 is None else mask4.add.to(q.dtype)
+    whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
+    if whole is not None:  # one op call (_whole_threads) over the rows it computes
+        rows = [s.b for s in seqs] if poisoned else None
+        qw, kw, vw, ow, dow = (_rows_of(t, rows) for t in (q, k, v, out, do))
+        if pad is not None:
+            qw, kw, vw, ow, dow = _dlse_columns(qw, kw, vw, ow, dow, _rows_of(pad, rows))
+        add = None if mask4 is None else _rows_of(mask4.add, rows).to(q.dtype)
         with _whole_threads(q):
-            gq, gk, gv = kern(add is not None).bwd(dow, qw, kw, vw, ow, lse_in, whole.causal,
-                                                   add, spec.qk_scale)
+            gq, gk, gv = kern(add is not None).bwd(dow, qw, kw, vw, ow, _rows_of(lse_in, rows),
+                                                   whole.causal, add, spec.qk_scale)
+        gq, gk, gv = gq[..., :D].to(acc), gk[..., :D].to(acc), gv[..., :Dv].to(acc)
+        if poisoned:
+            dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
+            dq[rows], dk[rows], dv[rows] = gq, gk, gv
+            _precise_into(precise, poisoned, do, dlse, q, k, v, spec, ops, dq, dk, dv)
+            gq, gk, gv = dq, dk, dv
         dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc)
-        return Grads(gq[..., :D].to(acc), gk[..., :D].to(acc), gv[..., :Dv].to(acc), None,
-                     dsinks, None, ())
+        return Grads(gq, gk, gv, None, dsinks, None, ())
     threads = _threads(seqs, config, q)
     runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
     with _caller(threads):  # as the forward's
@@ -1173,6 +1268,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             dk[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][0]
             dv[s.b, kvh, s.k0:s.k1] += extra[si, hk, r][1]
         dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc)
+    # the sequences the forward ran on its fallback (their sinks' part is in dsinks)
+    _precise_into(precise, poisoned, do, dlse, q, k, v, spec, ops, dq, dk, dv)
     return Grads(dq, dk, dv, None, dsinks, None, ())
 
 
@@ -1291,17 +1388,17 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, spec: LaunchSpec, config: FusedConfig, consts: Operands, precise,
-                second, attn_mask, sinks):
+                second, fallback, attn_mask, sinks):
         ops = consts._replace(attn_mask=attn_mask, sinks=sinks)
-        return _fwd(q, k, v, spec, ops, config=config)
+        return _fwd(q, k, v, spec, ops, config=config, fallback=fallback)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, spec, config, consts, precise, second, attn_mask, sinks = inputs
+        q, k, v, spec, config, consts, precise, second, fallback, attn_mask, sinks = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
         ctx.spec, ctx.config, ctx.consts = spec, config, consts
-        ctx.precise, ctx.second = precise, second
+        ctx.precise, ctx.second, ctx.apart = precise, second, fallback is not None
         ctx.forced = fused_cuda.forced_op()  # the backward may run on autograd's own thread
 
     @staticmethod
@@ -1319,17 +1416,17 @@ class _FusedAttention(torch.autograd.Function):
             forced = ctx.forced
             with contextlib.nullcontext() if forced is None else fused_cuda.force_op(forced):
                 g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
-                         precise=ctx.precise)
+                         precise=ctx.precise, apart=ctx.apart)
             dq, dk, dv, dsinks = g.dq, g.dk, g.dv, g.dsinks
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None,
-                None, None, dsinks)
+                None, None, None, dsinks)
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
                     operands: Operands | None = None, *, config: FusedConfig = DEFAULT,
-                    precise: Callable | None = None, second: Callable | None = None
-                    ) -> tuple[Tensor, Tensor]:
+                    precise: Callable | None = None, second: Callable | None = None,
+                    fallback: Callable | None = None) -> tuple[Tensor, Tensor]:
     """Exact attention on torch's fused kernels, per piece of attn's plan. Inputs validated.
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, D) → out (B, H, Nq, D) in q's dtype,
@@ -1342,11 +1439,17 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
     probabilities within budget (:data:`LSE_PRECISE_LIMIT`); without it they are rebuilt
     anyway. ``second(do, dlse, q, k, v, out, lse, spec, ops) -> (dq, dk, dv, dsinks)``: a
     backward whose gradients are differentiable, run where one is asked for
-    (``create_graph=True``); without it that raises NotImplementedError."""
+    (``create_graph=True``); without it that raises NotImplementedError.
+    ``fallback(q, k, v, spec, ops) -> (out, lse)``: a dense forward that never reads a
+    masked key's score, run for each sequence whose keys torch's op cannot take
+    (:func:`_poisoned`; its backward is then ``precise``, which ``fallback`` needs); the
+    others keep the bits they have in any batch."""
+    if fallback is not None and precise is None:
+        raise ValueError("fused_attention: a fallback needs precise, its backward")
     ops = operands or Operands()
     why = spec_reason(spec, ops) or ops_reason(q.device.type)
     if why is not None:
         raise NotImplementedError(f"backend='fused' cannot compute this call: {why}")
     consts = ops._replace(attn_mask=None, sinks=None)
-    return _FusedAttention.apply(q, k, v, spec, config, consts, precise, second,
+    return _FusedAttention.apply(q, k, v, spec, config, consts, precise, second, fallback,
                                  ops.attn_mask, ops.sinks)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, broadcasts_to,
-                       fused_keys_ok, resolve, run, select_backend)
+                       resolve, run, select_backend)
 from attn.masks import Band, classify_band, make_band, window_pair
 from attn.tiled import SequenceBlocks
 
@@ -189,35 +189,6 @@ def _run_packed(name: str, q4: Tensor, k4: Tensor, v4: Tensor, spec, ops, band: 
     return run(name, q4, k4, v4, spec, ops)
 
 
-def _sequences_apart(q4: Tensor, k4: Tensor, v4: Tensor, spec, ops, band: Band
-                     ) -> tuple[Tensor, Tensor]:
-    """A packed fused call whose keys are not all finite where a mask hides some, forward
-    only: each sequence on its own, on fused where its keys are finite and on tiled where
-    not, so one sequence's non-finite keys never change another's bits (fused computes a
-    sequence alike in any packing)."""
-    cq, ck = ops.cu_seqlens_q.tolist(), ops.cu_seqlens_k.tolist()
-    outs, lses = [], []
-    for s in range(len(cq) - 1):
-        nq, nk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
-        if nq == 0:
-            continue
-        rows, keys = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
-        qs, ks, vs = q4[:, :, rows], k4[:, :, keys], v4[:, :, keys]
-        one = (torch.tensor([0, nq], dtype=ops.cu_seqlens_q.dtype),
-               torch.tensor([0, nk], dtype=ops.cu_seqlens_k.dtype))
-        sops = ops._replace(cu_seqlens_q=one[0], cu_seqlens_k=one[1],
-                            alibi=ops.alibi[s:s + 1] if ops.alibi is not None
-                            and ops.alibi.shape[0] > 1 else ops.alibi)
-        sspec = replace(spec, max_seqlen_q=nq, max_seqlen_k=nk)
-        name = "fused" if nk > 0 and fused_keys_ok(qs, ks, sspec, sops) else "tiled"
-        out, lse = _run_packed(name, qs, ks, vs, sspec, sops, band)
-        outs.append(out)
-        lses.append(lse)
-    if not outs:  # no query rows at all
-        return _run_packed("tiled", q4, k4, v4, spec, ops, band)
-    return torch.cat(outs, 2), torch.cat(lses, 2)
-
-
 class _DocMask:
     """mask_mod of packed sequences: same sequence, and the per-sequence bottom-right band
     ``-left <= (j - end_k) - (i - end_q) <= right`` (positions counted from each sequence's
@@ -361,12 +332,6 @@ def varlen_attention(
             if given is not None and given < longest:
                 raise ValueError(f"{name}={given} is shorter than the longest sequence "
                                  f"({longest})")
-    # a masked non-finite key: a forward runs each sequence apart, a call with a gradient
-    # runs tiled whole (tiled's mask keeps the key out)
-    apart = choice.name == "fused" and not fused_keys_ok(q4, k4, spec, ops)
-    if apart and call.grad:
-        choice, apart = select_backend(call, "tiled"), False
-    out, lse = (_sequences_apart(q4, k4, v4, spec, ops, band) if apart
-                else _run_packed(choice.name, q4, k4, v4, spec, ops, band))
+    out, lse = _run_packed(choice.name, q4, k4, v4, spec, ops, band)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out

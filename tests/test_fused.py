@@ -269,31 +269,69 @@ def test_a_hidden_non_finite_key_reaches_no_other_row(case, bad):
     torch.testing.assert_close(out[:, :, rows], want[:, :, rows].float())
 
 
+def _window_by_row(b, h, q_idx, kv_idx):
+    # a window that widens with the batch row: a row run apart must still see its own
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= 10 + 5 * b)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-@pytest.mark.parametrize("layout", ["batch", "packed"])
+@pytest.mark.parametrize("layout", ["batch", "packed", "bool_mask", "mask_mod"])
 def test_a_hidden_non_finite_key_leaves_the_other_sequences_bits(layout, bad):
-    # a window hides key 0 of sequence 1 from its late rows, so that call needs tiled for
-    # sequence 1; the other sequences keep fused's bits, as in the clean call (forward)
-    kw = dict(window=(20, 0), backend="fused")
-    if layout == "batch":
-        q, k, v = make_inputs(B=3, H=2, N=60, D=16, seed=12)
-        clean = attn.attention(q, k, v, **kw)
-        k[1, :, 0] = bad
-        got = attn.attention(q, k, v, **kw)
-        others = [0, 2]
-        seq = (slice(1, 2), slice(None), slice(21, None))
-    else:
+    # key 0 of sequence 1 is hidden from its late rows (a window, a bool mask's band, a
+    # mask_mod's window of 15 in batch row 1), so torch's op cannot compute sequence 1:
+    # it runs on tiled, forward and backward; the other sequences keep fused's bits, out and
+    # every gradient, as in the clean call, and sequence 1's late rows are the reference's of
+    # the clean call (the key they do not see changed only)
+    B, H, N, D = 3, 2, 60, 16
+    g = torch.Generator().manual_seed(12)
+    if layout == "packed":
         cu = torch.tensor([0, 30, 90, 120], dtype=torch.int32)
-        q, k, v = (torch.randn(120, 2, 16, generator=torch.Generator().manual_seed(i))
-                   for i in range(3))
-        clean = attn.varlen_attention(q, k, v, cu, cu, **kw)
-        k[30] = bad
-        got = attn.varlen_attention(q, k, v, cu, cu, **kw)
-        others = torch.cat([torch.arange(0, 30), torch.arange(90, 120)])
-        seq = slice(51, 90)
+        q, k, v, do = (torch.randn(120, H, D, generator=g) for _ in range(4))
+
+        def call(q, k, v, backend="fused"):
+            return attn.varlen_attention(q, k, v, cu, cu, window=(20, 0), backend=backend)
+        bad_key, others, late = (30,), torch.cat([torch.arange(0, 30), torch.arange(90, 120)]), 51
+    else:
+        q, k, v, do = (torch.randn(B, H, N, D, generator=g) for _ in range(4))
+        kw = dict(window=(20, 0))
+        if layout == "bool_mask":  # one op call over the batch rows (float32, a user mask)
+            i = torch.arange(N)
+            kw = dict(attn_mask=(i[None] <= i[:, None]) & (i[:, None] - i[None] <= 20))
+        if layout == "mask_mod":
+            kw = dict(mask_mod=_window_by_row)
+
+        def call(q, k, v, backend="fused"):
+            return attn.attention(q, k, v, backend=backend, **kw)
+        bad_key, others, late = (1, slice(None), 0), [0, 2], 21 if layout != "mask_mod" else 16
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    clean = call(*leaves)
+    clean_grads = torch.autograd.grad(clean, leaves, do)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want = call(*leaves, backend="reference")
+    want_dq = torch.autograd.grad(want, leaves[0], do.double())[0]
+    k[bad_key] = bad
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = call(*leaves)
+    grads = torch.autograd.grad(got, leaves, do)
+    seq = ((slice(1, 2), slice(None), slice(late, None)) if layout != "packed"
+           else slice(late, 90))
     assert torch.equal(got[others], clean[others])
+    for g_, c in zip(grads, clean_grads):
+        assert torch.equal(g_[others], c[others])
     assert torch.isfinite(got[seq]).all()
-    torch.testing.assert_close(got[seq], clean[seq])
+    torch.testing.assert_close(got[seq], want[seq].float())
+    torch.testing.assert_close(grads[0][seq], want_dq[seq].float())  # its late rows' dq
+
+
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_same_key_padding_in_every_row(B, causal):
+    # every row keeps keys [0, 33) of 40: the padding is a cut of the keys, the same in each
+    # row, so the call looks like one op call over the batch; it must not read keys 33-39
+    q, k, v = make_inputs(B=B, H=2, N=40, Nk=40, D=16, seed=9)
+    mask = (torch.arange(40) < 33).view(1, 1, 1, 40).expand(B, 1, 1, 40)
+    assert_close_to_reference(functools.partial(attn.attention, backend="fused"), q, k, v,
+                              attn_mask=mask, causal=causal)
 
 
 @pytest.mark.parametrize("kw", [dict(window=(3, 0)), dict(causal=True)])
