@@ -167,9 +167,10 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
 
 def _plan(q: Tensor, ops: Operands, page: int, spec: LaunchSpec, config: TileConfig
           ) -> tuple[list[_PagedItem], int, LaunchSpec, Tensor]:
-    """The call's items (range-major), the slots a row's partials take (at least 1), the
-    spec with its tiles (one key tile per item for short query blocks, as split-KV
-    decoding's items) and each row's key count ``(B,)``."""
+    """The call's items (range-major; ranges of ``kv_split``'s chunk, or ``split_min_chunk``
+    keys for longer query blocks: :func:`attn.tiled.plan.page_ranges`), the slots a row's
+    partials take (at least 1), the spec with its tiles (one key tile per item for short
+    query blocks, as split-KV decoding's items) and each row's key count ``(B,)``."""
     B, _, Nq, _ = q.shape
     quant = ops.quant
     _, starts, lengths = ops.pages
@@ -233,11 +234,9 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     ``spec.band`` with ``N_b`` added to its offset (pass the band of a call with no key,
     ``make_band(Nq, 0, …)``, for attn's bottom-right convention). ALiBi slopes ``(B, H)``.
 
-    Work items are (row, key range) pairs (:func:`attn.tiled.plan.page_ranges`; ``kv_split``'s
-    chunk, or ``split_min_chunk`` keys for longer query blocks), each reading only its own
-    pages, a row's partials and the sinks merged in key order (docs/kvcache.md, "How
-    attention reads it"). With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold
-    codes, which each item dequantizes for its own range only (:func:`_read_codes`)."""
+    Work items are (row, key range) pairs, their partials merged in key order (:func:`_plan`;
+    docs/kvcache.md, "How attention reads it"). With ``ops.quant``
+    (:class:`attn.spec.QuantPages`) each item dequantizes its own range only."""
     if ops.pages is None or ops.attn_mask is not None or ops.captured:
         raise ValueError("paged_attention takes ops.pages, and no attn_mask or score_mod")
     _check_operands(ops._replace(pages=None, quant=None))
