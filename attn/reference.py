@@ -78,9 +78,6 @@ def reference_attention(
     ``alibi_slopes`` (B, H): the bias ``−slope_h · |j − (i + band.offset)|``, distances from
     the band's diagonal (bottom-right in attn.attention). ``dropout_rows`` / ``alibi_rows``:
     see :class:`attn.spec.LaunchSpec` (packed sequences, B == 1; alibi_slopes (sequences, H)).
-
-    Long on purpose: the oracle every backend is tested against reads top to bottom in the
-    order above, one step per variant on the whole score matrix, with nothing to jump to.
     """
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -99,16 +96,37 @@ def reference_attention(
         c = softcap if isinstance(softcap, float) else softcap.to(s.dtype).reshape(-1, 1, 1)
         s = c * torch.tanh(s / c)
     offs_m, offs_n = torch.arange(Nq, device=q.device), torch.arange(Nk, device=q.device)
-    if alibi_slopes is not None:  # ALiBi (Press et al. 2022), the bias built whole
-        if alibi_rows is None:
-            dist = (offs_n[None, :] - (offs_m[:, None] + band.offset)).abs()  # (Nq, Nk)
-            slope = alibi_slopes.reshape(B, H, 1, 1)
-        else:  # packed: positions inside each sequence, each row its sequence's slopes
-            seq, pos_m, pos_n = alibi_rows(offs_m, offs_n)
-            dist = (pos_n[None, :] - pos_m[:, None]).abs()
-            slope = alibi_slopes[seq].t().reshape(1, H, Nq, 1)
-        s = s - slope.to(s.dtype) * dist.to(s.dtype)
-    allowed = band.mask(offs_m, offs_n)
+    if alibi_slopes is not None:
+        s = s - _alibi_bias(alibi_slopes, alibi_rows, band, offs_m, offs_n, s)
+    s = _masked(s, band.mask(offs_m, offs_n), mask_mod, idx, attn_mask)
+    p, lse = _softmax(s, sinks)
+    if dropout_p > 0.0:
+        keep = _dropout_keep(dropout_p, dropout_seed, dropout_rows, B, H, offs_m, offs_n)
+        p = p * keep / (1.0 - dropout_p)
+    out = p @ v
+    lse_dtype = acc_dtype(q.dtype)
+    return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def _alibi_bias(slopes: Tensor, alibi_rows, band: Band, offs_m: Tensor, offs_n: Tensor,
+                s: Tensor) -> Tensor:
+    """ALiBi (Press et al. 2022), the bias built whole: ``slope_h · |j − (i + offset)|``
+    broadcast against the scores ``s`` (B, H, Nq, Nk), in their dtype."""
+    B, H, Nq, _ = s.shape
+    if alibi_rows is None:
+        dist = (offs_n[None, :] - (offs_m[:, None] + band.offset)).abs()  # (Nq, Nk)
+        slope = slopes.reshape(B, H, 1, 1)
+    else:  # packed: positions inside each sequence, each row its sequence's slopes
+        seq, pos_m, pos_n = alibi_rows(offs_m, offs_n)
+        dist = (pos_n[None, :] - pos_m[:, None]).abs()
+        slope = slopes[seq].t().reshape(1, H, Nq, 1)
+    return slope.to(s.dtype) * dist.to(s.dtype)
+
+
+def _masked(s: Tensor, allowed: Tensor | None, mask_mod, idx, attn_mask: Tensor | None
+            ) -> Tensor:
+    """The scores with every mask applied: the band's ``allowed`` (None: all), the
+    mask_mod's and a bool ``attn_mask`` keep; a float ``attn_mask`` is added first."""
     if mask_mod is not None:
         keep = torch.broadcast_to(mask_mod(*idx), s.shape)
         allowed = keep if allowed is None else allowed & keep
@@ -121,7 +139,13 @@ def reference_attention(
             allowed = ~blocked if allowed is None else allowed & ~blocked
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
+    return s
 
+
+def _softmax(s: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The rows' softmax over the keys and the sinks (H,) → p (B, H, Nq, Nk) and lse
+    (B, H, Nq), -inf (and p 0) on rows that see nothing."""
+    H = s.shape[1]
     m = s.amax(dim=-1, keepdim=True)  # (B, H, Nq, 1)
     if sinks is not None:
         sink = sinks.to(s.dtype).reshape(1, H, 1, 1)
@@ -132,21 +156,21 @@ def reference_attention(
     if sinks is not None:
         l = l + torch.exp(sink - m)
     l_safe = torch.where(l > 0, l, torch.ones_like(l))
-    p = p / l_safe
     # -inf where the row sees nothing; log of l_safe keeps that row's gradient finite
     lse = torch.where(l > 0, m + torch.log(l_safe), float("-inf")).squeeze(-1)
-    if dropout_p > 0.0:
-        if dropout_rows is not None:
-            b_rows, rows_m, rows_n = dropout_rows(offs_m, offs_n)
-            bh = b_rows.view(1, 1, Nq) * H + torch.arange(H, device=q.device).view(1, H, 1)
-            keep = dropout_keep_rows(dropout_seed, bh, rows_m, rows_n, dropout_p)
-        else:
-            bh = torch.arange(B * H, device=q.device).reshape(B, H)
-            keep = dropout_keep(dropout_seed, bh, offs_m, offs_n, dropout_p)
-        p = p * keep / (1.0 - dropout_p)
-    out = p @ v
-    lse_dtype = acc_dtype(q.dtype)
-    return out.to(q.dtype), lse.to(lse_dtype)
+    return p / l_safe, lse
+
+
+def _dropout_keep(dropout_p: float, seed: int, dropout_rows, B: int, H: int, offs_m: Tensor,
+                  offs_n: Tensor) -> Tensor:
+    """Dropout's keep-mask: per (batch row, head) of the call, or of ``dropout_rows``'s
+    packed rows (B == 1)."""
+    if dropout_rows is not None:
+        b_rows, rows_m, rows_n = dropout_rows(offs_m, offs_n)
+        bh = b_rows.view(1, 1, -1) * H + torch.arange(H, device=offs_m.device).view(1, H, 1)
+        return dropout_keep_rows(seed, bh, rows_m, rows_n, dropout_p)
+    bh = torch.arange(B * H, device=offs_m.device).reshape(B, H)
+    return dropout_keep(seed, bh, offs_m, offs_n, dropout_p)
 
 
 def reference_packed(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,

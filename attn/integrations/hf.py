@@ -568,6 +568,45 @@ def _quantized_cache_attention(query: Tensor, key: _CachedKV, value: Tensor,
 
 # -- the attention function HF calls ----------------------------------------------------------
 
+def _warn_unread(module: torch.nn.Module, kwargs: dict) -> None:
+    """Warn once per keyword that attn reads none of: output_attentions, and any keyword
+    outside _INERT that a model passes with a value."""
+    if kwargs.get("output_attentions"):
+        _warn_once("output_attentions", "attn never materializes attention weights: "
+                   "output_attentions=True returns None for them (use attn_implementation="
+                   "'eager' to inspect weights)")
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _INERT)
+    for k in unknown:
+        _warn_once(f"kw:{k}", f"attn's HF integration ignores the keyword {k!r} passed by "
+                   f"{type(module).__name__}; check that this model does not need it")
+
+
+def _window(sliding_window: int | None, causal: bool) -> tuple[int, int] | None:
+    """HF's sliding_window as attn's window: (W - 1, 0), symmetric when not causal."""
+    if sliding_window is None:
+        return None
+    window = hf_sliding_window(sliding_window)  # (W - 1, 0)
+    if not causal:  # encoders (ModernBERT): HF's bidirectional windows are symmetric
+        window = (window[0], window[0])
+    return window
+
+
+def _with_bias(mask: Tensor | None, position_bias: Tensor | None, dtype: torch.dtype
+               ) -> Tensor | None:
+    """The plan's mask with a position_bias added (a bool mask's hidden keys -inf), a float
+    mask in q's ``dtype``."""
+    if position_bias is not None:
+        bias = position_bias.to(dtype)
+        if mask is None:
+            return bias
+        if mask.dtype == torch.bool:
+            return bias.masked_fill(~mask, float("-inf"))
+        return bias + mask.to(dtype)
+    if mask is not None and mask.is_floating_point():
+        return mask.to(dtype)
+    return mask
+
+
 def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Tensor | None, *, backend: str, dropout: float = 0.0,
                        scaling: float | None = None, is_causal: bool | None = None,
@@ -580,27 +619,14 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
 
     query (B, H, Nq, D), key/value (B, Hkv, Nk, D[v]) → ((B, Nq, H, Dv), None).
 
-    Long because HF's keywords arrive all at once: each is translated in turn (mask, window,
-    packed offsets, sinks, a cache), in the order HF's own attention functions read them.
+    HF's keywords are translated in turn (mask, window, packed offsets, sinks, a cache), in
+    the order HF's own attention functions read them.
     """
-    if kwargs.get("output_attentions"):
-        _warn_once("output_attentions", "attn never materializes attention weights: "
-                   "output_attentions=True returns None for them (use attn_implementation="
-                   "'eager' to inspect weights)")
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _INERT)
-    for k in unknown:
-        _warn_once(f"kw:{k}", f"attn's HF integration ignores the keyword {k!r} passed by "
-                   f"{type(module).__name__}; check that this model does not need it")
-
+    _warn_unread(module, kwargs)
     B, H, Nq, _ = query.shape
     Nk = key.shape[2]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    window = None
-    if sliding_window is not None:
-        window = hf_sliding_window(sliding_window)  # (W - 1, 0)
-        if not causal:  # encoders (ModernBERT): HF's bidirectional windows are symmetric
-            window = (window[0], window[0])
-
+    window = _window(sliding_window, causal)
     dropout_p = float(dropout) if module.training else 0.0
     if isinstance(key, _CachedKV):
         out = _quantized_cache_attention(
@@ -632,18 +658,7 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         plan = _packed_plan(plan, Nq, Nk, B, cu_seq_lens_q, cu_seq_lens_k, position_ids,
                             query.device)
 
-    mask = plan.attn_mask
-    if position_bias is not None:
-        bias = position_bias.to(query.dtype)
-        if mask is None:
-            mask = bias
-        elif mask.dtype == torch.bool:
-            mask = bias.masked_fill(~mask, float("-inf"))
-        else:
-            mask = bias + mask.to(query.dtype)
-    elif mask is not None and mask.is_floating_point():
-        mask = mask.to(query.dtype)
-
+    mask = _with_bias(plan.attn_mask, position_bias, query.dtype)
     if plan.cu_seqlens is not None and mask is not None:
         out = _per_sequence(query, key, value, mask, plan, **options)
         return out.transpose(1, 2).contiguous(), None

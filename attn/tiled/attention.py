@@ -334,42 +334,25 @@ def _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask, nee
     return Grads(*into, dmask, dsinks, dsoftcap, tuple(dcaptured))
 
 
-def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-              lse: Tensor, spec: LaunchSpec, ops: Operands, *,
-              need_dmask: bool = False, need_dcap: bool = True,
-              into: tuple[Tensor, Tensor, Tensor], blocks, finite_scores: bool,
-              lse2: Tensor | None = None, b0: int = 0, engine: str = "bmm") -> Grads:
-    """One backward item of :func:`_bwd`: a chunk (``b0``: its first batch row's index in
-    the call; ``engine``: the plan's) and a run of its query ``blocks``. Writes dq of their
-    rows into ``into[0]`` and adds their share of dk and dv into ``into[1:]`` (zeroed
-    views), and returns their share of the other gradients (not the sinks': :func:`_bwd`
-    leaves them out of its items and takes them once for the call). ``finite_scores``: the
-    call's (:class:`_Facts`).
-
-    Long on purpose: one tile's backward steps share a dozen running tensors (dq, dk, dv,
-    the mask, softcap and captures' gradients); as in the forward and the Triton kernels, the
-    loop reads best whole, with phase markers."""
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = H // Hkv
-    acc_dtype = _acc_dtype(q.dtype)
-    attn_mask, sinks, softcap, captured = ops.attn_mask, ops.sinks, ops.softcap, ops.captured
-    gemm = _Gemm(k, v, acc_dtype, engine, low=low_gemms(q))  # q·kᵀ as the forward's
+def _bwd_tiles(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, acc_dtype,
+               engine: str, b0: int, finite_scores: bool) -> tuple[_Gemm, _Tile]:
+    """A backward item's GEMMs (q·kᵀ as the forward's, keys-major where oneDNN runs them)
+    and score tiles."""
+    gemm = _Gemm(k, v, acc_dtype, engine, low=low_gemms(q))
     gemm.keys_major = gemm.onednn
-    tile = _Tile(q, k, spec, gemm, attn_mask, softcap, ops.alibi, b0=b0,
+    tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0,
                  finite_scores=finite_scores)
     if not tile.finite_scores:
         # a masked key has dS = 0, but 0·NaN in dS K would still reach dQ: a non-finite key
         # enters dQ as 0 (a row that sees it has NaN dS anyway)
         gemm.k3_dq = _finite_or_zero(gemm.k3)
-    dq = into[0]
-    dk3, dv3 = into[1].view(B * Hkv, Nk, D), into[2].view(B * Hkv, Nk, Dv)  # row slices: views
-    dsoftcap = None
-    if softcap is not None and need_dcap:
-        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
-    dmask = None
-    if need_dmask:
-        dmask = torch.zeros(as_4d(attn_mask).shape, dtype=acc_dtype, device=q.device)
+    return gemm, tile
+
+
+def _bwd_row_terms(do: Tensor, out: Tensor, dlse: Tensor | None, lse: Tensor,
+                   lse2: Tensor | None, acc_dtype):
+    """The rows' backward terms (B, H, Nq): Δ, the m the tiles subtract, 1/l (None without
+    lse2) and, where lse2 is given, the saturated rows and their (Nq,) host flag."""
     # Δ = rowsum(dO ∘ O) − dlse: the lse output's gradient joins dS as dlse_i · P_ij
     delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, H, Nq)
     if dlse is not None:
@@ -390,9 +373,43 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     # near the dtype's largest
     saturated = saturated_rows = None
     # (a data-dependent branch: skipped while torch.compile traces, as the value checks are)
-    if lse2 is not None and Nq > 0 and not torch.compiler.is_compiling():
+    if lse2 is not None and do.shape[2] > 0 and not torch.compiler.is_compiling():
         saturated_rows = lse2[..., 1] < SATURATED_LOG2L  # (B, H, Nq)
         saturated = saturated_rows.flatten(0, 1).any(0).cpu()
+    return delta, lse_m, inv_l, saturated, saturated_rows
+
+
+def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+              lse: Tensor, spec: LaunchSpec, ops: Operands, *,
+              need_dmask: bool = False, need_dcap: bool = True,
+              into: tuple[Tensor, Tensor, Tensor], blocks, finite_scores: bool,
+              lse2: Tensor | None = None, b0: int = 0, engine: str = "bmm") -> Grads:
+    """One backward item of :func:`_bwd`: a chunk (``b0``: its first batch row's index in
+    the call; ``engine``: the plan's) and a run of its query ``blocks``. Writes dq of their
+    rows into ``into[0]`` and adds their share of dk and dv into ``into[1:]`` (zeroed
+    views), and returns their share of the other gradients (not the sinks': :func:`_bwd`
+    leaves them out of its items and takes them once for the call). ``finite_scores``: the
+    call's (:class:`_Facts`).
+
+    Long on purpose: one tile's backward steps share a dozen running tensors (dq, dk, dv,
+    the mask, softcap and captures' gradients); as in the forward and the Triton kernels, the
+    loop reads best whole, with phase markers."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    acc_dtype = _acc_dtype(q.dtype)
+    attn_mask, sinks, softcap, captured = ops.attn_mask, ops.sinks, ops.softcap, ops.captured
+    gemm, tile = _bwd_tiles(q, k, v, spec, ops, acc_dtype, engine, b0, finite_scores)
+    dq = into[0]
+    dk3, dv3 = into[1].view(B * Hkv, Nk, D), into[2].view(B * Hkv, Nk, Dv)  # row slices: views
+    dsoftcap = None
+    if softcap is not None and need_dcap:
+        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
+    dmask = None
+    if need_dmask:
+        dmask = torch.zeros(as_4d(attn_mask).shape, dtype=acc_dtype, device=q.device)
+    delta, lse_m, inv_l, saturated, saturated_rows = _bwd_row_terms(do, out, dlse, lse, lse2,
+                                                                   acc_dtype)
     track = spec.score_mod is not None
     dcaptured: list[Tensor | None] = [None] * len(captured)
     compiled = _compiled_steps(q) and engine == "bmm"

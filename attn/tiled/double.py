@@ -377,6 +377,44 @@ class _PlainHvp:
                     places[n0][slot], at = at, at + n
         return {n0: tuple(x) for n0, x in places.items()}
 
+    def _q_rows(self, m0, m1) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+        """A block's query-side operands (B·Hkv, G·BM, ·): lse, c q, c t_q (None without a
+        direction), [c q | −lse] (see self.kx) and the rows of a ([c q | c t_q], the terms
+        whose direction is 0 left out); c q is a view of [c q | −lse]."""
+        h = self.h
+        lse_b = self._rows3(h.lse_a.unsqueeze(-1), m0, m1)
+        q_blk = self._rows3(h.q, m0, m1).to(h.acc) * h.scale
+        tq_b = None if h.tq is None else self._rows3(h.tq, m0, m1) * h.scale
+        ql_b = torch.cat([q_blk, -lse_b], -1)
+        q_b = ql_b[..., :h.D]
+        if tq_b is None:
+            qa_b = q_b
+        elif h.tk is None:
+            qa_b = tq_b
+        else:
+            qa_b = torch.cat([q_b, tq_b], -1)
+        return lse_b, q_b, tq_b, ql_b, qa_b
+
+    def _row_sums(self, m0, m1, lse_b, g_b, out_b, abar, pav):
+        """The row sums between the passes (module docstring): Δ_pd = g·out, C = g·(Σ p z a v
+        + Σ p z t_v) → ā with the sinks' share, Δ, r1 = r0 − ā Δ and the sinks' gradient
+        terms (None without sinks)."""
+        h = self.h
+        B, H, BM = h.B, h.H, m1 - m0
+        dpd = (g_b * out_b).sum(-1, keepdim=True)
+        c_sum = (g_b * pav).sum(-1, keepdim=True)
+        delta = dpd - (0.0 if h.glse is None else self._rows3(
+            h.glse.to(h.acc).unsqueeze(-1), m0, m1))
+        dsink = None
+        if h.sinks is not None:
+            p_sink = torch.exp(h.sinks - lse_b.view(B, H, BM, 1))
+            t_s = 0.0 if h.t_sink is None else h.t_sink
+            abar = abar + (p_sink * t_s).reshape(B * self.Hkv, BM * h.G, 1)
+            a4, c4, d4, dpd4 = (x.view(B, H, BM, 1) for x in (abar, c_sum, delta, dpd))
+            dsink = _sink_terms(p_sink, t_s, a4, c4, d4, dpd4).sum(dim=(0, 2, 3))
+        r1 = abar * dpd - c_sum  # r0 − ā Δ, r0 = Δ ā + ā Δ_pd − C
+        return abar, delta, r1, dsink
+
     def block(self, m0, m1, key_tiles, kv_into):
         """:meth:`_Hvp.block` (its return value and ``kv_into`` terms). Long on purpose: the
         two passes and the row sums between them share the block's operands, kept tiles and
@@ -384,20 +422,7 @@ class _PlainHvp:
         h = self.h
         B, H, BM, Dv = h.B, h.H, m1 - m0, h.Dv
         lead = (B * self.Hkv, BM * h.G)
-        lse_b = self._rows3(h.lse_a.unsqueeze(-1), m0, m1)
-        # the block's [−lse | c q | c t_q] (see self.kx; the terms of a whose direction is 0
-        # left out): views c q, [c q | −lse] and the rows of a
-        D = h.D
-        q_blk = self._rows3(h.q, m0, m1).to(h.acc) * h.scale
-        tq_b = None if h.tq is None else self._rows3(h.tq, m0, m1) * h.scale
-        ql_b = torch.cat([q_blk, -lse_b], -1)
-        q_b = ql_b[..., :D]
-        if tq_b is None:
-            qa_b = q_b
-        elif h.tk is None:
-            qa_b = tq_b
-        else:
-            qa_b = torch.cat([q_b, tq_b], -1)
+        lse_b, q_b, tq_b, ql_b, qa_b = self._q_rows(m0, m1)
         g_b, out_b = self._rows3(h.g_a, m0, m1), self._rows3(self.out, m0, m1)
         arena = self._buf("kept")
         places = self._plan_keep(lead, key_tiles)
@@ -420,19 +445,7 @@ class _PlainHvp:
             pav.baddbmm_(pa if z is None else pa * z, self.v3[:, n0:n1])
             if self.tv3 is not None:
                 pav.baddbmm_(p if z is None else p * z, self.tv3[:, n0:n1])
-        # -- the row sums (module docstring): Δ_pd = g·out, C = g·(Σ p z a v + Σ p z t_v) --
-        dpd = (g_b * out_b).sum(-1, keepdim=True)
-        c_sum = (g_b * pav).sum(-1, keepdim=True)
-        delta = dpd - (0.0 if h.glse is None else self._rows3(
-            h.glse.to(h.acc).unsqueeze(-1), m0, m1))
-        dsink = None
-        if h.sinks is not None:
-            p_sink = torch.exp(h.sinks - lse_b.view(B, H, BM, 1))
-            t_s = 0.0 if h.t_sink is None else h.t_sink
-            abar = abar + (p_sink * t_s).reshape(*lead, 1)
-            a4, c4, d4, dpd4 = (x.view(B, H, BM, 1) for x in (abar, c_sum, delta, dpd))
-            dsink = _sink_terms(p_sink, t_s, a4, c4, d4, dpd4).sum(dim=(0, 2, 3))
-        r1 = abar * dpd - c_sum  # r0 − ā Δ, r0 = Δ ā + ā Δ_pd − C
+        abar, delta, r1, dsink = self._row_sums(m0, m1, lse_b, g_b, out_b, abar, pav)
         dg = pav.sub_(abar * out_b)  # ∂L/∂g = Σ p z (a − ā) v + Σ p z t_v
         # -- pass 2: s̄ = p (e + r1) + (dP − Δ) w', ā_s = p (dP − Δ), w = z w', w' = p a − ā p --
         dq = torch.zeros(*lead, h.D, dtype=h.acc, device=h.q.device)

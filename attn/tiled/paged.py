@@ -165,6 +165,64 @@ def _read_codes(codes: Tensor, scales: Tensor, recent: Tensor | None, quant: Qua
     return span.transpose(0, 1).unsqueeze(0), mult
 
 
+def _plan(q: Tensor, ops: Operands, page: int, spec: LaunchSpec, config: TileConfig
+          ) -> tuple[list[_PagedItem], int, LaunchSpec, Tensor]:
+    """The call's items (range-major; ranges of ``kv_split``'s chunk, or ``split_min_chunk``
+    keys for longer query blocks: :func:`attn.tiled.plan.page_ranges`), the slots a row's
+    partials take (at least 1), the spec with its tiles (one key tile per item for short
+    query blocks, as split-KV decoding's items) and each row's key count ``(B,)``."""
+    B, _, Nq, _ = q.shape
+    quant = ops.quant
+    _, starts, lengths = ops.pages
+    n_keys = lengths - starts
+    chunk = kv_split(Nq, int(n_keys.max()) if B else 0, config) or config.split_min_chunk
+    items, R = _page_items(ops.pages, page, chunk,
+                           None if quant is None else quant.recent_from)
+    spec = config.tiles(spec)
+    if Nq <= config.split_max_q:
+        spec = dataclasses.replace(spec, block_n=-(-chunk // page) * page if page <= chunk
+                                   else chunk)
+    return items, max(R, 1), spec, n_keys
+
+
+def _partials(items: list[_PagedItem], R: int, B: int, H: int, Nq: int, Dv: int, dtype,
+              device) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's R partial outputs ``(R, B, H, Nq, Dv)`` and lse ``(R, B, H, Nq)``, and the
+    items' scratch; the slots no item fills (rows with fewer ranges) an empty partial: out
+    0, lse -inf (weight 0 in the merge)."""
+    parts_out = torch.empty(R, B, H, Nq, Dv, dtype=dtype, device=device)
+    parts_lse = torch.empty(R, B, H, Nq, dtype=dtype, device=device)
+    scratch = torch.empty(R, B, H, Nq, 2, dtype=dtype, device=device)
+    unused = torch.ones(R, B, dtype=torch.bool)
+    for it in items:
+        unused[it.r, it.b] = False
+    if bool(unused.any()):
+        parts_out[unused.to(device)] = 0.0
+        parts_lse[unused.to(device)] = float("-inf")
+    return parts_out, parts_lse, scratch
+
+
+def _item_keys(k_pages: Tensor, v_pages: Tensor, table_row: Tensor, quant: QuantPages | None,
+               page: int, it: _PagedItem, dtype: torch.dtype
+               ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """An item's keys and values ``(1, Hkv, n, D[v])`` in q's ``dtype`` (int8 key codes
+    stay codes: they are scored as they are), and, from a quantized cache, their
+    multipliers (:func:`_read_codes`; else None)."""
+    k_mult = v_mult = None
+    if quant is not None:
+        at = (table_row, int(quant.recent_from[it.b]), page, it)
+        k, k_mult = _read_codes(k_pages, quant.k_scales, quant.recent_k, quant, *at,
+                                "paged k", dtype, raw=quant.int8_scores)
+        v, v_mult = _read_codes(v_pages, quant.v_scales, quant.recent_v, quant, *at,
+                                "paged v", dtype)
+    else:
+        k = _read_pages(k_pages, table_row, page, it, "paged k")
+        v = _read_pages(v_pages, table_row, page, it, "paged v")
+    if k.dtype != dtype and k.dtype != torch.int8:
+        k = k.to(dtype)
+    return k, v.to(dtype), k_mult, v_mult
+
+
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec,
                     ops: Operands, config: TileConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """Attention of q ``(B, H, Nq, D)`` against keys read through a page table, forward only
@@ -176,66 +234,33 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     ``spec.band`` with ``N_b`` added to its offset (pass the band of a call with no key,
     ``make_band(Nq, 0, …)``, for attn's bottom-right convention). ALiBi slopes ``(B, H)``.
 
-    Work items are (row, key range) pairs (:func:`attn.tiled.plan.page_ranges`; ``kv_split``'s
-    chunk, or ``split_min_chunk`` keys for longer query blocks), each reading only its own
-    pages, a row's partials and the sinks merged in key order (docs/kvcache.md, "How
-    attention reads it"). With ``ops.quant`` (:class:`attn.spec.QuantPages`) the pages hold
-    codes, which each item dequantizes for its own range only (:func:`_read_codes`).
-
-    Long for this docstring: the body plans the items, runs them and merges each row's
-    partials, as :func:`attn.tiled.attention._fwd_split` does for dense keys."""
+    Work items are (row, key range) pairs, their partials merged in key order (:func:`_plan`;
+    docs/kvcache.md, "How attention reads it"). With ``ops.quant``
+    (:class:`attn.spec.QuantPages`) each item dequantizes its own range only."""
     if ops.pages is None or ops.attn_mask is not None or ops.captured:
         raise ValueError("paged_attention takes ops.pages, and no attn_mask or score_mod")
     _check_operands(ops._replace(pages=None, quant=None))
     check_paged_forward_only(q, k_pages, v_pages, ops)
     quant = ops.quant
-    table, starts, lengths = ops.pages
+    table = ops.pages.block_table
     B, H, Nq, _ = q.shape
     page, Dv = k_pages.shape[1], v_pages.shape[-1]
     if quant is not None:
         Dv = quant.dim(Dv)
-    acc_dtype = _acc_dtype(q.dtype)
-    n_keys = lengths - starts
-    chunk = kv_split(Nq, int(n_keys.max()) if B else 0, config) or config.split_min_chunk
-    items, R = _page_items(ops.pages, page, chunk,
-                           None if quant is None else quant.recent_from)
-    R = max(R, 1)
-    spec = config.tiles(spec)
-    if Nq <= config.split_max_q:  # one key tile per item, as split-KV decoding's items
-        spec = dataclasses.replace(spec, block_n=-(-chunk // page) * page if page <= chunk
-                                   else chunk)
+    items, R, spec, n_keys = _plan(q, ops, page, spec, config)
     threads = item_threads(q, Nq * H * int(n_keys.sum()), config)
     if threads is None:
         threads = cpu.workers_for_call()
     caller = _caller(threads)
     with caller:
-        parts_out = torch.empty(R, B, H, Nq, Dv, dtype=acc_dtype, device=q.device)
-        parts_lse = torch.empty(R, B, H, Nq, dtype=acc_dtype, device=q.device)
-        scratch = torch.empty(R, B, H, Nq, 2, dtype=acc_dtype, device=q.device)
-        unused = torch.ones(R, B, dtype=torch.bool)  # slots of rows with fewer ranges
-        for it in items:
-            unused[it.r, it.b] = False
-        if bool(unused.any()):  # an empty partial: out 0, lse -inf (weight 0 in the merge)
-            parts_out[unused.to(q.device)] = 0.0
-            parts_lse[unused.to(q.device)] = float("-inf")
+        parts_out, parts_lse, scratch = _partials(items, R, B, H, Nq, Dv, _acc_dtype(q.dtype),
+                                                  q.device)
     band = spec.band
 
     def run(i: int) -> None:
         it = items[i]
         b = it.b
-        k_mult = v_mult = None
-        if quant is not None:
-            at = (table[b], int(quant.recent_from[b]), page, it)
-            k, k_mult = _read_codes(k_pages, quant.k_scales, quant.recent_k, quant, *at,
-                                    "paged k", q.dtype, raw=quant.int8_scores)
-            v, v_mult = _read_codes(v_pages, quant.v_scales, quant.recent_v, quant, *at,
-                                    "paged v", q.dtype)
-        else:
-            k = _read_pages(k_pages, table[b], page, it, "paged k")
-            v = _read_pages(v_pages, table[b], page, it, "paged v")
-        if k.dtype != q.dtype and k.dtype != torch.int8:  # int8: codes scored as they are
-            k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        k, v, k_mult, v_mult = _item_keys(k_pages, v_pages, table[b], quant, page, it, q.dtype)
         row_band = Band(band.offset + int(n_keys[b]), band.left, band.right)
         ispec = dataclasses.replace(spec, band=row_band).shard(k_start=it.n0)
         iops = Operands(softcap=ops.softcap,
@@ -252,3 +277,4 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     with caller:
         out, lse = _merge_partials(parts_out, parts_lse, ops.sinks)
         return out.to(q.dtype), lse
+
