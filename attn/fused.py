@@ -886,7 +886,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     A call :func:`_whole_call` allows is one op call. ``fallback(q, k, v, spec, ops) ->
     (out, lse)``: a dense forward that never reads a masked key's score, run instead for
     each sequence torch's op cannot compute (:func:`_poisoned`); the others keep their bits
-    (without it those take the NaN)."""
+    (without it those take the NaN). Long on purpose: ``run``, the items' body, shares the
+    call's buffers and plans as a closure, which the worker pool calls by index."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, _ = q.shape
@@ -899,20 +900,9 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
     if whole is not None:  # one op call (_whole_threads) over the rows it computes
         rows = [s.b for s in seqs] if apart else None
-        kw, vw = (_rows_packed(_rows_of(t, rows), Nq, config) for t in (k, v))
-        add = None if mask4 is None else _rows_of(mask4.add, rows).to(q.dtype)
-        with _whole_threads(q):
-            o, l_ = kern(add is not None).fwd(_rows_of(q, rows), kw, vw, whole.causal, add,
-                                              spec.qk_scale)
-        l_ = l_.to(acc)
-        if mask4 is not None:  # rows the mask (and band) hide whole: out 0, lse -inf
-            seen = mask4.add > float("-inf") if mask4.keep is None else mask4.keep
-            empty = _unseen(_rows_of(seen, rows), Nq if whole.causal else None)
-            if bool(empty.any()):
-                l_ = l_.masked_fill(empty, float("-inf"))
-                o = o.masked_fill(empty.unsqueeze(-1), 0.0)
-        out, lse = o, l_
+        out, lse = _whole_fwd(kern, q, k, v, rows, mask4, whole, spec, config)
         if apart:
+            o, l_ = out, lse
             out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
             lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
             out[rows], lse[rows] = o, l_
@@ -990,6 +980,28 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
                lse if parts_out is None else parts_lse[0])
     with _caller(threads):
         return _sinks_joined(out, lse, parts_out, parts_lse, ops.sinks)
+
+
+def _whole_fwd(kern, q: Tensor, k: Tensor, v: Tensor, rows: list[int] | None,
+               mask4: _UserMask | None, whole: Piece, spec: LaunchSpec, config: FusedConfig
+               ) -> tuple[Tensor, Tensor]:
+    """:func:`_fwd`'s one op call over batch rows ``rows`` (None: all), before the sinks:
+    out in q's dtype, lse in the accumulation dtype; rows the mask (and band) hide whole
+    get out 0 and lse -inf."""
+    Nq = q.shape[2]
+    kw, vw = (_rows_packed(_rows_of(t, rows), Nq, config) for t in (k, v))
+    add = None if mask4 is None else _rows_of(mask4.add, rows).to(q.dtype)
+    with _whole_threads(q):
+        out, lse = kern(add is not None).fwd(_rows_of(q, rows), kw, vw, whole.causal, add,
+                                             spec.qk_scale)
+    lse = lse.to(_acc_dtype(q.dtype))
+    if mask4 is not None:
+        seen = mask4.add > float("-inf") if mask4.keep is None else mask4.keep
+        empty = _unseen(_rows_of(seen, rows), Nq if whole.causal else None)
+        if bool(empty.any()):
+            lse = lse.masked_fill(empty, float("-inf"))
+            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse
 
 
 def _split_poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
@@ -1170,6 +1182,22 @@ def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, 
     return kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal, add, spec.qk_scale)
 
 
+def _whole_bwd(kern, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse_in: Tensor,
+               pad: Tensor | None, rows: list[int] | None, mask4: _UserMask | None,
+               whole: Piece, spec: LaunchSpec) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_bwd`'s one op call over batch rows ``rows`` (None: all): their dq, dk, dv in
+    the accumulation dtype (``pad``: the dlse columns, :func:`_dlse_columns`)."""
+    D, Dv, acc = q.shape[-1], v.shape[-1], _acc_dtype(q.dtype)
+    qw, kw, vw, ow, dow = (_rows_of(t, rows) for t in (q, k, v, out, do))
+    if pad is not None:
+        qw, kw, vw, ow, dow = _dlse_columns(qw, kw, vw, ow, dow, _rows_of(pad, rows))
+    add = None if mask4 is None else _rows_of(mask4.add, rows).to(q.dtype)
+    with _whole_threads(q):
+        gq, gk, gv = kern(add is not None).bwd(dow, qw, kw, vw, ow, _rows_of(lse_in, rows),
+                                               whole.causal, add, spec.qk_scale)
+    return gq[..., :D].to(acc), gk[..., :D].to(acc), gv[..., :Dv].to(acc)
+
+
 def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
          lse: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT, precise: Callable | None = None,
@@ -1181,7 +1209,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     extra head-dim columns (zeros in q, k, v; ``-dlse`` in a high and a low part of q's dtype
     in out, ones in dO), so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse``.
     ``apart``: the forward ran the sequences torch's op cannot compute (:func:`_poisoned`)
-    on its fallback; their gradients come from ``precise``."""
+    on its fallback; their gradients come from ``precise``. Long for the forward's reason:
+    ``run`` is a closure over the call's buffers."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, D = q.shape
@@ -1206,14 +1235,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
     if whole is not None:  # one op call (_whole_threads) over the rows it computes
         rows = [s.b for s in seqs] if poisoned else None
-        qw, kw, vw, ow, dow = (_rows_of(t, rows) for t in (q, k, v, out, do))
-        if pad is not None:
-            qw, kw, vw, ow, dow = _dlse_columns(qw, kw, vw, ow, dow, _rows_of(pad, rows))
-        add = None if mask4 is None else _rows_of(mask4.add, rows).to(q.dtype)
-        with _whole_threads(q):
-            gq, gk, gv = kern(add is not None).bwd(dow, qw, kw, vw, ow, _rows_of(lse_in, rows),
-                                                   whole.causal, add, spec.qk_scale)
-        gq, gk, gv = gq[..., :D].to(acc), gk[..., :D].to(acc), gv[..., :Dv].to(acc)
+        gq, gk, gv = _whole_bwd(kern, do, q, k, v, out, lse_in, pad, rows, mask4, whole, spec)
         if poisoned:
             dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
             dq[rows], dk[rows], dv[rows] = gq, gk, gv
