@@ -581,10 +581,11 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         q, ops = q.to(acc) * ops.q_scale.to(acc), ops._replace(q_scale=None)
         if backend == "fused":  # torch's kernel takes q, k, v in one dtype: rounded once
             q = q.to(k.dtype)
-    if backend == "fused":  # a sequence with a masked non-finite key on tiled, forward and
-        # backward; the others keep fused's bits
+    if backend == "fused":  # a sequence with a masked non-finite key runs on tiled (which
+        # never reads a masked key's score), its backward through _precise_backward; the
+        # others keep fused's bits
         out, lse = fused.fused_attention(q, k, v, spec, ops, precise=_precise_backward,
-                                         second=tiled.double_backward, fallback=_fallback)
+                                         second=tiled.double_backward, fallback=tiled._fwd)
     elif backend == "tiled":
         if spec.score_mod is not None or spec.mask_mod is not None or spec.mask_blocks is not None:
             spec, captured = mods.mod_spec(spec, q, k, spec.score_mod, spec.mask_mod,
@@ -600,14 +601,6 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
         else:
             out, lse = triton_attention(q, k, v, spec, ops, second=tiled.double_backward)
     return out.to(v.dtype), lse
-
-
-def _fallback(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
-              ) -> tuple[Tensor, Tensor]:
-    """The fused backend's forward for a sequence whose keys torch's kernel cannot take (a
-    NaN or inf key that a mask hides would still reach its row, 0·NaN): tiled's, which
-    never reads a masked key's score; its backward is :func:`_precise_backward`."""
-    return tiled._fwd(q, k, v, spec, ops)
 
 
 def _precise_backward(do, dlse, q, k, v, spec, ops):

@@ -855,20 +855,22 @@ def _plans(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operand
 
 
 def _poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
-              config: FusedConfig) -> list[int]:
-    """The sequences (indices into ``seqs``) that torch's op cannot compute: on CPU, where
-    some piece of the call is masked (:func:`masks_scores`: torch's kernel adds a mask to
-    scores it has computed, so a NaN or inf key the mask hides still reaches the row, 0·NaN),
-    those whose own keys are not all finite. One summing pass over k, and one per sequence
-    only where that finds a non-finite key (a sequence's key cut is all it reads)."""
-    if (q.device.type != "cpu" or torch.compiler.is_compiling()
+              config: FusedConfig, check: bool) -> tuple[list[Seq], list[Seq]]:
+    """``seqs`` as (those torch's op computes, those it cannot), where ``check``; else
+    (seqs, []). It cannot compute, on CPU where some piece of the call is masked
+    (:func:`masks_scores`: torch's kernel adds a mask to scores it has computed, so a NaN or
+    inf key the mask hides still reaches the row, 0·NaN), a sequence whose own keys are not
+    all finite. One summing pass over k, and one per sequence only where that finds a
+    non-finite key (a sequence's key cut is all it reads)."""
+    if (not check or q.device.type != "cpu" or torch.compiler.is_compiling()
             or not masks_scores(spec, ops, q.shape[2], k.shape[2], config)):
-        return []
+        return seqs, []
     with workers.small_pass(k):
         if all_finite(k):
-            return []
-        return [i for i, s in enumerate(seqs)
-                if s.k1 > s.k0 and s.q1 > s.q0 and not all_finite(k[s.b, :, s.k0:s.k1])]
+            return seqs, []
+        bad = [s.k1 > s.k0 and s.q1 > s.q0 and not all_finite(k[s.b, :, s.k0:s.k1])
+               for s in seqs]
+    return [s for s, x in zip(seqs, bad) if not x], [s for s, x in zip(seqs, bad) if x]
 
 
 def _rows_of(x: Tensor | None, rows: list[int] | None) -> Tensor | None:
@@ -895,7 +897,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
-    seqs, apart = _split_poisoned(q, k, seqs, spec, ops, config, fallback is not None)
+    seqs, apart = _poisoned(q, k, seqs, spec, ops, config, fallback is not None)
     plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=False)
     whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
     if whole is not None:  # one op call (_whole_threads) over the rows it computes
@@ -1002,16 +1004,6 @@ def _whole_fwd(kern, q: Tensor, k: Tensor, v: Tensor, rows: list[int] | None,
             lse = lse.masked_fill(empty, float("-inf"))
             out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return out, lse
-
-
-def _split_poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
-                    config: FusedConfig, check: bool) -> tuple[list[Seq], list[Seq]]:
-    """``seqs`` as (those torch's op computes, those it cannot: :func:`_poisoned`), where
-    ``check``; else (seqs, [])."""
-    bad = _poisoned(q, k, seqs, spec, ops, config) if check else []
-    if not bad:
-        return seqs, []
-    return [s for i, s in enumerate(seqs) if i not in bad], [seqs[i] for i in bad]
 
 
 def _apart_fwd(fallback: Callable | None, apart: list[Seq], q: Tensor, k: Tensor, v: Tensor,
@@ -1220,9 +1212,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     if precise is not None and lse_too_large(lse, q.dtype):
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
-    seqs, poisoned = _split_poisoned(q, k, seqs, spec, ops, config, apart)
-    if poisoned and precise is None:
-        raise ValueError("fused _bwd: apart=True needs precise, the backward of its fallback")
+    seqs, poisoned = _poisoned(q, k, seqs, spec, ops, config, apart)
     plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=True)
     # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
     lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))

@@ -277,4 +277,3 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     with caller:
         out, lse = _merge_partials(parts_out, parts_lse, ops.sinks)
         return out.to(q.dtype), lse
-
