@@ -243,6 +243,13 @@ class FusedConfig:
     masked_block_m: int = 256
     masked_block_n: int = 1024
     alibi_block_m: int = 1024
+    # calls with a user mask and no band (every piece masked, none cut away) are cut as
+    # unmasked ones, in blocks of mask_min_block_m to mask_max_block_m rows, key pieces of at
+    # most mask_block_n keys (with a band: masked_block_m and _n, which waste less): torch's CPU kernel splits an op call of 768 query rows or more into
+    # 256-row blocks, a smaller one into 64 or 32, which run slower (docs/benchmarks.md)
+    mask_min_block_m: int = 1024
+    mask_max_block_m: int = 2048
+    mask_block_n: int = 4096
     # the backward cuts a sequence's query blocks into runs (each with dK/dV partials of its
     # own, summed in run order) for about items_per_row items, at most bwd_max_runs
     bwd_max_runs: int = 4
@@ -503,14 +510,16 @@ def plan(seq: Seq, hkv: int, spec: LaunchSpec, ops: Operands, config: FusedConfi
     if chunk is not None:
         return _Plan([(0, n_q)], [(n0, min(n0 + chunk, n_k)) for n0 in range(0, n_k, chunk)],
                      every)
+    want = max(1, -(-config.items_per_row // hkv))  # query blocks for about items_per_row
     if spec.block_m:
         bm = spec.block_m
+    elif every and seq.band.is_full:
+        bm = min(config.mask_max_block_m, max(config.mask_min_block_m, -(-n_q // want)))
     elif every or seq.band.left is not None:
         bm = config.masked_block_m
     elif ops.alibi is not None:
         bm = config.alibi_block_m
     else:
-        want = max(1, -(-config.items_per_row // hkv))
         bm = max(config.min_block_m, -(-n_q // want))
     return _Plan([(m0, min(m0 + bm, n_q)) for m0 in range(0, n_q, bm)], [(0, n_k)], every)
 
@@ -518,7 +527,8 @@ def plan(seq: Seq, hkv: int, spec: LaunchSpec, ops: Operands, config: FusedConfi
 def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
                  config: FusedConfig = DEFAULT, alibi: bool = False) -> list[Piece]:
     """The pieces of query block ``[m0, m1)`` within keys ``[n_lo, n_hi)``, masked ones (or
-    all, where everything is masked) cut to at most ``masked_block_n`` keys. With ``alibi``
+    all, where everything is masked) cut to at most ``masked_block_n`` keys (a user mask
+    without a band: ``mask_block_n``). With ``alibi``
     a piece every row sees that crosses the block's diagonal is cut into the keys on its
     left, the square around it (masked: ALiBi's bias there is |j - i|), and the keys on its
     right, and the causal diagonal gets its bias as a mask too (beside the causal flag where
@@ -555,7 +565,9 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
         if p.masked:  # a mask is built for every piece: the band joins it
             pc = Piece(pc.n0, pc.n1, False, pc.masked or pc.causal)
         out.append(pc)
-    return _cut(out, config.masked_block_n) if p.masked or any(x.masked for x in out) else out
+    if p.masked and seq.band.is_full:
+        return _cut(out, config.mask_block_n)
+    return _cut(out, config.masked_block_n) if any(x.masked for x in out) else out
 
 
 # -- launchers ---------------------------------------------------------------------------------
@@ -621,10 +633,25 @@ def _piece_mask(seq: Seq, mask4: _UserMask | None, slopes: Tensor | None, heads:
     add = add.expand(*add.shape[:2], *shape[2:])
     if not may_hide:
         return add, None
-    if seen is None:  # (a float mask's -inf hides keys too)
-        seen = add > float("-inf")
-    empty = _unseen(seen.expand(*seen.shape[:2], *shape[2:])[0])  # (G or 1, rows)
-    return add, (empty if bool(empty.any()) else None)
+    seen = add if seen is None else seen  # (a float mask's -inf hides keys too)
+    return add, seen.expand(*seen.shape[:2], *shape[2:])[0]  # (G or 1, rows, keys)
+
+
+def _empty_rows(seen: Tensor | None, lse: Tensor, causal_rows: int | None = None
+                ) -> Tensor | None:
+    """The rows of an op call that saw no key (bool, ``lse``'s shape), None where there is
+    none. ``seen``: what the call's rows see (bool, True: the key is seen; or a float mask,
+    -inf: hidden), broadcast dims kept; None: every row sees a key. ``causal_rows`` as
+    :func:`_unseen`'s. On CPU only where some lse came back 0 or not finite: torch's CPU op
+    gives a row that sees no key out 0 and lse 0, while a row that sees one has lse at least
+    its largest score, 0 only by chance (then ``seen`` is read, as for any such call)."""
+    if seen is None:
+        return None
+    if lse.device.type == "cpu" and not bool(((lse == 0) | ~lse.isfinite()).any()):
+        return None
+    seen = seen if seen.dtype == torch.bool else seen > float("-inf")
+    empty = _unseen(seen.expand(*lse.shape, seen.shape[-1]), causal_rows)
+    return empty if bool(empty.any()) else None
 
 
 def _unseen(seen: Tensor, causal_rows: int | None = None) -> Tensor:
@@ -727,9 +754,10 @@ def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor | None, seq: Seq, p
 class _UserMask(NamedTuple):
     """A call's user mask, 4-d with its broadcast dims: ``add``, what torch's op adds to the
     scores (a float mask as given; a bool mask's 0 / -inf in q's dtype, built once per call
-    rather than once per piece and head group), and ``keep``, the bool mask (None for a float
-    one), which tells the rows that see no key of a piece at a byte a score."""
-    add: Tensor
+    rather than once per piece and head group, by :func:`_added`; None until then), and
+    ``keep``, the bool mask (None for a float one), which tells the rows that see no key of a
+    piece at a byte a score."""
+    add: Tensor | None
     keep: Tensor | None
 
 
@@ -746,15 +774,36 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
         return seqs, None, ops
     if mask4.dtype != torch.bool:
         return seqs, _UserMask(mask4, None), ops
-    add = torch.where(mask4, torch.zeros((), dtype=q.dtype, device=q.device),
-                      torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
-    return seqs, _UserMask(add, mask4), ops
+    return seqs, _UserMask(None, mask4), ops  # its 0 / -inf: _added, once the path is known
+
+
+# a float's -inf as the signed integer of its width is -c: a bool mask's 0 / -inf is
+# (keep - 1) * c in those integers, read back as the float: integer passes, several times
+# faster than torch.where of two scalars into the float (docs/benchmarks.md)
+_INF_BITS = {torch.bfloat16: (torch.int16, 1 << 7), torch.float16: (torch.int16, 1 << 10),
+             torch.float32: (torch.int32, 1 << 23), torch.float64: (torch.int64, 1 << 52)}
+
+
+def _added(mask4: _UserMask | None, dtype: torch.dtype) -> _UserMask | None:
+    """``mask4`` with a bool mask's additive form (0 / -inf in ``dtype``) built: once per
+    call, on the threads the caller runs it on (:func:`_caller` where the items follow)."""
+    if mask4 is None or mask4.add is not None:
+        return mask4
+    keep = mask4.keep
+    if dtype not in _INF_BITS:
+        return mask4._replace(add=torch.where(
+            keep, torch.zeros((), dtype=dtype, device=keep.device),
+            torch.full((), float("-inf"), dtype=dtype, device=keep.device)))
+    ints, c = _INF_BITS[dtype]
+    add = torch.empty(keep.shape, dtype=dtype, device=keep.device)
+    add.view(ints).copy_(keep).sub_(1).mul_(c)
+    return mask4._replace(add=add)
 
 
 # on CUDA a call runs its items in order on one stream, so it is cut only where the band or a
 # mask needs it: one query block per sequence, masks of up to 1024 x 4096
 CUDA = FusedConfig(items_per_row=1, min_block_m=1 << 30, masked_block_m=1024,
-                   masked_block_n=4096, bwd_max_runs=1, serial_max_scores=0,
+                   masked_block_n=4096, mask_max_block_m=1024, mask_block_n=4096, bwd_max_runs=1, serial_max_scores=0,
                    item_max_scores=0, causal_bias=False, whole_call=False, fold_gqa=False)
 
 
@@ -902,7 +951,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
     if whole is not None:  # one op call (_whole_threads) over the rows it computes
         rows = [s.b for s in seqs] if apart else None
-        out, lse = _whole_fwd(kern, q, k, v, rows, mask4, whole, spec, config)
+        out, lse = _whole_fwd(kern, q, k, v, rows, _added(mask4, q.dtype), whole, spec, config)
         if apart:
             o, l_ = out, lse
             out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
@@ -916,6 +965,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     # worker needs (docs/benchmarks.md)
     R = max((len(p.ranges) for p in plans), default=1)
     with _caller(threads):
+        mask4 = _added(mask4, q.dtype)
         out = torch.zeros(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, Nq), float("-inf"), dtype=acc, device=q.device)
         parts_out = parts_lse = None
@@ -951,7 +1001,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             vp = v_pads.get(hgs[si] * G)
             folded = _fold(qb, kb, vb, slopes, s, p, mask_mods[si], m0, m1, pc, spec.qk_scale,
                            None if vp is None else vp[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1])
-            add, empty = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
+            add, seen = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
                                      pc, q.dtype, q.device, mask_mods[si], launch)
             qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
             if fold and add is None and folded is None and not pc.causal:
@@ -962,6 +1012,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             else:
                 o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal, add, spec.qk_scale)
             o, l_ = o[0, ..., :Dv], l_[0]
+            empty = _empty_rows(seen, l_)  # (the op's own lse)
             if folded is not None:
                 l_ = l_ - folded.shift
             if empty is not None:  # a row that saw no key: torch's CPU op gives out 0 and
@@ -998,9 +1049,9 @@ def _whole_fwd(kern, q: Tensor, k: Tensor, v: Tensor, rows: list[int] | None,
                                              spec.qk_scale)
     lse = lse.to(_acc_dtype(q.dtype))
     if mask4 is not None:
-        seen = mask4.add > float("-inf") if mask4.keep is None else mask4.keep
-        empty = _unseen(_rows_of(seen, rows), Nq if whole.causal else None)
-        if bool(empty.any()):
+        seen = _rows_of(mask4.add if mask4.keep is None else mask4.keep, rows)
+        empty = _empty_rows(seen, lse, Nq if whole.causal else None)
+        if empty is not None:
             lse = lse.masked_fill(empty, float("-inf"))
             out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return out, lse
@@ -1225,7 +1276,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
     if whole is not None:  # one op call (_whole_threads) over the rows it computes
         rows = [s.b for s in seqs] if poisoned else None
-        gq, gk, gv = _whole_bwd(kern, do, q, k, v, out, lse_in, pad, rows, mask4, whole, spec)
+        gq, gk, gv = _whole_bwd(kern, do, q, k, v, out, lse_in, pad, rows,
+                                _added(mask4, q.dtype), whole, spec)
         if poisoned:
             dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
             dq[rows], dk[rows], dv[rows] = gq, gk, gv
@@ -1236,6 +1288,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     threads = _threads(seqs, config, q)
     runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
     with _caller(threads):  # as the forward's
+        mask4 = _added(mask4, q.dtype)
         dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
         dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
         dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)

@@ -482,6 +482,46 @@ def test_a_masked_float_call_is_one_op_call_each_way(monkeypatch, dtype, kind):
     assert not qg.grad[empty].any()
 
 
+@pytest.mark.parametrize("band", [{}, {"causal": True}, {"causal": True, "window": (40, 0)}],
+                         ids=["plain", "causal", "window"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_a_user_mask_hides_and_a_seen_row_of_lse_zero(monkeypatch, dtype, band):
+    # q = 0 makes every score 0, so a row that sees exactly one key has lse 0 (float32:
+    # exactly), as torch's CPU op gives a row that sees none: the first keeps its key's
+    # value, the second gets out 0 and lse -inf. float32 without a window is the one op
+    # call; the others run pieces of 16 rows and 24 keys (rows that see no key of one piece
+    # but keys of another, merged)
+    config = dataclasses.replace(fused.DEFAULT, mask_min_block_m=16, mask_max_block_m=16,
+                                 mask_block_n=24, masked_block_m=16, masked_block_n=24)
+    monkeypatch.setitem(fused.fused_attention.__kwdefaults__, "config", config)
+    q, k, v = make_inputs(B=2, H=2, N=64, D=16, dtype=dtype, seed=5)
+    q = torch.zeros_like(q)
+    keep = torch.rand(2, 1, 64, 64, generator=torch.Generator().manual_seed(4)) > 0.3
+    keep[:, :, :, 0] = True  # every other row sees a key, causal too
+    keep[0, :, 20] = False  # no key
+    keep[0, :, 30] = False
+    keep[0, :, 30, 3] = True  # one key: lse 0
+    keep[1, :, 40, :30] = False  # no key of its first pieces, keys after
+    keep[1, :, 40, 30:] = False
+    keep[1, :, 40, 35] = True  # one key, in a later piece
+    keep[1, :, 50] = False  # no key
+    fn = functools.partial(attn.attention, backend="fused")
+    kw = dict(attn_mask=keep, **band)
+    assert_close_to_reference(fn, q, k, v, **kw)
+    out, lse = fn(q, k, v, return_lse=True, **kw)
+    empty = {(0, 20), (1, 50)}
+    for b, row in empty:
+        assert not out[b, :, row].any() and bool((lse[b, :, row] == float("-inf")).all())
+    one = [(0, 30, 3), (1, 40, 35)]
+    for b, row, key in one:
+        assert float(lse[b, :, row].abs().max()) <= (0 if dtype == torch.float32 else 1e-3)
+        torch.testing.assert_close(out[b, :, row], v[b, :, key], rtol=0, atol=0)
+    seen = torch.ones(2, 2, 64, dtype=torch.bool)
+    for b, row in empty:
+        seen[b, :, row] = False
+    assert bool(torch.isfinite(lse[seen]).all())
+
+
 # -- what it expresses ---------------------------------------------------------------------------
 
 def test_every_launchspec_field_has_a_fused_decision():
