@@ -786,7 +786,8 @@ _INF_BITS = {torch.bfloat16: (torch.int16, 1 << 7), torch.float16: (torch.int16,
 
 def _added(mask4: _UserMask | None, dtype: torch.dtype) -> _UserMask | None:
     """``mask4`` with a bool mask's additive form (0 / -inf in ``dtype``) built: once per
-    call, on the threads the caller runs it on (:func:`_caller` where the items follow)."""
+    call, on the caller's thread alone where small (:func:`attn.workers.small_pass`) or
+    where the items follow (:func:`_caller`)."""
     if mask4 is None or mask4.add is not None:
         return mask4
     keep = mask4.keep
@@ -796,7 +797,8 @@ def _added(mask4: _UserMask | None, dtype: torch.dtype) -> _UserMask | None:
             torch.full((), float("-inf"), dtype=dtype, device=keep.device)))
     ints, c = _INF_BITS[dtype]
     add = torch.empty(keep.shape, dtype=dtype, device=keep.device)
-    add.view(ints).copy_(keep).sub_(1).mul_(c)
+    with workers.small_pass(keep):  # (three passes: each on torch's threads would wait
+        add.view(ints).copy_(keep).sub_(1).mul_(c)  # for a busy core's)
     return mask4._replace(add=add)
 
 
