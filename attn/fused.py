@@ -245,8 +245,9 @@ class FusedConfig:
     alibi_block_m: int = 1024
     # calls with a user mask and no band (every piece masked, none cut away) are cut as
     # unmasked ones, in blocks of mask_min_block_m to mask_max_block_m rows, key pieces of at
-    # most mask_block_n keys (with a band: masked_block_m and _n, which waste less): torch's CPU kernel splits an op call of 768 query rows or more into
-    # 256-row blocks, a smaller one into 64 or 32, which run slower (docs/benchmarks.md)
+    # most mask_block_n keys (with a band: masked_block_m and _n, which waste less): torch's
+    # CPU kernel splits an op call of 768 query rows or more into 256-row blocks, a smaller
+    # one into 64 or 32, which run slower (docs/benchmarks.md)
     mask_min_block_m: int = 1024
     mask_max_block_m: int = 2048
     mask_block_n: int = 4096
@@ -805,8 +806,9 @@ def _added(mask4: _UserMask | None, dtype: torch.dtype) -> _UserMask | None:
 # on CUDA a call runs its items in order on one stream, so it is cut only where the band or a
 # mask needs it: one query block per sequence, masks of up to 1024 x 4096
 CUDA = FusedConfig(items_per_row=1, min_block_m=1 << 30, masked_block_m=1024,
-                   masked_block_n=4096, mask_max_block_m=1024, mask_block_n=4096, bwd_max_runs=1, serial_max_scores=0,
-                   item_max_scores=0, causal_bias=False, whole_call=False, fold_gqa=False)
+                   masked_block_n=4096, mask_max_block_m=1024, mask_block_n=4096,
+                   bwd_max_runs=1, serial_max_scores=0, item_max_scores=0,
+                   causal_bias=False, whole_call=False, fold_gqa=False)
 
 
 def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
