@@ -20,6 +20,7 @@ import torch
 from torch.func import jvp
 
 import attn
+from attn.bench.paired import busy_core
 from attn.timing import paired, peak_bytes
 
 
@@ -83,14 +84,21 @@ def main() -> None:
                     help="run the reference backend (N x N scores) only up to this N")
     ap.add_argument("--per-sample", type=int, default=0, metavar="N",
                     help="instead: vmap(grad) over 16 samples of length N against a loop")
+    ap.add_argument("--busy-core", action="store_true",
+                    help="keep one core busy with a spinning process for the run")
     args = ap.parse_args()
+    with busy_core(args.busy_core):
+        run(args)
+
+
+def run(args) -> None:
     torch.manual_seed(0)
     if args.per_sample:
         per_sample(args.per_sample, args.heads, args.head_dim, args.rounds)
         return
     print(f"torch {torch.__version__}, {args.device}, float32, B=1 H={args.heads} "
           f"D={args.head_dim}, causal; peak MiB above the inputs; ms median of "
-          f"{args.rounds} interleaved rounds")
+          f"{args.rounds} interleaved rounds{'; one core kept busy' if args.busy_core else ''}")
     print("| N | backend | case | peak MiB | peak / forward's | working MiB | working / "
           "forward's | ms | ms / forward's | ms / fwd+bwd's |")
     print("|---|---|---|---|---|---|---|---|---|---|")
