@@ -27,3 +27,7 @@ m2() { attn bench auto-table --dtype float32 --classes masked --rounds 8 "${busy
   --out "$here/auto_table_masked_fp32_fix_$mode" --write "$table"; }
 each_mode m2
 each_mode step
+# and the memory: attn bench memory (causal, unmasked: as the last session's) into memory/,
+# and a bool-masked fwd+bwd peak, old tree against new (mem_masked.py -> mem_masked.txt)
+attn bench memory --n 1024 4096 16384 --backends tiled fused sdpa --mode fwd+bwd \
+  --causal true --out "$here/memory"
