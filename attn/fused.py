@@ -1148,7 +1148,8 @@ def lse_too_large(lse: Tensor, dtype: torch.dtype) -> bool:
     limit = LSE_PRECISE_LIMIT.get(dtype)
     if limit is None or lse.numel() == 0:
         return False
-    return bool((lse.abs() > limit).logical_and_(torch.isfinite(lse)).any())
+    with workers.small_pass(lse):
+        return bool((lse.abs() > limit).logical_and_(torch.isfinite(lse)).any())
 
 
 def _own_call(s: Seq, spec: LaunchSpec, ops: Operands, *, sinks: bool = True
@@ -1269,15 +1270,18 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
     seqs, poisoned = _poisoned(q, k, seqs, spec, ops, config, apart)
     plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=True)
-    # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
-    lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
-    do = do.to(q.dtype)
-    pad = None
-    if dlse is not None and bool((dlse != 0).any()):
-        minus = -dlse.to(acc)
-        hi = minus.to(q.dtype)
-        pad = torch.stack([hi, (minus - hi.to(acc)).to(q.dtype)], -1)  # (B, H, Nq, 2)
     whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
+    threads = None if whole is not None else _threads(seqs, config, q)
+    # (before items, the caller's passes on its thread alone, as the forward's)
+    with contextlib.nullcontext() if whole is not None else _caller(threads):
+        # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
+        lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
+        do = do.to(q.dtype)
+        pad = None
+        if dlse is not None and bool((dlse != 0).any()):
+            minus = -dlse.to(acc)
+            hi = minus.to(q.dtype)
+            pad = torch.stack([hi, (minus - hi.to(acc)).to(q.dtype)], -1)  # (B, H, Nq, 2)
     if whole is not None:  # one op call (_whole_threads) over the rows it computes
         rows = [s.b for s in seqs] if poisoned else None
         gq, gk, gv = _whole_bwd(kern, do, q, k, v, out, lse_in, pad, rows,
@@ -1289,13 +1293,14 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             gq, gk, gv = dq, dk, dv
         dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc)
         return Grads(gq, gk, gv, None, dsinks, None, ())
-    threads = _threads(seqs, config, q)
     runs = [bwd_runs(len(p.blocks), Hkv // hg, config) for p, hg in zip(plans, hgs)]
     with _caller(threads):  # as the forward's
         mask4 = _added(mask4, q.dtype)
-        dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
-        dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
-        dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)
+    # zeroed on the pool: a fresh buffer's first touch (page faults) on the caller alone was
+    # most of the backward's setup (docs/benchmarks.md)
+    dq, dk, dv = (torch.empty(*shape, dtype=acc, device=q.device)
+                  for shape in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)))
+    workers.fill_passes([(dq, None), (dk, None), (dv, None)], threads=threads)
     items = [(si, hk, r) for si in range(len(seqs)) for r in range(len(runs[si]))
              for hk in range(0, Hkv, hgs[si])]
     extra: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
@@ -1488,8 +1493,21 @@ class _FusedAttention(torch.autograd.Function):
                          precise=ctx.precise, apart=ctx.apart)
             dq, dk, dv, dsinks = g.dq, g.dk, g.dv, g.dsinks
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None,
-                None, None, None, dsinks)
+        dq, dk, dv = _cast((dq, dk, dv), q.dtype)
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
+
+
+def _cast(grads: tuple[Tensor, ...], dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """``grads`` in ``dtype``: cast on the worker pool on CPU (:func:`attn.workers.fill_passes`,
+    as the backward's zeros), else by ``.to``."""
+    if all(g.dtype == dtype for g in grads):
+        return grads
+    if (grads[0].device.type != "cpu" or torch.compiler.is_compiling()
+            or not all(g.is_contiguous() for g in grads)):
+        return tuple(g.to(dtype) for g in grads)
+    outs = tuple(torch.empty(g.shape, dtype=dtype, device=g.device) for g in grads)
+    workers.fill_passes(list(zip(outs, grads)))
+    return outs
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,

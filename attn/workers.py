@@ -151,6 +151,33 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     return flat[:n].view(shape)
 
 
+def fill_passes(passes: list[tuple[Tensor, Tensor | None]], *, threads: int | None = None
+                ) -> None:
+    """For each ``(dst, src)`` of contiguous CPU tensors: ``dst`` zeroed (``src`` None) or
+    set to ``src`` (same shape, cast to dst's dtype), cut into about four runs of elements
+    per thread and run as :func:`run_items` items: a fresh buffer's first touch (its page
+    faults) and the pass spread over the call's threads, none of it on OpenMP's team, whose
+    spinning after a parallel op slows the pool's next items (docs/benchmarks.md).
+    ``threads`` as :func:`run_items`'; 0: one op per pass, on torch's threads."""
+    if threads == 0:
+        for dst, src in passes:
+            dst.zero_() if src is None else dst.copy_(src)
+        return
+    n = workers_for_call() if threads is None else threads
+    cuts = []
+    for dst, src in passes:
+        flat, sflat = dst.view(-1), None if src is None else src.view(-1)
+        step = max(1, -(-flat.numel() // (4 * n)))
+        cuts += [(flat, sflat, a, min(a + step, flat.numel()))
+                 for a in range(0, flat.numel(), step)]
+
+    def run(i: int) -> None:
+        flat, sflat, a, b = cuts[i]
+        flat[a:b].zero_() if sflat is None else flat[a:b].copy_(sflat[a:b])
+
+    run_items(run, len(cuts), threads=n)
+
+
 def run_items(fn: Callable[[int], None], n_items: int, *, threads: int | None = None,
               flush_denormals: bool = False) -> None:
     """``fn(i)`` for every ``i < n_items``, each exactly once, pulled in order of ``i`` from

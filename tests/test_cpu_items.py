@@ -65,6 +65,21 @@ def test_run_items_stops_after_an_error_and_raises_it():
     assert len(started) < 200  # no new item starts once one has failed
 
 
+@pytest.mark.parametrize("threads", [0, 1, 2, 3])
+def test_fill_passes_zero_and_cast_every_element(threads):
+    # the backward's zeros and its gradients' casts, cut into runs over the pool: every
+    # element of each pass, whatever the sizes (1, 7, and not a multiple of the runs)
+    from attn import workers
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(n, generator=g) * 1e3 for n in (1, 7, 1001)] + [torch.randn(3, 5, 37)]
+    dsts = [torch.full(t.shape, float("nan")) for t in srcs]
+    casts = [torch.full(t.shape, 7.0, dtype=torch.bfloat16) for t in srcs]
+    workers.fill_passes([(d, None) for d in dsts] + list(zip(casts, srcs)), threads=threads)
+    for d, c, s in zip(dsts, casts, srcs):
+        assert torch.equal(d, torch.zeros_like(s))
+        assert torch.equal(c, s.to(torch.bfloat16))
+
+
 def _plan(H=4, Hkv=2, Nq=100, Nk=120, band=Band(), block=(16, 32), B=2):
     q, k = torch.empty(B, H, Nq, 16), torch.empty(B, Hkv, Nk, 16)
     spec = tiled.LaunchSpec(qk_scale=1.0, band=band, block_m=block[0], block_n=block[1])
