@@ -1493,20 +1493,21 @@ class _FusedAttention(torch.autograd.Function):
                          precise=ctx.precise, apart=ctx.apart)
             dq, dk, dv, dsinks = g.dq, g.dk, g.dv, g.dsinks
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
-        dq, dk, dv = _cast((dq, dk, dv), q.dtype)
+        dq, dk, dv = _cast((dq, dk, dv), (q.dtype, k.dtype, v.dtype))
         return dq, dk, dv, None, None, None, None, None, None, None, dsinks
 
 
-def _cast(grads: tuple[Tensor, ...], dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """``grads`` in ``dtype``: cast on the worker pool on CPU (:func:`attn.workers.fill_passes`,
-    as the backward's zeros), else by ``.to``."""
-    if all(g.dtype == dtype for g in grads):
+def _cast(grads: tuple[Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> tuple[Tensor, ...]:
+    """Each of ``grads`` in its dtype of ``dtypes``: cast on the worker pool on CPU
+    (:func:`attn.workers.fill_passes`, as the backward's zeros), else by ``.to``."""
+    if all(g.dtype == d for g, d in zip(grads, dtypes)):
         return grads
     if (grads[0].device.type != "cpu" or torch.compiler.is_compiling()
             or not all(g.is_contiguous() for g in grads)):
-        return tuple(g.to(dtype) for g in grads)
-    outs = tuple(torch.empty(g.shape, dtype=dtype, device=g.device) for g in grads)
-    workers.fill_passes(list(zip(outs, grads)))
+        return tuple(g.to(d) for g, d in zip(grads, dtypes))
+    outs = tuple(g if g.dtype == d else torch.empty(g.shape, dtype=d, device=g.device)
+                 for g, d in zip(grads, dtypes))
+    workers.fill_passes([(o, g) for o, g in zip(outs, grads) if o is not g])
     return outs
 
 
