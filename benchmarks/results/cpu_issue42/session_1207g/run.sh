@@ -31,3 +31,6 @@ each_mode step
 # and a bool-masked fwd+bwd peak, old tree against new (mem_masked.py -> mem_masked.txt)
 attn bench memory --n 1024 4096 16384 --backends tiled fused sdpa --mode fwd+bwd \
   --causal true --out "$here/memory"
+# after the backward's pooled zeros and casts (627b769, bwd_pool/): the targets once more
+fstep() { python $targets --rounds 5 "${busy[@]}" --out "$here/targets_final_$mode"; }
+each_mode fstep
