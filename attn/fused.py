@@ -585,8 +585,9 @@ def _piece_mask(seq: Seq, mask4: _UserMask | None, slopes: Tensor | None, heads:
                 mask_mod: Callable | None = None, launch: int | None = None
                 ) -> tuple[Tensor | None, Tensor | None]:
     """The additive mask of one piece ``(1, G or 1, rows, keys)`` in q's dtype (0 / -inf for
-    bool masks and the band, a float mask's values, ALiBi's bias), and which rows see no key
-    of the piece ``(G or 1, rows)`` (None when every row sees one). ``launch``: the caller's
+    bool masks and the band, a float mask's values, ALiBi's bias), and what the piece's rows
+    see ``(G or 1, rows, keys)`` (bool, or the float mask whose -inf hides a key; None where
+    every row sees a key), which :func:`_empty_rows` reads after the op. ``launch``: the caller's
     token from ``_LAUNCHES``, under which an ALiBi bias alone is reused (``_ALIBI_HELD``)."""
     if not pc.masked and mask4 is None and slopes is None:
         return None, None
@@ -1499,11 +1500,12 @@ class _FusedAttention(torch.autograd.Function):
 
 def _cast(grads: tuple[Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> tuple[Tensor, ...]:
     """Each of ``grads`` in its dtype of ``dtypes``: cast on the worker pool on CPU
-    (:func:`attn.workers.fill_passes`, as the backward's zeros), else by ``.to``."""
+    (:func:`attn.workers.fill_passes`, as the backward's zeros), else by ``.to`` (also for
+    differentiable gradients, ``create_graph=True``, whose cast autograd records)."""
     if all(g.dtype == d for g, d in zip(grads, dtypes)):
         return grads
     if (grads[0].device.type != "cpu" or torch.compiler.is_compiling()
-            or not all(g.is_contiguous() for g in grads)):
+            or torch.is_grad_enabled() or not all(g.is_contiguous() for g in grads)):
         return tuple(g.to(d) for g, d in zip(grads, dtypes))
     outs = tuple(g if g.dtype == d else torch.empty(g.shape, dtype=d, device=g.device)
                  for g, d in zip(grads, dtypes))

@@ -161,7 +161,10 @@ def fill_passes(passes: list[tuple[Tensor, Tensor | None]], *, threads: int | No
     ``threads`` as :func:`run_items`'; 0: one op per pass, on torch's threads."""
     if threads == 0:
         for dst, src in passes:
-            dst.zero_() if src is None else dst.copy_(src)
+            if src is None:
+                dst.zero_()
+            else:
+                dst.copy_(src)
         return
     n = workers_for_call() if threads is None else threads
     cuts = []
@@ -173,7 +176,10 @@ def fill_passes(passes: list[tuple[Tensor, Tensor | None]], *, threads: int | No
 
     def run(i: int) -> None:
         flat, sflat, a, b = cuts[i]
-        flat[a:b].zero_() if sflat is None else flat[a:b].copy_(sflat[a:b])
+        if sflat is None:
+            flat[a:b].zero_()
+        else:
+            flat[a:b].copy_(sflat[a:b])
 
     run_items(run, len(cuts), threads=n)
 
