@@ -24,7 +24,7 @@ from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps,
                               _fwd_tile, _fwd_tile_compiled, _run_compiled, exp2_)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
-                             _values_may_overflow)
+                             _values_may_overflow, tile_index)
 
 _NO_OPERANDS = Operands()
 
@@ -466,9 +466,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             gemm.add_tn(dv3[:, n0:n1], gemm.low_operand(pd, "pd16") if low_bwd else pd,
                         do_dv, "dv")
             if dmask is not None:
-                rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
-                cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
-                dmask[:, :, rows, cols] += _reduce_to(ds.view(B, H, BM, BN), dmask.shape)
+                dmask[tile_index(dmask, m0, m1, n0, n1)] += _reduce_to(ds.view(B, H, BM, BN),
+                                                                      dmask.shape)
             if dsoftcap is not None:
                 dsoftcap += dc_terms.view(B, Hkv, G, BM, BN).sum(dim=(0, 3, 4)).reshape(H)
             if track:  # -- the score_mod's backward, by autograd on this tile's graph --

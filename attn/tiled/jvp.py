@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from attn import transforms
-from attn.masks import as_4d, dropout_keep, dropout_keep_rows
+from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.plan import _blocks
+from attn.tiled.tile import dropout_keep_scale, tile_index
 
 # tile sizes of the transform kernels (a spec's own block sizes win), and the one pass's
 # score tile over every batch row and head (forward_with_tangent) at most ONE_PASS_TILE_BYTES
@@ -89,6 +90,10 @@ class TileScores:
         # the call's own operands by SCORE_INPUTS name, for :meth:`operands` to slice
         self.primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask,
                        "alibi": ops.alibi}
+        if spec.dropout_p > 0.0:  # the hash's rows b·H + h, and the heads for packed rows
+            h = torch.arange(H, device=q.device)
+            self.bh = torch.arange(B, device=q.device)[:, None] * H + h
+            self.h_col = h.view(1, -1, 1)
         bm = spec.block_m or blocks[0]
         bn = spec.block_n or blocks[1]
         self.spec_sized = dataclasses.replace(spec, block_m=bm, block_n=bn)
@@ -141,29 +146,18 @@ class TileScores:
                 kmod = self.spec.mask_mod(*self._idx(m0, m1, n0, n1))
                 keep = kmod if keep is None else keep & kmod
         if self.bool_mask is not None:
-            m = self.bool_mask
-            # a dim the mask broadcasts along is taken whole (``m0:None`` would be empty)
-            tile = m[:, :, slice(m0, m1) if m.shape[2] != 1 else slice(None),
-                     slice(n0, n1) if m.shape[3] != 1 else slice(None)]
+            tile = self.bool_mask[tile_index(self.bool_mask, m0, m1, n0, n1)]
             keep = tile if keep is None else keep & tile
         return keep
 
     def dropout(self, m0: int, m1: int, n0: int, n1: int) -> Tensor | None:
         """Kept elements scaled by 1/(1-p), dropped ones 0, ``(B, H, BM, BN)``; None: none."""
-        spec = self.spec
-        if spec.dropout_p == 0.0:
+        if self.spec.dropout_p == 0.0:
             return None
         dev = self.device
         offs_m, offs_n = torch.arange(m0, m1, device=dev), torch.arange(n0, n1, device=dev)
-        h = torch.arange(self.H, device=dev)
-        if spec.dropout_rows is None:
-            bh = torch.arange(self.B, device=dev)[:, None] * self.H + h
-            keep = dropout_keep(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
-        else:  # packed: one batch row holding many sequences
-            b_rows, offs_m, offs_n = spec.dropout_rows(offs_m, offs_n)
-            bh = b_rows.view(1, 1, -1) * self.H + h.view(1, -1, 1)
-            keep = dropout_keep_rows(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
-        return keep.to(self.acc) / (1.0 - spec.dropout_p)
+        return dropout_keep_scale(self.spec, self.bh, self.H, self.h_col, offs_m, offs_n,
+                                  self.acc)
 
     def fn(self, m0: int, m1: int, n0: int, n1: int, full: bool, tangents: tuple[Tensor, ...]
            ) -> Callable[..., tuple[Tensor, Tensor]]:

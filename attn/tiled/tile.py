@@ -63,6 +63,26 @@ def _finite_or_zero(x: Tensor) -> Tensor:
     return torch.where(torch.isfinite(x), x, 0.0)
 
 
+def tile_index(x: Tensor, m0: int, m1: int, n0: int, n1: int) -> tuple[slice, ...]:
+    """Tile [m0, m1) x [n0, n1) of a 4-D mask (or its gradient) at its own broadcast shape:
+    a size-1 dim taken whole."""
+    return (slice(None), slice(None), slice(m0, m1) if x.shape[2] != 1 else slice(None),
+            slice(n0, n1) if x.shape[3] != 1 else slice(None))
+
+
+def dropout_keep_scale(spec: LaunchSpec, bh: Tensor, heads: int, h: Tensor, offs_m: Tensor,
+                       offs_n: Tensor, acc: torch.dtype) -> Tensor:
+    """Kept elements scaled by 1/(1-p), dropped ones 0, at ``bh``'s (b·heads + h) shape +
+    (BM, BN); packed (``spec.dropout_rows``), each row's own b·heads + ``h`` instead."""
+    if spec.dropout_rows is None:
+        keep = dropout_keep(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
+    else:  # packed: one batch row holding many sequences (B == 1)
+        b_rows, offs_m, offs_n = spec.dropout_rows(offs_m, offs_n)
+        keep = dropout_keep_rows(spec.dropout_seed, b_rows * heads + h, offs_m, offs_n,
+                                 spec.dropout_p)
+    return keep.to(acc) / (1.0 - spec.dropout_p)
+
+
 class _Tile:
     """What every (query block, key block) tile needs to rebuild its scores, one ordered
     pipeline (:meth:`scores`): scale, score_mod, softcap, ALiBi, masks, base-2 units; and its
@@ -186,13 +206,6 @@ class _Tile:
             self._band_masks[key] = inside, bias.masked_fill_(~inside, float("-inf"))
         return self._band_masks[key]
 
-    def _bool_mask_tile(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
-        """The bool attn_mask's tile (True = attend) at the mask's own broadcast shape."""
-        m = self.mask4
-        rows = slice(m0, m1) if m.shape[2] != 1 else slice(None)
-        cols = slice(n0, n1) if m.shape[3] != 1 else slice(None)
-        return m[:, :, rows, cols]
-
     def _mask_out(self, s: Tensor, keep: Tensor, bias: Tensor | None = None) -> None:
         """``s`` ← ``s`` where ``keep``, else -inf, in place (``keep`` broadcasts to ``s``):
         the bias add where every score is finite, a replacement otherwise."""
@@ -258,7 +271,8 @@ class _Tile:
                 keep = self.mask_mod_keep(m0, m1, n0, n1)
                 s.view(B, self.H, BM, BN).masked_fill_(~keep, float("-inf"))
         if self.mask4 is not None:
-            self._mask_out(s.view(B, self.H, BM, BN), self._bool_mask_tile(m0, m1, n0, n1))
+            m4 = self.mask4
+            self._mask_out(s.view(B, self.H, BM, BN), m4[tile_index(m4, m0, m1, n0, n1)])
         elif self.mask5 is not None:
             bias = self.mask5[..., m0:m1, n0:n1]
             s5.add_(bias)
@@ -281,16 +295,10 @@ class _Tile:
 
     def dropout_scale(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
         """Kept elements scaled by 1/(1-p), dropped ones 0: ``(B·Hkv, G·BM, BN)``."""
-        spec = self.spec
-        offs_m = torch.arange(m0, m1, device=self.device) + spec.q_start
-        offs_n = torch.arange(n0, n1, device=self.device) + spec.k_start
-        if spec.dropout_rows is None:
-            keep = dropout_keep(spec.dropout_seed, self.bh, offs_m, offs_n, spec.dropout_p)
-        else:  # packed: one batch row holding many sequences (B == 1)
-            b_rows, offs_m, offs_n = spec.dropout_rows(offs_m, offs_n)
-            bh = b_rows.view(1, 1, 1, -1) * self.heads + self.h_glob  # (1, Hkv, G, BM)
-            keep = dropout_keep_rows(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
-        z = keep.to(self.acc_dtype) / (1.0 - spec.dropout_p)  # (B, Hkv, G, BM, BN)
+        offs_m = torch.arange(m0, m1, device=self.device) + self.spec.q_start
+        offs_n = torch.arange(n0, n1, device=self.device) + self.spec.k_start
+        z = dropout_keep_scale(self.spec, self.bh, self.heads, self.h_glob, offs_m, offs_n,
+                               self.acc_dtype)  # (B, Hkv, G, BM, BN)
         return z.view(self.B * self.Hkv, self.G * (m1 - m0), n1 - n0)
 
     def value_offset(self, n0: int, n1: int) -> Tensor | None:
