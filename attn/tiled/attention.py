@@ -53,9 +53,8 @@ class _Facts(NamedTuple):
 def _facts(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
            items: bool = False) -> _Facts:
     """The call's :class:`_Facts`: the scores are looked at only where something masks
-    (unmasked calls never need the answer). On the items path (``items``) the values are
-    not looked at here: each item runs without value offsets and looks at its own output
-    instead (:func:`_fwd_item`), which costs no pass over v."""
+    (unmasked calls never need the answer), the values not on the items path (``items``:
+    :func:`_fwd_item` looks at each item's output instead)."""
     # a band that cuts no (query, key) pair of this call (a causal decoding step: its one
     # query sees every key) masks nothing, and asks no pass over q and k
     masked = (not spec.local_band().tile_is_full(0, q.shape[2], 0, k.shape[2])
@@ -66,11 +65,9 @@ def _facts(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
 
 
 def _fwd_item(out: Tensor, facts: _Facts, forward: Callable[[_Facts], None]) -> None:
-    """One forward item, run as ``forward(facts)``, into ``out`` (its rows). Without value
-    offsets the P·V sum overflows only where |v| is within 2·Nk of the dtype's largest value;
-    then, or where the values hold inf or NaN, the item's output is not finite, and it runs
-    again with each tile's values looked at (:meth:`_Tile.value_offset`): bit for bit what
-    looking first would give, as the offset is 0 wherever no overflow is possible."""
+    """One forward item, run as ``forward(facts)``, into ``out`` (its rows), and once more
+    with each tile's values looked at where that output is not finite (docs/design.md,
+    "Values near the dtype's largest")."""
     forward(facts)
     if not facts.values_may_overflow and not all_finite(out):
         forward(facts._replace(values_may_overflow=True))
@@ -365,12 +362,8 @@ def _bwd_row_terms(do: Tensor, out: Tensor, dlse: Tensor | None, lse: Tensor,
         # part costs a (rows, D) multiply per query block, not a pass over every tile
         lse_m, inv_l = lse2[..., 0], exp2_(-lse2[..., 1])
     lse_m = lse_m.masked_fill(lse_m == float("-inf"), float("inf"))  # P = 0 on empty rows
-    # saturated rows (l within SATURATED_LOG2L of 1) take Δ from the tiles themselves, in the
-    # query blocks that hold one (one host read of a (Nq,) flag per call); the block's other
-    # rows keep rowsum(dO∘O), so a row's Δ, and its bits, never depend on the other rows
-    # of its batch. Rows the forward gave a value offset (l scaled by 2^-c,
-    # _Tile.value_offset) read as saturated too: exact, one more pass, and only at |v|
-    # near the dtype's largest
+    # saturated rows, and rows the forward gave a value offset, take Δ from the tiles
+    # (docs/design.md, "Saturated rows", "Values near the dtype's largest")
     saturated = saturated_rows = None
     # (a data-dependent branch: skipped while torch.compile traces, as the value checks are)
     if lse2 is not None and do.shape[2] > 0 and not torch.compiler.is_compiling():

@@ -320,9 +320,8 @@ def plain(*xs: object) -> bool:
 
 
 def one_thread(x: Tensor) -> contextlib.AbstractContextManager:
-    """CPU: the kernels' tile ops on one intra-op thread (as the tiled launchers' items run):
-    a (BM, BN) tile is too small for a parallel region, and on a busy machine one runs ~100x
-    slower than a single thread (OpenMP's team waits for threads that are not scheduled)."""
+    """CPU: the kernels' tile ops on one intra-op thread, as the tiled launchers' items run
+    (docs/design.md, "The tiled backend on CPU")."""
     return cpu.single_thread() if x.device.type == "cpu" else contextlib.nullcontext()
 
 

@@ -16,9 +16,7 @@ from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled.gemm import _Gemm
 
 # Scores live in base-2 units (s·log2 e), probabilities are exp2(s - m), and the forward
-# keeps lse2 = (m, log2 l) for the backward in two parts (docs/design.md, "Base-2 scores";
-# the measurements: docs/benchmarks.md): the natural lse, one rounded number, cannot be
-# turned back into them exactly (at logits of 1e4 the round trip moves P by 1e-3).
+# keeps lse2 = (m, log2 l) for the backward in two parts (docs/design.md, "Base-2 scores")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # The static score variants' terms (attn.spec.ScoreTerms, by name) _Tile.scores applies; a
@@ -43,12 +41,9 @@ def _scores_finite(q: Tensor, k: Tensor, spec: LaunchSpec) -> bool:
 
 
 def _values_may_overflow(v: Tensor, n_k: int) -> bool:
-    """Whether ``Σ_j p_j v_j`` over up to ``n_k`` keys (p ≤ 1) may pass half the accumulation
-    dtype's largest value: ``max|v| · 2·n_k`` above it (NaN and ±inf answer False: the
-    output is not finite anyway). float16 values never can (65504 · 2·n_k is far below
-    float32's max), so they are not looked at; off CPU, and while compiling, the answer is
-    True without looking (no host sync): :meth:`_Tile.value_offset` then decides per tile
-    on the device."""
+    """Whether ``Σ_j p_j v_j`` over up to ``n_k`` keys may pass half the accumulation dtype's
+    largest value (docs/design.md, "Values near the dtype's largest"); NaN and ±inf answer
+    False (the output is not finite anyway), off CPU and while compiling True unlooked."""
     fmax = torch.finfo(_acc_dtype(v.dtype)).max
     if v.numel() == 0 or torch.finfo(v.dtype).max * 2.0 * n_k <= fmax:
         return False
@@ -302,16 +297,9 @@ class _Tile:
         return z.view(self.B * self.Hkv, self.G * (m1 - m0), n1 - n0)
 
     def value_offset(self, n0: int, n1: int) -> Tensor | None:
-        """The forward's exponent offset ``c ≥ 0`` for key tile [n0, n1), per (batch row, kv
-        head) as ``(B·Hkv, 1, 1)`` in base-2 units, or None where it is 0 for every row.
-
-        ``acc = Σ_j p_j v_j`` with ``p ≤ 1`` reaches ``Nk · max|v|``, past the accumulation
-        dtype's largest value when ``|v|`` is near it. A row's running max then carries
-        ``c = log2(max|v| · 2·Nk / fmax)`` of its tile on top, so ``p = exp2(s − (m + c))
-        ≤ 2^-c`` and ``Σ_j p_j |v_j| ≤ fmax / 2``; out = acc / l and lse = m + log2 l are
-        unchanged (l shrinks by the same factor). Read from this tile's own values, per
-        (batch row, kv head): another sequence's values never move a row's result (packed
-        tiles hold one sequence's keys)."""
+        """The forward's exponent offset ``c = log2(max|v| · 2·Nk / fmax) ≥ 0`` for key tile
+        [n0, n1), per (batch row, kv head) as ``(B·Hkv, 1, 1)`` in base-2 units, or None
+        where it is 0 for every row (docs/design.md, "Values near the dtype's largest")."""
         if not self.values_may_overflow:
             return None
         key = (n0, n1)
