@@ -1,22 +1,14 @@
 """Double backward of tiled attention: the backward as an autograd.Function of its own
 (:class:`_TiledBackward`) whose backward and forward-mode rule recompute tile by tile, O(N)
-memory, for every variant the score pipeline of :class:`attn.tiled.jvp.TileScores` covers.
-
-The backward maps ``(g, g_lse)`` (the cotangents of out and lse) to ``Jᵀ (g, g_lse)``. Its
-own vector-Jacobian product against cotangents ``t`` of those gradients (t for q, k, v, the
-mask, sinks and softcap) is the gradient of the scalar ``L = g·ȯ(t) + g_lse·lsė(t)``, where
-``(ȯ, lsė)`` is the forward-mode tangent along t (:mod:`attn.tiled.jvp`): so ``∂L/∂g = ȯ``,
-``∂L/∂g_lse = lsė``, and with a_j = ṡ_j along t, dp_j = z_j g·v_j, e_j = g·t_v_j,
-c_j = a_j dp_j + z_j e_j, row sums ā = Σ p a, C = Σ p c, Δ_pd = Σ p dp, Δ = Δ_pd − g_lse:
+memory, for every variant the score pipeline of :class:`attn.tiled.jvp.TileScores` covers:
+the gradient of ``L = g·ȯ(t) + g_lse·lsė(t)`` (docs/transforms.md, "Why that gradient"). With
+a_j = ṡ_j along t, dp_j = z_j g·v_j, e_j = g·t_v_j, c_j = a_j dp_j + z_j e_j, row sums
+ā = Σ p a, C = Σ p c, Δ_pd = Σ p dp, Δ = Δ_pd − g_lse:
 
     ∂L/∂s_j = p_j [(c_j − C) − Δ (a_j − ā) − ā (dp_j − Δ_pd)],   ∂L/∂a_j = p_j (dp_j − Δ),
     ∂L/∂v_j = z_j p_j (a_j − ā) g,
 
-and ``(∂L/∂s, ∂L/∂a)`` go back through the tile's score function and its tangent map (the
-vjp of a jvp, one tile at a time) to q, k, the softcap and the mask, in two passes per query
-block: row sums, then gradients (docs/transforms.md). The forward-mode rule of the backward
-(what ``jacfwd(jacrev(f))`` needs) is the same kernel with the tangent of ``g`` added as a
-first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
+each query block in two passes: the row sums, then the gradients.
 """
 
 from __future__ import annotations
