@@ -286,10 +286,10 @@ class _PlainHvp:
         self.h = hvp
         B, H, G, acc = hvp.B, hvp.H, hvp.G, hvp.acc
         self.Hkv = H // G
-        self.k3 = self._kv3(hvp.k.to(acc))  # (B·Hkv, Nk, ·)
-        self.tk3 = None if hvp.tk is None else self._kv3(hvp.tk)
-        self.v3 = self._kv3(hvp.v.to(acc))
-        self.tv3 = None if hvp.tv is None else self._kv3(hvp.tv)
+        self.k3 = hvp.k.to(acc).flatten(0, 1)  # (B·Hkv, Nk, ·)
+        self.tk3 = None if hvp.tk is None else hvp.tk.flatten(0, 1)
+        self.v3 = hvp.v.to(acc).flatten(0, 1)
+        self.tv3 = None if hvp.tv is None else hvp.tv.flatten(0, 1)
         self.out = out.to(acc)
         # the keys' operands side by side, each GEMM over a run of their columns against a
         # block's rows built to match (module docstring; a row constant joins a GEMM as one
@@ -311,9 +311,6 @@ class _PlainHvp:
             (2 * r * sum(n1 - n0 for n0, n1, _ in kt) for r, (_, _, kt) in zip(rows, blocks)),
             default=0))
         self.local = threading.local()  # each worker thread's buffers, for this call
-
-    def _kv3(self, x: Tensor) -> Tensor:
-        return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
 
     def _rows3(self, x: Tensor, m0: int, m1: int) -> Tensor:
         """A block's rows of a ``(B, H, Nq, X)`` tensor as ``(B·Hkv, G·BM, X)``, a group's
@@ -514,10 +511,12 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
             if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
                     and not spec.terms.items and (hvp.tq is not None or hvp.tk is not None)):
                 block = _PlainHvp(hvp, out, blocks).block
-            res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
+            res, extras = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
         else:
-            res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
-        dsink, dcap, dmask_rows = parts
+            res, extras = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
+        # each block's (dsinks part, dsoftcap part, dmask rows), summed in block order
+        dsink, dcap = _sum(e[0] for e in extras), _sum(e[1] for e in extras)
+        dmask_rows = [(m0, m1, e[2]) for (m0, m1, _), e in zip(blocks, extras) if e[2] is not None]
         if hvp.mask4 is not None:
             res["mask"] = _join_rows(dmask_rows, hvp.mask4, Nq).reshape(ops.attn_mask.shape)
         if ops.softcap is not None:
@@ -565,7 +564,8 @@ def _sum(xs) -> Tensor | None:
 
 def _in_order(blocks, block, q, v, Hkv, Nk, D, Dv, acc):
     """The query blocks in order on the caller, nothing written in place (the tensors may be
-    functorch's or autograd's): ``(dq, dk, dv, do, dlse), (dsinks, dsoftcap, dmask rows)``."""
+    functorch's or autograd's): ``{q, k, v, do, dlse}`` and each block's (dsinks part,
+    dsoftcap part, dmask rows)."""
     B, H, Nq, _ = q.shape
     G = H // Hkv
     dk, dv = _Tiles(2), _Tiles(2)
@@ -575,7 +575,7 @@ def _in_order(blocks, block, q, v, Hkv, Nk, D, Dv, acc):
         dv.add(n0, n1, _terms(dv_t, G))
 
     outs = [block(m0, m1, key_tiles, kv_into) for m0, m1, key_tiles in blocks]
-    dq, dg, dl, dsinks, dcaps, _ = zip(*outs) if outs else ((),) * 6
+    dq, dg, dl = list(zip(*outs))[:3] if outs else ((),) * 3
 
     def cat(xs, width):
         if not xs:
@@ -585,8 +585,7 @@ def _in_order(blocks, block, q, v, Hkv, Nk, D, Dv, acc):
     res = {"q": cat(dq, (D,)), "do": cat(dg, (Dv,)), "dlse": cat(dl, ()),
            "k": dk.join(Nk, torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)),
            "v": dv.join(Nk, torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device))}
-    mask_rows = [(m0, m1, o[5]) for (m0, m1, _), o in zip(blocks, outs) if o[5] is not None]
-    return res, (_sum(dsinks), _sum(dcaps), mask_rows)
+    return res, [o[3:] for o in outs]
 
 
 def _runs(blocks, n_runs: int) -> list[list[int]]:
@@ -642,8 +641,7 @@ def _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads):
         dk[:, :, lo:hi] += dk_r
         dv[:, :, lo:hi] += dv_r
     res = {"q": dq, "do": dg, "dlse": dl, "k": dk, "v": dv}
-    mask_rows = [(m0, m1, e[2]) for (m0, m1, _), e in zip(blocks, extras) if e[2] is not None]
-    return res, (_sum(e[0] for e in extras), _sum(e[1] for e in extras), mask_rows)
+    return res, extras
 
 
 def _join_rows(blocks: list[tuple[int, int, Tensor]], mask4: Tensor, Nq: int) -> Tensor:
