@@ -403,25 +403,21 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
     acc = _acc_dtype(q.dtype)
     ts = TileScores(q, k, spec, ops, blocks=_one_pass_blocks(q, k), inplace=True)
     tv, t_sink = tangents.get("v"), tangents.get("sinks")
-    dev = q.device
-    res = (torch.empty(B, H, Nq, Dv, dtype=acc, device=dev),
-           torch.empty(B, H, Nq, dtype=acc, device=dev),
-           torch.empty(B, H, Nq, Dv, dtype=acc, device=dev),
-           torch.empty(B, H, Nq, dtype=acc, device=dev))
+    new = {"dtype": acc, "device": q.device}
+    res = tuple(torch.empty(B, H, Nq, *d, **new) for d in ((Dv,), (), (Dv,), ()))
 
     def block(i: int) -> None:
         m0, m1, key_tiles = blocks[i]
         col = (B, H, m1 - m0, 1)
         if ops.sinks is not None:  # the sink: a first key of value 0, its p = 1 at m = sink
             m = ops.sinks.to(acc).view(1, H, 1, 1).expand(col)
-            l_i = torch.ones(col, dtype=acc, device=dev)
-            r = (torch.zeros(col, dtype=acc, device=dev) if t_sink is None
+            l_i = torch.ones(col, **new)
+            r = (torch.zeros(col, **new) if t_sink is None
                  else t_sink.to(acc).view(1, H, 1, 1).expand(col).clone())
         else:
-            m = torch.full(col, float("-inf"), dtype=acc, device=dev)
-            l_i, r = (torch.zeros(col, dtype=acc, device=dev) for _ in range(2))
-        o = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
-        a = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
+            m = torch.full(col, float("-inf"), **new)
+            l_i, r = (torch.zeros(col, **new) for _ in range(2))
+        o, a = (torch.zeros(B, H, m1 - m0, Dv, **new) for _ in range(2))
         for n0, n1, full in key_tiles:
             xs = ts.operands(ts.primal, m0, m1, n0, n1)
             s, sd = ts.fn(m0, m1, n0, n1, full, ts.operands(tangents, m0, m1, n0, n1))(*xs)
