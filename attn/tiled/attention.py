@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -54,7 +54,7 @@ def _facts(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
            items: bool = False) -> _Facts:
     """The call's :class:`_Facts`: the scores are looked at only where something masks
     (unmasked calls never need the answer), the values not on the items path (``items``:
-    :func:`_fwd_item` looks at each item's output instead)."""
+    :func:`_fwd_rows` looks at each item's output instead)."""
     # a band that cuts no (query, key) pair of this call (a causal decoding step: its one
     # query sees every key) masks nothing, and asks no pass over q and k
     masked = (not spec.local_band().tile_is_full(0, q.shape[2], 0, k.shape[2])
@@ -62,15 +62,6 @@ def _facts(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
     finite = _scores_finite(q, k, spec) if masked else True
     overflow = False if items else _values_may_overflow(v, k.shape[2])
     return _Facts(finite, overflow)
-
-
-def _fwd_item(out: Tensor, facts: _Facts, forward: Callable[[_Facts], None]) -> None:
-    """One forward item, run as ``forward(facts)``, into ``out`` (its rows), and once more
-    with each tile's values looked at where that output is not finite (docs/design.md,
-    "Values near the dtype's largest")."""
-    forward(facts)
-    if not facts.values_may_overflow and not all_finite(out):
-        forward(facts._replace(values_may_overflow=True))
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
@@ -102,11 +93,9 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     def run(i: int) -> None:  # each item writes its rows of the outputs
         ci, bi = items[i]
         c = plan.chunks[ci]
-        m0, m1, _ = plan.blocks[bi]
-        _fwd_item(c.bh(out)[:, :, m0:m1], facts, lambda f: _fwd_rows(
-            c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.operands(ops, packed), c.bh(out),
-            c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine,
-            blocks=plan.blocks[bi:bi + 1], facts=f))
+        _fwd_rows(c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.operands(ops, packed),
+                  c.bh(out), c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine,
+                  blocks=plan.blocks[bi:bi + 1], facts=facts)
 
     cpu.run_items(run, len(items), threads=plan.threads, flush_denormals=True)
     return (out, lse, lse2) if want_lse2 else (out, lse)
@@ -160,10 +149,9 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
         # one key tile per item: a decode tile is a few rows, so its torch ops cost about
         # as much Python as compute, and the Python holds the GIL
         spec = dataclasses.replace(c.spec(plan.spec), block_n=step).shard(k_start=n0)
-        _fwd_item(c.bh(parts_out[r]), facts, lambda f: _fwd_rows(
-            c.bh(q), c.kv(k)[:, :, n0:n1], c.kv(v)[:, :, n0:n1], spec, cops,
-            c.bh(parts_out[r]), c.bh(parts_lse[r]), c.bh(scratch[r]), b0=c.b0,
-            engine=plan.engine, facts=f))
+        _fwd_rows(c.bh(q), c.kv(k)[:, :, n0:n1], c.kv(v)[:, :, n0:n1], spec, cops,
+                  c.bh(parts_out[r]), c.bh(parts_lse[r]), c.bh(scratch[r]), b0=c.b0,
+                  engine=plan.engine, facts=facts)
 
     cpu.run_items(run, len(items), threads=plan.threads,  # (the count read before _caller)
                   flush_denormals=True)
@@ -178,10 +166,13 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
               lse: Tensor, lse2: Tensor, *, facts: _Facts, b0: int = 0, engine: str = "bmm",
               blocks=None, key_scales: tuple[Tensor | None, Tensor | None] = (None, None)
               ) -> None:
-    """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
+    """The forward of one item, into ``out``, ``lse``, ``lse2`` (its views of the call's;
     ``facts``: the call's, :func:`_facts`; ``b0``: its first batch row's index in the call;
     ``engine``: the plan's; ``key_scales``: per-key multipliers of k and v, ``_Gemm``'s), for
-    the query ``blocks`` given (all of them by default), writing only their rows."""
+    the query ``blocks`` given (all of them by default), writing only their rows; once more
+    with each tile's values looked at where those rows are not finite (docs/design.md,
+    "Values near the dtype's largest")."""
+    given = blocks
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -227,6 +218,10 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
         part[..., 0] = torch.where(seen, m_i, float("-inf")).view(B, H, -1)
         part[..., 1] = torch.where(seen, torch.log2(l_i), 0.0).view(B, H, -1)
         lse[:, :, m0:m1] = part.sum(-1) * LN2  # (not out=: dynamo refuses a strided out)
+    if not facts.values_may_overflow and not all_finite(
+            out[:, :, given[0][0]:given[-1][1]] if given else out):
+        _fwd_rows(q, k, v, spec, ops, out, lse, lse2, b0=b0, engine=engine, blocks=given,
+                  facts=facts._replace(values_may_overflow=True), key_scales=key_scales)
 
 
 def _softmax_delta(tile: _Tile, q_blk: Tensor, dp_of, lse_blk: Tensor, m0: int,
