@@ -341,8 +341,7 @@ def tiled_jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     ops = ops._replace(attn_mask=xs[5], sinks=xs[6], softcap=xs[7], alibi=xs[8])
     with transforms.below(), one_thread(q):
         d_out, d_lse = _tiled_jvp(*xs[:5], spec, ops, dict(zip(names, xs[9:])), threads)
-    d_out, d_lse = transforms.rewrap(d_out, level), transforms.rewrap(d_lse, level)
-    return d_out, d_lse
+    return transforms.rewrap(d_out, level), transforms.rewrap(d_lse, level)
 
 
 _TANGENT_NAMES = ("q", "k", "v", "mask", "sinks", "softcap", "alibi")
