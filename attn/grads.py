@@ -53,13 +53,6 @@ def reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
     return grad.sum(dim=dims, keepdim=True) if dims else grad
 
 
-# Δ_i = Σ_j P_ij dP_ij is what dS = P∘(dP − Δ) subtracts; FlashAttention-2 reads it as
-# rowsum(dO∘O), which equals it only up to rounding. Where a row's softmax is saturated (one
-# P ≈ 1, the rest below an ulp: tiny temperatures, logits of 1e3 and up), the exact dS is ~0
-# but dP_max − rowsum(dO∘O) keeps ~ulp(dP), and dQ, dK multiply that by scale·K and
-# scale·Q: errors of 1e-2..5 where plain PyTorch (whose softmax backward sums P·dP from the
-# same dP) has ~0. Query blocks with a row whose denominator l (relative to its max) is
-# within this many log2 units of 1 take Δ = Σ_j P_ij dP_ij from a first pass over their
-# tiles (their QKᵀ and dO Vᵀ GEMMs once more); the rest keep rowsum(dO∘O). Ordinary calls
-# meet such rows only where a row sees a single key (the first rows of a causal call).
+# Query blocks with a row whose denominator l (relative to its max) is within this many log2
+# units of 1 take Δ = Σ_j P_ij dP_ij from their tiles (docs/design.md, "Saturated rows")
 SATURATED_LOG2L = 2.0 ** -12

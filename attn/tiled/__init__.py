@@ -1,9 +1,8 @@
 """Tiled attention in PyTorch: FlashAttention's online softmax, block by block, on any device,
-nothing N x N alive but a mask the caller passes (docs/design.md, "The online softmax").
-GQA without copies: a query block is viewed as ``(B, Hkv, G·BLOCK_M, D)``, so one matmul serves
-every query head of a group and ``Pᵀ dO`` sums dV over the group. One idea per module
-(docs/design.md, "The layers", lists them); :mod:`.jvp` and :mod:`.double` hold forward-mode
-AD and the double backward, :mod:`.paged` the paged reads of a KV cache.
+nothing N x N alive but a mask the caller passes (docs/design.md, "The online softmax"; one
+idea per module, listed in "The layers"). GQA without copies: a query block is viewed as
+``(B, Hkv, G·BLOCK_M, D)``, so one matmul serves every query head of a group and ``Pᵀ dO``
+sums dV over the group.
 """
 
 import dataclasses

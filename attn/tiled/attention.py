@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps,
                               _fwd_tile, _fwd_tile_compiled, _run_compiled, exp2_)
 from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
-                             _values_may_overflow)
+                             _values_may_overflow, tile_index)
 
 _NO_OPERANDS = Operands()
 
@@ -53,9 +53,8 @@ class _Facts(NamedTuple):
 def _facts(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
            items: bool = False) -> _Facts:
     """The call's :class:`_Facts`: the scores are looked at only where something masks
-    (unmasked calls never need the answer). On the items path (``items``) the values are
-    not looked at here: each item runs without value offsets and looks at its own output
-    instead (:func:`_fwd_item`), which costs no pass over v."""
+    (unmasked calls never need the answer), the values not on the items path (``items``:
+    :func:`_fwd_rows` looks at each item's output instead)."""
     # a band that cuts no (query, key) pair of this call (a causal decoding step: its one
     # query sees every key) masks nothing, and asks no pass over q and k
     masked = (not spec.local_band().tile_is_full(0, q.shape[2], 0, k.shape[2])
@@ -63,17 +62,6 @@ def _facts(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, *,
     finite = _scores_finite(q, k, spec) if masked else True
     overflow = False if items else _values_may_overflow(v, k.shape[2])
     return _Facts(finite, overflow)
-
-
-def _fwd_item(out: Tensor, facts: _Facts, forward: Callable[[_Facts], None]) -> None:
-    """One forward item, run as ``forward(facts)``, into ``out`` (its rows). Without value
-    offsets the P·V sum overflows only where |v| is within 2·Nk of the dtype's largest value;
-    then, or where the values hold inf or NaN, the item's output is not finite, and it runs
-    again with each tile's values looked at (:meth:`_Tile.value_offset`): bit for bit what
-    looking first would give, as the offset is 0 wherever no overflow is possible."""
-    forward(facts)
-    if not facts.values_may_overflow and not all_finite(out):
-        forward(facts._replace(values_may_overflow=True))
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_OPERANDS, *,
@@ -105,11 +93,9 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = _NO_
     def run(i: int) -> None:  # each item writes its rows of the outputs
         ci, bi = items[i]
         c = plan.chunks[ci]
-        m0, m1, _ = plan.blocks[bi]
-        _fwd_item(c.bh(out)[:, :, m0:m1], facts, lambda f: _fwd_rows(
-            c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.operands(ops, packed), c.bh(out),
-            c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine,
-            blocks=plan.blocks[bi:bi + 1], facts=f))
+        _fwd_rows(c.bh(q), c.kv(k), c.kv(v), c.spec(plan.spec), c.operands(ops, packed),
+                  c.bh(out), c.bh(lse), c.bh(lse2), b0=c.b0, engine=plan.engine,
+                  blocks=plan.blocks[bi:bi + 1], facts=facts)
 
     cpu.run_items(run, len(items), threads=plan.threads, flush_denormals=True)
     return (out, lse, lse2) if want_lse2 else (out, lse)
@@ -163,10 +149,9 @@ def _fwd_split(q: Tensor, k: Tensor, v: Tensor, plan, ops: Operands, facts: _Fac
         # one key tile per item: a decode tile is a few rows, so its torch ops cost about
         # as much Python as compute, and the Python holds the GIL
         spec = dataclasses.replace(c.spec(plan.spec), block_n=step).shard(k_start=n0)
-        _fwd_item(c.bh(parts_out[r]), facts, lambda f: _fwd_rows(
-            c.bh(q), c.kv(k)[:, :, n0:n1], c.kv(v)[:, :, n0:n1], spec, cops,
-            c.bh(parts_out[r]), c.bh(parts_lse[r]), c.bh(scratch[r]), b0=c.b0,
-            engine=plan.engine, facts=f))
+        _fwd_rows(c.bh(q), c.kv(k)[:, :, n0:n1], c.kv(v)[:, :, n0:n1], spec, cops,
+                  c.bh(parts_out[r]), c.bh(parts_lse[r]), c.bh(scratch[r]), b0=c.b0,
+                  engine=plan.engine, facts=facts)
 
     cpu.run_items(run, len(items), threads=plan.threads,  # (the count read before _caller)
                   flush_denormals=True)
@@ -181,10 +166,13 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
               lse: Tensor, lse2: Tensor, *, facts: _Facts, b0: int = 0, engine: str = "bmm",
               blocks=None, key_scales: tuple[Tensor | None, Tensor | None] = (None, None)
               ) -> None:
-    """The forward of one chunk, into ``out``, ``lse``, ``lse2`` (its views of the call's;
+    """The forward of one item, into ``out``, ``lse``, ``lse2`` (its views of the call's;
     ``facts``: the call's, :func:`_facts`; ``b0``: its first batch row's index in the call;
     ``engine``: the plan's; ``key_scales``: per-key multipliers of k and v, ``_Gemm``'s), for
-    the query ``blocks`` given (all of them by default), writing only their rows."""
+    the query ``blocks`` given (all of them by default), writing only their rows; once more
+    with each tile's values looked at where those rows are not finite (docs/design.md,
+    "Values near the dtype's largest")."""
+    given = blocks
     B, H, Nq, _ = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -230,6 +218,10 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
         part[..., 0] = torch.where(seen, m_i, float("-inf")).view(B, H, -1)
         part[..., 1] = torch.where(seen, torch.log2(l_i), 0.0).view(B, H, -1)
         lse[:, :, m0:m1] = part.sum(-1) * LN2  # (not out=: dynamo refuses a strided out)
+    if not facts.values_may_overflow and not all_finite(
+            out[:, :, given[0][0]:given[-1][1]] if given else out):
+        _fwd_rows(q, k, v, spec, ops, out, lse, lse2, b0=b0, engine=engine, blocks=given,
+                  facts=facts._replace(values_may_overflow=True), key_scales=key_scales)
 
 
 def _softmax_delta(tile: _Tile, q_blk: Tensor, dp_of, lse_blk: Tensor, m0: int,
@@ -365,12 +357,8 @@ def _bwd_row_terms(do: Tensor, out: Tensor, dlse: Tensor | None, lse: Tensor,
         # part costs a (rows, D) multiply per query block, not a pass over every tile
         lse_m, inv_l = lse2[..., 0], exp2_(-lse2[..., 1])
     lse_m = lse_m.masked_fill(lse_m == float("-inf"), float("inf"))  # P = 0 on empty rows
-    # saturated rows (l within SATURATED_LOG2L of 1) take Δ from the tiles themselves, in the
-    # query blocks that hold one (one host read of a (Nq,) flag per call); the block's other
-    # rows keep rowsum(dO∘O), so a row's Δ, and its bits, never depend on the other rows
-    # of its batch. Rows the forward gave a value offset (l scaled by 2^-c,
-    # _Tile.value_offset) read as saturated too: exact, one more pass, and only at |v|
-    # near the dtype's largest
+    # saturated rows, and rows the forward gave a value offset, take Δ from the tiles
+    # (docs/design.md, "Saturated rows", "Values near the dtype's largest")
     saturated = saturated_rows = None
     # (a data-dependent branch: skipped while torch.compile traces, as the value checks are)
     if lse2 is not None and do.shape[2] > 0 and not torch.compiler.is_compiling():
@@ -466,9 +454,8 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             gemm.add_tn(dv3[:, n0:n1], gemm.low_operand(pd, "pd16") if low_bwd else pd,
                         do_dv, "dv")
             if dmask is not None:
-                rows = slice(m0, m1) if dmask.shape[2] != 1 else slice(None)
-                cols = slice(n0, n1) if dmask.shape[3] != 1 else slice(None)
-                dmask[:, :, rows, cols] += _reduce_to(ds.view(B, H, BM, BN), dmask.shape)
+                dmask[tile_index(dmask, m0, m1, n0, n1)] += _reduce_to(ds.view(B, H, BM, BN),
+                                                                      dmask.shape)
             if dsoftcap is not None:
                 dsoftcap += dc_terms.view(B, Hkv, G, BM, BN).sum(dim=(0, 3, 4)).reshape(H)
             if track:  # -- the score_mod's backward, by autograd on this tile's graph --

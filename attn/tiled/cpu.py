@@ -1,9 +1,7 @@
 """CPU execution for the tiled backend: which GEMM engine runs the tiles (``ATTN_TILED_GEMM=
-auto|onednn|bmm``: torch's ``bmm``, MKL, or oneDNN's AVX-512 kernels, in every x86 torch build
-through ``torch.ops.mkldnn._linear_pointwise``, whose per-call cost pays only on whole-tile
-2-D GEMMs, one head at a time: the plan's units), and the worker pool that runs a call's items
-(:mod:`attn.workers`, shared with the fused backend; its names are importable from here).
-Why and when each engine: docs/design.md, "Engines"; the measurements: docs/benchmarks.md.
+auto|onednn|bmm``: torch's ``bmm``, or oneDNN's kernels through
+``torch.ops.mkldnn._linear_pointwise`` on the plan's units; docs/design.md, "Engines"), and
+the worker pool that runs a call's items (:mod:`attn.workers`, importable from here).
 """
 
 from __future__ import annotations

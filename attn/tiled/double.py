@@ -1,22 +1,14 @@
 """Double backward of tiled attention: the backward as an autograd.Function of its own
 (:class:`_TiledBackward`) whose backward and forward-mode rule recompute tile by tile, O(N)
-memory, for every variant the score pipeline of :class:`attn.tiled.jvp.TileScores` covers.
-
-The backward maps ``(g, g_lse)`` (the cotangents of out and lse) to ``Jᵀ (g, g_lse)``. Its
-own vector-Jacobian product against cotangents ``t`` of those gradients (t for q, k, v, the
-mask, sinks and softcap) is the gradient of the scalar ``L = g·ȯ(t) + g_lse·lsė(t)``, where
-``(ȯ, lsė)`` is the forward-mode tangent along t (:mod:`attn.tiled.jvp`): so ``∂L/∂g = ȯ``,
-``∂L/∂g_lse = lsė``, and with a_j = ṡ_j along t, dp_j = z_j g·v_j, e_j = g·t_v_j,
-c_j = a_j dp_j + z_j e_j, row sums ā = Σ p a, C = Σ p c, Δ_pd = Σ p dp, Δ = Δ_pd − g_lse:
+memory, for every variant the score pipeline of :class:`attn.tiled.jvp.TileScores` covers:
+the gradient of ``L = g·ȯ(t) + g_lse·lsė(t)`` (docs/transforms.md, "Why that gradient"). With
+a_j = ṡ_j along t, dp_j = z_j g·v_j, e_j = g·t_v_j, c_j = a_j dp_j + z_j e_j, row sums
+ā = Σ p a, C = Σ p c, Δ_pd = Σ p dp, Δ = Δ_pd − g_lse:
 
     ∂L/∂s_j = p_j [(c_j − C) − Δ (a_j − ā) − ā (dp_j − Δ_pd)],   ∂L/∂a_j = p_j (dp_j − Δ),
     ∂L/∂v_j = z_j p_j (a_j − ā) g,
 
-and ``(∂L/∂s, ∂L/∂a)`` go back through the tile's score function and its tangent map (the
-vjp of a jvp, one tile at a time) to q, k, the softcap and the mask, in two passes per query
-block: row sums, then gradients (docs/transforms.md). The forward-mode rule of the backward
-(what ``jacfwd(jacrev(f))`` needs) is the same kernel with the tangent of ``g`` added as a
-first-order term: ``Jᵀ ġ + ∇(g·J ẋ)`` (the Hessian is symmetric).
+each query block in two passes: the row sums, then the gradients.
 """
 
 from __future__ import annotations
@@ -100,9 +92,9 @@ class _Hvp:
     def __init__(self, q, k, v, lse, spec, ops, g, glse, t, first) -> None:
         unsupported(spec, ops, "the double backward")
         self.q, self.k, self.v, self.glse, self.t = q, k, v, glse, t
-        self.B, self.H, _, self.D = q.shape
-        self.Dv = v.shape[-1]
-        self.G = self.H // k.shape[1]
+        self.B, self.H, self.Nq, self.D = q.shape
+        self.Hkv, self.Nk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
+        self.G = self.H // self.Hkv
         self.acc = acc = _acc_dtype(q.dtype)
         self.ts = TileScores(q, k, spec, ops, blocks=_HVP_BLOCKS)
         self.lse_a, self.g_a = safe_lse(lse, acc), g.to(acc)
@@ -134,9 +126,12 @@ class _Hvp:
     def _col(self, x: Tensor | None, m0: int, m1: int) -> Tensor | float:
         return 0.0 if x is None else rows(x.to(self.acc), m0, m1)
 
+    def zeros(self, *shape: int) -> Tensor:
+        """Fresh zeros in the accumulation dtype: the GEMMs may accumulate into them in place."""
+        return torch.zeros(*shape, dtype=self.acc, device=self.q.device)
+
     def _rows0(self, m0: int, m1: int, width: int) -> Tensor:
-        """Fresh zeros for a block's rows: the GEMMs may accumulate into them in place."""
-        return torch.zeros(self.B, self.H, m1 - m0, width, dtype=self.acc, device=self.q.device)
+        return self.zeros(self.B, self.H, m1 - m0, width)
 
     def block(self, m0, m1, key_tiles, kv_into):
         """One query block: ``(dq rows, dg rows, lsė rows, dsinks part, dsoftcap part,
@@ -292,12 +287,11 @@ class _PlainHvp:
 
     def __init__(self, hvp: _Hvp, out: Tensor, blocks) -> None:
         self.h = hvp
-        B, H, G, acc = hvp.B, hvp.H, hvp.G, hvp.acc
-        self.Hkv = H // G
-        self.k3 = self._kv3(hvp.k.to(acc))  # (B·Hkv, Nk, ·)
-        self.tk3 = None if hvp.tk is None else self._kv3(hvp.tk)
-        self.v3 = self._kv3(hvp.v.to(acc))
-        self.tv3 = None if hvp.tv is None else self._kv3(hvp.tv)
+        B, H, acc = hvp.B, hvp.H, hvp.acc
+        self.k3 = hvp.k.to(acc).flatten(0, 1)  # (B·Hkv, Nk, ·)
+        self.tk3 = None if hvp.tk is None else hvp.tk.flatten(0, 1)
+        self.v3 = hvp.v.to(acc).flatten(0, 1)
+        self.tv3 = None if hvp.tv is None else hvp.tv.flatten(0, 1)
         self.out = out.to(acc)
         # the keys' operands side by side, each GEMM over a run of their columns against a
         # block's rows built to match (module docstring; a row constant joins a GEMM as one
@@ -320,14 +314,11 @@ class _PlainHvp:
             default=0))
         self.local = threading.local()  # each worker thread's buffers, for this call
 
-    def _kv3(self, x: Tensor) -> Tensor:
-        return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
-
     def _rows3(self, x: Tensor, m0: int, m1: int) -> Tensor:
         """A block's rows of a ``(B, H, Nq, X)`` tensor as ``(B·Hkv, G·BM, X)``, a group's
         query heads stacked (what one GEMM per KV head takes)."""
         r = span(x, 2, m0, m1)
-        return r.reshape(self.h.B * self.Hkv, -1, r.shape[-1])
+        return r.reshape(self.h.B * self.h.Hkv, -1, r.shape[-1])
 
     def _buf(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
         """This thread's buffer ``name``: a tile (``shape``) or, without one, the arena."""
@@ -363,7 +354,7 @@ class _PlainHvp:
 
     def _z(self, m0, m1, n0, n1) -> Tensor | None:
         z = self.h.ts.dropout(m0, m1, n0, n1)
-        return None if z is None else z.reshape(self.h.B * self.Hkv, -1, n1 - n0)
+        return None if z is None else z.reshape(self.h.B * self.h.Hkv, -1, n1 - n0)
 
     def _plan_keep(self, lead, key_tiles) -> dict[int, tuple[int | None, int | None]]:
         """Where in the arena pass 1 keeps each tile's ``(p a, p)`` (None: recomputed):
@@ -409,7 +400,7 @@ class _PlainHvp:
         if h.sinks is not None:
             p_sink = torch.exp(h.sinks - lse_b.view(B, H, BM, 1))
             t_s = 0.0 if h.t_sink is None else h.t_sink
-            abar = abar + (p_sink * t_s).reshape(B * self.Hkv, BM * h.G, 1)
+            abar = abar + (p_sink * t_s).reshape(B * self.h.Hkv, BM * h.G, 1)
             a4, c4, d4, dpd4 = (x.view(B, H, BM, 1) for x in (abar, c_sum, delta, dpd))
             dsink = _sink_terms(p_sink, t_s, a4, c4, d4, dpd4).sum(dim=(0, 2, 3))
         r1 = abar * dpd - c_sum  # r0 − ā Δ, r0 = Δ ā + ā Δ_pd − C
@@ -421,7 +412,7 @@ class _PlainHvp:
         buffers; split, each part would take them all."""
         h = self.h
         B, H, BM, Dv = h.B, h.H, m1 - m0, h.Dv
-        lead = (B * self.Hkv, BM * h.G)
+        lead = (B * self.h.Hkv, BM * h.G)
         lse_b, q_b, tq_b, ql_b, qa_b = self._q_rows(m0, m1)
         g_b, out_b = self._rows3(h.g_a, m0, m1), self._rows3(self.out, m0, m1)
         arena = self._buf("kept")
@@ -435,8 +426,7 @@ class _PlainHvp:
             return arena[at:at + math.prod(shape)].view(shape)
 
         # -- pass 1: ā = Σ p a, and Σ p z a v + Σ p z t_v (∂L/∂g and C read it) --
-        abar = torch.zeros(*lead, 1, dtype=h.acc, device=h.q.device)
-        pav = torch.zeros(*lead, Dv, dtype=h.acc, device=h.q.device)
+        abar, pav = h.zeros(*lead, 1), h.zeros(*lead, Dv)
         for n0, n1, full in key_tiles:
             p, keep = self._scores(m0, m1, n0, n1, full, ql_b, tile_of(n0, n1, 1, "s"))
             pa = self._pa(m0, m1, n0, n1, qa_b, p, keep, tile_of(n0, n1, 0, "a"))
@@ -448,7 +438,7 @@ class _PlainHvp:
         abar, delta, r1, dsink = self._row_sums(m0, m1, lse_b, g_b, out_b, abar, pav)
         dg = pav.sub_(abar * out_b)  # ∂L/∂g = Σ p z (a − ā) v + Σ p z t_v
         # -- pass 2: s̄ = p (e + r1) + (dP − Δ) w', ā_s = p (dP − Δ), w = z w', w' = p a − ā p --
-        dq = torch.zeros(*lead, h.D, dtype=h.acc, device=h.q.device)
+        dq = h.zeros(*lead, h.D)
         g_delta = torch.cat([g_b, -delta], -1)  # [g | −Δ]·[v | 1]ᵀ = dP − Δ
         g_r1 = None if self.tv3 is None else torch.cat([r1, g_b], -1)  # e + r1, alike
         for n0, n1, full in key_tiles:
@@ -509,8 +499,7 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     threads = cpu.workers_for_call()  # read before one_thread sets the caller's to 1
     with one_thread(q):
         hvp = _Hvp(q, k, v, lse, spec, ops, g, glse, t, first)
-        H, Nq, D, Dv, acc = q.shape[1], q.shape[2], hvp.D, hvp.Dv, hvp.acc
-        Hkv, Nk = k.shape[1], k.shape[2]
+        H, Nq, acc = hvp.H, hvp.Nq, hvp.acc
         gd, glse_d = (None, None) if first is None else first
         tensors = (q, k, v, out, lse, g, glse, gd, glse_d, *ops[:4], *t.values())
         pooled = plain(*tensors) and not (torch.is_grad_enabled() and any(
@@ -522,10 +511,12 @@ def tiled_hvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
             if (first is None and hvp.linear and hvp.mask4 is None and ops.alibi is None
                     and not spec.terms.items and (hvp.tq is not None or hvp.tk is not None)):
                 block = _PlainHvp(hvp, out, blocks).block
-            res, parts = _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads)
+            res, extras = _pooled(blocks, block, hvp, threads)
         else:
-            res, parts = _in_order(blocks, hvp.block, q, v, Hkv, Nk, D, Dv, acc)
-        dsink, dcap, dmask_rows = parts
+            res, extras = _in_order(blocks, hvp.block, hvp)
+        # each block's (dsinks part, dsoftcap part, dmask rows), summed in block order
+        dsink, dcap = _sum(e[0] for e in extras), _sum(e[1] for e in extras)
+        dmask_rows = [(m0, m1, e[2]) for (m0, m1, _), e in zip(blocks, extras) if e[2] is not None]
         if hvp.mask4 is not None:
             res["mask"] = _join_rows(dmask_rows, hvp.mask4, Nq).reshape(ops.attn_mask.shape)
         if ops.softcap is not None:
@@ -571,11 +562,11 @@ def _sum(xs) -> Tensor | None:
     return total
 
 
-def _in_order(blocks, block, q, v, Hkv, Nk, D, Dv, acc):
+def _in_order(blocks, block, hvp: _Hvp):
     """The query blocks in order on the caller, nothing written in place (the tensors may be
-    functorch's or autograd's): ``(dq, dk, dv, do, dlse), (dsinks, dsoftcap, dmask rows)``."""
-    B, H, Nq, _ = q.shape
-    G = H // Hkv
+    functorch's or autograd's): ``{q, k, v, do, dlse}`` and each block's (dsinks part,
+    dsoftcap part, dmask rows)."""
+    B, H, Nq, Hkv, Nk, G, D, Dv = (hvp.B, hvp.H, hvp.Nq, hvp.Hkv, hvp.Nk, hvp.G, hvp.D, hvp.Dv)
     dk, dv = _Tiles(2), _Tiles(2)
 
     def kv_into(n0, n1, dk_t, dv_t):
@@ -583,18 +574,16 @@ def _in_order(blocks, block, q, v, Hkv, Nk, D, Dv, acc):
         dv.add(n0, n1, _terms(dv_t, G))
 
     outs = [block(m0, m1, key_tiles, kv_into) for m0, m1, key_tiles in blocks]
-    dq, dg, dl, dsinks, dcaps, _ = zip(*outs) if outs else ((),) * 6
+    dq, dg, dl = list(zip(*outs))[:3] if outs else ((),) * 3
 
     def cat(xs, width):
         if not xs:
-            return torch.zeros(B, H, Nq, *width, dtype=acc, device=q.device)
+            return hvp.zeros(B, H, Nq, *width)
         return xs[0] if len(xs) == 1 else torch.cat(xs, dim=2)
 
     res = {"q": cat(dq, (D,)), "do": cat(dg, (Dv,)), "dlse": cat(dl, ()),
-           "k": dk.join(Nk, torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)),
-           "v": dv.join(Nk, torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device))}
-    mask_rows = [(m0, m1, o[5]) for (m0, m1, _), o in zip(blocks, outs) if o[5] is not None]
-    return res, (_sum(dsinks), _sum(dcaps), mask_rows)
+           "k": dk.join(Nk, hvp.zeros(B, Hkv, Nk, D)), "v": dv.join(Nk, hvp.zeros(B, Hkv, Nk, Dv))}
+    return res, [o[3:] for o in outs]
 
 
 def _runs(blocks, n_runs: int) -> list[list[int]]:
@@ -610,27 +599,22 @@ def _runs(blocks, n_runs: int) -> list[list[int]]:
     return [r for r in runs if r]
 
 
-def _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads):
+def _pooled(blocks, block, hvp: _Hvp, threads):
     """Runs of query blocks (:func:`_runs`) as work items on the tiled backend's pool (plain
     CPU tensors, no gradient recorded): a run takes its blocks in order, writes their rows
     of dq, do and lse and sums their dK / dV into a partial of its own over the keys they
     see; the partials and the per-block sums are then added in run order, so the bits do
     not depend on how many workers took the runs."""
-    B, H, Nq, _ = q.shape
-    G = H // Hkv
-    dev = q.device
+    B, H, Nq, Hkv, Nk, G, D, Dv = (hvp.B, hvp.H, hvp.Nq, hvp.Hkv, hvp.Nk, hvp.G, hvp.D, hvp.Dv)
     runs = _runs(blocks, _RUNS)
-    dq = torch.zeros(B, H, Nq, D, dtype=acc, device=dev)
-    dg = torch.zeros(B, H, Nq, Dv, dtype=acc, device=dev)
-    dl = torch.zeros(B, H, Nq, dtype=acc, device=dev)
+    dq, dg, dl = hvp.zeros(B, H, Nq, D), hvp.zeros(B, H, Nq, Dv), hvp.zeros(B, H, Nq)
     kv_parts: list = [None] * len(runs)
     extras: list = [None] * len(blocks)
 
     def item(r: int) -> None:
         lo = min((kt[0][0] for _, _, kt in (blocks[i] for i in runs[r]) if kt), default=0)
         hi = max((kt[-1][1] for _, _, kt in (blocks[i] for i in runs[r]) if kt), default=0)
-        dk = torch.zeros(B, Hkv, max(hi - lo, 0), D, dtype=acc, device=dev)
-        dv = torch.zeros(B, Hkv, max(hi - lo, 0), Dv, dtype=acc, device=dev)
+        dk, dv = hvp.zeros(B, Hkv, max(hi - lo, 0), D), hvp.zeros(B, Hkv, max(hi - lo, 0), Dv)
 
         def kv_into(n0, n1, dk_t, dv_t):
             _terms_into(dk[:, :, n0 - lo:n1 - lo], dk_t, G)
@@ -644,14 +628,12 @@ def _pooled(blocks, block, q, v, Hkv, Nk, D, Dv, acc, threads):
         kv_parts[r] = (lo, hi, dk, dv)
 
     cpu.run_items(item, len(runs), threads=threads)
-    dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=dev)
-    dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=dev)
+    dk, dv = hvp.zeros(B, Hkv, Nk, D), hvp.zeros(B, Hkv, Nk, Dv)
     for lo, hi, dk_r, dv_r in kv_parts:
         dk[:, :, lo:hi] += dk_r
         dv[:, :, lo:hi] += dv_r
     res = {"q": dq, "do": dg, "dlse": dl, "k": dk, "v": dv}
-    mask_rows = [(m0, m1, e[2]) for (m0, m1, _), e in zip(blocks, extras) if e[2] is not None]
-    return res, (_sum(e[0] for e in extras), _sum(e[1] for e in extras), mask_rows)
+    return res, extras
 
 
 def _join_rows(blocks: list[tuple[int, int, Tensor]], mask4: Tensor, Nq: int) -> Tensor:

@@ -1,15 +1,11 @@
 """Forward-mode AD of tiled attention, tile by tile, O(N) memory (docs/transforms.md, "How it
-works"). With ``p_j = exp(s_j − lse)`` known from the forward and dropout's kept scale ``z_j``
-folded into the sums over values,
-
-    ȯ = Σ_j p_j z_j (ṡ_j − Σ_k p_k ṡ_k) v_j + Σ_j p_j z_j v̇_j,    lsė = Σ_j p_j ṡ_j,
-
-so a query block accumulates ``A = Σ (p z ṡ) v + Σ (p z) v̇`` and ``b = Σ p ṡ`` over its key
-tiles and ends with ``ȯ = A − b·o``; the sinks join ``b`` as one more key of value 0. That is
-the autograd.Function's ``jvp`` rule (:func:`tiled_jvp`); :func:`forward_with_tangent` is the
-one pass that computes out, lse and both tangents together. The score tangent ṡ comes from
-:class:`TileScores` (the reference's order of score steps; also the double backward's): plain
-tensor code with no host reads, so it runs under vmap as it is.
+works"): with dropout's kept scale ``z`` in the sums over values, a query block accumulates
+``A = Σ (p z ṡ) v + Σ (p z) v̇`` and ``b = Σ p ṡ`` over its key tiles and ends with ``ȯ = A −
+b·o``, ``lsė = b`` (the sinks join ``b`` as one more key of value 0): the autograd.Function's
+``jvp`` rule (:func:`tiled_jvp`); :func:`forward_with_tangent` is the one pass that computes
+out, lse and both tangents together. The score tangent ṡ comes from :class:`TileScores` (the
+reference's order of score steps; also the double backward's): plain tensor code with no host
+reads, so it runs under vmap as it is.
 """
 
 from __future__ import annotations
@@ -22,11 +18,12 @@ import torch
 from torch import Tensor
 
 from attn import transforms
-from attn.masks import as_4d, dropout_keep, dropout_keep_rows
+from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.plan import _blocks
+from attn.tiled.tile import dropout_keep_scale, tile_index
 
 # tile sizes of the transform kernels (a spec's own block sizes win), and the one pass's
 # score tile over every batch row and head (forward_with_tangent) at most ONE_PASS_TILE_BYTES
@@ -89,6 +86,10 @@ class TileScores:
         # the call's own operands by SCORE_INPUTS name, for :meth:`operands` to slice
         self.primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask,
                        "alibi": ops.alibi}
+        if spec.dropout_p > 0.0:  # the hash's rows b·H + h, and the heads for packed rows
+            h = torch.arange(H, device=q.device)
+            self.bh = torch.arange(B, device=q.device)[:, None] * H + h
+            self.h_col = h.view(1, -1, 1)
         bm = spec.block_m or blocks[0]
         bn = spec.block_n or blocks[1]
         self.spec_sized = dataclasses.replace(spec, block_m=bm, block_n=bn)
@@ -141,29 +142,18 @@ class TileScores:
                 kmod = self.spec.mask_mod(*self._idx(m0, m1, n0, n1))
                 keep = kmod if keep is None else keep & kmod
         if self.bool_mask is not None:
-            m = self.bool_mask
-            # a dim the mask broadcasts along is taken whole (``m0:None`` would be empty)
-            tile = m[:, :, slice(m0, m1) if m.shape[2] != 1 else slice(None),
-                     slice(n0, n1) if m.shape[3] != 1 else slice(None)]
+            tile = self.bool_mask[tile_index(self.bool_mask, m0, m1, n0, n1)]
             keep = tile if keep is None else keep & tile
         return keep
 
     def dropout(self, m0: int, m1: int, n0: int, n1: int) -> Tensor | None:
         """Kept elements scaled by 1/(1-p), dropped ones 0, ``(B, H, BM, BN)``; None: none."""
-        spec = self.spec
-        if spec.dropout_p == 0.0:
+        if self.spec.dropout_p == 0.0:
             return None
         dev = self.device
         offs_m, offs_n = torch.arange(m0, m1, device=dev), torch.arange(n0, n1, device=dev)
-        h = torch.arange(self.H, device=dev)
-        if spec.dropout_rows is None:
-            bh = torch.arange(self.B, device=dev)[:, None] * self.H + h
-            keep = dropout_keep(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
-        else:  # packed: one batch row holding many sequences
-            b_rows, offs_m, offs_n = spec.dropout_rows(offs_m, offs_n)
-            bh = b_rows.view(1, 1, -1) * self.H + h.view(1, -1, 1)
-            keep = dropout_keep_rows(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
-        return keep.to(self.acc) / (1.0 - spec.dropout_p)
+        return dropout_keep_scale(self.spec, self.bh, self.H, self.h_col, offs_m, offs_n,
+                                  self.acc)
 
     def fn(self, m0: int, m1: int, n0: int, n1: int, full: bool, tangents: tuple[Tensor, ...]
            ) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -326,9 +316,8 @@ def plain(*xs: object) -> bool:
 
 
 def one_thread(x: Tensor) -> contextlib.AbstractContextManager:
-    """CPU: the kernels' tile ops on one intra-op thread (as the tiled launchers' items run):
-    a (BM, BN) tile is too small for a parallel region, and on a busy machine one runs ~100x
-    slower than a single thread (OpenMP's team waits for threads that are not scheduled)."""
+    """CPU: the kernels' tile ops on one intra-op thread, as the tiled launchers' items run
+    (docs/design.md, "The tiled backend on CPU")."""
     return cpu.single_thread() if x.device.type == "cpu" else contextlib.nullcontext()
 
 
@@ -352,8 +341,7 @@ def tiled_jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     ops = ops._replace(attn_mask=xs[5], sinks=xs[6], softcap=xs[7], alibi=xs[8])
     with transforms.below(), one_thread(q):
         d_out, d_lse = _tiled_jvp(*xs[:5], spec, ops, dict(zip(names, xs[9:])), threads)
-    d_out, d_lse = transforms.rewrap(d_out, level), transforms.rewrap(d_lse, level)
-    return d_out, d_lse
+    return transforms.rewrap(d_out, level), transforms.rewrap(d_lse, level)
 
 
 _TANGENT_NAMES = ("q", "k", "v", "mask", "sinks", "softcap", "alibi")
@@ -362,13 +350,11 @@ _TANGENT_NAMES = ("q", "k", "v", "mask", "sinks", "softcap", "alibi")
 def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands
                          ) -> tuple[Tensor, Tensor] | None:
     """``(out, lse)`` as dual tensors of forward-mode AD, primal and tangent in one pass over
-    the tiles (docs/transforms.md, "How it works"), where forward-mode AD is all that
-    differentiates the call: one ``torch.func.jvp`` level (or ``torch.autograd.forward_ad``
-    dual tensors), nothing that requires grad, no score_mod / mask_mod. Else None, and the
-    caller takes its autograd.Function, whose ``jvp`` rule (:func:`tiled_jvp`) reads q·kᵀ
-    again after the forward (six GEMMs per tile here, its five after the forward's two). With
-    the denominator l, ``A = Σ e^(s−m) (z ṡ v + z v̇)`` and ``r = Σ e^(s−m) ṡ``: ``ȯ = A/l −
-    (r/l)·o`` and ``lsė = r/l``."""
+    the tiles, where forward-mode AD is all that differentiates the call (docs/transforms.md,
+    "How it works"); else None, and the caller takes its autograd.Function, whose ``jvp``
+    rule (:func:`tiled_jvp`) reads q·kᵀ again after the forward (six GEMMs per tile here, its
+    five after the forward's two). With the denominator l, ``A = Σ e^(s−m) (z ṡ v + z v̇)``
+    and ``r = Σ e^(s−m) ṡ``: ``ȯ = A/l − (r/l)·o`` and ``lsė = r/l``."""
     import torch.autograd.forward_ad as fwad
 
     if ops.captured or spec.score_mod is not None or spec.mask_mod is not None or spec.sharded:
@@ -416,25 +402,21 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
     acc = _acc_dtype(q.dtype)
     ts = TileScores(q, k, spec, ops, blocks=_one_pass_blocks(q, k), inplace=True)
     tv, t_sink = tangents.get("v"), tangents.get("sinks")
-    dev = q.device
-    res = (torch.empty(B, H, Nq, Dv, dtype=acc, device=dev),
-           torch.empty(B, H, Nq, dtype=acc, device=dev),
-           torch.empty(B, H, Nq, Dv, dtype=acc, device=dev),
-           torch.empty(B, H, Nq, dtype=acc, device=dev))
+    new = {"dtype": acc, "device": q.device}
+    res = tuple(torch.empty(B, H, Nq, *d, **new) for d in ((Dv,), (), (Dv,), ()))
 
     def block(i: int) -> None:
         m0, m1, key_tiles = blocks[i]
         col = (B, H, m1 - m0, 1)
         if ops.sinks is not None:  # the sink: a first key of value 0, its p = 1 at m = sink
             m = ops.sinks.to(acc).view(1, H, 1, 1).expand(col)
-            l_i = torch.ones(col, dtype=acc, device=dev)
-            r = (torch.zeros(col, dtype=acc, device=dev) if t_sink is None
+            l_i = torch.ones(col, **new)
+            r = (torch.zeros(col, **new) if t_sink is None
                  else t_sink.to(acc).view(1, H, 1, 1).expand(col).clone())
         else:
-            m = torch.full(col, float("-inf"), dtype=acc, device=dev)
-            l_i, r = (torch.zeros(col, dtype=acc, device=dev) for _ in range(2))
-        o = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
-        a = torch.zeros(B, H, m1 - m0, Dv, dtype=acc, device=dev)
+            m = torch.full(col, float("-inf"), **new)
+            l_i, r = (torch.zeros(col, **new) for _ in range(2))
+        o, a = (torch.zeros(B, H, m1 - m0, Dv, **new) for _ in range(2))
         for n0, n1, full in key_tiles:
             xs = ts.operands(ts.primal, m0, m1, n0, n1)
             s, sd = ts.fn(m0, m1, n0, n1, full, ts.operands(tangents, m0, m1, n0, n1))(*xs)

@@ -15,8 +15,7 @@ from attn.masks import Band
 from attn.spec import LaunchSpec, Operands, PageTable, QuantPages, check_paged_forward_only
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
-from attn.tiled.attention import (_caller, _check_operands, _facts, _fwd_item, _fwd_rows,
-                                  _merge_partials)
+from attn.tiled.attention import _caller, _check_operands, _facts, _fwd_rows, _merge_partials
 from attn.tiled.plan import DEFAULT, TileConfig, item_threads, kv_split, page_ranges
 
 __all__ = ["paged_attention"]
@@ -269,9 +268,8 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
         facts = _facts(qb, k, v, ispec, iops, items=True)
         if k_mult is not None:  # the bound _facts took is of the codes, not of the keys
             facts = facts._replace(finite_scores=False)
-        _fwd_item(out, facts, lambda f: _fwd_rows(
-            qb, k, v, ispec, iops, out, parts_lse[it.r, b:b + 1], scratch[it.r, b:b + 1],
-            facts=f, key_scales=(k_mult, v_mult)))
+        _fwd_rows(qb, k, v, ispec, iops, out, parts_lse[it.r, b:b + 1], scratch[it.r, b:b + 1],
+                  facts=facts, key_scales=(k_mult, v_mult))
 
     cpu.run_items(run, len(items), threads=threads, flush_denormals=True)
     with caller:

@@ -15,12 +15,10 @@ from attn.tiled import cpu
 
 # -- per-tile steps: the online-softmax update and dS, each in exactly one place ------------
 
-# torch's CPU exp2 computes a contiguous loop in vectors of 16 floats (AVX2; 32 on AVX-512)
-# and its last numel % 16 elements on a scalar path that rounds some values differently
-# (torch 2.13). A sequence's rows sit at other offsets of a batched tile than of its own, so
-# those tails would make its bits depend on its batch (the pinned batch invariance); exp2_
-# sends every element through the vector loop
-_EXP2_VECTOR = 64  # a multiple of the loop's width for float32 and float64 on every x86 CPU
+# exp2_ sends every element through torch's vector loop, whose scalar tail rounds some values
+# differently (docs/design.md, "Base-2 scores"): a multiple of the loop's width for float32
+# and float64 on every x86 CPU
+_EXP2_VECTOR = 64
 
 
 def exp2_(x: Tensor) -> Tensor:

@@ -16,9 +16,7 @@ from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled.gemm import _Gemm
 
 # Scores live in base-2 units (s·log2 e), probabilities are exp2(s - m), and the forward
-# keeps lse2 = (m, log2 l) for the backward in two parts (docs/design.md, "Base-2 scores";
-# the measurements: docs/benchmarks.md): the natural lse, one rounded number, cannot be
-# turned back into them exactly (at logits of 1e4 the round trip moves P by 1e-3).
+# keeps lse2 = (m, log2 l) for the backward in two parts (docs/design.md, "Base-2 scores")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # The static score variants' terms (attn.spec.ScoreTerms, by name) _Tile.scores applies; a
@@ -43,12 +41,9 @@ def _scores_finite(q: Tensor, k: Tensor, spec: LaunchSpec) -> bool:
 
 
 def _values_may_overflow(v: Tensor, n_k: int) -> bool:
-    """Whether ``Σ_j p_j v_j`` over up to ``n_k`` keys (p ≤ 1) may pass half the accumulation
-    dtype's largest value: ``max|v| · 2·n_k`` above it (NaN and ±inf answer False: the
-    output is not finite anyway). float16 values never can (65504 · 2·n_k is far below
-    float32's max), so they are not looked at; off CPU, and while compiling, the answer is
-    True without looking (no host sync): :meth:`_Tile.value_offset` then decides per tile
-    on the device."""
+    """Whether ``Σ_j p_j v_j`` over up to ``n_k`` keys may pass half the accumulation dtype's
+    largest value (docs/design.md, "Values near the dtype's largest"); NaN and ±inf answer
+    False (the output is not finite anyway), off CPU and while compiling True unlooked."""
     fmax = torch.finfo(_acc_dtype(v.dtype)).max
     if v.numel() == 0 or torch.finfo(v.dtype).max * 2.0 * n_k <= fmax:
         return False
@@ -61,6 +56,26 @@ def _values_may_overflow(v: Tensor, n_k: int) -> bool:
 def _finite_or_zero(x: Tensor) -> Tensor:
     """``x`` with its NaN and ±inf entries replaced by 0."""
     return torch.where(torch.isfinite(x), x, 0.0)
+
+
+def tile_index(x: Tensor, m0: int, m1: int, n0: int, n1: int) -> tuple[slice, ...]:
+    """Tile [m0, m1) x [n0, n1) of a 4-D mask (or its gradient) at its own broadcast shape:
+    a size-1 dim taken whole."""
+    return (slice(None), slice(None), slice(m0, m1) if x.shape[2] != 1 else slice(None),
+            slice(n0, n1) if x.shape[3] != 1 else slice(None))
+
+
+def dropout_keep_scale(spec: LaunchSpec, bh: Tensor, heads: int, h: Tensor, offs_m: Tensor,
+                       offs_n: Tensor, acc: torch.dtype) -> Tensor:
+    """Kept elements scaled by 1/(1-p), dropped ones 0, at ``bh``'s (b·heads + h) shape +
+    (BM, BN); packed (``spec.dropout_rows``), each row's own b·heads + ``h`` instead."""
+    if spec.dropout_rows is None:
+        keep = dropout_keep(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
+    else:  # packed: one batch row holding many sequences (B == 1)
+        b_rows, offs_m, offs_n = spec.dropout_rows(offs_m, offs_n)
+        keep = dropout_keep_rows(spec.dropout_seed, b_rows * heads + h, offs_m, offs_n,
+                                 spec.dropout_p)
+    return keep.to(acc) / (1.0 - spec.dropout_p)
 
 
 class _Tile:
@@ -186,13 +201,6 @@ class _Tile:
             self._band_masks[key] = inside, bias.masked_fill_(~inside, float("-inf"))
         return self._band_masks[key]
 
-    def _bool_mask_tile(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
-        """The bool attn_mask's tile (True = attend) at the mask's own broadcast shape."""
-        m = self.mask4
-        rows = slice(m0, m1) if m.shape[2] != 1 else slice(None)
-        cols = slice(n0, n1) if m.shape[3] != 1 else slice(None)
-        return m[:, :, rows, cols]
-
     def _mask_out(self, s: Tensor, keep: Tensor, bias: Tensor | None = None) -> None:
         """``s`` ← ``s`` where ``keep``, else -inf, in place (``keep`` broadcasts to ``s``):
         the bias add where every score is finite, a replacement otherwise."""
@@ -258,7 +266,8 @@ class _Tile:
                 keep = self.mask_mod_keep(m0, m1, n0, n1)
                 s.view(B, self.H, BM, BN).masked_fill_(~keep, float("-inf"))
         if self.mask4 is not None:
-            self._mask_out(s.view(B, self.H, BM, BN), self._bool_mask_tile(m0, m1, n0, n1))
+            m4 = self.mask4
+            self._mask_out(s.view(B, self.H, BM, BN), m4[tile_index(m4, m0, m1, n0, n1)])
         elif self.mask5 is not None:
             bias = self.mask5[..., m0:m1, n0:n1]
             s5.add_(bias)
@@ -281,29 +290,16 @@ class _Tile:
 
     def dropout_scale(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
         """Kept elements scaled by 1/(1-p), dropped ones 0: ``(B·Hkv, G·BM, BN)``."""
-        spec = self.spec
-        offs_m = torch.arange(m0, m1, device=self.device) + spec.q_start
-        offs_n = torch.arange(n0, n1, device=self.device) + spec.k_start
-        if spec.dropout_rows is None:
-            keep = dropout_keep(spec.dropout_seed, self.bh, offs_m, offs_n, spec.dropout_p)
-        else:  # packed: one batch row holding many sequences (B == 1)
-            b_rows, offs_m, offs_n = spec.dropout_rows(offs_m, offs_n)
-            bh = b_rows.view(1, 1, 1, -1) * self.heads + self.h_glob  # (1, Hkv, G, BM)
-            keep = dropout_keep_rows(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
-        z = keep.to(self.acc_dtype) / (1.0 - spec.dropout_p)  # (B, Hkv, G, BM, BN)
+        offs_m = torch.arange(m0, m1, device=self.device) + self.spec.q_start
+        offs_n = torch.arange(n0, n1, device=self.device) + self.spec.k_start
+        z = dropout_keep_scale(self.spec, self.bh, self.heads, self.h_glob, offs_m, offs_n,
+                               self.acc_dtype)  # (B, Hkv, G, BM, BN)
         return z.view(self.B * self.Hkv, self.G * (m1 - m0), n1 - n0)
 
     def value_offset(self, n0: int, n1: int) -> Tensor | None:
-        """The forward's exponent offset ``c ≥ 0`` for key tile [n0, n1), per (batch row, kv
-        head) as ``(B·Hkv, 1, 1)`` in base-2 units, or None where it is 0 for every row.
-
-        ``acc = Σ_j p_j v_j`` with ``p ≤ 1`` reaches ``Nk · max|v|``, past the accumulation
-        dtype's largest value when ``|v|`` is near it. A row's running max then carries
-        ``c = log2(max|v| · 2·Nk / fmax)`` of its tile on top, so ``p = exp2(s − (m + c))
-        ≤ 2^-c`` and ``Σ_j p_j |v_j| ≤ fmax / 2``; out = acc / l and lse = m + log2 l are
-        unchanged (l shrinks by the same factor). Read from this tile's own values, per
-        (batch row, kv head): another sequence's values never move a row's result (packed
-        tiles hold one sequence's keys)."""
+        """The forward's exponent offset ``c = log2(max|v| · 2·Nk / fmax) ≥ 0`` for key tile
+        [n0, n1), per (batch row, kv head) as ``(B·Hkv, 1, 1)`` in base-2 units, or None
+        where it is 0 for every row (docs/design.md, "Values near the dtype's largest")."""
         if not self.values_may_overflow:
             return None
         key = (n0, n1)
