@@ -27,6 +27,7 @@ from attn.mods import mask_mod_kinds
 from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec, Operands, PageTable, all_finite, check_paged_forward_only
 from attn.spec import acc_dtype as _acc_dtype
+from attn.workers import kv_split, page_ranges
 
 # -- torch's ops, checked once -----------------------------------------------------------------
 
@@ -338,16 +339,6 @@ def folds(n_q: int, G: int, config: FusedConfig = DEFAULT) -> bool:
     runs its unmasked, uncausal pieces with each kv head's G query heads as ``G * n_q`` rows
     of one op call (decoding; why: docs/design.md, "The fused backend", Decoding)."""
     return config.fold_gqa and G > 1 and n_q <= config.split_max_q
-
-
-def kv_split(n_q: int, n_k: int, config: FusedConfig = DEFAULT) -> int | None:
-    """Keys per range of a split-KV decoding call, or None (the shapes alone decide)."""
-    if n_q > config.split_max_q or n_k < config.split_min_keys:
-        return None
-    chunk = config.split_min_chunk
-    while -(-n_k // chunk) > config.split_max_chunks:
-        chunk *= 2
-    return chunk
 
 
 def masks_scores(spec: LaunchSpec, ops: Operands, n_q: int, n_k: int,
@@ -1327,13 +1318,6 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 
 # -- paged caches ------------------------------------------------------------------------------
 
-def page_ranges(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
-    """Slots ``[start, stop)`` of one sequence cut at the multiples of ``chunk`` (the key
-    ranges of a paged read, merged in this order): the sequence's own positions decide."""
-    cuts = [start] + list(range((start // chunk + 1) * chunk, stop, chunk)) + [stop]
-    return [(a, z) for a, z in zip(cuts, cuts[1:]) if z > a]
-
-
 def page_span(storage: Tensor, row: Tensor, a: int, z: int) -> tuple[Tensor, bool]:
     """Slots ``[a, z)`` of a sequence whose pages are ``row`` (its block-table row, host
     int64), from page storage ``(num_blocks, page, Hkv, D)``, as ``(1, Hkv, z - a, D)``, and
@@ -1364,7 +1348,7 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     s, e = int(starts[b]), int(lengths[b])
     chunk = kv_split(Nq, e - s, config) or config.split_min_chunk
     outs, lses = [], []
-    for a, z in page_ranges(s, e, chunk):
+    for a, z in page_ranges(s, e, 1, chunk):  # at chunk's multiples: page_span crosses pages
         # the range's band: row b's band with N_b keys, from the range's first key on
         local = Band(band.offset + e - a, band.left, band.right)
         lo, hi = local.key_range(0, Nq, z - a)

@@ -11,11 +11,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from attn import workers
 from attn.masks import Blocks, as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.steps import compiled_steps_default
+from attn.workers import page_ranges  # noqa: F401 (attn.tiled.paged reads it here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,37 +320,8 @@ def backward_items(plan: _Plan, runs: list[tuple[int, int]]) -> list[tuple[int, 
 
 
 def kv_split(n_q: int, n_k: int, config: TileConfig = DEFAULT) -> int | None:
-    """Keys per split-KV item for a call of ``n_q`` query rows per head and ``n_k`` keys, or
-    None where the call is not split (too many rows, too few keys). A pure function of the
-    shapes: the same split, and the same bits, whatever the number of workers."""
-    if n_q > config.split_max_q or n_k < config.split_min_keys:
-        return None
-    chunk = config.split_min_chunk
-    while chunk * config.split_max_chunks < n_k:
-        chunk *= 2
-    return chunk
-
-
-def page_ranges(start: int, stop: int, page: int, chunk: int) -> list[tuple[int, int]]:
-    """The key ranges (positions ``[a, z)`` of one sequence's ``[start, stop)``) of a paged
-    call's items, cut on page boundaries: pages smaller than ``chunk`` are grouped, ``chunk``
-    rounded up to whole pages, so an item reads whole pages (the first and last only in
-    part); a page of more than ``chunk`` keys is cut into ranges of ``chunk`` from its first
-    slot, so no range crosses into the next page. Shapes alone decide it."""
-    ranges: list[tuple[int, int]] = []
-    if page <= chunk:
-        step = -(-chunk // page) * page
-        cuts = lambda a: (a // step + 1) * step  # noqa: E731
-    else:
-        def cuts(a: int) -> int:
-            base = a // page * page
-            return min(base + ((a - base) // chunk + 1) * chunk, base + page)
-    a = start
-    while a < stop:
-        z = min(cuts(a), stop)
-        ranges.append((a, z))
-        a = z
-    return ranges
+    """:func:`attn.workers.kv_split` under tiled's config (by default :data:`DEFAULT`)."""
+    return workers.kv_split(n_q, n_k, config)
 
 
 def _heads_merge(x: Tensor) -> bool:
