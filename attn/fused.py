@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import itertools
 import threading
-import warnings
 from typing import Callable, NamedTuple
 
 import torch
@@ -51,23 +50,10 @@ class _CpuOps(NamedTuple):
 
 @functools.cache
 def _cpu_ops() -> _CpuOps | str:
-    """torch's CPU ops, or why they cannot be used (absent, or a schema this module was not
-    written for: one warning, then the backend stays off for the process)."""
-    found = []
-    for name, expected in _CPU_SCHEMAS.items():
-        packet = getattr(torch.ops.aten, name, None)
-        overload = None if packet is None else getattr(packet, "default", None)
-        if overload is None:
-            why = f"torch {torch.__version__} has no aten::{name}"
-        elif str(overload._schema) != expected:
-            why = (f"aten::{name} has another schema on torch {torch.__version__}: "
-                   f"{overload._schema}")
-        else:
-            found.append(overload)
-            continue
-        warnings.warn(f"attn: the fused backend is off: {why}", RuntimeWarning, stacklevel=3)
-        return why
-    return _CpuOps(*found)
+    """torch's CPU ops, or why they cannot be used (:func:`attn.fused_cuda.checked_ops`: one
+    warning, then the backend stays off for the process)."""
+    found = fused_cuda.checked_ops(_CPU_SCHEMAS, show=True)
+    return found if isinstance(found, str) else _CpuOps(*found.values())
 
 
 def ops_reason(device: str) -> str | None:
