@@ -897,11 +897,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
     Items are (sequence, kv head group, query block, key range: :func:`head_group`); a
     sequence's key ranges (split-KV) and the sinks are merged in key order after the items.
-    A call :func:`_whole_call` allows is one op call. ``fallback(q, k, v, spec, ops) ->
-    (out, lse)``: a dense forward that never reads a masked key's score, run instead for
-    each sequence torch's op cannot compute (:func:`_poisoned`); the others keep their bits
-    (without it those take the NaN). Long on purpose: ``run``, the items' body, shares the
-    call's buffers and plans as a closure, which the worker pool calls by index."""
+    A call :func:`_whole_call` allows is one op call. ``fallback``: :func:`fused_attention`'s
+    (without it the sequences :func:`_poisoned` finds take the NaN). Long on purpose:
+    ``run``, the items' body, shares the call's buffers and plans as a closure, which the
+    worker pool calls by index."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, _ = q.shape
@@ -1065,12 +1064,10 @@ def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAU
                *, fold: bool = False) -> int:
     """How many kv heads (and their G query heads each) one item of ``seq`` takes: the most
     that divide ``hkv`` with an item's scores (a block, or a key range, per head, times the
-    heads) within ``config.item_max_scores``, at least 1. A forward that ``fold``s
-    (:func:`folds`) with at least ``config.serial_max_scores`` scores reads each key once
-    per item: there the sequence keeps ``config.items_per_row`` items (or one per kv head,
-    block and range, where it has fewer), so the pool has work. The sequence's lengths, its
-    plan and the model's heads alone decide (a sequence without query rows has no blocks,
-    nor items: all its kv heads)."""
+    heads) within ``config.item_max_scores``, at least 1; a forward that ``fold``s
+    (:func:`folds`) with at least ``config.serial_max_scores`` scores keeps
+    ``config.items_per_row`` items (or one per kv head, block and range) for the pool
+    (docs/design.md, "The fused backend"). A sequence without query rows: all its kv heads."""
     if not p.blocks:
         return hkv
     n_q, n_k, parts = seq.q1 - seq.q0, seq.k1 - seq.k0, len(p.blocks) * len(p.ranges)
@@ -1213,9 +1210,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     accumulation dtype, and the sinks'. Items are (sequence, kv head group, run of query
     blocks); a run's dK/dV go into a partial of its own when the sequence has several, summed
     in run order afterwards. A gradient ``dlse`` of the lse output reaches dS through two
-    extra head-dim columns (:func:`_dlse_columns`). ``apart``: the forward ran the sequences
-    torch's op cannot compute (:func:`_poisoned`) on its fallback; their gradients come from
-    ``precise``. Long for the forward's reason: ``run`` is a closure over the call's buffers."""
+    extra head-dim columns (:func:`_dlse_columns`). ``precise``: :func:`fused_attention`'s;
+    ``apart``: the forward ran the sequences :func:`_poisoned` finds on its fallback, so
+    theirs come from ``precise``. Long for the forward's reason: ``run`` is a closure."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, D = q.shape
@@ -1401,48 +1398,58 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
 
 # -- autograd and the public function ----------------------------------------------------------
 
+class _Setup(NamedTuple):
+    """What a call of :class:`_FusedAttention` holds besides the tensors autograd sees
+    (:func:`fused_attention`'s arguments)."""
+    spec: LaunchSpec
+    config: FusedConfig
+    consts: Operands  # the operands but the mask and sinks
+    precise: Callable | None
+    second: Callable | None
+    fallback: Callable | None
+
+
 class _FusedAttention(torch.autograd.Function):
-    """Saves q, k, v, out, lse (and the mask, sinks, constants); the backward runs torch's
+    """Saves q, k, v, out, lse (and the mask, sinks, setup); the backward runs torch's
     backward op per piece. Asked for a differentiable backward (``create_graph=True``) it
     hands off to ``second`` (the caller's: tiled's double-differentiable backward from the
     same saved tensors). Under torch.func transforms the entry points do not choose this
     backend (attn.call routes them to tiled)."""
 
     @staticmethod
-    def forward(q, k, v, spec: LaunchSpec, config: FusedConfig, consts: Operands, precise,
-                second, fallback, attn_mask, sinks):
-        ops = consts._replace(attn_mask=attn_mask, sinks=sinks)
-        return _fwd(q, k, v, spec, ops, config=config, fallback=fallback)
+    def forward(q, k, v, setup: _Setup, attn_mask, sinks):
+        ops = setup.consts._replace(attn_mask=attn_mask, sinks=sinks)
+        return _fwd(q, k, v, setup.spec, ops, config=setup.config, fallback=setup.fallback)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, spec, config, consts, precise, second, fallback, attn_mask, sinks = inputs
+        q, k, v, setup, attn_mask, sinks = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
-        ctx.spec, ctx.config, ctx.consts = spec, config, consts
-        ctx.precise, ctx.second, ctx.apart = precise, second, fallback is not None
+        ctx.setup = setup
         ctx.forced = fused_cuda.forced_op()  # the backward may run on autograd's own thread
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
-        ops = ctx.consts._replace(attn_mask=attn_mask, sinks=sinks)
+        setup = ctx.setup
+        ops = setup.consts._replace(attn_mask=attn_mask, sinks=sinks)
         do = torch.zeros_like(out) if dout is None else dout
         if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable
-            if ctx.second is None:
+            if setup.second is None:
                 raise NotImplementedError(
                     "backend='fused' has no double backward of its own; backend='tiled' and "
                     "backend='reference' differentiate their gradients (create_graph=True)")
-            dq, dk, dv, dsinks = ctx.second(do, dlse, q, k, v, out, lse, ctx.spec, ops)
+            dq, dk, dv, dsinks = setup.second(do, dlse, q, k, v, out, lse, setup.spec, ops)
         else:
             forced = ctx.forced
             with contextlib.nullcontext() if forced is None else fused_cuda.force_op(forced):
-                g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
-                         precise=ctx.precise, apart=ctx.apart)
+                g = _bwd(do, dlse, q, k, v, out, lse, setup.spec, ops, config=setup.config,
+                         precise=setup.precise, apart=setup.fallback is not None)
             dq, dk, dv, dsinks = g.dq, g.dk, g.dv, g.dsinks
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
         dq, dk, dv = _cast((dq, dk, dv), (q.dtype, k.dtype, v.dtype))
-        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
+        return dq, dk, dv, None, None, dsinks
 
 
 def _cast(grads: tuple[Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> tuple[Tensor, ...]:
@@ -1487,6 +1494,6 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
     why = spec_reason(spec, ops) or ops_reason(q.device.type)
     if why is not None:
         raise NotImplementedError(f"backend='fused' cannot compute this call: {why}")
-    consts = ops._replace(attn_mask=None, sinks=None)
-    return _FusedAttention.apply(q, k, v, spec, config, consts, precise, second, fallback,
-                                 ops.attn_mask, ops.sinks)
+    setup = _Setup(spec, config, ops._replace(attn_mask=None, sinks=None), precise, second,
+                   fallback)
+    return _FusedAttention.apply(q, k, v, setup, ops.attn_mask, ops.sinks)
