@@ -383,21 +383,6 @@ def key_spans(mask: Tensor | None, B: int, n_k: int) -> list[tuple[int, int]] | 
     return [(int(a), int(a + n)) for a, n in zip(first.tolist(), kept.tolist())]
 
 
-def sequences(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands,
-              spans: list[tuple[int, int]] | None = None) -> list[Seq]:
-    """The call's sequences: each batch row (its keys cut to ``spans``, a key-padding mask's
-    runs, :func:`key_spans`), or each packed sequence (its band counted from its own end, as
-    attn.varlen's convention says)."""
-    if ops.cu_seqlens_q is None:
-        band = spec.local_band()
-        if spans is None:
-            return [Seq(b, 0, q.shape[2], 0, k.shape[2], band, b) for b in range(q.shape[0])]
-        # keys from a: positions (the band's, ALiBi's) shift by a
-        return [Seq(b, 0, q.shape[2], a, z, Band(band.offset - a, band.left, band.right), b)
-                for b, (a, z) in enumerate(spans)]
-    return _packed_sequences(spec.band, ops)
-
-
 def _packed_sequences(band: Band, ops: Operands) -> list[Seq]:
     """The packed sequences of ``ops.cu_seqlens_q / _k``, each with ``band`` counted from its
     own end."""
@@ -728,13 +713,20 @@ class _UserMask(NamedTuple):
 
 def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
                         ) -> tuple[list[Seq], _UserMask | None, Operands]:
-    """The call's sequences, its mask (None where there is none, or where the mask is key
-    padding, which the sequences' key cuts already are), and the operands to match."""
+    """The call's sequences: each batch row, or each packed sequence (its band counted from
+    its own end, as attn.varlen's convention says); its mask (None where there is none, or
+    where it is key padding, :func:`key_spans`: each row's keys are then cut to its run),
+    and the operands to match."""
     mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
-    spans = None if ops.cu_seqlens_q is not None else key_spans(mask4, q.shape[0], k.shape[2])
-    seqs = sequences(q, k, spec, ops, spans)
-    if spans is not None:
-        return seqs, None, ops._replace(attn_mask=None)
+    if ops.cu_seqlens_q is not None:
+        seqs = _packed_sequences(spec.band, ops)
+    else:
+        band, n_q = spec.local_band(), q.shape[2]
+        spans = key_spans(mask4, q.shape[0], k.shape[2])
+        if spans is not None:  # keys from a: positions (the band's, ALiBi's) shift by a
+            return [Seq(b, 0, n_q, a, z, Band(band.offset - a, band.left, band.right), b)
+                    for b, (a, z) in enumerate(spans)], None, ops._replace(attn_mask=None)
+        seqs = [Seq(b, 0, n_q, 0, k.shape[2], band, b) for b in range(q.shape[0])]
     if mask4 is None:
         return seqs, None, ops
     if mask4.dtype != torch.bool:
