@@ -1043,13 +1043,12 @@ def _caller(threads: int | None) -> contextlib.AbstractContextManager:
 
 
 def _threads(seqs: list[Seq], config: FusedConfig, q: Tensor) -> int | None:
-    """The worker pool's threads for a call's items: 0 (in order, no pool) off CPU and
-    traced, 1 (the caller) for a call of few scores, else the pool's (counted before the
-    caller's own work drops to one thread: :func:`_caller`)."""
-    if torch.compiler.is_compiling() or q.device.type != "cpu":
-        return 0
+    """The worker pool's threads for a call's items (:func:`attn.workers.item_threads`),
+    the pool's counted now, before the caller's own work drops to one thread
+    (:func:`_caller`)."""
     scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * q.shape[1]
-    return 1 if scores < config.serial_max_scores else workers.workers_for_call()
+    threads = workers.item_threads(q, scores, config)
+    return workers.workers_for_call() if threads is None else threads
 
 
 def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT,

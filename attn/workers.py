@@ -3,7 +3,8 @@ into items (tiled, fused), so each call is one parallel region, not one OpenMP r
 its barrier per op (why: docs/design.md, "The tiled backend on CPU"). The caller and the
 pool's workers pull items from one shared counter, each thread with a single intra-op thread
 (:func:`run_items`); torch releases the GIL inside ops, so items run side by side. Also the
-rules both backends cut items by (:func:`kv_split`, :func:`page_ranges`).
+rules both backends cut items by (:func:`item_threads`, :func:`kv_split`,
+:func:`page_ranges`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,21 @@ def workers_for_call() -> int:
 
 
 # -- how a call is cut into items: rules tiled and fused share, each with its own config -----
+
+def items_here(q: Tensor) -> bool:
+    """Whether a call on q's device runs as work items on the pool: eager, on CPU."""
+    return q.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def item_threads(q: Tensor, scores: int, config) -> int | None:
+    """How a call that visits ``scores`` scores runs its items: 0 in order with torch's
+    threads untouched (traced, or another device than CPU), 1 in order on the caller (below
+    ``config.serial_max_scores``: too small to wake the workers), None on the pool (its
+    size read at the call: :func:`workers_for_call`)."""
+    if not items_here(q):
+        return 0
+    return 1 if scores < config.serial_max_scores else None
+
 
 def kv_split(n_q: int, n_k: int, config) -> int | None:
     """Keys per split-KV item for a call of ``n_q`` query rows per head and ``n_k`` keys, or

@@ -17,7 +17,7 @@ from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.steps import compiled_steps_default
-from attn.workers import page_ranges  # noqa: F401 (attn.tiled.paged reads it here)
+from attn.workers import item_threads, page_ranges  # noqa: F401 (tiled.paged reads them here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,7 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     if uspec is not None:
         units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
         return _finish(_Plan(units, "onednn", uspec), q, k, config, backward)
-    if backward and _items_here(q) and spec.mask_blocks is None and spec.mask_mod is None:
+    if backward and workers.items_here(q) and spec.mask_blocks is None and spec.mask_mod is None:
         # the forward's chunks cut into head groups (a block mask is classified in one
         # call's own positions and heads: it keeps whole chunks)
         plan = _plan(q, k, spec, v, config)
@@ -221,11 +221,6 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     return _finish(_Plan(chunks, "bmm", spec), q, k, config, backward)
 
 
-def _items_here(q: Tensor) -> bool:
-    """Whether a call runs as work items on the pool: eager, on CPU."""
-    return q.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
 def _finish(plan: _Plan, q: Tensor, k: Tensor, config: TileConfig, backward: bool) -> _Plan:
     """The plan's query blocks, split-KV choice (the forward's) and thread rule."""
     Nq, Nk = q.shape[2], k.shape[2]
@@ -238,15 +233,6 @@ def _finish(plan: _Plan, q: Tensor, k: Tensor, config: TileConfig, backward: boo
     visited = Nq * Nk if kv_chunk else sum(_cost(b) for b in blocks)
     threads = item_threads(q, visited * q.shape[0] * q.shape[1], config)
     return plan._replace(blocks=blocks, kv_chunk=kv_chunk, threads=threads)
-
-
-def item_threads(q: Tensor, scores: int, config: TileConfig = DEFAULT) -> int | None:
-    """How a call that visits ``scores`` scores runs its items: 0 in order with torch's
-    threads untouched (traced, or another device than CPU), 1 in order on the caller (too
-    small to wake the workers), None on the pool (its size read at the call)."""
-    if not _items_here(q):
-        return 0
-    return 1 if scores < config.serial_max_scores else None
 
 
 def _cost(block) -> int:
