@@ -808,8 +808,8 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
     its own) can be one op call over the whole batch, else None: float32/float64, at least
     :data:`_WHOLE_CALL_MIN_ROWS` query rows or at most ``config.serial_call_max_scores``
     scores, every batch row of the call's full lengths, one piece the band does not mask,
-    no mask_mod, ALiBi or split-KV; without a user mask, each sequence one item of its plan
-    (with one, whatever the plan). Why each: docs/design.md, "The fused backend", Items."""
+    no mask_mod, ALiBi or split-KV, and each sequence one item of its plan unless there is
+    a user mask (then whatever its plan). Why each: docs/design.md, "The fused backend"."""
     if (q.device.type != "cpu" or not config.whole_call or q.dtype not in _WHOLE_CALL_DTYPES
             or not seqs):
         return None
