@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import itertools
 import threading
-import warnings
 from typing import Callable, NamedTuple
 
 import torch
@@ -27,6 +26,7 @@ from attn.mods import mask_mod_kinds
 from attn.merge import _merge_trusted
 from attn.spec import LaunchSpec, Operands, PageTable, all_finite, check_paged_forward_only
 from attn.spec import acc_dtype as _acc_dtype
+from attn.workers import kv_split, page_ranges
 
 # -- torch's ops, checked once -----------------------------------------------------------------
 
@@ -50,23 +50,10 @@ class _CpuOps(NamedTuple):
 
 @functools.cache
 def _cpu_ops() -> _CpuOps | str:
-    """torch's CPU ops, or why they cannot be used (absent, or a schema this module was not
-    written for: one warning, then the backend stays off for the process)."""
-    found = []
-    for name, expected in _CPU_SCHEMAS.items():
-        packet = getattr(torch.ops.aten, name, None)
-        overload = None if packet is None else getattr(packet, "default", None)
-        if overload is None:
-            why = f"torch {torch.__version__} has no aten::{name}"
-        elif str(overload._schema) != expected:
-            why = (f"aten::{name} has another schema on torch {torch.__version__}: "
-                   f"{overload._schema}")
-        else:
-            found.append(overload)
-            continue
-        warnings.warn(f"attn: the fused backend is off: {why}", RuntimeWarning, stacklevel=3)
-        return why
-    return _CpuOps(*found)
+    """torch's CPU ops, or why they cannot be used (:func:`attn.fused_cuda.checked_ops`: one
+    warning, then the backend stays off for the process)."""
+    found = fused_cuda.checked_ops(_CPU_SCHEMAS, show=True)
+    return found if isinstance(found, str) else _CpuOps(*found.values())
 
 
 def ops_reason(device: str) -> str | None:
@@ -204,8 +191,7 @@ def cut_per_sequence(call) -> bool:
     """Whether fused runs each sequence of ``call`` as items of its own (a window's or
     ALiBi's masked pieces, a bottom-right diagonal, a mask_mod, packed or key-padded
     sequences) rather than as one op call over the batch, which is what the table's ``tiny``
-    and ``small`` cells measure: the toy GPT's recall steps (a window of 1 in their first
-    layer) ran fused at 0.37x tiled's tokens/s (docs/benchmarks.md)."""
+    and ``small`` cells measure (docs/benchmarks.md)."""
     if call.varlen or call.mask_mod or call.alibi or call.mask_padding:
         return True
     return _one_piece(call.band, call.n_q, call.n_k) is None
@@ -245,9 +231,7 @@ class FusedConfig:
     alibi_block_m: int = 1024
     # calls with a user mask and no band (every piece masked, none cut away) are cut as
     # unmasked ones, in blocks of mask_min_block_m to mask_max_block_m rows, key pieces of at
-    # most mask_block_n keys (with a band: masked_block_m and _n, which waste less): torch's
-    # CPU kernel splits an op call of 768 query rows or more into 256-row blocks, a smaller
-    # one into 64 or 32, which run slower (docs/benchmarks.md)
+    # most mask_block_n keys (with a band: masked_block_m and _n; why: docs/benchmarks.md)
     mask_min_block_m: int = 1024
     mask_max_block_m: int = 2048
     mask_block_n: int = 4096
@@ -263,10 +247,7 @@ class FusedConfig:
     # calls smaller than this (scores visited) run their items in order on the caller
     serial_max_scores: int = 1 << 16
     # a call below 32 query rows that :func:`_whole_call` allows is one op call on the
-    # caller's thread alone up to this many scores, else its items (each sequence's items
-    # pay attn's Python, ~0.1 ms a call). One op call of 4 Mi scores on one core (AMD EPYC
-    # Zen 3): forward 16-25 ms, backward 39-100 ms (31 rows, D 16-64); the bound is not
-    # tuned against the items on the pool
+    # caller's thread alone up to this many scores, else its items (docs/benchmarks.md)
     serial_call_max_scores: int = 1 << 22
     # ALiBi's causal diagonals keep torch's causal flag beside their bias (the CPU op takes
     # both: no -inf in the bias, no check for rows without keys), else they are masked
@@ -342,32 +323,18 @@ def _cut(ps: list[Piece], width: int) -> list[Piece]:
 def folds(n_q: int, G: int, config: FusedConfig = DEFAULT) -> bool:
     """Whether a forward of ``n_q`` query rows per head and ``G`` query heads per kv head
     runs its unmasked, uncausal pieces with each kv head's G query heads as ``G * n_q`` rows
-    of one op call (decoding, at most ``config.split_max_q`` rows): torch's CPU op then reads
-    each key once per kv head instead of once per query head. Every such row sees the same
-    keys, so nothing else changes; the lse and out come back per query head."""
+    of one op call (decoding; why: docs/design.md, "The fused backend", Decoding)."""
     return config.fold_gqa and G > 1 and n_q <= config.split_max_q
-
-
-def kv_split(n_q: int, n_k: int, config: FusedConfig = DEFAULT) -> int | None:
-    """Keys per range of a split-KV decoding call, or None (the shapes alone decide)."""
-    if n_q > config.split_max_q or n_k < config.split_min_keys:
-        return None
-    chunk = config.split_min_chunk
-    while -(-n_k // chunk) > config.split_max_chunks:
-        chunk *= 2
-    return chunk
 
 
 def masks_scores(spec: LaunchSpec, ops: Operands, n_q: int, n_k: int,
                  config: FusedConfig = DEFAULT) -> bool:
-    """Whether some piece of a call gets an additive mask, which torch's kernel adds to
-    scores it has computed (so a NaN or inf key the mask hides still reaches the row): a
-    user mask, mask_mod or block mask, ALiBi's diagonals, a window's strips, rows without
-    keys (a negative offset), split-KV ranges; packed sequences each by their own band and
-    lengths (a sequence never reads another's keys; a window's left edge that hides no key
-    of the sequence, as flash-attn's compat gives, is none). A call of full pieces and causal
-    diagonals only does not: the op's causal flag overwrites the scores right of the
-    diagonal before anything reads them."""
+    """Whether some piece of a call gets an additive mask (docs/design.md, "The fused
+    backend", Masked keys): a user mask, mask_mod or block mask, ALiBi's diagonals, a
+    window's strips, rows without keys (a negative offset), split-KV ranges; packed
+    sequences each by their own band and lengths (a window's left edge that hides no key of
+    the sequence, as flash-attn's compat gives, is none). Full pieces and causal diagonals
+    are not: the op's causal flag overwrites the scores right of the diagonal first."""
     if (ops.attn_mask is not None or spec.mask_mod is not None or spec.mask_blocks is not None
             or ops.alibi is not None):
         return True
@@ -414,21 +381,6 @@ def key_spans(mask: Tensor | None, B: int, n_k: int) -> list[tuple[int, int]] | 
     if not bool((run == rows).all()):
         return None
     return [(int(a), int(a + n)) for a, n in zip(first.tolist(), kept.tolist())]
-
-
-def sequences(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands,
-              spans: list[tuple[int, int]] | None = None) -> list[Seq]:
-    """The call's sequences: each batch row (its keys cut to ``spans``, a key-padding mask's
-    runs, :func:`key_spans`), or each packed sequence (its band counted from its own end, as
-    attn.varlen's convention says)."""
-    if ops.cu_seqlens_q is None:
-        band = spec.local_band()
-        if spans is None:
-            return [Seq(b, 0, q.shape[2], 0, k.shape[2], band, b) for b in range(q.shape[0])]
-        # keys from a: positions (the band's, ALiBi's) shift by a
-        return [Seq(b, 0, q.shape[2], a, z, Band(band.offset - a, band.left, band.right), b)
-                for b, (a, z) in enumerate(spans)]
-    return _packed_sequences(spec.band, ops)
 
 
 def _packed_sequences(band: Band, ops: Operands) -> list[Seq]:
@@ -529,12 +481,11 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
                  config: FusedConfig = DEFAULT, alibi: bool = False) -> list[Piece]:
     """The pieces of query block ``[m0, m1)`` within keys ``[n_lo, n_hi)``, masked ones (or
     all, where everything is masked) cut to at most ``masked_block_n`` keys (a user mask
-    without a band: ``mask_block_n``). With ``alibi``
-    a piece every row sees that crosses the block's diagonal is cut into the keys on its
-    left, the square around it (masked: ALiBi's bias there is |j - i|), and the keys on its
-    right, and the causal diagonal gets its bias as a mask too (beside the causal flag where
-    ``config.causal_bias``, else masked), so that the keys off the block's diagonal take the
-    bias folded into q and k (:func:`_fold`) and the masks stay block-sized."""
+    without a band: ``mask_block_n``). With ``alibi`` a piece every row sees that crosses
+    the block's diagonal is cut into the keys on its left, the square around it (masked),
+    and the keys on its right, so the keys off the diagonal take the bias folded into q and
+    k (:func:`_fold`); the causal diagonal keeps its flag beside its bias mask where
+    ``config.causal_bias``, else it is masked."""
     out = []
     if alibi and p.mask_pieces is None and not p.masked:
         off = seq.band.offset
@@ -644,9 +595,8 @@ def _empty_rows(seen: Tensor | None, lse: Tensor, causal_rows: int | None = None
     """The rows of an op call that saw no key (bool, ``lse``'s shape), None where there is
     none. ``seen``: what the call's rows see (bool, True: the key is seen; or a float mask,
     -inf: hidden), broadcast dims kept; None: every row sees a key. ``causal_rows`` as
-    :func:`_unseen`'s. On CPU only where some lse came back 0 or not finite: torch's CPU op
-    gives a row that sees no key out 0 and lse 0, while a row that sees one has lse at least
-    its largest score, 0 only by chance (then ``seen`` is read, as for any such call)."""
+    :func:`_unseen`'s. On CPU read only where some lse came back 0 or not finite (torch's
+    CPU op gives such a row lse 0: docs/design.md, "The fused backend", Pieces)."""
     if seen is None:
         return None
     if lse.device.type == "cpu" and not bool(((lse == 0) | ~lse.isfinite()).any()):
@@ -658,12 +608,11 @@ def _empty_rows(seen: Tensor | None, lse: Tensor, causal_rows: int | None = None
 
 def _unseen(seen: Tensor, causal_rows: int | None = None) -> Tensor:
     """Rows of a bool ``seen`` (True: the row sees that key; broadcast dims kept) that see no
-    key: the largest byte per row is 0 (a uint8 max, 20-50x faster on CPU than a bool any
-    over the last dim; on the caller's thread alone where small,
-    :func:`attn.workers.small_pass`). With ``causal_rows``, the rows ``0..causal_rows-1`` of
-    a top-left causal call, row i seeing keys j <= i: a row is empty where its first key
-    (the index torch's max returns, the first of the largest) lies past i. No (rows, keys)
-    grid of the band is built."""
+    key: the largest byte per row is 0 (a uint8 max, not a bool any: docs/benchmarks.md; on
+    the caller's thread alone where small, :func:`attn.workers.small_pass`). With
+    ``causal_rows``, the rows ``0..causal_rows-1`` of a top-left causal call, row i seeing
+    keys j <= i: a row is empty where its first key (the index torch's max returns, the
+    first of the largest) lies past i. No (rows, keys) grid of the band is built."""
     with workers.small_pass(seen):
         if causal_rows is None:
             return seen.view(torch.uint8).amax(-1) == 0
@@ -684,10 +633,9 @@ def _user_piece(t: Tensor, seq: Seq, heads: slice, m0: int, m1: int, pc: Piece) 
 @functools.lru_cache(maxsize=4)
 def _distances(shift: int, rows: int, keys: int, device: torch.device) -> Tensor:
     """``|c + shift - r|`` for rows r and keys c of a piece, float32 ``(rows, keys)``: ALiBi's
-    distances, the same for every block at the same place relative to the diagonal (each
-    causal diagonal of a call), so built once (read only; outside inference mode, so a
-    call with autograd reads it too). A call has one or two such shapes (its full blocks,
-    its last): four kept, at most 16 MiB at 1024-row blocks."""
+    distances, the same for every block at the same place relative to the diagonal, so
+    built once (read only; outside inference mode, so a call with autograd reads it too).
+    Four kept (a call has one or two such shapes), at most 16 MiB at 1024-row blocks."""
     with torch.inference_mode(False):
         return (torch.arange(shift, shift + keys, dtype=torch.float32, device=device)[None, :]
                 - torch.arange(rows, dtype=torch.float32, device=device)[:, None]).abs_()
@@ -765,13 +713,20 @@ class _UserMask(NamedTuple):
 
 def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
                         ) -> tuple[list[Seq], _UserMask | None, Operands]:
-    """The call's sequences, its mask (None where there is none, or where the mask is key
-    padding, which the sequences' key cuts already are), and the operands to match."""
+    """The call's sequences: each batch row, or each packed sequence (its band counted from
+    its own end, as attn.varlen's convention says); its mask (None where there is none, or
+    where it is key padding, :func:`key_spans`: each row's keys are then cut to its run),
+    and the operands to match."""
     mask4 = None if ops.attn_mask is None else as_4d(ops.attn_mask)
-    spans = None if ops.cu_seqlens_q is not None else key_spans(mask4, q.shape[0], k.shape[2])
-    seqs = sequences(q, k, spec, ops, spans)
-    if spans is not None:
-        return seqs, None, ops._replace(attn_mask=None)
+    if ops.cu_seqlens_q is not None:
+        seqs = _packed_sequences(spec.band, ops)
+    else:
+        band, n_q = spec.local_band(), q.shape[2]
+        spans = key_spans(mask4, q.shape[0], k.shape[2])
+        if spans is not None:  # keys from a: positions (the band's, ALiBi's) shift by a
+            return [Seq(b, 0, n_q, a, z, Band(band.offset - a, band.left, band.right), b)
+                    for b, (a, z) in enumerate(spans)], None, ops._replace(attn_mask=None)
+        seqs = [Seq(b, 0, n_q, 0, k.shape[2], band, b) for b in range(q.shape[0])]
     if mask4 is None:
         return seqs, None, ops
     if mask4.dtype != torch.bool:
@@ -831,14 +786,10 @@ def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
 # dtypes whose forward torch's CPU kernel computes per (batch row, head) alike whatever the
 # call's batch or threads (docs/design.md, "The fused backend", Items: the one exception)
 _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
-# torch's CPU kernel gives each of its threads a scratch buffer, thread t's at t times the
-# buffer's size; every term of that size is a multiple of the 32-row query split once a call
-# has 32 query rows or more, so each thread's buffer then starts aligned alike. With fewer
-# rows it does not, and the kernel's bits depend on where its buffer lies: float32 D=8 and
-# float64 at odd N in 9..31 gave other out/dQ/dK bits on the op's second thread (torch 2.13,
-# AMD EPYC Zen 3). Such a call is one op call only on the caller's thread alone (always the
-# first buffer, as its items), up to FusedConfig.serial_call_max_scores, else it keeps its
-# items.
+# below this many query rows the CPU kernel's bits follow where each of its threads'
+# scratch buffers lies, so such a call is one op call only on the caller's thread alone
+# (always the first buffer, as its items'), up to FusedConfig.serial_call_max_scores
+# (docs/design.md, "The fused backend", Items; docs/benchmarks.md)
 _WHOLE_CALL_MIN_ROWS = 32
 
 
@@ -854,17 +805,11 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
                 mask4: _UserMask | None, ops: Operands, mask_mods: list,
                 config: FusedConfig) -> Piece | None:
     """The one piece a CPU call is, where its forward or backward (``plans`` and ``hgs``
-    its own) can be one op call over the whole batch (float32/float64, at least
-    :data:`_WHOLE_CALL_MIN_ROWS` query rows or a call small enough to run on the caller's
-    thread alone, ``config.serial_call_max_scores``; every batch row of the call's full
-    lengths, a band that leaves one piece the band does not mask, no mask_mod, ALiBi or
-    split-KV;
-    without a user mask, each sequence one item of it: the same bits as its items, since
-    torch's op computes each row and head alone), else None. A call with a user mask is one
-    op call whatever its size, the mask's 0 / -inf read whole as SDPA reads it (whether a
-    call is one depends on the call, never on the batch): its items would wake the worker
-    pool beside OpenMP's team, which spins after each parallel region (libgomp's default),
-    so the pool's first item runs at half speed (docs/benchmarks.md)."""
+    its own) can be one op call over the whole batch, else None: float32/float64, at least
+    :data:`_WHOLE_CALL_MIN_ROWS` query rows or at most ``config.serial_call_max_scores``
+    scores, every batch row of the call's full lengths, one piece the band does not mask,
+    no mask_mod, ALiBi or split-KV, and each sequence one item of its plan unless there is
+    a user mask (then whatever its plan). Why each: docs/design.md, "The fused backend"."""
     if (q.device.type != "cpu" or not config.whole_call or q.dtype not in _WHOLE_CALL_DTYPES
             or not seqs):
         return None
@@ -888,11 +833,16 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
     return _one_piece(band, n_q, n_k)
 
 
-def _plans(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
-           config: FusedConfig, *, backward: bool) -> tuple[list[_Plan], list, list[int]]:
-    """Each sequence's plan, mask_mod in its own positions (or None) and kv heads per item.
-    Without a mask_mod or block mask a plan depends on the sequence's lengths and band
-    alone: made once per distinct one (a batch of 64 rows: one plan, not 64)."""
+def _cut_call(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: FusedConfig,
+              *, check: bool, backward: bool) -> tuple:
+    """How :func:`_fwd` and :func:`_bwd` cut a call, once per call: ``(seqs, apart, mask4,
+    ops, plans, mask_mods, hgs, whole)``, :func:`_sequences_and_mask`'s split by
+    :func:`_poisoned` (``check``), each sequence's plan, mask_mod in its own positions (or
+    None) and kv heads per item, and :func:`_whole_call`'s piece. Without a mask_mod or
+    block mask a plan depends on the sequence's lengths and band alone: made once per
+    distinct one (a batch of 64 rows: one plan, not 64)."""
+    seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
+    seqs, apart = _poisoned(q, k, seqs, spec, ops, config, check)
     H, Hkv = q.shape[1], k.shape[1]
     per_row = spec.mask_mod is not None or spec.mask_blocks is not None
     made: dict = {}
@@ -905,17 +855,17 @@ def _plans(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operand
         plans.append(made[key][0])
         hgs.append(made[key][1])
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
-    return plans, mask_mods, hgs
+    whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
+    return seqs, apart, mask4, ops, plans, mask_mods, hgs, whole
 
 
 def _poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
               config: FusedConfig, check: bool) -> tuple[list[Seq], list[Seq]]:
     """``seqs`` as (those torch's op computes, those it cannot), where ``check``; else
     (seqs, []). It cannot compute, on CPU where some piece of the call is masked
-    (:func:`masks_scores`: torch's kernel adds a mask to scores it has computed, so a NaN or
-    inf key the mask hides still reaches the row, 0·NaN), a sequence whose own keys are not
-    all finite. One summing pass over k, and one per sequence only where that finds a
-    non-finite key (a sequence's key cut is all it reads)."""
+    (:func:`masks_scores`), a sequence whose own keys are not all finite: one summing pass
+    over k, then one per sequence only where that finds one (docs/design.md, "The fused
+    backend", Masked keys)."""
     if (not check or q.device.type != "cpu" or torch.compiler.is_compiling()
             or not masks_scores(spec, ops, q.shape[2], k.shape[2], config)):
         return seqs, []
@@ -939,21 +889,18 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
     Items are (sequence, kv head group, query block, key range: :func:`head_group`); a
     sequence's key ranges (split-KV) and the sinks are merged in key order after the items.
-    A call :func:`_whole_call` allows is one op call. ``fallback(q, k, v, spec, ops) ->
-    (out, lse)``: a dense forward that never reads a masked key's score, run instead for
-    each sequence torch's op cannot compute (:func:`_poisoned`); the others keep their bits
-    (without it those take the NaN). Long on purpose: ``run``, the items' body, shares the
-    call's buffers and plans as a closure, which the worker pool calls by index."""
+    A call :func:`_whole_call` allows is one op call. ``fallback``: :func:`fused_attention`'s
+    (without it the sequences :func:`_poisoned` finds take the NaN). Long on purpose:
+    ``run``, the items' body, shares the call's buffers and plans as a closure, which the
+    worker pool calls by index."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
-    seqs, apart = _poisoned(q, k, seqs, spec, ops, config, fallback is not None)
-    plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=False)
-    whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
+    seqs, apart, mask4, ops, plans, mask_mods, hgs, whole = _cut_call(
+        q, k, spec, ops, config, check=fallback is not None, backward=False)
     if whole is not None:  # one op call (_whole_threads) over the rows it computes
         rows = [s.b for s in seqs] if apart else None
         out, lse = _whole_fwd(kern, q, k, v, rows, _added(mask4, q.dtype), whole, spec, config)
@@ -1096,25 +1043,22 @@ def _caller(threads: int | None) -> contextlib.AbstractContextManager:
 
 
 def _threads(seqs: list[Seq], config: FusedConfig, q: Tensor) -> int | None:
-    """The worker pool's threads for a call's items: 0 (in order, no pool) off CPU and
-    traced, 1 (the caller) for a call of few scores, else the pool's (counted before the
-    caller's own work drops to one thread: :func:`_caller`)."""
-    if torch.compiler.is_compiling() or q.device.type != "cpu":
-        return 0
+    """The worker pool's threads for a call's items (:func:`attn.workers.item_threads`),
+    the pool's counted now, before the caller's own work drops to one thread
+    (:func:`_caller`)."""
     scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * q.shape[1]
-    return 1 if scores < config.serial_max_scores else workers.workers_for_call()
+    threads = workers.item_threads(q, scores, config)
+    return workers.workers_for_call() if threads is None else threads
 
 
 def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT,
                *, fold: bool = False) -> int:
     """How many kv heads (and their G query heads each) one item of ``seq`` takes: the most
     that divide ``hkv`` with an item's scores (a block, or a key range, per head, times the
-    heads) within ``config.item_max_scores``, at least 1. A forward that ``fold``s
-    (:func:`folds`) with at least ``config.serial_max_scores`` scores reads each key once
-    per item: there the sequence keeps ``config.items_per_row`` items (or one per kv head,
-    block and range, where it has fewer), so the pool has work. The sequence's lengths, its
-    plan and the model's heads alone decide (a sequence without query rows has no blocks,
-    nor items: all its kv heads)."""
+    heads) within ``config.item_max_scores``, at least 1; a forward that ``fold``s
+    (:func:`folds`) with at least ``config.serial_max_scores`` scores keeps
+    ``config.items_per_row`` items (or one per kv head, block and range) for the pool
+    (docs/design.md, "The fused backend"). A sequence without query rows: all its kv heads."""
     if not p.blocks:
         return hkv
     n_q, n_k, parts = seq.q1 - seq.q0, seq.k1 - seq.k0, len(p.blocks) * len(p.ranges)
@@ -1196,9 +1140,10 @@ def _precise_into(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: L
     return dsinks
 
 
-def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: LaunchSpec,
-                 ops: Operands) -> Grads:
+def _precise_bwd(precise: Callable, do, dlse, q, k, v, spec: LaunchSpec, ops: Operands
+                 ) -> Grads:
     """:func:`_precise_into` of every sequence, into zeros."""
+    seqs, _, ops = _sequences_and_mask(q, k, spec, ops)
     acc = _acc_dtype(q.dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
     dsinks = _precise_into(precise, seqs, do, dlse, q, k, v, spec, ops, dq, dk, dv)
@@ -1207,8 +1152,9 @@ def _precise_bwd(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: La
 
 def _dlse_columns(q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, pad: Tensor
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(q, k, v, out, dO)`` with the two more head-dim columns that carry ``-dlse`` into
-    the op's ``Δ`` (:func:`_bwd`'s docstring): zeros in q, k, v, ``pad`` in out, ones in dO."""
+    """``(q, k, v, out, dO)`` with the two more head-dim columns that turn the op's ``Δ =
+    rowsum(dO ∘ O)`` into ``Δ - dlse``: zeros in q, k, v, ``pad`` (``-dlse`` in a high and
+    a low part of q's dtype) in out, ones in dO."""
     q, k, v = (torch.nn.functional.pad(t, (0, 2)) for t in (q, k, v))
     return q, k, v, torch.cat([out, pad], -1), torch.nn.functional.pad(do, (0, 2), value=1.0)
 
@@ -1217,7 +1163,7 @@ def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, 
                slopes, heads, mask_mod):
     """torch's backward op on one piece of a query block: ``(dq, dk, dv)`` with the head dim
     padded as the piece needed (ALiBi folded into more columns, ``pad``: the two ``dlse``
-    columns of :func:`_bwd`'s docstring); the caller keeps the first D (Dv) of each."""
+    columns, :func:`_dlse_columns`); the caller keeps the first D (Dv) of each."""
     folded = _fold(qb, kb, vb, slopes, s, p, mask_mod, m0, m1, pc, spec.qk_scale)
     if folded is not None:
         qb, kb, vb = folded[:3]
@@ -1255,23 +1201,19 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     accumulation dtype, and the sinks'. Items are (sequence, kv head group, run of query
     blocks); a run's dK/dV go into a partial of its own when the sequence has several, summed
     in run order afterwards. A gradient ``dlse`` of the lse output reaches dS through two
-    extra head-dim columns (zeros in q, k, v; ``-dlse`` in a high and a low part of q's dtype
-    in out, ones in dO), so the op's ``Δ = rowsum(dO ∘ O)`` becomes ``Δ - dlse``.
-    ``apart``: the forward ran the sequences torch's op cannot compute (:func:`_poisoned`)
-    on its fallback; their gradients come from ``precise``. Long for the forward's reason:
-    ``run`` is a closure over the call's buffers."""
+    extra head-dim columns (:func:`_dlse_columns`). ``precise``: :func:`fused_attention`'s;
+    ``apart``: the forward ran the sequences :func:`_poisoned` finds on its fallback, so
+    theirs come from ``precise``. Long for the forward's reason: ``run`` is a closure."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     if precise is not None and lse_too_large(lse, q.dtype):
-        return _precise_bwd(precise, seqs, do, dlse, q, k, v, spec, ops)
-    seqs, poisoned = _poisoned(q, k, seqs, spec, ops, config, apart)
-    plans, mask_mods, hgs = _plans(q, k, seqs, spec, ops, config, backward=True)
-    whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
+        return _precise_bwd(precise, do, dlse, q, k, v, spec, ops)
+    seqs, poisoned, mask4, ops, plans, mask_mods, hgs, whole = _cut_call(
+        q, k, spec, ops, config, check=apart, backward=True)
     threads = None if whole is not None else _threads(seqs, config, q)
     # (before items, the caller's passes on its thread alone, as the forward's)
     with contextlib.nullcontext() if whole is not None else _caller(threads):
@@ -1350,13 +1292,6 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
 
 # -- paged caches ------------------------------------------------------------------------------
 
-def page_ranges(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
-    """Slots ``[start, stop)`` of one sequence cut at the multiples of ``chunk`` (the key
-    ranges of a paged read, merged in this order): the sequence's own positions decide."""
-    cuts = [start] + list(range((start // chunk + 1) * chunk, stop, chunk)) + [stop]
-    return [(a, z) for a, z in zip(cuts, cuts[1:]) if z > a]
-
-
 def page_span(storage: Tensor, row: Tensor, a: int, z: int) -> tuple[Tensor, bool]:
     """Slots ``[a, z)`` of a sequence whose pages are ``row`` (its block-table row, host
     int64), from page storage ``(num_blocks, page, Hkv, D)``, as ``(1, Hkv, z - a, D)``, and
@@ -1387,7 +1322,7 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     s, e = int(starts[b]), int(lengths[b])
     chunk = kv_split(Nq, e - s, config) or config.split_min_chunk
     outs, lses = [], []
-    for a, z in page_ranges(s, e, chunk):
+    for a, z in page_ranges(s, e, 1, chunk):  # at chunk's multiples: page_span crosses pages
         # the range's band: row b's band with N_b keys, from the range's first key on
         local = Band(band.offset + e - a, band.left, band.right)
         lo, hi = local.key_range(0, Nq, z - a)
@@ -1454,48 +1389,58 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
 
 # -- autograd and the public function ----------------------------------------------------------
 
+class _Setup(NamedTuple):
+    """What a call of :class:`_FusedAttention` holds besides the tensors autograd sees
+    (:func:`fused_attention`'s arguments)."""
+    spec: LaunchSpec
+    config: FusedConfig
+    consts: Operands  # the operands but the mask and sinks
+    precise: Callable | None
+    second: Callable | None
+    fallback: Callable | None
+
+
 class _FusedAttention(torch.autograd.Function):
-    """Saves q, k, v, out, lse (and the mask, sinks, constants); the backward runs torch's
+    """Saves q, k, v, out, lse (and the mask, sinks, setup); the backward runs torch's
     backward op per piece. Asked for a differentiable backward (``create_graph=True``) it
     hands off to ``second`` (the caller's: tiled's double-differentiable backward from the
     same saved tensors). Under torch.func transforms the entry points do not choose this
     backend (attn.call routes them to tiled)."""
 
     @staticmethod
-    def forward(q, k, v, spec: LaunchSpec, config: FusedConfig, consts: Operands, precise,
-                second, fallback, attn_mask, sinks):
-        ops = consts._replace(attn_mask=attn_mask, sinks=sinks)
-        return _fwd(q, k, v, spec, ops, config=config, fallback=fallback)
+    def forward(q, k, v, setup: _Setup, attn_mask, sinks):
+        ops = setup.consts._replace(attn_mask=attn_mask, sinks=sinks)
+        return _fwd(q, k, v, setup.spec, ops, config=setup.config, fallback=setup.fallback)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, spec, config, consts, precise, second, fallback, attn_mask, sinks = inputs
+        q, k, v, setup, attn_mask, sinks = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
-        ctx.spec, ctx.config, ctx.consts = spec, config, consts
-        ctx.precise, ctx.second, ctx.apart = precise, second, fallback is not None
+        ctx.setup = setup
         ctx.forced = fused_cuda.forced_op()  # the backward may run on autograd's own thread
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
-        ops = ctx.consts._replace(attn_mask=attn_mask, sinks=sinks)
+        setup = ctx.setup
+        ops = setup.consts._replace(attn_mask=attn_mask, sinks=sinks)
         do = torch.zeros_like(out) if dout is None else dout
         if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable
-            if ctx.second is None:
+            if setup.second is None:
                 raise NotImplementedError(
                     "backend='fused' has no double backward of its own; backend='tiled' and "
                     "backend='reference' differentiate their gradients (create_graph=True)")
-            dq, dk, dv, dsinks = ctx.second(do, dlse, q, k, v, out, lse, ctx.spec, ops)
+            dq, dk, dv, dsinks = setup.second(do, dlse, q, k, v, out, lse, setup.spec, ops)
         else:
             forced = ctx.forced
             with contextlib.nullcontext() if forced is None else fused_cuda.force_op(forced):
-                g = _bwd(do, dlse, q, k, v, out, lse, ctx.spec, ops, config=ctx.config,
-                         precise=ctx.precise, apart=ctx.apart)
+                g = _bwd(do, dlse, q, k, v, out, lse, setup.spec, ops, config=setup.config,
+                         precise=setup.precise, apart=setup.fallback is not None)
             dq, dk, dv, dsinks = g.dq, g.dk, g.dv, g.dsinks
         dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
         dq, dk, dv = _cast((dq, dk, dv), (q.dtype, k.dtype, v.dtype))
-        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
+        return dq, dk, dv, None, None, dsinks
 
 
 def _cast(grads: tuple[Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> tuple[Tensor, ...]:
@@ -1540,6 +1485,6 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec,
     why = spec_reason(spec, ops) or ops_reason(q.device.type)
     if why is not None:
         raise NotImplementedError(f"backend='fused' cannot compute this call: {why}")
-    consts = ops._replace(attn_mask=None, sinks=None)
-    return _FusedAttention.apply(q, k, v, spec, config, consts, precise, second, fallback,
-                                 ops.attn_mask, ops.sinks)
+    setup = _Setup(spec, config, ops._replace(attn_mask=None, sinks=None), precise, second,
+                   fallback)
+    return _FusedAttention.apply(q, k, v, setup, ops.attn_mask, ops.sinks)

@@ -66,27 +66,36 @@ SCHEMAS = {
 TABLE = pathlib.Path(__file__).with_name("fused_cuda_table.json")
 
 
+def checked_ops(schemas: dict[str, str], where: str = "", *, show: bool = False
+                ) -> dict[str, Callable] | str:
+    """torch's op for each key of ``schemas`` (key -> the schema this module was written
+    for, which names the op), or why they cannot be used: one is absent, or has another
+    schema (``show``: the one found, in the reason); then one warning that the fused backend
+    is off (``where``), for the caller's caller."""
+    found = {}
+    for key, expected in schemas.items():
+        name = expected.split("(", 1)[0].removeprefix("aten::")
+        packet = getattr(torch.ops.aten, name, None)
+        overload = None if packet is None else getattr(packet, "default", None)
+        if overload is None:
+            why = f"torch {torch.__version__} has no aten::{name}"
+        elif str(overload._schema) != expected:
+            why = f"aten::{name} has another schema on torch {torch.__version__}"
+            why += f": {overload._schema}" if show else ""
+        else:
+            found[key] = overload
+            continue
+        warnings.warn(f"attn: the fused backend is off{where}: {why}", RuntimeWarning,
+                      stacklevel=4)
+        return why
+    return found
+
+
 @functools.cache
 def ops() -> dict[str, Callable] | str:
     """torch's CUDA ops by name (``flash``, ``flash_backward`` ...), or why they cannot be
-    used: absent, or a schema this module was not written for (one warning per process)."""
-    found = {}
-    for name, expected in SCHEMAS.items():
-        aten = "_scaled_dot_product_" + name.replace("flash", "flash_attention").replace(
-            "efficient", "efficient_attention").replace("cudnn", "cudnn_attention")
-        packet = getattr(torch.ops.aten, aten, None)
-        overload = None if packet is None else getattr(packet, "default", None)
-        if overload is None:
-            why = f"torch {torch.__version__} has no aten::{aten}"
-        elif str(overload._schema) != expected:
-            why = f"aten::{aten} has another schema on torch {torch.__version__}"
-        else:
-            found[name] = overload
-            continue
-        warnings.warn(f"attn: the fused backend is off on CUDA: {why}", RuntimeWarning,
-                      stacklevel=3)
-        return why
-    return found
+    used (:func:`checked_ops`, one warning per process)."""
+    return checked_ops(SCHEMAS, " on CUDA")
 
 
 def can_run(op: str, dtype: torch.dtype, head_dim: int, masked: bool) -> bool:

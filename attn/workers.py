@@ -2,7 +2,9 @@
 into items (tiled, fused), so each call is one parallel region, not one OpenMP region with
 its barrier per op (why: docs/design.md, "The tiled backend on CPU"). The caller and the
 pool's workers pull items from one shared counter, each thread with a single intra-op thread
-(:func:`run_items`); torch releases the GIL inside ops, so items run side by side.
+(:func:`run_items`); torch releases the GIL inside ops, so items run side by side. Also the
+rules both backends cut items by (:func:`item_threads`, :func:`kv_split`,
+:func:`page_ranges`).
 """
 
 from __future__ import annotations
@@ -128,6 +130,61 @@ def workers_for_call() -> int:
             or not openmp_threads()):
         return 1
     return torch.get_num_threads()
+
+
+# -- how a call is cut into items: rules tiled and fused share, each with its own config -----
+
+def items_here(q: Tensor) -> bool:
+    """Whether a call on q's device runs as work items on the pool: eager, on CPU."""
+    return q.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def item_threads(q: Tensor, scores: int, config) -> int | None:
+    """How a call that visits ``scores`` scores runs its items: 0 in order with torch's
+    threads untouched (traced, or another device than CPU), 1 in order on the caller (below
+    ``config.serial_max_scores``: too small to wake the workers), None on the pool (its
+    size read at the call: :func:`workers_for_call`)."""
+    if not items_here(q):
+        return 0
+    return 1 if scores < config.serial_max_scores else None
+
+
+def kv_split(n_q: int, n_k: int, config) -> int | None:
+    """Keys per split-KV item for a call of ``n_q`` query rows per head and ``n_k`` keys, or
+    None where the call is not split (more than ``config.split_max_q`` rows, fewer than
+    ``split_min_keys`` keys): ranges of ``split_min_chunk`` keys doubled until there are at
+    most ``split_max_chunks``. ``config``: the backend's (``TileConfig``, ``FusedConfig``).
+    A pure function of the shapes: the same split, and the same bits, whatever the number of
+    workers."""
+    if n_q > config.split_max_q or n_k < config.split_min_keys:
+        return None
+    chunk = config.split_min_chunk
+    while chunk * config.split_max_chunks < n_k:
+        chunk *= 2
+    return chunk
+
+
+def page_ranges(start: int, stop: int, page: int, chunk: int) -> list[tuple[int, int]]:
+    """The key ranges (positions ``[a, z)`` of one sequence's ``[start, stop)``) of a paged
+    call's items, cut on page boundaries: pages smaller than ``chunk`` are grouped, ``chunk``
+    rounded up to whole pages, so an item reads whole pages (the first and last only in
+    part); a page of more than ``chunk`` keys is cut into ranges of ``chunk`` from its first
+    slot, so no range crosses into the next page. ``page=1``: cut at the multiples of
+    ``chunk`` alone. Shapes alone decide it."""
+    ranges: list[tuple[int, int]] = []
+    if page <= chunk:
+        step = -(-chunk // page) * page
+        cuts = lambda a: (a // step + 1) * step  # noqa: E731
+    else:
+        def cuts(a: int) -> int:
+            base = a // page * page
+            return min(base + ((a - base) // chunk + 1) * chunk, base + page)
+    a = start
+    while a < stop:
+        z = min(cuts(a), stop)
+        ranges.append((a, z))
+        a = z
+    return ranges
 
 
 _SCRATCH = threading.local()

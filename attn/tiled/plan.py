@@ -11,11 +11,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from attn import workers
 from attn.masks import Blocks, as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.steps import compiled_steps_default
+from attn.workers import item_threads, page_ranges  # noqa: F401 (tiled.paged reads them here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +194,7 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     if uspec is not None:
         units = [_Chunk(b, b + 1, h, h + 1, B, H, Hkv) for b in range(B) for h in range(Hkv)]
         return _finish(_Plan(units, "onednn", uspec), q, k, config, backward)
-    if backward and _items_here(q) and spec.mask_blocks is None and spec.mask_mod is None:
+    if backward and workers.items_here(q) and spec.mask_blocks is None and spec.mask_mod is None:
         # the forward's chunks cut into head groups (a block mask is classified in one
         # call's own positions and heads: it keeps whole chunks)
         plan = _plan(q, k, spec, v, config)
@@ -219,11 +221,6 @@ def _plan(q: Tensor, k: Tensor, spec: LaunchSpec, v: Tensor | None = None,
     return _finish(_Plan(chunks, "bmm", spec), q, k, config, backward)
 
 
-def _items_here(q: Tensor) -> bool:
-    """Whether a call runs as work items on the pool: eager, on CPU."""
-    return q.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
 def _finish(plan: _Plan, q: Tensor, k: Tensor, config: TileConfig, backward: bool) -> _Plan:
     """The plan's query blocks, split-KV choice (the forward's) and thread rule."""
     Nq, Nk = q.shape[2], k.shape[2]
@@ -236,15 +233,6 @@ def _finish(plan: _Plan, q: Tensor, k: Tensor, config: TileConfig, backward: boo
     visited = Nq * Nk if kv_chunk else sum(_cost(b) for b in blocks)
     threads = item_threads(q, visited * q.shape[0] * q.shape[1], config)
     return plan._replace(blocks=blocks, kv_chunk=kv_chunk, threads=threads)
-
-
-def item_threads(q: Tensor, scores: int, config: TileConfig = DEFAULT) -> int | None:
-    """How a call that visits ``scores`` scores runs its items: 0 in order with torch's
-    threads untouched (traced, or another device than CPU), 1 in order on the caller (too
-    small to wake the workers), None on the pool (its size read at the call)."""
-    if not _items_here(q):
-        return 0
-    return 1 if scores < config.serial_max_scores else None
 
 
 def _cost(block) -> int:
@@ -318,37 +306,8 @@ def backward_items(plan: _Plan, runs: list[tuple[int, int]]) -> list[tuple[int, 
 
 
 def kv_split(n_q: int, n_k: int, config: TileConfig = DEFAULT) -> int | None:
-    """Keys per split-KV item for a call of ``n_q`` query rows per head and ``n_k`` keys, or
-    None where the call is not split (too many rows, too few keys). A pure function of the
-    shapes: the same split, and the same bits, whatever the number of workers."""
-    if n_q > config.split_max_q or n_k < config.split_min_keys:
-        return None
-    chunk = config.split_min_chunk
-    while chunk * config.split_max_chunks < n_k:
-        chunk *= 2
-    return chunk
-
-
-def page_ranges(start: int, stop: int, page: int, chunk: int) -> list[tuple[int, int]]:
-    """The key ranges (positions ``[a, z)`` of one sequence's ``[start, stop)``) of a paged
-    call's items, cut on page boundaries: pages smaller than ``chunk`` are grouped, ``chunk``
-    rounded up to whole pages, so an item reads whole pages (the first and last only in
-    part); a page of more than ``chunk`` keys is cut into ranges of ``chunk`` from its first
-    slot, so no range crosses into the next page. Shapes alone decide it."""
-    ranges: list[tuple[int, int]] = []
-    if page <= chunk:
-        step = -(-chunk // page) * page
-        cuts = lambda a: (a // step + 1) * step  # noqa: E731
-    else:
-        def cuts(a: int) -> int:
-            base = a // page * page
-            return min(base + ((a - base) // chunk + 1) * chunk, base + page)
-    a = start
-    while a < stop:
-        z = min(cuts(a), stop)
-        ranges.append((a, z))
-        a = z
-    return ranges
+    """:func:`attn.workers.kv_split` under tiled's config (by default :data:`DEFAULT`)."""
+    return workers.kv_split(n_q, n_k, config)
 
 
 def _heads_merge(x: Tensor) -> bool:
