@@ -224,8 +224,8 @@ class FusedConfig:
     min_block_m: int = 256
     # calls with masked pieces (a window's left edge, a user mask, ALiBi's bias): blocks of
     # masked_block_m query rows, masks of at most masked_block_n keys; ALiBi alone takes
-    # alibi_block_m rows (its off-diagonal keys fold into q and k, so larger blocks mean
-    # fewer pieces, copies and merges). spec.block_m, where set, wins.
+    # alibi_block_m rows (its off-diagonal keys take one bias row per head, so larger blocks
+    # mean fewer pieces and merges). spec.block_m, where set, wins.
     masked_block_m: int = 256
     masked_block_n: int = 1024
     alibi_block_m: int = 1024
@@ -483,8 +483,8 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
     all, where everything is masked) cut to at most ``masked_block_n`` keys (a user mask
     without a band: ``mask_block_n``). With ``alibi`` a piece every row sees that crosses
     the block's diagonal is cut into the keys on its left, the square around it (masked),
-    and the keys on its right, so the keys off the diagonal take the bias folded into q and
-    k (:func:`_fold`); the causal diagonal keeps its flag beside its bias mask where
+    and the keys on its right, so the keys off the diagonal take the bias as one row per
+    head (:func:`_fold`); the causal diagonal keeps its flag beside its bias mask where
     ``config.causal_bias``, else it is masked."""
     out = []
     if alibi and p.mask_pieces is None and not p.masked:
@@ -655,50 +655,36 @@ def _side(pc: Piece, m0: int, m1: int, off: int) -> int:
 
 
 class _Folded(NamedTuple):
-    """q, k, v of one piece with ALiBi's bias folded in as G more head-dim columns, and the
-    per-row constant the folded scores carry: ``lse = lse_folded - shift``."""
-    q: Tensor
-    k: Tensor
-    v: Tensor
+    """ALiBi's bias on one piece split in two terms: ``add``, the term per key, which torch's
+    op adds to the scores (``(1, G, 1, keys)`` in q's dtype, one row the op reads for every
+    row; on CUDA expanded to the rows), and ``shift``, the per-row constant the softmax
+    ignores: ``lse = lse_op - shift``."""
+    add: Tensor
     shift: Tensor  # (G, rows), accumulation dtype
 
 
-def _fold(qb: Tensor, kb: Tensor, vb: Tensor, slopes: Tensor | None, seq: Seq, p: _Plan,
-          mask_mod, m0: int, m1: int, pc: Piece, scale: float,
-          v_padded: Tensor | None = None) -> _Folded | None:
-    """ALiBi folded into a piece's q, k, v where it folds (else None): a piece the band does
-    not cut, no other mask on it, on one side of every row's diagonal (:func:`_side`). There
-    ALiBi's ``-s_h |j - (i + off)|`` is ``side·s_h·(j - c) - side·s_h·(i + off - c)``: a term
-    per key, which G more columns fold into the scores (a one-hot per query head in q,
-    ``side·s_h·(j - c) / scale`` per head in k, zeros in v), and a term per row, which the
-    softmax ignores and the lse gives back. ``c`` is the piece's edge nearest the diagonal, so
-    the folded terms stay as small as the bias itself where the probabilities are.
-    ``v_padded``: vb with those zero columns already (the launch's V padded once). q and k
-    are built in the calling thread's buffers (:func:`attn.workers.scratch`), read before
-    its next piece."""
+def _fold(qb: Tensor, slopes: Tensor | None, seq: Seq, p: _Plan, mask_mod, m0: int, m1: int,
+          pc: Piece) -> _Folded | None:
+    """ALiBi split into a term per key and a term per row where it splits (else None): a
+    piece the band does not cut, no other mask on it, on one side of every row's diagonal
+    (:func:`_side`). There ALiBi's ``-s_h |j - (i + off)|`` is ``side·s_h·(j - c) -
+    side·s_h·(i + off - c)``. ``c`` is the piece's edge nearest the diagonal, so both terms
+    stay as small as the bias itself where the probabilities are. A mask of one row per head
+    costs torch's CPU op about what no mask does, and keeps the head dim (docs/benchmarks.md)."""
     side = _side(pc, m0, m1, seq.band.offset)
     if slopes is None or pc.masked or p.masked or mask_mod is not None or side == 0:
         return None
     G, rows, n = qb.shape[1], m1 - m0, pc.n1 - pc.n0
     c = pc.n1 if side > 0 else pc.n0
-    acc = _acc_dtype(qb.dtype)  # float64 keeps float64's fold exact to its own rounding
+    acc = _acc_dtype(qb.dtype)  # float64 keeps float64's terms exact to its own rounding
     s = slopes[seq.slopes_row].to(acc)  # (G,)
     j = torch.arange(pc.n0 - c, pc.n1 - c, dtype=acc, device=qb.device)
-    cols = (side / scale) * j[:, None] * s[None, :]  # (keys, G)
-    D = qb.shape[-1]
-    q2 = workers.scratch("fused_fold_q", (1, G, rows, D + G), qb.dtype, qb.device)
-    q2[..., :D] = qb
-    q2[..., D:] = torch.eye(G, dtype=qb.dtype, device=qb.device).view(1, G, 1, G)
-    k2 = workers.scratch("fused_fold_k", (1, kb.shape[1], n, D + G), kb.dtype, kb.device)
-    k2[..., :D] = kb
-    k2[..., D:] = cols.to(kb.dtype).view(1, 1, n, G)
-    v2 = v_padded
-    if v2 is None:
-        v2 = torch.nn.functional.pad(vb, (0, D + G - vb.shape[-1]))
+    add = (side * s[:, None] * j[None, :]).to(qb.dtype).view(1, G, 1, n)
+    if qb.device.type != "cpu":  # torch's CUDA ops are given whole masks, as other pieces'
+        add = add.expand(1, G, rows, n).contiguous()
     i = torch.arange(m0 + seq.band.offset - c, m1 + seq.band.offset - c, dtype=acc,
                      device=qb.device)
-    shift = side * s[:, None] * i[None, :]  # (G, rows)
-    return _Folded(q2, k2, v2, shift)
+    return _Folded(add, side * s[:, None] * i[None, :])
 
 
 class _UserMask(NamedTuple):
@@ -924,11 +910,6 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
         if R > 1:  # key ranges' partials, merged after the items (-inf: a range a row lacks)
             parts_out = torch.zeros(R, B, H, Nq, Dv, dtype=q.dtype, device=q.device)
             parts_lse = torch.full((R, B, H, Nq), float("-inf"), dtype=acc, device=q.device)
-        # ALiBi's folded pieces read V with one zero column per folded one (an item's query
-        # heads): V padded once here per such width, rather than once per piece
-        v_pads = {} if ops.alibi is None else {
-            w: torch.nn.functional.pad(v, (0, q.shape[-1] + w - Dv))
-            for w in {hg * G for hg in hgs}}
     # a head group's items one after another (its keys stay in cache, an ALiBi bias is
     # reused), the largest blocks (causal: the last) first, so the call's end waits on a
     # small one
@@ -950,19 +931,17 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
                                alibi=slopes is not None):
             kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1], m1 - m0,
                                    config) for t in (k, v))
-            vp = v_pads.get(hgs[si] * G)
-            folded = _fold(qb, kb, vb, slopes, s, p, mask_mods[si], m0, m1, pc, spec.qk_scale,
-                           None if vp is None else vp[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1])
-            add, seen = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1,
-                                     pc, q.dtype, q.device, mask_mods[si], launch)
-            qf, kf, vf = (qb, kb, vb) if folded is None else folded[:3]
+            folded = _fold(qb, slopes, s, p, mask_mods[si], m0, m1, pc)
+            add, seen = (folded.add, None) if folded is not None else _piece_mask(
+                s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype, q.device, mask_mods[si],
+                launch)
             if fold and add is None and folded is None and not pc.causal:
                 # each kv head's G query heads as G x rows query rows (folds)
                 o, l_ = kern(False).fwd(qb.reshape(1, kvh.stop - hk, -1, qb.shape[-1]), kb,
                                         vb, False, None, spec.qk_scale)
                 o, l_ = o.reshape(qb.shape[:3] + o.shape[-1:]), l_.reshape(qb.shape[:3])
             else:
-                o, l_ = kern(add is not None).fwd(qf, kf, vf, pc.causal, add, spec.qk_scale)
+                o, l_ = kern(add is not None).fwd(qb, kb, vb, pc.causal, add, spec.qk_scale)
             o, l_ = o[0, ..., :Dv], l_[0]
             empty = _empty_rows(seen, l_)  # (the op's own lse)
             if folded is not None:
@@ -1162,16 +1141,15 @@ def _dlse_columns(q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, pad:
 def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, mask4,
                slopes, heads, mask_mod):
     """torch's backward op on one piece of a query block: ``(dq, dk, dv)`` with the head dim
-    padded as the piece needed (ALiBi folded into more columns, ``pad``: the two ``dlse``
-    columns, :func:`_dlse_columns`); the caller keeps the first D (Dv) of each."""
-    folded = _fold(qb, kb, vb, slopes, s, p, mask_mod, m0, m1, pc, spec.qk_scale)
+    padded as the piece needed (``pad``: the two ``dlse`` columns, :func:`_dlse_columns`);
+    the caller keeps the first D (Dv) of each."""
+    folded = _fold(qb, slopes, s, p, mask_mod, m0, m1, pc)
     if folded is not None:
-        qb, kb, vb = folded[:3]
-        G_ = folded.shift.shape[0]  # zeros in out and dO: Δ unchanged
-        ob, dob = (torch.nn.functional.pad(t, (0, G_)) for t in (ob, dob))
+        add = folded.add
         lb = lb + folded.shift.to(lb.dtype)  # (+inf rows stay +inf)
-    add, _ = _piece_mask(s, mask4, None if folded else ops.alibi, heads, m0, m1, pc,
-                         qb.dtype, qb.device, mask_mod)
+    else:
+        add, _ = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, qb.dtype, qb.device,
+                             mask_mod)
     if pad is not None:
         qb, kb, vb, ob, dob = _dlse_columns(qb, kb, vb, ob, dob, pad)
     return kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal, add, spec.qk_scale)
