@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attn import fused
-from attn.call import _validate_qkv, acc_dtype, resolve, run, select_backend
+from attn.call import _check_tensor, _validate_qkv, acc_dtype, resolve, run, select_backend
 from attn.call import _draw_seed as _local_seed
 from attn.grads import call_sink_grad, reduce_to
 from attn.masks import Band, make_band, window_pair
@@ -165,8 +165,7 @@ def shard_sequence(x: Tensor, layout: str = "zigzag", group=None, *, dim: int = 
     every rank (e.g. from :func:`gather_sequence`'s output).
     """
     _check_layout(layout)
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_tensor("x", x)
     rank, P = _world(group)
     if x.dim() <= dim or x.shape[dim] < P:
         raise ValueError(f"shard_sequence: x of shape {tuple(x.shape)} needs a dim {dim} of "
@@ -180,8 +179,7 @@ def gather_sequence(x_l: Tensor, layout: str = "zigzag", group=None, *, dim: int
     its part of the gradient of the output (the loss must be computed the same on every
     rank, as it then is)."""
     _check_layout(layout)
-    if not isinstance(x_l, Tensor):
-        raise TypeError(f"x_l must be a torch.Tensor, got {type(x_l).__name__}")
+    _check_tensor("x_l", x_l)
     if x_l.dim() <= dim:
         raise ValueError(f"gather_sequence: x_l of shape {tuple(x_l.shape)} has no dim {dim}")
     return _Reshard.apply(x_l, True, layout, group, dim)

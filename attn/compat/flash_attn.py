@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attn.call import _check_tensor
 from attn.compat.errors import FlashAttnError, translating
 from attn.compat.rotary import rotate_at
 from attn.decoding import decode
@@ -35,8 +36,7 @@ __all__ = ["FlashAttnError", "flash_attn_func", "flash_attn_kvpacked_func",
 # -- checks ----------------------------------------------------------------------------------
 
 def _tensor(name: str, t: object, dims: int, letters: str) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_tensor(name, t)
     if t.dim() != dims:
         raise FlashAttnError(f"{name} must have {dims} dims {letters}, got shape "
                              f"{tuple(t.shape)}")
@@ -330,8 +330,7 @@ def _check_block_table(block_table: object, B: int, k_cache: Tensor,
     max_num_blocks_per_seq)``, pages ``(num_blocks, page_block_size, nheads_k, headdim)``.
     The table's dtype and every page id (unused slots included) are checked by
     :class:`attn.kvcache.PagedKVCache` before any page is read or written."""
-    if not isinstance(block_table, Tensor):
-        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    _check_tensor("block_table", block_table)
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise FlashAttnError(f"block_table must be (batch_size, max_num_blocks_per_seq) with "
                              f"batch_size {B}, got shape {tuple(block_table.shape)}")
