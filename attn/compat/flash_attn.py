@@ -618,15 +618,9 @@ def flash_attn_with_kvcache(
     when causal or local and at ``cache_seqlens`` otherwise (interleaved pairs, or GPT-NeoX
     halves when ``rotary_interleaved=False``); needs k and v. ``num_splits`` is accepted
     and ignored (attn picks its own split). Returns out ``(B, Nq, H, D)``, or
-    ``(out, softmax_lse (B, H, Nq))``. Works under ``torch.inference_mode()``.
-
-    Refused as flash-attn refuses them: ``block_table`` with ``cache_batch_idx`` or with
-    ``cache_leftpad``; k without v; k/v without ``cache_seqlens``; rotary without k/v; a cache
-    too small for ``cache_seqlens + Nnew``; and before anything is written, a ``block_table``
-    id outside ``[0, num_blocks)`` or a ``rotary_cos`` without a row for a position it must
-    turn. ``window_size=(-1, 0)`` is the causal kernel with or without ``causal=True``, as in
-    flash-attn (q's rotary positions included). Rows with no key return zeros and lse +inf.
-    ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy).
+    ``(out, softmax_lse (B, H, Nq))``. Works under ``torch.inference_mode()``. What it
+    refuses (as flash-attn does), its window rule for q's rotary positions and its host
+    reads: docs/flash-attn.md.
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     B, Nq, H, D = q.shape
