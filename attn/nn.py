@@ -469,14 +469,10 @@ class MultiHeadAttention(nn.Module):
         parts = [f"dim={self.dim}", f"heads={self.heads}", f"kv_heads={self.kv_heads}",
                  f"causal={self.causal}", f"rope={self.rope is not None}",
                  f"backend={self.backend!r}"]
-        if self.log_tau is not None:
-            parts.append("temperature=learned")
-        elif self.temperature != 1.0:
-            parts.append(f"temperature={self.temperature}")
-        if self.log_softcap is not None:
-            parts.append("softcap=learned")
-        elif self.softcap is not None:
-            parts.append(f"softcap={self.softcap}")
+        for name, log, value, off in (("temperature", self.log_tau, self.temperature, 1.0),
+                                      ("softcap", self.log_softcap, self.softcap, None)):
+            if log is not None or value != off:  # learned, or a fixed value that does something
+                parts.append(f"{name}={'learned' if log is not None else value}")
         if self.window is not None:
             parts.append(f"window={self.window}")
         if self.sinks is not None:
