@@ -425,12 +425,6 @@ def _pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _visible(spec: LaunchSpec, n_q: int, n_k: int) -> bool:
-    """Does the band leave any (query, key) pair of this shard? (one tile covering it all)"""
-    blocks = spec.blocks(n_q, n_k, n_q, n_k)
-    return not all(not row for row in blocks.tiles)
-
-
 def _step_pairs(c: _Call, src: int, stats: RingStats):
     """``(qi, rows, ki, spec)`` for each (local query piece, piece of rank ``src``'s keys) of
     the step that holds ``src``'s K/V that the band leaves any pair of (the others counted as
@@ -439,7 +433,8 @@ def _step_pairs(c: _Call, src: int, stats: RingStats):
     for qi, (ql0, ql1, qg) in enumerate(_pieces(c.q_ranges[c.rank])):
         for ki, (kl0, kl1, kg) in enumerate(_pieces(c.k_ranges[src])):
             spec = c.spec.shard(q_start=qg, k_start=kg)
-            if not _visible(spec, ql1 - ql0, kl1 - kl0):
+            n_q, n_k = ql1 - ql0, kl1 - kl0
+            if not any(spec.blocks(n_q, n_k, n_q, n_k).tiles):  # one tile over both pieces
                 stats.skipped += 1
                 continue
             stats.launches += 1
