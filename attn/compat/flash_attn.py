@@ -388,15 +388,14 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
                                     int(len_k.max()), window=window, dropout_p=dropout_p,
                                     return_lse=True,
                                     **_variants(softmax_scale, softcap, alibi_slopes))
+    slopes = row_offset = None
     if alibi_slopes is not None and pure_causal:
         # each token's i + Lk_b - Lq_b, counted from its sequence's end
         doc = torch.repeat_interleave(torch.arange(B), len_q)
         row_offset = (torch.arange(used_q) - host_q[1:][doc] + len_k[doc]).to(q.device)
         slopes = (alibi_slopes.reshape(H, 1) if alibi_slopes.dim() == 1
                   else alibi_slopes.to(q.device)[doc.to(q.device)].T)  # (H, total_q)
-        lse = _fa_lse(lse, slopes, True, row_offset)
-    else:
-        lse = _fa_lse(lse, None, False, None)
+    lse = _fa_lse(lse, slopes, pure_causal, row_offset)
     if used_q < total_q:  # a padded buffer: its tail sees no key
         out = torch.cat([out, out.new_zeros(total_q - used_q, *out.shape[1:])])
         lse = torch.cat([lse, lse.new_full((H, total_q - used_q), float("inf"))], dim=1)
