@@ -539,25 +539,23 @@ def _field_kind(name: str, hint) -> tuple:
         if inner in _SCALARS:
             return ("optional", inner)
     if isinstance(hint, type) and (hasattr(hint, "_fields") or dataclasses.is_dataclass(hint)):
-        return ("struct", hint, _struct_kinds(hint))
+        return ("struct", hint, _spec_kinds(hint))
     raise TypeError(f"LaunchSpec field {name!r} ({hint}) cannot travel through triton's custom "
                     f"ops: give it a kind in attn/flash_triton/launch.py (_field_kind), or list "
                     f"it in _HOST_ONLY with why the ops never see it set")
-
-
-def _struct_kinds(cls) -> tuple[tuple[str, tuple], ...]:
-    hints = typing.get_type_hints(cls)
-    names = cls._fields if hasattr(cls, "_fields") else [f.name for f in dataclasses.fields(cls)]
-    return tuple((n, _field_kind(n, hints[n])) for n in names)
 
 
 _KINDS: dict[type, tuple] = {}  # a plain dict, not functools.cache: torch.compile reads it
 
 
 def _spec_kinds(cls: type) -> tuple[tuple[str, tuple], ...]:
-    """``(field name, kind)`` for every field of the spec class ``cls``, in field order."""
+    """``(field name, kind)`` for every field of the spec class ``cls`` (or of a struct in
+    it), in field order."""
     if cls not in _KINDS:
-        _KINDS[cls] = _struct_kinds(cls)
+        hints = typing.get_type_hints(cls)
+        names = (cls._fields if hasattr(cls, "_fields") else
+                 [f.name for f in dataclasses.fields(cls)])
+        _KINDS[cls] = tuple((n, _field_kind(n, hints[n])) for n in names)
     return _KINDS[cls]
 
 
@@ -734,13 +732,9 @@ def _bwd_op_vmap(info, in_dims, *args):
     if (args[16] is not None or args[8] is not None or args[9] is not None
             or spec.dropout_p > 0.0 or spec.sharded):
         return batching.call_per_sample(_bwd_op, X, in_dims, args)
-    B = batching.rows_of(args[2], in_dims[2])
-    folded = list(args)
-    for i in (0, 1, 2, 3, 4, 5, 6, 14, 15):  # do, dlse, q, k, v, out, lse, logl, lse2
-        folded[i] = batching.fold(args[i], in_dims[i], X, B)
-    folded[7] = batching.fold_mask(args[7], in_dims[7], X, B)
-    folded[13] = batching.fold(*_slopes_2d(args[13], in_dims[13]), X, B)
-    dq, dk, dv, dsinks, dcap = _bwd_op(*folded)
+    # do, dlse, q, k, v, out, lse, logl, lse2; the mask; the slopes
+    dq, dk, dv, dsinks, dcap = _bwd_op(*_fold(args, in_dims, X, q=2, masks=(7,), slopes=(13,),
+                                              rows=(0, 1, 2, 3, 4, 5, 6, 14, 15)))
     unfolded = tuple(batching.unfold(g, X) for g in (dq, dk, dv))
     return (*unfolded, dsinks, dcap), (0, 0, 0, None, None)  # (no sinks, no softcap: empty)
 
@@ -783,27 +777,32 @@ def _jvp_op_vmap(info, in_dims, *args):
     if (args[19] is not None or spec.dropout_p > 0.0 or spec.sharded
             or any(in_dims[i] is not None for i in per_head)):
         return batching.call_per_sample(_jvp_op, X, in_dims, args)
-    B = batching.rows_of(args[0], in_dims[0])
-    folded = list(args)
-    for i in (0, 1, 2, 3, 4, 5, 10, 11, 12):  # q, k, v, out, lse, lse2, dq, dk, dv
-        folded[i] = batching.fold(args[i], in_dims[i], X, B)
-    for i in (6, 13):  # the mask and its tangent
-        folded[i] = batching.fold_mask(args[i], in_dims[i], X, B)
-    for i in (9, 16):  # the slopes and their tangent
-        folded[i] = batching.fold(*_slopes_2d(args[i], in_dims[i]), X, B)
-    d_out, d_lse = _jvp_op(*folded)
+    # q, k, v, out, lse, lse2, dq, dk, dv; the mask and its tangent; the slopes and theirs
+    d_out, d_lse = _jvp_op(*_fold(args, in_dims, X, q=0, masks=(6, 13), slopes=(9, 16),
+                                  rows=(0, 1, 2, 3, 4, 5, 10, 11, 12)))
     return (batching.unfold(d_out, X), batching.unfold(d_lse, X)), (0, 0)
 
 
 _jvp_op.register_vmap(_jvp_op_vmap)
 
 
-def _slopes_2d(alibi: Tensor | None, dim: int | None) -> tuple[Tensor | None, int | None]:
-    """ALiBi slopes mapped at ``dim`` (or shared) with per-sample shape (B or 1, H) or (H,),
-    as (B or 1, H) per sample (the mapped dim first where it moved), for ``batching.fold``."""
-    if alibi is None or alibi.dim() - (dim is not None) == 2:
-        return alibi, dim
-    return (alibi.unsqueeze(0), None) if dim is None else (alibi.movedim(dim, 0)[:, None], 0)
+def _fold(args: tuple, in_dims: tuple, X: int, *, q: int, rows: tuple[int, ...],
+          masks: tuple[int, ...], slopes: tuple[int, ...]) -> list:
+    """A vmap rule's ``args`` with the mapped dim (``X`` samples) folded into the batch of
+    ``args[q]``: the per-row tensors at ``rows`` (batching.fold), the masks at ``masks``
+    (batching.fold_mask) and the ALiBi slopes at ``slopes``; the others as they are."""
+    B = batching.rows_of(args[q], in_dims[q])
+    folded = list(args)
+    for i in rows:
+        folded[i] = batching.fold(args[i], in_dims[i], X, B)
+    for i in masks:
+        folded[i] = batching.fold_mask(args[i], in_dims[i], X, B)
+    for i in slopes:  # per sample (B or 1, H), or (H,): as (1, H), the mapped dim first
+        a, d = args[i], in_dims[i]
+        if a is not None and a.dim() - (d is not None) != 2:
+            a, d = (a.unsqueeze(0), None) if d is None else (a.movedim(d, 0)[:, None], 0)
+        folded[i] = batching.fold(a, d, X, B)
+    return folded
 
 
 # -- autograd ------------------------------------------------------------------------------
@@ -885,12 +884,8 @@ class _FlashAttention(torch.autograd.Function):
                 or any(d is not None for d in in_dims[4:6]))
         if loop:  # per-sample operands, the dropout hash's batch index, packed offsets
             return batching.call_per_sample(_FlashAttentionJvp.apply, X, in_dims, args)
-        B = batching.rows_of(q, in_dims[0])
-        qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
-        res = _FlashAttentionJvp.apply(*qkv, batching.fold_mask(attn_mask, in_dims[3], X, B),
-                                       sinks, softcap,
-                                       batching.fold(*_slopes_2d(alibi, in_dims[6]), X, B),
-                                       spec, ops, second)
+        res = _FlashAttentionJvp.apply(*_fold(args, in_dims, X, q=0, rows=(0, 1, 2),
+                                              masks=(3,), slopes=(6,)))
         return tuple(batching.unfold(x, X) for x in res), (0, 0, 0, 0)
 
 
