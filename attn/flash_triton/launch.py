@@ -256,7 +256,8 @@ def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Opera
         return None
     _, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    _, block_n, _, _ = split_config(max(16, pow2(D)), max(16, pow2(Dv)), q.element_size(),
+    dims = _head_dim_args(D, Dv, q.dtype)
+    _, block_n, _, _ = split_config(dims["BLOCK_D"], dims["BLOCK_DV"], q.element_size(),
                                     (H // Hkv) * Nq)
     plan = split_kv_plan(Nk, Nq, sm_count_of(q.device), tile=block_n,
                          force=split_kv_override())
@@ -265,10 +266,9 @@ def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Opera
 
 def _fwd_split(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, chunk: int
                ) -> tuple[Tensor, Tensor]:
-    """Split-KV decoding (:mod:`attn.flash_triton.split`): ``(out, lse)`` of a dense,
-    forward-only call with its keys cut into chunks of ``chunk`` (whole key tiles): one
-    program per (group rows block, chunk, batch·kv head), partials in float32, then one
-    combine program per (batch, head, query) row."""
+    """Split-KV decoding: ``(out, lse)`` of a dense, forward-only call with its keys cut into
+    chunks of ``chunk`` (whole key tiles); the grid and the combine: docs/gpu.md, "Split-KV
+    decoding"."""
     L = _launch_args(q, k, v, spec, ops)
     rows = L.group * L.n_q
     block_d, block_dv = L.shared["BLOCK_D"], L.shared["BLOCK_DV"]
