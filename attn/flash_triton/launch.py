@@ -476,9 +476,8 @@ def _jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: Launch
     dq = None if t.q is None else t.q.to(q.dtype)
     dk = None if t.k is None else t.k.to(k.dtype)
     dv = None if t.v is None else t.v.to(v.dtype)
-    dmask = None
-    if L.shared["MASK_KIND"] == 2 and t.attn_mask is not None:
-        dmask, dmask_strides = _mask_arg(t.attn_mask, q, L.n_k)
+    has_dmask = L.shared["MASK_KIND"] == 2 and t.attn_mask is not None  # only a float one
+    dmask, dmask_strides = _mask_arg(t.attn_mask if has_dmask else None, q, L.n_k)
     dcap = None
     if softcap is not None:  # a fixed cap has none: zeros
         dcap = (torch.zeros_like(softcap) if t.softcap is None else
@@ -493,15 +492,14 @@ def _jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: Launch
     _attn_jvp[L.grid_q](
         Out=out, Lse=lse2, DQ=q if dq is None else dq, DK=k if dk is None else dk,
         DV=v if dv is None else dv, DOut=d_out, DLse=d_lse,
-        DMask=q if dmask is None else dmask, DCap=q if dcap is None else dcap, DAlibi=dslopes,
+        DMask=dmask, DCap=q if dcap is None else dcap, DAlibi=dslopes,
         Sinks=sinks if has_sinks else q,
         DSinks=t.sinks.to(torch.float32).contiguous() if has_sinks else q,
         OS=L.strides(out), TQS=none if dq is None else L.strides(dq),
         TKS=none if dk is None else L.strides(dk), TVS=none if dv is None else L.strides(dv),
-        GS=L.strides(d_out), DMS=none if dmask is None else dmask_strides, DAS=dslope_strides,
-        LS=L.row_strides(lse), TAN=(dq is not None, dk is not None, dv is not None,
-                                    dmask is not None),
-        HAS_SINKS=has_sinks, **L.shared, **L.plain)
+        GS=L.strides(d_out), DMS=dmask_strides, DAS=dslope_strides, LS=L.row_strides(lse),
+        TAN=(dq is not None, dk is not None, dv is not None, has_dmask), HAS_SINKS=has_sinks,
+        **L.shared, **L.plain)
     return d_out, d_lse
 
 
