@@ -30,15 +30,16 @@ SMALL_MIN_Q = 32
 CHUNK_MAX_Q = 128  # query rows per head up to which a call against 8x as many keys is a chunk
 
 
-def _flags() -> set[str]:
+def cpuinfo(key: str) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line starting with ``key`` (None off Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
 
 
 @functools.cache
@@ -48,7 +49,7 @@ def cpu_kind() -> str:
     forced = os.environ.get("ATTN_CPU_KIND")
     if forced:
         return forced
-    flags = _flags()
+    flags = set((cpuinfo("flags") or "").split())
     if "amx_bf16" in flags:
         return "amx"
     if "avx512_bf16" in flags:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attn import fused
-from attn.call import _validate_qkv, acc_dtype, resolve, run, select_backend
+from attn.call import _check_tensor, _validate_qkv, acc_dtype, resolve, run, select_backend
 from attn.call import _draw_seed as _local_seed
 from attn.grads import call_sink_grad, reduce_to
 from attn.masks import Band, make_band, window_pair
@@ -165,8 +165,7 @@ def shard_sequence(x: Tensor, layout: str = "zigzag", group=None, *, dim: int = 
     every rank (e.g. from :func:`gather_sequence`'s output).
     """
     _check_layout(layout)
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_tensor("x", x)
     rank, P = _world(group)
     if x.dim() <= dim or x.shape[dim] < P:
         raise ValueError(f"shard_sequence: x of shape {tuple(x.shape)} needs a dim {dim} of "
@@ -180,8 +179,7 @@ def gather_sequence(x_l: Tensor, layout: str = "zigzag", group=None, *, dim: int
     its part of the gradient of the output (the loss must be computed the same on every
     rank, as it then is)."""
     _check_layout(layout)
-    if not isinstance(x_l, Tensor):
-        raise TypeError(f"x_l must be a torch.Tensor, got {type(x_l).__name__}")
+    _check_tensor("x_l", x_l)
     if x_l.dim() <= dim:
         raise ValueError(f"gather_sequence: x_l of shape {tuple(x_l.shape)} has no dim {dim}")
     return _Reshard.apply(x_l, True, layout, group, dim)
@@ -427,12 +425,6 @@ def _pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _visible(spec: LaunchSpec, n_q: int, n_k: int) -> bool:
-    """Does the band leave any (query, key) pair of this shard? (one tile covering it all)"""
-    blocks = spec.blocks(n_q, n_k, n_q, n_k)
-    return not all(not row for row in blocks.tiles)
-
-
 def _step_pairs(c: _Call, src: int, stats: RingStats):
     """``(qi, rows, ki, spec)`` for each (local query piece, piece of rank ``src``'s keys) of
     the step that holds ``src``'s K/V that the band leaves any pair of (the others counted as
@@ -441,7 +433,8 @@ def _step_pairs(c: _Call, src: int, stats: RingStats):
     for qi, (ql0, ql1, qg) in enumerate(_pieces(c.q_ranges[c.rank])):
         for ki, (kl0, kl1, kg) in enumerate(_pieces(c.k_ranges[src])):
             spec = c.spec.shard(q_start=qg, k_start=kg)
-            if not _visible(spec, ql1 - ql0, kl1 - kl0):
+            n_q, n_k = ql1 - ql0, kl1 - kl0
+            if not any(spec.blocks(n_q, n_k, n_q, n_k).tiles):  # one tile over both pieces
                 stats.skipped += 1
                 continue
             stats.launches += 1

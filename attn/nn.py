@@ -17,6 +17,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attn.api import BACKENDS, attention
+from attn.call import _check_tensor
 from attn.decoding import decode
 from attn.masks import module_window
 from attn.spec import acc_dtype
@@ -106,8 +107,7 @@ class QKNorm(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         for name, t in (("q", q), ("k", k)):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            _check_tensor(name, t)
             if t.dim() == 0 or t.shape[-1] != self.head_dim:
                 raise ValueError(f"QKNorm(head_dim {self.head_dim}) normalises over the last "
                                  f"dim, got {name} of shape {tuple(t.shape)}")
@@ -143,8 +143,7 @@ class RotaryEmbedding(nn.Module):
         ``offset``: the position of the first token, or every token's position: (N,) for all
         rows (a context-parallel shard holds positions that are not contiguous) or (B, N)
         per row (packed documents, each counted from its own start)."""
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        _check_tensor("x", x)
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding(head_dim {self.head_dim}) rotates x (B, H, N, "
                              f"{self.head_dim}), got x of shape {tuple(x.shape)}")
@@ -470,14 +469,10 @@ class MultiHeadAttention(nn.Module):
         parts = [f"dim={self.dim}", f"heads={self.heads}", f"kv_heads={self.kv_heads}",
                  f"causal={self.causal}", f"rope={self.rope is not None}",
                  f"backend={self.backend!r}"]
-        if self.log_tau is not None:
-            parts.append("temperature=learned")
-        elif self.temperature != 1.0:
-            parts.append(f"temperature={self.temperature}")
-        if self.log_softcap is not None:
-            parts.append("softcap=learned")
-        elif self.softcap is not None:
-            parts.append(f"softcap={self.softcap}")
+        for name, log, value, off in (("temperature", self.log_tau, self.temperature, 1.0),
+                                      ("softcap", self.log_softcap, self.softcap, None)):
+            if log is not None or value != off:  # learned, or a fixed value that does something
+                parts.append(f"{name}={'learned' if log is not None else value}")
         if self.window is not None:
             parts.append(f"window={self.window}")
         if self.sinks is not None:

@@ -14,8 +14,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attn.call import (_check_float_qkv, _validate_alibi, _validate_dropout, broadcasts_to,
-                       resolve, run, select_backend)
+from attn.call import (_check_float_qkv, _check_tensor, _validate_alibi, _validate_dropout,
+                       broadcasts_to, resolve, run, select_backend)
 from attn.masks import Band, classify_band, make_band, window_pair
 from attn.tiled import SequenceBlocks
 
@@ -94,8 +94,7 @@ def cu_seqlens_from_position_ids(pos: Tensor) -> Tensor:
 def cu_seqlens_from_document_ids(doc: Tensor, num_docs: int | None = None) -> Tensor:
     """Offsets from sorted document ids ``doc (total,)``, at least one, in ``[0, num_docs)``
     (an id with no token is an empty sequence; ``num_docs`` defaults to the largest id + 1)."""
-    if not isinstance(doc, Tensor):
-        raise TypeError(f"doc must be a torch.Tensor, got {type(doc).__name__}")
+    _check_tensor("doc", doc)
     if doc.is_floating_point() or doc.is_complex() or doc.dtype == torch.bool:
         raise TypeError(f"doc must hold integer ids, got {doc.dtype}")
     if doc.dim() != 1 or doc.numel() == 0:
@@ -123,8 +122,7 @@ def check_cu_form(name: str, cu: object, device: torch.device | None = None,
     """The one ``cu_seqlens`` rule, first half: a 1-d int32 / int64 tensor of ``B + 1 >= 2``
     offsets (on ``device``, given one): checks that read nothing from the device. Every
     entry taking packed offsets (varlen, nn, compat) checks them here."""
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    _check_tensor(name, cu)
     if cu.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:

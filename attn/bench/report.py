@@ -25,6 +25,7 @@ import attn
 from attn.api import attention, unsupported_reason
 from attn.bench.sweep import Row, SweepConfig, attn_backends, describe_function, \
     device_unsupported, square_call
+from attn.choose import cpuinfo
 from attn.testing import compare_to_reference, make_inputs
 from attn.tiled import steps_path_reason
 from attn.timing import CPU_ERROR_BYTES
@@ -37,14 +38,8 @@ ROW_KEYS = ("backend", "device", "dtype", "B", "H", "N", "D", "causal", "mode", 
 def device_name(device: str) -> str:
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    name = cpuinfo("model name")
+    return name if name is not None else platform.processor() or platform.machine()
 
 
 def _triton_version() -> str | None:

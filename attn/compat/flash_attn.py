@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attn.call import _check_tensor
 from attn.compat.errors import FlashAttnError, translating
 from attn.compat.rotary import rotate_at
 from attn.decoding import decode
@@ -35,8 +36,7 @@ __all__ = ["FlashAttnError", "flash_attn_func", "flash_attn_kvpacked_func",
 # -- checks ----------------------------------------------------------------------------------
 
 def _tensor(name: str, t: object, dims: int, letters: str) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_tensor(name, t)
     if t.dim() != dims:
         raise FlashAttnError(f"{name} must have {dims} dims {letters}, got shape "
                              f"{tuple(t.shape)}")
@@ -330,8 +330,7 @@ def _check_block_table(block_table: object, B: int, k_cache: Tensor,
     max_num_blocks_per_seq)``, pages ``(num_blocks, page_block_size, nheads_k, headdim)``.
     The table's dtype and every page id (unused slots included) are checked by
     :class:`attn.kvcache.PagedKVCache` before any page is read or written."""
-    if not isinstance(block_table, Tensor):
-        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    _check_tensor("block_table", block_table)
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise FlashAttnError(f"block_table must be (batch_size, max_num_blocks_per_seq) with "
                              f"batch_size {B}, got shape {tuple(block_table.shape)}")
@@ -389,15 +388,14 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
                                     int(len_k.max()), window=window, dropout_p=dropout_p,
                                     return_lse=True,
                                     **_variants(softmax_scale, softcap, alibi_slopes))
+    slopes = row_offset = None
     if alibi_slopes is not None and pure_causal:
         # each token's i + Lk_b - Lq_b, counted from its sequence's end
         doc = torch.repeat_interleave(torch.arange(B), len_q)
         row_offset = (torch.arange(used_q) - host_q[1:][doc] + len_k[doc]).to(q.device)
         slopes = (alibi_slopes.reshape(H, 1) if alibi_slopes.dim() == 1
                   else alibi_slopes.to(q.device)[doc.to(q.device)].T)  # (H, total_q)
-        lse = _fa_lse(lse, slopes, True, row_offset)
-    else:
-        lse = _fa_lse(lse, None, False, None)
+    lse = _fa_lse(lse, slopes, pure_causal, row_offset)
     if used_q < total_q:  # a padded buffer: its tail sees no key
         out = torch.cat([out, out.new_zeros(total_q - used_q, *out.shape[1:])])
         lse = torch.cat([lse, lse.new_full((H, total_q - used_q), float("inf"))], dim=1)
@@ -619,15 +617,9 @@ def flash_attn_with_kvcache(
     when causal or local and at ``cache_seqlens`` otherwise (interleaved pairs, or GPT-NeoX
     halves when ``rotary_interleaved=False``); needs k and v. ``num_splits`` is accepted
     and ignored (attn picks its own split). Returns out ``(B, Nq, H, D)``, or
-    ``(out, softmax_lse (B, H, Nq))``. Works under ``torch.inference_mode()``.
-
-    Refused as flash-attn refuses them: ``block_table`` with ``cache_batch_idx`` or with
-    ``cache_leftpad``; k without v; k/v without ``cache_seqlens``; rotary without k/v; a cache
-    too small for ``cache_seqlens + Nnew``; and before anything is written, a ``block_table``
-    id outside ``[0, num_blocks)`` or a ``rotary_cos`` without a row for a position it must
-    turn. ``window_size=(-1, 0)`` is the causal kernel with or without ``causal=True``, as in
-    flash-attn (q's rotary positions included). Rows with no key return zeros and lse +inf.
-    ``cache_seqlens`` / ``cache_leftpad`` are read on the host (one small copy).
+    ``(out, softmax_lse (B, H, Nq))``. Works under ``torch.inference_mode()``. What it
+    refuses (as flash-attn does), its window rule for q's rotary positions and its host
+    reads: docs/flash-attn.md.
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     B, Nq, H, D = q.shape

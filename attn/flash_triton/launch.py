@@ -64,57 +64,40 @@ def unsupported_reason(call) -> str | None:
 
 # -- launchers -----------------------------------------------------------------------------
 
+def _strides(t: Tensor, varlen: bool) -> tuple[int, int, int, int]:
+    """(sequence, head, row, dim) strides of q, k, v, out or their gradients: a packed
+    (total, H, D) tensor's token stride is both, the kernels adding the sequence's first
+    token times it."""
+    return (t.stride(0), t.stride(1), t.stride(0), t.stride(2)) if varlen else t.stride()
+
+
 @dataclass(frozen=True)
 class _Launch:
-    """The scalar and constexpr arguments every kernel shares, derived once per call."""
+    """One call's kernel inputs and the arguments its kernels share, derived once per call
+    (:func:`_launch_args`): the one place a dense or packed call's kernel arguments are
+    assembled."""
 
+    q: Tensor  # in k's dtype (a temperature folded in float32: the kernels take one dtype)
+    sinks: Tensor | None  # contiguous float32 (H,)
+    softcap: Tensor | None  # contiguous float32 (H,): learnable, or the spec's fixed one
     batch: int  # batch rows, or packed sequences
     H: int
     group: int
     n_q: int  # the call's lengths (packed: the longest sequence's)
     n_k: int
-    offset: int
-    left: int
-    right: int
-    score: dict  # the score pipeline's bundles, SC and SCORE (kernels.score_args)
-    drop_seed: int
-    drop_threshold: int
-    inv_keep: float
-    drop_row0: int  # global position of the first query (the spec's q_start)
-    drop_col0: int  # ... and of the first key
-    drop_heads: int  # query heads of the whole computation
-    drop_head0: int  # global index of this call's first query head
-    tune_n: int
-    head_dim: int
-    head_dim_v: int
-    block_d: int
-    block_dv: int
-    banded: bool
-    mask_kind: int
-    has_dropout: bool
-    dot_precision: str
     varlen: bool
-
-    def scalars(self) -> dict:
-        """The kernels' scalar arguments by name (DR: dropout's, in _drop_ctx's order)."""
-        dropout = (self.drop_threshold, self.inv_keep, self.drop_row0, self.drop_col0,
-                   self.drop_heads, self.drop_head0)
-        return dict(H=self.H, GROUP=self.group, N_Q=self.n_q, N_K=self.n_k, offset=self.offset,
-                    left=self.left, right=self.right, SC=self.score["SC"],
-                    drop_seed=self.drop_seed, DR=dropout, TUNE_N=self.tune_n)
-
-    def constexprs(self) -> dict:
-        # head dims are padded to powers of two inside the kernels (masked loads), not in memory
-        return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
-                    BLOCK_DV=self.block_dv, BANDED=self.banded, MASK_KIND=self.mask_kind,
-                    SCORE=self.score["SCORE"], HAS_DROPOUT=self.has_dropout,
-                    DOT_PRECISION=self.dot_precision, VARLEN=self.varlen)
+    # by name, what every kernel of the call takes alike (the split kernel too): q, k, v, the
+    # mask, softcap and slopes (q where absent: never read) with their strides, the shapes,
+    # the band, the score pipeline's bundles (SC, SCORE: kernels.score_args), the head dims
+    # (padded to powers of two inside the kernels, masked loads, not in memory), MASK_KIND
+    shared: dict
+    # ... and what the plain kernels (forward, dQ, dK/dV, jvp) take besides: the offsets (q
+    # where never read), dropout's seed and values (DR, in _drop_ctx's order) and the rest of
+    # their autotune key
+    plain: dict
 
     def strides(self, t: Tensor) -> tuple[int, int, int, int]:
-        """(sequence, head, row, dim) strides of q, k, v, out or their gradients: a packed
-        (total, H, D) tensor's token stride is both, the kernels adding the sequence's first
-        token times it."""
-        return (t.stride(0), t.stride(1), t.stride(0), t.stride(2)) if self.varlen else t.stride()
+        return _strides(t, self.varlen)
 
     def row_strides(self, lse: Tensor) -> tuple[int, int]:
         """(sequence, head) strides of lse, Δ and log l: (B, H, N_Q), or (H, total_q)."""
@@ -124,13 +107,27 @@ class _Launch:
         """The shape of lse: (B, H, N_Q), or (H, total_q)."""
         return (self.H, q.shape[0]) if self.varlen else (self.batch, self.H, self.n_q)
 
-    def cu_seqlens(self, q: Tensor, ops: Operands) -> tuple[Tensor, Tensor]:
-        """The kernels' CuQ, CuK: the offsets, or q where they are never read."""
-        return (ops.cu_seqlens_q, ops.cu_seqlens_k) if self.varlen else (q, q)
+    def grid_q(self, meta: dict) -> tuple[int, int]:
+        """The query-resident kernels' grid: (query blocks, sequences · heads)."""
+        return cdiv(self.n_q, meta["BLOCK_M"]), self.batch * self.H
 
 
-def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
-                 softcap: Tensor | None) -> _Launch:
+def _band_args(spec: LaunchSpec) -> dict:
+    """The band's kernel arguments: its diagonal offset and sides (an open side
+    ``_UNBOUNDED``), and ``BANDED``, whether it cuts anything."""
+    band = spec.local_band()
+    return dict(offset=band.offset, left=_UNBOUNDED if band.left is None else band.left,
+                right=_UNBOUNDED if band.right is None else band.right, BANDED=not band.is_full)
+
+
+def _head_dim_args(D: int, Dv: int, dtype: torch.dtype) -> dict:
+    """The head dims, their power-of-two tiles and the dots' precision (float32: exact)."""
+    return dict(HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=max(16, pow2(D)), BLOCK_DV=max(16, pow2(Dv)),
+                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands) -> _Launch:
+    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
     varlen = ops.cu_seqlens_q is not None
     if varlen:  # (total, H, D), the grid sized by the longest sequence
         if ops.attn_mask is not None:
@@ -141,23 +138,26 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operand
         batch, H, Nq, D = q.shape
         Nk = k.shape[2]
     Hkv, Dv = k.shape[1], v.shape[-1]
-    band = spec.local_band()
     p = spec.dropout_p
     attn_mask = ops.attn_mask
-    return _Launch(
-        batch=batch, H=H, group=H // Hkv, n_q=Nq, n_k=Nk, offset=band.offset,
-        left=_UNBOUNDED if band.left is None else band.left,
-        right=_UNBOUNDED if band.right is None else band.right,
-        score=score_args(spec, softcap=softcap is not None, alibi=ops.alibi is not None),
-        drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF,
-        drop_threshold=int(p * 2**32), inv_keep=1.0 / (1.0 - p),
-        drop_row0=spec.q_start, drop_col0=spec.k_start, drop_heads=spec.heads_total or H,
-        drop_head0=spec.head_start, tune_n=_tune_n(Nq, Nk), head_dim=D, head_dim_v=Dv,
-        block_d=max(16, pow2(D)), block_dv=max(16, pow2(Dv)),
-        banded=not band.is_full,
-        mask_kind=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2),
-        has_dropout=p > 0.0,
-        dot_precision="ieee" if q.dtype == torch.float32 else "tf32", varlen=varlen)
+    mask, mask_strides = _mask_arg(attn_mask, q, Nk)
+    slopes, slope_strides = _alibi_arg(ops.alibi, q, batch, H)
+    shared = dict(
+        Q=q, K=k, V=v, Mask=mask, Softcap=q if softcap is None else softcap, Alibi=slopes,
+        QS=_strides(q, varlen), KS=_strides(k, varlen), VS=_strides(v, varlen),
+        MS=mask_strides, AS=slope_strides, H=H, GROUP=H // Hkv, N_Q=Nq, N_K=Nk,
+        **_band_args(spec),
+        **score_args(spec, softcap=softcap is not None, alibi=ops.alibi is not None),
+        **_head_dim_args(D, Dv, q.dtype),
+        MASK_KIND=0 if attn_mask is None else (1 if attn_mask.dtype == torch.bool else 2))
+    # dropout's values in _drop_ctx's order: threshold, 1 / keep, the global positions of the
+    # first query and key, the query heads of the whole computation and this call's first
+    dropout = (int(p * 2**32), 1.0 / (1.0 - p), spec.q_start, spec.k_start,
+               spec.heads_total or H, spec.head_start)
+    plain = dict(CuQ=ops.cu_seqlens_q if varlen else q, CuK=ops.cu_seqlens_k if varlen else q,
+                 drop_seed=int(spec.dropout_seed) & 0xFFFFFFFF, DR=dropout,
+                 TUNE_N=_tune_n(Nq, Nk), HAS_DROPOUT=p > 0.0, VARLEN=varlen)
+    return _Launch(q, sinks, softcap, batch, H, H // Hkv, Nq, Nk, varlen, shared, plain)
 
 
 def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tuple]:
@@ -172,12 +172,13 @@ def _mask_arg(attn_mask: Tensor | None, q: Tensor, n_k: int) -> tuple[Tensor, tu
     return m, m.stride()
 
 
-def _alibi_arg(alibi: Tensor | None, q: Tensor, L: _Launch) -> tuple[Tensor, tuple[int, int]]:
+def _alibi_arg(alibi: Tensor | None, q: Tensor, batch: int, H: int
+               ) -> tuple[Tensor, tuple[int, int]]:
     """The slopes as float32 (sequences, H) (an expanded view keeps its stride 0), or q and
     zero strides when there are none (never read: SCORE's ALiBi flag off)."""
     if alibi is None:
         return q, (0, 0)
-    a = alibi.to(torch.float32).expand(L.batch, L.H)
+    a = alibi.to(torch.float32).expand(batch, H)
     return a, a.stride()
 
 
@@ -231,21 +232,16 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
     to find saturated rows, and ``lse2``: lse in base 2 as the kernel's softmax had it,
     which :func:`_bwd` reads instead of converting lse back."""
     ops = Operands() if ops is None else ops
-    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
-    L = _launch_args(q, k, v, spec, ops, softcap)
-    slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
+    L = _launch_args(q, k, v, spec, ops)
+    q, sinks = L.q, L.sinks
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.empty(L.rows(q), dtype=torch.float32, device=q.device)
     logl = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
-    mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
-    grid = lambda meta: (cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
-    _attn_fwd[grid](
-        q, k, v, out, lse, logl, lse2, mask, q if sinks is None else sinks,
-        q if softcap is None else softcap, slopes, *L.cu_seqlens(q, ops),
-        QS=L.strides(q), KS=L.strides(k), VS=L.strides(v), OS=L.strides(out), MS=mask_strides,
-        AS=slope_strides, LS=L.row_strides(lse), **L.scalars(), HAS_SINKS=sinks is not None,
-        **_value_offsets(v, L, ops), **L.constexprs())
+    _attn_fwd[L.grid_q](
+        Out=out, Lse=lse, LogL=logl, Lse2=lse2, Sinks=q if sinks is None else sinks,
+        OS=L.strides(out), LS=L.row_strides(lse), HAS_SINKS=sinks is not None,
+        **_value_offsets(v, L, ops), **L.shared, **L.plain)
     return (out, lse, logl, lse2) if want_logl else (out, lse)
 
 
@@ -260,7 +256,8 @@ def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Opera
         return None
     _, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    _, block_n, _, _ = split_config(max(16, pow2(D)), max(16, pow2(Dv)), q.element_size(),
+    dims = _head_dim_args(D, Dv, q.dtype)
+    _, block_n, _, _ = split_config(dims["BLOCK_D"], dims["BLOCK_DV"], q.element_size(),
                                     (H // Hkv) * Nq)
     plan = split_kv_plan(Nk, Nq, sm_count_of(q.device), tile=block_n,
                          force=split_kv_override())
@@ -269,31 +266,23 @@ def split_plan_for(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Opera
 
 def _fwd_split(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, chunk: int
                ) -> tuple[Tensor, Tensor]:
-    """Split-KV decoding (:mod:`attn.flash_triton.split`): ``(out, lse)`` of a dense,
-    forward-only call with its keys cut into chunks of ``chunk`` (whole key tiles): one
-    program per (group rows block, chunk, batch·kv head), partials in float32, then one
-    combine program per (batch, head, query) row."""
-    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
-    L = _launch_args(q, k, v, spec, ops, softcap)
-    slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
-    mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
+    """Split-KV decoding: ``(out, lse)`` of a dense, forward-only call with its keys cut into
+    chunks of ``chunk`` (whole key tiles); the grid and the combine: docs/gpu.md, "Split-KV
+    decoding"."""
+    L = _launch_args(q, k, v, spec, ops)
     rows = L.group * L.n_q
-    block_m, block_n, warps, stages = split_config(L.block_d, L.block_dv, q.element_size(), rows)
+    block_d, block_dv = L.shared["BLOCK_D"], L.shared["BLOCK_DV"]
+    block_m, block_n, warps, stages = split_config(block_d, block_dv, L.q.element_size(), rows)
     assert chunk % block_n == 0, (chunk, block_n)  # chunks are whole tiles: the band's stages
     splits = cdiv(L.n_k, chunk)
-    B, H, Nq, Dv = L.batch, L.H, L.n_q, L.head_dim_v
+    B, H, Nq, Dv = L.batch, L.H, L.n_q, L.shared["HEAD_DIM_V"]
     out_p = torch.empty(splits, B, H, Nq, Dv, dtype=torch.float32, device=q.device)
     lse_p = torch.empty(splits, B, H, Nq, dtype=torch.float32, device=q.device)
     grid = (cdiv(rows, block_m), splits, B * (H // L.group))
     _attn_fwd_split[grid](
-        q, k, v, out_p, lse_p, mask, q if softcap is None else softcap, slopes,
-        QS=q.stride(), KS=k.stride(), VS=v.stride(), MS=mask_strides, AS=slope_strides,
-        B=B, H=H, GROUP=L.group, N_Q=Nq, N_K=L.n_k, offset=L.offset, left=L.left,
-        right=L.right, **L.score, chunk=chunk, **_value_offsets(v, L, ops),
-        HEAD_DIM=L.head_dim, HEAD_DIM_V=Dv, BLOCK_D=L.block_d, BLOCK_DV=L.block_dv,
-        BANDED=L.banded, MASK_KIND=L.mask_kind, DOT_PRECISION=L.dot_precision,
+        OutP=out_p, LseP=lse_p, B=B, chunk=chunk, **_value_offsets(v, L, ops), **L.shared,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    return _combine(out_p, lse_p, sinks, v.dtype, L.block_dv)
+    return _combine(out_p, lse_p, L.sinks, v.dtype, block_dv)
 
 
 def _combine(out_p: Tensor, lse_p: Tensor, sinks: Tensor | None, dtype: torch.dtype,
@@ -363,42 +352,34 @@ def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     page, Hkv, Dv = k_pages.shape[1], k_pages.shape[2], _paged_dv(v_pages, ops.quant)
     quant = _quant_args(ops.quant, q, D, Dv, page)
     group = H // Hkv
-    block_d, block_dv = max(16, pow2(D)), max(16, pow2(Dv))
-    block_m, block_n, warps, stages = split_config(block_d, block_dv, q.element_size(),
-                                                   group * Nq)
+    dims = _head_dim_args(D, Dv, q.dtype)
+    block_m, block_n, warps, stages = split_config(dims["BLOCK_D"], dims["BLOCK_DV"],
+                                                   q.element_size(), group * Nq)
     sm, force = sm_count_of(q.device), split_kv_override()
     chunks, splits = [], 1
     for n in (lengths - starts).tolist():  # (one read of the lengths, as the plan needs them)
         plan = split_kv_plan(int(n), Nq, sm, tile=block_n, force=force)
         chunks.append(plan.chunk if plan.splits > 1 else block_n * max(1, cdiv(n, block_n)))
         splits = max(splits, plan.splits)
-    band = spec.local_band()
     # each row's first key position, end, first full-precision page and chunk, and its page
     # ids, where the kernel reads them
     recent_from = lengths if ops.quant is None else ops.quant.recent_from
     seq = torch.stack([t.to(device=q.device, dtype=torch.int32) for t in (
         starts, lengths, recent_from, torch.tensor(chunks, dtype=torch.int32))], 1)
     table = table.to(q.device)
-    alibi = None if ops.alibi is None else ops.alibi.to(torch.float32).expand(B, H)
+    slopes, slope_strides = _alibi_arg(ops.alibi, q, B, H)
     out_p = torch.empty(splits, B, H, Nq, Dv, dtype=torch.float32, device=q.device)
     lse_p = torch.empty(splits, B, H, Nq, dtype=torch.float32, device=q.device)
     grid = (cdiv(group * Nq, block_m), splits, B * Hkv)
     _attn_fwd_paged[grid](
         q, k_pages, v_pages, table, seq, out_p, lse_p, q if softcap is None else softcap,
-        q if alibi is None else alibi, QS=q.stride(), KPS=k_pages.stride(),
-        VPS=v_pages.stride(), TS=table.stride(), AS=(0, 0) if alibi is None else alibi.stride(),
-        **quant,
-        B=B, H=H, GROUP=group, N_Q=Nq, offset=band.offset,
-        left=_UNBOUNDED if band.left is None else band.left,
-        right=_UNBOUNDED if band.right is None else band.right,
-        **score_args(spec, softcap=softcap is not None, alibi=alibi is not None),
-        page_size=page,
-        v_log_scale=math.log(2.0 / torch.finfo(torch.float32).max), HEAD_DIM=D,
-        HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BANDED=not band.is_full,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        slopes, QS=q.stride(), KPS=k_pages.stride(), VPS=v_pages.stride(), TS=table.stride(),
+        AS=slope_strides, **quant, B=B, H=H, GROUP=group, N_Q=Nq, **_band_args(spec),
+        **score_args(spec, softcap=softcap is not None, alibi=ops.alibi is not None),
+        page_size=page, v_log_scale=math.log(2.0 / torch.finfo(torch.float32).max), **dims,
         V_OFFSET=q.dtype != torch.float16, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages)
-    return _combine(out_p, lse_p, sinks, q.dtype, block_dv,
+    return _combine(out_p, lse_p, sinks, q.dtype, dims["BLOCK_DV"],
                     block_s=combine_block(max(splits, MAX_SPLITS)))
 
 
@@ -412,8 +393,8 @@ def _delta(do: Tensor, dlse: Tensor | None, out: Tensor, L: _Launch) -> Tensor:
     pre_block = 32 if _INTERPRET else 64
     _attn_bwd_preprocess[(cdiv(L.n_q, pre_block), L.batch * L.H)](
         out, do, delta if dlse is None else dlse.contiguous(), delta,
-        out.stride(), do.stride(), L.H, L.n_q, HEAD_DIM_V=L.head_dim_v, BLOCK_DV=L.block_dv,
-        HAS_DLSE=dlse is not None, BLOCK_M=pre_block)
+        out.stride(), do.stride(), L.H, L.n_q, HEAD_DIM_V=L.shared["HEAD_DIM_V"],
+        BLOCK_DV=L.shared["BLOCK_DV"], HAS_DLSE=dlse is not None, BLOCK_M=pre_block)
     return delta
 
 
@@ -429,9 +410,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     if need_dmask:
         raise NotImplementedError("triton: the gradient of a float attn_mask (use tiled)")
     ops = Operands() if ops is None else ops
-    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
-    L = _launch_args(q, k, v, spec, ops, softcap)
-    slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
+    L = _launch_args(q, k, v, spec, ops)
+    q, sinks, softcap = L.q, L.sinks, L.softcap
     lse = lse.contiguous()  # the kernels index it as packed rows: a row slice is not
     lse2 = lse * 1.4426950408889634 if lse2 is None else lse2.contiguous()  # what they read
     if do.stride(-1) != 1:
@@ -440,30 +420,23 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
-    cap = q if softcap is None else softcap
     # the smallest BLOCK_N any dkdv config may pick bounds the number of partial sums
     min_bn = min(c.kwargs["BLOCK_N"] for c in _attn_bwd_dkdv.configs)
     n_part = cdiv(L.n_k, min_bn) if softcap is not None else 1
     dcap_part = torch.zeros(n_part, L.batch * L.H, dtype=torch.float32, device=q.device)
-    cu_q, cu_k = L.cu_seqlens(q, ops)
-    shared = dict(CuQ=cu_q, CuK=cu_k, QS=L.strides(q), KS=L.strides(k), VS=L.strides(v),
-                  OS=L.strides(do), MS=mask_strides, AS=slope_strides, LS=L.row_strides(lse),
-                  **L.scalars(), **L.constexprs())
-    grid_q = lambda meta: (cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
+    args = dict(DO=do, Lse=lse2, Delta=delta, OS=L.strides(do), LS=L.row_strides(lse),
+                **L.shared, **L.plain)
     if logl is not None:  # Δ of the blocks holding a saturated row, over the preprocessing's
-        _attn_bwd_dq[grid_q](
-            q, k, v, do, dq, lse2, delta, mask, cap, slopes, lse if sinks is None else sinks,
-            LogL=logl.contiguous(), DLse=delta if dlse is None else dlse.contiguous(),
-            GS=L.strides(dq), DELTA_PASS=True, HAS_DLSE=dlse is not None,
-            HAS_SINKS=sinks is not None, **shared)
+        _attn_bwd_dq[L.grid_q](
+            DQ=dq, Sinks=lse if sinks is None else sinks, LogL=logl.contiguous(),
+            DLse=delta if dlse is None else dlse.contiguous(), GS=L.strides(dq),
+            DELTA_PASS=True, HAS_DLSE=dlse is not None, HAS_SINKS=sinks is not None, **args)
     n_kv = L.batch * (L.H // L.group)
     grid_kv = lambda meta: (cdiv(L.n_k, meta["BLOCK_N"]), n_kv)  # noqa: E731
-    _attn_bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse2, delta, mask, cap, slopes, dcap_part,
-                            GS=L.strides(dk), GVS=L.strides(dv), **shared)
-    _attn_bwd_dq[grid_q](q, k, v, do, dq, lse2, delta, mask, cap, slopes, lse, LogL=lse,
-                         DLse=lse, GS=L.strides(dq), DELTA_PASS=False, HAS_DLSE=False,
-                         HAS_SINKS=False, **shared)
+    _attn_bwd_dkdv[grid_kv](DK=dk, DV=dv, DCap=dcap_part, GS=L.strides(dk), GVS=L.strides(dv),
+                            **args)
+    _attn_bwd_dq[L.grid_q](DQ=dq, Sinks=lse, LogL=lse, DLse=lse, GS=L.strides(dq),
+                           DELTA_PASS=False, HAS_DLSE=False, HAS_SINKS=False, **args)
     dcap = None
     if need_dcap and softcap is not None:
         dcap = dcap_part.view(-1, L.batch, L.H).sum(dim=(0, 1))
@@ -495,44 +468,38 @@ def _jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: Launch
     (:func:`attn.flash_triton.outer._attn_jvp`). ȯ in v's dtype shaped as out, lsė float32
     laid out as lse; dense or packed as :func:`_fwd`."""
     ops = Operands() if ops is None else ops
-    q, sinks, softcap = _kernel_inputs(q, k, spec, ops.sinks, ops.softcap)
-    L = _launch_args(q, k, v, spec, ops, softcap)
-    slopes, slope_strides = _alibi_arg(ops.alibi, q, L)
+    L = _launch_args(q, k, v, spec, ops)
+    q, sinks, softcap = L.q, L.sinks, L.softcap
     lse = lse.contiguous()
     lse2 = lse * 1.4426950408889634 if lse2 is None else lse2.contiguous()
-    mask, mask_strides = _mask_arg(ops.attn_mask, q, L.n_k)
     t = tangents
     dq = None if t.q is None else t.q.to(q.dtype)
     dk = None if t.k is None else t.k.to(k.dtype)
     dv = None if t.v is None else t.v.to(v.dtype)
-    dmask = None
-    if L.mask_kind == 2 and t.attn_mask is not None:
-        dmask, dmask_strides = _mask_arg(t.attn_mask, q, L.n_k)
+    has_dmask = L.shared["MASK_KIND"] == 2 and t.attn_mask is not None  # only a float one
+    dmask, dmask_strides = _mask_arg(t.attn_mask if has_dmask else None, q, L.n_k)
     dcap = None
     if softcap is not None:  # a fixed cap has none: zeros
         dcap = (torch.zeros_like(softcap) if t.softcap is None else
                 t.softcap.to(device=q.device, dtype=torch.float32).expand(L.H).contiguous())
     dslopes, dslope_strides = _alibi_arg(
         None if ops.alibi is None else (torch.zeros_like(ops.alibi, dtype=torch.float32)
-                                        if t.alibi is None else t.alibi), q, L)
+                                        if t.alibi is None else t.alibi), q, L.batch, L.H)
     has_sinks = sinks is not None and t.sinks is not None
     d_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
     d_lse = torch.empty(L.rows(q), dtype=torch.float32, device=q.device)
     none = (0, 0, 0, 0)
-    grid = lambda meta: (cdiv(L.n_q, meta["BLOCK_M"]), L.batch * L.H)  # noqa: E731
-    _attn_jvp[grid](
-        q, k, v, out, lse2, q if dq is None else dq, k if dk is None else dk,
-        v if dv is None else dv, d_out, d_lse, mask, q if dmask is None else dmask,
-        q if softcap is None else softcap, q if dcap is None else dcap, slopes, dslopes,
-        sinks if has_sinks else q,
-        t.sinks.to(torch.float32).contiguous() if has_sinks else q, *L.cu_seqlens(q, ops),
-        QS=L.strides(q), KS=L.strides(k), VS=L.strides(v), OS=L.strides(out),
-        TQS=none if dq is None else L.strides(dq), TKS=none if dk is None else L.strides(dk),
-        TVS=none if dv is None else L.strides(dv), GS=L.strides(d_out), MS=mask_strides,
-        DMS=none if dmask is None else dmask_strides, AS=slope_strides, DAS=dslope_strides,
-        LS=L.row_strides(lse), **L.scalars(), **L.constexprs(),
-        TAN=(dq is not None, dk is not None, dv is not None, dmask is not None),
-        HAS_SINKS=has_sinks)
+    _attn_jvp[L.grid_q](
+        Out=out, Lse=lse2, DQ=q if dq is None else dq, DK=k if dk is None else dk,
+        DV=v if dv is None else dv, DOut=d_out, DLse=d_lse,
+        DMask=dmask, DCap=q if dcap is None else dcap, DAlibi=dslopes,
+        Sinks=sinks if has_sinks else q,
+        DSinks=t.sinks.to(torch.float32).contiguous() if has_sinks else q,
+        OS=L.strides(out), TQS=none if dq is None else L.strides(dq),
+        TKS=none if dk is None else L.strides(dk), TVS=none if dv is None else L.strides(dv),
+        GS=L.strides(d_out), DMS=dmask_strides, DAS=dslope_strides, LS=L.row_strides(lse),
+        TAN=(dq is not None, dk is not None, dv is not None, has_dmask), HAS_SINKS=has_sinks,
+        **L.shared, **L.plain)
     return d_out, d_lse
 
 
@@ -570,25 +537,23 @@ def _field_kind(name: str, hint) -> tuple:
         if inner in _SCALARS:
             return ("optional", inner)
     if isinstance(hint, type) and (hasattr(hint, "_fields") or dataclasses.is_dataclass(hint)):
-        return ("struct", hint, _struct_kinds(hint))
+        return ("struct", hint, _spec_kinds(hint))
     raise TypeError(f"LaunchSpec field {name!r} ({hint}) cannot travel through triton's custom "
                     f"ops: give it a kind in attn/flash_triton/launch.py (_field_kind), or list "
                     f"it in _HOST_ONLY with why the ops never see it set")
-
-
-def _struct_kinds(cls) -> tuple[tuple[str, tuple], ...]:
-    hints = typing.get_type_hints(cls)
-    names = cls._fields if hasattr(cls, "_fields") else [f.name for f in dataclasses.fields(cls)]
-    return tuple((n, _field_kind(n, hints[n])) for n in names)
 
 
 _KINDS: dict[type, tuple] = {}  # a plain dict, not functools.cache: torch.compile reads it
 
 
 def _spec_kinds(cls: type) -> tuple[tuple[str, tuple], ...]:
-    """``(field name, kind)`` for every field of the spec class ``cls``, in field order."""
+    """``(field name, kind)`` for every field of the spec class ``cls`` (or of a struct in
+    it), in field order."""
     if cls not in _KINDS:
-        _KINDS[cls] = _struct_kinds(cls)
+        hints = typing.get_type_hints(cls)
+        names = (cls._fields if hasattr(cls, "_fields") else
+                 [f.name for f in dataclasses.fields(cls)])
+        _KINDS[cls] = tuple((n, _field_kind(n, hints[n])) for n in names)
     return _KINDS[cls]
 
 
@@ -765,13 +730,9 @@ def _bwd_op_vmap(info, in_dims, *args):
     if (args[16] is not None or args[8] is not None or args[9] is not None
             or spec.dropout_p > 0.0 or spec.sharded):
         return batching.call_per_sample(_bwd_op, X, in_dims, args)
-    B = batching.rows_of(args[2], in_dims[2])
-    folded = list(args)
-    for i in (0, 1, 2, 3, 4, 5, 6, 14, 15):  # do, dlse, q, k, v, out, lse, logl, lse2
-        folded[i] = batching.fold(args[i], in_dims[i], X, B)
-    folded[7] = batching.fold_mask(args[7], in_dims[7], X, B)
-    folded[13] = batching.fold(*_slopes_2d(args[13], in_dims[13]), X, B)
-    dq, dk, dv, dsinks, dcap = _bwd_op(*folded)
+    # do, dlse, q, k, v, out, lse, logl, lse2; the mask; the slopes
+    dq, dk, dv, dsinks, dcap = _bwd_op(*_fold(args, in_dims, X, q=2, masks=(7,), slopes=(13,),
+                                              rows=(0, 1, 2, 3, 4, 5, 6, 14, 15)))
     unfolded = tuple(batching.unfold(g, X) for g in (dq, dk, dv))
     return (*unfolded, dsinks, dcap), (0, 0, 0, None, None)  # (no sinks, no softcap: empty)
 
@@ -814,27 +775,32 @@ def _jvp_op_vmap(info, in_dims, *args):
     if (args[19] is not None or spec.dropout_p > 0.0 or spec.sharded
             or any(in_dims[i] is not None for i in per_head)):
         return batching.call_per_sample(_jvp_op, X, in_dims, args)
-    B = batching.rows_of(args[0], in_dims[0])
-    folded = list(args)
-    for i in (0, 1, 2, 3, 4, 5, 10, 11, 12):  # q, k, v, out, lse, lse2, dq, dk, dv
-        folded[i] = batching.fold(args[i], in_dims[i], X, B)
-    for i in (6, 13):  # the mask and its tangent
-        folded[i] = batching.fold_mask(args[i], in_dims[i], X, B)
-    for i in (9, 16):  # the slopes and their tangent
-        folded[i] = batching.fold(*_slopes_2d(args[i], in_dims[i]), X, B)
-    d_out, d_lse = _jvp_op(*folded)
+    # q, k, v, out, lse, lse2, dq, dk, dv; the mask and its tangent; the slopes and theirs
+    d_out, d_lse = _jvp_op(*_fold(args, in_dims, X, q=0, masks=(6, 13), slopes=(9, 16),
+                                  rows=(0, 1, 2, 3, 4, 5, 10, 11, 12)))
     return (batching.unfold(d_out, X), batching.unfold(d_lse, X)), (0, 0)
 
 
 _jvp_op.register_vmap(_jvp_op_vmap)
 
 
-def _slopes_2d(alibi: Tensor | None, dim: int | None) -> tuple[Tensor | None, int | None]:
-    """ALiBi slopes mapped at ``dim`` (or shared) with per-sample shape (B or 1, H) or (H,),
-    as (B or 1, H) per sample (the mapped dim first where it moved), for ``batching.fold``."""
-    if alibi is None or alibi.dim() - (dim is not None) == 2:
-        return alibi, dim
-    return (alibi.unsqueeze(0), None) if dim is None else (alibi.movedim(dim, 0)[:, None], 0)
+def _fold(args: tuple, in_dims: tuple, X: int, *, q: int, rows: tuple[int, ...],
+          masks: tuple[int, ...], slopes: tuple[int, ...]) -> list:
+    """A vmap rule's ``args`` with the mapped dim (``X`` samples) folded into the batch of
+    ``args[q]``: the per-row tensors at ``rows`` (batching.fold), the masks at ``masks``
+    (batching.fold_mask) and the ALiBi slopes at ``slopes``; the others as they are."""
+    B = batching.rows_of(args[q], in_dims[q])
+    folded = list(args)
+    for i in rows:
+        folded[i] = batching.fold(args[i], in_dims[i], X, B)
+    for i in masks:
+        folded[i] = batching.fold_mask(args[i], in_dims[i], X, B)
+    for i in slopes:  # per sample (B or 1, H), or (H,): as (1, H), the mapped dim first
+        a, d = args[i], in_dims[i]
+        if a is not None and a.dim() - (d is not None) != 2:
+            a, d = (a.unsqueeze(0), None) if d is None else (a.movedim(d, 0)[:, None], 0)
+        folded[i] = batching.fold(a, d, X, B)
+    return folded
 
 
 # -- autograd ------------------------------------------------------------------------------
@@ -916,12 +882,8 @@ class _FlashAttention(torch.autograd.Function):
                 or any(d is not None for d in in_dims[4:6]))
         if loop:  # per-sample operands, the dropout hash's batch index, packed offsets
             return batching.call_per_sample(_FlashAttentionJvp.apply, X, in_dims, args)
-        B = batching.rows_of(q, in_dims[0])
-        qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
-        res = _FlashAttentionJvp.apply(*qkv, batching.fold_mask(attn_mask, in_dims[3], X, B),
-                                       sinks, softcap,
-                                       batching.fold(*_slopes_2d(alibi, in_dims[6]), X, B),
-                                       spec, ops, second)
+        res = _FlashAttentionJvp.apply(*_fold(args, in_dims, X, q=0, rows=(0, 1, 2),
+                                              masks=(3,), slopes=(6,)))
         return tuple(batching.unfold(x, X) for x in res), (0, 0, 0, 0)
 
 

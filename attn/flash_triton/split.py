@@ -39,16 +39,12 @@ class SplitPlan:
 
 def split_kv_plan(n_k: int, n_q: int, sm_count: int, *, tile: int = 64,
                   force: int | None = None) -> SplitPlan:
-    """The split count of a decoding call: pure, from its key length, its query rows and
-    the GPU's SM count, never from its batch (B·Hkv), so that a sequence's bits do not
-    depend on the rest of its batch.
-
-    ``n_k`` keys, ``n_q`` query rows per head, ``sm_count`` SMs, ``tile`` the kernel's key
-    tile (chunks are whole tiles). The rule: nothing to split unless ``n_q <= 16`` and
-    ``n_k >= 2·256``; then ``ceil(2·sm_count / 8)`` chunks (a sequence with 8 kv heads
-    fills the SMs about twice; a larger batch only adds programs), but chunks no shorter
-    than 256 keys and at most 128 of them. ``force`` (the override): that many chunks
-    instead (0 or 1: none), rounded to whole tiles, so a short cache may get fewer."""
+    """The split count of a decoding call: pure, from its key length ``n_k``, its query rows
+    per head ``n_q`` and the GPU's ``sm_count``, never from its batch (B·Hkv), so that a
+    sequence's bits do not depend on the rest of its batch; the rule: docs/gpu.md, "Split-KV
+    decoding". ``tile``: the kernel's key tile (chunks are whole tiles). ``force`` (the
+    override): that many chunks instead (0 or 1: none), rounded to whole tiles, so a short
+    cache may get fewer."""
     for name, val, low in (("n_k", n_k, 0), ("n_q", n_q, 1),
                            ("sm_count", sm_count, 1), ("tile", tile, 1)):
         if isinstance(val, bool) or not isinstance(val, int) or val < low:

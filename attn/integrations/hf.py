@@ -179,9 +179,11 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
     nothing. Cached on the tensor HF passes to every layer, like the masks, when no mask is
     in play.
     """
-    explicit = cu_seq_lens_q is not None or cu_seq_lens_k is not None
-    anchor = (cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k) if explicit \
-        else position_ids
+    # one of the two given stands for both
+    given = (cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k,
+             cu_seq_lens_k if cu_seq_lens_k is not None else cu_seq_lens_q)
+    explicit = given[0] is not None
+    anchor = given[0] if explicit else position_ids
     cacheable = plan.attn_mask is None and isinstance(anchor, Tensor)
     key = ("packed", plan.causal, plan.window, n_q, n_k, id(cu_seq_lens_k))
     if cacheable and (hit := _recent.get(anchor, key)) is not None:
@@ -190,8 +192,6 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
         if batch != 1:
             raise ValueError(f"cu_seq_lens_q/k describe a packed batch of one row, got batch "
                              f"size {batch}")
-        given = (cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k,
-                 cu_seq_lens_k if cu_seq_lens_k is not None else cu_seq_lens_q)
         # attn's one rule for packed offsets (attn.varlen.check_cu_form), read on the host
         cu_q, cu_k = (check_cu_values(name, check_cu_form(name, cu), n, "the packed length")
                       for name, cu, n in zip(("cu_seq_lens_q", "cu_seq_lens_k"), given, (n_q, n_k)))
