@@ -561,10 +561,10 @@ def _piece_mask(seq: Seq, mask4: _UserMask | None, slopes: Tensor | None, heads:
             seen = _user_piece(mask4.keep, seq, heads, m0, m1, pc)
             seen = seen if keep is None else keep & seen
         may_hide = True
-    if slopes is not None:  # ALiBi: -slope_h |j - (i + offset)|, built in float32
+    if slopes is not None:  # ALiBi: -slope_h |j - (i + offset)|, built in the accumulation dtype
         shift = pc.n0 - m0 - seq.band.offset
         dist = _distances(shift, m1 - m0, pc.n1 - pc.n0, device)
-        minus = -slopes[seq.slopes_row, heads].float().view(1, -1, 1, 1)
+        minus = -slopes[seq.slopes_row, heads].to(_acc_dtype(dtype)).view(1, -1, 1, 1)
         if add is None and dtype == torch.float32:  # into the thread's buffer: a fresh
             # block-sized mask per piece costs its page faults each time (workers.scratch)
             add = workers.scratch("fused_alibi", (1, minus.shape[1], *dist.shape), dtype,

@@ -699,3 +699,14 @@ def test_alibi_bias_reused_only_within_its_launch_and_heads(H, N):
         want = attn.attention(q, k, v, causal=True, alibi_slopes=slopes, backend="reference")
         torch.testing.assert_close(got, want)
         slopes.mul_(2.0)  # the next call's slopes, in the same storage
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_in_float64_keeps_float64s_precision(causal):
+    # ALiBi's bias on the diagonal squares (and its terms off them) in float64 for a float64
+    # call: built from float32 slopes it was 1e-7 off the reference (the budget is ~1e-12);
+    # 300 rows in blocks of 64: left, right and diagonal pieces, and G = 4 query heads a kv head
+    q, k, v = make_inputs(B=2, H=8, Hkv=2, N=300, D=32, dtype=torch.float64, seed=5)
+    slopes = torch.rand(8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_close_to_reference(functools.partial(attn.attention, backend="fused", block_m=64), q,
+                              k, v, causal=causal, alibi_slopes=slopes)
