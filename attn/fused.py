@@ -484,13 +484,13 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
     without a band: ``mask_block_n``). With ``alibi`` a piece every row sees that crosses
     the block's diagonal is cut into the keys on its left, the square around it (masked),
     and the keys on its right, so the keys off the diagonal take the bias as one row per
-    head (:func:`_fold`); the causal diagonal keeps its flag beside its bias mask where
+    head (:func:`_alibi_terms`); the causal diagonal keeps its flag beside its bias mask where
     ``config.causal_bias``, else it is masked."""
     out = []
     if alibi and p.mask_pieces is None and not p.masked:
         off = seq.band.offset
         for pc in block_pieces(seq, p, m0, m1, n_lo, n_hi, config):
-            if pc.causal:  # the diagonal is not folded: its scores would carry terms up to
+            if pc.causal:  # the diagonal is not split: its scores would carry terms up to
                 # slope x rows where its probabilities are (2e-5 off, float32, 128 rows, slope 1)
                 out.append(pc if config.causal_bias else Piece(pc.n0, pc.n1, False, True))
                 continue
@@ -654,7 +654,7 @@ def _side(pc: Piece, m0: int, m1: int, off: int) -> int:
     return 0
 
 
-class _Folded(NamedTuple):
+class _AlibiTerms(NamedTuple):
     """ALiBi's bias on one piece split in two terms: ``add``, the term per key, which torch's
     op adds to the scores (``(1, G, 1, keys)`` in q's dtype, one row the op reads for every
     row; on CUDA expanded to the rows), and ``shift``, the per-row constant the softmax
@@ -663,8 +663,8 @@ class _Folded(NamedTuple):
     shift: Tensor  # (G, rows), accumulation dtype
 
 
-def _fold(qb: Tensor, slopes: Tensor | None, seq: Seq, p: _Plan, mask_mod, m0: int, m1: int,
-          pc: Piece) -> _Folded | None:
+def _alibi_terms(qb: Tensor, slopes: Tensor | None, seq: Seq, p: _Plan, mask_mod, m0: int,
+                 m1: int, pc: Piece) -> _AlibiTerms | None:
     """ALiBi split into a term per key and a term per row where it splits (else None): a
     piece the band does not cut, no other mask on it, on one side of every row's diagonal
     (:func:`_side`). There ALiBi's ``-s_h |j - (i + off)|`` is ``side·s_h·(j - c) -
@@ -684,7 +684,7 @@ def _fold(qb: Tensor, slopes: Tensor | None, seq: Seq, p: _Plan, mask_mod, m0: i
         add = add.expand(1, G, rows, n).contiguous()
     i = torch.arange(m0 + seq.band.offset - c, m1 + seq.band.offset - c, dtype=acc,
                      device=qb.device)
-    return _Folded(add, side * s[:, None] * i[None, :])
+    return _AlibiTerms(add, side * s[:, None] * i[None, :])
 
 
 class _UserMask(NamedTuple):
@@ -931,11 +931,11 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
                                alibi=slopes is not None):
             kb, vb = (_rows_packed(t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1], m1 - m0,
                                    config) for t in (k, v))
-            folded = _fold(qb, slopes, s, p, mask_mods[si], m0, m1, pc)
-            add, seen = (folded.add, None) if folded is not None else _piece_mask(
+            terms = _alibi_terms(qb, slopes, s, p, mask_mods[si], m0, m1, pc)
+            add, seen = (terms.add, None) if terms is not None else _piece_mask(
                 s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype, q.device, mask_mods[si],
                 launch)
-            if fold and add is None and folded is None and not pc.causal:
+            if fold and add is None and not pc.causal:
                 # each kv head's G query heads as G x rows query rows (folds)
                 o, l_ = kern(False).fwd(qb.reshape(1, kvh.stop - hk, -1, qb.shape[-1]), kb,
                                         vb, False, None, spec.qk_scale)
@@ -944,8 +944,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
                 o, l_ = kern(add is not None).fwd(qb, kb, vb, pc.causal, add, spec.qk_scale)
             o, l_ = o[0, ..., :Dv], l_[0]
             empty = _empty_rows(seen, l_)  # (the op's own lse)
-            if folded is not None:
-                l_ = l_ - folded.shift
+            if terms is not None:
+                l_ = l_ - terms.shift
             if empty is not None:  # a row that saw no key: torch's CPU op gives out 0 and
                 # lse 0, its CUDA ops may give NaN out: zeros and -inf, whatever ran
                 l_ = l_.masked_fill(empty.expand_as(l_), float("-inf"))
@@ -1143,10 +1143,10 @@ def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, 
     """torch's backward op on one piece of a query block: ``(dq, dk, dv)`` with the head dim
     padded as the piece needed (``pad``: the two ``dlse`` columns, :func:`_dlse_columns`);
     the caller keeps the first D (Dv) of each."""
-    folded = _fold(qb, slopes, s, p, mask_mod, m0, m1, pc)
-    if folded is not None:
-        add = folded.add
-        lb = lb + folded.shift.to(lb.dtype)  # (+inf rows stay +inf)
+    terms = _alibi_terms(qb, slopes, s, p, mask_mod, m0, m1, pc)
+    if terms is not None:
+        add = terms.add
+        lb = lb + terms.shift.to(lb.dtype)  # (+inf rows stay +inf)
     else:
         add, _ = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, qb.dtype, qb.device,
                              mask_mod)
