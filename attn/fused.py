@@ -1138,23 +1138,6 @@ def _dlse_columns(q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, pad:
     return q, k, v, torch.cat([out, pad], -1), torch.nn.functional.pad(do, (0, 2), value=1.0)
 
 
-def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, mask4,
-               slopes, heads, mask_mod):
-    """torch's backward op on one piece of a query block: ``(dq, dk, dv)`` with the head dim
-    padded as the piece needed (``pad``: the two ``dlse`` columns, :func:`_dlse_columns`);
-    the caller keeps the first D (Dv) of each."""
-    terms = _alibi_terms(qb, slopes, s, p, mask_mod, m0, m1, pc)
-    if terms is not None:
-        add = terms.add
-        lb = lb + terms.shift.to(lb.dtype)  # (+inf rows stay +inf)
-    else:
-        add, _ = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, qb.dtype, qb.device,
-                             mask_mod)
-    if pad is not None:
-        qb, kb, vb, ob, dob = _dlse_columns(qb, kb, vb, ob, dob, pad)
-    return kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal, add, spec.qk_scale)
-
-
 def _whole_bwd(kern, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse_in: Tensor,
                pad: Tensor | None, rows: list[int] | None, mask4: _UserMask | None,
                whole: Piece, spec: LaunchSpec) -> tuple[Tensor, Tensor, Tensor]:
@@ -1244,14 +1227,24 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             rows = slice(s.q0 + m0, s.q0 + m1)
             qb0, dob0, ob0 = (t[s.b:s.b + 1, heads, rows] for t in (q, do, out))
             lb0 = lse_in[s.b:s.b + 1, heads, rows]
+            padb = None if pad is None else pad[s.b:s.b + 1, heads, rows]
             dq_blk = dq[s.b, heads, rows]
             for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
                                    alibi=slopes is not None):
                 kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
                 vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
-                gq, gk, gv = _piece_bwd(kern, s, p, pc, m0, m1, qb0, kb, vb, ob0, dob0, lb0,
-                                        None if pad is None else pad[s.b:s.b + 1, heads, rows],
-                                        spec, ops, mask4, slopes, heads, mask_mods[si])
+                terms = _alibi_terms(qb0, slopes, s, p, mask_mods[si], m0, m1, pc)
+                if terms is not None:  # (+inf rows stay +inf)
+                    add, lb = terms.add, lb0 + terms.shift.to(lb0.dtype)
+                else:
+                    add, _ = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype,
+                                         q.device, mask_mods[si])
+                    lb = lb0
+                qb, ob, dob = qb0, ob0, dob0
+                if padb is not None:  # the dlse columns: the op's head dim grows by 2
+                    qb, kb, vb, ob, dob = _dlse_columns(qb, kb, vb, ob, dob, padb)
+                gq, gk, gv = kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal, add,
+                                                       spec.qk_scale)
                 dq_blk += gq[0, ..., :D]
                 dk_to[:, pc.n0:pc.n1] += gk[0, :, :, :D]
                 dv_to[:, pc.n0:pc.n1] += gv[0, :, :, :Dv]
