@@ -481,11 +481,9 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
                  config: FusedConfig = DEFAULT, alibi: bool = False) -> list[Piece]:
     """The pieces of query block ``[m0, m1)`` within keys ``[n_lo, n_hi)``, masked ones (or
     all, where everything is masked) cut to at most ``masked_block_n`` keys (a user mask
-    without a band: ``mask_block_n``). With ``alibi`` a piece every row sees that crosses
-    the block's diagonal is cut into the keys on its left, the square around it (masked),
-    and the keys on its right, so the keys off the diagonal take the bias as one row per
-    head (:func:`_alibi_terms`); the causal diagonal keeps its flag beside its bias mask where
-    ``config.causal_bias``, else it is masked."""
+    without a band: ``mask_block_n``). With ``alibi`` a piece that crosses the block's
+    diagonal is cut into its left keys, the square around it (masked) and its right keys
+    (:func:`_alibi_terms`; docs/design.md, "The fused backend", Pieces)."""
     out = []
     if alibi and p.mask_pieces is None and not p.masked:
         off = seq.band.offset
@@ -769,13 +767,11 @@ def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
     return x.contiguous()
 
 
-# dtypes whose forward torch's CPU kernel computes per (batch row, head) alike whatever the
-# call's batch or threads (docs/design.md, "The fused backend", Items: the one exception)
+# one op call over the whole batch (:func:`_whole_call`): the dtypes whose bits torch's CPU
+# kernel computes per (batch row, head) whatever the batch or threads, and the query rows
+# from which its threads' scratch buffers leave the bits alone (below: the caller's thread
+# only). Why: docs/design.md, "The fused backend", Items.
 _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
-# below this many query rows the CPU kernel's bits follow where each of its threads'
-# scratch buffers lies, so such a call is one op call only on the caller's thread alone
-# (always the first buffer, as its items'), up to FusedConfig.serial_call_max_scores
-# (docs/design.md, "The fused backend", Items; docs/benchmarks.md)
 _WHOLE_CALL_MIN_ROWS = 32
 
 
@@ -797,9 +793,7 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
     no mask_mod, ALiBi or split-KV, and each sequence one item of its plan unless there is
     a user mask (then whatever its plan). Why each: docs/design.md, "The fused backend"."""
     if (q.device.type != "cpu" or not config.whole_call or q.dtype not in _WHOLE_CALL_DTYPES
-            or not seqs):
-        return None
-    if ops.alibi is not None or any(m is not None for m in mask_mods):
+            or not seqs or ops.alibi is not None or any(m is not None for m in mask_mods)):
         return None
     n_q, n_k, band = seqs[0].q1, seqs[0].k1, seqs[0].band
     hkv = k.shape[1]
@@ -810,11 +804,9 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
             or not workers.openmp_threads() or torch.compiler.is_compiling()):
         return None
     for s, p, hg in zip(seqs, plans, hgs):
-        if (s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band):
-            return None
-        if len(p.ranges) != 1 or p.mask_pieces is not None:
-            return None
-        if mask4 is None and (len(p.blocks) != 1 or hg != hkv):
+        if ((s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band) or len(p.ranges) != 1
+                or p.mask_pieces is not None
+                or (mask4 is None and (len(p.blocks) != 1 or hg != hkv))):
             return None
     return _one_piece(band, n_q, n_k)
 
@@ -847,11 +839,9 @@ def _cut_call(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: Fus
 
 def _poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
               config: FusedConfig, check: bool) -> tuple[list[Seq], list[Seq]]:
-    """``seqs`` as (those torch's op computes, those it cannot), where ``check``; else
-    (seqs, []). It cannot compute, on CPU where some piece of the call is masked
-    (:func:`masks_scores`), a sequence whose own keys are not all finite: one summing pass
-    over k, then one per sequence only where that finds one (docs/design.md, "The fused
-    backend", Masked keys)."""
+    """``seqs`` as (those torch's op computes, those it cannot: on CPU, where some piece is
+    masked, :func:`masks_scores`, a sequence whose keys are not all finite), where
+    ``check``; else (seqs, []) (docs/design.md, "The fused backend", Masked keys)."""
     if (not check or q.device.type != "cpu" or torch.compiler.is_compiling()
             or not masks_scores(spec, ops, q.shape[2], k.shape[2], config)):
         return seqs, []
@@ -872,13 +862,11 @@ def _rows_of(x: Tensor | None, rows: list[int] | None) -> Tensor | None:
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT, fallback: Callable | None = None
          ) -> tuple[Tensor, Tensor]:
-    """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
-    Items are (sequence, kv head group, query block, key range: :func:`head_group`); a
-    sequence's key ranges (split-KV) and the sinks are merged in key order after the items.
-    A call :func:`_whole_call` allows is one op call. ``fallback``: :func:`fused_attention`'s
-    (without it the sequences :func:`_poisoned` finds take the NaN). Long on purpose:
-    ``run``, the items' body, shares the call's buffers and plans as a closure, which the
-    worker pool calls by index."""
+    """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``, by
+    items or one op call (docs/design.md, "The fused backend", Items, Decoding).
+    ``fallback``: :func:`fused_attention`'s (without it the sequences :func:`_poisoned`
+    finds take the NaN). Long on purpose: ``run``, the items' body, shares the call's
+    buffers and plans as a closure, which the worker pool calls by index."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, _ = q.shape
@@ -897,10 +885,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             out[rows], lse[rows] = o, l_
             _apart_fwd(fallback, apart, q, k, v, spec, ops, out, lse)
         return _sinks_joined(out, lse, None, None, ops.sinks)
-    threads = _threads(seqs, config, q)
-    # the caller's own passes (the outputs' fills, the merges) on its thread alone: an
-    # op on torch's threads here would leave OpenMP's team spinning on the core a
-    # worker needs (docs/benchmarks.md)
+    threads = _threads(seqs, config, q)  # (fills and merges around the items: _caller)
     R = max((len(p.ranges) for p in plans), default=1)
     with _caller(threads):
         mask4 = _added(mask4, q.dtype)
@@ -1016,8 +1001,10 @@ def _sinks_joined(out: Tensor, lse: Tensor, parts_out: Tensor | None,
 
 
 def _caller(threads: int | None) -> contextlib.AbstractContextManager:
-    """The caller's own work around a call's items (:func:`_threads` ``threads``) on its
-    thread alone, so the call's one parallel region is its items' (as tiled's)."""
+    """The caller's own work around a call's items (:func:`_threads` ``threads``: the fills,
+    the merges) on its thread alone, so the call's one parallel region is its items' (as
+    tiled's): on torch's threads OpenMP's team would spin on the core a worker needs
+    (docs/design.md, "The fused backend", Items)."""
     return workers.single_thread() if threads != 0 else contextlib.nullcontext()
 
 
@@ -1033,11 +1020,10 @@ def _threads(seqs: list[Seq], config: FusedConfig, q: Tensor) -> int | None:
 def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT,
                *, fold: bool = False) -> int:
     """How many kv heads (and their G query heads each) one item of ``seq`` takes: the most
-    that divide ``hkv`` with an item's scores (a block, or a key range, per head, times the
-    heads) within ``config.item_max_scores``, at least 1; a forward that ``fold``s
-    (:func:`folds`) with at least ``config.serial_max_scores`` scores keeps
-    ``config.items_per_row`` items (or one per kv head, block and range) for the pool
-    (docs/design.md, "The fused backend"). A sequence without query rows: all its kv heads."""
+    that divide ``hkv`` with an item's scores within ``config.item_max_scores``, at least 1,
+    keeping ``config.items_per_row`` items for a forward that ``fold``s (:func:`folds`) with
+    at least ``config.serial_max_scores`` scores (docs/design.md, "The fused backend", Items,
+    Decoding). A sequence without query rows: all its kv heads."""
     if not p.blocks:
         return hkv
     n_q, n_k, parts = seq.q1 - seq.q0, seq.k1 - seq.k0, len(p.blocks) * len(p.ranges)
@@ -1159,12 +1145,10 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
          config: FusedConfig = DEFAULT, precise: Callable | None = None,
          apart: bool = False) -> Grads:
     """Gradients of a fused forward from its merged ``out`` and ``lse``: dq, dk, dv in the
-    accumulation dtype, and the sinks'. Items are (sequence, kv head group, run of query
-    blocks); a run's dK/dV go into a partial of its own when the sequence has several, summed
-    in run order afterwards. A gradient ``dlse`` of the lse output reaches dS through two
-    extra head-dim columns (:func:`_dlse_columns`). ``precise``: :func:`fused_attention`'s;
-    ``apart``: the forward ran the sequences :func:`_poisoned` finds on its fallback, so
-    theirs come from ``precise``. Long for the forward's reason: ``run`` is a closure."""
+    accumulation dtype, and the sinks' (items, runs and the dlse columns: docs/design.md,
+    "The fused backend", Backward). ``precise``: :func:`fused_attention`'s; ``apart``: the
+    forward ran the sequences :func:`_poisoned` finds on its fallback, so theirs come from
+    ``precise``. Long for the forward's reason: ``run`` is a closure."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, D = q.shape
