@@ -405,11 +405,10 @@ MASK_BLOCK = 128  # the tiles a mask_mod is classified over (spec.block_m / _n w
 
 
 def _mask_plan(seq: Seq, spec: LaunchSpec, H: int) -> _Plan:
-    """A call with a mask_mod or a block mask: its tile classification (a block mask's own,
-    else the mask_mod evaluated over this sequence's rows, every head) combined with the
-    band; query blocks are its rows of tiles, each cut into pieces of consecutive full tiles
-    (no mask) and consecutive partial ones (band and mask_mod evaluated); empty tiles are
-    never called. A mask_mod is classified per batch row, so no other row changes the cut."""
+    """A call with a mask_mod or a block mask: its tiles (a block mask's own, else the
+    mask_mod's over this sequence's rows, every head) combined with the band's; query blocks
+    are its rows of tiles, each cut into runs of full tiles (no mask) and of partial ones
+    (docs/design.md, "The fused backend", Pieces: classified per batch row)."""
     n_q, n_k = seq.q1 - seq.q0, seq.k1 - seq.k0
     mb = spec.mask_blocks
     if isinstance(mb, Blocks):
@@ -758,10 +757,9 @@ def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
 
 def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
     """Keys (or values) ``(B, heads, n, D)`` for ``rows`` query rows with each key's row right
-    after the previous one: x itself where they are, or where the rows are at most
-    ``config.split_max_q`` (decoding reads each key about once: a copy costs what it saves),
-    else a copy of them: torch's CPU op rereads keys whose rows lie apart (a paged cache's
-    heads interleaved per key, flash-attn's (B, N, H, D) layout) slowly (docs/benchmarks.md)."""
+    after the previous one: x itself where they are or where the rows are at most
+    ``config.split_max_q``, else a copy (why: docs/kvcache.md, "CPU, fused";
+    docs/benchmarks.md)."""
     if x.shape[2] < 2 or x.stride(2) == x.shape[3] or rows <= config.split_max_q:
         return x
     return x.contiguous()
@@ -817,8 +815,7 @@ def _cut_call(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: Fus
     ops, plans, mask_mods, hgs, whole)``, :func:`_sequences_and_mask`'s split by
     :func:`_poisoned` (``check``), each sequence's plan, mask_mod in its own positions (or
     None) and kv heads per item, and :func:`_whole_call`'s piece. Without a mask_mod or
-    block mask a plan depends on the sequence's lengths and band alone: made once per
-    distinct one (a batch of 64 rows: one plan, not 64)."""
+    block mask a plan is made once per distinct length and band, not once per batch row."""
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     seqs, apart = _poisoned(q, k, seqs, spec, ops, config, check)
     H, Hkv = q.shape[1], k.shape[1]
