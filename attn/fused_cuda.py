@@ -211,9 +211,8 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
             res = a["flash"](qp, kp, vp, 0.0, causal, False, scale=scale)
         else:
             res = a[op](qp, kp, vp, bias, True, 0.0, causal and bias is None, scale=scale)
-        # (a row the mask hides entirely may come back NaN: the fused backend zeroes the
-        # rows its piece mask hides, on every device). The lse as (1, G, rows): the
-        # efficient op pads rows to 32, cuDNN adds a last 1
+        # the lse as (1, G, rows); a row the mask hides may come back NaN, which the fused
+        # backend zeroes (docs/design.md, "The fused backend", On CUDA)
         lse = res[1]
         return res[0][..., :Dv], lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows]
 
