@@ -1273,6 +1273,7 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     inner = dataclasses.replace(config, split_min_keys=1 << 62)  # the ranges are the split
     s, e = int(starts[b]), int(lengths[b])
     chunk = kv_split(Nq, e - s, config) or config.split_min_chunk
+    row_spec = dataclasses.replace(spec, band=Band(band.offset + e - s, band.left, band.right))
     outs, lses = [], []
     for a, z in page_ranges(s, e, 1, chunk):  # at chunk's multiples: page_span crosses pages
         # the range's band: row b's band with N_b keys, from the range's first key on
@@ -1283,8 +1284,7 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         k, _ = page_span(k_pages, table[b], a + lo, a + hi)
         v, _ = page_span(v_pages, table[b], a + lo, a + hi)
         k, v = k.to(q.dtype), v.to(q.dtype)  # pages stored in another dtype: converted
-        rspec = dataclasses.replace(spec, band=Band(band.offset + e - s, band.left,
-                                                    band.right)).shard(k_start=a + lo - s)
+        rspec = row_spec.shard(k_start=a + lo - s)
         rops = Operands(alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
         if (check and masks_scores(rspec, rops, Nq, hi - lo, inner)
                 and not all_finite(k)):
