@@ -405,11 +405,10 @@ MASK_BLOCK = 128  # the tiles a mask_mod is classified over (spec.block_m / _n w
 
 
 def _mask_plan(seq: Seq, spec: LaunchSpec, H: int) -> _Plan:
-    """A call with a mask_mod or a block mask: its tile classification (a block mask's own,
-    else the mask_mod evaluated over this sequence's rows, every head) combined with the
-    band; query blocks are its rows of tiles, each cut into pieces of consecutive full tiles
-    (no mask) and consecutive partial ones (band and mask_mod evaluated); empty tiles are
-    never called. A mask_mod is classified per batch row, so no other row changes the cut."""
+    """A call with a mask_mod or a block mask: its tiles (a block mask's own, else the
+    mask_mod's over this sequence's rows, every head) combined with the band's; query blocks
+    are its rows of tiles, each cut into runs of full tiles (no mask) and of partial ones
+    (docs/design.md, "The fused backend", Pieces: classified per batch row)."""
     n_q, n_k = seq.q1 - seq.q0, seq.k1 - seq.k0
     mb = spec.mask_blocks
     if isinstance(mb, Blocks):
@@ -481,11 +480,9 @@ def block_pieces(seq: Seq, p: _Plan, m0: int, m1: int, n_lo: int, n_hi: int,
                  config: FusedConfig = DEFAULT, alibi: bool = False) -> list[Piece]:
     """The pieces of query block ``[m0, m1)`` within keys ``[n_lo, n_hi)``, masked ones (or
     all, where everything is masked) cut to at most ``masked_block_n`` keys (a user mask
-    without a band: ``mask_block_n``). With ``alibi`` a piece every row sees that crosses
-    the block's diagonal is cut into the keys on its left, the square around it (masked),
-    and the keys on its right, so the keys off the diagonal take the bias as one row per
-    head (:func:`_alibi_terms`); the causal diagonal keeps its flag beside its bias mask where
-    ``config.causal_bias``, else it is masked."""
+    without a band: ``mask_block_n``). With ``alibi`` a piece that crosses the block's
+    diagonal is cut into its left keys, the square around it (masked) and its right keys
+    (:func:`_alibi_terms`; docs/design.md, "The fused backend", Pieces)."""
     out = []
     if alibi and p.mask_pieces is None and not p.masked:
         off = seq.band.offset
@@ -760,22 +757,19 @@ def _config(q: Tensor, config: FusedConfig) -> FusedConfig:
 
 def _rows_packed(x: Tensor, rows: int, config: FusedConfig) -> Tensor:
     """Keys (or values) ``(B, heads, n, D)`` for ``rows`` query rows with each key's row right
-    after the previous one: x itself where they are, or where the rows are at most
-    ``config.split_max_q`` (decoding reads each key about once: a copy costs what it saves),
-    else a copy of them: torch's CPU op rereads keys whose rows lie apart (a paged cache's
-    heads interleaved per key, flash-attn's (B, N, H, D) layout) slowly (docs/benchmarks.md)."""
+    after the previous one: x itself where they are or where the rows are at most
+    ``config.split_max_q``, else a copy (why: docs/kvcache.md, "CPU, fused";
+    docs/benchmarks.md)."""
     if x.shape[2] < 2 or x.stride(2) == x.shape[3] or rows <= config.split_max_q:
         return x
     return x.contiguous()
 
 
-# dtypes whose forward torch's CPU kernel computes per (batch row, head) alike whatever the
-# call's batch or threads (docs/design.md, "The fused backend", Items: the one exception)
+# one op call over the whole batch (:func:`_whole_call`): the dtypes whose bits torch's CPU
+# kernel computes per (batch row, head) whatever the batch or threads, and the query rows
+# from which its threads' scratch buffers leave the bits alone (below: the caller's thread
+# only). Why: docs/design.md, "The fused backend", Items.
 _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
-# below this many query rows the CPU kernel's bits follow where each of its threads'
-# scratch buffers lies, so such a call is one op call only on the caller's thread alone
-# (always the first buffer, as its items'), up to FusedConfig.serial_call_max_scores
-# (docs/design.md, "The fused backend", Items; docs/benchmarks.md)
 _WHOLE_CALL_MIN_ROWS = 32
 
 
@@ -797,9 +791,7 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
     no mask_mod, ALiBi or split-KV, and each sequence one item of its plan unless there is
     a user mask (then whatever its plan). Why each: docs/design.md, "The fused backend"."""
     if (q.device.type != "cpu" or not config.whole_call or q.dtype not in _WHOLE_CALL_DTYPES
-            or not seqs):
-        return None
-    if ops.alibi is not None or any(m is not None for m in mask_mods):
+            or not seqs or ops.alibi is not None or any(m is not None for m in mask_mods)):
         return None
     n_q, n_k, band = seqs[0].q1, seqs[0].k1, seqs[0].band
     hkv = k.shape[1]
@@ -810,11 +802,9 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
             or not workers.openmp_threads() or torch.compiler.is_compiling()):
         return None
     for s, p, hg in zip(seqs, plans, hgs):
-        if (s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band):
-            return None
-        if len(p.ranges) != 1 or p.mask_pieces is not None:
-            return None
-        if mask4 is None and (len(p.blocks) != 1 or hg != hkv):
+        if ((s.q0, s.q1, s.k0, s.k1, s.band) != (0, n_q, 0, n_k, band) or len(p.ranges) != 1
+                or p.mask_pieces is not None
+                or (mask4 is None and (len(p.blocks) != 1 or hg != hkv))):
             return None
     return _one_piece(band, n_q, n_k)
 
@@ -825,8 +815,7 @@ def _cut_call(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: Fus
     ops, plans, mask_mods, hgs, whole)``, :func:`_sequences_and_mask`'s split by
     :func:`_poisoned` (``check``), each sequence's plan, mask_mod in its own positions (or
     None) and kv heads per item, and :func:`_whole_call`'s piece. Without a mask_mod or
-    block mask a plan depends on the sequence's lengths and band alone: made once per
-    distinct one (a batch of 64 rows: one plan, not 64)."""
+    block mask a plan is made once per distinct length and band, not once per batch row."""
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     seqs, apart = _poisoned(q, k, seqs, spec, ops, config, check)
     H, Hkv = q.shape[1], k.shape[1]
@@ -847,11 +836,9 @@ def _cut_call(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: Fus
 
 def _poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
               config: FusedConfig, check: bool) -> tuple[list[Seq], list[Seq]]:
-    """``seqs`` as (those torch's op computes, those it cannot), where ``check``; else
-    (seqs, []). It cannot compute, on CPU where some piece of the call is masked
-    (:func:`masks_scores`), a sequence whose own keys are not all finite: one summing pass
-    over k, then one per sequence only where that finds one (docs/design.md, "The fused
-    backend", Masked keys)."""
+    """``seqs`` as (those torch's op computes, those it cannot: on CPU, where some piece is
+    masked, :func:`masks_scores`, a sequence whose keys are not all finite), where
+    ``check``; else (seqs, []) (docs/design.md, "The fused backend", Masked keys)."""
     if (not check or q.device.type != "cpu" or torch.compiler.is_compiling()
             or not masks_scores(spec, ops, q.shape[2], k.shape[2], config)):
         return seqs, []
@@ -872,13 +859,11 @@ def _rows_of(x: Tensor | None, rows: list[int] | None) -> Tensor | None:
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Operands(), *,
          config: FusedConfig = DEFAULT, fallback: Callable | None = None
          ) -> tuple[Tensor, Tensor]:
-    """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``.
-    Items are (sequence, kv head group, query block, key range: :func:`head_group`); a
-    sequence's key ranges (split-KV) and the sinks are merged in key order after the items.
-    A call :func:`_whole_call` allows is one op call. ``fallback``: :func:`fused_attention`'s
-    (without it the sequences :func:`_poisoned` finds take the NaN). Long on purpose:
-    ``run``, the items' body, shares the call's buffers and plans as a closure, which the
-    worker pool calls by index."""
+    """``(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) in the accumulation dtype)``, by
+    items or one op call (docs/design.md, "The fused backend", Items, Decoding).
+    ``fallback``: :func:`fused_attention`'s (without it the sequences :func:`_poisoned`
+    finds take the NaN). Long on purpose: ``run``, the items' body, shares the call's
+    buffers and plans as a closure, which the worker pool calls by index."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, _ = q.shape
@@ -897,10 +882,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             out[rows], lse[rows] = o, l_
             _apart_fwd(fallback, apart, q, k, v, spec, ops, out, lse)
         return _sinks_joined(out, lse, None, None, ops.sinks)
-    threads = _threads(seqs, config, q)
-    # the caller's own passes (the outputs' fills, the merges) on its thread alone: an
-    # op on torch's threads here would leave OpenMP's team spinning on the core a
-    # worker needs (docs/benchmarks.md)
+    threads = _threads(seqs, config, q)  # (fills and merges around the items: _caller)
     R = max((len(p.ranges) for p in plans), default=1)
     with _caller(threads):
         mask4 = _added(mask4, q.dtype)
@@ -1016,8 +998,10 @@ def _sinks_joined(out: Tensor, lse: Tensor, parts_out: Tensor | None,
 
 
 def _caller(threads: int | None) -> contextlib.AbstractContextManager:
-    """The caller's own work around a call's items (:func:`_threads` ``threads``) on its
-    thread alone, so the call's one parallel region is its items' (as tiled's)."""
+    """The caller's own work around a call's items (:func:`_threads` ``threads``: the fills,
+    the merges) on its thread alone, so the call's one parallel region is its items' (as
+    tiled's): on torch's threads OpenMP's team would spin on the core a worker needs
+    (docs/design.md, "The fused backend", Items)."""
     return workers.single_thread() if threads != 0 else contextlib.nullcontext()
 
 
@@ -1033,11 +1017,10 @@ def _threads(seqs: list[Seq], config: FusedConfig, q: Tensor) -> int | None:
 def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT,
                *, fold: bool = False) -> int:
     """How many kv heads (and their G query heads each) one item of ``seq`` takes: the most
-    that divide ``hkv`` with an item's scores (a block, or a key range, per head, times the
-    heads) within ``config.item_max_scores``, at least 1; a forward that ``fold``s
-    (:func:`folds`) with at least ``config.serial_max_scores`` scores keeps
-    ``config.items_per_row`` items (or one per kv head, block and range) for the pool
-    (docs/design.md, "The fused backend"). A sequence without query rows: all its kv heads."""
+    that divide ``hkv`` with an item's scores within ``config.item_max_scores``, at least 1,
+    keeping ``config.items_per_row`` items for a forward that ``fold``s (:func:`folds`) with
+    at least ``config.serial_max_scores`` scores (docs/design.md, "The fused backend", Items,
+    Decoding). A sequence without query rows: all its kv heads."""
     if not p.blocks:
         return hkv
     n_q, n_k, parts = seq.q1 - seq.q0, seq.k1 - seq.k0, len(p.blocks) * len(p.ranges)
@@ -1138,23 +1121,6 @@ def _dlse_columns(q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, pad:
     return q, k, v, torch.cat([out, pad], -1), torch.nn.functional.pad(do, (0, 2), value=1.0)
 
 
-def _piece_bwd(kern, s, p, pc, m0, m1, qb, kb, vb, ob, dob, lb, pad, spec, ops, mask4,
-               slopes, heads, mask_mod):
-    """torch's backward op on one piece of a query block: ``(dq, dk, dv)`` with the head dim
-    padded as the piece needed (``pad``: the two ``dlse`` columns, :func:`_dlse_columns`);
-    the caller keeps the first D (Dv) of each."""
-    terms = _alibi_terms(qb, slopes, s, p, mask_mod, m0, m1, pc)
-    if terms is not None:
-        add = terms.add
-        lb = lb + terms.shift.to(lb.dtype)  # (+inf rows stay +inf)
-    else:
-        add, _ = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, qb.dtype, qb.device,
-                             mask_mod)
-    if pad is not None:
-        qb, kb, vb, ob, dob = _dlse_columns(qb, kb, vb, ob, dob, pad)
-    return kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal, add, spec.qk_scale)
-
-
 def _whole_bwd(kern, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse_in: Tensor,
                pad: Tensor | None, rows: list[int] | None, mask4: _UserMask | None,
                whole: Piece, spec: LaunchSpec) -> tuple[Tensor, Tensor, Tensor]:
@@ -1176,12 +1142,10 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
          config: FusedConfig = DEFAULT, precise: Callable | None = None,
          apart: bool = False) -> Grads:
     """Gradients of a fused forward from its merged ``out`` and ``lse``: dq, dk, dv in the
-    accumulation dtype, and the sinks'. Items are (sequence, kv head group, run of query
-    blocks); a run's dK/dV go into a partial of its own when the sequence has several, summed
-    in run order afterwards. A gradient ``dlse`` of the lse output reaches dS through two
-    extra head-dim columns (:func:`_dlse_columns`). ``precise``: :func:`fused_attention`'s;
-    ``apart``: the forward ran the sequences :func:`_poisoned` finds on its fallback, so
-    theirs come from ``precise``. Long for the forward's reason: ``run`` is a closure."""
+    accumulation dtype, and the sinks' (items, runs and the dlse columns: docs/design.md,
+    "The fused backend", Backward). ``precise``: :func:`fused_attention`'s; ``apart``: the
+    forward ran the sequences :func:`_poisoned` finds on its fallback, so theirs come from
+    ``precise``. Long for the forward's reason: ``run`` is a closure."""
     config = _config(q, config)
     kern = kernels(q)
     B, H, Nq, D = q.shape
@@ -1244,14 +1208,24 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             rows = slice(s.q0 + m0, s.q0 + m1)
             qb0, dob0, ob0 = (t[s.b:s.b + 1, heads, rows] for t in (q, do, out))
             lb0 = lse_in[s.b:s.b + 1, heads, rows]
+            padb = None if pad is None else pad[s.b:s.b + 1, heads, rows]
             dq_blk = dq[s.b, heads, rows]
             for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
                                    alibi=slopes is not None):
                 kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
                 vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
-                gq, gk, gv = _piece_bwd(kern, s, p, pc, m0, m1, qb0, kb, vb, ob0, dob0, lb0,
-                                        None if pad is None else pad[s.b:s.b + 1, heads, rows],
-                                        spec, ops, mask4, slopes, heads, mask_mods[si])
+                terms = _alibi_terms(qb0, slopes, s, p, mask_mods[si], m0, m1, pc)
+                if terms is not None:  # (+inf rows stay +inf)
+                    add, lb = terms.add, lb0 + terms.shift.to(lb0.dtype)
+                else:
+                    add, _ = _piece_mask(s, mask4, ops.alibi, heads, m0, m1, pc, q.dtype,
+                                         q.device, mask_mods[si])
+                    lb = lb0
+                qb, ob, dob = qb0, ob0, dob0
+                if padb is not None:  # the dlse columns: the op's head dim grows by 2
+                    qb, kb, vb, ob, dob = _dlse_columns(qb, kb, vb, ob, dob, padb)
+                gq, gk, gv = kern(add is not None).bwd(dob, qb, kb, vb, ob, lb, pc.causal, add,
+                                                       spec.qk_scale)
                 dq_blk += gq[0, ..., :D]
                 dk_to[:, pc.n0:pc.n1] += gk[0, :, :, :D]
                 dv_to[:, pc.n0:pc.n1] += gv[0, :, :, :Dv]
@@ -1299,6 +1273,7 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
     inner = dataclasses.replace(config, split_min_keys=1 << 62)  # the ranges are the split
     s, e = int(starts[b]), int(lengths[b])
     chunk = kv_split(Nq, e - s, config) or config.split_min_chunk
+    row_spec = dataclasses.replace(spec, band=Band(band.offset + e - s, band.left, band.right))
     outs, lses = [], []
     for a, z in page_ranges(s, e, 1, chunk):  # at chunk's multiples: page_span crosses pages
         # the range's band: row b's band with N_b keys, from the range's first key on
@@ -1309,8 +1284,7 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         k, _ = page_span(k_pages, table[b], a + lo, a + hi)
         v, _ = page_span(v_pages, table[b], a + lo, a + hi)
         k, v = k.to(q.dtype), v.to(q.dtype)  # pages stored in another dtype: converted
-        rspec = dataclasses.replace(spec, band=Band(band.offset + e - s, band.left,
-                                                    band.right)).shard(k_start=a + lo - s)
+        rspec = row_spec.shard(k_start=a + lo - s)
         rops = Operands(alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
         if (check and masks_scores(rspec, rops, Nq, hi - lo, inner)
                 and not all_finite(k)):

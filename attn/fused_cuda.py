@@ -187,11 +187,6 @@ def _bias(mask: Tensor | None, G: int, rows: int, keys: int) -> Tensor | None:
     return store[..., :keys]
 
 
-def _no_mask(mask: Tensor | None) -> None:
-    if mask is not None:
-        raise ValueError("the flash op takes no mask: a masked piece must run another op")
-
-
 def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
     """The kernel pair for ``op`` (one of :data:`OPS`); ``table_ops`` replaces torch's ops
     (the tests hand in stand-ins that behave as the CUDA ops do, on CPU)."""
@@ -199,36 +194,36 @@ def pair(op: str, table_ops: dict[str, Callable] | None = None) -> Pair:
     if isinstance(a, str):
         raise NotImplementedError(f"backend='fused' is off on CUDA: {a}")
 
-    def prep(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def prep(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """q, k, v padded to 8 columns, K/V expanded to q's G heads, and the mask as a bias."""
+        if op == "flash" and mask is not None:
+            raise ValueError("the flash op takes no mask: a masked piece must run another op")
         G = q.shape[1]
-        return _pad8(q), _pad8(k).expand(1, G, -1, -1), _pad8(v).expand(1, G, -1, -1)
+        return (_pad8(q), _pad8(k).expand(1, G, -1, -1), _pad8(v).expand(1, G, -1, -1),
+                _bias(mask, G, q.shape[2], k.shape[2]))
 
     def fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None,
             scale: float) -> tuple[Tensor, Tensor]:
         Dv, rows = v.shape[-1], q.shape[2]
-        qp, kp, vp = prep(q, k, v)
+        qp, kp, vp, bias = prep(q, k, v, mask)
         if op == "flash":
-            _no_mask(mask)
             res = a["flash"](qp, kp, vp, 0.0, causal, False, scale=scale)
         else:
-            bias = _bias(mask, q.shape[1], rows, k.shape[2])
             res = a[op](qp, kp, vp, bias, True, 0.0, causal and bias is None, scale=scale)
-        # (a row the mask hides entirely may come back NaN: the fused backend zeroes the
-        # rows its piece mask hides, on every device). The lse as (1, G, rows): the
-        # efficient op pads rows to 32, cuDNN adds a last 1
+        # the lse as (1, G, rows); a row the mask hides may come back NaN, which the fused
+        # backend zeroes (docs/design.md, "The fused backend", On CUDA)
         lse = res[1]
         return res[0][..., :Dv], lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :rows]
 
     def bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
             causal: bool, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         D, Dv, rows, keys = q.shape[-1], v.shape[-1], q.shape[2], k.shape[2]
-        qp, kp, vp = prep(q, k, v)
+        qp, kp, vp, bias = prep(q, k, v, mask)
         dop, outp = _pad8(do), _pad8(out)
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
         lse = lse.contiguous()  # float32: the accumulation dtype of every dtype CUDA takes
-        bias = None if op == "flash" else _bias(mask, q.shape[1], rows, keys)
         if op == "flash":
-            _no_mask(mask)
             gq, gk, gv = a["flash_backward"](dop, qp, kp, vp, outp, lse, None, None, rows,
                                              keys, 0.0, causal, zero, zero, scale=scale)
         elif op == "efficient":
