@@ -137,13 +137,12 @@ def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[st
         except ProcessLookupError:  # killed before its setsid: the process alone
             proc.kill()
         proc.join()
-    rc = proc.exitcode
     got = gpu_record.read_scratch(ctx.scratch)
     if killed:
         where = f" while running {got['running']}" if got["running"] else ""
         return "out of time", f"cut at its {ctx.budget_s:.0f} s box{where}", got
-    if rc != 0:
-        return "failed", got["error"] or f"its process ended with exit code {rc}", got
+    if proc.exitcode != 0:
+        return "failed", got["error"] or f"its process ended with exit code {proc.exitcode}", got
     if got["info"].get("skipped"):
         return "skipped", got["info"]["skipped"], got
     return "done", "", got

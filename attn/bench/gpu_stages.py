@@ -578,9 +578,8 @@ def tune(ctx: StageContext) -> None:
     os.environ["ATTN_TRITON_TUNED"] = "0"  # before the first launch reads the table
     import attn.flash_triton as ft
     from attn.flash_triton import tune as tuning
-    from attn.flash_triton.tune import _device_arch
 
-    arch = _device_arch()
+    arch = tuning._device_arch()
     for D, causal in shapes:
         shape = f"D={D} causal={causal} N={N} B={B} H={H} bf16"
         q, k, v = _triton_inputs(ctx, B, H, N, D)
