@@ -1,12 +1,9 @@
 """``attn bench auto-table``: measure fused against tiled for each class of call and dtype on
-this CPU, and write the entry ``backend="auto"`` reads (:mod:`attn.choose`).
-
-One shape per class (:data:`SHAPES`), each dtype asked, fused and tiled (and torch's SDPA, for
-the record) taking turns round after round (SDPA first, and each backend right after it in
-half the rounds); the entry keeps the median of the in-round ratios
-fused time / tiled time, and prefers fused where it is at most ``--margin`` slower (it is
-torch's kernel: same error as SDPA, less Python). Run it quiet and with ``--busy-core``; the
-table keeps the busier (worse for fused) of the runs it is given with ``--merge``.
+this CPU, and write the entry ``backend="auto"`` reads (:mod:`attn.choose`; docs/design.md,
+"Choosing a backend": the classes and how they are timed). The entry keeps the median of the
+in-round ratios fused time / tiled time and prefers fused where it is at most ``--margin``
+slower (it is torch's kernel: same error as SDPA, less Python). Run it quiet and with
+``--busy-core``: ``--write`` keeps, per cell, the run where fused did worse.
 """
 
 from __future__ import annotations

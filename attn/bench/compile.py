@@ -370,13 +370,13 @@ def largest(configs: list) -> Any:
 
 
 def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,
-          dtypes=(torch.bfloat16,), all_configs: bool = False, pruned: bool = True,
-          ptxas_verbose: bool = False, mark_kept: bool = False, kernels=None,
-          config_names=None) -> Iterator[Build]:
-    """Compile every kernel x (largest or every) config x D x variant x dtype x arch;
-    ``mark_kept`` notes on each build whether ``_prune`` keeps its config on that arch.
-    ``kernels`` keeps only those kernels; ``config_names`` (as :func:`_config_name` writes
-    them) builds those configs, kept or pruned, where a kernel has them, instead."""
+          dtypes=(torch.bfloat16,), configs: str = "largest", ptxas_verbose: bool = False,
+          kernels=None, config_names=None) -> Iterator[Build]:
+    """Compile every kernel x config x D x variant x dtype x arch, ``configs`` as
+    ``--configs`` says (every one, those ``_prune`` keeps, or the largest kept), noting on
+    each autotuned build whether ``_prune`` keeps its config on that arch. ``kernels`` keeps
+    only those kernels; ``config_names`` (as :func:`_config_name` writes them) builds those
+    configs, kept or pruned, where a kernel has them, instead."""
     for dtype, d, variant in itertools.product(dtypes, head_dims, variants):
         for launch in record_launches(head_dim=d, dtype=dtype, variant=variant):
             if kernels and launch.name not in kernels:
@@ -385,16 +385,16 @@ def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,
                 # (paged_int4's combine is paged's: the codes are the paged kernel's)
                 continue  # no variant flags: one build per D is enough
             for arch in archs:
-                cfgs = launch.configs(arch=arch, pruned=pruned)
-                kept = launch.configs(arch=arch, pruned=True) if mark_kept else []
-                chosen = cfgs if all_configs else [largest(cfgs)]
+                cfgs = launch.configs(arch=arch, pruned=configs != "all")
+                kept = launch.configs(arch=arch, pruned=True)
+                chosen = [largest(cfgs)] if configs == "largest" else cfgs
                 if config_names:
                     every = launch.configs(arch=arch, pruned=False)
                     chosen = [c for c in every if _config_name(c) in config_names]
                 for cfg in chosen:
                     build = compile_launch(launch, cfg, arch=arch, variant=variant,
                                            ptxas_verbose=ptxas_verbose)
-                    if mark_kept and launch.autotuned:
+                    if launch.autotuned:
                         build.notes.append("kept" if cfg in kept else "pruned")
                     yield build
 
@@ -480,9 +480,8 @@ def run(args, argv: list[str]) -> int:
     dtypes = [getattr(torch, d) for d in args.dtype]
     builds: list[Build] = []
     for b in sweep(archs=tuple(args.arch), head_dims=tuple(args.d), variants=tuple(args.variant),
-                   dtypes=dtypes, all_configs=args.configs != "largest",
-                   pruned=args.configs != "all", ptxas_verbose=not args.no_ptxas,
-                   mark_kept=True, kernels=args.kernel, config_names=args.config):
+                   dtypes=dtypes, configs=args.configs, ptxas_verbose=not args.no_ptxas,
+                   kernels=args.kernel, config_names=args.config):
         builds.append(b)
         what = b.error or (f"{b.shared // 1024} KiB, regs {b.registers}, spills "
                            f"{b.spill_bytes}, loop {b.loop_sass}, wgmma n{b.wgmma_n}")

@@ -27,13 +27,13 @@ SPEED_SHAPE = (4, 16, 4, 2048, 2048)  # B, H, Hkv, Nq, Nk: causal, fwd+bwd
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (64, 128)
 
-# name: (B, H, Hkv, Nq, Nk), keywords (sinks/attn_mask filled in per call), needs a mask
+# name: (B, H, Hkv, Nq, Nk), keywords (sinks / attn_mask: True, filled in per call)
 CASES = {
-    "plain_gqa": ((2, 8, 2, 300, 300), {}, False),
-    "causal_bottom_right": ((1, 4, 4, 200, 333), {"causal": True}, False),
-    "window": ((1, 4, 2, 300, 300), {"causal": True, "window": (64, 0)}, False),
-    "sinks_lse": ((1, 4, 2, 129, 129), {"causal": True, "sinks": True}, False),
-    "bool_mask_hidden_row": ((1, 4, 2, 96, 160), {"attn_mask": True}, True),
+    "plain_gqa": ((2, 8, 2, 300, 300), {}),
+    "causal_bottom_right": ((1, 4, 4, 200, 333), {"causal": True}),
+    "window": ((1, 4, 2, 300, 300), {"causal": True, "window": (64, 0)}),
+    "sinks_lse": ((1, 4, 2, 129, 129), {"causal": True, "sinks": True}),
+    "bool_mask_hidden_row": ((1, 4, 2, 96, 160), {"attn_mask": True}),
 }
 
 
@@ -56,8 +56,8 @@ def verify_one(op: str, dtype: torch.dtype, head_dim: int, device: str = "cuda",
            "torch": torch.__version__, "device": report.device_name(device),
            "date": time.strftime("%Y-%m-%d"), "cases": {}, "exact": True, "error": None}
     with fused_cuda.force_op(op):
-        for i, (name, (shape, kw, masked)) in enumerate(CASES.items()):
-            if masked and not fused_cuda.can_run(op, dtype, head_dim, True):
+        for i, (name, (shape, kw)) in enumerate(CASES.items()):
+            if kw.get("attn_mask") and not fused_cuda.can_run(op, dtype, head_dim, True):
                 continue
             q, k, v, g = _inputs(shape, head_dim, dtype, device, seed=i)
             kw = dict(kw)
@@ -147,14 +147,12 @@ def stage(ctx) -> None:
     """``attn gpu-check``'s fused stage (docs/gpu.md): :func:`verify_one` for every (op, dtype,
     head dim), then each exact row's speed (bf16 and D = 128 first: triton autotunes once per
     pair, every op reuses it). A dry run verifies one op and writes only beside the results."""
-    if ctx.dry_run:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cpu":
-            ctx.dropped("fused CUDA verification", "no GPU: the dry run only rehearses it")
-            return
-        ops, dtypes, dims = ("efficient",), (torch.bfloat16,), (64,)
-    else:
-        device, ops, dtypes, dims = "cuda", fused_cuda.OPS, DTYPES, HEAD_DIMS
+    if ctx.dry_run and not torch.cuda.is_available():
+        ctx.dropped("fused CUDA verification", "no GPU: the dry run only rehearses it")
+        return
+    device = "cuda"
+    ops, dtypes, dims = ((("efficient",), (torch.bfloat16,), (64,)) if ctx.dry_run
+                         else (fused_cuda.OPS, DTYPES, HEAD_DIMS))
     paths = [Path(ctx.out) / "fused_cuda_table.json"] + ([] if ctx.dry_run
                                                            else [fused_cuda.TABLE])
     rows: list[dict] = []

@@ -32,19 +32,15 @@ import torch
 from attn import fused_cuda
 from attn.bench import fused_verify, gpu_record, gpu_stages, gpu_tables, report
 
-STAGES = {"env": "attn.bench.gpu_stages:env",
-          # every variant at small shapes against the float64 reference, bits repeated
-          "smoke": "attn.bench.gpu_smoke:smoke",
-          # `pytest -m cuda`: minutes of compiling; its own run, never a default one
+# name: MODULE:FUNCTION of the stage's process, in run order (docs/gpu.md: what each runs)
+STAGES = {"env": "attn.bench.gpu_stages:env", "smoke": "attn.bench.gpu_smoke:smoke",
           "correctness": "attn.bench.gpu_stages:correctness",
-          # the fused backend's CUDA ops against the float64 reference: writes
-          # fused_cuda_table.json, which auto reads (commit it with the results)
           "fused-cuda": "attn.bench.fused_verify:stage",
           **{name: f"attn.bench.gpu_stages:{name.replace('-', '_')}"
              for name in ("speed", "varlen-decode", "tune", "context-parallel")}}
+# the full CUDA pytest (minutes of compiling) takes a run of its own
 DEFAULT_STAGES = [s for s in STAGES if s != "correctness"]
-# one unit is a minute of the default 8-minute run when every stage takes its whole box (tune's
-# 0.6 is under TUNE_MIN_S: it runs on time the others left); correctness, run alone, takes
+# minutes of the default 8-minute run (docs/gpu.md: the shares); correctness, run alone, takes
 # what is left after env
 WEIGHTS = {"env": 0.3, "smoke": 1.0, "correctness": 5.0, "fused-cuda": 1.2, "speed": 3.5,
            "varlen-decode": 1.0, "tune": 0.6, "context-parallel": 0.4}
@@ -101,15 +97,14 @@ def _header(args: argparse.Namespace, argv: list[str]) -> dict:
 
 
 def _child_env(name: str, dry_run: bool) -> dict:
-    env = dict(os.environ)
+    """The caller's environment with the interpreter on only in a dry run, and one config per
+    launch (right answers, not the fastest) only for correctness and smoke: users autotune."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "ATTN_TRITON_AUTOTUNE")}
     if dry_run:
-        env["TRITON_INTERPRET"] = "1"  # the interpreter, set before triton is imported
-    else:
-        env.pop("TRITON_INTERPRET", None)
+        env["TRITON_INTERPRET"] = "1"
     if name in ("correctness", "smoke"):
-        env["ATTN_TRITON_AUTOTUNE"] = "0"  # right answers, not the fastest config
-    else:
-        env.pop("ATTN_TRITON_AUTOTUNE", None)  # users' setting: autotuning on
+        env["ATTN_TRITON_AUTOTUNE"] = "0"
     return env
 
 
@@ -142,13 +137,12 @@ def _run_stage(name: str, target: str, ctx: gpu_record.StageContext) -> tuple[st
         except ProcessLookupError:  # killed before its setsid: the process alone
             proc.kill()
         proc.join()
-    rc = proc.exitcode
     got = gpu_record.read_scratch(ctx.scratch)
     if killed:
         where = f" while running {got['running']}" if got["running"] else ""
         return "out of time", f"cut at its {ctx.budget_s:.0f} s box{where}", got
-    if rc != 0:
-        return "failed", got["error"] or f"its process ended with exit code {rc}", got
+    if proc.exitcode != 0:
+        return "failed", got["error"] or f"its process ended with exit code {proc.exitcode}", got
     if got["info"].get("skipped"):
         return "skipped", got["info"]["skipped"], got
     return "done", "", got
@@ -184,17 +178,16 @@ def run_stages(args: argparse.Namespace, argv: list[str], stages: dict[str, str]
     env_facts: dict = {}
     with tempfile.TemporaryDirectory(prefix="attn-gpu-check-") as tmp:
         for i, name in enumerate(selected):
-            left = total - (time.time() - t0)
-            weight = WEIGHTS.get(name, 1.0)
-            box = max(left, 0) * weight / sum(WEIGHTS.get(s, 1.0) for s in selected[i:])
+            # its share of what is left, by weight among this stage and the ones after it
+            box = (max(total - (time.time() - t0), 0) * WEIGHTS.get(name, 1.0)
+                   / sum(WEIGHTS.get(s, 1.0) for s in selected[i:]))
             if name == "tune" and box < TUNE_MIN_S and not args.dry_run:
-                doc["stages"][name] = gpu_record.stage_entry(
-                    "skipped", why=f"no budget left ({box:.0f} s < {TUNE_MIN_S} s)")
-            elif box <= 1:
-                doc["stages"][name] = gpu_record.stage_entry("out of time",
-                                                             why="no budget left for it")
-            if doc["stages"][name]["why"].startswith("no budget left"):
-                _say(out, f"stage {name}: {doc['stages'][name]['status']} (no budget left)")
+                short = "skipped", f"no budget left ({box:.0f} s < {TUNE_MIN_S} s)"
+            else:
+                short = ("out of time", "no budget left for it") if box <= 1 else None
+            if short is not None:
+                doc["stages"][name] = gpu_record.stage_entry(short[0], why=short[1])
+                _say(out, f"stage {name}: {short[0]} (no budget left)")
                 gpu_record.write_results(out, doc)
                 continue
             _say(out, f"stage {name} ({box:.0f} s box)")

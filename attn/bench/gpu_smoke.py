@@ -72,17 +72,20 @@ def _case(variant: str, dtype_name: str, D: int, N: int, dev: str):
     return q, k, v, kw, fn
 
 
+def _learned(kw: dict) -> list[str]:
+    """The keywords whose tensors take a gradient (sinks), in keyword order."""
+    return [n for n, t in kw.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def _bits(fn, q, k, v, kw: dict) -> list:
     """Out, lse and every gradient of one call on fresh leaves (dropout's seed fixed)."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    kw = {n: (t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor)
-              and t.requires_grad else t) for n, t in kw.items()}
+    kw = {**kw, **{n: kw[n].detach().clone().requires_grad_() for n in _learned(kw)}}
     torch.manual_seed(0)
     out, lse = fn(*leaves, return_lse=True, **kw)
-    extra = [t for t in kw.values() if isinstance(t, torch.Tensor) and t.requires_grad]
     g = torch.Generator().manual_seed(1)
     do = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
-    grads = torch.autograd.grad(out, [*leaves, *extra], do)
+    grads = torch.autograd.grad(out, [*leaves, *(kw[n] for n in _learned(kw))], do)
     return [out.detach(), lse.detach(), *grads]
 
 
@@ -93,9 +96,7 @@ def check_case(variant: str, dtype_name: str, D: int, N: int, dev: str) -> dict:
     q, k, v, kw, fn = _case(variant, dtype_name, D, N, dev)
     report = compare_to_reference(fn, q, k, v, check_lse=True, **kw)
     first, again = _bits(fn, q, k, v, kw), _bits(fn, q, k, v, kw)
-    names = ["out", "lse", "dq", "dk", "dv", *[f"d{n}" for n, t in kw.items()
-                                                if isinstance(t, torch.Tensor) and
-                                                t.requires_grad]]
+    names = ["out", "lse", "dq", "dk", "dv", *(f"d{n}" for n in _learned(kw))]
     differ = [n for n, a, b in zip(names, first, again) if not torch.equal(a, b)]
     over = [f"{c.name} {c.error:.2e} > {c.budget:.2e}" for c in report.comparisons if not c.ok]
     notes = ([f"over budget: {', '.join(over)}"] if over else []) + (

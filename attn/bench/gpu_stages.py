@@ -343,9 +343,8 @@ def _group(row) -> str:
 
 
 def speed(ctx: StageContext) -> None:
-    """Triton against torch's kernels (attn.bench.sweep, autotuning on), then the cost of each
-    variant at one shape as a ratio to plain causal and, for softcap, window, ALiBi and sinks,
-    against compiled flex on the same variant (the last 40% of the box is kept for them)."""
+    """Triton against torch's kernels (attn.bench.sweep, autotuning on), then the variant costs
+    (:func:`_variant_costs`), which keep the last 40% of the box (docs/gpu.md: the speed row)."""
     from attn.bench.sweep import finish, measure_matmul_rates, plan, run_sweep
 
     cfg = _speed_config(ctx)
@@ -579,9 +578,8 @@ def tune(ctx: StageContext) -> None:
     os.environ["ATTN_TRITON_TUNED"] = "0"  # before the first launch reads the table
     import attn.flash_triton as ft
     from attn.flash_triton import tune as tuning
-    from attn.flash_triton.tune import _device_arch
 
-    arch = _device_arch()
+    arch = tuning._device_arch()
     for D, causal in shapes:
         shape = f"D={D} causal={causal} N={N} B={B} H={H} bf16"
         q, k, v = _triton_inputs(ctx, B, H, N, D)

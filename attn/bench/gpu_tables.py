@@ -170,10 +170,8 @@ def _simple_table(rs: list[dict], cols: tuple[str, ...]) -> list[str]:
 
 def markdown(doc: dict) -> str:
     h = doc["header"]
-    gpu = ", ".join(f"{label} {h[key]}" for key, label in (("sm_count", "SMs:"),
-                                                           ("memory_gib", "GiB:"),
-                                                           ("driver", "driver"))
-                    if h.get(key) is not None)
+    labels = {"sm_count": "SMs:", "memory_gib": "GiB:", "driver": "driver"}
+    gpu = ", ".join(f"{label} {h[key]}" for key, label in labels.items() if h.get(key) is not None)
     out = [f"# attn gpu-check{' (dry run, no GPU)' if h.get('dry_run') else ''}", "",
            f"- device: {h.get('device_name')}{' (' + gpu + ')' if gpu else ''}; torch "
            f"{h.get('torch')}, triton {h.get('triton')}, CUDA {h.get('cuda')}, Python "
