@@ -41,10 +41,8 @@ def load_target(spec: str) -> Callable:
     Raises ValueError naming ``spec`` when it has no ``:``, the module or file cannot be
     loaded, the name is missing, or what it names is not callable.
     """
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"target {spec!r} must be 'module:function' or 'path/to/file.py:function'")
-    where, _, attr = spec.rpartition(":")
-    if not where or not attr:
+    where, _, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    if not where or not attr:  # no ":" leaves where empty
         raise ValueError(f"target {spec!r} must be 'module:function' or 'path/to/file.py:function'")
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
@@ -151,11 +149,9 @@ class Adapted:
         return name in self._params or any(
             p.kind is p.VAR_KEYWORD for p in self._params.values())
 
-    def _to_fn(self, t: Tensor) -> Tensor:
+    def _flip(self, t: Tensor) -> Tensor:
+        """(B, H, N, D) <-> fn's layout, both ways (bnhd is a transpose of bhnd)."""
         return t.transpose(1, 2) if self.layout == "bnhd" else t
-
-    def _from_fn(self, out: Tensor) -> Tensor:
-        return out.transpose(1, 2) if self.layout == "bnhd" else out
 
     def _only(self, kw: dict, allowed: tuple[str, ...], why: dict[str, str] | None = None) -> None:
         """Refuse every keyword set to a non-default value that ``allowed`` leaves out."""
@@ -193,19 +189,19 @@ class Adapted:
             if not self._takes(name):
                 raise self._refuse(f"{name}={_show(value)}", "its signature has no such "
                                    "parameter")
-        return self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **args)
+        return self.fn(self._flip(q), self._flip(k), self._flip(v), **args)
 
     def _out_lse(self, res, q: Tensor, asked: str, shape: str) -> tuple[Tensor, Tensor]:
         """``(out, lse)`` from what ``fn`` returned when ``asked`` for its lse."""
         if not (isinstance(res, (tuple, list)) and len(res) >= 2):
             raise self._refuse("return_lse=True", f"called with {asked}, it returned "
                                f"{type(res).__name__}, not {shape}")
-        return self._from_fn(res[0]), self._lse(res[1], q)
+        return self._flip(res[0]), self._lse(res[1], q)
 
     def _call_attn(self, q, k, v, **kw):
         res = self._call(q, k, v, {n: val for n, val in kw.items() if not _is_default(n, val)})
         if not kw["return_lse"]:
-            return self._from_fn(_first(res))
+            return self._flip(_first(res))
         return self._out_lse(res, q, "it", "(out, lse)")
 
     def _lse(self, lse: Tensor, q: Tensor) -> Tensor:
@@ -244,8 +240,8 @@ class Adapted:
                 raise self._refuse(f"GQA (H={q.shape[1]}, Hkv={k.shape[1]})", "its signature "
                                    "has no 'enable_gqa'")
             args["enable_gqa"] = True
-        out = self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **args)
-        return self._from_fn(_first(out))
+        out = self.fn(self._flip(q), self._flip(k), self._flip(v), **args)
+        return self._flip(_first(out))
 
     def _call_flash(self, q, k, v, **kw):
         self._only(kw, ("causal", "scale", "temperature", "softcap", "window", "dropout_p",
@@ -253,23 +249,16 @@ class Adapted:
                                         "sinks": "flash-attn has no sinks"})
         if isinstance(kw["softcap"], Tensor):
             raise self._refuse("a tensor softcap", "flash-attn's softcap is a float")
-        args = {}
-        if kw["causal"]:
-            args["causal"] = True
-        if kw["window"] is not None:
-            args["window_size"] = tuple(kw["window"])
-        if kw["softcap"] is not None:
-            args["softcap"] = float(kw["softcap"])
-        if kw["dropout_p"]:
-            args["dropout_p"] = kw["dropout_p"]
-        scale = self._folded_scale(q, kw["scale"], kw["temperature"])
-        if scale is not None:
-            args["softmax_scale"] = scale
-        if kw["return_lse"]:
-            args["return_attn_probs"] = True
-        res = self._call(q, k, v, args)
+        # flash-attn's keyword for each attn keyword set (None: left out)
+        args = {"causal": True if kw["causal"] else None,
+                "window_size": None if kw["window"] is None else tuple(kw["window"]),
+                "softcap": None if kw["softcap"] is None else float(kw["softcap"]),
+                "dropout_p": kw["dropout_p"] or None,
+                "softmax_scale": self._folded_scale(q, kw["scale"], kw["temperature"]),
+                "return_attn_probs": True if kw["return_lse"] else None}
+        res = self._call(q, k, v, {n: val for n, val in args.items() if val is not None})
         if not kw["return_lse"]:
-            return self._from_fn(_first(res))
+            return self._flip(_first(res))
         out, lse = self._out_lse(res, q, "return_attn_probs=True", "(out, lse, ...)")
         # flash-attn marks a row with no key by lse = +inf; attn by -inf
         return out, torch.where(lse == float("inf"), float("-inf"), lse)
@@ -299,9 +288,8 @@ class Adapted:
         args = {"scaling": scaling, "dropout": kw["dropout_p"]}
         if kw["softcap"] is not None:
             args["softcap"] = kw["softcap"]
-        res = self.fn(module, q, k, v, mask, **args)
-        out = _first(res)
-        return out.transpose(1, 2)  # HF interfaces return (B, N, H, D)
+        # HF interfaces return (B, N, H, D)
+        return _first(self.fn(module, q, k, v, mask, **args)).transpose(1, 2)
 
 
 def _first(res):
