@@ -57,6 +57,11 @@ def _unbind_packed(name: str, t: object, layout: str) -> tuple[Tensor, ...]:
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _check_float(name: str, t: Tensor) -> None:
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
 def _joined(names: tuple[str, ...]) -> str:
     """``q, k and v`` / ``q and kv`` / ``qkv``: each argument named once."""
     unique = list(dict.fromkeys(names))
@@ -74,8 +79,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("
     given = dict(zip(names, (q, k, v))) if given is None else given
     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in given.items())
     for name, t in zip(names, (q, k, v)):
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        _check_float(name, t)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"{_joined(names)} must share a dtype, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}")
@@ -135,11 +139,7 @@ def _band(causal: bool, window_size: object, seqlen_k: int) -> tuple[tuple[int, 
     sets the right one to 0; a side ``>= seqlen_k`` counts as −1, and a −1 beside a side
     ``>= 0`` stands for ``seqlen_k``: Nk (func), ``max_seqlen_k`` (varlen) or the cache
     capacity (kvcache), the numbers flash-attn substitutes."""
-    left, right = _window(window_size)
-    if left >= seqlen_k:
-        left = -1
-    if right >= seqlen_k:
-        right = -1
+    left, right = (-1 if side >= seqlen_k else side for side in _window(window_size))
     if causal:
         right = 0
     pure_causal = left < 0 and right == 0
@@ -510,12 +510,10 @@ def _kv_cache(q: Tensor, k_cache: object, v_cache: object, k: object, v: object,
     B = q.shape[0]
     paged = block_table is not None
     if paged:
-        if cache_batch_idx is not None:
-            raise FlashAttnError("a paged KV cache (block_table) does not support "
-                                 "cache_batch_idx, as in flash-attn")
-        if cache_leftpad is not None:
-            raise FlashAttnError("a paged KV cache (block_table) does not support "
-                                 "cache_leftpad, as in flash-attn")
+        for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if x is not None:
+                raise FlashAttnError(f"a paged KV cache (block_table) does not support {name}, "
+                                     f"as in flash-attn")
         _check_block_table(block_table, B, k_cache)
     else:
         _tensor("k_cache", k_cache, 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
@@ -562,14 +560,12 @@ def _new_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: object, v: object,
     if k is not None:
         _tensor("k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
         _tensor("v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
-        want_k = (B, k.shape[1], *k_cache.shape[2:])
-        want_v = (B, k.shape[1], *v_cache.shape[2:])
         for name, t in (("k", k), ("v", v)):
-            if t.dtype not in _FLOATS:
-                raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
-                                f"{t.dtype}")
+            _check_float(name, t)
             if t.device != k_cache.device:
                 raise FlashAttnError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
+        want_k = (B, k.shape[1], *k_cache.shape[2:])
+        want_v = (B, k.shape[1], *v_cache.shape[2:])
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
             raise FlashAttnError(f"k and v must be (batch_size, seqlen_new, nheads_k, headdim) "
                                  f"= {want_k} / {want_v} for q {tuple(q.shape)} and k_cache "
