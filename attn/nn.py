@@ -111,13 +111,10 @@ class QKNorm(nn.Module):
             if t.dim() == 0 or t.shape[-1] != self.head_dim:
                 raise ValueError(f"QKNorm(head_dim {self.head_dim}) normalises over the last "
                                  f"dim, got {name} of shape {tuple(t.shape)}")
-        if self.config.kind == "l2":
-            acc = acc_dtype(q.dtype)
-            qn = self._norm(q, None) * self.g.to(acc)
-            kn = self._norm(k, None)
+        if self.config.kind == "l2":  # no gains: g multiplies q̂ alone
+            qn, kn = self._norm(q, None) * self.g.to(acc_dtype(q.dtype)), self._norm(k, None)
         else:
-            qn = self._norm(q, self.q_weight)
-            kn = self._norm(k, self.k_weight)
+            qn, kn = self._norm(q, self.q_weight), self._norm(k, self.k_weight)
         return qn.to(q.dtype), kn.to(k.dtype)
 
     def extra_repr(self) -> str:
@@ -175,11 +172,8 @@ class RotaryEmbedding(nn.Module):
 
 class KVCacheLike(Protocol):
     """What :class:`MultiHeadAttention` needs from a KV cache (``attn.models.KVCache`` is one).
-
-    A cache that also has ``paged() -> attn.kvcache.PagedKVCache`` (the same keys, no copy)
-    is read by :func:`attn.decode` when the call allows it (no gradient, backend
-    "auto", float scale, temperature and softcap); otherwise the views ``append`` returns go
-    through :func:`attn.attention`."""
+    One that also has ``paged() -> attn.kvcache.PagedKVCache`` (the same keys, no copy) is
+    read by :func:`attn.decode` where the call allows it (``MultiHeadAttention._decode``)."""
 
     @property
     def length(self) -> int: ...  # keys cached so far = position of the next query
@@ -309,18 +303,13 @@ def _check_cu_seqlens(cu: object, total: int, x: Tensor) -> None:
 
 
 class MultiHeadAttention(nn.Module):
-    """Self-attention over ``x (B, N, C)`` → ``(B, N, C)`` through :func:`attn.attention`;
-    an unbatched ``x (N, C)`` gives ``(N, C)``, as in ``torch.nn.MultiheadAttention``.
-
-    ``MultiHeadAttention(dim, heads=None, **options)``: ``dim`` is the model width C;
-    ``heads`` (H, default 4) must divide ``dim``. Every other argument is a field of
-    :class:`AttentionOptions` (its help texts say what each does), given as keywords or as
-    ``options=AttentionOptions(...)`` (keywords then override it). Defaults (``causal=False``
-    and ``rope=True`` among them, where torch's module differs): docs/modules.md.
-
-    ``forward(x, kv_cache)``: with a cache (see :class:`KVCacheLike`) the new keys/values are
-    appended and the new queries, at positions ``cache.length …``, attend to everything
-    cached; bottom-right causal alignment makes that exact.
+    """Self-attention over ``x (B, N, C)`` → ``(B, N, C)`` (unbatched ``(N, C)`` → ``(N, C)``)
+    through :func:`attn.attention`. ``dim`` is the width C; ``heads`` (H, default 4) must
+    divide it; every other argument is an :class:`AttentionOptions` field, as keywords or as
+    ``options=AttentionOptions(...)`` (keywords override it). ``forward(x, kv_cache)`` appends
+    to a :class:`KVCacheLike` cache, and the new queries (positions ``cache.length …``) attend
+    to all of it, exactly since causal is bottom-right. Defaults where torch's module
+    differs (``causal=False``, ``rope=True``) and decoding: docs/modules.md.
     """
 
     def __init__(self, dim: int, heads: int | None = None, *,
@@ -437,18 +426,15 @@ class MultiHeadAttention(nn.Module):
         opts = dict(causal=self.causal, scale=self.scale, temperature=self._tau(),
                     softcap=self._cap(), window=self.window, sinks=self.sinks,
                     dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
-        y = self._decode(q, kv_cache, opts) if kv_cache is not None else None
-        if y is not None:
-            y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
-        elif cu_seqlens is not None:
+        if cu_seqlens is not None:  # (no cache then)
             # (B, H, N, D) -> packed (B·N, H, D): rows laid end to end
             qp, kp, vp = (rearrange(t, "b h n d -> (b n) h d") for t in (q, k, v))
             y = varlen_attention(qp, kp, vp, cu_seqlens, cu_seqlens, **opts)
-            y = rearrange(y, "(b n) h d -> b n (h d)", b=B)  # (B, N, H·D)
-        else:
+            return self.proj(rearrange(y, "(b n) h d -> b n (h d)", b=B))  # (B, N, H·D)
+        y = self._decode(q, kv_cache, opts) if kv_cache is not None else None
+        if y is None:
             y = (attention if cp is None else cp.attention)(q, k, v, **opts)
-            y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
-        return self.proj(y)
+        return self.proj(rearrange(y, "b h n d -> b n (h d)"))  # (B, N, H·D)
 
     def _decode(self, q: Tensor, kv_cache: KVCacheLike, opts: dict) -> Tensor | None:
         """The new queries against a cache that can be read as pages (``kv_cache.paged()``)
