@@ -1,12 +1,8 @@
-"""Someone else's attention function, called in attn's convention.
-
-``attn check`` and ``attn bench --fn`` take a user's function by name (``pkg.mod:fn`` or
-``path/to/file.py:fn``, :func:`load_target`) and call it as they call attn's backends: q, k,
-v in (B, H, N, D), :func:`attn.attention`'s keywords, back out (B, H, Nq, Dv) or ``(out,
-lse)`` with a natural-log lse that is -inf on rows with no key. :func:`adapt` translates for
-the calling styles :data:`STYLES` (docs/conformance.md, "Calling styles"); a keyword a style
-cannot express raises ``NotImplementedError`` naming it, so a conformance matrix reads "not
-supported" rather than a wrong answer.
+"""Someone else's attention function (named by :func:`load_target`), called in attn's
+convention (:class:`Adapted`) for ``attn check`` and ``attn bench --fn``. :func:`adapt`
+translates for the calling styles :data:`STYLES` (docs/conformance.md, "Calling styles"); a
+keyword a style cannot express raises ``NotImplementedError`` naming it, so a conformance
+matrix reads "not supported" rather than a wrong answer.
 """
 
 from __future__ import annotations

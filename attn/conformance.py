@@ -1,12 +1,8 @@
-"""The conformance matrix behind ``attn check``: run every case, judge it, diagnose it.
-
-Each case of :func:`attn.testing.conformance_cases` is run on a function already in attn's
-convention (see :mod:`attn.adapters`) and judged against the float64 reference with the
-error budget of :mod:`attn.testing`: a :class:`Row` is correct, not supported (the function
-refused: NotImplementedError, TypeError or ValueError, or no gradient), wrong (over budget,
-then diagnosed by :data:`HYPOTHESES`, each the exact answer with one known mistake, or
-located by :func:`where`), NaN, or error. The run passes when no row is wrong, NaN or error
-(docs/conformance.md).
+"""The conformance matrix behind ``attn check``: run every case of
+:func:`attn.testing.conformance_cases` on a function in attn's convention
+(:mod:`attn.adapters`), judge it against the float64 reference (:mod:`attn.testing`'s
+budget) and diagnose a wrong row by :data:`HYPOTHESES` or locate it by :func:`where`. The
+statuses and when a run passes: docs/conformance.md.
 """
 
 from __future__ import annotations

@@ -182,14 +182,11 @@ def compare_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, grad:
                          check_lse: bool | None = None, out_factor: float = 2.0,
                          grad_factor: float = 3.0, seed: int = 0, **kwargs) -> Report:
     """Errors of ``fn`` (called ``fn(q, k, v, **kwargs)``) and of plain PyTorch (the reference
-    in q's dtype) against float64, each with its budget (docs/testing.md): out, lse and, when
-    ``grad``, the gradients of q, k, v and of every tensor keyword that requires grad.
-    ``check_lse``: None asks for the lse when ``fn``'s signature takes ``return_lse`` (or
-    ``**kwargs``) and checks what comes back; True requires it (TypeError when only the output
-    comes back); False never asks. Budgets: ``out_factor`` × plain error for out and lse,
-    ``grad_factor`` × for gradients, each plus ``_FLOOR`` at max(1, the exact tensor's largest
-    entry). A wrong output shape raises AssertionError naming the shapes; inputs
-    attn.attention refuses raise its ValueError.
+    in q's dtype) against float64, each with its budget: out, lse and, when ``grad``, the
+    gradients of q, k, v and of every tensor keyword that requires grad. Budgets:
+    ``out_factor`` × plain error for out and lse, ``grad_factor`` × for gradients, plus
+    ``_FLOOR`` at max(1, the exact tensor's largest entry). ``check_lse`` (None: asked when
+    ``fn`` takes ``return_lse``), wrong shapes and refused inputs: docs/testing.md.
     """
     from attn.api import attention  # here, not at import: attn.api may import this module
 
