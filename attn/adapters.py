@@ -73,18 +73,25 @@ def load_target(spec: str) -> Callable:
     return obj
 
 
-def _params(fn: Callable) -> dict[str, inspect.Parameter] | None:
+def params_of(fn: Callable) -> dict[str, inspect.Parameter] | None:
     try:
         return dict(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # builtins without a signature
         return None
 
 
+def takes(params: dict[str, inspect.Parameter] | None, name: str) -> bool:
+    """Whether a function of signature ``params`` (:func:`params_of`; None, unreadable, is
+    assumed to) takes the keyword ``name``, by name or through ``**kwargs``."""
+    return params is None or name in params or any(
+        p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def detect_style(fn: Callable) -> tuple[str, str]:
     """The calling style of ``fn`` guessed from its signature, and a sentence saying why."""
     if fn is torch.nn.functional.scaled_dot_product_attention:
         return "torch", "torch, because it is torch.nn.functional.scaled_dot_product_attention"
-    params = _params(fn)
+    params = params_of(fn)
     if params is None:
         return "attn", ("attn, by default: its signature cannot be read (give --style if it "
                         "is torch-, flash- or hf-style)")
@@ -128,7 +135,7 @@ class Adapted:
     def __init__(self, fn: Callable, style: str, layout: str, name: str, detected: str):
         self.fn, self.style, self.layout, self.name, self.detected = (
             fn, style, layout, name, detected)
-        self._params = _params(fn)
+        self._params = params_of(fn)
 
     def __repr__(self) -> str:
         return f"Adapted({self.name!r}, style={self.style!r}, layout={self.layout!r})"
@@ -138,12 +145,6 @@ class Adapted:
     def _refuse(self, what: str, why: str = "") -> NotImplementedError:
         return NotImplementedError(f"{self.name} ({self.style} style) cannot express {what}"
                                    + (f": {why}" if why else ""))
-
-    def _takes(self, name: str) -> bool:
-        if self._params is None:
-            return True
-        return name in self._params or any(
-            p.kind is p.VAR_KEYWORD for p in self._params.values())
 
     def _flip(self, t: Tensor) -> Tensor:
         """(B, H, N, D) <-> fn's layout, both ways (bnhd is a transpose of bhnd)."""
@@ -182,7 +183,7 @@ class Adapted:
         """``fn`` on q, k, v in its layout with ``args``, each refused first where its
         signature has no such parameter."""
         for name, value in args.items():
-            if not self._takes(name):
+            if not takes(self._params, name):
                 raise self._refuse(f"{name}={_show(value)}", "its signature has no such "
                                    "parameter")
         return self.fn(self._flip(q), self._flip(k), self._flip(v), **args)
@@ -228,11 +229,11 @@ class Adapted:
             args["dropout_p"] = kw["dropout_p"]
         scale = self._folded_scale(q, kw["scale"], kw["temperature"])
         if scale is not None:
-            if not self._takes("scale"):
+            if not takes(self._params, "scale"):
                 raise self._refuse(f"scale={scale}", "its signature has no 'scale'")
             args["scale"] = scale
         if q.shape[1] != k.shape[1]:
-            if not self._takes("enable_gqa"):
+            if not takes(self._params, "enable_gqa"):
                 raise self._refuse(f"GQA (H={q.shape[1]}, Hkv={k.shape[1]})", "its signature "
                                    "has no 'enable_gqa'")
             args["enable_gqa"] = True

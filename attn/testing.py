@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-import inspect
-
 import torch
 from torch import Tensor
+
+from attn.adapters import params_of, takes
 
 # The rounding floor, per unit of max(1, largest |exact| entry): about an ulp for the half
 # types, ~16 ulps for float32 (FlashAttention's Δ = rowsum(dO∘O) and dP = dO·Vᵀ round
@@ -90,14 +90,6 @@ def _leaf(t: Tensor, dtype: torch.dtype | None, grad: bool) -> Tensor:
     return t.clone().requires_grad_(grad)
 
 
-def _takes_return_lse(fn: Callable) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no readable signature (some builtins): try the keyword
-        return True
-    return any(p.name == "return_lse" or p.kind is p.VAR_KEYWORD for p in params)
-
-
 def _split(res, asked_lse: bool) -> tuple[Tensor, Tensor | None]:
     """``fn``'s return value as (out, lse or None): a bare tensor, or a pair of tensors."""
     if isinstance(res, Tensor):
@@ -138,7 +130,7 @@ def _run(fn: Callable, q: Tensor, k: Tensor, v: Tensor, kwargs: dict, dtype: tor
             if learn:
                 leaves[name] = val
         kw[name] = val
-    ask = lse if lse is not None else _takes_return_lse(fn)
+    ask = lse if lse is not None else takes(params_of(fn), "return_lse")
     torch.manual_seed(seed)  # dropout masks come from the default generator
     res = fn(leaves["q"], leaves["k"], leaves["v"], **kw, **({"return_lse": True} if ask else {}))
     out, got_lse = _split(res, ask)
