@@ -502,13 +502,11 @@ class _QuantizedLayer(CacheLayerMixin):
 
 
 class AttnQuantizedCache(Cache):
-    """A KV cache for ``model.generate(cache=...)`` (``past_key_values=`` before transformers
-    5.24) that stores every layer's keys and values quantized (:mod:`attn.kvquant`) in an
-    :class:`attn.kvcache.PagedKVCache`, read tile by tile by :func:`attn.decode`: no
-    dequantized copy of the cache is ever built. ``quant``: a :class:`attn.kvquant.KVQuant`
-    or its kind; ``max_tokens``: positions per sequence, padding and new tokens included.
-    Needs ``register()``'s attention; forward only; equal or left-padded prompts. The other
-    arguments, an example and what raises NotImplementedError: docs/hf.md.
+    """A KV cache for ``model.generate(cache=...)`` whose keys and values are stored quantized
+    (:mod:`attn.kvquant`) in an :class:`attn.kvcache.PagedKVCache` and read tile by tile by
+    :func:`attn.decode`, never dequantized whole. Needs ``register()``'s attention; forward
+    only; equal or left-padded prompts. The arguments, an example and what raises
+    NotImplementedError: docs/hf.md ("A quantized KV cache for generate()").
     """
 
     def __init__(self, config, quant: KVQuant | str = "int8", *, max_tokens: int,
@@ -595,16 +593,14 @@ def _with_bias(mask: Tensor | None, position_bias: Tensor | None, dtype: torch.d
                ) -> Tensor | None:
     """The plan's mask with a position_bias added (a bool mask's hidden keys -inf), a float
     mask in q's ``dtype``."""
-    if position_bias is not None:
-        bias = position_bias.to(dtype)
-        if mask is None:
-            return bias
-        if mask.dtype == torch.bool:
-            return bias.masked_fill(~mask, float("-inf"))
-        return bias + mask.to(dtype)
-    if mask is not None and mask.is_floating_point():
-        return mask.to(dtype)
-    return mask
+    if position_bias is None:
+        return mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
+    bias = position_bias.to(dtype)
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask.to(dtype)
 
 
 def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -629,12 +625,11 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     window = _window(sliding_window, causal)
     dropout_p = float(dropout) if module.training else 0.0
     if isinstance(key, _CachedKV):
-        out = _quantized_cache_attention(
+        return _quantized_cache_attention(
             query, key, value, attention_mask, causal, window, scaling, softcap, s_aux,
             dropout_p, {"a position_bias": position_bias, "packed sequences (cu_seq_lens)":
                         cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k,
-                        "HF's paged cache": cache})
-        return out, None
+                        "HF's paged cache": cache}), None
     options = dict(scale=scaling, softcap=softcap, sinks=s_aux, dropout_p=dropout_p,
                    backend=backend)
     if cache is not None:
@@ -643,9 +638,8 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
                                       "with a position_bias")
         # HF's model drew its mask over the packed new tokens only, not knowing the cache: the
         # requests' borders come from cu_seq_lens, the band from causal and the window
-        out = _paged_attention(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k,
-                               kwargs, causal=causal, window=window, **options)
-        return out, None
+        return _paged_attention(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k,
+                                kwargs, causal=causal, window=window, **options), None
 
     plan = (_Plan(causal, window, None) if attention_mask is None
             else _plan_for_mask(attention_mask, Nq, Nk, causal, window))
@@ -659,14 +653,14 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
                             query.device)
 
     mask = _with_bias(plan.attn_mask, position_bias, query.dtype)
-    if plan.cu_seqlens is not None and mask is not None:
-        out = _per_sequence(query, key, value, mask, plan, **options)
-        return out.transpose(1, 2).contiguous(), None
-    if plan.cu_seqlens is not None:
+    if plan.cu_seqlens is not None and mask is None:
         return _varlen(query, key, value, *plan.cu_seqlens, causal=plan.causal,
                        window=plan.window, **options), None
-    out = attn.attention(query, key, value, causal=plan.causal, attn_mask=mask,
-                         window=plan.window, **options)
+    if plan.cu_seqlens is not None:
+        out = _per_sequence(query, key, value, mask, plan, **options)
+    else:
+        out = attn.attention(query, key, value, causal=plan.causal, attn_mask=mask,
+                             window=plan.window, **options)
     return out.transpose(1, 2).contiguous(), None  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
 
 
