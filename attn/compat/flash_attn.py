@@ -212,18 +212,14 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal,
         out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                              causal=False, window=window, dropout_p=dropout_p,
                              return_lse=True, **_variants(softmax_scale, softcap, alibi_slopes))
-    lse = _fa_lse(lse, _slopes(alibi_slopes, H), pure_causal, _row_offset(Nq, Nk, q.device))
+    row_offset = torch.arange(Nq, device=q.device) + (Nk - Nq)  # each row's i + Nk − Nq
+    lse = _fa_lse(lse, _slopes(alibi_slopes, H), pure_causal, row_offset)
     return out.transpose(1, 2).contiguous(), lse  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
 
 
 def _slopes(alibi_slopes: Tensor | None, H: int) -> Tensor | None:
     """(H,) or (B, H) slopes shaped (1 or B, H, 1) to broadcast against lse (B, H, Nq)."""
     return None if alibi_slopes is None else alibi_slopes.reshape(-1, H, 1)
-
-
-def _row_offset(Nq: int, Nk, device: torch.device) -> Tensor:
-    """Each query row's ``i + Nk − Nq``; ``Nk`` an int, or per batch row ``(B, 1)``."""
-    return torch.arange(Nq, device=device) + (Nk - Nq)
 
 
 def _returns(out: Tensor, lse: Tensor, q: Tensor, return_attn_probs: bool):
@@ -647,7 +643,7 @@ def flash_attn_with_kvcache(
             out, lse = decode(q.transpose(1, 2), cache, window=window, return_lse=True,
                               **_variants(softmax_scale, softcap, alibi_slopes))
     keys = (cache.lengths - cache.starts).view(B, 1, 1).to(q.device)  # each row's Nk
-    row_offset = _row_offset(Nq, keys, q.device)
+    row_offset = torch.arange(Nq, device=q.device) + (keys - Nq)  # (B, 1, Nq): i + Nk − Nq
     lse = _fa_lse(lse, _slopes(alibi_slopes, H), pure_causal, row_offset)
     out = out.transpose(1, 2).contiguous()  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
     return (out, lse) if return_softmax_lse else out

@@ -377,8 +377,7 @@ class _QuantizedLayer(CacheLayerMixin):
         self.max_tokens, self.max_batch, self.fp8_scales = max_tokens, max_batch, fp8_scales
         self.quantized_q = quantized_q
         self.pages: PagedKVCache | None = None
-        self.batch = 0
-        self.length = 0
+        self.batch, self.length = 0, 0
         self.pad_starts: Tensor | None = None  # (batch,) first real key of each row
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
