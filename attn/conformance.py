@@ -430,12 +430,9 @@ def comparison_markdown(results: list[CheckResult]) -> str:
     head = "| case | " + " | ".join(f"`{r.target}`" for r in results) + " |"
     lines = [head, "|" + "---|" * (len(results) + 1)]
     for i, row in enumerate(results[0].rows):
-        cells = []
-        for r in results:
-            cell = r.rows[i]
-            text = {"correct": "✓"}.get(cell.status) or cell.text()
-            cells.append(text.replace("|", "\\|").replace("\n", " "))
-        lines.append(f"| {row.case} | " + " | ".join(cells) + " |")
+        cells = ("✓" if r.rows[i].status == "correct" else r.rows[i].text() for r in results)
+        lines.append(f"| {row.case} | " + " | ".join(
+            c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     return "\n".join(lines)
 
 

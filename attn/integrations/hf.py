@@ -156,9 +156,8 @@ def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
     """Sequence boundaries of a padding-free batch (B = 1) whose position_ids restart, else None.
 
     A new sequence starts wherever the position does not go up by one (HF's own rule)."""
-    if not isinstance(position_ids, Tensor) or position_ids.numel() != n or n < 2:
-        return None
-    if position_ids.dim() == 2 and position_ids.shape[0] != 1:
+    if not isinstance(position_ids, Tensor) or position_ids.numel() != n or n < 2 or (
+            position_ids.dim() == 2 and position_ids.shape[0] != 1):
         return None
     pos = position_ids.reshape(-1)
     starts = torch.nonzero(pos.diff() != 1).reshape(-1) + 1
