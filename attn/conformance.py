@@ -72,8 +72,7 @@ class CheckResult:
     def as_dict(self) -> dict:
         return {"target": self.target, "style": self.style, "layout": self.layout,
                 "detected": self.detected, "dtype": self.dtype, "device": self.device,
-                "ok": self.ok,
-                "rows": [asdict(r) for r in self.rows]}
+                "ok": self.ok, "rows": [asdict(r) for r in self.rows]}
 
     def table(self) -> str:
         """One line per case, except the cases the function does not support: one line per

@@ -571,8 +571,7 @@ def _warn_unread(module: torch.nn.Module, kwargs: dict) -> None:
         _warn_once("output_attentions", "attn never materializes attention weights: "
                    "output_attentions=True returns None for them (use attn_implementation="
                    "'eager' to inspect weights)")
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _INERT)
-    for k in unknown:
+    for k in sorted(k for k, v in kwargs.items() if v is not None and k not in _INERT):
         _warn_once(f"kw:{k}", f"attn's HF integration ignores the keyword {k!r} passed by "
                    f"{type(module).__name__}; check that this model does not need it")
 
