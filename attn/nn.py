@@ -98,12 +98,10 @@ class QKNorm(nn.Module):
         y = x.to(acc)
         eps = self.config.eps
         if self.config.kind == "l2":
-            y = y * torch.rsqrt(y.pow(2).sum(-1, keepdim=True) + eps)
-        elif self.config.kind == "rms":
-            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
-        else:
-            y = F.layer_norm(y, (y.shape[-1],), weight.to(acc), None, eps)
-        return y
+            return y * torch.rsqrt(y.pow(2).sum(-1, keepdim=True) + eps)
+        if self.config.kind == "rms":
+            return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
+        return F.layer_norm(y, (y.shape[-1],), weight.to(acc), None, eps)
 
     def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         for name, t in (("q", q), ("k", k)):

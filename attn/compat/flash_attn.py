@@ -377,8 +377,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
     # flash-attn's seqlen_k of the window rule: the max_seqlen_k given
     seqlen_k = int(len_k.max()) if max_seqlen_k is None else _int_like(max_seqlen_k)
     window, pure_causal, _ = _band(causal, window_size, seqlen_k)
-    cu_q = host_q.to(device=q.device)
-    cu_k = host_k.to(device=q.device)
+    cu_q, cu_k = (host.to(device=q.device) for host in (host_q, host_k))
     with translating():
         out, lse = varlen_attention(q[:used_q], k, v, cu_q, cu_k, int(len_q.max()),
                                     int(len_k.max()), window=window, dropout_p=dropout_p,
