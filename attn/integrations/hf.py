@@ -1,14 +1,10 @@
-"""attn as a Hugging Face transformers attention implementation.
-
-    import attn.integrations.hf
-    attn.integrations.hf.register()                      # once, before building models
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
-
-``register`` adds an attention function and a mask function under one name. This module
-only translates HF's keywords, layouts and mask conventions into attn's calls
-(``attn.attention``, ``attn.varlen_attention``, ``attn.decode``); the keyword table,
-continuous batching, :class:`AttnQuantizedCache` and the one difference to eager (rows that
-see no key are zeros): docs/hf.md.
+"""attn as a Hugging Face transformers attention implementation: :func:`register` (once,
+before building models) adds an attention function and a mask function under one name, for
+``from_pretrained(path, attn_implementation="attn")``. This module only translates HF's
+keywords, layouts and mask conventions into attn's calls (``attn.attention``,
+``attn.varlen_attention``, ``attn.decode``); the usage, the keyword table, continuous
+batching, :class:`AttnQuantizedCache` and the one difference to eager (rows that see no key
+are zeros): docs/hf.md.
 """
 
 from __future__ import annotations
