@@ -233,8 +233,7 @@ class AttentionOptions:
         False, "a learnable per-head sink logit joining the softmax denominator "
         "(Xiao et al. 2023)")
     rope: bool = opt_field(True, "rotary position embedding on q and k (Su et al. 2021)")
-    # off by default, as in torch.nn.MultiheadAttention and attn.attention: an encoder built
-    # from the defaults must not be silently causal; a decoder says causal=True (the GPT does)
+    # off by default, as in torch's module: an encoder must not be silently causal (docs/modules.md)
     causal: bool = opt_field(False, "bottom-right causal mask (a decoder's); off = every "
                              "query sees every key, as in torch.nn.MultiheadAttention")
     dropout: float = opt_field(0.0, "attention-probability dropout, in training mode only")
@@ -440,8 +439,7 @@ class MultiHeadAttention(nn.Module):
         paged = getattr(kv_cache, "paged", None)
         tau, cap = opts["temperature"], opts["softcap"]
         if (paged is None or torch.is_grad_enabled() or opts["backend"] != "auto"
-                or opts["dropout_p"] or any(isinstance(x, Tensor)
-                                            for x in (tau, cap, self.scale))):
+                or opts["dropout_p"] or any(isinstance(x, Tensor) for x in (tau, cap, self.scale))):
             return None
         scale = (self.scale if self.scale is not None else self.head_dim ** -0.5) / tau
         return decode(q, paged(), causal=self.causal, window=self.window, scale=scale,
