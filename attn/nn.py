@@ -162,10 +162,8 @@ class RotaryEmbedding(nn.Module):
         # by up to pos·eps radians (3e-2 at position 1M), whereas cos/sin rounded to fp32 are
         # off by eps/2 at any position.
         cos, sin = ang.cos().to(acc), ang.sin().to(acc)
-        y = x.to(acc)
-        y1, y2 = y.chunk(2, dim=-1)  # (B, H, N, D/2) each
-        out = torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1)
-        return out.to(x.dtype)
+        y1, y2 = x.to(acc).chunk(2, dim=-1)  # (B, H, N, D/2) each
+        return torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1).to(x.dtype)
 
 
 class KVCacheLike(Protocol):
