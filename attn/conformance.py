@@ -351,10 +351,8 @@ def run_case(fn: Adapted | Callable, case: Case, dtype: torch.dtype = torch.floa
             return refused(e)
         if problem is None:
             return Row(case.name, "correct")
-        row = Row(case.name, "NaN" if "NaN" in problem else "wrong", problem)
-        if problem.startswith(DROPOUT_UNSCALED):
-            row.diagnosis.append(DROPOUT_UNSCALED)
-        return row
+        return Row(case.name, "NaN" if "NaN" in problem else "wrong", problem,
+                   [DROPOUT_UNSCALED] if problem.startswith(DROPOUT_UNSCALED) else [])
 
     try:
         with torch.no_grad():
