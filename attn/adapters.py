@@ -1,12 +1,8 @@
-"""Someone else's attention function, called in attn's convention.
-
-``attn check`` and ``attn bench --fn`` take a user's function by name (``pkg.mod:fn`` or
-``path/to/file.py:fn``, :func:`load_target`) and call it as they call attn's backends: q, k,
-v in (B, H, N, D), :func:`attn.attention`'s keywords, back out (B, H, Nq, Dv) or ``(out,
-lse)`` with a natural-log lse that is -inf on rows with no key. :func:`adapt` translates for
-the calling styles :data:`STYLES` (docs/conformance.md, "Calling styles"); a keyword a style
-cannot express raises ``NotImplementedError`` naming it, so a conformance matrix reads "not
-supported" rather than a wrong answer.
+"""Someone else's attention function (named by :func:`load_target`), called in attn's
+convention (:class:`Adapted`) for ``attn check`` and ``attn bench --fn``. :func:`adapt`
+translates for the calling styles :data:`STYLES` (docs/conformance.md, "Calling styles"); a
+keyword a style cannot express raises ``NotImplementedError`` naming it, so a conformance
+matrix reads "not supported" rather than a wrong answer.
 """
 
 from __future__ import annotations
@@ -41,10 +37,8 @@ def load_target(spec: str) -> Callable:
     Raises ValueError naming ``spec`` when it has no ``:``, the module or file cannot be
     loaded, the name is missing, or what it names is not callable.
     """
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"target {spec!r} must be 'module:function' or 'path/to/file.py:function'")
-    where, _, attr = spec.rpartition(":")
-    if not where or not attr:
+    where, _, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    if not where or not attr:  # no ":" leaves where empty
         raise ValueError(f"target {spec!r} must be 'module:function' or 'path/to/file.py:function'")
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
@@ -79,18 +73,25 @@ def load_target(spec: str) -> Callable:
     return obj
 
 
-def _params(fn: Callable) -> dict[str, inspect.Parameter] | None:
+def params_of(fn: Callable) -> dict[str, inspect.Parameter] | None:
     try:
         return dict(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # builtins without a signature
         return None
 
 
+def takes(params: dict[str, inspect.Parameter] | None, name: str) -> bool:
+    """Whether a function of signature ``params`` (:func:`params_of`; None, unreadable, is
+    assumed to) takes the keyword ``name``, by name or through ``**kwargs``."""
+    return params is None or name in params or any(
+        p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def detect_style(fn: Callable) -> tuple[str, str]:
     """The calling style of ``fn`` guessed from its signature, and a sentence saying why."""
     if fn is torch.nn.functional.scaled_dot_product_attention:
         return "torch", "torch, because it is torch.nn.functional.scaled_dot_product_attention"
-    params = _params(fn)
+    params = params_of(fn)
     if params is None:
         return "attn", ("attn, by default: its signature cannot be read (give --style if it "
                         "is torch-, flash- or hf-style)")
@@ -134,7 +135,7 @@ class Adapted:
     def __init__(self, fn: Callable, style: str, layout: str, name: str, detected: str):
         self.fn, self.style, self.layout, self.name, self.detected = (
             fn, style, layout, name, detected)
-        self._params = _params(fn)
+        self._params = params_of(fn)
 
     def __repr__(self) -> str:
         return f"Adapted({self.name!r}, style={self.style!r}, layout={self.layout!r})"
@@ -145,17 +146,9 @@ class Adapted:
         return NotImplementedError(f"{self.name} ({self.style} style) cannot express {what}"
                                    + (f": {why}" if why else ""))
 
-    def _takes(self, name: str) -> bool:
-        if self._params is None:
-            return True
-        return name in self._params or any(
-            p.kind is p.VAR_KEYWORD for p in self._params.values())
-
-    def _to_fn(self, t: Tensor) -> Tensor:
+    def _flip(self, t: Tensor) -> Tensor:
+        """(B, H, N, D) <-> fn's layout, both ways (bnhd is a transpose of bhnd)."""
         return t.transpose(1, 2) if self.layout == "bnhd" else t
-
-    def _from_fn(self, out: Tensor) -> Tensor:
-        return out.transpose(1, 2) if self.layout == "bnhd" else out
 
     def _only(self, kw: dict, allowed: tuple[str, ...], why: dict[str, str] | None = None) -> None:
         """Refuse every keyword set to a non-default value that ``allowed`` leaves out."""
@@ -190,22 +183,22 @@ class Adapted:
         """``fn`` on q, k, v in its layout with ``args``, each refused first where its
         signature has no such parameter."""
         for name, value in args.items():
-            if not self._takes(name):
+            if not takes(self._params, name):
                 raise self._refuse(f"{name}={_show(value)}", "its signature has no such "
                                    "parameter")
-        return self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **args)
+        return self.fn(self._flip(q), self._flip(k), self._flip(v), **args)
 
     def _out_lse(self, res, q: Tensor, asked: str, shape: str) -> tuple[Tensor, Tensor]:
         """``(out, lse)`` from what ``fn`` returned when ``asked`` for its lse."""
         if not (isinstance(res, (tuple, list)) and len(res) >= 2):
             raise self._refuse("return_lse=True", f"called with {asked}, it returned "
                                f"{type(res).__name__}, not {shape}")
-        return self._from_fn(res[0]), self._lse(res[1], q)
+        return self._flip(res[0]), self._lse(res[1], q)
 
     def _call_attn(self, q, k, v, **kw):
         res = self._call(q, k, v, {n: val for n, val in kw.items() if not _is_default(n, val)})
         if not kw["return_lse"]:
-            return self._from_fn(_first(res))
+            return self._flip(_first(res))
         return self._out_lse(res, q, "it", "(out, lse)")
 
     def _lse(self, lse: Tensor, q: Tensor) -> Tensor:
@@ -236,16 +229,16 @@ class Adapted:
             args["dropout_p"] = kw["dropout_p"]
         scale = self._folded_scale(q, kw["scale"], kw["temperature"])
         if scale is not None:
-            if not self._takes("scale"):
+            if not takes(self._params, "scale"):
                 raise self._refuse(f"scale={scale}", "its signature has no 'scale'")
             args["scale"] = scale
         if q.shape[1] != k.shape[1]:
-            if not self._takes("enable_gqa"):
+            if not takes(self._params, "enable_gqa"):
                 raise self._refuse(f"GQA (H={q.shape[1]}, Hkv={k.shape[1]})", "its signature "
                                    "has no 'enable_gqa'")
             args["enable_gqa"] = True
-        out = self.fn(self._to_fn(q), self._to_fn(k), self._to_fn(v), **args)
-        return self._from_fn(_first(out))
+        out = self.fn(self._flip(q), self._flip(k), self._flip(v), **args)
+        return self._flip(_first(out))
 
     def _call_flash(self, q, k, v, **kw):
         self._only(kw, ("causal", "scale", "temperature", "softcap", "window", "dropout_p",
@@ -253,23 +246,16 @@ class Adapted:
                                         "sinks": "flash-attn has no sinks"})
         if isinstance(kw["softcap"], Tensor):
             raise self._refuse("a tensor softcap", "flash-attn's softcap is a float")
-        args = {}
-        if kw["causal"]:
-            args["causal"] = True
-        if kw["window"] is not None:
-            args["window_size"] = tuple(kw["window"])
-        if kw["softcap"] is not None:
-            args["softcap"] = float(kw["softcap"])
-        if kw["dropout_p"]:
-            args["dropout_p"] = kw["dropout_p"]
-        scale = self._folded_scale(q, kw["scale"], kw["temperature"])
-        if scale is not None:
-            args["softmax_scale"] = scale
-        if kw["return_lse"]:
-            args["return_attn_probs"] = True
-        res = self._call(q, k, v, args)
+        # flash-attn's keyword for each attn keyword set (None: left out)
+        args = {"causal": True if kw["causal"] else None,
+                "window_size": None if kw["window"] is None else tuple(kw["window"]),
+                "softcap": None if kw["softcap"] is None else float(kw["softcap"]),
+                "dropout_p": kw["dropout_p"] or None,
+                "softmax_scale": self._folded_scale(q, kw["scale"], kw["temperature"]),
+                "return_attn_probs": True if kw["return_lse"] else None}
+        res = self._call(q, k, v, {n: val for n, val in args.items() if val is not None})
         if not kw["return_lse"]:
-            return self._from_fn(_first(res))
+            return self._flip(_first(res))
         out, lse = self._out_lse(res, q, "return_attn_probs=True", "(out, lse, ...)")
         # flash-attn marks a row with no key by lse = +inf; attn by -inf
         return out, torch.where(lse == float("inf"), float("-inf"), lse)
@@ -299,9 +285,8 @@ class Adapted:
         args = {"scaling": scaling, "dropout": kw["dropout_p"]}
         if kw["softcap"] is not None:
             args["softcap"] = kw["softcap"]
-        res = self.fn(module, q, k, v, mask, **args)
-        out = _first(res)
-        return out.transpose(1, 2)  # HF interfaces return (B, N, H, D)
+        # HF interfaces return (B, N, H, D)
+        return _first(self.fn(module, q, k, v, mask, **args)).transpose(1, 2)
 
 
 def _first(res):

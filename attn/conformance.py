@@ -1,12 +1,8 @@
-"""The conformance matrix behind ``attn check``: run every case, judge it, diagnose it.
-
-Each case of :func:`attn.testing.conformance_cases` is run on a function already in attn's
-convention (see :mod:`attn.adapters`) and judged against the float64 reference with the
-error budget of :mod:`attn.testing`: a :class:`Row` is correct, not supported (the function
-refused: NotImplementedError, TypeError or ValueError, or no gradient), wrong (over budget,
-then diagnosed by :data:`HYPOTHESES`, each the exact answer with one known mistake, or
-located by :func:`where`), NaN, or error. The run passes when no row is wrong, NaN or error
-(docs/conformance.md).
+"""The conformance matrix behind ``attn check``: run every case of
+:func:`attn.testing.conformance_cases` on a function in attn's convention
+(:mod:`attn.adapters`), judge it against the float64 reference (:mod:`attn.testing`'s
+budget) and diagnose a wrong row by :data:`HYPOTHESES` or locate it by :func:`where`. The
+statuses and when a run passes: docs/conformance.md.
 """
 
 from __future__ import annotations
@@ -76,8 +72,7 @@ class CheckResult:
     def as_dict(self) -> dict:
         return {"target": self.target, "style": self.style, "layout": self.layout,
                 "detected": self.detected, "dtype": self.dtype, "device": self.device,
-                "ok": self.ok,
-                "rows": [asdict(r) for r in self.rows]}
+                "ok": self.ok, "rows": [asdict(r) for r in self.rows]}
 
     def table(self) -> str:
         """One line per case, except the cases the function does not support: one line per
@@ -356,10 +351,8 @@ def run_case(fn: Adapted | Callable, case: Case, dtype: torch.dtype = torch.floa
             return refused(e)
         if problem is None:
             return Row(case.name, "correct")
-        row = Row(case.name, "NaN" if "NaN" in problem else "wrong", problem)
-        if problem.startswith(DROPOUT_UNSCALED):
-            row.diagnosis.append(DROPOUT_UNSCALED)
-        return row
+        return Row(case.name, "NaN" if "NaN" in problem else "wrong", problem,
+                   [DROPOUT_UNSCALED] if problem.startswith(DROPOUT_UNSCALED) else [])
 
     try:
         with torch.no_grad():
@@ -434,12 +427,9 @@ def comparison_markdown(results: list[CheckResult]) -> str:
     head = "| case | " + " | ".join(f"`{r.target}`" for r in results) + " |"
     lines = [head, "|" + "---|" * (len(results) + 1)]
     for i, row in enumerate(results[0].rows):
-        cells = []
-        for r in results:
-            cell = r.rows[i]
-            text = {"correct": "✓"}.get(cell.status) or cell.text()
-            cells.append(text.replace("|", "\\|").replace("\n", " "))
-        lines.append(f"| {row.case} | " + " | ".join(cells) + " |")
+        cells = ("✓" if r.rows[i].status == "correct" else r.rows[i].text() for r in results)
+        lines.append(f"| {row.case} | " + " | ".join(
+            c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     return "\n".join(lines)
 
 

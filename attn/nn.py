@@ -98,12 +98,10 @@ class QKNorm(nn.Module):
         y = x.to(acc)
         eps = self.config.eps
         if self.config.kind == "l2":
-            y = y * torch.rsqrt(y.pow(2).sum(-1, keepdim=True) + eps)
-        elif self.config.kind == "rms":
-            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
-        else:
-            y = F.layer_norm(y, (y.shape[-1],), weight.to(acc), None, eps)
-        return y
+            return y * torch.rsqrt(y.pow(2).sum(-1, keepdim=True) + eps)
+        if self.config.kind == "rms":
+            return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight.to(acc)
+        return F.layer_norm(y, (y.shape[-1],), weight.to(acc), None, eps)
 
     def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         for name, t in (("q", q), ("k", k)):
@@ -111,13 +109,10 @@ class QKNorm(nn.Module):
             if t.dim() == 0 or t.shape[-1] != self.head_dim:
                 raise ValueError(f"QKNorm(head_dim {self.head_dim}) normalises over the last "
                                  f"dim, got {name} of shape {tuple(t.shape)}")
-        if self.config.kind == "l2":
-            acc = acc_dtype(q.dtype)
-            qn = self._norm(q, None) * self.g.to(acc)
-            kn = self._norm(k, None)
+        if self.config.kind == "l2":  # no gains: g multiplies q̂ alone
+            qn, kn = self._norm(q, None) * self.g.to(acc_dtype(q.dtype)), self._norm(k, None)
         else:
-            qn = self._norm(q, self.q_weight)
-            kn = self._norm(k, self.k_weight)
+            qn, kn = self._norm(q, self.q_weight), self._norm(k, self.k_weight)
         return qn.to(q.dtype), kn.to(k.dtype)
 
     def extra_repr(self) -> str:
@@ -167,19 +162,14 @@ class RotaryEmbedding(nn.Module):
         # by up to pos·eps radians (3e-2 at position 1M), whereas cos/sin rounded to fp32 are
         # off by eps/2 at any position.
         cos, sin = ang.cos().to(acc), ang.sin().to(acc)
-        y = x.to(acc)
-        y1, y2 = y.chunk(2, dim=-1)  # (B, H, N, D/2) each
-        out = torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1)
-        return out.to(x.dtype)
+        y1, y2 = x.to(acc).chunk(2, dim=-1)  # (B, H, N, D/2) each
+        return torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1).to(x.dtype)
 
 
 class KVCacheLike(Protocol):
     """What :class:`MultiHeadAttention` needs from a KV cache (``attn.models.KVCache`` is one).
-
-    A cache that also has ``paged() -> attn.kvcache.PagedKVCache`` (the same keys, no copy)
-    is read by :func:`attn.decode` when the call allows it (no gradient, backend
-    "auto", float scale, temperature and softcap); otherwise the views ``append`` returns go
-    through :func:`attn.attention`."""
+    One that also has ``paged() -> attn.kvcache.PagedKVCache`` (the same keys, no copy) is
+    read by :func:`attn.decode` where the call allows it (``MultiHeadAttention._decode``)."""
 
     @property
     def length(self) -> int: ...  # keys cached so far = position of the next query
@@ -190,10 +180,8 @@ class KVCacheLike(Protocol):
 def _parse_window(s: str) -> int | tuple[int, int]:
     """Command-line spelling of a window: ``W`` or ``LEFT,RIGHT``."""
     parts = [int(p) for p in s.split(",")]
-    if len(parts) == 1:
-        return parts[0]
-    if len(parts) == 2:
-        return (parts[0], parts[1])
+    if len(parts) in (1, 2):
+        return parts[0] if len(parts) == 1 else (parts[0], parts[1])
     raise ValueError(f"window must be W or LEFT,RIGHT, got {s!r}")
 
 
@@ -243,8 +231,7 @@ class AttentionOptions:
         False, "a learnable per-head sink logit joining the softmax denominator "
         "(Xiao et al. 2023)")
     rope: bool = opt_field(True, "rotary position embedding on q and k (Su et al. 2021)")
-    # off by default, as in torch.nn.MultiheadAttention and attn.attention: an encoder built
-    # from the defaults must not be silently causal; a decoder says causal=True (the GPT does)
+    # off by default, as in torch's module: an encoder must not be silently causal (docs/modules.md)
     causal: bool = opt_field(False, "bottom-right causal mask (a decoder's); off = every "
                              "query sees every key, as in torch.nn.MultiheadAttention")
     dropout: float = opt_field(0.0, "attention-probability dropout, in training mode only")
@@ -309,18 +296,13 @@ def _check_cu_seqlens(cu: object, total: int, x: Tensor) -> None:
 
 
 class MultiHeadAttention(nn.Module):
-    """Self-attention over ``x (B, N, C)`` → ``(B, N, C)`` through :func:`attn.attention`;
-    an unbatched ``x (N, C)`` gives ``(N, C)``, as in ``torch.nn.MultiheadAttention``.
-
-    ``MultiHeadAttention(dim, heads=None, **options)``: ``dim`` is the model width C;
-    ``heads`` (H, default 4) must divide ``dim``. Every other argument is a field of
-    :class:`AttentionOptions` (its help texts say what each does), given as keywords or as
-    ``options=AttentionOptions(...)`` (keywords then override it). Defaults (``causal=False``
-    and ``rope=True`` among them, where torch's module differs): docs/modules.md.
-
-    ``forward(x, kv_cache)``: with a cache (see :class:`KVCacheLike`) the new keys/values are
-    appended and the new queries, at positions ``cache.length …``, attend to everything
-    cached; bottom-right causal alignment makes that exact.
+    """Self-attention over ``x (B, N, C)`` → ``(B, N, C)`` (unbatched ``(N, C)`` → ``(N, C)``)
+    through :func:`attn.attention`. ``dim`` is the width C; ``heads`` (H, default 4) must
+    divide it; every other argument is an :class:`AttentionOptions` field, as keywords or as
+    ``options=AttentionOptions(...)`` (keywords override it). ``forward(x, kv_cache)`` appends
+    to a :class:`KVCacheLike` cache, and the new queries (positions ``cache.length …``) attend
+    to all of it, exactly since causal is bottom-right. Defaults where torch's module
+    differs (``causal=False``, ``rope=True``) and decoding: docs/modules.md.
     """
 
     def __init__(self, dim: int, heads: int | None = None, *,
@@ -437,18 +419,15 @@ class MultiHeadAttention(nn.Module):
         opts = dict(causal=self.causal, scale=self.scale, temperature=self._tau(),
                     softcap=self._cap(), window=self.window, sinks=self.sinks,
                     dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
-        y = self._decode(q, kv_cache, opts) if kv_cache is not None else None
-        if y is not None:
-            y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
-        elif cu_seqlens is not None:
+        if cu_seqlens is not None:  # (no cache then)
             # (B, H, N, D) -> packed (B·N, H, D): rows laid end to end
             qp, kp, vp = (rearrange(t, "b h n d -> (b n) h d") for t in (q, k, v))
             y = varlen_attention(qp, kp, vp, cu_seqlens, cu_seqlens, **opts)
-            y = rearrange(y, "(b n) h d -> b n (h d)", b=B)  # (B, N, H·D)
-        else:
+            return self.proj(rearrange(y, "(b n) h d -> b n (h d)", b=B))  # (B, N, H·D)
+        y = self._decode(q, kv_cache, opts) if kv_cache is not None else None
+        if y is None:
             y = (attention if cp is None else cp.attention)(q, k, v, **opts)
-            y = rearrange(y, "b h n d -> b n (h d)")  # (B, N, H·D)
-        return self.proj(y)
+        return self.proj(rearrange(y, "b h n d -> b n (h d)"))  # (B, N, H·D)
 
     def _decode(self, q: Tensor, kv_cache: KVCacheLike, opts: dict) -> Tensor | None:
         """The new queries against a cache that can be read as pages (``kv_cache.paged()``)
@@ -458,8 +437,7 @@ class MultiHeadAttention(nn.Module):
         paged = getattr(kv_cache, "paged", None)
         tau, cap = opts["temperature"], opts["softcap"]
         if (paged is None or torch.is_grad_enabled() or opts["backend"] != "auto"
-                or opts["dropout_p"] or any(isinstance(x, Tensor)
-                                            for x in (tau, cap, self.scale))):
+                or opts["dropout_p"] or any(isinstance(x, Tensor) for x in (tau, cap, self.scale))):
             return None
         scale = (self.scale if self.scale is not None else self.head_dim ** -0.5) / tau
         return decode(q, paged(), causal=self.causal, window=self.window, scale=scale,

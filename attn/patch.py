@@ -1,17 +1,14 @@
 """Swap attn into code that calls ``torch.nn.functional.scaled_dot_product_attention``.
 
 Libraries such as timm and x-transformers look the function up on ``torch.nn.functional`` at
-each call (``F.scaled_dot_product_attention(q, k, v, ...)``), so replacing that attribute routes
-them to :func:`attn.scaled_dot_product_attention`, which takes the same arguments, without
-editing their code. Code that bound the function to a name of its own before the patch
-(``from torch.nn.functional import scaled_dot_product_attention`` at import time) keeps
-torch's and is not reached, except with one of torch's causal biases as ``attn_mask``
-(``torch.nn.attention.bias.causal_lower_right``): the bias routes the call itself, from its
-``__torch_function__``, by asking whether the function called *is* the one on
-``torch.nn.functional``. While a patch is on that question would answer no and torch would
-read the bias as a dense tensor of garbage, so the patch also hooks the bias class: a call
-of torch's function with a bias goes to attn too. attn's own callers of torch's kernels
-still reach them (:data:`attn.sdpa.torch_sdpa`).
+each call, so replacing that attribute routes them to :func:`attn.scaled_dot_product_attention`
+(the same arguments) without editing their code. Code that bound torch's function to a name of
+its own before the patch keeps it, except with one of torch's causal biases as ``attn_mask``:
+the bias routes the call itself, from its ``__torch_function__``, by asking whether the
+function called *is* the one on ``torch.nn.functional``. Under a patch that would answer no and
+torch would read the bias as a dense tensor of garbage, so the patch hooks the bias class too
+(docs/variants.md, "The drop-in"). attn's own callers of torch's kernels still reach them
+(:data:`attn.sdpa.torch_sdpa`).
 """
 
 from __future__ import annotations
@@ -101,10 +98,8 @@ def patch_sdpa(backend: str = "auto") -> SdpaPatch:
         out = model(x)
         patch.restore()
 
-    Semantics are torch's (top-left ``is_causal``, bool mask True = attend, float mask added,
-    ``enable_gqa``); a fully masked row gives zeros where torch gives NaN, and dropout draws
-    attn's reproducible mask, not torch's. A call attn cannot run raises, as attn's drop-in
-    does; nothing falls back to torch silently.
+    Semantics and known differences are the drop-in's (docs/variants.md, "The drop-in"); a
+    call attn cannot run raises, as the drop-in does: nothing falls back to torch silently.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

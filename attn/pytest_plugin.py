@@ -1,11 +1,6 @@
-"""pytest plugin: ``pytest --attn-impl mypkg.mod:fn`` runs attn's conformance matrix as tests.
-
-Installed with attn (entry point ``pytest11``) and idle unless ``--attn-impl`` is given: then
-every case of :func:`attn.testing.conformance_cases` becomes one test item,
-``attn-check[mypkg.mod:fn]::<case>``, beside the suite's own tests. A correct row passes, a
-row the function cannot express is skipped with what it raised, a wrong or NaN row fails
-with ``attn check``'s diagnosis. Without the entry point (attn not installed), load it with
-``-p attn.pytest_plugin``.
+"""pytest plugin: ``pytest --attn-impl mypkg.mod:fn`` runs attn's conformance matrix as tests,
+one item per case (:func:`attn.conformance.run_case`); idle without ``--attn-impl``. Items,
+verdicts and loading it without the entry point: docs/conformance.md, "As pytest items".
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-import inspect
-
 import torch
 from torch import Tensor
+
+from attn.adapters import params_of, takes
 
 # The rounding floor, per unit of max(1, largest |exact| entry): about an ulp for the half
 # types, ~16 ulps for float32 (FlashAttention's Δ = rowsum(dO∘O) and dP = dO·Vᵀ round
@@ -90,14 +90,6 @@ def _leaf(t: Tensor, dtype: torch.dtype | None, grad: bool) -> Tensor:
     return t.clone().requires_grad_(grad)
 
 
-def _takes_return_lse(fn: Callable) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no readable signature (some builtins): try the keyword
-        return True
-    return any(p.name == "return_lse" or p.kind is p.VAR_KEYWORD for p in params)
-
-
 def _split(res, asked_lse: bool) -> tuple[Tensor, Tensor | None]:
     """``fn``'s return value as (out, lse or None): a bare tensor, or a pair of tensors."""
     if isinstance(res, Tensor):
@@ -138,7 +130,7 @@ def _run(fn: Callable, q: Tensor, k: Tensor, v: Tensor, kwargs: dict, dtype: tor
             if learn:
                 leaves[name] = val
         kw[name] = val
-    ask = lse if lse is not None else _takes_return_lse(fn)
+    ask = lse if lse is not None else takes(params_of(fn), "return_lse")
     torch.manual_seed(seed)  # dropout masks come from the default generator
     res = fn(leaves["q"], leaves["k"], leaves["v"], **kw, **({"return_lse": True} if ask else {}))
     out, got_lse = _split(res, ask)
@@ -182,14 +174,11 @@ def compare_to_reference(fn: Callable, q: Tensor, k: Tensor, v: Tensor, *, grad:
                          check_lse: bool | None = None, out_factor: float = 2.0,
                          grad_factor: float = 3.0, seed: int = 0, **kwargs) -> Report:
     """Errors of ``fn`` (called ``fn(q, k, v, **kwargs)``) and of plain PyTorch (the reference
-    in q's dtype) against float64, each with its budget (docs/testing.md): out, lse and, when
-    ``grad``, the gradients of q, k, v and of every tensor keyword that requires grad.
-    ``check_lse``: None asks for the lse when ``fn``'s signature takes ``return_lse`` (or
-    ``**kwargs``) and checks what comes back; True requires it (TypeError when only the output
-    comes back); False never asks. Budgets: ``out_factor`` × plain error for out and lse,
-    ``grad_factor`` × for gradients, each plus ``_FLOOR`` at max(1, the exact tensor's largest
-    entry). A wrong output shape raises AssertionError naming the shapes; inputs
-    attn.attention refuses raise its ValueError.
+    in q's dtype) against float64, each with its budget: out, lse and, when ``grad``, the
+    gradients of q, k, v and of every tensor keyword that requires grad. Budgets:
+    ``out_factor`` × plain error for out and lse, ``grad_factor`` × for gradients, plus
+    ``_FLOOR`` at max(1, the exact tensor's largest entry). ``check_lse`` (None: asked when
+    ``fn`` takes ``return_lse``), wrong shapes and refused inputs: docs/testing.md.
     """
     from attn.api import attention  # here, not at import: attn.api may import this module
 

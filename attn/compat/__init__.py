@@ -1,10 +1,6 @@
-"""Other libraries' APIs on attn's backends; today flash-attn 2's (:mod:`attn.compat.flash_attn`).
-
-``from attn.compat import flash_attn as fa`` gives flash-attn 2.8.3's functions, layouts and
-conventions on every device; :func:`install_flash_attn` (or ``python -m attn.compat
-script.py args...``) registers a ``flash_attn`` package in ``sys.modules`` so unmodified
-flash-attn code runs on attn. ``importlib.metadata`` does not see it (no distribution is
-installed): docs/flash-attn.md.
+"""Other libraries' APIs on attn's backends; today flash-attn 2's (:mod:`attn.compat.flash_attn`),
+and :func:`install_flash_attn`, a ``flash_attn`` package in ``sys.modules`` for unmodified
+flash-attn code (docs/flash-attn.md, "Unmodified flash-attn code").
 """
 
 from __future__ import annotations
@@ -81,12 +77,10 @@ def _real_flash_attn_importable() -> bool:
 
 
 def install_flash_attn(force: bool = False) -> bool:
-    """Register attn's flash-attn 2.8.3 API as the ``flash_attn`` package: ``flash_attn``
-    (``__version__ = "2.8.3"``, a ``__spec__`` that ``find_spec`` returns),
-    ``flash_attn.flash_attn_interface``, ``flash_attn.bert_padding`` and
-    ``flash_attn.layers.rotary``. True when the shim is in place (also when it already was);
-    False, doing nothing, when a real flash-attn is importable, unless ``force=True``
-    (replaced for this process; :func:`uninstall_flash_attn` puts it back)."""
+    """Register attn's flash-attn 2.8.3 API as the ``flash_attn`` package (its modules:
+    ``_NAMES``). True when the shim is in place (also when it already was); False, doing
+    nothing, when a real flash-attn is importable, unless ``force=True`` (replaced for this
+    process; :func:`uninstall_flash_attn` puts it back)."""
     present = sys.modules.get("flash_attn")
     if present is not None and getattr(present, _SHIM, False):
         return True

@@ -18,9 +18,6 @@ from attn.compat.errors import FlashAttnError
 __all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
 
 
-_error = FlashAttnError  # the package's error (compat/errors.py), short for the raises below
-
-
 def _check_indices(indices: object, size: int, data: str) -> Tensor:
     """A 1-d integer index tensor into an axis of ``size`` rows (``data`` names it), every
     value in ``[0, size)``: torch indexing would wrap a negative one around to another row.
@@ -28,13 +25,13 @@ def _check_indices(indices: object, size: int, data: str) -> Tensor:
     if not isinstance(indices, Tensor):
         raise TypeError(f"indices must be a tensor, got {type(indices).__name__}")
     if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
-        raise _error(f"indices must be a 1-d int64 tensor into the {size} rows of {data}, got "
-                     f"{indices.dtype} {tuple(indices.shape)}")
+        raise FlashAttnError(f"indices must be a 1-d int64 tensor into the {size} rows of "
+                             f"{data}, got {indices.dtype} {tuple(indices.shape)}")
     if indices.numel():
         lo, hi = torch.aminmax(indices)
         if int(lo) < 0 or int(hi) >= size:
-            raise _error(f"indices must lie in [0, {size}) (the rows of {data}), got values "
-                         f"from {int(lo)} to {int(hi)}")
+            raise FlashAttnError(f"indices must lie in [0, {size}) (the rows of {data}), got "
+                                 f"values from {int(lo)} to {int(hi)}")
     return indices
 
 
@@ -54,8 +51,8 @@ def index_put_first_axis(values: Tensor, indices: Tensor, first_axis_dim: int) -
                         f"{getattr(values, 'shape', type(values).__name__)}")
     _check_indices(indices, first_axis_dim, f"the output's first axis ({first_axis_dim})")
     if indices.shape[0] != values.shape[0]:
-        raise _error(f"indices {tuple(indices.shape)} must hold one row index per row of "
-                     f"values {tuple(values.shape)}")
+        raise FlashAttnError(f"indices {tuple(indices.shape)} must hold one row index per row of "
+                             f"values {tuple(values.shape)}")
     return _put(values, indices, first_axis_dim)
 
 
@@ -73,17 +70,17 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     int32, max_seqlen_in_batch: int, seqused (B,) int32)``.
     """
     if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 2:
-        raise _error(f"hidden_states must be a tensor (batch_size, seqlen, ...), got "
-                     f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
+        raise FlashAttnError(f"hidden_states must be a tensor (batch_size, seqlen, ...), got "
+                             f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
     for name, m in (("attention_mask", attention_mask), ("unused_mask", unused_mask)):
         if m is None and name == "unused_mask":
             continue
         if not isinstance(m, Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(m).__name__}")
         if tuple(m.shape) != tuple(hidden_states.shape[:2]):
-            raise _error(f"{name} must be (batch_size, seqlen) = "
-                         f"{tuple(hidden_states.shape[:2])} for hidden_states "
-                         f"{tuple(hidden_states.shape)}, got {tuple(m.shape)}")
+            raise FlashAttnError(f"{name} must be (batch_size, seqlen) = "
+                                 f"{tuple(hidden_states.shape[:2])} for hidden_states "
+                                 f"{tuple(hidden_states.shape)}, got {tuple(m.shape)}")
     all_masks = (attention_mask + unused_mask) if unused_mask is not None else attention_mask
     seqlens_in_batch = all_masks.sum(dim=-1, dtype=torch.int32)
     used_seqlens_in_batch = attention_mask.sum(dim=-1, dtype=torch.int32)
@@ -107,7 +104,7 @@ def pad_input(hidden_states, indices, batch, seqlen):
     batch, seqlen = int(batch), int(seqlen)
     _check_indices(indices, batch * seqlen, f"the (batch, seqlen) = ({batch}, {seqlen}) grid")
     if indices.shape[0] != hidden_states.shape[0]:
-        raise _error(f"indices {tuple(indices.shape)} must hold one position per row of "
-                     f"hidden_states {tuple(hidden_states.shape)}")
+        raise FlashAttnError(f"indices {tuple(indices.shape)} must hold one position per row of "
+                             f"hidden_states {tuple(hidden_states.shape)}")
     output = _put(hidden_states, indices, batch * seqlen)
     return output.view(batch, seqlen, *hidden_states.shape[1:])

@@ -57,6 +57,11 @@ def _unbind_packed(name: str, t: object, layout: str) -> tuple[Tensor, ...]:
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _check_float(name: str, t: Tensor) -> None:
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
 def _joined(names: tuple[str, ...]) -> str:
     """``q, k and v`` / ``q and kv`` / ``qkv``: each argument named once."""
     unique = list(dict.fromkeys(names))
@@ -74,8 +79,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("
     given = dict(zip(names, (q, k, v))) if given is None else given
     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in given.items())
     for name, t in zip(names, (q, k, v)):
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        _check_float(name, t)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"{_joined(names)} must share a dtype, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}")
@@ -135,11 +139,7 @@ def _band(causal: bool, window_size: object, seqlen_k: int) -> tuple[tuple[int, 
     sets the right one to 0; a side ``>= seqlen_k`` counts as −1, and a −1 beside a side
     ``>= 0`` stands for ``seqlen_k``: Nk (func), ``max_seqlen_k`` (varlen) or the cache
     capacity (kvcache), the numbers flash-attn substitutes."""
-    left, right = _window(window_size)
-    if left >= seqlen_k:
-        left = -1
-    if right >= seqlen_k:
-        right = -1
+    left, right = (-1 if side >= seqlen_k else side for side in _window(window_size))
     if causal:
         right = 0
     pure_causal = left < 0 and right == 0
@@ -212,18 +212,14 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal,
         out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                              causal=False, window=window, dropout_p=dropout_p,
                              return_lse=True, **_variants(softmax_scale, softcap, alibi_slopes))
-    lse = _fa_lse(lse, _slopes(alibi_slopes, H), pure_causal, _row_offset(Nq, Nk, q.device))
+    row_offset = torch.arange(Nq, device=q.device) + (Nk - Nq)  # each row's i + Nk − Nq
+    lse = _fa_lse(lse, _slopes(alibi_slopes, H), pure_causal, row_offset)
     return out.transpose(1, 2).contiguous(), lse  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
 
 
 def _slopes(alibi_slopes: Tensor | None, H: int) -> Tensor | None:
     """(H,) or (B, H) slopes shaped (1 or B, H, 1) to broadcast against lse (B, H, Nq)."""
     return None if alibi_slopes is None else alibi_slopes.reshape(-1, H, 1)
-
-
-def _row_offset(Nq: int, Nk, device: torch.device) -> Tensor:
-    """Each query row's ``i + Nk − Nq``; ``Nk`` an int, or per batch row ``(B, 1)``."""
-    return torch.arange(Nq, device=device) + (Nk - Nq)
 
 
 def _returns(out: Tensor, lse: Tensor, q: Tensor, return_attn_probs: bool):
@@ -381,8 +377,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
     # flash-attn's seqlen_k of the window rule: the max_seqlen_k given
     seqlen_k = int(len_k.max()) if max_seqlen_k is None else _int_like(max_seqlen_k)
     window, pure_causal, _ = _band(causal, window_size, seqlen_k)
-    cu_q = host_q.to(device=q.device)
-    cu_k = host_k.to(device=q.device)
+    cu_q, cu_k = (host.to(device=q.device) for host in (host_q, host_k))
     with translating():
         out, lse = varlen_attention(q[:used_q], k, v, cu_q, cu_k, int(len_q.max()),
                                     int(len_k.max()), window=window, dropout_p=dropout_p,
@@ -510,12 +505,10 @@ def _kv_cache(q: Tensor, k_cache: object, v_cache: object, k: object, v: object,
     B = q.shape[0]
     paged = block_table is not None
     if paged:
-        if cache_batch_idx is not None:
-            raise FlashAttnError("a paged KV cache (block_table) does not support "
-                                 "cache_batch_idx, as in flash-attn")
-        if cache_leftpad is not None:
-            raise FlashAttnError("a paged KV cache (block_table) does not support "
-                                 "cache_leftpad, as in flash-attn")
+        for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if x is not None:
+                raise FlashAttnError(f"a paged KV cache (block_table) does not support {name}, "
+                                     f"as in flash-attn")
         _check_block_table(block_table, B, k_cache)
     else:
         _tensor("k_cache", k_cache, 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
@@ -562,14 +555,12 @@ def _new_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: object, v: object,
     if k is not None:
         _tensor("k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
         _tensor("v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
-        want_k = (B, k.shape[1], *k_cache.shape[2:])
-        want_v = (B, k.shape[1], *v_cache.shape[2:])
         for name, t in (("k", k), ("v", v)):
-            if t.dtype not in _FLOATS:
-                raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
-                                f"{t.dtype}")
+            _check_float(name, t)
             if t.device != k_cache.device:
                 raise FlashAttnError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
+        want_k = (B, k.shape[1], *k_cache.shape[2:])
+        want_v = (B, k.shape[1], *v_cache.shape[2:])
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
             raise FlashAttnError(f"k and v must be (batch_size, seqlen_new, nheads_k, headdim) "
                                  f"= {want_k} / {want_v} for q {tuple(q.shape)} and k_cache "
@@ -651,7 +642,7 @@ def flash_attn_with_kvcache(
             out, lse = decode(q.transpose(1, 2), cache, window=window, return_lse=True,
                               **_variants(softmax_scale, softcap, alibi_slopes))
     keys = (cache.lengths - cache.starts).view(B, 1, 1).to(q.device)  # each row's Nk
-    row_offset = _row_offset(Nq, keys, q.device)
+    row_offset = torch.arange(Nq, device=q.device) + (keys - Nq)  # (B, 1, Nq): i + Nk − Nq
     lse = _fa_lse(lse, _slopes(alibi_slopes, H), pure_causal, row_offset)
     out = out.transpose(1, 2).contiguous()  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
     return (out, lse) if return_softmax_lse else out

@@ -22,9 +22,6 @@ from attn.varlen import check_cu_form, check_cu_values
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "rotate_at"]
 
 
-_error = FlashAttnError  # the package's error (compat/errors.py), short for the raises below
-
-
 def _check_cos_sin(cos: object, sin: object, x: Tensor,
                    names: tuple[str, str] = ("rotary_cos", "rotary_sin")) -> tuple[Tensor, Tensor]:
     nc, ns = names
@@ -35,12 +32,12 @@ def _check_cos_sin(cos: object, sin: object, x: Tensor,
         if not t.is_floating_point():
             raise TypeError(f"{name} must be floating, got {t.dtype}")
         if t.device != x.device:
-            raise _error(f"{name} is on {t.device}, the tensor it rotates on {x.device}")
+            raise FlashAttnError(f"{name} is on {t.device}, the tensor it rotates on {x.device}")
     D = x.shape[-1]
     if cos.dim() != 2 or cos.shape != sin.shape or not 0 < 2 * cos.shape[1] <= D:
-        raise _error(f"{nc} and {ns} must both be (seqlen_ro, rotary_dim / 2) with "
-                     f"rotary_dim <= headdim {D}, got {tuple(cos.shape)} and "
-                     f"{tuple(sin.shape)}")
+        raise FlashAttnError(f"{nc} and {ns} must both be (seqlen_ro, rotary_dim / 2) with "
+                             f"rotary_dim <= headdim {D}, got {tuple(cos.shape)} and "
+                             f"{tuple(sin.shape)}")
     return cos, sin
 
 
@@ -50,9 +47,9 @@ def rotate_at(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleave
     ``table`` are the caller's names of x and of cos / sin, for messages."""
     cos, sin = _check_cos_sin(cos, sin, x, table)
     if positions.numel() and (int(positions.max()) >= cos.shape[0] or int(positions.min()) < 0):
-        raise _error(f"{table[0]}/{table[1]} have {cos.shape[0]} rows; {name} needs positions "
-                     f"from {int(positions.min())} up to {int(positions.max())} (shape "
-                     f"{tuple(x.shape)})")
+        raise FlashAttnError(f"{table[0]}/{table[1]} have {cos.shape[0]} rows; {name} needs "
+                             f"positions from {int(positions.min())} up to "
+                             f"{int(positions.max())} (shape {tuple(x.shape)})")
     acc = acc_dtype(x.dtype)
     pos = positions.to(cos.device).long()
     c = cos.to(acc)[pos].unsqueeze(2)  # (B, N, 1, rd/2): one angle per pair, all heads
@@ -76,8 +73,8 @@ def _offsets(seqlen_offsets: object, B: int) -> Tensor:
             raise TypeError(f"seqlen_offsets must be an int or an int32 tensor, got "
                             f"{seqlen_offsets.dtype}")
         if seqlen_offsets.shape not in ((), (B,)):
-            raise _error(f"seqlen_offsets must be an int or a (batch_size,) = ({B},) tensor, "
-                         f"got shape {tuple(seqlen_offsets.shape)}")
+            raise FlashAttnError(f"seqlen_offsets must be an int or a (batch_size,) = ({B},) "
+                                 f"tensor, got shape {tuple(seqlen_offsets.shape)}")
         return seqlen_offsets.cpu().long().expand(B)
     if isinstance(seqlen_offsets, (bool, np.bool_)) or not isinstance(
             seqlen_offsets, (int, np.integer)):
@@ -107,15 +104,15 @@ def apply_rotary_emb(
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
     if cu_seqlens is None:
         if x.dim() != 4:
-            raise _error(f"x must be (batch_size, seqlen, nheads, headdim), got shape "
-                         f"{tuple(x.shape)}")
+            raise FlashAttnError(f"x must be (batch_size, seqlen, nheads, headdim), got shape "
+                                 f"{tuple(x.shape)}")
         B, S = x.shape[:2]
         positions = _offsets(seqlen_offsets, B).view(B, 1) + torch.arange(S).view(1, S)
         out = rotate_at(x, cos, sin, positions, interleaved, "x", ("cos", "sin"))
     else:
         if x.dim() != 3:
-            raise _error(f"x must be (total_seqlen, nheads, headdim) with cu_seqlens, got shape "
-                         f"{tuple(x.shape)}")
+            raise FlashAttnError(f"x must be (total_seqlen, nheads, headdim) with cu_seqlens, "
+                                 f"got shape {tuple(x.shape)}")
         with translating():  # attn's one rule for packed offsets
             cu = check_cu_values("cu_seqlens", check_cu_form("cu_seqlens", cu_seqlens),
                                  x.shape[0], "x.shape[0]", padded=True).long()

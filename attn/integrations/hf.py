@@ -1,14 +1,10 @@
-"""attn as a Hugging Face transformers attention implementation.
-
-    import attn.integrations.hf
-    attn.integrations.hf.register()                      # once, before building models
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attn")
-
-``register`` adds an attention function and a mask function under one name. This module
-only translates HF's keywords, layouts and mask conventions into attn's calls
-(``attn.attention``, ``attn.varlen_attention``, ``attn.decode``); the keyword table,
-continuous batching, :class:`AttnQuantizedCache` and the one difference to eager (rows that
-see no key are zeros): docs/hf.md.
+"""attn as a Hugging Face transformers attention implementation: :func:`register` (once,
+before building models) adds an attention function and a mask function under one name, for
+``from_pretrained(path, attn_implementation="attn")``. This module only translates HF's
+keywords, layouts and mask conventions into attn's calls (``attn.attention``,
+``attn.varlen_attention``, ``attn.decode``); the usage, the keyword table, continuous
+batching, :class:`AttnQuantizedCache` and the one difference to eager (rows that see no key
+are zeros): docs/hf.md.
 """
 
 from __future__ import annotations
@@ -156,9 +152,8 @@ def _packed_cu_seqlens(position_ids: object, n: int) -> Tensor | None:
     """Sequence boundaries of a padding-free batch (B = 1) whose position_ids restart, else None.
 
     A new sequence starts wherever the position does not go up by one (HF's own rule)."""
-    if not isinstance(position_ids, Tensor) or position_ids.numel() != n or n < 2:
-        return None
-    if position_ids.dim() == 2 and position_ids.shape[0] != 1:
+    if not isinstance(position_ids, Tensor) or position_ids.numel() != n or n < 2 or (
+            position_ids.dim() == 2 and position_ids.shape[0] != 1):
         return None
     pos = position_ids.reshape(-1)
     starts = torch.nonzero(pos.diff() != 1).reshape(-1) + 1
@@ -377,8 +372,7 @@ class _QuantizedLayer(CacheLayerMixin):
         self.max_tokens, self.max_batch, self.fp8_scales = max_tokens, max_batch, fp8_scales
         self.quantized_q = quantized_q
         self.pages: PagedKVCache | None = None
-        self.batch = 0
-        self.length = 0
+        self.batch, self.length = 0, 0
         self.pad_starts: Tensor | None = None  # (batch,) first real key of each row
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -502,13 +496,11 @@ class _QuantizedLayer(CacheLayerMixin):
 
 
 class AttnQuantizedCache(Cache):
-    """A KV cache for ``model.generate(cache=...)`` (``past_key_values=`` before transformers
-    5.24) that stores every layer's keys and values quantized (:mod:`attn.kvquant`) in an
-    :class:`attn.kvcache.PagedKVCache`, read tile by tile by :func:`attn.decode`: no
-    dequantized copy of the cache is ever built. ``quant``: a :class:`attn.kvquant.KVQuant`
-    or its kind; ``max_tokens``: positions per sequence, padding and new tokens included.
-    Needs ``register()``'s attention; forward only; equal or left-padded prompts. The other
-    arguments, an example and what raises NotImplementedError: docs/hf.md.
+    """A KV cache for ``model.generate(cache=...)`` whose keys and values are stored quantized
+    (:mod:`attn.kvquant`) in an :class:`attn.kvcache.PagedKVCache` and read tile by tile by
+    :func:`attn.decode`, never dequantized whole. Needs ``register()``'s attention; forward
+    only; equal or left-padded prompts. The arguments, an example and what raises
+    NotImplementedError: docs/hf.md ("A quantized KV cache for generate()").
     """
 
     def __init__(self, config, quant: KVQuant | str = "int8", *, max_tokens: int,
@@ -575,8 +567,7 @@ def _warn_unread(module: torch.nn.Module, kwargs: dict) -> None:
         _warn_once("output_attentions", "attn never materializes attention weights: "
                    "output_attentions=True returns None for them (use attn_implementation="
                    "'eager' to inspect weights)")
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _INERT)
-    for k in unknown:
+    for k in sorted(k for k, v in kwargs.items() if v is not None and k not in _INERT):
         _warn_once(f"kw:{k}", f"attn's HF integration ignores the keyword {k!r} passed by "
                    f"{type(module).__name__}; check that this model does not need it")
 
@@ -595,16 +586,14 @@ def _with_bias(mask: Tensor | None, position_bias: Tensor | None, dtype: torch.d
                ) -> Tensor | None:
     """The plan's mask with a position_bias added (a bool mask's hidden keys -inf), a float
     mask in q's ``dtype``."""
-    if position_bias is not None:
-        bias = position_bias.to(dtype)
-        if mask is None:
-            return bias
-        if mask.dtype == torch.bool:
-            return bias.masked_fill(~mask, float("-inf"))
-        return bias + mask.to(dtype)
-    if mask is not None and mask.is_floating_point():
-        return mask.to(dtype)
-    return mask
+    if position_bias is None:
+        return mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
+    bias = position_bias.to(dtype)
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask.to(dtype)
 
 
 def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -629,12 +618,11 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     window = _window(sliding_window, causal)
     dropout_p = float(dropout) if module.training else 0.0
     if isinstance(key, _CachedKV):
-        out = _quantized_cache_attention(
+        return _quantized_cache_attention(
             query, key, value, attention_mask, causal, window, scaling, softcap, s_aux,
             dropout_p, {"a position_bias": position_bias, "packed sequences (cu_seq_lens)":
                         cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k,
-                        "HF's paged cache": cache})
-        return out, None
+                        "HF's paged cache": cache}), None
     options = dict(scale=scaling, softcap=softcap, sinks=s_aux, dropout_p=dropout_p,
                    backend=backend)
     if cache is not None:
@@ -643,9 +631,8 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
                                       "with a position_bias")
         # HF's model drew its mask over the packed new tokens only, not knowing the cache: the
         # requests' borders come from cu_seq_lens, the band from causal and the window
-        out = _paged_attention(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k,
-                               kwargs, causal=causal, window=window, **options)
-        return out, None
+        return _paged_attention(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k,
+                                kwargs, causal=causal, window=window, **options), None
 
     plan = (_Plan(causal, window, None) if attention_mask is None
             else _plan_for_mask(attention_mask, Nq, Nk, causal, window))
@@ -659,14 +646,14 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
                             query.device)
 
     mask = _with_bias(plan.attn_mask, position_bias, query.dtype)
-    if plan.cu_seqlens is not None and mask is not None:
-        out = _per_sequence(query, key, value, mask, plan, **options)
-        return out.transpose(1, 2).contiguous(), None
-    if plan.cu_seqlens is not None:
+    if plan.cu_seqlens is not None and mask is None:
         return _varlen(query, key, value, *plan.cu_seqlens, causal=plan.causal,
                        window=plan.window, **options), None
-    out = attn.attention(query, key, value, causal=plan.causal, attn_mask=mask,
-                         window=plan.window, **options)
+    if plan.cu_seqlens is not None:
+        out = _per_sequence(query, key, value, mask, plan, **options)
+    else:
+        out = attn.attention(query, key, value, causal=plan.causal, attn_mask=mask,
+                             window=plan.window, **options)
     return out.transpose(1, 2).contiguous(), None  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
 
 
