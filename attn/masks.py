@@ -7,9 +7,7 @@ key ``j`` iff ``-left <= j - (i + offset) <= right`` (``None`` = unbounded side)
   convention: the last query sees the last key), and ``causal=True`` sets ``right = 0``.
 * ``attn.scaled_dot_product_attention`` mirrors torch's top-left ``is_causal``: ``offset = 0``.
 
-Dropout keep-masks also live here: a counter-based hash of ``(seed, b, h, i, j)`` so that
-any tile of the mask can be regenerated on demand (forward and backward agree, and the
-reference reproduces the exact same mask without any backend storing N x N bits).
+Dropout keep-masks also live here, a hash that any tile regenerates (:func:`dropout_keep`).
 """
 
 from __future__ import annotations
@@ -312,7 +310,7 @@ def dropout_keep(
 
     ``bh`` holds flat ``b * H + h`` indices (int64, any shape). Each element's bit depends
     only on ``(seed, bh, i, j)``, so any tile regenerates exactly: forward, backward and
-    the reference see the same mask.
+    the reference see the same mask, and no backend stores N x N bits.
     """
     return dropout_keep_rows(seed, bh[..., None], offs_m, offs_n, p)
 
