@@ -336,10 +336,7 @@ def split_band_padding(mask: Tensor, band: Band) -> Tensor | None:
 
     ``mask`` is a bool mask (True = attend) broadcastable to ``(B, H, Nq, Nk)``; its own last
     two dims are the query and key grid the band is laid on (expand a broadcast query dim
-    first, ``expand`` is a view). Frameworks hand over masks such as Hugging Face's
-    ``(B, 1, Nq, Nk)`` causal-plus-padding mask; when one is exactly a band (causal, window)
-    AND a per-key padding vector, a backend can apply the band from indices and read only the
-    ``(B, 1, 1, Nk)`` vector per tile instead of ``Nq x Nk`` mask entries.
+    first, ``expand`` is a view). What it is for: :func:`simplify_mask`.
 
     A key that no query of the band may see can take either padding value; it is reported as
     masked. Vectorized passes over the mask, no loop over rows; a few sampled rows first,
