@@ -461,11 +461,13 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
     _check_mods(score_mod, mask_mod, q)
     if attn_mask is not None:
         _validate_mask(attn_mask, q, (B, H, Nq, Nk), q_name)
-        # data-dependent: eager only, and not on vmap's batched masks
-        if not empty and not torch.compiler.is_compiling() and not transforms.in_vmap():
-            simpler = simplify_mask(attn_mask, band)
-            if simpler is not None:  # causal/band + key padding: no N x N reads per tile
-                band, attn_mask = simpler
+    # the mask's values read on the host (data-dependent): eager only, not vmap's batched masks
+    read_mask = (attn_mask is not None and not empty and not torch.compiler.is_compiling()
+                 and not transforms.in_vmap())
+    if read_mask:
+        simpler = simplify_mask(attn_mask, band)
+        if simpler is not None:  # causal/band + key padding: no N x N reads per tile
+            band, attn_mask = simpler
     scale = _check_scale(scale, D)
     temperature = _positive("temperature", temperature, (B, H), q, q_name)
     if softcap is not None:
@@ -489,8 +491,7 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
         band=band,
         mask=None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float"),
         mask_grad=attn_mask is not None and attn_mask.requires_grad,
-        mask_padding=(attn_mask is not None and not empty and not torch.compiler.is_compiling()
-                      and not transforms.in_vmap()
+        mask_padding=(read_mask and attn_mask is not None
                       and fused.key_spans(as_4d(attn_mask), B, Nk) is not None),
         softcap=None if softcap is None else ("learned" if cap_t is not None else "fixed"),
         sinks=sinks is not None, temperature_tensor=q_scale is not None,
@@ -556,21 +557,18 @@ def run(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Op
             linked += mods.captured_tensors(spec.score_mod)
         return _no_keys(q, k, v, sinks=ops.sinks, linked=linked)
     if backend == "reference":
-        softcap = ops.softcap if ops.softcap is not None else spec.softcap
-        # plain PyTorch in q's dtype, like the rest of the reference
-        scale = spec.qk_scale if ops.q_scale is None else ops.q_scale.to(q.dtype)
+        # the keywords a packed and a dense reference call share; the scale in plain PyTorch
+        # in q's dtype, like the rest of the reference
+        shared = dict(band=spec.band, sinks=ops.sinks, alibi_slopes=ops.alibi,
+                      scale=spec.qk_scale if ops.q_scale is None else ops.q_scale.to(q.dtype),
+                      softcap=ops.softcap if ops.softcap is not None else spec.softcap,
+                      dropout_p=spec.dropout_p, dropout_seed=spec.dropout_seed,
+                      **dict(spec.terms.items))
         if packed:
-            return reference_packed(q, k, v, ops.cu_seqlens_q, ops.cu_seqlens_k,
-                                    band=spec.band, scale=scale, softcap=softcap,
-                                    sinks=ops.sinks, dropout_p=spec.dropout_p,
-                                    dropout_seed=spec.dropout_seed, alibi_slopes=ops.alibi,
-                                    **dict(spec.terms.items))
-        return reference_attention(q, k, v, scale=scale, band=spec.band,
-                                   attn_mask=ops.attn_mask, softcap=softcap, sinks=ops.sinks,
-                                   dropout_p=spec.dropout_p, dropout_seed=spec.dropout_seed,
-                                   score_mod=spec.score_mod, mask_mod=spec.mask_mod,
-                                   dropout_rows=spec.dropout_rows, alibi_slopes=ops.alibi,
-                                   alibi_rows=spec.alibi_rows, **dict(spec.terms.items))
+            return reference_packed(q, k, v, ops.cu_seqlens_q, ops.cu_seqlens_k, **shared)
+        return reference_attention(q, k, v, attn_mask=ops.attn_mask, score_mod=spec.score_mod,
+                                   mask_mod=spec.mask_mod, dropout_rows=spec.dropout_rows,
+                                   alibi_rows=spec.alibi_rows, **shared)
     if backend == "sdpa":
         return sdpa_attention(q, k, v, band=spec.band, attn_mask=ops.attn_mask,
                               scale=spec.qk_scale if ops.q_scale is None else ops.q_scale)

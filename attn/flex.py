@@ -39,10 +39,8 @@ def _dense_from_indices(num: Tensor, idx: Tensor, kb: int) -> Tensor:
 def block_mask_blocks(block_mask: BlockMask, B: int, H: int, n_q: int, n_k: int,
                       kernel_options: dict | None = None) -> Blocks:
     """The tiles a torch ``BlockMask`` visits, as :class:`attn.masks.Blocks`: its own block
-    size, or ``kernel_options``' ``BLOCK_M`` / ``BLOCK_N`` when they divide it."""
-    if not isinstance(block_mask, BlockMask):
-        raise TypeError(f"block_mask must be a torch BlockMask (attn.create_block_mask or "
-                        f"torch's), got {type(block_mask).__name__}")
+    size, or ``kernel_options``' ``BLOCK_M`` / ``BLOCK_N`` when they divide it (the type
+    is checked by :func:`flex_attention`, its one caller)."""
     q_len, kv_len = block_mask.seq_lengths
     if (q_len, kv_len) != (n_q, n_k):
         raise ValueError(f"block_mask was built for Q_LEN={q_len}, KV_LEN={kv_len}, the "

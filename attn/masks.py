@@ -7,9 +7,7 @@ key ``j`` iff ``-left <= j - (i + offset) <= right`` (``None`` = unbounded side)
   convention: the last query sees the last key), and ``causal=True`` sets ``right = 0``.
 * ``attn.scaled_dot_product_attention`` mirrors torch's top-left ``is_causal``: ``offset = 0``.
 
-Dropout keep-masks also live here: a counter-based hash of ``(seed, b, h, i, j)`` so that
-any tile of the mask can be regenerated on demand (forward and backward agree, and the
-reference reproduces the exact same mask without any backend storing N x N bits).
+Dropout keep-masks also live here, a hash that any tile regenerates (:func:`dropout_keep`).
 """
 
 from __future__ import annotations
@@ -312,7 +310,7 @@ def dropout_keep(
 
     ``bh`` holds flat ``b * H + h`` indices (int64, any shape). Each element's bit depends
     only on ``(seed, bh, i, j)``, so any tile regenerates exactly: forward, backward and
-    the reference see the same mask.
+    the reference see the same mask, and no backend stores N x N bits.
     """
     return dropout_keep_rows(seed, bh[..., None], offs_m, offs_n, p)
 
@@ -338,10 +336,7 @@ def split_band_padding(mask: Tensor, band: Band) -> Tensor | None:
 
     ``mask`` is a bool mask (True = attend) broadcastable to ``(B, H, Nq, Nk)``; its own last
     two dims are the query and key grid the band is laid on (expand a broadcast query dim
-    first, ``expand`` is a view). Frameworks hand over masks such as Hugging Face's
-    ``(B, 1, Nq, Nk)`` causal-plus-padding mask; when one is exactly a band (causal, window)
-    AND a per-key padding vector, a backend can apply the band from indices and read only the
-    ``(B, 1, 1, Nk)`` vector per tile instead of ``Nq x Nk`` mask entries.
+    first, ``expand`` is a view). What it is for: :func:`simplify_mask`.
 
     A key that no query of the band may see can take either padding value; it is reported as
     masked. Vectorized passes over the mask, no loop over rows; a few sampled rows first,

@@ -21,18 +21,13 @@ def merge_attention(*args) -> tuple[Tensor, Tensor]:
         out, lse = merge_attention(outs, lses)                   # any number of partials
 
     out_* (B, H, Nq, Dv), lse_* (B, H, Nq) as returned by ``attention(..., return_lse=True)``
-    (any shapes with ``lse.shape == out.shape[:-1]`` work). Returns ``(out, lse)``: out in the
-    first partial's dtype, lse in float32 (float64 if any input is float64). The state is kept
-    in that dtype and the output cast once at the end, so merging P partials rounds once, not
-    P - 1 times. A row that saw no key in one part (lse = -inf) takes the others unchanged; a
-    row that saw no key anywhere stays zeros with lse = -inf, never NaN. Sinks belong to the
-    softmax denominator once: pass ``sinks`` to only one of the partial calls.
-
-    Partials are floating tensors on one device, outs with at least one dim (Dv). An lse of
-    +inf raises ValueError: attn's lse for a row with no key is -inf; flash-attn's +inf
-    (``attn.compat``'s functions return it) must be mapped first, e.g.
-    ``lse.masked_fill(lse == float("inf"), float("-inf"))``. Checking for it costs one host
-    sync per call (skipped while torch.compile traces).
+    (any shapes with ``lse.shape == out.shape[:-1]`` work), floating, on one device. Returns
+    ``(out, lse)``: out in the first partial's dtype, lse in float32 (float64 if any input is
+    float64); the state's dtype, rows with no key and why an lse of +inf raises:
+    docs/design.md, "Merging partial attentions". Map flash-attn's +inf first, e.g.
+    ``lse.masked_fill(lse == float("inf"), float("-inf"))``; the check costs one host sync per
+    call (skipped while torch.compile traces). Sinks belong to the softmax denominator once:
+    pass ``sinks`` to only one of the partial calls.
     """
     if len(args) == 4:
         outs, lses = [args[0], args[2]], [args[1], args[3]]

@@ -166,10 +166,9 @@ class QuantPages(NamedTuple):
 
 
 class Operands(NamedTuple):
-    """The optional tensors of one call, beside its :class:`LaunchSpec`: launchers take
-    ``(q, k, v, spec, operands)``. The autograd Functions receive every field that can need a
-    gradient as an explicit argument (pinned) and rebuild the bundle inside; nothing else
-    flattens it. A new optional tensor (k/v scales, a block table) is a field here."""
+    """The optional tensors of one call, beside its :class:`LaunchSpec` (how launchers and
+    autograd Functions take them: docs/design.md, "A call's path"). A new optional tensor
+    (k/v scales, a block table) is a field here."""
 
     attn_mask: Tensor | None = None  # bool, or float with -inf for masked; broadcast to 4-d
     sinks: Tensor | None = None  # (H,) learnable extra softmax denominator term

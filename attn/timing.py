@@ -4,11 +4,8 @@ They sit at the bottom of the package so that anything may measure (the tiled ba
 oneDNN calibration, the toy GPT's training loop) without importing :mod:`attn.bench`, which
 sits on top of everything.
 
-Timing: warm-up, then the median of repeated calls; on CUDA, events recorded on the stream
-around the call time the work itself. Peak memory: bytes allocated above what existed
-before the call (allocate the inputs first), from CUDA's peak counter or, on CPU, from the
-allocator events torch.profiler records. docs/benchmarks.md ("How memory is measured")
-gives the method, its error and what it cannot see.
+Timing: :func:`benchmark`, :func:`paired`. Peak memory: :func:`peak_bytes`, whose method,
+error and blind spots are docs/benchmarks.md's "How memory is measured".
 """
 
 from __future__ import annotations

@@ -292,9 +292,10 @@ def varlen_attention(
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of "
                          f"sequences, got shapes {tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
-    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
-            raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
+    given = (max_seqlen_q, max_seqlen_k)
+    for name, g in zip(("max_seqlen_q", "max_seqlen_k"), given):
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int)):
+            raise TypeError(f"{name} must be an int or None, got {type(g).__name__}")
     if isinstance(temperature, Tensor) and not broadcasts_to(temperature.shape, (H,)):
         raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast "
                          f"to (H,) = ({H},) in the packed layout")
@@ -309,27 +310,23 @@ def varlen_attention(
 
     # with both max_seqlen given, triton reads cu_seqlens on the device only (trusting them,
     # as flash-attn does); every other path checks them on the host
-    host_q = host_k = None
-    if max_seqlen_q is None or max_seqlen_k is None:
+    def longest() -> tuple[int, int]:  # the offsets checked, then the longest sequences
         host_q = check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
         host_k = check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
-    max_q = max_seqlen_q if max_seqlen_q is not None else int((host_q[1:] - host_q[:-1]).max())
-    max_k = max_seqlen_k if max_seqlen_k is not None else int((host_k[1:] - host_k[:-1]).max())
+        return int((host_q[1:] - host_q[:-1]).max()), int((host_k[1:] - host_k[:-1]).max())
+
+    seen = longest() if max_seqlen_q is None or max_seqlen_k is None else None
+    max_q = max_seqlen_q if max_seqlen_q is not None else seen[0]
+    max_k = max_seqlen_k if max_seqlen_k is not None else seen[1]
     call, spec, ops = resolve(q4, k4, v4, band=band, scale=scale, temperature=temperature,
                               softcap=softcap, sinks=sinks, dropout_p=dropout_p,
                               return_lse=return_lse, alibi_slopes=alibi_slopes,
                               cu_seqlens=(cu_q, cu_k), max_seqlen=(max_q, max_k))
     choice = select_backend(call, backend)
-    if choice.name != "triton" or host_q is not None:
-        if host_q is None:
-            host_q = check_cu_values("cu_seqlens_q", cu_q, total_q, "q.shape[0]")
-            host_k = check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
-        for name, given, host in (("max_seqlen_q", max_seqlen_q, host_q),
-                                  ("max_seqlen_k", max_seqlen_k, host_k)):
-            longest = int((host[1:] - host[:-1]).max())
-            if given is not None and given < longest:
-                raise ValueError(f"{name}={given} is shorter than the longest sequence "
-                                 f"({longest})")
+    if choice.name != "triton" or seen is not None:
+        for name, g, n in zip(("max_seqlen_q", "max_seqlen_k"), given, seen or longest()):
+            if g is not None and g < n:
+                raise ValueError(f"{name}={g} is shorter than the longest sequence ({n})")
     out, lse = _run_packed(choice.name, q4, k4, v4, spec, ops, band)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out

@@ -85,8 +85,8 @@ class single_thread:
 
 
 # elements up to which a cheap pass (a reduction, a finiteness sum) runs on the caller's
-# thread alone: about 0.5 ms there, where an op on torch's threads under one busy core waits
-# on the thread the busy core holds, several ms whatever its size (docs/benchmarks.md)
+# thread alone: under one busy core an op on torch's threads waits on the thread that core
+# holds, whatever its size (measured: docs/benchmarks.md, "Measurements behind the code's choices")
 SMALL_PASS = 1 << 22
 
 
