@@ -8,8 +8,6 @@ tile and where they sit among attention's keywords: docs/flex-varlen.md.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Callable
 
 import torch
@@ -19,7 +17,8 @@ from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, 
 from attn.call import _check_positive_int_or_none, _validate_qkv, attend
 from attn.masks import Band, Blocks
 # the helpers the core shares live in attn.mods; two stay public here (__all__)
-from attn.mods import captured_tensors, mask_mod_kinds, union_blocks  # noqa: F401
+from attn.mods import (captured_tensors, mask_mod_kinds, reachable_tensors,  # noqa: F401
+                       union_blocks)
 
 __all__ = ["BlockMask", "captured_tensors", "create_block_mask", "flex_attention",
            "mask_mod_kinds"]
@@ -81,36 +80,6 @@ def _block_size(BLOCK_SIZE: object) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def _mod_device(fn: Callable) -> torch.device | None:
-    """The device of the first tensor ``fn`` captures (document ids, a table), if any."""
-    seen: set[int] = set()
-
-    def first(obj: object, depth: int):
-        if id(obj) in seen or depth > 3:
-            return None
-        seen.add(id(obj))
-        if isinstance(obj, Tensor):
-            return obj.device
-        if isinstance(obj, functools.partial):
-            return first(obj.func, depth + 1) or first(list(obj.args), depth + 1)
-        if isinstance(obj, (list, tuple)):
-            for x in obj:
-                d = first(x, depth + 1)
-                if d is not None:
-                    return d
-        if inspect.isfunction(obj):
-            cells = []
-            for c in obj.__closure__ or ():
-                try:
-                    cells.append(c.cell_contents)
-                except ValueError:
-                    pass
-            return first(cells, depth + 1)
-        return None
-
-    return first(fn, 0)
-
-
 def _checked_device(device: object) -> torch.device:
     """``device`` as a torch.device that can hold tensors here, or an error naming it."""
     if not isinstance(device, (str, int, torch.device)) or isinstance(device, bool):
@@ -149,7 +118,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         _check_positive_int_or_none(name, n)
     bm, bn = _block_size(BLOCK_SIZE)
     if device is None:
-        device = _mod_device(mask_mod) or torch.get_default_device()
+        # the device of the first tensor mask_mod reads (document ids, a table), if any
+        device = next((t.device for t in reachable_tensors(mask_mod)), None) \
+            or torch.get_default_device()
     device = _checked_device(device)
     visit, full = mask_mod_kinds(mask_mod, B or 1, H or 1, Q_LEN, KV_LEN, bm, bn, device)
     partial = visit & ~full

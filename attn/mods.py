@@ -16,7 +16,8 @@ from torch import Tensor
 from attn.masks import EMPTY, FULL, PARTIAL, Blocks, classify_grid
 from attn.spec import LaunchSpec
 
-__all__ = ["captured_tensors", "mask_mod_blocks", "mask_mod_kinds", "mod_spec", "union_blocks"]
+__all__ = ["captured_tensors", "mask_mod_blocks", "mask_mod_kinds", "mod_spec", "reachable_tensors",
+           "union_blocks"]
 
 # mask_mod is evaluated on at most this many (b, h, i, j) elements at once while classifying
 _CLASSIFY_CHUNK = 1 << 22
@@ -24,11 +25,10 @@ _CLASSIFY_CHUNK = 1 << 22
 
 # -- the tensors a mod captures -------------------------------------------------------------
 
-def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
-    """Tensors that need a gradient and that ``fn`` can read: its closure, the globals it
-    names, its defaults, a ``functools.partial``'s arguments, a module's parameters, nested
-    callables found there. They become explicit inputs of the autograd.Function, which is
-    how their gradients reach autograd."""
+def reachable_tensors(fn: Callable) -> tuple[Tensor, ...]:
+    """The tensors ``fn`` can read, in the order found: its closure, the globals it names, its
+    defaults, a ``functools.partial``'s arguments, a module's parameters and buffers, nested
+    callables found there."""
     found: dict[int, Tensor] = {}
     seen: set[int] = set()
 
@@ -37,10 +37,9 @@ def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
             return
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            if obj.requires_grad:
-                found.setdefault(id(obj), obj)
+            found.setdefault(id(obj), obj)
         elif isinstance(obj, torch.nn.Module):
-            for t in obj.parameters():
+            for t in (*obj.parameters(), *obj.buffers()):
                 visit(t, depth + 1)
         elif isinstance(obj, (list, tuple, set, frozenset)):
             for x in obj:
@@ -71,6 +70,13 @@ def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
 
     visit(fn, 0)
     return tuple(found.values())
+
+
+def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
+    """The tensors ``fn`` can read that need a gradient (:func:`reachable_tensors`). They
+    become explicit inputs of the autograd.Function, which is how their gradients reach
+    autograd."""
+    return tuple(t for t in reachable_tensors(fn) if t.requires_grad)
 
 
 # -- block classification of a mask_mod -------------------------------------------------------

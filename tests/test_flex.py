@@ -387,6 +387,41 @@ def test_create_block_mask_device_follows_captured_tensors():
         assert bm.kv_num_blocks.is_cuda
 
 
+_GLOBAL_DOC = torch.tensor([0] * 20 + [1] * 12)
+
+
+def _doc_mask_reading_a_global(b, h, q_idx, kv_idx):
+    return _GLOBAL_DOC[q_idx] == _GLOBAL_DOC[kv_idx]
+
+
+def test_create_block_mask_device_follows_tensors_read_through_globals_and_defaults():
+    """The device comes from any tensor the mask_mod reads (a global, a default argument,
+    a partial's keyword), as for the tensors whose gradient a mod carries; the default device
+    (here meta, where nothing can be read) is only the fallback."""
+    def with_default(b, h, q_idx, kv_idx, doc=_GLOBAL_DOC):
+        return doc[q_idx] == doc[kv_idx]
+
+    def with_keyword(b, h, q_idx, kv_idx, *, doc):
+        return doc[q_idx] == doc[kv_idx]
+
+    doc = _GLOBAL_DOC  # the same mask, its tensor held in a closure
+
+    def in_closure(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    want = attn.create_block_mask(in_closure, None, None, 32, 32, BLOCK_SIZE=16)
+    for mod in (_doc_mask_reading_a_global, with_default,
+                functools.partial(with_keyword, doc=_GLOBAL_DOC)):
+        torch.set_default_device("meta")
+        try:
+            bm = attn.create_block_mask(mod, None, None, 32, 32, BLOCK_SIZE=16)
+        finally:
+            torch.set_default_device(None)
+        assert bm.kv_num_blocks.device == _GLOBAL_DOC.device
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(bm, name), getattr(want, name)), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", GYM)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
