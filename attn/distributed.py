@@ -236,10 +236,8 @@ def _check_local(strategy: str, q, k, v, *, causal, layout, scale, temperature, 
 
 
 def _keys_finite(k: Tensor, backend: str) -> bool:
-    """Whether this rank's keys are all finite, where the fused backend may run on CPU (one
-    summing pass, as :func:`attn.call.run` does per call; elsewhere True without looking):
-    torch's kernel adds a mask to the scores, so a NaN key the band hides would still reach
-    a row, and such a call runs on tiled on every rank."""
+    """Whether this rank's keys are all finite where fused may run on CPU, as attn.call.run
+    checks per call (elsewhere True without looking): docs/context-parallel.md, "Ring"."""
     if backend not in ("auto", "fused") or k.device.type != "cpu" or k.numel() == 0:
         return True
     return all_finite(k)
