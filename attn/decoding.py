@@ -294,7 +294,7 @@ def _traced(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window,
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     pair = window_pair(window)
     quant = cache.quant
-    out, lse = _paged_decode(
+    return _paged_decode(
         q, cache.k_pages, cache.v_pages, cache.host_table, cache.starts, cache.lengths,
         cache._trimmed, rows, cache.k_scales, cache.v_scales, cache.recent_k, cache.recent_v,
         alibi_slopes, sinks, [cache.head_dim, cache.head_dim_v],
@@ -302,7 +302,6 @@ def _traced(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window,
         quant is not None and quant.k_per_channel, 0 if quant is None else quant.recent_pages,
         bool(causal), None if pair is None else list(pair), _op_float("scale", scale),
         _op_float("softcap", softcap), bool(quantized_q))
-    return out, lse
 
 
 @torch.library.custom_op("attn::paged_decode", mutates_args=())

@@ -236,10 +236,8 @@ def _check_local(strategy: str, q, k, v, *, causal, layout, scale, temperature, 
 
 
 def _keys_finite(k: Tensor, backend: str) -> bool:
-    """Whether this rank's keys are all finite, where the fused backend may run on CPU (one
-    summing pass, as :func:`attn.call.run` does per call; elsewhere True without looking):
-    torch's kernel adds a mask to the scores, so a NaN key the band hides would still reach
-    a row, and such a call runs on tiled on every rank."""
+    """Whether this rank's keys are all finite where fused may run on CPU, as attn.call.run
+    checks per call (elsewhere True without looking): docs/context-parallel.md, "Ring"."""
     if backend not in ("auto", "fused") or k.device.type != "cpu" or k.numel() == 0:
         return True
     return all_finite(k)
@@ -415,6 +413,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+@contextlib.contextmanager
+def _timed(stats: RingStats):
+    """Add the time spent in a blocking wait (a ring hop, an all-to-all) to ``stats``."""
+    t0 = time.perf_counter()
+    yield
+    stats.comm_wait_s += time.perf_counter() - t0
+
+
 def _pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Non-empty ``(local_start, local_end, global_start)`` pieces of one rank's ranges."""
     out, off = [], 0
@@ -482,10 +488,9 @@ class _Transfer:
         self.stats = stats
 
     def wait(self) -> Tensor:
-        t0 = time.perf_counter()
-        for r in self.reqs:
-            r.wait()
-        self.stats.comm_wait_s += time.perf_counter() - t0
+        with _timed(self.stats):
+            for r in self.reqs:
+                r.wait()
         return self.buf
 
 
@@ -658,23 +663,16 @@ def _ulysses_heads(H: int, Hkv: int, P: int) -> int:
                      f"ranks (Hkv % P == 0) nor replicate evenly onto them (P % Hkv == 0)")
 
 
-@contextlib.contextmanager
-def _timed(c: _Call):
-    """Add the time spent in a blocking collective to the call's stats."""
-    t0 = time.perf_counter()
-    yield
-    c.extra["stats"].comm_wait_s += time.perf_counter() - t0
-
-
-def _seq_to_head(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]], n: int) -> Tensor:
+def _seq_to_head(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]]) -> Tensor:
     """(B, Hx, N_r, D) sequence shard → (B, Hx/P, N, D) head shard, global order."""
     B, Hx, n_l, D = x.shape
     hp = Hx // c.P
     lens = _lengths(ranges)
+    n = sum(lens)
     sizes = [B * hp * m * D for m in lens]
     send = x.reshape(B, c.P, hp, n_l, D).transpose(0, 1).contiguous()  # (P, B, hp, N_r, D)
     recv = torch.empty(B * hp * n * D, dtype=x.dtype, device=x.device)
-    with _timed(c):
+    with _timed(c.extra["stats"]):
         dist.all_to_all_single(recv, send.reshape(-1), sizes, [B * hp * n_l * D] * c.P,
                                group=c.group)
     parts = [part.view(B, hp, m, D) for part, m in zip(recv.split(sizes), lens)]
@@ -688,7 +686,7 @@ def _head_to_seq(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]]) -> Te
     send = torch.cat([_take(x, rs, 2).reshape(-1) for rs in ranges])
     n_l = lens[c.rank]
     recv = torch.empty(c.P * B * hp * n_l * D, dtype=x.dtype, device=x.device)
-    with _timed(c):
+    with _timed(c.extra["stats"]):
         dist.all_to_all_single(recv, send, [B * hp * n_l * D] * c.P,
                                [B * hp * m * D for m in lens], group=c.group)
     # (P, B, hp, N_r, D) → (B, P·hp, N_r, D)
@@ -700,17 +698,13 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, c, ranges, to_heads: bool):
-        ctx.c, ctx.ranges, ctx.to_heads, ctx.n = c, ranges, to_heads, x.shape[2]
-        if to_heads:
-            return _seq_to_head(c, x.contiguous(), ranges, sum(_lengths(ranges)))
-        return _head_to_seq(c, x.contiguous(), ranges)
+        ctx.c, ctx.ranges, ctx.to_heads = c, ranges, to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(c, x.contiguous(), ranges)
 
     @staticmethod
     def backward(ctx, g):
-        g = g.contiguous()
-        if ctx.to_heads:
-            return _head_to_seq(ctx.c, g, ctx.ranges), None, None, None
-        return _seq_to_head(ctx.c, g, ctx.ranges, ctx.n), None, None, None
+        back = _head_to_seq if ctx.to_heads else _seq_to_head
+        return back(ctx.c, g.contiguous(), ctx.ranges), None, None, None
 
 
 def ulysses_attention(

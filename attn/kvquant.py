@@ -12,6 +12,7 @@ and bytes per token: docs/kvcache.md. Nothing here knows about pages or sequence
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -128,17 +129,11 @@ def _decode(codes: Tensor, kind: str) -> Tensor:
     return codes
 
 
-_E4M3_TABLES: dict[torch.device, Tensor] = {}
-
-
+@functools.cache
 def _e4m3_table(device: torch.device) -> Tensor:
     """The 256 e4m3fn values as float32, indexed by their byte (a lookup reads a byte
-    faster than torch's own fp8 cast on CPU: docs/benchmarks.md)."""
-    table = _E4M3_TABLES.get(device)
-    if table is None:
-        table = _E4M3_TABLES[device] = e4m3_to_float(torch.arange(256, dtype=torch.uint8,
-                                                                  device=device))
-    return table
+    faster than torch's own fp8 cast on CPU: docs/benchmarks.md), made once per device."""
+    return e4m3_to_float(torch.arange(256, dtype=torch.uint8, device=device))
 
 
 def _decode_into(codes: Tensor, kind: str, out: Tensor) -> None:
@@ -175,9 +170,7 @@ def decode_codes(codes: Tensor, kind: str, *, out: Tensor) -> float:
         return 256.0
     if out.dtype == torch.float32 and out.is_contiguous():
         _decode_into(codes, kind, out)
-    elif kind == "int8":
-        out.copy_(codes)
-    else:
+    else:  # int8's codes are their numbers: _decode hands them back as they are
         out.copy_(_decode(codes, kind))
     return 1.0
 

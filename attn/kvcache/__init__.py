@@ -27,8 +27,7 @@ __all__ = ["KVQuant", "PagedKVCache", "host_ints"]
 
 # the argument names a message uses unless the caller passes its own (a name mapped to None
 # is not the caller's argument and is left out of the shape lists)
-_NAMES = {"k_pages": "k_pages", "v_pages": "v_pages", "block_table": "block_table",
-          "lengths": "lengths", "starts": "starts"}
+_NAMES = {n: n for n in ("k_pages", "v_pages", "block_table", "lengths", "starts")}
 
 
 class PagedKVCache:

@@ -97,9 +97,8 @@ def seq_rows(name: str, seq_ids: object, batch: int) -> Tensor:
 
 def check_not_freed(cache: PagedKVCache, rows: Tensor | None) -> None:
     """ValueError when a call reads a sequence that :meth:`free` emptied and nothing was
-    appended to since: it would attend to nothing and give zeros, silently. (A sequence
-    never written to reads as any row without keys: zeros, lse -inf, as DESIGN's rule
-    for empty rows says and ragged batches rely on.)"""
+    appended to since: it would attend to nothing and give zeros, silently (a sequence
+    never written to is a row without keys: docs/kvcache.md, "The cache")."""
     freed = cache._freed if rows is None else cache._freed[rows]
     hit = freed.nonzero().flatten()
     if hit.numel():

@@ -139,14 +139,10 @@ def free(cache: PagedKVCache, seq_ids: Tensor | list[int] | int) -> None:
 
 
 def free_outside_window(cache: PagedKVCache, window: tuple[int, int]) -> int:
-    """Give back every page that no query still to come can see through ``window = (left,
-    right)`` (attn's pair; ``left >= 0``, the widest left of the model's layers): queries
-    still to come sit at positions ``>= lengths[s]`` (call it after a step's attention), so
-    they see no key before ``lengths[s] - left``; the pages wholly before that go back to
-    the pool (a page a fork still holds stays, with that fork) and ``starts[s]`` moves to
-    the first page kept. Full-precision recent pages stay (they are the sequence's own
-    ring). Later :func:`attn.decode` calls on those sequences must not reach further back
-    (ValueError). Returns the number of pages given back."""
+    """Give back every page wholly before key ``lengths[s] - left`` of each sequence, which
+    no query still to come sees through ``window = (left, right)`` (``left >= 0``; call it
+    after a step's attention), and move ``starts[s]`` to the first page kept. Returns the
+    number of pages given back. Forks, the ring and later reads: docs/kvcache.md."""
     alloc = _owned(cache, "free_outside_window")
     left = window_pair(window)[0] if window is not None else -1
     if left < 0:

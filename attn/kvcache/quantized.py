@@ -59,9 +59,8 @@ class QuantizedPages:
                                    dtype=torch.float16, device=dev)
         W = quant.recent_pages
         ring = (batch * W, page, Hkv)
-        recent_k, recent_v = ((torch.zeros(*ring, D, dtype=dtype, device=dev),
-                               torch.zeros(*ring, Dv, dtype=dtype, device=dev)) if W
-                              else (None, None))
+        recent_k, recent_v = (tuple(torch.zeros(*ring, d, dtype=dtype, device=dev) for d in dims)
+                              if W else (None, None))
         return cls(quant, k_scales, v_scales, recent_k, recent_v, dims, dtype)
 
     # -- writes --
