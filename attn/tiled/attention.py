@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attn.grads import SATURATED_LOG2L, Grads, call_sink_grad, sink_grad
+from attn.grads import SATURATED_LOG2L, Grads, call_sink_grad, row_delta, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
@@ -307,13 +307,9 @@ def _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask, nee
     H = out.shape[1]
     acc_dtype = into[0].dtype
     # the per-head, mask and captured gradients: each item's into its chunk's slice, in order
-    dmask = dsoftcap = None
-    if need_dmask:
-        dmask = torch.zeros(as_4d(ops.attn_mask).shape, dtype=acc_dtype, device=out.device)
+    dmask, dsoftcap, dcaptured = _grad_sums(ops, H, need_dmask, need_dcap, acc_dtype,
+                                            out.device)
     dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc_dtype)  # Δ as _bwd_rows's
-    if ops.softcap is not None and need_dcap:
-        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=out.device)
-    dcaptured: list[Tensor | None] = [None] * len(ops.captured)
     for (ci, _), g in zip(items, parts):
         c = plan.chunks[ci]
         if dmask is not None:
@@ -324,6 +320,19 @@ def _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask, nee
             if d is not None:
                 dcaptured[j] = d if dcaptured[j] is None else dcaptured[j] + d
     return Grads(*into, dmask, dsinks, dsoftcap, tuple(dcaptured))
+
+
+def _grad_sums(ops: Operands, H: int, need_dmask: bool, need_dcap: bool, acc_dtype,
+               device) -> tuple[Tensor | None, Tensor | None, list[Tensor | None]]:
+    """Zeroed sums of the gradients that are not per row: the float mask's (with
+    ``need_dmask``), the learnable softcap's (with ``need_dcap``), and the captured
+    tensors' (None until a tile gives one)."""
+    dmask = dsoftcap = None
+    if need_dmask:
+        dmask = torch.zeros(as_4d(ops.attn_mask).shape, dtype=acc_dtype, device=device)
+    if ops.softcap is not None and need_dcap:
+        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=device)
+    return dmask, dsoftcap, [None] * len(ops.captured)
 
 
 def _bwd_tiles(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, acc_dtype,
@@ -345,10 +354,7 @@ def _bwd_row_terms(do: Tensor, out: Tensor, dlse: Tensor | None, lse: Tensor,
                    lse2: Tensor | None, acc_dtype):
     """The rows' backward terms (B, H, Nq): Δ, the m the tiles subtract, 1/l (None without
     lse2) and, where lse2 is given, the saturated rows and their (Nq,) host flag."""
-    # Δ = rowsum(dO ∘ O) − dlse: the lse output's gradient joins dS as dlse_i · P_ij
-    delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, H, Nq)
-    if dlse is not None:
-        delta = delta - dlse.to(acc_dtype)
+    delta = row_delta(do, out, dlse, acc_dtype)
     if lse2 is None:  # the natural lse alone: exact up to its rounding
         lse_m, inv_l = lse.to(acc_dtype) * LOG2E, None
     else:
@@ -386,20 +392,15 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    attn_mask, sinks, softcap, captured = ops.attn_mask, ops.sinks, ops.softcap, ops.captured
+    sinks, captured = ops.sinks, ops.captured
     gemm, tile = _bwd_tiles(q, k, v, spec, ops, acc_dtype, engine, b0, finite_scores)
     dq = into[0]
     dk3, dv3 = into[1].view(B * Hkv, Nk, D), into[2].view(B * Hkv, Nk, Dv)  # row slices: views
-    dsoftcap = None
-    if softcap is not None and need_dcap:
-        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
-    dmask = None
-    if need_dmask:
-        dmask = torch.zeros(as_4d(attn_mask).shape, dtype=acc_dtype, device=q.device)
+    dmask, dsoftcap, dcaptured = _grad_sums(ops, H, need_dmask, need_dcap, acc_dtype,
+                                            q.device)
     delta, lse_m, inv_l, saturated, saturated_rows = _bwd_row_terms(do, out, dlse, lse, lse2,
                                                                    acc_dtype)
     track = spec.score_mod is not None
-    dcaptured: list[Tensor | None] = [None] * len(captured)
     compiled = _compiled_steps(q) and engine == "bmm"
     # bf16 dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ q and dQ += dS K (where the forward's GEMMs
     # are bf16; q, k, v share a dtype, so gemm.low and gemm.low_qk agree): P, dS and dO/l
@@ -622,6 +623,26 @@ def _fwd_op_backward(ctx, dout, dlse):
 _fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup)
 
 
+def _mask_tiles(spec: LaunchSpec, config: TileConfig) -> LaunchSpec:
+    """``spec`` with a callable ``spec.mask_blocks`` (:func:`attn.mods.mod_spec`) called:
+    the mask's tiles classified at this backend's tile sizes (``spec.block_m`` / ``block_n``
+    where set, else ``config``'s)."""
+    if not callable(spec.mask_blocks):
+        return spec
+    mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
+    return dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
+
+
+def double_backward(do, dlse, q, k, v, out, lse, spec: LaunchSpec, ops):
+    """``(dq, dk, dv, dsinks)`` of a call that another backend ran forward, from its saved
+    q, k, v, out and lse, by tiled's backward whose gradients are differentiable again
+    (DESIGN's pinned decision "Transforms": a backward asked for its own gradient hands
+    off here). ``ops``: the call's Operands (no learnable softcap or mask gradient)."""
+    static = double.Static(_mask_tiles(spec, DEFAULT), DEFAULT, _bwd, False, False)
+    g = double.differentiable_backward(static, do, dlse, q, k, v, out, lse, None, ops)
+    return g[0], g[1], g[2], g[4]
+
+
 def tiled_attention(
     q: Tensor,
     k: Tensor,
@@ -647,9 +668,7 @@ def tiled_attention(
         b = spec.band
         return _fwd_op(q, k, v, operands.attn_mask, spec.qk_scale, b.offset, b.left, b.right,
                        spec.softcap, spec.block_m, spec.block_n)
-    if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
-        mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
-        spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
+    spec = _mask_tiles(spec, config)
     ts = (q, k, v, *operands[:4], *operands.captured)
     fn = _TiledAttention
     if torch.compiler.is_compiling() and not transforms.active(*ts) and not (
