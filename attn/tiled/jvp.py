@@ -332,16 +332,28 @@ def tiled_jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     if spec.score_mod is None and spec.mask_mod is None:  # no callable reads tensors of its own
         low = transforms.lowered(q, k, v, out, lse, *ops[:4], *(tangents[n] for n in names))
     if low is None:
-        with one_thread(q):
-            return _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads)
+        return _on_level(None, _tiled_jvp, q, k, v, out, lse, spec, ops, tangents, threads)
     # functorch's jvp hands the rule tensors wrapped at its own level: the tangent is linear
     # in them, so compute one level down on plain tensors (the worker pool may run them) and
     # wrap the result back
     level, xs = low
-    ops = ops._replace(attn_mask=xs[5], sinks=xs[6], softcap=xs[7], alibi=xs[8])
-    with transforms.below(), one_thread(q):
-        d_out, d_lse = _tiled_jvp(*xs[:5], spec, ops, dict(zip(names, xs[9:])), threads)
-    return transforms.rewrap(d_out, level), transforms.rewrap(d_lse, level)
+    return _on_level(level, _tiled_jvp, *xs[:5], spec, _with_operands(ops, xs[5:9]),
+                     dict(zip(names, xs[9:])), threads)
+
+
+def _with_operands(ops: Operands, xs) -> Operands:
+    """``ops`` with its first four tensors (mask, sinks, softcap, slopes) taken from ``xs``."""
+    return ops._replace(attn_mask=xs[0], sinks=xs[1], softcap=xs[2], alibi=xs[3])
+
+
+def _on_level(level: int | None, fn: Callable, q: Tensor, *args) -> tuple:
+    """``fn(q, *args)`` on one intra-op thread (:func:`one_thread`); with a functorch
+    ``level`` (the tensors are :func:`transforms.lowered`'s), below it, its results
+    wrapped back at it."""
+    below = contextlib.nullcontext() if level is None else transforms.below()
+    with below, one_thread(q):
+        res = fn(q, *args)
+    return res if level is None else tuple(transforms.rewrap(x, level) for x in res)
 
 
 _TANGENT_NAMES = ("q", "k", "v", "mask", "sinks", "softcap", "alibi")
@@ -381,16 +393,10 @@ def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops:
         return None  # wrapped by something else (legacy vmap: gradcheck's batched checks)
     if transforms.graph_needed(*primals, *tangents):
         return None  # a backward may follow: the autograd.Function saves what it needs
-    q, k, v = primals[:3]
-    ops = ops._replace(attn_mask=primals[3], sinks=primals[4], softcap=primals[5],
-                       alibi=primals[6])
     threads = cpu.workers_for_call() if q.device.type == "cpu" else 0
-    below = transforms.below() if level is not None else contextlib.nullcontext()
-    with below, one_thread(q):
-        res = _one_pass(q, k, v, spec, ops, dict(zip(_TANGENT_NAMES, tangents)), threads)
-    if level is not None:
-        res = tuple(transforms.rewrap(x, level) for x in res)
-    out, lse, d_out, d_lse = res
+    out, lse, d_out, d_lse = _on_level(level, _one_pass, *primals[:3], spec,
+                                       _with_operands(ops, primals[3:7]),
+                                       dict(zip(_TANGENT_NAMES, tangents)), threads)
     return fwad.make_dual(out, d_out), fwad.make_dual(lse, d_lse)
 
 
