@@ -1,15 +1,6 @@
 """``torch.func.vmap`` rules of the backends' autograd.Functions (tiled's, triton's): the
 mapped dimension folded into the batch dimension B where that is exact, else one call per
-sample.
-
-A rule hands its launchers plain tensors: the tiled launchers run work items on a pool of
-threads, which would lose functorch's thread-local state, and read values on the host
-(``.item()``), which a batched tensor does not allow; triton's kernels take plain tensors
-too. Folding (X samples of B rows become X·B rows) is exact where every operand is per
-batch row or shared: q, k, v, the mask and the ALiBi slopes. Per-head tensors that are
-mapped (sinks, a learnable softcap), a score_mod / mask_mod (they read the batch index),
-dropout (its hash reads it too) and gradients summed over the batch (sinks', softcap's, a
-mask's) take the loop instead.
+sample (docs/transforms.md, "Inside tiled's rules": why, and which operands fold).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Forward-mode AD of tiled attention, tile by tile, O(N) memory (docs/transforms.md, "How it
-works"): with dropout's kept scale ``z`` in the sums over values, a query block accumulates
-``A = Σ (p z ṡ) v + Σ (p z) v̇`` and ``b = Σ p ṡ`` over its key tiles and ends with ``ȯ = A −
-b·o``, ``lsė = b`` (the sinks join ``b`` as one more key of value 0): the autograd.Function's
-``jvp`` rule (:func:`tiled_jvp`); :func:`forward_with_tangent` is the one pass that computes
+works" and "Inside tiled's rules": the sums a query block accumulates): the autograd.Function's
+``jvp`` rule (:func:`tiled_jvp`), and :func:`forward_with_tangent`, the one pass that computes
 out, lse and both tangents together. The score tangent ṡ comes from :class:`TileScores` (the
 reference's order of score steps; also the double backward's): plain tensor code with no host
 reads, so it runs under vmap as it is.
@@ -363,10 +361,8 @@ def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops:
                          ) -> tuple[Tensor, Tensor] | None:
     """``(out, lse)`` as dual tensors of forward-mode AD, primal and tangent in one pass over
     the tiles, where forward-mode AD is all that differentiates the call (docs/transforms.md,
-    "How it works"); else None, and the caller takes its autograd.Function, whose ``jvp``
-    rule (:func:`tiled_jvp`) reads q·kᵀ again after the forward (six GEMMs per tile here, its
-    five after the forward's two). With the denominator l, ``A = Σ e^(s−m) (z ṡ v + z v̇)``
-    and ``r = Σ e^(s−m) ṡ``: ``ȯ = A/l − (r/l)·o`` and ``lsė = r/l``."""
+    "Inside tiled's rules": its sums); else None, and the caller takes its
+    autograd.Function, whose ``jvp`` rule (:func:`tiled_jvp`) reads q·kᵀ again."""
     import torch.autograd.forward_ad as fwad
 
     if ops.captured or spec.score_mod is not None or spec.mask_mod is not None or spec.sharded:
