@@ -527,11 +527,9 @@ class _TiledAttention(torch.autograd.Function):
         if not double._foldable(spec, ops, need_dmask=False) or any(
                 d is not None for d in in_dims[6:]):
             return batching.call_per_sample(_TiledAttentionJvp.apply, X, in_dims, args)
-        B = batching.rows_of(q, in_dims[0])
-        qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
-        res = _TiledAttentionJvp.apply(*qkv, spec, config,
-                                    batching.fold_mask(attn_mask, in_dims[5], X, B),
-                                    None, None, batching.fold(alibi, in_dims[8], X, B))
+        # (no sinks, softcap or captures: _foldable)
+        res = _TiledAttentionJvp.apply(*batching.fold_args(
+            args, in_dims, X, batching.rows_of(q, in_dims[0]), mask=5))
         return tuple(batching.unfold(x, X) for x in res), (0, 0, 0)
 
 

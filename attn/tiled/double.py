@@ -766,11 +766,9 @@ class _TiledBackward(torch.autograd.Function):
         X = info.batch_size
         if not _foldable(static.spec, ops, static.need_dmask):
             return batching.call_per_sample(_TiledBackwardJvp.apply, X, in_dims, args)
-        B = batching.rows_of(q, in_dims[3])
-        f = [batching.fold(x, d, X, B) for x, d in zip(args[1:9], in_dims[1:9])]
-        m = batching.fold_mask(attn_mask, in_dims[9], X, B)
-        al = batching.fold(alibi, in_dims[12], X, B)
-        res = _TiledBackwardJvp.apply(static, *f, m, None, None, al)
+        # (no sinks, softcap or captures: _foldable)
+        res = _TiledBackwardJvp.apply(*batching.fold_args(
+            args, in_dims, X, batching.rows_of(q, in_dims[3]), mask=9))
         outs = tuple(batching.unfold(x, X) for x in res)
         return outs, tuple(None if o is None else 0 for o in outs)
 
