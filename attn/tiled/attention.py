@@ -23,7 +23,7 @@ from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items
                              backward_runs, forward_items)
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps,
                               _fwd_tile, _fwd_tile_compiled, _run_compiled, exp2_)
-from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
+from attn.tiled.tile import (LN2, LOG2E, _scores_finite, _Tile,
                              _values_may_overflow, tile_index)
 
 _NO_OPERANDS = Operands()
@@ -296,30 +296,22 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     cpu.run_items(run, len(items), threads=plan.threads, flush_denormals=True)
     if extra:
         cpu.run_items(join, len(plan.chunks), threads=plan.threads)
+    # -- the per-head, mask and captured gradients: each item's into its chunk's slice, in
+    # item order; the sinks' in one pass over the call's rows --
     with _caller(plan.threads):
-        return _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask,
-                         need_dcap)
-
-
-def _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask, need_dcap
-              ) -> Grads:
-    """The gradients summed across items, in item order, and the sinks' (one pass)."""
-    H = out.shape[1]
-    acc_dtype = into[0].dtype
-    # the per-head, mask and captured gradients: each item's into its chunk's slice, in order
-    dmask, dsoftcap, dcaptured = _grad_sums(ops, H, need_dmask, need_dcap, acc_dtype,
-                                            out.device)
-    dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc_dtype)  # Δ as _bwd_rows's
-    for (ci, _), g in zip(items, parts):
-        c = plan.chunks[ci]
-        if dmask is not None:
-            dmask[c.mask_index(dmask)] += g.dmask
-        if dsoftcap is not None:
-            dsoftcap[c.heads] += g.dsoftcap
-        for j, d in enumerate(g.dcaptured):
-            if d is not None:
-                dcaptured[j] = d if dcaptured[j] is None else dcaptured[j] + d
-    return Grads(*into, dmask, dsinks, dsoftcap, tuple(dcaptured))
+        dmask, dsoftcap, dcaptured = _grad_sums(ops, H, need_dmask, need_dcap, acc_dtype,
+                                                q.device)
+        dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc_dtype)  # Δ as _bwd_rows's
+        for (ci, _), g in zip(items, parts):
+            c = plan.chunks[ci]
+            if dmask is not None:
+                dmask[c.mask_index(dmask)] += g.dmask
+            if dsoftcap is not None:
+                dsoftcap[c.heads] += g.dsoftcap
+            for j, d in enumerate(g.dcaptured):
+                if d is not None:
+                    dcaptured[j] = d if dcaptured[j] is None else dcaptured[j] + d
+        return Grads(*into, dmask, dsinks, dsoftcap, tuple(dcaptured))
 
 
 def _grad_sums(ops: Operands, H: int, need_dmask: bool, need_dcap: bool, acc_dtype,
@@ -346,7 +338,7 @@ def _bwd_tiles(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
     if not tile.finite_scores:
         # a masked key has dS = 0, but 0·NaN in dS K would still reach dQ: a non-finite key
         # enters dQ as 0 (a row that sees it has NaN dS anyway)
-        gemm.k3_dq = _finite_or_zero(gemm.k3)
+        gemm.k3_dq = torch.where(torch.isfinite(gemm.k3), gemm.k3, 0.0)
     return gemm, tile
 
 

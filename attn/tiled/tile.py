@@ -53,11 +53,6 @@ def _values_may_overflow(v: Tensor, n_k: int) -> bool:
     return 1.0 < max(-lo.item(), hi.item()) * 2.0 * n_k / fmax < float("inf")
 
 
-def _finite_or_zero(x: Tensor) -> Tensor:
-    """``x`` with its NaN and ±inf entries replaced by 0."""
-    return torch.where(torch.isfinite(x), x, 0.0)
-
-
 def tile_index(x: Tensor, m0: int, m1: int, n0: int, n1: int) -> tuple[slice, ...]:
     """Tile [m0, m1) x [n0, n1) of a 4-D mask (or its gradient) at its own broadcast shape:
     a size-1 dim taken whole."""
