@@ -88,9 +88,8 @@ class TileScores:
             h = torch.arange(H, device=q.device)
             self.bh = torch.arange(B, device=q.device)[:, None] * H + h
             self.h_col = h.view(1, -1, 1)
-        bm = spec.block_m or blocks[0]
-        bn = spec.block_n or blocks[1]
-        self.spec_sized = dataclasses.replace(spec, block_m=bm, block_n=bn)
+        self.spec_sized = dataclasses.replace(spec, block_m=spec.block_m or blocks[0],
+                                              block_n=spec.block_n or blocks[1])
 
     def query_blocks(self):
         """``(m0, m1, key_tiles)`` as the forward visits them (band and mask blocks)."""
@@ -455,9 +454,9 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
 
 
 def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
-    if tangents.get("captured"):
-        unsupported(spec, ops, "forward-mode AD")
-    unsupported(spec, ops._replace(captured=()), "forward-mode AD")
+    # (the captures refused only where they carry a tangent; a sharded call always)
+    unsupported(spec, ops if tangents.get("captured") else ops._replace(captured=()),
+                "forward-mode AD")
     B, H, Nq, _ = q.shape
     G = H // k.shape[1]
     acc = _acc_dtype(q.dtype)
