@@ -1,9 +1,6 @@
-"""Backward helpers every backend shares: the gradient tuple a launcher returns, the sinks'
-gradient, and summing a broadcast gradient back to its operand's shape.
-
-They sit below the backends so that tiled, triton, varlen and the ring all use one copy
-without importing one another.
-"""
+"""Backward helpers every backend shares (below the backends, which do not import one another:
+docs/design.md, "The layers"): the gradient tuple a launcher returns, the row term Δ, the
+sinks' gradient, and summing a broadcast gradient back to its operand's shape."""
 
 from __future__ import annotations
 

@@ -177,13 +177,11 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    sinks = ops.sinks
     gemm = _Gemm(k, v, acc_dtype, engine, low=low_gemms(q), key_scales=key_scales)
     tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0,
                  finite_scores=facts.finite_scores)
-    sink_rows = None  # in base-2 units, like m_i
-    if sinks is not None:
-        sink_rows = (sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq)
+    sink_rows = (None if ops.sinks is None  # in base-2 units, like m_i
+                 else (ops.sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq))
     # a finite "-inf" start keeps exp(m_i - m_new) and exp(s - m_new) free of inf - inf
     lowest = torch.finfo(acc_dtype).min
     if blocks is None:
