@@ -548,13 +548,17 @@ def _exportable(spec: LaunchSpec, ops: Operands, config: TileConfig) -> bool:
     """Whether the ops carry this call whole: a spec the ops' fields rebuild exactly (so a
     field they do not carry, set, keeps the call off them; the dropout seed is unread
     without dropout), no optional tensor but a constant mask."""
-    b = spec.band
-    carried = _export_spec(spec.qk_scale, b.offset, b.left, b.right, spec.softcap,
-                           spec.block_m, spec.block_n)
+    carried = _export_spec(*_export_fields(spec))
     return (config is DEFAULT and dataclasses.replace(spec, dropout_seed=0) == carried
             and all(f is None for f in (ops.sinks, ops.softcap, ops.alibi))
             and not ops.captured
             and (ops.attn_mask is None or not ops.attn_mask.requires_grad))
+
+
+def _export_fields(spec: LaunchSpec) -> tuple:
+    """The spec's fields as the ops take them, :func:`_export_spec`'s arguments."""
+    b = spec.band
+    return spec.qk_scale, b.offset, b.left, b.right, spec.softcap, spec.block_m, spec.block_n
 
 
 def _export_spec(scale: float, offset: int, left: int | None, right: int | None,
@@ -573,7 +577,7 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: fl
 
 
 @_fwd_op.register_fake
-def _(q, k, v, attn_mask, scale, offset, left, right, softcap, block_m, block_n):
+def _(q, k, v, attn_mask, *fields):
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
             q.new_empty(B, H, Nq, dtype=_acc_dtype(q.dtype)))
@@ -591,8 +595,7 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
 
 
 @_bwd_op.register_fake
-def _(do, dlse, q, k, v, out, lse, attn_mask, scale, offset, left, right, softcap, block_m,
-      block_n):
+def _(do, dlse, q, k, v, out, lse, attn_mask, *fields):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -653,9 +656,7 @@ def tiled_attention(
     operands = _NO_OPERANDS if operands is None else operands
     _check_operands(operands)
     if torch.compiler.is_exporting() and _exportable(spec, operands, config):
-        b = spec.band
-        return _fwd_op(q, k, v, operands.attn_mask, spec.qk_scale, b.offset, b.left, b.right,
-                       spec.softcap, spec.block_m, spec.block_n)
+        return _fwd_op(q, k, v, operands.attn_mask, *_export_fields(spec))
     spec = _mask_tiles(spec, config)
     ts = (q, k, v, *operands[:4], *operands.captured)
     fn = _TiledAttention
