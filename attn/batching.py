@@ -1,15 +1,6 @@
 """``torch.func.vmap`` rules of the backends' autograd.Functions (tiled's, triton's): the
 mapped dimension folded into the batch dimension B where that is exact, else one call per
-sample.
-
-A rule hands its launchers plain tensors: the tiled launchers run work items on a pool of
-threads, which would lose functorch's thread-local state, and read values on the host
-(``.item()``), which a batched tensor does not allow; triton's kernels take plain tensors
-too. Folding (X samples of B rows become X·B rows) is exact where every operand is per
-batch row or shared: q, k, v, the mask and the ALiBi slopes. Per-head tensors that are
-mapped (sinks, a learnable softcap), a score_mod / mask_mod (they read the batch index),
-dropout (its hash reads it too) and gradients summed over the batch (sinks', softcap's, a
-mask's) take the loop instead.
+sample (docs/transforms.md, "Inside tiled's rules": why, and which operands fold).
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from torch import Tensor
 
 from attn.masks import as_4d
 
-__all__ = ["call_per_sample", "fold", "unfold"]
+__all__ = ["call_per_sample", "fold", "fold_args", "unfold"]
 
 
 def call_per_sample(apply: Callable, batch_size: int, in_dims: Sequence[int | None],
@@ -57,6 +48,15 @@ def fold_mask(mask: Tensor | None, dim: int | None, batch_size: int, rows: int
         m = mask.movedim(dim, 0)
         m = m.reshape((m.shape[0],) + (1,) * (4 - (m.dim() - 1)) + tuple(m.shape[1:]))
     return m.expand(batch_size, rows, *m.shape[2:]).flatten(0, 1)
+
+
+def fold_args(args: Sequence[object], in_dims: Sequence[int | None], batch_size: int,
+              rows: int, mask: int) -> list:
+    """A rule's arguments with every tensor folded (:func:`fold`; ``args[mask]``, the mask,
+    by :func:`fold_mask`) and the others as they are."""
+    return [fold_mask(a, d, batch_size, rows) if i == mask
+            else fold(a, d, batch_size, rows) if isinstance(a, Tensor) else a
+            for i, (a, d) in enumerate(zip(args, in_dims))]
 
 
 def rows_of(x: Tensor, dim: int | None) -> int:

@@ -1,9 +1,6 @@
-"""Backward helpers every backend shares: the gradient tuple a launcher returns, the sinks'
-gradient, and summing a broadcast gradient back to its operand's shape.
-
-They sit below the backends so that tiled, triton, varlen and the ring all use one copy
-without importing one another.
-"""
+"""Backward helpers every backend shares (below the backends, which do not import one another:
+docs/design.md, "The layers"): the gradient tuple a launcher returns, the row term Δ, the
+sinks' gradient, and summing a broadcast gradient back to its operand's shape."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["Grads", "call_sink_grad", "reduce_to", "sink_grad"]
+__all__ = ["Grads", "call_sink_grad", "reduce_to", "row_delta", "sink_grad"]
 
 
 class Grads(NamedTuple):
@@ -32,16 +29,18 @@ def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     return -(p_sink * delta.to(lse.dtype)).sum(dim=(0, 2))
 
 
+def row_delta(do: Tensor, out: Tensor, dlse: Tensor | None, acc: torch.dtype) -> Tensor:
+    """``Δ = rowsum(dO ∘ O) − dlse`` (B, H, Nq) in ``acc``: the lse output's gradient joins
+    dS as dlse_i · P_ij."""
+    delta = (do.to(acc) * out.to(acc)).sum(-1)
+    return delta if dlse is None else delta - dlse.to(acc)
+
+
 def call_sink_grad(sinks: Tensor | None, do: Tensor, dlse: Tensor | None, out: Tensor,
                    lse: Tensor, acc: torch.dtype) -> Tensor | None:
-    """dsinks (H,) of a whole call in one pass over its rows, or None without sinks:
-    ``Δ = rowsum(dO ∘ O) − dlse`` in ``acc``, then :func:`sink_grad`."""
-    if sinks is None:
-        return None
-    delta = (do.to(acc) * out.to(acc)).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.to(acc)
-    return sink_grad(sinks, lse.to(acc), delta)
+    """dsinks (H,) of a whole call in one pass over its rows (:func:`row_delta`, then
+    :func:`sink_grad`), or None without sinks."""
+    return None if sinks is None else sink_grad(sinks, lse.to(acc), row_delta(do, out, dlse, acc))
 
 
 def reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attn.grads import SATURATED_LOG2L, Grads, call_sink_grad, sink_grad
+from attn.grads import SATURATED_LOG2L, Grads, call_sink_grad, row_delta, sink_grad
 from attn.grads import reduce_to as _reduce_to
 from attn.masks import Band, as_4d
 from attn.merge import _merge_trusted
@@ -23,7 +23,7 @@ from attn.tiled.plan import (DEFAULT, TileConfig, _blocks, _plan, backward_items
                              backward_runs, forward_items)
 from attn.tiled.steps import (_bwd_tile, _bwd_tile_compiled, _compilable, _compiled_steps,
                               _fwd_tile, _fwd_tile_compiled, _run_compiled, exp2_)
-from attn.tiled.tile import (LN2, LOG2E, _finite_or_zero, _scores_finite, _Tile,
+from attn.tiled.tile import (LN2, LOG2E, _scores_finite, _Tile,
                              _values_may_overflow, tile_index)
 
 _NO_OPERANDS = Operands()
@@ -177,13 +177,11 @@ def _fwd_rows(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    sinks = ops.sinks
     gemm = _Gemm(k, v, acc_dtype, engine, low=low_gemms(q), key_scales=key_scales)
     tile = _Tile(q, k, spec, gemm, ops.attn_mask, ops.softcap, ops.alibi, b0=b0,
                  finite_scores=facts.finite_scores)
-    sink_rows = None  # in base-2 units, like m_i
-    if sinks is not None:
-        sink_rows = (sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq)
+    sink_rows = (None if ops.sinks is None  # in base-2 units, like m_i
+                 else (ops.sinks.to(acc_dtype) * LOG2E).view(1, H, 1).expand(B, H, Nq))
     # a finite "-inf" start keeps exp(m_i - m_new) and exp(s - m_new) free of inf - inf
     lowest = torch.finfo(acc_dtype).min
     if blocks is None:
@@ -296,34 +294,35 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     cpu.run_items(run, len(items), threads=plan.threads, flush_denormals=True)
     if extra:
         cpu.run_items(join, len(plan.chunks), threads=plan.threads)
+    # -- the per-head, mask and captured gradients: each item's into its chunk's slice, in
+    # item order; the sinks' in one pass over the call's rows --
     with _caller(plan.threads):
-        return _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask,
-                         need_dcap)
+        dmask, dsoftcap, dcaptured = _grad_sums(ops, H, need_dmask, need_dcap, acc_dtype,
+                                                q.device)
+        dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc_dtype)  # Δ as _bwd_rows's
+        for (ci, _), g in zip(items, parts):
+            c = plan.chunks[ci]
+            if dmask is not None:
+                dmask[c.mask_index(dmask)] += g.dmask
+            if dsoftcap is not None:
+                dsoftcap[c.heads] += g.dsoftcap
+            for j, d in enumerate(g.dcaptured):
+                if d is not None:
+                    dcaptured[j] = d if dcaptured[j] is None else dcaptured[j] + d
+        return Grads(*into, dmask, dsinks, dsoftcap, tuple(dcaptured))
 
 
-def _bwd_rest(plan, items, parts, into, do, dlse, out, lse, ops, need_dmask, need_dcap
-              ) -> Grads:
-    """The gradients summed across items, in item order, and the sinks' (one pass)."""
-    H = out.shape[1]
-    acc_dtype = into[0].dtype
-    # the per-head, mask and captured gradients: each item's into its chunk's slice, in order
+def _grad_sums(ops: Operands, H: int, need_dmask: bool, need_dcap: bool, acc_dtype,
+               device) -> tuple[Tensor | None, Tensor | None, list[Tensor | None]]:
+    """Zeroed sums of the gradients that are not per row: the float mask's (with
+    ``need_dmask``), the learnable softcap's (with ``need_dcap``), and the captured
+    tensors' (None until a tile gives one)."""
     dmask = dsoftcap = None
     if need_dmask:
-        dmask = torch.zeros(as_4d(ops.attn_mask).shape, dtype=acc_dtype, device=out.device)
-    dsinks = call_sink_grad(ops.sinks, do, dlse, out, lse, acc_dtype)  # Δ as _bwd_rows's
+        dmask = torch.zeros(as_4d(ops.attn_mask).shape, dtype=acc_dtype, device=device)
     if ops.softcap is not None and need_dcap:
-        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=out.device)
-    dcaptured: list[Tensor | None] = [None] * len(ops.captured)
-    for (ci, _), g in zip(items, parts):
-        c = plan.chunks[ci]
-        if dmask is not None:
-            dmask[c.mask_index(dmask)] += g.dmask
-        if dsoftcap is not None:
-            dsoftcap[c.heads] += g.dsoftcap
-        for j, d in enumerate(g.dcaptured):
-            if d is not None:
-                dcaptured[j] = d if dcaptured[j] is None else dcaptured[j] + d
-    return Grads(*into, dmask, dsinks, dsoftcap, tuple(dcaptured))
+        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=device)
+    return dmask, dsoftcap, [None] * len(ops.captured)
 
 
 def _bwd_tiles(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands, acc_dtype,
@@ -337,7 +336,7 @@ def _bwd_tiles(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands,
     if not tile.finite_scores:
         # a masked key has dS = 0, but 0·NaN in dS K would still reach dQ: a non-finite key
         # enters dQ as 0 (a row that sees it has NaN dS anyway)
-        gemm.k3_dq = _finite_or_zero(gemm.k3)
+        gemm.k3_dq = torch.where(torch.isfinite(gemm.k3), gemm.k3, 0.0)
     return gemm, tile
 
 
@@ -345,10 +344,7 @@ def _bwd_row_terms(do: Tensor, out: Tensor, dlse: Tensor | None, lse: Tensor,
                    lse2: Tensor | None, acc_dtype):
     """The rows' backward terms (B, H, Nq): Δ, the m the tiles subtract, 1/l (None without
     lse2) and, where lse2 is given, the saturated rows and their (Nq,) host flag."""
-    # Δ = rowsum(dO ∘ O) − dlse: the lse output's gradient joins dS as dlse_i · P_ij
-    delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # (B, H, Nq)
-    if dlse is not None:
-        delta = delta - dlse.to(acc_dtype)
+    delta = row_delta(do, out, dlse, acc_dtype)
     if lse2 is None:  # the natural lse alone: exact up to its rounding
         lse_m, inv_l = lse.to(acc_dtype) * LOG2E, None
     else:
@@ -386,20 +382,15 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc_dtype = _acc_dtype(q.dtype)
-    attn_mask, sinks, softcap, captured = ops.attn_mask, ops.sinks, ops.softcap, ops.captured
+    sinks, captured = ops.sinks, ops.captured
     gemm, tile = _bwd_tiles(q, k, v, spec, ops, acc_dtype, engine, b0, finite_scores)
     dq = into[0]
     dk3, dv3 = into[1].view(B * Hkv, Nk, D), into[2].view(B * Hkv, Nk, Dv)  # row slices: views
-    dsoftcap = None
-    if softcap is not None and need_dcap:
-        dsoftcap = torch.zeros(H, dtype=acc_dtype, device=q.device)
-    dmask = None
-    if need_dmask:
-        dmask = torch.zeros(as_4d(attn_mask).shape, dtype=acc_dtype, device=q.device)
+    dmask, dsoftcap, dcaptured = _grad_sums(ops, H, need_dmask, need_dcap, acc_dtype,
+                                            q.device)
     delta, lse_m, inv_l, saturated, saturated_rows = _bwd_row_terms(do, out, dlse, lse, lse2,
                                                                    acc_dtype)
     track = spec.score_mod is not None
-    dcaptured: list[Tensor | None] = [None] * len(captured)
     compiled = _compiled_steps(q) and engine == "bmm"
     # bf16 dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ q and dQ += dS K (where the forward's GEMMs
     # are bf16; q, k, v share a dtype, so gemm.low and gemm.low_qk agree): P, dS and dO/l
@@ -526,11 +517,9 @@ class _TiledAttention(torch.autograd.Function):
         if not double._foldable(spec, ops, need_dmask=False) or any(
                 d is not None for d in in_dims[6:]):
             return batching.call_per_sample(_TiledAttentionJvp.apply, X, in_dims, args)
-        B = batching.rows_of(q, in_dims[0])
-        qkv = [batching.fold(x, d, X, B) for x, d in zip(args[:3], in_dims[:3])]
-        res = _TiledAttentionJvp.apply(*qkv, spec, config,
-                                    batching.fold_mask(attn_mask, in_dims[5], X, B),
-                                    None, None, batching.fold(alibi, in_dims[8], X, B))
+        # (no sinks, softcap or captures: _foldable)
+        res = _TiledAttentionJvp.apply(*batching.fold_args(
+            args, in_dims, X, batching.rows_of(q, in_dims[0]), mask=5))
         return tuple(batching.unfold(x, X) for x in res), (0, 0, 0)
 
 
@@ -559,13 +548,17 @@ def _exportable(spec: LaunchSpec, ops: Operands, config: TileConfig) -> bool:
     """Whether the ops carry this call whole: a spec the ops' fields rebuild exactly (so a
     field they do not carry, set, keeps the call off them; the dropout seed is unread
     without dropout), no optional tensor but a constant mask."""
-    b = spec.band
-    carried = _export_spec(spec.qk_scale, b.offset, b.left, b.right, spec.softcap,
-                           spec.block_m, spec.block_n)
+    carried = _export_spec(*_export_fields(spec))
     return (config is DEFAULT and dataclasses.replace(spec, dropout_seed=0) == carried
             and all(f is None for f in (ops.sinks, ops.softcap, ops.alibi))
             and not ops.captured
             and (ops.attn_mask is None or not ops.attn_mask.requires_grad))
+
+
+def _export_fields(spec: LaunchSpec) -> tuple:
+    """The spec's fields as the ops take them, :func:`_export_spec`'s arguments."""
+    b = spec.band
+    return spec.qk_scale, b.offset, b.left, b.right, spec.softcap, spec.block_m, spec.block_n
 
 
 def _export_spec(scale: float, offset: int, left: int | None, right: int | None,
@@ -584,7 +577,7 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: fl
 
 
 @_fwd_op.register_fake
-def _(q, k, v, attn_mask, scale, offset, left, right, softcap, block_m, block_n):
+def _(q, k, v, attn_mask, *fields):
     B, H, Nq, _ = q.shape
     return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
             q.new_empty(B, H, Nq, dtype=_acc_dtype(q.dtype)))
@@ -602,8 +595,7 @@ def _bwd_op(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, ou
 
 
 @_bwd_op.register_fake
-def _(do, dlse, q, k, v, out, lse, attn_mask, scale, offset, left, right, softcap, block_m,
-      block_n):
+def _(do, dlse, q, k, v, out, lse, attn_mask, *fields):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -620,6 +612,26 @@ def _fwd_op_backward(ctx, dout, dlse):
 
 
 _fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup)
+
+
+def _mask_tiles(spec: LaunchSpec, config: TileConfig) -> LaunchSpec:
+    """``spec`` with a callable ``spec.mask_blocks`` (:func:`attn.mods.mod_spec`) called:
+    the mask's tiles classified at this backend's tile sizes (``spec.block_m`` / ``block_n``
+    where set, else ``config``'s)."""
+    if not callable(spec.mask_blocks):
+        return spec
+    mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
+    return dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
+
+
+def double_backward(do, dlse, q, k, v, out, lse, spec: LaunchSpec, ops):
+    """``(dq, dk, dv, dsinks)`` of a call that another backend ran forward, from its saved
+    q, k, v, out and lse, by tiled's backward whose gradients are differentiable again
+    (DESIGN's pinned decision "Transforms": a backward asked for its own gradient hands
+    off here). ``ops``: the call's Operands (no learnable softcap or mask gradient)."""
+    static = double.Static(_mask_tiles(spec, DEFAULT), DEFAULT, _bwd, False, False)
+    g = double.differentiable_backward(static, do, dlse, q, k, v, out, lse, None, ops)
+    return g[0], g[1], g[2], g[4]
 
 
 def tiled_attention(
@@ -644,12 +656,8 @@ def tiled_attention(
     operands = _NO_OPERANDS if operands is None else operands
     _check_operands(operands)
     if torch.compiler.is_exporting() and _exportable(spec, operands, config):
-        b = spec.band
-        return _fwd_op(q, k, v, operands.attn_mask, spec.qk_scale, b.offset, b.left, b.right,
-                       spec.softcap, spec.block_m, spec.block_n)
-    if callable(spec.mask_blocks):  # a mask's tiles, classified at this backend's tile sizes
-        mb = spec.mask_blocks(spec.block_m or config.block_m, spec.block_n or config.block_n)
-        spec = dataclasses.replace(spec, block_m=mb.block_m, block_n=mb.block_n, mask_blocks=mb)
+        return _fwd_op(q, k, v, operands.attn_mask, *_export_fields(spec))
+    spec = _mask_tiles(spec, config)
     ts = (q, k, v, *operands[:4], *operands.captured)
     fn = _TiledAttention
     if torch.compiler.is_compiling() and not transforms.active(*ts) and not (

@@ -670,12 +670,16 @@ def _pure_backward(static, do, dlse, q, k, v, out, lse, ops: Operands) -> tuple:
     dlse)``): plain tensor code, for tensors the launchers cannot take."""
     r = tiled_hvp(q, k, v, out, lse, static.spec, ops._replace(captured=()), do, dlse, {},
                   first=(do, dlse))
-    dmask = r.get("mask") if static.need_dmask else None
-    dcap = r.get("softcap") if static.need_dcap else None
     like = (q, k, v, ops.attn_mask, ops.sinks, ops.softcap)
-    grads = (r["q"], r["k"], r["v"], dmask, r.get("sinks"), dcap)
-    return tuple(None if g is None else g.to(x.dtype) for g, x in zip(grads, like)) + (
-        (None,) * len(ops.captured))
+    wanted = (True, True, True, static.need_dmask, True, static.need_dcap)
+    return _in_dtypes(r, _GRAD_NAMES, like, wanted) + (None,) * len(ops.captured)
+
+
+def _in_dtypes(r: dict[str, Tensor], names, like, wanted) -> tuple:
+    """:func:`tiled_hvp`'s results ``r`` by ``names``, each in its ``like``'s dtype; None
+    where ``like`` is None, it is not ``wanted`` or ``r`` has no such entry."""
+    return tuple(None if x is None or not w or n not in r else r[n].to(x.dtype)
+                 for n, x, w in zip(names, like, wanted))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -747,16 +751,11 @@ class _TiledBackward(torch.autograd.Function):
         t = dict(zip(_GRAD_NAMES, grads[:6]))
         r = tiled_hvp(q, k, v, out, lse, ctx.static.spec, ops._replace(captured=()), do, dlse,
                       t)
-        need = ctx.needs_input_grad
-
-        def cast(name, like, i):
-            return None if like is None or not need[i] else r[name].to(like.dtype)
-
-        return (None, cast("do", do, 1), cast("dlse", dlse, 2), cast("q", q, 3),
-                cast("k", k, 4), cast("v", v, 5), None, None, None,
-                cast("mask", ops.attn_mask if "mask" in r else None, 9),
-                cast("sinks", ops.sinks, 10), cast("softcap", ops.softcap, 11), None,
-                *(None,) * len(ctx.captured))
+        # forward's inputs: static, do, dlse, q, k, v, out, lse, lse2, the four operands
+        names = (None, "do", "dlse", *"qkv", None, None, None, *_GRAD_NAMES[3:], None)
+        like = (None, do, dlse, q, k, v, None, None, None, *ops[:3], None)
+        return (_in_dtypes(r, names, like, ctx.needs_input_grad)
+                + (None,) * len(ctx.captured))
 
     @staticmethod
     def vmap(info, in_dims, static, do, dlse, q, k, v, out, lse, lse2, attn_mask, sinks,
@@ -767,11 +766,9 @@ class _TiledBackward(torch.autograd.Function):
         X = info.batch_size
         if not _foldable(static.spec, ops, static.need_dmask):
             return batching.call_per_sample(_TiledBackwardJvp.apply, X, in_dims, args)
-        B = batching.rows_of(q, in_dims[3])
-        f = [batching.fold(x, d, X, B) for x, d in zip(args[1:9], in_dims[1:9])]
-        m = batching.fold_mask(attn_mask, in_dims[9], X, B)
-        al = batching.fold(alibi, in_dims[12], X, B)
-        res = _TiledBackwardJvp.apply(static, *f, m, None, None, al)
+        # (no sinks, softcap or captures: _foldable)
+        res = _TiledBackwardJvp.apply(*batching.fold_args(
+            args, in_dims, X, batching.rows_of(q, in_dims[3]), mask=9))
         outs = tuple(batching.unfold(x, X) for x in res)
         return outs, tuple(None if o is None else 0 for o in outs)
 
@@ -794,9 +791,8 @@ class _TiledBackwardJvp(_TiledBackward):
         r = tiled_hvp(q, k, v, out, lse, ctx.static.spec, ops._replace(captured=()), do, dlse,
                       t, first=(t_do, t_dlse))
         like = (q, k, v, ops.attn_mask, ops.sinks, ops.softcap)
-        tangents = tuple(None if none or x is None else r[name].to(x.dtype)
-                         for name, x, none in zip(_GRAD_NAMES, like, ctx.outputs_none))
-        return tangents + (None,) * len(ctx.captured)
+        wanted = tuple(not none for none in ctx.outputs_none)
+        return _in_dtypes(r, _GRAD_NAMES, like, wanted) + (None,) * len(ctx.captured)
 
 
 def differentiable_backward(static: Static, do: Tensor, dlse: Tensor | None, q: Tensor,

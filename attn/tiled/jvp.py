@@ -1,8 +1,6 @@
 """Forward-mode AD of tiled attention, tile by tile, O(N) memory (docs/transforms.md, "How it
-works"): with dropout's kept scale ``z`` in the sums over values, a query block accumulates
-``A = Σ (p z ṡ) v + Σ (p z) v̇`` and ``b = Σ p ṡ`` over its key tiles and ends with ``ȯ = A −
-b·o``, ``lsė = b`` (the sinks join ``b`` as one more key of value 0): the autograd.Function's
-``jvp`` rule (:func:`tiled_jvp`); :func:`forward_with_tangent` is the one pass that computes
+works" and "Inside tiled's rules": the sums a query block accumulates): the autograd.Function's
+``jvp`` rule (:func:`tiled_jvp`), and :func:`forward_with_tangent`, the one pass that computes
 out, lse and both tangents together. The score tangent ṡ comes from :class:`TileScores` (the
 reference's order of score steps; also the double backward's): plain tensor code with no host
 reads, so it runs under vmap as it is.
@@ -90,9 +88,8 @@ class TileScores:
             h = torch.arange(H, device=q.device)
             self.bh = torch.arange(B, device=q.device)[:, None] * H + h
             self.h_col = h.view(1, -1, 1)
-        bm = spec.block_m or blocks[0]
-        bn = spec.block_n or blocks[1]
-        self.spec_sized = dataclasses.replace(spec, block_m=bm, block_n=bn)
+        self.spec_sized = dataclasses.replace(spec, block_m=spec.block_m or blocks[0],
+                                              block_n=spec.block_n or blocks[1])
 
     def query_blocks(self):
         """``(m0, m1, key_tiles)`` as the forward visits them (band and mask blocks)."""
@@ -332,16 +329,28 @@ def tiled_jvp(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: L
     if spec.score_mod is None and spec.mask_mod is None:  # no callable reads tensors of its own
         low = transforms.lowered(q, k, v, out, lse, *ops[:4], *(tangents[n] for n in names))
     if low is None:
-        with one_thread(q):
-            return _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads)
+        return _on_level(None, _tiled_jvp, q, k, v, out, lse, spec, ops, tangents, threads)
     # functorch's jvp hands the rule tensors wrapped at its own level: the tangent is linear
     # in them, so compute one level down on plain tensors (the worker pool may run them) and
     # wrap the result back
     level, xs = low
-    ops = ops._replace(attn_mask=xs[5], sinks=xs[6], softcap=xs[7], alibi=xs[8])
-    with transforms.below(), one_thread(q):
-        d_out, d_lse = _tiled_jvp(*xs[:5], spec, ops, dict(zip(names, xs[9:])), threads)
-    return transforms.rewrap(d_out, level), transforms.rewrap(d_lse, level)
+    return _on_level(level, _tiled_jvp, *xs[:5], spec, _with_operands(ops, xs[5:9]),
+                     dict(zip(names, xs[9:])), threads)
+
+
+def _with_operands(ops: Operands, xs) -> Operands:
+    """``ops`` with its first four tensors (mask, sinks, softcap, slopes) taken from ``xs``."""
+    return ops._replace(attn_mask=xs[0], sinks=xs[1], softcap=xs[2], alibi=xs[3])
+
+
+def _on_level(level: int | None, fn: Callable, q: Tensor, *args) -> tuple:
+    """``fn(q, *args)`` on one intra-op thread (:func:`one_thread`); with a functorch
+    ``level`` (the tensors are :func:`transforms.lowered`'s), below it, its results
+    wrapped back at it."""
+    below = contextlib.nullcontext() if level is None else transforms.below()
+    with below, one_thread(q):
+        res = fn(q, *args)
+    return res if level is None else tuple(transforms.rewrap(x, level) for x in res)
 
 
 _TANGENT_NAMES = ("q", "k", "v", "mask", "sinks", "softcap", "alibi")
@@ -351,10 +360,8 @@ def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops:
                          ) -> tuple[Tensor, Tensor] | None:
     """``(out, lse)`` as dual tensors of forward-mode AD, primal and tangent in one pass over
     the tiles, where forward-mode AD is all that differentiates the call (docs/transforms.md,
-    "How it works"); else None, and the caller takes its autograd.Function, whose ``jvp``
-    rule (:func:`tiled_jvp`) reads q·kᵀ again after the forward (six GEMMs per tile here, its
-    five after the forward's two). With the denominator l, ``A = Σ e^(s−m) (z ṡ v + z v̇)``
-    and ``r = Σ e^(s−m) ṡ``: ``ȯ = A/l − (r/l)·o`` and ``lsė = r/l``."""
+    "Inside tiled's rules": its sums); else None, and the caller takes its
+    autograd.Function, whose ``jvp`` rule (:func:`tiled_jvp`) reads q·kᵀ again."""
     import torch.autograd.forward_ad as fwad
 
     if ops.captured or spec.score_mod is not None or spec.mask_mod is not None or spec.sharded:
@@ -381,16 +388,10 @@ def forward_with_tangent(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops:
         return None  # wrapped by something else (legacy vmap: gradcheck's batched checks)
     if transforms.graph_needed(*primals, *tangents):
         return None  # a backward may follow: the autograd.Function saves what it needs
-    q, k, v = primals[:3]
-    ops = ops._replace(attn_mask=primals[3], sinks=primals[4], softcap=primals[5],
-                       alibi=primals[6])
     threads = cpu.workers_for_call() if q.device.type == "cpu" else 0
-    below = transforms.below() if level is not None else contextlib.nullcontext()
-    with below, one_thread(q):
-        res = _one_pass(q, k, v, spec, ops, dict(zip(_TANGENT_NAMES, tangents)), threads)
-    if level is not None:
-        res = tuple(transforms.rewrap(x, level) for x in res)
-    out, lse, d_out, d_lse = res
+    out, lse, d_out, d_lse = _on_level(level, _one_pass, *primals[:3], spec,
+                                       _with_operands(ops, primals[3:7]),
+                                       dict(zip(_TANGENT_NAMES, tangents)), threads)
     return fwad.make_dual(out, d_out), fwad.make_dual(lse, d_lse)
 
 
@@ -453,9 +454,9 @@ def _one_pass(q, k, v, spec, ops, tangents, threads):
 
 
 def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
-    if tangents.get("captured"):
-        unsupported(spec, ops, "forward-mode AD")
-    unsupported(spec, ops._replace(captured=()), "forward-mode AD")
+    # (the captures refused only where they carry a tangent; a sharded call always)
+    unsupported(spec, ops if tangents.get("captured") else ops._replace(captured=()),
+                "forward-mode AD")
     B, H, Nq, _ = q.shape
     G = H // k.shape[1]
     acc = _acc_dtype(q.dtype)

@@ -53,11 +53,6 @@ def _values_may_overflow(v: Tensor, n_k: int) -> bool:
     return 1.0 < max(-lo.item(), hi.item()) * 2.0 * n_k / fmax < float("inf")
 
 
-def _finite_or_zero(x: Tensor) -> Tensor:
-    """``x`` with its NaN and ±inf entries replaced by 0."""
-    return torch.where(torch.isfinite(x), x, 0.0)
-
-
 def tile_index(x: Tensor, m0: int, m1: int, n0: int, n1: int) -> tuple[slice, ...]:
     """Tile [m0, m1) x [n0, n1) of a 4-D mask (or its gradient) at its own broadcast shape:
     a size-1 dim taken whole."""
@@ -120,15 +115,13 @@ class _Tile:
                           and self.mask5 is None)
         if gemm.low_qk:  # q blocks stay raw bf16 (q_block): q·kᵀ's conversion takes the scale
             gemm.qk_scale = spec.qk_scale * (LOG2E if self.fold_log2 else 1.0)
-        self.cap5 = None
-        if softcap_t is not None:
-            self.cap5 = softcap_t.to(acc).expand(H).reshape(1, Hkv, self.G, 1, 1)
+        self.cap5 = (None if softcap_t is None
+                     else softcap_t.to(acc).expand(H).reshape(1, Hkv, self.G, 1, 1))
         # -- ALiBi: minus the slopes, per (batch, head), or per (head, sequence) when packed
         self.alibi5 = self.alibi_seq = None
         if alibi is not None and spec.alibi_rows is None:
             self.alibi5 = -self._units(alibi.to(acc)).expand(B, H).reshape(B, Hkv, self.G, 1, 1)
-        elif alibi is not None:
-            # (Hkv, G, seqs)
+        elif alibi is not None:  # (Hkv, G, seqs)
             self.alibi_seq = -self._units(alibi.to(acc)).t().reshape(Hkv, self.G, -1)
         self._alibi_dist: dict[tuple[int, int, int], Tensor] = {}
         if spec.dropout_p > 0.0:
