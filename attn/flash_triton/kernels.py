@@ -193,15 +193,15 @@ def _drop_ctx(off_b, off_h, drop_seed, DR, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _head_consts(Softcap, Slope, off_h, SCORE: tl.constexpr):
-    """One head's softcap (1.0 without one) and ALiBi slope (0.0 without): ``Slope`` points
-    at this (sequence, head)'s."""
+def _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE: tl.constexpr):
+    """Head ``off_h``'s softcap (1.0 without one) and sequence ``off_b``'s ALiBi slope for it
+    (0.0 without; ``AS``: the slopes' (sequence, head) strides)."""
     cap = 1.0
     if SCORE[_SOFTCAP]:
         cap = tl.load(Softcap + off_h)
     slope = 0.0
     if SCORE[_ALIBI]:
-        slope = tl.load(Slope)
+        slope = tl.load(Alibi + off_b * AS[0] + off_h * AS[1])
     return cap, slope
 
 

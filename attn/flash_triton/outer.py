@@ -122,8 +122,7 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Lse2, Mask, Sinks, Softcap, Alibi, CuQ, C
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                  SCORE)
+        cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE)
         q = _load_rows(Q, offs_m, (QS[2], QS[3]), N_Q, HEAD_DIM, BLOCK_D, True)
 
         # -- loop over key tiles: masked edge, full middle, masked edge --
@@ -216,8 +215,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, Alibi, DCap, 
             MASK = (_at(Mask, off_b.to(tl.int64), off_h, MS), MS[2], MS[3])
             rows = _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN)  # lse, Δ
             DROP = _drop_ctx(off_b, off_h, drop_seed, DR, HAS_DROPOUT)
-            cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                      SCORE)
+            cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE)
             dc = 0.0
             for stage in tl.static_range(3):
                 s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
@@ -277,8 +275,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
                         BLOCK_DV, True)
         lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # base 2 (Lse2)
-        cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                  SCORE)
+        cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE)
         if DELTA_PASS:
             dq = 0.0
             delta = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -350,10 +347,8 @@ def _attn_jvp(Q, K, V, Out, Lse, DQ, DK, DV, DOut, DLse, Mask, DMask, Softcap, D
                             HEAD_DIM, BLOCK_D, True)
         lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # base 2 (Lse2)
-        cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                  SCORE)
-        dcap, dslope = _head_consts(DCap, DAlibi + off_b * DAS[0] + off_h * DAS[1], off_h,
-                                    SCORE)
+        cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE)
+        dcap, dslope = _head_consts(DCap, DAlibi, DAS, off_b, off_h, SCORE)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         b_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_SINKS:  # one more key, of value 0: b gets p_sink · ṡink, A nothing
