@@ -341,11 +341,8 @@ def _quant_args(quant, q: Tensor, D: int, Dv: int, page: int) -> dict:
 def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, ops: Operands
                ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of q ``(B, H, Nq, D)`` against keys read through ``ops.pages``
-    (:mod:`attn.flash_triton.paged`): the split-KV grid and combine, each row's chunk from
-    split-KV's plan for that row's own length (one chunk when Nq > 16), so that a row's bits
-    do not depend on the rest of its batch (DESIGN's batch invariance); the grid holds the
-    most chunks any row has, the others' extra chunks are empty partials, and the combine's
-    width is fixed (:data:`split.MAX_SPLITS`), not the batch's."""
+    (:mod:`attn.flash_triton.paged`): the split-KV grid and combine, each row chunked by its
+    own length (batch invariance: docs/kvcache.md, "How CUDA reads the pages")."""
     table, starts, lengths = ops.pages
     q, sinks, softcap = _kernel_inputs(q, q, spec, ops.sinks, ops.softcap)  # q's dtype rules
     B, H, Nq, D = q.shape
@@ -979,10 +976,8 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     """Attention of q ``(B, H, Nq, D)`` against keys read through a page table inside the
     kernel, forward only → out ``(B, H, Nq, Dv)`` in q's dtype, lse ``(B, H, Nq)`` float32.
     The protocol of :func:`attn.tiled.paged_attention` (inputs validated by ``attn.decode``),
-    with float16 / bfloat16 / float32 pages on q's device (the table may be there too; the
-    starts and lengths plan the call on the host), or with ``ops.quant`` int8 / uint8 codes
-    (int4: ``Dv / 2`` bytes), its scales and ring on q's device, each tile dequantized after
-    its load, in float32, then converted to q's dtype."""
+    pages (or ``ops.quant``'s codes, scales and ring) on q's device, the starts and lengths
+    planning the call on the host; the reads: docs/kvcache.md, "How CUDA reads the pages"."""
     if ops.pages is None or ops.attn_mask is not None or ops.captured or ops.q_scale is not None:
         raise ValueError("triton paged_attention takes ops.pages, and no attn_mask, score_mod "
                          "or tensor temperature")

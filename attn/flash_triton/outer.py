@@ -1,25 +1,10 @@
 """The outer kernels: one program per (block, sequence·head), for the dense layout
-(B, H, N, D) and, with the ``VARLEN`` constexpr, packed sequences (total, H, D).
-
-Each owns its block's initialisation and epilogue and walks the other axis in at most three
-stages (masked edge, full middle, masked edge) through the inner loops of
-:mod:`attn.flash_triton.kernels`. The only difference between the layouts is where a
-program's sequence starts and how long it is (:func:`_seq_info`): dense, batch row b at the
-batch strides with the call's lengths; packed, sequence b's first token (cu_seqlens, the
-launcher passing the token strides as batch strides) with its own lengths and bottom-right
-band, programs past its end leaving at once (the grid is sized by the longest sequence).
-lse, Δ and log l are indexed through (sequence, head) strides: (B, H, N_Q) or (H, total_q).
-
-Strides travel as tuples, one per tensor: ``QS`` = q's (sequence, head, row, dim), likewise
-``KS``, ``VS``, ``OS`` (out, dO), ``GS``/``GVS`` (a gradient's), ``MS`` (the mask's
-(batch, head, row, column)), ``AS`` (ALiBi's (sequence, head)), ``LS`` (lse's (sequence,
-head)) and ``VMS`` (VMax's). Triton specializes a tuple's elements as it does separate
-arguments (a stride of 1 becomes a constant, multiples of 16 are marked), so the compiled
-code is what separate arguments give. ``DR`` carries dropout's launch values (see
-``_drop_ctx``); the seed stays apart, so that it is never specialized. ``SC`` and the
-constexpr ``SCORE`` carry the score pipeline's constants and flags (see
-:func:`attn.flash_triton.kernels.score_args`): the outer kernels pass them on unread, but
-for the scale of the dK / dQ epilogues and the softcap gradient's partial sums.
+(B, H, N, D) and, with the ``VARLEN`` constexpr, packed sequences (total, H, D). Each owns
+its block's initialisation and epilogue and walks the other axis in at most three stages
+through the inner loops of :mod:`attn.flash_triton.kernels`; the layouts differ only in
+where a program's sequence starts and how long it is (:func:`_seq_info`). What the stride
+tuples (``QS``, ``KS``, ...) and the bundles (``DR``, ``SC``, ``SCORE``) hold: docs/gpu.md,
+"The kernels' arguments".
 """
 
 from __future__ import annotations
