@@ -1,12 +1,10 @@
 """The jit helpers and inner loops of the triton backend: what every outer kernel shares.
 
 Tile loads, the score pipeline (scale, softcap, ALiBi, band, attn_mask) with its launch
-arguments (:func:`score_args`), the dropout hash,
-the stage split of a block's walk, and the inner loops over the other axis: ``_fwd_inner``
-(online softmax), ``_dkdv_inner`` (key-resident backward), ``_dq_inner`` (query-resident
-backward: dQ, or the Δ of saturated rows) and ``_jvp_inner`` (forward-mode AD's tangents).
-``_INTERPRET`` is decided here, at import: triton picks interpreter or compiler when a kernel
-is decorated.
+arguments (:func:`score_args`), the dropout hash, the stage split of a block's walk, and the
+inner loops over the other axis: ``_fwd_inner`` (online softmax), ``_dkdv_inner``
+(key-resident backward), ``_dq_inner`` (query-resident backward: dQ, or the Δ of saturated
+rows) and ``_jvp_inner`` (forward-mode AD's tangents). ``_INTERPRET`` is decided here.
 """
 
 from __future__ import annotations

@@ -236,8 +236,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
     q, sinks = L.q, L.sinks
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.empty(L.rows(q), dtype=torch.float32, device=q.device)
-    logl = torch.empty_like(lse)
-    lse2 = torch.empty_like(lse)
+    logl, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     _attn_fwd[L.grid_q](
         Out=out, Lse=lse, LogL=logl, Lse2=lse2, Sinks=q if sinks is None else sinks,
         OS=L.strides(out), LS=L.row_strides(lse), HAS_SINKS=sinks is not None,
@@ -414,9 +413,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = _delta(do, dlse, out, L)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # the smallest BLOCK_N any dkdv config may pick bounds the number of partial sums
     min_bn = min(c.kwargs["BLOCK_N"] for c in _attn_bwd_dkdv.configs)
     n_part = cdiv(L.n_k, min_bn) if softcap is not None else 1
