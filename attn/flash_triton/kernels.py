@@ -1,12 +1,10 @@
 """The jit helpers and inner loops of the triton backend: what every outer kernel shares.
 
 Tile loads, the score pipeline (scale, softcap, ALiBi, band, attn_mask) with its launch
-arguments (:func:`score_args`), the dropout hash,
-the stage split of a block's walk, and the inner loops over the other axis: ``_fwd_inner``
-(online softmax), ``_dkdv_inner`` (key-resident backward), ``_dq_inner`` (query-resident
-backward: dQ, or the Δ of saturated rows) and ``_jvp_inner`` (forward-mode AD's tangents).
-``_INTERPRET`` is decided here, at import: triton picks interpreter or compiler when a kernel
-is decorated.
+arguments (:func:`score_args`), the dropout hash, the stage split of a block's walk, and the
+inner loops over the other axis: ``_fwd_inner`` (online softmax), ``_dkdv_inner``
+(key-resident backward), ``_dq_inner`` (query-resident backward: dQ, or the Δ of saturated
+rows) and ``_jvp_inner`` (forward-mode AD's tangents). ``_INTERPRET`` is decided here.
 """
 
 from __future__ import annotations
@@ -193,15 +191,15 @@ def _drop_ctx(off_b, off_h, drop_seed, DR, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _head_consts(Softcap, Slope, off_h, SCORE: tl.constexpr):
-    """One head's softcap (1.0 without one) and ALiBi slope (0.0 without): ``Slope`` points
-    at this (sequence, head)'s."""
+def _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE: tl.constexpr):
+    """Head ``off_h``'s softcap (1.0 without one) and sequence ``off_b``'s ALiBi slope for it
+    (0.0 without; ``AS``: the slopes' (sequence, head) strides)."""
     cap = 1.0
     if SCORE[_SOFTCAP]:
         cap = tl.load(Softcap + off_h)
     slope = 0.0
     if SCORE[_ALIBI]:
-        slope = tl.load(Slope)
+        slope = tl.load(Alibi + off_b * AS[0] + off_h * AS[1])
     return cap, slope
 
 

@@ -236,8 +236,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands | None
     q, sinks = L.q, L.sinks
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
     lse = torch.empty(L.rows(q), dtype=torch.float32, device=q.device)
-    logl = torch.empty_like(lse)
-    lse2 = torch.empty_like(lse)
+    logl, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     _attn_fwd[L.grid_q](
         Out=out, Lse=lse, LogL=logl, Lse2=lse2, Sinks=q if sinks is None else sinks,
         OS=L.strides(out), LS=L.row_strides(lse), HAS_SINKS=sinks is not None,
@@ -341,11 +340,8 @@ def _quant_args(quant, q: Tensor, D: int, Dv: int, page: int) -> dict:
 def _fwd_paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, ops: Operands
                ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of q ``(B, H, Nq, D)`` against keys read through ``ops.pages``
-    (:mod:`attn.flash_triton.paged`): the split-KV grid and combine, each row's chunk from
-    split-KV's plan for that row's own length (one chunk when Nq > 16), so that a row's bits
-    do not depend on the rest of its batch (DESIGN's batch invariance); the grid holds the
-    most chunks any row has, the others' extra chunks are empty partials, and the combine's
-    width is fixed (:data:`split.MAX_SPLITS`), not the batch's."""
+    (:mod:`attn.flash_triton.paged`): the split-KV grid and combine, each row chunked by its
+    own length (batch invariance: docs/kvcache.md, "How CUDA reads the pages")."""
     table, starts, lengths = ops.pages
     q, sinks, softcap = _kernel_inputs(q, q, spec, ops.sinks, ops.softcap)  # q's dtype rules
     B, H, Nq, D = q.shape
@@ -417,9 +413,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = _delta(do, dlse, out, L)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # the smallest BLOCK_N any dkdv config may pick bounds the number of partial sums
     min_bn = min(c.kwargs["BLOCK_N"] for c in _attn_bwd_dkdv.configs)
     n_part = cdiv(L.n_k, min_bn) if softcap is not None else 1
@@ -979,10 +973,8 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     """Attention of q ``(B, H, Nq, D)`` against keys read through a page table inside the
     kernel, forward only → out ``(B, H, Nq, Dv)`` in q's dtype, lse ``(B, H, Nq)`` float32.
     The protocol of :func:`attn.tiled.paged_attention` (inputs validated by ``attn.decode``),
-    with float16 / bfloat16 / float32 pages on q's device (the table may be there too; the
-    starts and lengths plan the call on the host), or with ``ops.quant`` int8 / uint8 codes
-    (int4: ``Dv / 2`` bytes), its scales and ring on q's device, each tile dequantized after
-    its load, in float32, then converted to q's dtype."""
+    pages (or ``ops.quant``'s codes, scales and ring) on q's device, the starts and lengths
+    planning the call on the host; the reads: docs/kvcache.md, "How CUDA reads the pages"."""
     if ops.pages is None or ops.attn_mask is not None or ops.captured or ops.q_scale is not None:
         raise ValueError("triton paged_attention takes ops.pages, and no attn_mask, score_mod "
                          "or tensor temperature")

@@ -1,25 +1,10 @@
 """The outer kernels: one program per (block, sequence·head), for the dense layout
-(B, H, N, D) and, with the ``VARLEN`` constexpr, packed sequences (total, H, D).
-
-Each owns its block's initialisation and epilogue and walks the other axis in at most three
-stages (masked edge, full middle, masked edge) through the inner loops of
-:mod:`attn.flash_triton.kernels`. The only difference between the layouts is where a
-program's sequence starts and how long it is (:func:`_seq_info`): dense, batch row b at the
-batch strides with the call's lengths; packed, sequence b's first token (cu_seqlens, the
-launcher passing the token strides as batch strides) with its own lengths and bottom-right
-band, programs past its end leaving at once (the grid is sized by the longest sequence).
-lse, Δ and log l are indexed through (sequence, head) strides: (B, H, N_Q) or (H, total_q).
-
-Strides travel as tuples, one per tensor: ``QS`` = q's (sequence, head, row, dim), likewise
-``KS``, ``VS``, ``OS`` (out, dO), ``GS``/``GVS`` (a gradient's), ``MS`` (the mask's
-(batch, head, row, column)), ``AS`` (ALiBi's (sequence, head)), ``LS`` (lse's (sequence,
-head)) and ``VMS`` (VMax's). Triton specializes a tuple's elements as it does separate
-arguments (a stride of 1 becomes a constant, multiples of 16 are marked), so the compiled
-code is what separate arguments give. ``DR`` carries dropout's launch values (see
-``_drop_ctx``); the seed stays apart, so that it is never specialized. ``SC`` and the
-constexpr ``SCORE`` carry the score pipeline's constants and flags (see
-:func:`attn.flash_triton.kernels.score_args`): the outer kernels pass them on unread, but
-for the scale of the dK / dQ epilogues and the softcap gradient's partial sums.
+(B, H, N, D) and, with the ``VARLEN`` constexpr, packed sequences (total, H, D). Each owns
+its block's initialisation and epilogue and walks the other axis in at most three stages
+through the inner loops of :mod:`attn.flash_triton.kernels`; the layouts differ only in
+where a program's sequence starts and how long it is (:func:`_seq_info`). What the stride
+tuples (``QS``, ``KS``, ...) and the bundles (``DR``, ``SC``, ``SCORE``) hold: docs/gpu.md,
+"The kernels' arguments".
 """
 
 from __future__ import annotations
@@ -122,8 +107,7 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Lse2, Mask, Sinks, Softcap, Alibi, CuQ, C
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                  SCORE)
+        cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE)
         q = _load_rows(Q, offs_m, (QS[2], QS[3]), N_Q, HEAD_DIM, BLOCK_D, True)
 
         # -- loop over key tiles: masked edge, full middle, masked edge --
@@ -216,8 +200,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, Mask, Softcap, Alibi, DCap, 
             MASK = (_at(Mask, off_b.to(tl.int64), off_h, MS), MS[2], MS[3])
             rows = _row0(seq_q, off_b, off_h, H, N_Q, LS, VARLEN)  # lse, Δ
             DROP = _drop_ctx(off_b, off_h, drop_seed, DR, HAS_DROPOUT)
-            cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                      SCORE)
+            cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE)
             dc = 0.0
             for stage in tl.static_range(3):
                 s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
@@ -277,8 +260,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Mask, Softcap, Alibi, Sinks, CuQ, 
                         BLOCK_DV, True)
         lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # base 2 (Lse2)
-        cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                  SCORE)
+        cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE)
         if DELTA_PASS:
             dq = 0.0
             delta = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -350,10 +332,8 @@ def _attn_jvp(Q, K, V, Out, Lse, DQ, DK, DV, DOut, DLse, Mask, DMask, Softcap, D
                             HEAD_DIM, BLOCK_D, True)
         lse = tl.load(Lse + row, mask=offs_m < N_Q, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # base 2 (Lse2)
-        cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h * AS[1], off_h,
-                                  SCORE)
-        dcap, dslope = _head_consts(DCap, DAlibi + off_b * DAS[0] + off_h * DAS[1], off_h,
-                                    SCORE)
+        cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h, SCORE)
+        dcap, dslope = _head_consts(DCap, DAlibi, DAS, off_b, off_h, SCORE)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         b_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_SINKS:  # one more key, of value 0: b gets p_sink · ṡink, A nothing

@@ -45,15 +45,10 @@ def _load_page_tile(P, PS, blk, slot, ok, DIM: tl.constexpr, BLOCK: tl.constexpr
     """The rows at (page ``blk``, slot ``slot``) of one kv head's storage ``P`` (strides
     ``PS`` = (block, slot, head, dim)): a (keys, BLOCK) tile, or (BLOCK, keys) with ``TRANS``
     (a dot's right operand); masked keys and dims give 0 and are not read."""
-    at = blk * PS[0] + slot * PS[1]
     offs_d = tl.arange(0, BLOCK)
-    if TRANS:  # one return: the compiler types every path's, even a constexpr's dead one
-        x = _load(P + at[None, :] + offs_d[:, None] * PS[3], ok[None, :],
-                  offs_d[:, None] < DIM, MASKED, BLOCK != DIM)
-    else:
-        x = _load(P + at[:, None] + offs_d[None, :] * PS[3], ok[:, None],
-                  offs_d[None, :] < DIM, MASKED, BLOCK != DIM)
-    return x
+    at, d = _outer(blk * PS[0] + slot * PS[1], offs_d, TRANS)
+    ok_k, ok_d = _outer(ok, offs_d < DIM, TRANS)
+    return _load(P + at + d * PS[3], ok_k, ok_d, MASKED, BLOCK != DIM)
 
 
 @triton.jit
@@ -231,8 +226,7 @@ def _attn_fwd_paged(Q, KP, VP, Table, Seq, OutP, LseP, Softcap, Alibi, KS, VS, R
     VP = VP + hk * VPS[2]
     KQ = (KS + hk * KSS[2], KSS, RK + hk * RKS[2], RKS)
     VQ = (VS + hk * VSS[2], VSS, RV + hk * RVS[2], RVS)
-    cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h[:, None] * AS[1],
-                              off_h[:, None], SCORE)
+    cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h[:, None], SCORE)
     v_log_scale += tl.log(tl.maximum(N_K, 1).to(tl.float32))  # log(2·N_b / fmax)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -193,8 +193,7 @@ def _attn_fwd_split(Q, K, V, OutP, LseP, Mask, Softcap, Alibi, QS, KS, VS, MS, A
     BAND = (N_Q, N_K, offset, left, right)
     mask_rows = Mask + off_b * MS[0] + off_h[:, None].to(tl.int64) * MS[1]
     MASK = (mask_rows, MS[2], MS[3])
-    cap, slope = _head_consts(Softcap, Alibi + off_b * AS[0] + off_h[:, None] * AS[1],
-                              off_h[:, None], SCORE)
+    cap, slope = _head_consts(Softcap, Alibi, AS, off_b, off_h[:, None], SCORE)
     voff = _value_offset(VMax + off_b * VMS[0] + off_hk * VMS[1], v_log_scale, V_OFFSET)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

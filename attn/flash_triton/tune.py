@@ -254,7 +254,7 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
         if max(bm, bn) <= 32 and c.num_warps > 4 and not fp32:
             continue
         kept.append(c)
-    if getattr(args.get("Q"), "dtype", None) == torch.float32:
+    if fp32:
         small = [c for c in kept if not _fp32_spills(kind, c, d)]
         if not small:
             wide = [c for c in kept if c.num_warps >= 8] or kept
