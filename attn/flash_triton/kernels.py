@@ -388,7 +388,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, offs_m, cap, slope, SC, KSTR, VST
                SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, V_OFFSET: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     N_K = BAND[1]
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and not BANDED else None):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- compute qk --
         kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, start_n, cap, slope, SC, KSTR, MASK, BAND,

@@ -112,7 +112,7 @@ def _attn_fwd(Q, K, V, Out, Lse, LogL, Lse2, Mask, Sinks, Softcap, Alibi, CuQ, C
 
         # -- loop over key tiles: masked edge, full middle, masked edge --
         lo, a, b, hi = _stages(start_m, N_Q, N_K, offset, left, right, BLOCK_M, BLOCK_N)
-        for stage in tl.static_range(3):
+        for stage in tl.static_range(0 if BANDED else 1, 3):  # no band: lo = a = 0
             s_lo, s_hi = _stage_range(stage, lo, a, b, hi)
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, K, V, s_lo, s_hi, offs_m, cap, slope, SC,
