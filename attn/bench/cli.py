@@ -37,14 +37,10 @@ _REPORT_N = {("cpu", False): (512, 1024, 2048, 4096, 8192, 16384),
              ("cuda", True): (512, 1024, 2048, 4096)}
 
 
-def _quick_parser() -> argparse.ArgumentParser:
-    """The top level only (commands and --version), built without importing torch: enough
-    to answer ``attn``, ``attn --help`` and ``attn --version``."""
-    return _top_level()[0]
-
-
 def _top_level() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The ``attn`` parser with its commands and --version, and each command's parser."""
+    """The ``attn`` parser with its commands and --version, and each command's parser. Alone
+    (without the commands' arguments) it is built without importing torch: enough to answer
+    ``attn``, ``attn --help`` and ``attn --version``."""
     from attn import __version__
 
     parser = argparse.ArgumentParser(prog="attn", description=DESCRIPTION)
@@ -461,7 +457,7 @@ def _triton_missing() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "--version"):
-        _quick_parser().parse_args(argv)  # prints the help, the version or the usage error
+        _top_level()[0].parse_args(argv)  # prints the help, the version or the usage error
     first = build_parser().parse_args(argv)
     if first.command == "bench" and first.kind == "speed" and first.preset == "triton":
         why = _triton_missing()

@@ -10,6 +10,7 @@ docs/benchmarks.md ("Context parallelism") has the numbers.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import queue as queue_mod
 import socket
@@ -131,21 +132,19 @@ def _worker(rank: int, P: int, port: int, cfg: dict, out_q) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=P, timeout=timedelta(seconds=cfg["timeout"]))
     try:
-        for strategy in cfg["strategies"]:
-            for N in cfg["n"]:
-                for mode in cfg["modes"]:
-                    try:
-                        row = _point(cfg, strategy, N, mode, rank, P)
-                    except Exception as exc:  # recorded in the results; the sweep goes on
-                        row = dict(strategy=strategy, P=P, N=N, mode=mode, status="error",
-                                   note=f"{type(exc).__name__}: {exc}")
-                    if rank == 0:
-                        out_q.put(("row", row))
-                        print(f"  P={P} {strategy} N={N} {mode}: "
-                              + (f"{row['ms']:.0f} ms, peak {row['peak_bytes'] / 2**20:.1f} "
-                                 f"MiB/rank, comm {100 * row['comm_share']:.0f}%"
-                                 if row["status"] == "ok" else row["status"] + " " + row["note"]),
-                              flush=True)
+        for strategy, N, mode in itertools.product(cfg["strategies"], cfg["n"], cfg["modes"]):
+            try:
+                row = _point(cfg, strategy, N, mode, rank, P)
+            except Exception as exc:  # recorded in the results; the sweep goes on
+                row = dict(strategy=strategy, P=P, N=N, mode=mode, status="error",
+                           note=f"{type(exc).__name__}: {exc}")
+            if rank == 0:
+                out_q.put(("row", row))
+                print(f"  P={P} {strategy} N={N} {mode}: "
+                      + (f"{row['ms']:.0f} ms, peak {row['peak_bytes'] / 2**20:.1f} MiB/rank, "
+                         f"comm {100 * row['comm_share']:.0f}%"
+                         if row["status"] == "ok" else row["status"] + " " + row["note"]),
+                      flush=True)
         errs = _errors(cfg, rank, P)
         if rank == 0:
             for e in errs:
@@ -209,10 +208,6 @@ def _header(cfg: dict, argv: list[str], load_start: float) -> dict:
     }
 
 
-def _mib(b) -> str:
-    return "" if b is None else f"{b / 2**20:.2f}"
-
-
 def markdown(header: dict, rows: list[dict], errors: list[dict]) -> str:
     lines = ["# Context parallelism on CPU (gloo)", "",
              f"{header['date']}, {header['device_name']} ({header['cpu_count']} cores), torch "
@@ -231,7 +226,7 @@ def markdown(header: dict, rows: list[dict], errors: list[dict]) -> str:
         if base:  # measured / (P=1 figure scaled by 1/P): 1.0 means exactly ∝ N/P
             ratio = f"{r['peak_bytes'] / (base[0]['peak_bytes'] * base[0]['P'] / r['P']):.2f}"
         lines.append(f"| {r['strategy']} | {r['mode']} | {r['N']} | {r['P']} | "
-                     f"{_mib(r['peak_bytes'])} | {ratio} | {r['ms']:.0f} | "
+                     f"{r['peak_bytes'] / 2**20:.2f} | {ratio} | {r['ms']:.0f} | "
                      f"{r['ms_per_step']:.0f} | {100 * r['comm_share']:.0f}% |")
     skipped = [r for r in rows if r["status"] != "ok"]
     if skipped:

@@ -1,11 +1,7 @@
-"""``attn bench decode --caches``: one decoding step (or, ``--nq``, a chunked-prefill chunk
-causal from the cache's end) through :func:`attn.decode` from each cache format
-(:data:`FORMATS`), contiguous and paged, against torch SDPA on a dense fp32 and a dense bf16
-cache (CPU). "paged": pages of ``--page`` positions interleaved with a filler sequence's, so
-every range an item reads is a copy (the paged path's worst case). Each path is checked
-against float64 SDPA on the values its cache holds (fp32 rounding: :data:`TOLERANCE`), its
-quantization error reported beside it. docs/benchmarks.md ("Decoding from quantized and
-paged caches") has the numbers.
+"""``attn bench decode --caches``: one decoding step (``--nq``: a chunked-prefill chunk)
+through :func:`attn.decode` from each cache format (:data:`FORMATS`), contiguous and paged
+(:func:`_fill`), against torch SDPA on dense fp32 and bf16 caches, on CPU; docs/benchmarks.md
+("Decoding from quantized and paged caches") has the method and the numbers.
 
     attn bench decode --caches --out benchmarks/results/decode_caches_cpu
 """

@@ -41,7 +41,6 @@ def matmul_tflops(device: str | torch.device = "cpu", dtype: torch.dtype = torch
     if n is None:
         n = 4096 if device.type == "cuda" else 1024
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    a, b = (torch.randn(n, n, generator=g).to(device=device, dtype=dtype) for _ in range(2))
     t = benchmark(lambda: a @ b, device=device, warmup=2, repeats=repeats)
     return 2.0 * n**3 / (t.median_ms * 1e-3) / 1e12

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -112,8 +112,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list[Row]]
     import transformers
 
     hf.register("attn", backend=args.backend)
-    shape = Shape(layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                  head_dim=args.head_dim, intermediate=args.intermediate, vocab=args.vocab)
+    shape = Shape(**{f.name: getattr(args, f.name) for f in fields(Shape)})  # a flag per field
     model = build_model(shape)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     rows: list[Row] = []

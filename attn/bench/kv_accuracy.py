@@ -1,11 +1,9 @@
 """``attn bench kv-accuracy``: what a quantized KV cache costs in accuracy, on the toy GPT.
 
-A trained checkpoint of :mod:`attn.models` (by default the committed
-``benchmarks/checkpoints/text-gpt-4x128-gqa2.pt``) is evaluated teacher-forced on the
-validation split with every layer's new keys and values stored in a
-:class:`attn.kvcache.PagedKVCache` of each format (:data:`CACHES`) and read back
-dequantized; the loss is the mean cross-entropy per predicted token, against a float32 row
-without a cache.
+A checkpoint of :mod:`attn.models` (default: the committed text GPT) evaluated teacher-forced
+on the validation split with every layer's K/V round-tripped through a
+:class:`attn.kvcache.PagedKVCache` of each format (:data:`CACHES`): the mean cross-entropy
+per predicted token, against a float32 row without a cache (docs/benchmarks.md).
 
     attn bench kv-accuracy --out benchmarks/results/kv_accuracy_cpu
 """

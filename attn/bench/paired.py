@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import subprocess
@@ -257,11 +258,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                           else f"one core (CPU {core}) kept busy by a spinning process")
         args.matmul_rates = matmul_rates(args.dtype)
         header["matmul_tflops"] = args.matmul_rates
-        for dtype in args.dtype:
-            for D in args.d:
-                for N in args.n or DEFAULT_N:
-                    for mode in modes:
-                        rows += _measure_shape(args, B, H, N, D, dtype, mode, causals)
+        for dtype, D, N, mode in itertools.product(args.dtype, args.d, args.n or DEFAULT_N,
+                                                   modes):
+            rows += _measure_shape(args, B, H, N, D, dtype, mode, causals)
     out = args.out or Path("out") / "bench-speed-paired"
     report.write_results(out, header, rows, markdown(header, rows))
     return 0

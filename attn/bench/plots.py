@@ -58,11 +58,15 @@ def _guides(ax, rows, mode, scale):
                 label=label)
 
 
-def _modes(rows: list[dict]) -> list[str]:
-    """The modes the rows measured, in the usual order: a forward-only sweep gets one panel,
-    not an empty forward+backward one beside it."""
+def _figure(rows: list[dict], n_rows: int, height: float, **share):
+    """A figure of ``n_rows`` panels per mode the rows measured, modes in the usual order (a
+    forward-only sweep gets one column, not an empty forward+backward one beside it); returns
+    the figure, its axes (n_rows × modes) and the modes."""
     present = {r["mode"] for r in rows}
-    return [m for m in _MODES if m in present]
+    modes = [m for m in _MODES if m in present]
+    fig, axes = _pyplot().subplots(n_rows, len(modes), figsize=(5.5 * len(modes), height),
+                                   squeeze=False, **share)
+    return fig, axes, modes
 
 
 def _legend(ax) -> None:
@@ -92,10 +96,7 @@ def save(fig, path: str | Path, title: str | None = None) -> Path:
 
 def plot_memory(rows: list[dict], path: str | Path, header: dict | None = None) -> Path:
     """Peak MiB above the inputs vs N, log–log, one panel per mode."""
-    plt = _pyplot()
-    modes = _modes(rows)
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.5), sharey=True,
-                             squeeze=False)
+    fig, axes, modes = _figure(rows, 1, 4.5, sharey=True)
     for ax, mode in zip(axes[0], modes):
         _draw(ax, rows, mode, "peak_bytes", 1 / 2**20)
         _guides(ax, rows, mode, 1 / 2**20)
@@ -106,10 +107,7 @@ def plot_memory(rows: list[dict], path: str | Path, header: dict | None = None) 
 
 def plot_speed(rows: list[dict], path: str | Path, header: dict | None = None) -> Path:
     """Top: median ms vs N (log–log). Bottom: TFLOP/s vs N with the matmul rate as a ceiling."""
-    plt = _pyplot()
-    modes = _modes(rows)
-    fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 8), sharex=True,
-                             squeeze=False)
+    fig, axes, modes = _figure(rows, 2, 8, sharex=True)
     rate = (header or {}).get("matmul_tflops", {}).get(rows[0]["dtype"])
     for col, mode in enumerate(modes):
         _draw(axes[0, col], rows, mode, "ms")

@@ -254,21 +254,16 @@ def skip_reason(row: Row, cfg: SweepConfig) -> str | None:
     return why
 
 
-def _inputs(row: Row, cfg: SweepConfig):
-    """q, k, v (and dO for fwd+bwd) allocated before measuring, seeded."""
+def make_call(row: Row, cfg: SweepConfig) -> Callable[[], None]:
+    """The measured call: forward (inputs without grad, so no graph is kept), or forward then
+    backward from a fixed dO with the gradients of the previous call dropped first. Its
+    inputs (q, k, v and dO, seeded) are allocated here, before anything is measured."""
     g = torch.Generator().manual_seed(cfg.seed)
     shape = (row.B, row.H, row.N, row.D)
     dtype, grad = DTYPES[row.dtype], row.mode == "fwd+bwd"
     q, k, v = (torch.randn(shape, generator=g).to(device=cfg.device, dtype=dtype)
                .requires_grad_(grad) for _ in range(3))
     d_out = torch.randn(shape, generator=g).to(device=cfg.device, dtype=dtype) if grad else None
-    return q, k, v, d_out
-
-
-def make_call(row: Row, cfg: SweepConfig) -> Callable[[], None]:
-    """The measured call: forward (inputs without grad, so no graph is kept), or forward then
-    backward from a fixed dO with the gradients of the previous call dropped first."""
-    q, k, v, d_out = _inputs(row, cfg)
     if row.backend in COMPETITORS:
         forward = make_forward(row.backend, row.causal, row.N, cfg.device)
     elif row.backend in cfg.functions:

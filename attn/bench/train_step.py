@@ -1,10 +1,8 @@
 """``attn bench train-step``: peak memory and time of one GPT training step per backend.
 
-One step is forward, backward and AdamW on the toy GPT of :mod:`attn.models`, the same seed
-and batch for every backend; peak memory (:func:`attn.timing.peak_bytes`) is above what a
-warm-up step left (model, AdamW state, gradients, batch), time the median of ``--repeats``
-steps without the profiler. The warm-up step's loss is in the rows: the backends agree to
-rounding. docs/benchmarks.md ("Memory of a training step") has the numbers.
+Forward, backward and AdamW on the toy GPT of :mod:`attn.models`, the same seed and batch for
+every backend (the warm-up step's loss is in the rows: they agree to rounding);
+docs/benchmarks.md ("Memory of a training step") has the method and the numbers.
 
     attn bench train-step --lengths 2048 4096 --backends reference tiled sdpa \\
         --out benchmarks/results/train_step_cpu
