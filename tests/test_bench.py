@@ -579,6 +579,18 @@ def test_fn_is_measured_beside_the_backends_and_a_failure_stays_a_row(tmp_path, 
     assert f"| 64 | {spec} | failed |" in md and f"{spec} failed at N=64" in md
 
 
+def test_a_function_failing_without_a_message_stays_a_row():
+    """An exception with no message (NotImplementedError()) is a row's note, not the end of
+    the sweep."""
+    def silent(q, k, v, causal=False):
+        raise NotImplementedError()
+
+    rows = list(run_sweep(_tiny(n=(32,), backends=("tiled", silent), modes=("fwd",))))
+    by = {r.backend: r for r in rows}
+    assert by["silent"].status == "skipped" and by["silent"].note == "NotImplementedError: "
+    assert by["tiled"].status == "ok"
+
+
 def test_sweep_config_takes_named_callables_and_calls_them_causal():
     seen = []
 
