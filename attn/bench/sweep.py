@@ -20,7 +20,6 @@ import torch
 from attn.api import BACKENDS, AttentionCall, attention, unsupported_reason
 from attn.bench.competitors import COMPETITORS, competitor_unsupported, make_forward
 from attn.bench.flops import MODES, attention_flops, matmul_tflops
-from attn.bench.gpu_record import exc_line
 from attn.masks import make_band
 from attn.timing import benchmark, peak_bytes
 
@@ -333,7 +332,7 @@ def run_sweep(cfg: SweepConfig, rows: list[Row] | None = None) -> Iterator[Row]:
                 # a user's function failing is its result at this point, not attn's error;
                 # NotImplementedError is the adapter's "this function cannot express it"
                 row.status = "skipped" if isinstance(exc, NotImplementedError) else "failed"
-            row.note = exc_line(exc)  # also for an exception without a message
+            row.note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             if row.status == "oom":
                 failed.add(series)
         finally:

@@ -2,10 +2,10 @@
 # Issue 38's speed and memory check for the 2026-12-07 line cuts (and issue 42's ALiBi change):
 # the same command on the tree before (a checkout of 4db0f56) and after (main after the merges),
 # in fresh processes, before then after, quiet and then with one core busy; then memory.
-# usage: run.sh BEFORE_TREE AFTER_TREE
+# usage: run.sh BEFORE_TREE AFTER_TREE [OUT_DIR (default: this folder)]
 set -euo pipefail
 before=$1 after=$2
-out=$(cd "$(dirname "$0")" && pwd)
+out=${3:-$(cd "$(dirname "$0")" && pwd)}
 common="--device cpu --paired --threads 2 --no-plots --no-progress --no-compiled --flex-max-n 0"
 for load in quiet busy; do
   extra=""; [ "$load" = busy ] && extra="--busy-core"
