@@ -180,8 +180,10 @@ class KVCacheLike(Protocol):
 def _parse_window(s: str) -> int | tuple[int, int]:
     """Command-line spelling of a window: ``W`` or ``LEFT,RIGHT``."""
     parts = [int(p) for p in s.split(",")]
-    if len(parts) in (1, 2):
-        return parts[0] if len(parts) == 1 else (parts[0], parts[1])
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return (parts[0], parts[1])
     raise ValueError(f"window must be W or LEFT,RIGHT, got {s!r}")
 
 
