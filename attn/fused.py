@@ -258,6 +258,10 @@ class FusedConfig:
     # a CPU call :func:`_whole_call` allows is one op call over the whole batch; CUDA's
     # pairs take one item (batch 1, one head group) at a time
     whole_call: bool = True
+    # such a call's backward is at most whole_bwd_parts op calls (:func:`_whole_bwd_parts`:
+    # one per whole_bwd_part_scores scores, by batch rows, else by kv heads), one thread each
+    whole_bwd_parts: int = 8
+    whole_bwd_part_scores: int = 1 << 20
     # GQA decoding (:func:`folds`): a kv head's query heads as query rows of one op call
     fold_gqa: bool = True
 
@@ -1121,19 +1125,64 @@ def _dlse_columns(q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, pad:
     return q, k, v, torch.cat([out, pad], -1), torch.nn.functional.pad(do, (0, 2), value=1.0)
 
 
+def _whole_bwd_parts(B: int, Hkv: int, scores: int, config: FusedConfig
+                     ) -> list[tuple[int, int, int, int]]:
+    """How :func:`_whole_bwd` cuts a backward of ``B`` batch rows and ``Hkv`` kv heads,
+    ``scores`` per row and kv head: ``(b0, b1, g0, g1)`` per op call, about one per
+    ``config.whole_bwd_part_scores`` scores, at most ``config.whole_bwd_parts``; by batch rows,
+    or where there are fewer rows than calls each row by kv heads (a divisor of ``Hkv``).
+    A function of the shapes alone: each (row, head) is computed by one call on one thread
+    whatever the cut, so the cut changes no bits (docs/design.md, "The fused backend")."""
+    n = max(1, min(config.whole_bwd_parts, B * Hkv * scores // config.whole_bwd_part_scores))
+    if n <= B:
+        r = -(-B // n)
+        return [(b, min(b + r, B), 0, Hkv) for b in range(0, B, r)]
+    cuts = max(c for c in range(1, Hkv + 1) if Hkv % c == 0 and c <= -(-n // B))
+    w = Hkv // cuts
+    return [(b, b + 1, g, g + w) for b in range(B) for g in range(0, Hkv, w)]
+
+
 def _whole_bwd(kern, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse_in: Tensor,
                pad: Tensor | None, rows: list[int] | None, mask4: _UserMask | None,
-               whole: Piece, spec: LaunchSpec) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_bwd`'s one op call over batch rows ``rows`` (None: all): their dq, dk, dv in
-    the accumulation dtype (``pad``: the dlse columns, :func:`_dlse_columns`)."""
+               whole: Piece, spec: LaunchSpec, config: FusedConfig, threads: int | None
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_bwd`'s op calls over batch rows ``rows`` (None: all): their dq, dk, dv in
+    the accumulation dtype (``pad``: the dlse columns, :func:`_dlse_columns`). The calls
+    (:func:`_whole_bwd_parts`) run as items, one intra-op thread each: torch's backward
+    kernel on several threads gave other dQ/dK/dV bits than on one (MKL's GEMMs inside its
+    parallel region: float32/float64, most head dims but 16 and 64, Intel Xeon with AMX)."""
     D, Dv, acc = q.shape[-1], v.shape[-1], _acc_dtype(q.dtype)
     qw, kw, vw, ow, dow = (_rows_of(t, rows) for t in (q, k, v, out, do))
     if pad is not None:
         qw, kw, vw, ow, dow = _dlse_columns(qw, kw, vw, ow, dow, _rows_of(pad, rows))
     add = None if mask4 is None else _rows_of(mask4.add, rows).to(q.dtype)
-    with _whole_threads(q):
-        gq, gk, gv = kern(add is not None).bwd(dow, qw, kw, vw, ow, _rows_of(lse_in, rows),
-                                               whole.causal, add, spec.qk_scale)
+    lw = _rows_of(lse_in, rows)
+    B, Hkv = kw.shape[:2]
+    G = qw.shape[1] // Hkv
+    parts = _whole_bwd_parts(B, Hkv, qw.shape[2] * kw.shape[2] * G, config)
+    pair = kern(add is not None)
+    grads = ()
+
+    def run(i: int) -> None:
+        b0, b1, g0, g1 = parts[i]
+        hq, hk = slice(g0 * G, g1 * G), slice(g0, g1)
+        m = add
+        if m is not None:
+            m = m[b0:b1] if m.shape[0] > 1 else m
+            m = m[:, hq] if m.shape[1] > 1 else m
+        got = pair.bwd(dow[b0:b1, hq], qw[b0:b1, hq], kw[b0:b1, hk], vw[b0:b1, hk],
+                       ow[b0:b1, hq], lw[b0:b1, hq], whole.causal, m, spec.qk_scale)
+        for g, h, t in zip(grads, (hq, hk, hk), got):
+            g[b0:b1, h] = t
+
+    if len(parts) == 1:
+        with workers.single_thread() if threads != 0 else contextlib.nullcontext():
+            grads = pair.bwd(dow, qw, kw, vw, ow, lw, whole.causal, add, spec.qk_scale)
+    else:
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                      for t in (qw, kw, vw))
+        workers.run_items(run, len(parts), threads=threads)
+    gq, gk, gv = grads
     return gq[..., :D].to(acc), gk[..., :D].to(acc), gv[..., :Dv].to(acc)
 
 
@@ -1156,9 +1205,9 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         return _precise_bwd(precise, do, dlse, q, k, v, spec, ops)
     seqs, poisoned, mask4, ops, plans, mask_mods, hgs, whole = _cut_call(
         q, k, spec, ops, config, check=apart, backward=True)
-    threads = None if whole is not None else _threads(seqs, config, q)
+    threads = _threads(seqs, config, q)
     # (before items, the caller's passes on its thread alone, as the forward's)
-    with contextlib.nullcontext() if whole is not None else _caller(threads):
+    with _caller(threads):
         # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
         lse_in = lse.masked_fill(lse == float("-inf"), float("inf"))
         do = do.to(q.dtype)
@@ -1167,10 +1216,10 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             minus = -dlse.to(acc)
             hi = minus.to(q.dtype)
             pad = torch.stack([hi, (minus - hi.to(acc)).to(q.dtype)], -1)  # (B, H, Nq, 2)
-    if whole is not None:  # one op call (_whole_threads) over the rows it computes
+    if whole is not None:  # a few op calls (_whole_bwd_parts) over the rows it computes
         rows = [s.b for s in seqs] if poisoned else None
         gq, gk, gv = _whole_bwd(kern, do, q, k, v, out, lse_in, pad, rows,
-                                _added(mask4, q.dtype), whole, spec)
+                                _added(mask4, q.dtype), whole, spec, config, threads)
         if poisoned:
             dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
             dq[rows], dk[rows], dv[rows] = gq, gk, gv

@@ -405,6 +405,13 @@ WHOLE = dict(B=3, H=4, Hkv=2, N=200, D=16)  # small: one op call for the batch (
     (torch.float32, dict(B=3, H=4, Hkv=2, N=300, D=16),
      dict(attn_mask=torch.rand(1, 1, 300, 300, generator=torch.Generator().manual_seed(5))
           > 0.3)),
+    # a whole backward cut into op calls by batch rows (2 for the batch, 1 for a row alone)
+    # and by kv heads (6 calls, 4 alone), a mask per head: D=40 gave other bits on
+    # torch's kernel's threads (Intel Xeon, MKL), so each call runs on one thread
+    (torch.float32, dict(B=8, H=8, Hkv=4, N=200, D=40), dict(causal=True)),
+    (torch.float32, dict(B=3, H=8, Hkv=4, N=1024, D=40),
+     dict(attn_mask=torch.rand(1, 8, 1024, 1024, generator=torch.Generator().manual_seed(6))
+          > 0.3)),
 ])
 def test_bits_do_not_depend_on_threads_or_batch(dtype, shape, kw):
     q, k, v = make_inputs(**shape, dtype=dtype, seed=8)
@@ -478,7 +485,10 @@ def test_a_masked_float_call_is_one_op_call_each_way(monkeypatch, dtype, kind):
     calls.clear()
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     fn(qg, kg, vg, attn_mask=mask, causal=causal).sum().backward()
-    assert [c[:1] + c[4:] for c in calls] == [("fwd", True, H, 2), ("bwd", True, H, 2)]
+    fwd, bwd = ([c for c in calls if c[0] == way] for way in ("fwd", "bwd"))
+    assert [c[:1] + c[4:] for c in fwd] == [("fwd", True, H, 2)]
+    # the backward: _whole_bwd_parts' op calls (one thread each), every row and head once
+    assert bwd and all(c[4] for c in bwd) and sum(c[5] * c[6] for c in bwd) == 2 * H
     assert not qg.grad[empty].any()
 
 
