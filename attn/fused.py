@@ -1175,8 +1175,8 @@ def _whole_bwd(kern, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         for g, h, t in zip(grads, (hq, hk, hk), got):
             g[b0:b1, h] = t
 
-    if len(parts) == 1:
-        with workers.single_thread() if threads != 0 else contextlib.nullcontext():
+    if len(parts) == 1:  # on the caller's thread alone, into no copy
+        with _caller(threads):
             grads = pair.bwd(dow, qw, kw, vw, ow, lw, whole.causal, add, spec.qk_scale)
     else:
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device)
