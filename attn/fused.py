@@ -64,17 +64,6 @@ def ops_reason(device: str) -> str | None:
     return ops if isinstance(ops, str) else None
 
 
-def _cpu_pair(ops_cpu: _CpuOps) -> fused_cuda.Pair:
-    """torch's CPU op as the block primitive :mod:`attn.fused_cuda` describes."""
-    def fwd(q, k, v, causal, mask, scale):
-        return ops_cpu.fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-
-    def bwd(do, q, k, v, out, lse, causal, mask, scale):
-        return ops_cpu.bwd(do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-
-    return fused_cuda.Pair("cpu", fwd, bwd)
-
-
 # the kernel pair of a call's pieces: (masked piece) -> pair
 Kernels = Callable[[bool], fused_cuda.Pair]
 
@@ -86,7 +75,16 @@ def kernels(q: Tensor) -> Kernels:
     if why is not None:
         raise NotImplementedError(f"backend='fused' is off: {why}")
     if q.device.type == "cpu":
-        cpu = _cpu_pair(_cpu_ops())
+        ops_cpu = _cpu_ops()
+
+        def fwd(q, k, v, causal, mask, scale):
+            return ops_cpu.fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+        def bwd(do, q, k, v, out, lse, causal, mask, scale):
+            return ops_cpu.bwd(do, q, k, v, out, lse, 0.0, causal, attn_mask=mask,
+                               scale=scale)
+
+        cpu = fused_cuda.Pair("cpu", fwd, bwd)
         return lambda masked: cpu
     return cuda_kernels(q.dtype, q.shape[-1], q.device)
 
@@ -426,21 +424,17 @@ def _mask_plan(seq: Seq, spec: LaunchSpec, H: int) -> _Plan:
             grid = torch.where(full.all(1)[0], FULL,
                                torch.where(visit.any(1)[0], PARTIAL, EMPTY)).to(torch.int8)
             kinds = combine_kinds(kinds, grid)
-    blocks, per_block = [], []
-    for i in range(kinds.shape[0]):
-        m0, m1 = i * bm, min((i + 1) * bm, n_q)
+    per_block = []
+    for row in kinds.tolist():  # each run of tiles of one kind (not empty) is a piece
         ps: list[Piece] = []
-        for j in range(kinds.shape[1]):
-            kind = int(kinds[i, j])
-            if kind == EMPTY:
-                continue
-            n0, n1, masked = j * bn, min((j + 1) * bn, n_k), kind != FULL
-            if ps and ps[-1].n1 == n0 and ps[-1].masked == masked:
-                ps[-1] = ps[-1]._replace(n1=n1)
-            else:
-                ps.append(Piece(n0, n1, masked=masked))
-        blocks.append((m0, m1))
+        j = 0
+        for kind, run in itertools.groupby(row):
+            n = len(list(run))
+            if kind != EMPTY:
+                ps.append(Piece(j * bn, min((j + n) * bn, n_k), masked=kind != FULL))
+            j += n
         per_block.append(ps)
+    blocks = [(i * bm, min((i + 1) * bm, n_q)) for i in range(kinds.shape[0])]
     return _Plan(blocks, [(0, n_k)], False, per_block)
 
 
@@ -595,31 +589,27 @@ def _empty_rows(seen: Tensor | None, lse: Tensor, causal_rows: int | None = None
                 ) -> Tensor | None:
     """The rows of an op call that saw no key (bool, ``lse``'s shape), None where there is
     none. ``seen``: what the call's rows see (bool, True: the key is seen; or a float mask,
-    -inf: hidden), broadcast dims kept; None: every row sees a key. ``causal_rows`` as
-    :func:`_unseen`'s. On CPU read only where some lse came back 0 or not finite (torch's
-    CPU op gives such a row lse 0: docs/design.md, "The fused backend", Pieces)."""
+    -inf: hidden), broadcast dims kept; None: every row sees a key. A row is empty where its
+    largest byte is 0 (a uint8 max, not a bool any: docs/benchmarks.md; on the caller's
+    thread alone where small, :func:`attn.workers.small_pass`). With ``causal_rows``, the
+    rows ``0..causal_rows-1`` of a top-left causal call, row i seeing keys j <= i: a row is
+    also empty where its first key (the index torch's max returns, the first of the largest)
+    lies past i; no (rows, keys) grid of the band is built. On CPU read only where some lse
+    came back 0 or not finite (torch's CPU op gives such a row lse 0: docs/design.md, "The
+    fused backend", Pieces)."""
     if seen is None:
         return None
     if lse.device.type == "cpu" and not bool(((lse == 0) | ~lse.isfinite()).any()):
         return None
     seen = seen if seen.dtype == torch.bool else seen > float("-inf")
-    empty = _unseen(seen.expand(*lse.shape, seen.shape[-1]), causal_rows)
-    return empty if bool(empty.any()) else None
-
-
-def _unseen(seen: Tensor, causal_rows: int | None = None) -> Tensor:
-    """Rows of a bool ``seen`` (True: the row sees that key; broadcast dims kept) that see no
-    key: the largest byte per row is 0 (a uint8 max, not a bool any: docs/benchmarks.md; on
-    the caller's thread alone where small, :func:`attn.workers.small_pass`). With
-    ``causal_rows``, the rows ``0..causal_rows-1`` of a top-left causal call, row i seeing
-    keys j <= i: a row is empty where its first key (the index torch's max returns, the
-    first of the largest) lies past i. No (rows, keys) grid of the band is built."""
+    seen = seen.expand(*lse.shape, seen.shape[-1])
     with workers.small_pass(seen):
         if causal_rows is None:
-            return seen.view(torch.uint8).amax(-1) == 0
-        most, first = seen.view(torch.uint8).max(-1)
-        rows = torch.arange(causal_rows, device=seen.device)
-        return (most == 0) | (first > rows)
+            empty = seen.view(torch.uint8).amax(-1) == 0
+        else:
+            most, first = seen.view(torch.uint8).max(-1)
+            empty = (most == 0) | (first > torch.arange(causal_rows, device=seen.device))
+    return empty if bool(empty.any()) else None
 
 
 def _user_piece(t: Tensor, seq: Seq, heads: slice, m0: int, m1: int, pc: Piece) -> Tensor:
@@ -777,14 +767,6 @@ _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
 _WHOLE_CALL_MIN_ROWS = 32
 
 
-def _whole_threads(q: Tensor) -> contextlib.AbstractContextManager:
-    """How a call's one op call runs: on torch's threads from :data:`_WHOLE_CALL_MIN_ROWS`
-    query rows, below on the caller's thread alone."""
-    if q.shape[2] >= _WHOLE_CALL_MIN_ROWS:
-        return contextlib.nullcontext()
-    return workers.single_thread()
-
-
 def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
                 mask4: _UserMask | None, ops: Operands, mask_mods: list,
                 config: FusedConfig) -> Piece | None:
@@ -876,7 +858,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     acc = _acc_dtype(q.dtype)
     seqs, apart, mask4, ops, plans, mask_mods, hgs, whole = _cut_call(
         q, k, spec, ops, config, check=fallback is not None, backward=False)
-    if whole is not None:  # one op call (_whole_threads) over the rows it computes
+    if whole is not None:  # one op call over the rows it computes
         rows = [s.b for s in seqs] if apart else None
         out, lse = _whole_fwd(kern, q, k, v, rows, _added(mask4, q.dtype), whole, spec, config)
         if apart:
@@ -961,7 +943,8 @@ def _whole_fwd(kern, q: Tensor, k: Tensor, v: Tensor, rows: list[int] | None,
     Nq = q.shape[2]
     kw, vw = (_rows_packed(_rows_of(t, rows), Nq, config) for t in (k, v))
     add = None if mask4 is None else _rows_of(mask4.add, rows).to(q.dtype)
-    with _whole_threads(q):
+    # on torch's threads from _WHOLE_CALL_MIN_ROWS query rows, below on the caller's alone
+    with workers.single_thread() if Nq < _WHOLE_CALL_MIN_ROWS else contextlib.nullcontext():
         out, lse = kern(add is not None).fwd(_rows_of(q, rows), kw, vw, whole.causal, add,
                                              spec.qk_scale)
     lse = lse.to(_acc_dtype(q.dtype))
@@ -1148,9 +1131,8 @@ def _whole_bwd(kern, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_bwd`'s op calls over batch rows ``rows`` (None: all): their dq, dk, dv in
     the accumulation dtype (``pad``: the dlse columns, :func:`_dlse_columns`). The calls
-    (:func:`_whole_bwd_parts`) run as items, one intra-op thread each: torch's backward
-    kernel on several threads gave other dQ/dK/dV bits than on one (MKL's GEMMs inside its
-    parallel region: float32/float64, most head dims but 16 and 64, Intel Xeon with AMX)."""
+    (:func:`_whole_bwd_parts`) run as items, one intra-op thread each (why: docs/design.md,
+    "The fused backend", Items)."""
     D, Dv, acc = q.shape[-1], v.shape[-1], _acc_dtype(q.dtype)
     qw, kw, vw, ow, dow = (_rows_of(t, rows) for t in (q, k, v, out, do))
     if pad is not None:
@@ -1261,8 +1243,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             dq_blk = dq[s.b, heads, rows]
             for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
                                    alibi=slopes is not None):
-                kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
-                vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
+                kb, vb = (t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1] for t in (k, v))
                 terms = _alibi_terms(qb0, slopes, s, p, mask_mods[si], m0, m1, pc)
                 if terms is not None:  # (+inf rows stay +inf)
                     add, lb = terms.add, lb0 + terms.shift.to(lb0.dtype)
