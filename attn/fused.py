@@ -704,11 +704,9 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
             return [Seq(b, 0, n_q, a, z, Band(band.offset - a, band.left, band.right), b)
                     for b, (a, z) in enumerate(spans)], None, ops._replace(attn_mask=None)
         seqs = [Seq(b, 0, n_q, 0, k.shape[2], band, b) for b in range(q.shape[0])]
-    if mask4 is None:
-        return seqs, None, ops
-    if mask4.dtype != torch.bool:
-        return seqs, _UserMask(mask4, None), ops
-    return seqs, _UserMask(None, mask4), ops  # its 0 / -inf: _added, once the path is known
+    if mask4 is not None:  # a bool mask's 0 / -inf: _added, once the path is known
+        mask4 = _UserMask(None, mask4) if mask4.dtype == torch.bool else _UserMask(mask4, None)
+    return seqs, mask4, ops
 
 
 # a float's -inf as the signed integer of its width is -c: a bool mask's 0 / -inf is
@@ -1089,16 +1087,6 @@ def _precise_into(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: L
     return dsinks
 
 
-def _precise_bwd(precise: Callable, do, dlse, q, k, v, spec: LaunchSpec, ops: Operands
-                 ) -> Grads:
-    """:func:`_precise_into` of every sequence, into zeros."""
-    seqs, _, ops = _sequences_and_mask(q, k, spec, ops)
-    acc = _acc_dtype(q.dtype)
-    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
-    dsinks = _precise_into(precise, seqs, do, dlse, q, k, v, spec, ops, dq, dk, dv)
-    return Grads(dq, dk, dv, None, dsinks, None, ())
-
-
 def _dlse_columns(q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, pad: Tensor
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(q, k, v, out, dO)`` with the two more head-dim columns that turn the op's ``Δ =
@@ -1183,8 +1171,11 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    if precise is not None and lse_too_large(lse, q.dtype):
-        return _precise_bwd(precise, do, dlse, q, k, v, spec, ops)
+    if precise is not None and lse_too_large(lse, q.dtype):  # every sequence on precise
+        seqs, _, ops = _sequences_and_mask(q, k, spec, ops)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
+        dsinks = _precise_into(precise, seqs, do, dlse, q, k, v, spec, ops, dq, dk, dv)
+        return Grads(dq, dk, dv, None, dsinks, None, ())
     seqs, poisoned, mask4, ops, plans, mask_mods, hgs, whole = _cut_call(
         q, k, spec, ops, config, check=apart, backward=True)
     threads = _threads(seqs, config, q)
@@ -1230,8 +1221,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         if r == 0:
             dk_to, dv_to = dk[s.b, kvh, keys], dv[s.b, kvh, keys]
         else:  # a later run's partial, joined in run order below
-            dk_to = torch.zeros(hgs[si], s.k1 - s.k0, D, dtype=acc, device=q.device)
-            dv_to = torch.zeros(hgs[si], s.k1 - s.k0, Dv, dtype=acc, device=q.device)
+            dk_to, dv_to = (torch.zeros(hgs[si], s.k1 - s.k0, d, dtype=acc, device=q.device)
+                            for d in (D, Dv))
             extra[si, hk, r] = (dk_to, dv_to)
         b0, b1 = runs[si][r]
         slopes = None if ops.alibi is None else ops.alibi[:, heads]
@@ -1311,9 +1302,8 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         lo, hi = local.key_range(0, Nq, z - a)
         if lo >= hi:  # no query row sees a key of the range
             continue
-        k, _ = page_span(k_pages, table[b], a + lo, a + hi)
-        v, _ = page_span(v_pages, table[b], a + lo, a + hi)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # pages stored in another dtype: converted
+        # (pages stored in another dtype: converted)
+        k, v = (page_span(t, table[b], a + lo, a + hi)[0].to(q.dtype) for t in (k_pages, v_pages))
         rspec = row_spec.shard(k_start=a + lo - s)
         rops = Operands(alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
         if (check and masks_scores(rspec, rops, Nq, hi - lo, inner)

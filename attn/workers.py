@@ -98,7 +98,8 @@ def small_pass(x: Tensor) -> single_thread | contextlib.nullcontext:
     return single_thread()
 
 
-class flushed_denormals:
+@contextlib.contextmanager
+def flushed_denormals(on: bool = True):
     """Denormal floats flushed to zero (and read as zero) on the calling thread for a block,
     then the thread's own setting given back. Why: a probability ``exp(s - m)`` between
     2^-149 and 2^-126 is a denormal, and every multiply that reads one is slow on x86 (ALiBi's
@@ -106,18 +107,15 @@ class flushed_denormals:
     whose largest is 1: a change far below the dtype's rounding. torch has a setter only, so
     the setting is read back by one multiply whose exact result is a denormal. ``on=False``:
     nothing changes."""
-
-    def __init__(self, on: bool = True) -> None:
-        self.on = on
-
-    def __enter__(self) -> None:
-        if self.on:
-            self.saved = float(torch.tensor(1e-30) * 1e-10) == 0.0
-            torch.set_flush_denormal(True)
-
-    def __exit__(self, *exc) -> None:
-        if self.on:
-            torch.set_flush_denormal(self.saved)
+    if not on:
+        yield
+        return
+    saved = float(torch.tensor(1e-30) * 1e-10) == 0.0
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(saved)
 
 
 def workers_for_call() -> int:
