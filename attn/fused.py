@@ -796,10 +796,12 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
 def _cut_call(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: FusedConfig,
               *, check: bool, backward: bool) -> tuple:
     """How :func:`_fwd` and :func:`_bwd` cut a call, once per call: ``(seqs, apart, mask4,
-    ops, plans, mask_mods, hgs, whole)``, :func:`_sequences_and_mask`'s split by
+    ops, plans, mask_mods, hgs, whole, threads)``, :func:`_sequences_and_mask`'s split by
     :func:`_poisoned` (``check``), each sequence's plan, mask_mod in its own positions (or
-    None) and kv heads per item, and :func:`_whole_call`'s piece. Without a mask_mod or
-    block mask a plan is made once per distinct length and band, not once per batch row."""
+    None) and kv heads per item, :func:`_whole_call`'s piece, and the worker pool's threads
+    for the items (:func:`attn.workers.item_threads`; the pool's counted now, before the
+    caller's own work drops to one thread, :func:`_caller`). Without a mask_mod or block
+    mask a plan is made once per distinct length and band, not once per batch row."""
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     seqs, apart = _poisoned(q, k, seqs, spec, ops, config, check)
     H, Hkv = q.shape[1], k.shape[1]
@@ -815,7 +817,10 @@ def _cut_call(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: Fus
         hgs.append(made[key][1])
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
     whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
-    return seqs, apart, mask4, ops, plans, mask_mods, hgs, whole
+    scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
+    threads = workers.item_threads(q, scores, config)
+    threads = workers.workers_for_call() if threads is None else threads
+    return seqs, apart, mask4, ops, plans, mask_mods, hgs, whole, threads
 
 
 def _poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
@@ -854,7 +859,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    seqs, apart, mask4, ops, plans, mask_mods, hgs, whole = _cut_call(
+    seqs, apart, mask4, ops, plans, mask_mods, hgs, whole, threads = _cut_call(
         q, k, spec, ops, config, check=fallback is not None, backward=False)
     if whole is not None:  # one op call over the rows it computes
         rows = [s.b for s in seqs] if apart else None
@@ -866,7 +871,6 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             out[rows], lse[rows] = o, l_
             _apart_fwd(fallback, apart, q, k, v, spec, ops, out, lse)
         return _sinks_joined(out, lse, None, None, ops.sinks)
-    threads = _threads(seqs, config, q)  # (fills and merges around the items: _caller)
     R = max((len(p.ranges) for p in plans), default=1)
     with _caller(threads):
         mask4 = _added(mask4, q.dtype)
@@ -983,20 +987,11 @@ def _sinks_joined(out: Tensor, lse: Tensor, parts_out: Tensor | None,
 
 
 def _caller(threads: int | None) -> contextlib.AbstractContextManager:
-    """The caller's own work around a call's items (:func:`_threads` ``threads``: the fills,
+    """The caller's own work around a call's items (:func:`_cut_call`'s ``threads``: the fills,
     the merges) on its thread alone, so the call's one parallel region is its items' (as
     tiled's): on torch's threads OpenMP's team would spin on the core a worker needs
     (docs/design.md, "The fused backend", Items)."""
     return workers.single_thread() if threads != 0 else contextlib.nullcontext()
-
-
-def _threads(seqs: list[Seq], config: FusedConfig, q: Tensor) -> int | None:
-    """The worker pool's threads for a call's items (:func:`attn.workers.item_threads`),
-    the pool's counted now, before the caller's own work drops to one thread
-    (:func:`_caller`)."""
-    scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * q.shape[1]
-    threads = workers.item_threads(q, scores, config)
-    return workers.workers_for_call() if threads is None else threads
 
 
 def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT,
@@ -1176,9 +1171,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
         dsinks = _precise_into(precise, seqs, do, dlse, q, k, v, spec, ops, dq, dk, dv)
         return Grads(dq, dk, dv, None, dsinks, None, ())
-    seqs, poisoned, mask4, ops, plans, mask_mods, hgs, whole = _cut_call(
+    seqs, poisoned, mask4, ops, plans, mask_mods, hgs, whole, threads = _cut_call(
         q, k, spec, ops, config, check=apart, backward=True)
-    threads = _threads(seqs, config, q)
     # (before items, the caller's passes on its thread alone, as the forward's)
     with _caller(threads):
         # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
@@ -1342,7 +1336,6 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     if why is not None:
         raise NotImplementedError(f"backend='fused' cannot read these pages: {why}")
     check_paged_forward_only(q, k_pages, v_pages, ops)
-    table, starts, lengths = ops.pages
     B, H, Nq, _ = q.shape
     hidden = Nq > 1 and not spec.band.is_full  # a band may hide keys from some query rows
     out = torch.empty(B, H, Nq, v_pages.shape[-1], dtype=q.dtype, device=q.device)
@@ -1351,8 +1344,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
         got = _paged_row(q[b:b + 1], k_pages, v_pages, spec, ops, b, config,
                          check=hidden and fallback is not None)
         if got is None:  # a key the band hides is not finite: this row on the fallback
-            row = ops._replace(pages=PageTable(table[b:b + 1], starts[b:b + 1],
-                                               lengths[b:b + 1]),
+            row = ops._replace(pages=PageTable(*(t[b:b + 1] for t in ops.pages)),
                                alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
             got = fallback(q[b:b + 1], k_pages, v_pages, spec, row)
         out[b], lse[b] = got[0][0], got[1][0]
