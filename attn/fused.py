@@ -201,9 +201,8 @@ def cuda_verified(call) -> str | None:
     or None: ``auto`` takes the fused backend on CUDA only then, and never for decoding (at
     most 16 query rows without a gradient: triton's split-KV) or packed sequences (one
     op call per sequence)."""
-    if call.device != "cuda" or call_reason(call) is not None or call.varlen:
-        return None
-    if call.n_q <= 16 and not call.grad:
+    if (call.device != "cuda" or call_reason(call) is not None or call.varlen
+            or (call.n_q <= 16 and not call.grad)):
         return None
     return fused_cuda.verified_op(call.dtype, call.head_dim, True, torch.device("cuda"),
                                   faster=True)
@@ -309,17 +308,10 @@ def pieces(band: Band, m0: int, m1: int, n_k: int) -> list[Piece]:
 def _cut(ps: list[Piece], width: int) -> list[Piece]:
     """Pieces whose mask will be built (masked, or any piece when everything is masked)
     cut into runs of at most ``width`` keys, so no mask outgrows a block."""
-    out = []
-    for p in ps:
-        if p.n1 - p.n0 <= width:
-            out.append(p)
-            continue
-        for n0 in range(p.n0, p.n1, width):
-            n1 = min(n0 + width, p.n1)
-            # a causal diagonal cut: its first run keeps torch's top-left alignment
-            out.append(Piece(n0, n1, p.causal and n0 == p.n0,
-                             p.masked or (p.causal and n0 != p.n0)))
-    return out
+    # (a causal diagonal cut: its first run keeps torch's top-left alignment)
+    return [Piece(n0, min(n0 + width, p.n1), p.causal and n0 == p.n0,
+                  p.masked or (p.causal and n0 != p.n0))
+            for p in ps for n0 in range(p.n0, p.n1, width)]
 
 
 def folds(n_q: int, G: int, config: FusedConfig = DEFAULT) -> bool:
@@ -769,11 +761,8 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
                 mask4: _UserMask | None, ops: Operands, mask_mods: list,
                 config: FusedConfig) -> Piece | None:
     """The one piece a CPU call is, where its forward or backward (``plans`` and ``hgs``
-    its own) can be one op call over the whole batch, else None: float32/float64, at least
-    :data:`_WHOLE_CALL_MIN_ROWS` query rows or at most ``config.serial_call_max_scores``
-    scores, every batch row of the call's full lengths, one piece the band does not mask,
-    no mask_mod, ALiBi or split-KV, and each sequence one item of its plan unless there is
-    a user mask (then whatever its plan). Why each: docs/design.md, "The fused backend"."""
+    its own) can be one op call over the whole batch, else None (which calls, and why each
+    condition: docs/design.md, "The fused backend", Items)."""
     if (q.device.type != "cpu" or not config.whole_call or q.dtype not in _WHOLE_CALL_DTYPES
             or not seqs or ops.alibi is not None or any(m is not None for m in mask_mods)):
         return None
@@ -987,10 +976,9 @@ def _sinks_joined(out: Tensor, lse: Tensor, parts_out: Tensor | None,
 
 
 def _caller(threads: int | None) -> contextlib.AbstractContextManager:
-    """The caller's own work around a call's items (:func:`_cut_call`'s ``threads``: the fills,
-    the merges) on its thread alone, so the call's one parallel region is its items' (as
-    tiled's): on torch's threads OpenMP's team would spin on the core a worker needs
-    (docs/design.md, "The fused backend", Items)."""
+    """The caller's own work around a call's items (the fills, the merges) on its thread
+    alone unless :func:`_cut_call`'s ``threads`` is 0, so the call's one parallel region is
+    its items' (as tiled's; why: docs/design.md, "The fused backend", Items)."""
     return workers.single_thread() if threads != 0 else contextlib.nullcontext()
 
 
