@@ -50,14 +50,10 @@ def cpu_kind() -> str:
     if forced:
         return forced
     flags = set((cpuinfo("flags") or "").split())
-    if "amx_bf16" in flags:
-        return "amx"
-    if "avx512_bf16" in flags:
-        return "avx512-bf16"
-    if "avx512f" in flags:
-        return "avx512"
-    if "avx2" in flags:
-        return "avx2"
+    for flag, kind in (("amx_bf16", "amx"), ("avx512_bf16", "avx512-bf16"),
+                       ("avx512f", "avx512"), ("avx2", "avx2")):  # the first flag found
+        if flag in flags:
+            return kind
     cap = torch.backends.cpu.get_cpu_capability().lower()  # non-Linux: torch's own view
     return {"avx512": "avx512", "avx2": "avx2"}.get(cap, "other")
 

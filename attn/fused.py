@@ -64,17 +64,6 @@ def ops_reason(device: str) -> str | None:
     return ops if isinstance(ops, str) else None
 
 
-def _cpu_pair(ops_cpu: _CpuOps) -> fused_cuda.Pair:
-    """torch's CPU op as the block primitive :mod:`attn.fused_cuda` describes."""
-    def fwd(q, k, v, causal, mask, scale):
-        return ops_cpu.fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-
-    def bwd(do, q, k, v, out, lse, causal, mask, scale):
-        return ops_cpu.bwd(do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-
-    return fused_cuda.Pair("cpu", fwd, bwd)
-
-
 # the kernel pair of a call's pieces: (masked piece) -> pair
 Kernels = Callable[[bool], fused_cuda.Pair]
 
@@ -86,7 +75,16 @@ def kernels(q: Tensor) -> Kernels:
     if why is not None:
         raise NotImplementedError(f"backend='fused' is off: {why}")
     if q.device.type == "cpu":
-        cpu = _cpu_pair(_cpu_ops())
+        ops_cpu = _cpu_ops()
+
+        def fwd(q, k, v, causal, mask, scale):
+            return ops_cpu.fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+        def bwd(do, q, k, v, out, lse, causal, mask, scale):
+            return ops_cpu.bwd(do, q, k, v, out, lse, 0.0, causal, attn_mask=mask,
+                               scale=scale)
+
+        cpu = fused_cuda.Pair("cpu", fwd, bwd)
         return lambda masked: cpu
     return cuda_kernels(q.dtype, q.shape[-1], q.device)
 
@@ -203,9 +201,8 @@ def cuda_verified(call) -> str | None:
     or None: ``auto`` takes the fused backend on CUDA only then, and never for decoding (at
     most 16 query rows without a gradient: triton's split-KV) or packed sequences (one
     op call per sequence)."""
-    if call.device != "cuda" or call_reason(call) is not None or call.varlen:
-        return None
-    if call.n_q <= 16 and not call.grad:
+    if (call.device != "cuda" or call_reason(call) is not None or call.varlen
+            or (call.n_q <= 16 and not call.grad)):
         return None
     return fused_cuda.verified_op(call.dtype, call.head_dim, True, torch.device("cuda"),
                                   faster=True)
@@ -311,17 +308,10 @@ def pieces(band: Band, m0: int, m1: int, n_k: int) -> list[Piece]:
 def _cut(ps: list[Piece], width: int) -> list[Piece]:
     """Pieces whose mask will be built (masked, or any piece when everything is masked)
     cut into runs of at most ``width`` keys, so no mask outgrows a block."""
-    out = []
-    for p in ps:
-        if p.n1 - p.n0 <= width:
-            out.append(p)
-            continue
-        for n0 in range(p.n0, p.n1, width):
-            n1 = min(n0 + width, p.n1)
-            # a causal diagonal cut: its first run keeps torch's top-left alignment
-            out.append(Piece(n0, n1, p.causal and n0 == p.n0,
-                             p.masked or (p.causal and n0 != p.n0)))
-    return out
+    # (a causal diagonal cut: its first run keeps torch's top-left alignment)
+    return [Piece(n0, min(n0 + width, p.n1), p.causal and n0 == p.n0,
+                  p.masked or (p.causal and n0 != p.n0))
+            for p in ps for n0 in range(p.n0, p.n1, width)]
 
 
 def folds(n_q: int, G: int, config: FusedConfig = DEFAULT) -> bool:
@@ -426,21 +416,17 @@ def _mask_plan(seq: Seq, spec: LaunchSpec, H: int) -> _Plan:
             grid = torch.where(full.all(1)[0], FULL,
                                torch.where(visit.any(1)[0], PARTIAL, EMPTY)).to(torch.int8)
             kinds = combine_kinds(kinds, grid)
-    blocks, per_block = [], []
-    for i in range(kinds.shape[0]):
-        m0, m1 = i * bm, min((i + 1) * bm, n_q)
+    per_block = []
+    for row in kinds.tolist():  # each run of tiles of one kind (not empty) is a piece
         ps: list[Piece] = []
-        for j in range(kinds.shape[1]):
-            kind = int(kinds[i, j])
-            if kind == EMPTY:
-                continue
-            n0, n1, masked = j * bn, min((j + 1) * bn, n_k), kind != FULL
-            if ps and ps[-1].n1 == n0 and ps[-1].masked == masked:
-                ps[-1] = ps[-1]._replace(n1=n1)
-            else:
-                ps.append(Piece(n0, n1, masked=masked))
-        blocks.append((m0, m1))
+        j = 0
+        for kind, run in itertools.groupby(row):
+            n = len(list(run))
+            if kind != EMPTY:
+                ps.append(Piece(j * bn, min((j + n) * bn, n_k), masked=kind != FULL))
+            j += n
         per_block.append(ps)
+    blocks = [(i * bm, min((i + 1) * bm, n_q)) for i in range(kinds.shape[0])]
     return _Plan(blocks, [(0, n_k)], False, per_block)
 
 
@@ -595,31 +581,27 @@ def _empty_rows(seen: Tensor | None, lse: Tensor, causal_rows: int | None = None
                 ) -> Tensor | None:
     """The rows of an op call that saw no key (bool, ``lse``'s shape), None where there is
     none. ``seen``: what the call's rows see (bool, True: the key is seen; or a float mask,
-    -inf: hidden), broadcast dims kept; None: every row sees a key. ``causal_rows`` as
-    :func:`_unseen`'s. On CPU read only where some lse came back 0 or not finite (torch's
-    CPU op gives such a row lse 0: docs/design.md, "The fused backend", Pieces)."""
+    -inf: hidden), broadcast dims kept; None: every row sees a key. A row is empty where its
+    largest byte is 0 (a uint8 max, not a bool any: docs/benchmarks.md; on the caller's
+    thread alone where small, :func:`attn.workers.small_pass`). With ``causal_rows``, the
+    rows ``0..causal_rows-1`` of a top-left causal call, row i seeing keys j <= i: a row is
+    also empty where its first key (the index torch's max returns, the first of the largest)
+    lies past i; no (rows, keys) grid of the band is built. On CPU read only where some lse
+    came back 0 or not finite (torch's CPU op gives such a row lse 0: docs/design.md, "The
+    fused backend", Pieces)."""
     if seen is None:
         return None
     if lse.device.type == "cpu" and not bool(((lse == 0) | ~lse.isfinite()).any()):
         return None
     seen = seen if seen.dtype == torch.bool else seen > float("-inf")
-    empty = _unseen(seen.expand(*lse.shape, seen.shape[-1]), causal_rows)
-    return empty if bool(empty.any()) else None
-
-
-def _unseen(seen: Tensor, causal_rows: int | None = None) -> Tensor:
-    """Rows of a bool ``seen`` (True: the row sees that key; broadcast dims kept) that see no
-    key: the largest byte per row is 0 (a uint8 max, not a bool any: docs/benchmarks.md; on
-    the caller's thread alone where small, :func:`attn.workers.small_pass`). With
-    ``causal_rows``, the rows ``0..causal_rows-1`` of a top-left causal call, row i seeing
-    keys j <= i: a row is empty where its first key (the index torch's max returns, the
-    first of the largest) lies past i. No (rows, keys) grid of the band is built."""
+    seen = seen.expand(*lse.shape, seen.shape[-1])
     with workers.small_pass(seen):
         if causal_rows is None:
-            return seen.view(torch.uint8).amax(-1) == 0
-        most, first = seen.view(torch.uint8).max(-1)
-        rows = torch.arange(causal_rows, device=seen.device)
-        return (most == 0) | (first > rows)
+            empty = seen.view(torch.uint8).amax(-1) == 0
+        else:
+            most, first = seen.view(torch.uint8).max(-1)
+            empty = (most == 0) | (first > torch.arange(causal_rows, device=seen.device))
+    return empty if bool(empty.any()) else None
 
 
 def _user_piece(t: Tensor, seq: Seq, heads: slice, m0: int, m1: int, pc: Piece) -> Tensor:
@@ -714,11 +696,9 @@ def _sequences_and_mask(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands
             return [Seq(b, 0, n_q, a, z, Band(band.offset - a, band.left, band.right), b)
                     for b, (a, z) in enumerate(spans)], None, ops._replace(attn_mask=None)
         seqs = [Seq(b, 0, n_q, 0, k.shape[2], band, b) for b in range(q.shape[0])]
-    if mask4 is None:
-        return seqs, None, ops
-    if mask4.dtype != torch.bool:
-        return seqs, _UserMask(mask4, None), ops
-    return seqs, _UserMask(None, mask4), ops  # its 0 / -inf: _added, once the path is known
+    if mask4 is not None:  # a bool mask's 0 / -inf: _added, once the path is known
+        mask4 = _UserMask(None, mask4) if mask4.dtype == torch.bool else _UserMask(mask4, None)
+    return seqs, mask4, ops
 
 
 # a float's -inf as the signed integer of its width is -c: a bool mask's 0 / -inf is
@@ -777,23 +757,12 @@ _WHOLE_CALL_DTYPES = (torch.float32, torch.float64)
 _WHOLE_CALL_MIN_ROWS = 32
 
 
-def _whole_threads(q: Tensor) -> contextlib.AbstractContextManager:
-    """How a call's one op call runs: on torch's threads from :data:`_WHOLE_CALL_MIN_ROWS`
-    query rows, below on the caller's thread alone."""
-    if q.shape[2] >= _WHOLE_CALL_MIN_ROWS:
-        return contextlib.nullcontext()
-    return workers.single_thread()
-
-
 def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: list[int],
                 mask4: _UserMask | None, ops: Operands, mask_mods: list,
                 config: FusedConfig) -> Piece | None:
     """The one piece a CPU call is, where its forward or backward (``plans`` and ``hgs``
-    its own) can be one op call over the whole batch, else None: float32/float64, at least
-    :data:`_WHOLE_CALL_MIN_ROWS` query rows or at most ``config.serial_call_max_scores``
-    scores, every batch row of the call's full lengths, one piece the band does not mask,
-    no mask_mod, ALiBi or split-KV, and each sequence one item of its plan unless there is
-    a user mask (then whatever its plan). Why each: docs/design.md, "The fused backend"."""
+    its own) can be one op call over the whole batch, else None (which calls, and why each
+    condition: docs/design.md, "The fused backend", Items)."""
     if (q.device.type != "cpu" or not config.whole_call or q.dtype not in _WHOLE_CALL_DTYPES
             or not seqs or ops.alibi is not None or any(m is not None for m in mask_mods)):
         return None
@@ -816,10 +785,12 @@ def _whole_call(q: Tensor, k: Tensor, seqs: list[Seq], plans: list[_Plan], hgs: 
 def _cut_call(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: FusedConfig,
               *, check: bool, backward: bool) -> tuple:
     """How :func:`_fwd` and :func:`_bwd` cut a call, once per call: ``(seqs, apart, mask4,
-    ops, plans, mask_mods, hgs, whole)``, :func:`_sequences_and_mask`'s split by
+    ops, plans, mask_mods, hgs, whole, threads)``, :func:`_sequences_and_mask`'s split by
     :func:`_poisoned` (``check``), each sequence's plan, mask_mod in its own positions (or
-    None) and kv heads per item, and :func:`_whole_call`'s piece. Without a mask_mod or
-    block mask a plan is made once per distinct length and band, not once per batch row."""
+    None) and kv heads per item, :func:`_whole_call`'s piece, and the worker pool's threads
+    for the items (:func:`attn.workers.item_threads`; the pool's counted now, before the
+    caller's own work drops to one thread, :func:`_caller`). Without a mask_mod or block
+    mask a plan is made once per distinct length and band, not once per batch row."""
     seqs, mask4, ops = _sequences_and_mask(q, k, spec, ops)
     seqs, apart = _poisoned(q, k, seqs, spec, ops, config, check)
     H, Hkv = q.shape[1], k.shape[1]
@@ -835,7 +806,10 @@ def _cut_call(q: Tensor, k: Tensor, spec: LaunchSpec, ops: Operands, config: Fus
         hgs.append(made[key][1])
     mask_mods = [None if spec.mask_mod is None else _global_mask_mod(spec, s) for s in seqs]
     whole = _whole_call(q, k, seqs, plans, hgs, mask4, ops, mask_mods, config)
-    return seqs, apart, mask4, ops, plans, mask_mods, hgs, whole
+    scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * H
+    threads = workers.item_threads(q, scores, config)
+    threads = workers.workers_for_call() if threads is None else threads
+    return seqs, apart, mask4, ops, plans, mask_mods, hgs, whole, threads
 
 
 def _poisoned(q: Tensor, k: Tensor, seqs: list[Seq], spec: LaunchSpec, ops: Operands,
@@ -874,9 +848,9 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    seqs, apart, mask4, ops, plans, mask_mods, hgs, whole = _cut_call(
+    seqs, apart, mask4, ops, plans, mask_mods, hgs, whole, threads = _cut_call(
         q, k, spec, ops, config, check=fallback is not None, backward=False)
-    if whole is not None:  # one op call (_whole_threads) over the rows it computes
+    if whole is not None:  # one op call over the rows it computes
         rows = [s.b for s in seqs] if apart else None
         out, lse = _whole_fwd(kern, q, k, v, rows, _added(mask4, q.dtype), whole, spec, config)
         if apart:
@@ -886,7 +860,6 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: LaunchSpec, ops: Operands = Oper
             out[rows], lse[rows] = o, l_
             _apart_fwd(fallback, apart, q, k, v, spec, ops, out, lse)
         return _sinks_joined(out, lse, None, None, ops.sinks)
-    threads = _threads(seqs, config, q)  # (fills and merges around the items: _caller)
     R = max((len(p.ranges) for p in plans), default=1)
     with _caller(threads):
         mask4 = _added(mask4, q.dtype)
@@ -961,7 +934,8 @@ def _whole_fwd(kern, q: Tensor, k: Tensor, v: Tensor, rows: list[int] | None,
     Nq = q.shape[2]
     kw, vw = (_rows_packed(_rows_of(t, rows), Nq, config) for t in (k, v))
     add = None if mask4 is None else _rows_of(mask4.add, rows).to(q.dtype)
-    with _whole_threads(q):
+    # on torch's threads from _WHOLE_CALL_MIN_ROWS query rows, below on the caller's alone
+    with workers.single_thread() if Nq < _WHOLE_CALL_MIN_ROWS else contextlib.nullcontext():
         out, lse = kern(add is not None).fwd(_rows_of(q, rows), kw, vw, whole.causal, add,
                                              spec.qk_scale)
     lse = lse.to(_acc_dtype(q.dtype))
@@ -1002,20 +976,10 @@ def _sinks_joined(out: Tensor, lse: Tensor, parts_out: Tensor | None,
 
 
 def _caller(threads: int | None) -> contextlib.AbstractContextManager:
-    """The caller's own work around a call's items (:func:`_threads` ``threads``: the fills,
-    the merges) on its thread alone, so the call's one parallel region is its items' (as
-    tiled's): on torch's threads OpenMP's team would spin on the core a worker needs
-    (docs/design.md, "The fused backend", Items)."""
+    """The caller's own work around a call's items (the fills, the merges) on its thread
+    alone unless :func:`_cut_call`'s ``threads`` is 0, so the call's one parallel region is
+    its items' (as tiled's; why: docs/design.md, "The fused backend", Items)."""
     return workers.single_thread() if threads != 0 else contextlib.nullcontext()
-
-
-def _threads(seqs: list[Seq], config: FusedConfig, q: Tensor) -> int | None:
-    """The worker pool's threads for a call's items (:func:`attn.workers.item_threads`),
-    the pool's counted now, before the caller's own work drops to one thread
-    (:func:`_caller`)."""
-    scores = sum((s.q1 - s.q0) * (s.k1 - s.k0) for s in seqs) * q.shape[1]
-    threads = workers.item_threads(q, scores, config)
-    return workers.workers_for_call() if threads is None else threads
 
 
 def head_group(seq: Seq, p: _Plan, hkv: int, G: int, config: FusedConfig = DEFAULT,
@@ -1106,16 +1070,6 @@ def _precise_into(precise: Callable, seqs: list[Seq], do, dlse, q, k, v, spec: L
     return dsinks
 
 
-def _precise_bwd(precise: Callable, do, dlse, q, k, v, spec: LaunchSpec, ops: Operands
-                 ) -> Grads:
-    """:func:`_precise_into` of every sequence, into zeros."""
-    seqs, _, ops = _sequences_and_mask(q, k, spec, ops)
-    acc = _acc_dtype(q.dtype)
-    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
-    dsinks = _precise_into(precise, seqs, do, dlse, q, k, v, spec, ops, dq, dk, dv)
-    return Grads(dq, dk, dv, None, dsinks, None, ())
-
-
 def _dlse_columns(q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, pad: Tensor
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(q, k, v, out, dO)`` with the two more head-dim columns that turn the op's ``Δ =
@@ -1148,9 +1102,8 @@ def _whole_bwd(kern, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_bwd`'s op calls over batch rows ``rows`` (None: all): their dq, dk, dv in
     the accumulation dtype (``pad``: the dlse columns, :func:`_dlse_columns`). The calls
-    (:func:`_whole_bwd_parts`) run as items, one intra-op thread each: torch's backward
-    kernel on several threads gave other dQ/dK/dV bits than on one (MKL's GEMMs inside its
-    parallel region: float32/float64, most head dims but 16 and 64, Intel Xeon with AMX)."""
+    (:func:`_whole_bwd_parts`) run as items, one intra-op thread each (why: docs/design.md,
+    "The fused backend", Items)."""
     D, Dv, acc = q.shape[-1], v.shape[-1], _acc_dtype(q.dtype)
     qw, kw, vw, ow, dow = (_rows_of(t, rows) for t in (q, k, v, out, do))
     if pad is not None:
@@ -1201,11 +1154,13 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    if precise is not None and lse_too_large(lse, q.dtype):
-        return _precise_bwd(precise, do, dlse, q, k, v, spec, ops)
-    seqs, poisoned, mask4, ops, plans, mask_mods, hgs, whole = _cut_call(
+    if precise is not None and lse_too_large(lse, q.dtype):  # every sequence on precise
+        seqs, _, ops = _sequences_and_mask(q, k, spec, ops)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
+        dsinks = _precise_into(precise, seqs, do, dlse, q, k, v, spec, ops, dq, dk, dv)
+        return Grads(dq, dk, dv, None, dsinks, None, ())
+    seqs, poisoned, mask4, ops, plans, mask_mods, hgs, whole, threads = _cut_call(
         q, k, spec, ops, config, check=apart, backward=True)
-    threads = _threads(seqs, config, q)
     # (before items, the caller's passes on its thread alone, as the forward's)
     with _caller(threads):
         # rows with no key: lse -inf would give exp(s + inf); +inf gives P = 0 there
@@ -1248,8 +1203,8 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
         if r == 0:
             dk_to, dv_to = dk[s.b, kvh, keys], dv[s.b, kvh, keys]
         else:  # a later run's partial, joined in run order below
-            dk_to = torch.zeros(hgs[si], s.k1 - s.k0, D, dtype=acc, device=q.device)
-            dv_to = torch.zeros(hgs[si], s.k1 - s.k0, Dv, dtype=acc, device=q.device)
+            dk_to, dv_to = (torch.zeros(hgs[si], s.k1 - s.k0, d, dtype=acc, device=q.device)
+                            for d in (D, Dv))
             extra[si, hk, r] = (dk_to, dv_to)
         b0, b1 = runs[si][r]
         slopes = None if ops.alibi is None else ops.alibi[:, heads]
@@ -1261,8 +1216,7 @@ def _bwd(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: 
             dq_blk = dq[s.b, heads, rows]
             for pc in block_pieces(s, p, m0, m1, 0, s.k1 - s.k0, config=config,
                                    alibi=slopes is not None):
-                kb = k[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
-                vb = v[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1]
+                kb, vb = (t[s.b:s.b + 1, kvh, s.k0 + pc.n0:s.k0 + pc.n1] for t in (k, v))
                 terms = _alibi_terms(qb0, slopes, s, p, mask_mods[si], m0, m1, pc)
                 if terms is not None:  # (+inf rows stay +inf)
                     add, lb = terms.add, lb0 + terms.shift.to(lb0.dtype)
@@ -1330,9 +1284,8 @@ def _paged_row(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpec, op
         lo, hi = local.key_range(0, Nq, z - a)
         if lo >= hi:  # no query row sees a key of the range
             continue
-        k, _ = page_span(k_pages, table[b], a + lo, a + hi)
-        v, _ = page_span(v_pages, table[b], a + lo, a + hi)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # pages stored in another dtype: converted
+        # (pages stored in another dtype: converted)
+        k, v = (page_span(t, table[b], a + lo, a + hi)[0].to(q.dtype) for t in (k_pages, v_pages))
         rspec = row_spec.shard(k_start=a + lo - s)
         rops = Operands(alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
         if (check and masks_scores(rspec, rops, Nq, hi - lo, inner)
@@ -1371,7 +1324,6 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
     if why is not None:
         raise NotImplementedError(f"backend='fused' cannot read these pages: {why}")
     check_paged_forward_only(q, k_pages, v_pages, ops)
-    table, starts, lengths = ops.pages
     B, H, Nq, _ = q.shape
     hidden = Nq > 1 and not spec.band.is_full  # a band may hide keys from some query rows
     out = torch.empty(B, H, Nq, v_pages.shape[-1], dtype=q.dtype, device=q.device)
@@ -1380,8 +1332,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, spec: LaunchSpe
         got = _paged_row(q[b:b + 1], k_pages, v_pages, spec, ops, b, config,
                          check=hidden and fallback is not None)
         if got is None:  # a key the band hides is not finite: this row on the fallback
-            row = ops._replace(pages=PageTable(table[b:b + 1], starts[b:b + 1],
-                                               lengths[b:b + 1]),
+            row = ops._replace(pages=PageTable(*(t[b:b + 1] for t in ops.pages)),
                                alibi=None if ops.alibi is None else ops.alibi[b:b + 1])
             got = fallback(q[b:b + 1], k_pages, v_pages, spec, row)
         out[b], lse[b] = got[0][0], got[1][0]

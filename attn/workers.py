@@ -98,7 +98,8 @@ def small_pass(x: Tensor) -> single_thread | contextlib.nullcontext:
     return single_thread()
 
 
-class flushed_denormals:
+@contextlib.contextmanager
+def flushed_denormals(on: bool = True):
     """Denormal floats flushed to zero (and read as zero) on the calling thread for a block,
     then the thread's own setting given back. Why: a probability ``exp(s - m)`` between
     2^-149 and 2^-126 is a denormal, and every multiply that reads one is slow on x86 (ALiBi's
@@ -106,18 +107,15 @@ class flushed_denormals:
     whose largest is 1: a change far below the dtype's rounding. torch has a setter only, so
     the setting is read back by one multiply whose exact result is a denormal. ``on=False``:
     nothing changes."""
-
-    def __init__(self, on: bool = True) -> None:
-        self.on = on
-
-    def __enter__(self) -> None:
-        if self.on:
-            self.saved = float(torch.tensor(1e-30) * 1e-10) == 0.0
-            torch.set_flush_denormal(True)
-
-    def __exit__(self, *exc) -> None:
-        if self.on:
-            torch.set_flush_denormal(self.saved)
+    if not on:
+        yield
+        return
+    saved = float(torch.tensor(1e-30) * 1e-10) == 0.0
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(saved)
 
 
 def workers_for_call() -> int:
@@ -197,9 +195,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     costs page faults on every call (docs/benchmarks.md, "Measurements behind the code's
     choices"). One flat buffer per name, grown as asked,
     made outside inference mode so it can be written in and out of it."""
-    bufs = getattr(_SCRATCH, "bufs", None)
-    if bufs is None:
-        bufs = _SCRATCH.bufs = {}
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
     n = math.prod(shape)
     flat = bufs.get(name)
     if flat is None or flat.numel() < n or flat.dtype != dtype or flat.device != device:
@@ -216,18 +212,11 @@ def fill_passes(passes: list[tuple[Tensor, Tensor | None]], *, threads: int | No
     faults) and the pass spread over the call's threads, none of it on OpenMP's team, whose
     spinning after a parallel op slows the pool's next items (docs/benchmarks.md).
     ``threads`` as :func:`run_items`'; 0: one op per pass, on torch's threads."""
-    if threads == 0:
-        for dst, src in passes:
-            if src is None:
-                dst.zero_()
-            else:
-                dst.copy_(src)
-        return
     n = workers_for_call() if threads is None else threads
     cuts = []
     for dst, src in passes:
         flat, sflat = dst.view(-1), None if src is None else src.view(-1)
-        step = max(1, -(-flat.numel() // (4 * n)))
+        step = max(1, flat.numel() if n == 0 else -(-flat.numel() // (4 * n)))
         cuts += [(flat, sflat, a, min(a + step, flat.numel()))
                  for a in range(0, flat.numel(), step)]
 
