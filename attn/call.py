@@ -73,10 +73,6 @@ def _mods_unsupported(call: AttentionCall, native_varlen: bool = False) -> str |
     return None
 
 
-def _fused_unsupported(call: AttentionCall) -> str | None:
-    return _transform_unsupported(call) or fused.call_reason(call)
-
-
 def _sdpa_unsupported(call: AttentionCall) -> str | None:
     if call.terms:
         return f"the score term(s) {list(call.terms)} (torch's SDPA has no score step)"
@@ -95,14 +91,6 @@ def _sdpa_unsupported(call: AttentionCall) -> str | None:
     if call.dtype == torch.float64 and call.device != "cpu":
         return "float64 off the CPU"
     return None
-
-
-def _triton_unsupported(call: AttentionCall) -> str | None:
-    try:
-        from attn import flash_triton
-    except ImportError as exc:  # triton missing, or the module not built on this platform
-        return f"triton is not importable ({exc}); install the extra: pip install 'attn[triton]'"
-    return flash_triton.unsupported_reason(call)
 
 
 def _transform_unsupported(call: AttentionCall) -> str | None:
@@ -146,10 +134,17 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
     if backend == "sdpa":
         return _mods_unsupported(call) or _sdpa_unsupported(call)
     if backend == "triton":
-        return (_mods_unsupported(call, native_varlen=True)
-                or _triton_transform_unsupported(call) or _triton_unsupported(call))
+        why = _mods_unsupported(call, native_varlen=True) or _triton_transform_unsupported(call)
+        if why is not None:
+            return why
+        try:
+            from attn import flash_triton
+        except ImportError as exc:  # triton missing, or the module not built on this platform
+            return (f"triton is not importable ({exc}); install the extra: "
+                    f"pip install 'attn[triton]'")
+        return flash_triton.unsupported_reason(call)
     if backend == "fused":
-        return _fused_unsupported(call)
+        return _transform_unsupported(call) or fused.call_reason(call)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -179,7 +174,7 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
     if call.device != "cuda":
         return _auto_off_cuda(call)
     op = None
-    if not torch.compiler.is_compiling() and _fused_unsupported(call) is None:
+    if not torch.compiler.is_compiling() and unsupported_reason("fused", call) is None:
         op = fused.cuda_verified(call)
     if op is not None:
         return BackendChoice("fused", f"auto: fused on CUDA, torch's {op} kernel per block "
@@ -187,7 +182,7 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
                                       f"dim in attn/fused_cuda_table.json)")
     why = unsupported_reason("triton", call)
     if why is None:
-        from attn import flash_triton  # importable: _triton_unsupported just imported it
+        from attn import flash_triton  # importable: unsupported_reason just imported it
         under = ("" if call.transform is None else
                  f"under {call.transform} (fused has no rule for it; triton's autograd "
                  f"Function has vmap and forward-mode rules), ")
@@ -203,7 +198,7 @@ def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
     tiled."""
     # asked first: fused's own checks read torch's private ops, which dynamo cannot trace
     why = ("traced by torch.compile (fused runs eager items)"
-           if torch.compiler.is_compiling() else _fused_unsupported(call))
+           if torch.compiler.is_compiling() else unsupported_reason("fused", call))
     if why is not None:
         return BackendChoice("tiled", f"auto: tiled, because fused cannot: {why}; "
                                       f"{_tiled_reason(call)}")

@@ -12,6 +12,7 @@ Dropout keep-masks also live here, a hash that any tile regenerates (:func:`drop
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -173,13 +174,9 @@ def classify_band(band: Band, n_q: int, n_k: int, block_m: int, block_n: int) ->
 def classify_grid(kinds: Tensor, n_q: int, n_k: int, block_m: int, block_n: int) -> Blocks:
     """Blocks from an EMPTY / PARTIAL / FULL grid over aligned ``block_m x block_n`` tiles."""
     rows = []
-    for i in range(kinds.shape[0]):
-        row = []
-        for jb in range(kinds.shape[1]):
-            k = int(kinds[i, jb])
-            if k != EMPTY:
-                row.append((jb * block_n, min((jb + 1) * block_n, n_k), k == FULL))
-        rows.append(tuple(row))
+    for row in kinds.tolist():  # one host copy of the grid
+        rows.append(tuple((jb * block_n, min((jb + 1) * block_n, n_k), k == FULL)
+                          for jb, k in enumerate(row) if k != EMPTY))
     return Blocks(block_m, block_n, n_q, n_k, tuple(rows))
 
 
@@ -200,10 +197,7 @@ def band_kinds(band: Band, n_q: int, n_k: int, block_m: int, block_n: int) -> Te
 
 def combine_kinds(*grids: Tensor) -> Tensor:
     """Tiles visited by every grid (AND of masks): EMPTY < PARTIAL < FULL, so the minimum."""
-    out = grids[0]
-    for g in grids[1:]:
-        out = torch.minimum(out, g)
-    return out
+    return functools.reduce(torch.minimum, grids)
 
 
 def classify_predicate(keep: Tensor, block_m: int, block_n: int) -> Blocks:
@@ -259,11 +253,8 @@ def make_band(
 ) -> Band:
     """The band for ``attn.attention``'s ``causal``/``window`` (bottom-right unless top_left)."""
     offset = 0 if top_left else n_k - n_q
-    left = right = None
-    if window is not None:
-        wl, wr = window
-        left = None if wl < 0 else wl
-        right = None if wr < 0 else wr
+    left, right = (-1, -1) if window is None else window
+    left, right = (None if w < 0 else w for w in (left, right))  # -1: an unbounded side
     if causal:
         right = 0 if right is None else min(right, 0)
     return Band(offset, left, right)
