@@ -435,10 +435,9 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), already checked by the entry
     point in its own layout; ``band`` in its convention (bottom-right, top-left, global or
-    per packed sequence). Scale and temperature fold into ``spec.qk_scale`` (a tensor
-    temperature into ``operands.q_scale``, which :func:`run` folds into q); a fixed softcap
-    goes to the spec, a learnable one to the operands; a bool or float mask that is only a
-    band plus key padding becomes a band and a smaller mask (eager only). ``dropout_seed``:
+    per packed sequence). Where each option lands: the field comments of :class:`LaunchSpec`
+    and :class:`Operands`; a bool or float mask that is only a band plus key padding becomes
+    a band and a smaller mask (eager only). ``dropout_seed``:
     None draws it from torch's generator (:func:`_draw_seed`), as ``attention`` does.
     ``cu_seqlens`` / ``max_seqlen``: packed sequences laid out as one batch row (1, H, total,
     D); ``alibi_slopes`` are then (sequences, H), checked by the caller. ``score_mod`` /
@@ -501,15 +500,13 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
                                     alibi_slopes))
     if dropout_seed is None:
         dropout_seed = 0 if empty else _draw_seed(dropout_p)
+    max_q, max_k = (None, None) if max_seqlen is None else max_seqlen
     spec = LaunchSpec(qk_scale=float(qk_scale), band=band,
-                      softcap=None if cap_t is not None or softcap is None else softcap,
-                      terms=terms,
+                      softcap=None if cap_t is not None else softcap, terms=terms,
                       dropout_p=dropout_p, dropout_seed=int(dropout_seed),
                       block_m=block_m, block_n=block_n, score_mod=score_mod,
                       mask_mod=mask_mod, mask_blocks=mask_blocks, dropout_rows=dropout_rows,
-                      alibi_rows=alibi_rows,
-                      max_seqlen_q=None if max_seqlen is None else max_seqlen[0],
-                      max_seqlen_k=None if max_seqlen is None else max_seqlen[1])
+                      alibi_rows=alibi_rows, max_seqlen_q=max_q, max_seqlen_k=max_k)
     cu_q, cu_k = (None, None) if cu_seqlens is None else cu_seqlens
     ops = Operands(attn_mask=attn_mask, sinks=sinks, softcap=cap_t, alibi=alibi_slopes,
                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_scale=q_scale)

@@ -179,7 +179,7 @@ def flex_attention(
                                   "attn.flex_attention; lse is")
     want_lse = bool(return_lse) or (return_aux is not None and return_aux.lse)
 
-    mask_mod, mask_blocks = None, None
+    mask_mod = mask_blocks = block_m = block_n = None
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a torch BlockMask, got "
@@ -189,8 +189,7 @@ def flex_attention(
         mask_blocks = block_mask_blocks(block_mask, B, H, Nq, Nk, kernel_options)
         if block_mask.mask_mod is not noop_mask:
             mask_mod = block_mask.mask_mod
-    block_m = block_n = None
-    if block_mask is None and kernel_options:  # tile sizes of the tiled backend
+    elif kernel_options:  # tile sizes of the tiled backend
         block_m, block_n = kernel_options.get("BLOCK_M"), kernel_options.get("BLOCK_N")
     out, lse = attend(query, key, value, band=Band(), return_lse=True, backend=backend,
                       scale=scale, block_m=block_m, block_n=block_n, score_mod=score_mod,

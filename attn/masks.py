@@ -163,11 +163,8 @@ def classify_band(band: Band, n_q: int, n_k: int, block_m: int, block_n: int) ->
     for m0 in range(0, n_q, block_m):
         m1 = min(m0 + block_m, n_q)
         n_lo, n_hi = band.key_range(m0, m1, n_k)
-        row = []
-        for n0 in range(n_lo, n_hi, block_n):
-            n1 = min(n0 + block_n, n_hi)
-            row.append((n0, n1, band.tile_is_full(m0, m1, n0, n1)))
-        rows.append(tuple(row))
+        tiles = ((n0, min(n0 + block_n, n_hi)) for n0 in range(n_lo, n_hi, block_n))
+        rows.append(tuple((n0, n1, band.tile_is_full(m0, m1, n0, n1)) for n0, n1 in tiles))
     return Blocks(block_m, block_n, n_q, n_k, tuple(rows))
 
 
