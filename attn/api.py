@@ -94,11 +94,10 @@ def attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))
-    return attend(q, k, v, band=band, attn_mask=attn_mask, scale=scale,
-                      temperature=temperature, softcap=softcap, sinks=sinks,
-                      dropout_p=dropout_p, return_lse=return_lse, backend=backend,
-                      block_m=block_m, block_n=block_n, score_mod=score_mod,
-                      mask_mod=mask_mod, alibi_slopes=alibi_slopes)
+    return attend(q, k, v, band=band, attn_mask=attn_mask, scale=scale, temperature=temperature,
+                  softcap=softcap, sinks=sinks, dropout_p=dropout_p, return_lse=return_lse,
+                  backend=backend, block_m=block_m, block_n=block_n, score_mod=score_mod,
+                  mask_mod=mask_mod, alibi_slopes=alibi_slopes)
 
 
 def scaled_dot_product_attention(

@@ -313,8 +313,7 @@ def dropout_keep_rows(
     h_bh = _mix32((bh_rows.to(torch.int64) ^ s) & _M32)  # (..., M or 1)
     h_m = _mix32(h_bh ^ (offs_m.to(torch.int64) & _M32))[..., None]  # (..., M, 1)
     bits = _mix32(h_m ^ _mix32(offs_n.to(torch.int64) & _M32))  # (..., M, N)
-    threshold = int(p * 2**32)
-    return bits >= threshold
+    return bits >= int(p * 2**32)
 
 
 # -- recognising "band AND key padding" in a materialized mask --------------------------------
