@@ -68,12 +68,10 @@ def attention(
     q's dtype; with ``return_lse`` also lse (B, H, Nq), float32 (float64 for float64 input).
     ``H % Hkv == 0``: query head h reads kv head ``h // (H // Hkv)`` (GQA, MQA).
 
-    Score ``s = (q·k) · scale / temperature`` (``scale`` defaulting to ``D ** -0.5``,
-    ``temperature`` a positive float or a learnable tensor broadcastable to (B, H)), then
-    ``softcap=c``: ``c·tanh(s / c)`` (Gemma 2), ``alibi_slopes`` (ALiBi, Press et al. 2022),
-    and the masks, combined with AND: ``attn_mask`` bool (True = attend) or float (added),
-    ``causal`` aligned bottom-right, ``window=(left, right)`` bounding the same diagonal
-    offset (-1 = unbounded)::
+    Score ``s = (q·k) · scale / temperature``, then ``softcap=c`` (Gemma 2), ``alibi_slopes``
+    (Press et al. 2022) and the masks, combined with AND: ``attn_mask``, ``causal`` aligned
+    bottom-right, ``window=(left, right)`` bounding the same diagonal offset (-1 =
+    unbounded)::
 
           causal, Nq=3, Nk=5       window=(1, 0), Nq=Nk=4
           q0  x x x . .            x . . .
@@ -81,13 +79,11 @@ def attention(
           q2  x x x x x            . x x .
                                    . . x x
 
-    ``sinks`` (H,): learnable logits in the softmax denominator only (attention sinks, Xiao
-    et al. 2023). ``dropout_p``: a hash mask from a seed drawn from torch's generator.
-    ``score_mod`` / ``mask_mod``: FlexAttention's (:mod:`attn.flex`), run by tiled and
-    reference. A row that sees no key returns zeros and lse = -inf (or its sink), never NaN.
-    ``backend``: see :func:`select_backend`; ``block_m`` / ``block_n``: the tiled backend's
-    tile sizes. Each keyword's exact meaning, the order of the score steps and the empty
-    cases: docs/variants.md.
+    ``sinks`` (H,): attention sinks (Xiao et al. 2023); ``score_mod`` / ``mask_mod``:
+    FlexAttention's (:mod:`attn.flex`). A row that sees no key returns zeros and lse = -inf
+    (or its sink), never NaN. ``backend``: see :func:`select_backend`. Each keyword's exact
+    meaning, the order of the score steps and the empty cases: docs/variants.md, "The
+    keywords".
     """
     _validate_qkv(q, k, v, allow_empty=True)
     if isinstance(attn_mask, _CausalBias):  # its tensor data is not a mask: never read it
@@ -98,11 +94,10 @@ def attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     band = make_band(q.shape[2], k.shape[2], causal=causal, window=window_pair(window))
-    return attend(q, k, v, band=band, attn_mask=attn_mask, scale=scale,
-                      temperature=temperature, softcap=softcap, sinks=sinks,
-                      dropout_p=dropout_p, return_lse=return_lse, backend=backend,
-                      block_m=block_m, block_n=block_n, score_mod=score_mod,
-                      mask_mod=mask_mod, alibi_slopes=alibi_slopes)
+    return attend(q, k, v, band=band, attn_mask=attn_mask, scale=scale, temperature=temperature,
+                  softcap=softcap, sinks=sinks, dropout_p=dropout_p, return_lse=return_lse,
+                  backend=backend, block_m=block_m, block_n=block_n, score_mod=score_mod,
+                  mask_mod=mask_mod, alibi_slopes=alibi_slopes)
 
 
 def scaled_dot_product_attention(
@@ -130,9 +125,8 @@ def scaled_dot_product_attention(
     with sdpa_errors():
         q4, k4, v4, mask4, band = _sdpa_operands(query, key, value, attn_mask, is_causal,
                                                  enable_gqa)
-        out = attend(q4, k4, v4, band=band, attn_mask=mask4, scale=scale, temperature=1.0,
-                     softcap=None, sinks=None, dropout_p=dropout_p, return_lse=False,
-                     backend=backend, q_name="query")
+        out = attend(q4, k4, v4, band=band, attn_mask=mask4, scale=scale, dropout_p=dropout_p,
+                     return_lse=False, backend=backend, q_name="query")
     return out.reshape(*query.shape[:-1], value.shape[-1])
 
 

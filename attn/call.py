@@ -73,10 +73,6 @@ def _mods_unsupported(call: AttentionCall, native_varlen: bool = False) -> str |
     return None
 
 
-def _fused_unsupported(call: AttentionCall) -> str | None:
-    return _transform_unsupported(call) or fused.call_reason(call)
-
-
 def _sdpa_unsupported(call: AttentionCall) -> str | None:
     if call.terms:
         return f"the score term(s) {list(call.terms)} (torch's SDPA has no score step)"
@@ -95,14 +91,6 @@ def _sdpa_unsupported(call: AttentionCall) -> str | None:
     if call.dtype == torch.float64 and call.device != "cpu":
         return "float64 off the CPU"
     return None
-
-
-def _triton_unsupported(call: AttentionCall) -> str | None:
-    try:
-        from attn import flash_triton
-    except ImportError as exc:  # triton missing, or the module not built on this platform
-        return f"triton is not importable ({exc}); install the extra: pip install 'attn[triton]'"
-    return flash_triton.unsupported_reason(call)
 
 
 def _transform_unsupported(call: AttentionCall) -> str | None:
@@ -146,10 +134,17 @@ def unsupported_reason(backend: str, call: AttentionCall) -> str | None:
     if backend == "sdpa":
         return _mods_unsupported(call) or _sdpa_unsupported(call)
     if backend == "triton":
-        return (_mods_unsupported(call, native_varlen=True)
-                or _triton_transform_unsupported(call) or _triton_unsupported(call))
+        why = _mods_unsupported(call, native_varlen=True) or _triton_transform_unsupported(call)
+        if why is not None:
+            return why
+        try:
+            from attn import flash_triton
+        except ImportError as exc:  # triton missing, or the module not built on this platform
+            return (f"triton is not importable ({exc}); install the extra: "
+                    f"pip install 'attn[triton]'")
+        return flash_triton.unsupported_reason(call)
     if backend == "fused":
-        return _fused_unsupported(call)
+        return _transform_unsupported(call) or fused.call_reason(call)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -179,7 +174,7 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
     if call.device != "cuda":
         return _auto_off_cuda(call)
     op = None
-    if not torch.compiler.is_compiling() and _fused_unsupported(call) is None:
+    if not torch.compiler.is_compiling() and unsupported_reason("fused", call) is None:
         op = fused.cuda_verified(call)
     if op is not None:
         return BackendChoice("fused", f"auto: fused on CUDA, torch's {op} kernel per block "
@@ -187,7 +182,7 @@ def select_backend(call: AttentionCall, requested: str = "auto") -> BackendChoic
                                       f"dim in attn/fused_cuda_table.json)")
     why = unsupported_reason("triton", call)
     if why is None:
-        from attn import flash_triton  # importable: _triton_unsupported just imported it
+        from attn import flash_triton  # importable: unsupported_reason just imported it
         under = ("" if call.transform is None else
                  f"under {call.transform} (fused has no rule for it; triton's autograd "
                  f"Function has vmap and forward-mode rules), ")
@@ -203,7 +198,7 @@ def _auto_off_cuda(call: AttentionCall) -> BackendChoice:
     tiled."""
     # asked first: fused's own checks read torch's private ops, which dynamo cannot trace
     why = ("traced by torch.compile (fused runs eager items)"
-           if torch.compiler.is_compiling() else _fused_unsupported(call))
+           if torch.compiler.is_compiling() else unsupported_reason("fused", call))
     if why is not None:
         return BackendChoice("tiled", f"auto: tiled, because fused cannot: {why}; "
                                       f"{_tiled_reason(call)}")
@@ -440,10 +435,9 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
 
     q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), already checked by the entry
     point in its own layout; ``band`` in its convention (bottom-right, top-left, global or
-    per packed sequence). Scale and temperature fold into ``spec.qk_scale`` (a tensor
-    temperature into ``operands.q_scale``, which :func:`run` folds into q); a fixed softcap
-    goes to the spec, a learnable one to the operands; a bool or float mask that is only a
-    band plus key padding becomes a band and a smaller mask (eager only). ``dropout_seed``:
+    per packed sequence). Where each option lands: the field comments of :class:`LaunchSpec`
+    and :class:`Operands`; a bool or float mask that is only a band plus key padding becomes
+    a band and a smaller mask (eager only). ``dropout_seed``:
     None draws it from torch's generator (:func:`_draw_seed`), as ``attention`` does.
     ``cu_seqlens`` / ``max_seqlen``: packed sequences laid out as one batch row (1, H, total,
     D); ``alibi_slopes`` are then (sequences, H), checked by the caller. ``score_mod`` /
@@ -506,15 +500,13 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, *, band: Band, attn_mask: Tensor | 
                                     alibi_slopes))
     if dropout_seed is None:
         dropout_seed = 0 if empty else _draw_seed(dropout_p)
+    max_q, max_k = (None, None) if max_seqlen is None else max_seqlen
     spec = LaunchSpec(qk_scale=float(qk_scale), band=band,
-                      softcap=None if cap_t is not None or softcap is None else softcap,
-                      terms=terms,
+                      softcap=None if cap_t is not None else softcap, terms=terms,
                       dropout_p=dropout_p, dropout_seed=int(dropout_seed),
                       block_m=block_m, block_n=block_n, score_mod=score_mod,
                       mask_mod=mask_mod, mask_blocks=mask_blocks, dropout_rows=dropout_rows,
-                      alibi_rows=alibi_rows,
-                      max_seqlen_q=None if max_seqlen is None else max_seqlen[0],
-                      max_seqlen_k=None if max_seqlen is None else max_seqlen[1])
+                      alibi_rows=alibi_rows, max_seqlen_q=max_q, max_seqlen_k=max_k)
     cu_q, cu_k = (None, None) if cu_seqlens is None else cu_seqlens
     ops = Operands(attn_mask=attn_mask, sinks=sinks, softcap=cap_t, alibi=alibi_slopes,
                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_scale=q_scale)

@@ -71,15 +71,6 @@ def block_mask_blocks(block_mask: BlockMask, B: int, H: int, n_q: int, n_k: int,
 
 # -- public API -----------------------------------------------------------------------------------
 
-def _block_size(BLOCK_SIZE: object) -> tuple[int, int]:
-    pair = BLOCK_SIZE if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
-    if (len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
-                                  for x in pair)):
-        raise ValueError(f"BLOCK_SIZE must be a positive int or a pair of them, got "
-                         f"{BLOCK_SIZE!r}")
-    return int(pair[0]), int(pair[1])
-
-
 def _checked_device(device: object) -> torch.device:
     """``device`` as a torch.device that can hold tensors here, or an error naming it."""
     if not isinstance(device, (str, int, torch.device)) or isinstance(device, bool):
@@ -116,7 +107,12 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
             raise ValueError(f"{name} must be a positive int, got {n!r}")
     for name, n in (("B", B), ("H", H)):
         _check_positive_int_or_none(name, n)
-    bm, bn = _block_size(BLOCK_SIZE)
+    pair = BLOCK_SIZE if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
+    if (len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                  for x in pair)):
+        raise ValueError(f"BLOCK_SIZE must be a positive int or a pair of them, got "
+                         f"{BLOCK_SIZE!r}")
+    bm, bn = int(pair[0]), int(pair[1])
     if device is None:
         # the device of the first tensor mask_mod reads (document ids, a table), if any
         device = next((t.device for t in reachable_tensors(mask_mod)), None) \
@@ -183,7 +179,7 @@ def flex_attention(
                                   "attn.flex_attention; lse is")
     want_lse = bool(return_lse) or (return_aux is not None and return_aux.lse)
 
-    mask_mod, mask_blocks = None, None
+    mask_mod = mask_blocks = block_m = block_n = None
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a torch BlockMask, got "
@@ -193,8 +189,7 @@ def flex_attention(
         mask_blocks = block_mask_blocks(block_mask, B, H, Nq, Nk, kernel_options)
         if block_mask.mask_mod is not noop_mask:
             mask_mod = block_mask.mask_mod
-    block_m = block_n = None
-    if block_mask is None and kernel_options:  # tile sizes of the tiled backend
+    elif kernel_options:  # tile sizes of the tiled backend
         block_m, block_n = kernel_options.get("BLOCK_M"), kernel_options.get("BLOCK_N")
     out, lse = attend(query, key, value, band=Band(), return_lse=True, backend=backend,
                       scale=scale, block_m=block_m, block_n=block_n, score_mod=score_mod,

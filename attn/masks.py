@@ -12,6 +12,7 @@ Dropout keep-masks also live here, a hash that any tile regenerates (:func:`drop
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -162,24 +163,17 @@ def classify_band(band: Band, n_q: int, n_k: int, block_m: int, block_n: int) ->
     for m0 in range(0, n_q, block_m):
         m1 = min(m0 + block_m, n_q)
         n_lo, n_hi = band.key_range(m0, m1, n_k)
-        row = []
-        for n0 in range(n_lo, n_hi, block_n):
-            n1 = min(n0 + block_n, n_hi)
-            row.append((n0, n1, band.tile_is_full(m0, m1, n0, n1)))
-        rows.append(tuple(row))
+        tiles = ((n0, min(n0 + block_n, n_hi)) for n0 in range(n_lo, n_hi, block_n))
+        rows.append(tuple((n0, n1, band.tile_is_full(m0, m1, n0, n1)) for n0, n1 in tiles))
     return Blocks(block_m, block_n, n_q, n_k, tuple(rows))
 
 
 def classify_grid(kinds: Tensor, n_q: int, n_k: int, block_m: int, block_n: int) -> Blocks:
     """Blocks from an EMPTY / PARTIAL / FULL grid over aligned ``block_m x block_n`` tiles."""
     rows = []
-    for i in range(kinds.shape[0]):
-        row = []
-        for jb in range(kinds.shape[1]):
-            k = int(kinds[i, jb])
-            if k != EMPTY:
-                row.append((jb * block_n, min((jb + 1) * block_n, n_k), k == FULL))
-        rows.append(tuple(row))
+    for row in kinds.tolist():  # one host copy of the grid
+        rows.append(tuple((jb * block_n, min((jb + 1) * block_n, n_k), k == FULL)
+                          for jb, k in enumerate(row) if k != EMPTY))
     return Blocks(block_m, block_n, n_q, n_k, tuple(rows))
 
 
@@ -200,10 +194,7 @@ def band_kinds(band: Band, n_q: int, n_k: int, block_m: int, block_n: int) -> Te
 
 def combine_kinds(*grids: Tensor) -> Tensor:
     """Tiles visited by every grid (AND of masks): EMPTY < PARTIAL < FULL, so the minimum."""
-    out = grids[0]
-    for g in grids[1:]:
-        out = torch.minimum(out, g)
-    return out
+    return functools.reduce(torch.minimum, grids)
 
 
 def classify_predicate(keep: Tensor, block_m: int, block_n: int) -> Blocks:
@@ -259,11 +250,8 @@ def make_band(
 ) -> Band:
     """The band for ``attn.attention``'s ``causal``/``window`` (bottom-right unless top_left)."""
     offset = 0 if top_left else n_k - n_q
-    left = right = None
-    if window is not None:
-        wl, wr = window
-        left = None if wl < 0 else wl
-        right = None if wr < 0 else wr
+    left, right = (-1, -1) if window is None else window
+    left, right = (None if w < 0 else w for w in (left, right))  # -1: an unbounded side
     if causal:
         right = 0 if right is None else min(right, 0)
     return Band(offset, left, right)
@@ -325,8 +313,7 @@ def dropout_keep_rows(
     h_bh = _mix32((bh_rows.to(torch.int64) ^ s) & _M32)  # (..., M or 1)
     h_m = _mix32(h_bh ^ (offs_m.to(torch.int64) & _M32))[..., None]  # (..., M, 1)
     bits = _mix32(h_m ^ _mix32(offs_n.to(torch.int64) & _M32))  # (..., M, N)
-    threshold = int(p * 2**32)
-    return bits >= threshold
+    return bits >= int(p * 2**32)
 
 
 # -- recognising "band AND key padding" in a materialized mask --------------------------------

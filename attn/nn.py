@@ -289,14 +289,6 @@ class AttentionOptions:
                             train_len=train_len, eps=self.qk_norm_eps)
 
 
-def _check_cu_seqlens(cu: object, total: int, x: Tensor) -> None:
-    """MultiHeadAttention's packed offsets, named as its caller passed them, by attn's one
-    rule (:func:`attn.varlen.check_cu_form`): ending at ``total = B·N``, the rows of x."""
-    check_cu_form("cu_seqlens", cu, x.device, "x")
-    if not torch.compiler.is_compiling():  # reading the values would break the trace;
-        check_cu_values("cu_seqlens", cu, total, "B·N")  # varlen_attention checks them
-
-
 class MultiHeadAttention(nn.Module):
     """Self-attention over ``x (B, N, C)`` → ``(B, N, C)`` (unbatched ``(N, C)`` → ``(N, C)``)
     through :func:`attn.attention`. ``dim`` is the width C; ``heads`` (H, default 4) must
@@ -343,12 +335,6 @@ class MultiHeadAttention(nn.Module):
         if learn:
             return nn.Parameter(torch.full((self.heads,), math.log(value))), None
         return None, None if value is None else float(value)
-
-    def _tau(self) -> float | Tensor:
-        return self.temperature if self.log_tau is None else self.log_tau.exp()  # (H,)
-
-    def _cap(self) -> float | Tensor | None:
-        return self.softcap if self.log_softcap is None else self.log_softcap.exp()  # (H,)
 
     def _check_x(self, x: object) -> None:
         if not isinstance(x, Tensor):
@@ -399,7 +385,10 @@ class MultiHeadAttention(nn.Module):
             if cp is not None:
                 raise ValueError("cu_seqlens (packed documents) and context parallelism do "
                                  "not combine")
-            _check_cu_seqlens(cu_seqlens, B * N, x)
+            # attn's one rule for packed offsets (attn.varlen), ending at B·N, the rows of x
+            check_cu_form("cu_seqlens", cu_seqlens, x.device, "x")
+            if not torch.compiler.is_compiling():  # reading the values would break the trace;
+                check_cu_values("cu_seqlens", cu_seqlens, B * N, "B·N")  # varlen checks them
             offset = position_ids(cu_seqlens, B * N).view(B, N)  # from each document's start
         if B * N == 0:
             # nothing to attend over (attention refuses empty input): an empty result of the
@@ -418,8 +407,10 @@ class MultiHeadAttention(nn.Module):
 
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, offset + N, D)
-        opts = dict(causal=self.causal, scale=self.scale, temperature=self._tau(),
-                    softcap=self._cap(), window=self.window, sinks=self.sinks,
+        tau = self.temperature if self.log_tau is None else self.log_tau.exp()  # (H,) if learned
+        cap = self.softcap if self.log_softcap is None else self.log_softcap.exp()
+        opts = dict(causal=self.causal, scale=self.scale, temperature=tau, softcap=cap,
+                    window=self.window, sinks=self.sinks,
                     dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
         if cu_seqlens is not None:  # (no cache then)
             # (B, H, N, D) -> packed (B·N, H, D): rows laid end to end

@@ -104,8 +104,7 @@ def reference_attention(
         keep = _dropout_keep(dropout_p, dropout_seed, dropout_rows, B, H, offs_m, offs_n)
         p = p * keep / (1.0 - dropout_p)
     out = p @ v
-    lse_dtype = acc_dtype(q.dtype)
-    return out.to(q.dtype), lse.to(lse_dtype)
+    return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
 
 def _alibi_bias(slopes: Tensor, alibi_rows, band: Band, offs_m: Tensor, offs_n: Tensor,
@@ -145,10 +144,9 @@ def _masked(s: Tensor, allowed: Tensor | None, mask_mod, idx, attn_mask: Tensor 
 def _softmax(s: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
     """The rows' softmax over the keys and the sinks (H,) → p (B, H, Nq, Nk) and lse
     (B, H, Nq), -inf (and p 0) on rows that see nothing."""
-    H = s.shape[1]
     m = s.amax(dim=-1, keepdim=True)  # (B, H, Nq, 1)
     if sinks is not None:
-        sink = sinks.to(s.dtype).reshape(1, H, 1, 1)
+        sink = sinks.to(s.dtype).reshape(1, -1, 1, 1)
         m = torch.maximum(m, sink)
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m).detach()  # rows that see nothing
     p = torch.exp(s - m)

@@ -139,7 +139,22 @@ def _filtered_stderr() -> Iterator[None]:
                     sys.stderr.write(line)
 
 
-def _cpu_peak(fn: Callable[[], object]) -> int:
+def peak_bytes(fn: Callable[[], object], device: str | torch.device = "cpu") -> int:
+    """Peak bytes allocated above the starting point while ``fn()`` runs (see module doc).
+
+    Whatever ``fn`` returns is dropped before this returns, so keep anything you need alive
+    outside (the inputs). The result counts tensors ``fn`` creates and frees along the way.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    if device.type != "cpu":
+        raise ValueError(f"peak_bytes supports cpu and cuda devices, got {device}")
     from torch.profiler import ProfilerActivity, profile
 
     with _filtered_stderr():
@@ -153,26 +168,3 @@ def _cpu_peak(fn: Callable[[], object]) -> int:
         live += e.nbytes()
         peak = max(peak, live)
     return peak
-
-
-def _cuda_peak(fn: Callable[[], object], device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
-
-
-def peak_bytes(fn: Callable[[], object], device: str | torch.device = "cpu") -> int:
-    """Peak bytes allocated above the starting point while ``fn()`` runs (see module doc).
-
-    Whatever ``fn`` returns is dropped before this returns, so keep anything you need alive
-    outside (the inputs). The result counts tensors ``fn`` creates and frees along the way.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        return _cuda_peak(fn, device)
-    if device.type == "cpu":
-        return _cpu_peak(fn)
-    raise ValueError(f"peak_bytes supports cpu and cuda devices, got {device}")

@@ -173,20 +173,6 @@ def _validate_packed(q: object, k: object, v: object) -> None:
 
 # -- the tile plan -----------------------------------------------------------------------------
 
-def _run_packed(name: str, q4: Tensor, k4: Tensor, v4: Tensor, spec, ops, band: Band
-                ) -> tuple[Tensor, Tensor]:
-    """A resolved packed call on backend ``name``: tiled takes the sequences as a document
-    mask of one batch row, the others the packed layout itself."""
-    if name == "tiled":
-        cu_q, cu_k = ops.cu_seqlens_q, ops.cu_seqlens_k
-        doc = _DocMask(cu_q, cu_k, q4.shape[2], k4.shape[2], band)
-        spec = replace(spec, band=Band(), mask_mod=doc, mask_blocks=doc.blocks,
-                       dropout_rows=doc.dropout_rows,
-                       alibi_rows=None if ops.alibi is None else doc.alibi_rows)
-        ops = ops._replace(cu_seqlens_q=None, cu_seqlens_k=None)
-    return run(name, q4, k4, v4, spec, ops)
-
-
 class _DocMask:
     """mask_mod of packed sequences: same sequence, and the per-sequence bottom-right band
     ``-left <= (j - end_k) - (i - end_q) <= right`` (positions counted from each sequence's
@@ -268,19 +254,19 @@ def varlen_attention(
     q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); ``cu_seqlens_q`` /
     ``cu_seqlens_k`` int32 or int64 ``(B + 1,)`` offsets from 0 to total (sequences may be
     empty) → out (total_q, H, Dv); with ``return_lse`` also lse (H, total_q), float32
-    (float64 for float64 input). Sequence b's queries see only sequence b's keys; ``causal``
-    and ``window=(left, right)`` are aligned bottom-right per sequence, as in FlashAttention
-    (query i sees key j iff ``j <= i + Lk_b - Lq_b``). The other keywords mean what they
-    mean in :func:`attn.attention`; ``temperature`` is a float or a tensor broadcastable to
-    (H,); dropout draws the mask of the padded batch (sequence b as batch row b, positions
-    inside it), whatever the packing; ``alibi_slopes`` (H,) or (B, H) (one row per
-    sequence) adds ``−slope · |i + Lk_b − Lq_b − j|`` in each sequence's own positions.
+    (float64 for float64 input). ``causal`` and ``window=(left, right)`` are aligned
+    bottom-right per sequence, as in FlashAttention (query i sees key j iff
+    ``j <= i + Lk_b - Lq_b``); the other keywords mean what they mean in
+    :func:`attn.attention`, ``temperature`` broadcastable to (H,), ``alibi_slopes`` (H,) or
+    (B, H) (one row per sequence, ``−slope · |i + Lk_b − Lq_b − j|``). How the sequences stay
+    isolated on every backend and dropout draws the padded batch's mask: docs/flex-varlen.md,
+    "Packed sequences".
 
-    Sequences are isolated on every backend (docs/flex-varlen.md). ``max_seqlen_*`` are
-    optional: given both, triton trusts ``cu_seqlens`` as flash-attn does (no host read);
-    otherwise the offsets are checked on the host (:func:`check_cu_values`) and a given
-    max_seqlen must cover the longest sequence. Long for its checks in the caller's names;
-    the work itself is one resolve, one backend choice and one run.
+    ``max_seqlen_*`` are optional: given both, triton trusts ``cu_seqlens`` as flash-attn
+    does (no host read); otherwise the offsets are checked on the host
+    (:func:`check_cu_values`) and a given max_seqlen must cover the longest sequence. Long
+    for its checks in the caller's names; the work itself is one resolve, one backend
+    choice, tiled's document mask and one run.
     """
     _validate_packed(q, k, v)
     if not isinstance(causal, bool):
@@ -315,9 +301,8 @@ def varlen_attention(
         host_k = check_cu_values("cu_seqlens_k", cu_k, total_k, "k.shape[0]")
         return int((host_q[1:] - host_q[:-1]).max()), int((host_k[1:] - host_k[:-1]).max())
 
-    seen = longest() if max_seqlen_q is None or max_seqlen_k is None else None
-    max_q = max_seqlen_q if max_seqlen_q is not None else seen[0]
-    max_k = max_seqlen_k if max_seqlen_k is not None else seen[1]
+    seen = longest() if None in given else None  # a missing max_seqlen: the longest sequence
+    max_q, max_k = given if seen is None else (n if g is None else g for g, n in zip(given, seen))
     call, spec, ops = resolve(q4, k4, v4, band=band, scale=scale, temperature=temperature,
                               softcap=softcap, sinks=sinks, dropout_p=dropout_p,
                               return_lse=return_lse, alibi_slopes=alibi_slopes,
@@ -327,6 +312,12 @@ def varlen_attention(
         for name, g, n in zip(("max_seqlen_q", "max_seqlen_k"), given, seen or longest()):
             if g is not None and g < n:
                 raise ValueError(f"{name}={g} is shorter than the longest sequence ({n})")
-    out, lse = _run_packed(choice.name, q4, k4, v4, spec, ops, band)
+    if choice.name == "tiled":  # the sequences as a document mask of one batch row
+        doc = _DocMask(cu_q, cu_k, total_q, total_k, band)
+        spec = replace(spec, band=Band(), mask_mod=doc, mask_blocks=doc.blocks,
+                       dropout_rows=doc.dropout_rows,
+                       alibi_rows=None if ops.alibi is None else doc.alibi_rows)
+        ops = ops._replace(cu_seqlens_q=None, cu_seqlens_k=None)
+    out, lse = run(choice.name, q4, k4, v4, spec, ops)
     out = out[0].transpose(0, 1).contiguous()  # (H, total_q, Dv) -> (total_q, H, Dv)
     return (out, lse[0]) if return_lse else out
