@@ -1,7 +1,5 @@
-"""The triton backend's launchers, custom ops, autograd.Function and public function (the three
-layers and the ops: docs/gpu.md, "How the kernels work"). The same launchers serve packed
-sequences: ``ops.cu_seqlens_q`` / ``_k`` set, q (total_q, H, D), k and v (total_k, Hkv, D /
-Dv), out (total_q, H, Dv), lse (H, total_q), the grid sized by ``spec.max_seqlen_q`` / ``_k``.
+"""The triton backend's launchers, custom ops, autograd.Function and public function, dense and
+packed alike (docs/gpu.md, "How the kernels work" and "The kernels' arguments").
 """
 
 from __future__ import annotations
@@ -619,10 +617,8 @@ _spec_kinds(LaunchSpec)  # a field of no known kind fails here, at import
 
 def _direct(*tensors: Tensor | None) -> bool:
     """Whether a launcher may be called as it is rather than through its custom op: an eager
-    call of plain tensors that nothing traces (torch.compile, make_fx or export,
-    torch.jit.trace, fake or functional tensors, a dispatch mode) and no torch.func
-    transform wraps. The op is there for those; in plain eager mode it runs the same
-    launcher and adds only its dispatch (host time per call: docs/gpu.md)."""
+    call of plain tensors that nothing traces or transforms (docs/gpu.md, "Host time per
+    call")."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or _transforms_on():
         return False
     if _get_current_dispatch_mode() is not None:
@@ -645,12 +641,9 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Te
 
 
 @_fwd_op.register_fake
-def _(q, k, v, attn_mask, sinks, softcap, spec_ints, spec_floats, alibi=None):
-    B, H, Nq, _ = q.shape
-    return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
-            q.new_empty(B, H, Nq, dtype=torch.float32),
-            q.new_empty(B, H, Nq, dtype=torch.float32),
-            q.new_empty(B, H, Nq, dtype=torch.float32))
+def _fwd_fake(q, k, v, *rest):
+    return (q.new_empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype),
+            *(q.new_empty(q.shape[:-1], dtype=torch.float32) for _ in range(3)))
 
 
 @torch.library.custom_op("attn::flash_fwd_split", mutates_args=())
@@ -664,10 +657,8 @@ def _fwd_split_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
 
 
 @_fwd_split_op.register_fake
-def _(q, k, v, attn_mask, sinks, softcap, spec_ints, spec_floats, alibi, chunk):
-    B, H, Nq, _ = q.shape
-    return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
-            q.new_empty(B, H, Nq, dtype=torch.float32))
+def _(q, k, v, *rest):
+    return _fwd_fake(q, k, v)[:2]  # out and lse
 
 
 @torch.library.custom_op("attn::flash_bwd", mutates_args=())
@@ -903,10 +894,9 @@ class _FlashAttentionJvp(_FlashAttention):
 
 
 class _FlashAttentionEager(torch.autograd.Function):
-    """:class:`_FlashAttention` in autograd's original form (``forward(ctx, ...)``), for
-    calls under no transform: torch binds a Function in the functorch form to its forward's
-    signature (``inspect.signature``) on every apply, which this form does not need. The same
-    forward, saved tensors and backward."""
+    """:class:`_FlashAttention` in autograd's original form (``forward(ctx, ...)``), which
+    torch does not bind to its signature on every apply, for calls under no transform: the
+    same forward, saved tensors and backward (docs/gpu.md, "Host time per call")."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -929,8 +919,9 @@ def triton_attention(
     """Fused attention kernels, inputs already validated by ``attn.call``: the protocol of
     :func:`attn.tiled.tiled_attention` (q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk,
     Dv) → out (B, H, Nq, Dv) in v's dtype, lse (B, H, Nq) float32; ``spec`` static,
-    ``operands`` the optional tensors), but no score_mod. Packed sequences are the same
-    launchers (module docstring): out (total_q, H, Dv), lse (H, total_q).
+    ``operands`` the optional tensors), but no score_mod. Packed (``cu_seqlens_q`` / ``_k``
+    set, the grid sized by ``spec.max_seqlen_q`` / ``_k``): q (total_q, H, D), k and v
+    (total_k, Hkv, D / Dv) → out (total_q, H, Dv), lse (H, total_q).
 
     ``second(do, dlse, q, k, v, out, lse, spec, ops) -> (dq, dk, dv, dsinks)``: a backward
     whose gradients are differentiable (tiled's), run where one is asked for

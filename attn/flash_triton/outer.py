@@ -1,9 +1,6 @@
-"""The outer kernels: one program per (block, sequence·head), for the dense layout
-(B, H, N, D) and, with the ``VARLEN`` constexpr, packed sequences (total, H, D). Each owns
-its block's initialisation and epilogue and walks the other axis in at most three stages
-through the inner loops of :mod:`attn.flash_triton.kernels`; the layouts differ only in
-where a program's sequence starts and how long it is (:func:`_seq_info`). What the stride
-tuples (``QS``, ``KS``, ...) and the bundles (``DR``, ``SC``, ``SCORE``) hold: docs/gpu.md,
+"""The outer kernels: one program per (block, sequence·head), dense (B, H, N, D) or, with
+``VARLEN``, packed (total, H, D) (:func:`_seq_info`: all that differs), each owning its
+block's initialisation and epilogue. Their layouts, stride tuples and bundles: docs/gpu.md,
 "The kernels' arguments".
 """
 
