@@ -71,9 +71,8 @@ def _strides(t: Tensor, varlen: bool) -> tuple[int, int, int, int]:
 
 @dataclass(frozen=True)
 class _Launch:
-    """One call's kernel inputs and the arguments its kernels share, derived once per call
-    (:func:`_launch_args`): the one place a dense or packed call's kernel arguments are
-    assembled."""
+    """One call's kernel inputs and the arguments its kernels share, dense or packed, derived
+    once per call by :func:`_launch_args`: the one place they are assembled."""
 
     q: Tensor  # in k's dtype (a temperature folded in float32: the kernels take one dtype)
     sinks: Tensor | None  # contiguous float32 (H,)
@@ -84,15 +83,10 @@ class _Launch:
     n_q: int  # the call's lengths (packed: the longest sequence's)
     n_k: int
     varlen: bool
-    # by name, what every kernel of the call takes alike (the split kernel too): q, k, v, the
-    # mask, softcap and slopes (q where absent: never read) with their strides, the shapes,
-    # the band, the score pipeline's bundles (SC, SCORE: kernels.score_args), the head dims
-    # (padded to powers of two inside the kernels, masked loads, not in memory), MASK_KIND
+    # by name, what every kernel of the call takes alike, the split kernel too (q in place of
+    # a tensor that is absent: never read; head dims padded to powers of two in the kernels)
     shared: dict
-    # ... and what the plain kernels (forward, dQ, dK/dV, jvp) take besides: the offsets (q
-    # where never read), dropout's seed and values (DR, in _drop_ctx's order) and the rest of
-    # their autotune key
-    plain: dict
+    plain: dict  # ... and what the plain kernels (forward, dQ, dK/dV, jvp) take besides
 
     def strides(self, t: Tensor) -> tuple[int, int, int, int]:
         return _strides(t, self.varlen)
@@ -512,10 +506,8 @@ _SCALARS = (bool, int, float)  # bool first: a bool is an int too
 def _field_kind(name: str, hint) -> tuple:
     """How one field travels: ``("scalar", type)``, ``("optional", type)`` (a presence flag
     among the ints, then the value), ``("struct", cls, kinds)`` for a NamedTuple or dataclass
-    of such fields (``Band``), ``("terms",)`` for :class:`attn.spec.ScoreTerms` (their count,
-    each name's UTF-8 bytes among the ints, the values among the floats), or ``("host",)``;
-    TypeError for anything else, so a new field of another kind fails at import instead of
-    being dropped."""
+    of such fields (``Band``), ``("terms",)`` or ``("host",)``; TypeError for anything else,
+    at import (docs/adding-a-variant.md, "The five places": the custom ops)."""
     if name in _HOST_ONLY:
         return ("host",)
     if hint is ScoreTerms:
@@ -694,12 +686,11 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 @_bwd_op.register_fake
 def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec_ints, spec_floats,
-      need_dcap, alibi=None, logl=None, lse2=None, cu_seqlens_q=None, cu_seqlens_k=None):
+      need_dcap, *rest):
     H = q.shape[1]
-    n_sinks = 0 if sinks is None else H
-    n_cap = H if need_dcap and softcap is not None else 0
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty(n_sinks, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
+            q.new_empty(0 if sinks is None else H, dtype=torch.float32),
+            q.new_empty(H if need_dcap and softcap is not None else 0, dtype=torch.float32))
 
 
 def _bwd_op_vmap(info, in_dims, *args):
@@ -797,9 +788,7 @@ class _FlashAttention(torch.autograd.Function):
     get no gradient: attn.call refuses slopes that require one), ``ops`` the rest
     (cu_seqlens). Dense forwards run through the custom op (packed ones call the launcher:
     the forward op's fake shapes are dense); backward and forward-mode rules are ops for
-    both layouts, so functorch's wrappers come off before a launcher. torch.func: the vmap
-    rule folds the mapped dim into B or loops; :class:`_FlashAttentionJvp` adds the
-    forward-mode rule."""
+    both layouts, so functorch's wrappers come off before a launcher."""
 
     @staticmethod
     def forward(q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec, ops: Operands,

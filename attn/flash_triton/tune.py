@@ -170,9 +170,8 @@ def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
     """Configs that ptxas spills more than ~1 KiB of registers per thread for, on sm_90 and
     sm_80 alike (255 registers each): 4 warps holding a 128 x D (>= 128) accumulator in the
     query-resident kernels or a 64 x 128 one in dK/dV, and dK/dV tiles with
-    BLOCK_M·BLOCK_N·D past 64·64·128 (at that size, deep pipelines). Measured with
-    ``attn bench compile`` (benchmarks/results/compile-sm90); the slow compile test builds
-    every config this keeps."""
+    BLOCK_M·BLOCK_N·D past 64·64·128 (at that size, deep pipelines); the slow compile test
+    builds every config this keeps."""
     bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
     if kind in ("fwd", "dq", "jvp"):
         return w == 4 and bm * d >= 128 * 128
