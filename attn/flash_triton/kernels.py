@@ -1,10 +1,7 @@
-"""The jit helpers and inner loops of the triton backend: what every outer kernel shares.
-
-Tile loads, the score pipeline (scale, softcap, ALiBi, band, attn_mask) with its launch
-arguments (:func:`score_args`), the dropout hash, the stage split of a block's walk, and the
-inner loops over the other axis: ``_fwd_inner`` (online softmax), ``_dkdv_inner``
-(key-resident backward), ``_dq_inner`` (query-resident backward: dQ, or the Δ of saturated
-rows) and ``_jvp_inner`` (forward-mode AD's tangents). ``_INTERPRET`` is decided here.
+"""The jit helpers and inner loops every outer kernel shares: tile loads, the score pipeline
+with its launch arguments (:func:`score_args`), the dropout hash, the stages of a block's
+walk, and the loops over the other axis (``_fwd_inner``, ``_dkdv_inner``, ``_dq_inner``,
+``_jvp_inner``). ``_INTERPRET`` is decided here. docs/gpu.md, "How the kernels work".
 """
 
 from __future__ import annotations
@@ -131,16 +128,14 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _load(ptrs, ok_a, ok_b, CHECK_A: tl.constexpr, CHECK_B: tl.constexpr):
     """Load a tile, bounds-checking only the axes that may run past the tensor."""
-    if CHECK_A:
-        if CHECK_B:
-            x = tl.load(ptrs, mask=ok_a & ok_b, other=0.0)
-        else:
-            x = tl.load(ptrs, mask=ok_a, other=0.0)
+    if CHECK_A and CHECK_B:
+        x = tl.load(ptrs, mask=ok_a & ok_b, other=0.0)
+    elif CHECK_A:
+        x = tl.load(ptrs, mask=ok_a, other=0.0)
+    elif CHECK_B:
+        x = tl.load(ptrs, mask=ok_b, other=0.0)
     else:
-        if CHECK_B:
-            x = tl.load(ptrs, mask=ok_b, other=0.0)
-        else:
-            x = tl.load(ptrs)
+        x = tl.load(ptrs)
     return x
 
 
@@ -246,13 +241,12 @@ def _scores(qk, om, on, MASK, cap, slope, SC, BAND,
             MASKED: tl.constexpr, BANDED: tl.constexpr, MASK_KIND: tl.constexpr,
             SCORE: tl.constexpr):
     """Scores of a tile from q·k in base 2 (s·log2 e): scale, softcap, ALiBi, band and
-    attn_mask. ``om``/``on``
-    are the query/key indices broadcast to the tile's layout (either orientation); ``MASK =
-    (Mask, stride_mm, stride_mn)``, ``BAND = (N_Q, N_K, offset, left, right)`` in local
-    positions; ``SC`` / ``SCORE`` the pipeline's constants and flags (:func:`score_args`);
-    ``cap`` / ``slope`` this head's softcap and ALiBi slope. With softcap also returns
-    u = s_raw / c and t = tanh(u), which the backward needs (the bias, a constant, needs
-    nothing); u and t are of the natural-unit scores."""
+    attn_mask. ``om``/``on`` are the query/key indices broadcast to the tile's layout (either
+    orientation); ``MASK = (Mask, stride_mm, stride_mn)``, ``BAND = (N_Q, N_K, offset, left,
+    right)`` in local positions; ``SC`` / ``SCORE`` the pipeline's constants and flags
+    (:func:`score_args`); ``cap`` / ``slope`` this head's softcap and ALiBi slope. With
+    softcap also returns u = s_raw / c and t = tanh(u), which the backward needs (the bias,
+    a constant, needs nothing); u and t are of the natural-unit scores."""
     Mask, stride_mm, stride_mn = MASK
     N_Q, N_K, offset, left, right = BAND
     s = qk * SC[_SCALE2]
@@ -316,30 +310,23 @@ def _qk_scores(q, K, offs_m, offs_n, offs_n0, cap, slope, SC, KSTR, MASK, BAND,
 @triton.jit
 def _stage_range(STAGE: tl.constexpr, lo, a, b, hi):
     """Tile starts of stage 0 (masked edge), 1 (full middle) or 2 (masked edge)."""
-    s_lo = lo
-    s_hi = a
     if STAGE == 1:
-        s_lo = a
-        s_hi = b
-    if STAGE == 2:
-        s_lo = b
-        s_hi = hi
-    return s_lo, s_hi
+        return a, b
+    elif STAGE == 2:
+        return b, hi
+    else:
+        return lo, a
 
 
 # -- forward -------------------------------------------------------------------------------
 
 @triton.jit
 def _value_offset(VMax, v_log_scale, V_OFFSET: tl.constexpr):
-    """The forward's exponent offset ``c >= 0`` for one (sequence, kv head), returned in
-    base 2 (c·log2 e) for the row max it rides on.
-
-    ``acc = Σ p·v`` with ``p <= 1`` reaches ``N_K · max|v|``, past float32's largest value
-    when |v| is near it (float32, bfloat16). With ``c = log(max|v| · 2·N_K / fmax)``
-    (``v_log_scale = log(2·N_K / fmax)``) added to the running max, ``p = exp(s − (m + c))
-    <= e^-c`` and ``Σ p·|v| <= fmax / 2``; out = acc / l and lse = m + log l are unchanged.
-    0 where that bound is not positive (every ordinary call: then bit for bit the plain
-    steps), and for NaN / inf values; float16 (``V_OFFSET`` False) never needs it."""
+    """The forward's exponent offset ``c = log(max|v| · 2·N_K / fmax)`` (``v_log_scale =
+    log(2·N_K / fmax)``) for one (sequence, kv head), in base 2 (c·log2 e) for the row max
+    it rides on; 0 where not positive (every ordinary call: the plain steps bit for bit) and
+    for NaN / inf; float16 (``V_OFFSET`` False) never needs it. Why: docs/design.md, "Values
+    near the dtype's largest"."""
     c = 0.0
     if V_OFFSET:
         c = tl.log(tl.load(VMax).to(tl.float32)) + v_log_scale
@@ -467,15 +454,13 @@ def _dq_inner(dq, delta, psum, q, do, lse, K, V, lo, hi, offs_m, cap, slope, SC,
               SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
               DELTA_PASS: tl.constexpr):
     """The query-resident backward over key tiles [lo, hi): P recomputed from lse (base 2,
-    as the forward's Lse2) and
-    dP = dO Vᵀ (dropout-scaled), then either ``dq += dS K`` with dS = P ∘ (dP − Δ), ``delta``
-    holding each row's Δ, or, with ``DELTA_PASS``, ``delta += Σ_j p_ij dp_ij`` and
-    ``psum += Σ_j p_ij`` (``dq`` untouched). The two share one P and dP so that the Δ pass
-    sums exactly what dQ multiplies: Δ = rowsum(dO ∘ O) equals Σ P·dP only up to rounding,
-    and at a saturated row (one P ≈ 1) the exact dS is ~0 while the rounding gap, times
-    scale·K in dQ and scale·Q in dK, would be the whole gradient. The caller divides the
-    pass's sum by Σ P: at logits of 1e3 and up, P recomputed from one float32 lse is off by
-    a common factor of up to e^(ulp(lse)), which the quotient cancels."""
+    as the forward's Lse2) and dP = dO Vᵀ (dropout-scaled), then either ``dq += dS K`` with
+    dS = P ∘ (dP − Δ), ``delta`` holding each row's Δ, or, with ``DELTA_PASS``,
+    ``delta += Σ_j p_ij dp_ij`` and ``psum += Σ_j p_ij`` (``dq`` untouched). The two share
+    one P and dP so that the Δ pass sums exactly what dQ multiplies (docs/design.md,
+    "Saturated rows"). The caller divides the pass's sum by Σ P: at logits of 1e3 and up, P
+    recomputed from one float32 lse is off by a common factor of up to e^(ulp(lse)), which
+    the quotient cancels."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kT, s, u, t = _qk_scores(q, K, offs_m, offs_n, start_n, cap, slope, SC, KSTR, MASK, BAND,

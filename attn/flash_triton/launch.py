@@ -1,7 +1,5 @@
-"""The triton backend's launchers, custom ops, autograd.Function and public function (the three
-layers and the ops: docs/gpu.md, "How the kernels work"). The same launchers serve packed
-sequences: ``ops.cu_seqlens_q`` / ``_k`` set, q (total_q, H, D), k and v (total_k, Hkv, D /
-Dv), out (total_q, H, Dv), lse (H, total_q), the grid sized by ``spec.max_seqlen_q`` / ``_k``.
+"""The triton backend's launchers, custom ops, autograd.Function and public function, dense and
+packed alike (docs/gpu.md, "How the kernels work" and "The kernels' arguments").
 """
 
 from __future__ import annotations
@@ -73,9 +71,8 @@ def _strides(t: Tensor, varlen: bool) -> tuple[int, int, int, int]:
 
 @dataclass(frozen=True)
 class _Launch:
-    """One call's kernel inputs and the arguments its kernels share, derived once per call
-    (:func:`_launch_args`): the one place a dense or packed call's kernel arguments are
-    assembled."""
+    """One call's kernel inputs and the arguments its kernels share, dense or packed, derived
+    once per call by :func:`_launch_args`: the one place they are assembled."""
 
     q: Tensor  # in k's dtype (a temperature folded in float32: the kernels take one dtype)
     sinks: Tensor | None  # contiguous float32 (H,)
@@ -86,15 +83,10 @@ class _Launch:
     n_q: int  # the call's lengths (packed: the longest sequence's)
     n_k: int
     varlen: bool
-    # by name, what every kernel of the call takes alike (the split kernel too): q, k, v, the
-    # mask, softcap and slopes (q where absent: never read) with their strides, the shapes,
-    # the band, the score pipeline's bundles (SC, SCORE: kernels.score_args), the head dims
-    # (padded to powers of two inside the kernels, masked loads, not in memory), MASK_KIND
+    # by name, what every kernel of the call takes alike, the split kernel too (q in place of
+    # a tensor that is absent: never read; head dims padded to powers of two in the kernels)
     shared: dict
-    # ... and what the plain kernels (forward, dQ, dK/dV, jvp) take besides: the offsets (q
-    # where never read), dropout's seed and values (DR, in _drop_ctx's order) and the rest of
-    # their autotune key
-    plain: dict
+    plain: dict  # ... and what the plain kernels (forward, dQ, dK/dV, jvp) take besides
 
     def strides(self, t: Tensor) -> tuple[int, int, int, int]:
         return _strides(t, self.varlen)
@@ -514,10 +506,8 @@ _SCALARS = (bool, int, float)  # bool first: a bool is an int too
 def _field_kind(name: str, hint) -> tuple:
     """How one field travels: ``("scalar", type)``, ``("optional", type)`` (a presence flag
     among the ints, then the value), ``("struct", cls, kinds)`` for a NamedTuple or dataclass
-    of such fields (``Band``), ``("terms",)`` for :class:`attn.spec.ScoreTerms` (their count,
-    each name's UTF-8 bytes among the ints, the values among the floats), or ``("host",)``;
-    TypeError for anything else, so a new field of another kind fails at import instead of
-    being dropped."""
+    of such fields (``Band``), ``("terms",)`` or ``("host",)``; TypeError for anything else,
+    at import (docs/adding-a-variant.md, "The five places": the custom ops)."""
     if name in _HOST_ONLY:
         return ("host",)
     if hint is ScoreTerms:
@@ -619,10 +609,8 @@ _spec_kinds(LaunchSpec)  # a field of no known kind fails here, at import
 
 def _direct(*tensors: Tensor | None) -> bool:
     """Whether a launcher may be called as it is rather than through its custom op: an eager
-    call of plain tensors that nothing traces (torch.compile, make_fx or export,
-    torch.jit.trace, fake or functional tensors, a dispatch mode) and no torch.func
-    transform wraps. The op is there for those; in plain eager mode it runs the same
-    launcher and adds only its dispatch (host time per call: docs/gpu.md)."""
+    call of plain tensors that nothing traces or transforms (docs/gpu.md, "Host time per
+    call")."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or _transforms_on():
         return False
     if _get_current_dispatch_mode() is not None:
@@ -645,12 +633,9 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, sinks: Te
 
 
 @_fwd_op.register_fake
-def _(q, k, v, attn_mask, sinks, softcap, spec_ints, spec_floats, alibi=None):
-    B, H, Nq, _ = q.shape
-    return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
-            q.new_empty(B, H, Nq, dtype=torch.float32),
-            q.new_empty(B, H, Nq, dtype=torch.float32),
-            q.new_empty(B, H, Nq, dtype=torch.float32))
+def _fwd_fake(q, k, v, *rest):
+    return (q.new_empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype),
+            *(q.new_empty(q.shape[:-1], dtype=torch.float32) for _ in range(3)))
 
 
 @torch.library.custom_op("attn::flash_fwd_split", mutates_args=())
@@ -664,10 +649,8 @@ def _fwd_split_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
 
 
 @_fwd_split_op.register_fake
-def _(q, k, v, attn_mask, sinks, softcap, spec_ints, spec_floats, alibi, chunk):
-    B, H, Nq, _ = q.shape
-    return (q.new_empty(B, H, Nq, v.shape[-1], dtype=v.dtype),
-            q.new_empty(B, H, Nq, dtype=torch.float32))
+def _(q, k, v, *rest):
+    return _fwd_fake(q, k, v)[:2]  # out and lse
 
 
 @torch.library.custom_op("attn::flash_bwd", mutates_args=())
@@ -703,12 +686,11 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 @_bwd_op.register_fake
 def _(do, dlse, q, k, v, out, lse, attn_mask, sinks, softcap, spec_ints, spec_floats,
-      need_dcap, alibi=None, logl=None, lse2=None, cu_seqlens_q=None, cu_seqlens_k=None):
+      need_dcap, *rest):
     H = q.shape[1]
-    n_sinks = 0 if sinks is None else H
-    n_cap = H if need_dcap and softcap is not None else 0
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty(n_sinks, dtype=torch.float32), q.new_empty(n_cap, dtype=torch.float32))
+            q.new_empty(0 if sinks is None else H, dtype=torch.float32),
+            q.new_empty(H if need_dcap and softcap is not None else 0, dtype=torch.float32))
 
 
 def _bwd_op_vmap(info, in_dims, *args):
@@ -806,9 +788,7 @@ class _FlashAttention(torch.autograd.Function):
     get no gradient: attn.call refuses slopes that require one), ``ops`` the rest
     (cu_seqlens). Dense forwards run through the custom op (packed ones call the launcher:
     the forward op's fake shapes are dense); backward and forward-mode rules are ops for
-    both layouts, so functorch's wrappers come off before a launcher. torch.func: the vmap
-    rule folds the mapped dim into B or loops; :class:`_FlashAttentionJvp` adds the
-    forward-mode rule."""
+    both layouts, so functorch's wrappers come off before a launcher."""
 
     @staticmethod
     def forward(q, k, v, attn_mask, sinks, softcap, alibi, spec: LaunchSpec, ops: Operands,
@@ -903,10 +883,9 @@ class _FlashAttentionJvp(_FlashAttention):
 
 
 class _FlashAttentionEager(torch.autograd.Function):
-    """:class:`_FlashAttention` in autograd's original form (``forward(ctx, ...)``), for
-    calls under no transform: torch binds a Function in the functorch form to its forward's
-    signature (``inspect.signature``) on every apply, which this form does not need. The same
-    forward, saved tensors and backward."""
+    """:class:`_FlashAttention` in autograd's original form (``forward(ctx, ...)``), which
+    torch does not bind to its signature on every apply, for calls under no transform: the
+    same forward, saved tensors and backward (docs/gpu.md, "Host time per call")."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -929,8 +908,9 @@ def triton_attention(
     """Fused attention kernels, inputs already validated by ``attn.call``: the protocol of
     :func:`attn.tiled.tiled_attention` (q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk,
     Dv) → out (B, H, Nq, Dv) in v's dtype, lse (B, H, Nq) float32; ``spec`` static,
-    ``operands`` the optional tensors), but no score_mod. Packed sequences are the same
-    launchers (module docstring): out (total_q, H, Dv), lse (H, total_q).
+    ``operands`` the optional tensors), but no score_mod. Packed (``cu_seqlens_q`` / ``_k``
+    set, the grid sized by ``spec.max_seqlen_q`` / ``_k``): q (total_q, H, D), k and v
+    (total_k, Hkv, D / Dv) → out (total_q, H, Dv), lse (H, total_q).
 
     ``second(do, dlse, q, k, v, out, lse, spec, ops) -> (dq, dk, dv, dsinks)``: a backward
     whose gradients are differentiable (tiled's), run where one is asked for

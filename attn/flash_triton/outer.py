@@ -1,9 +1,6 @@
-"""The outer kernels: one program per (block, sequence·head), for the dense layout
-(B, H, N, D) and, with the ``VARLEN`` constexpr, packed sequences (total, H, D). Each owns
-its block's initialisation and epilogue and walks the other axis in at most three stages
-through the inner loops of :mod:`attn.flash_triton.kernels`; the layouts differ only in
-where a program's sequence starts and how long it is (:func:`_seq_info`). What the stride
-tuples (``QS``, ``KS``, ...) and the bundles (``DR``, ``SC``, ``SCORE``) hold: docs/gpu.md,
+"""The outer kernels: one program per (block, sequence·head), dense (B, H, N, D) or, with
+``VARLEN``, packed (total, H, D) (:func:`_seq_info`: all that differs), each owning its
+block's initialisation and epilogue. Their layouts, stride tuples and bundles: docs/gpu.md,
 "The kernels' arguments".
 """
 
@@ -303,10 +300,9 @@ def _attn_jvp(Q, K, V, Out, Lse, DQ, DK, DV, DOut, DLse, Mask, DMask, Softcap, D
               SCORE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
               VARLEN: tl.constexpr, TAN: tl.constexpr, HAS_SINKS: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tangents (ȯ, lsė) of one query block's (out, lse), in one pass over its key tiles
-    from the forward's out and base-2 lse (``Lse``: Lse2): with p_j = exp(s_j − lse),
-    ȯ = Σ_j p_j z_j (ṡ_j − b) v_j + Σ_j p_j z_j v̇_j = A − b·o and lsė = b = Σ_j p_j ṡ_j
-    (:func:`_jvp_inner` accumulates A and b). ``DQ``, ``DK``, ``DV``, ``DMask`` the
+    """The tangents (ȯ, lsė) = (A − b·o, b) of one query block's (out, lse), in one pass over
+    its key tiles from the forward's out and base-2 lse (``Lse``: Lse2; :func:`_jvp_inner`
+    accumulates A and b, docs/gpu.md, "How the kernels work"). ``DQ``, ``DK``, ``DV``, ``DMask`` the
     tangents of q, k, v and a float mask (``TAN``: which are given; strides ``TQS``, ``TKS``,
     ``TVS``, ``DMS``), ``DCap`` the softcap's per head, ``DAlibi`` the slopes' (strides
     ``DAS``), ``DSinks`` the sinks'; ``DOut`` (strides ``GS``) in out's dtype, ``DLse``

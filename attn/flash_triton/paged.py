@@ -1,15 +1,10 @@
-"""Attention from a paged KV cache, the pages read through the block table in the kernel.
-
-Split-KV's grid and combine (:mod:`attn.flash_triton.split`) with another key-tile load:
-each key's page id comes from ``Table[b, t // page_size]`` (:func:`_page_slots`), its slot is
-``t % page_size``, and every load of the table, keys and values (:func:`_load_page_tile`) is
-masked past the row's own length ``N_b``, from whose end its band and ALiBi count. A
-quantized cache (``QUANT`` 1 int8, 2 int4, 3 fp8 e4m3; 0 compiles none of it) loads through
-:func:`_load_quant_tile`: the codes at the same addresses, their fp16 scales at ``page · s0 +
-slot · s1 + head · s2 + (d // GROUP) · s3`` (per channel ``s1 = 0``, per kv head ``s0 = s1 =
-0``), ``code · scale`` in float32, and keys of pages ``>= recent_from_b`` from the recent
-ring. ``_value_offset`` is taken per key tile from the tile's own values. Why each of these,
-the formats and the tests: docs/kvcache.md, "How CUDA reads the pages".
+"""Attention from a paged KV cache: split-KV's grid and combine (:mod:`attn.flash_triton.split`)
+with each key tile loaded through its row's page table (:func:`_page_slots`,
+:func:`_load_page_tile`), masked past the row's own length ``N_b``. A quantized cache
+(``QUANT`` 1 int8, 2 int4, 3 fp8 e4m3; 0 compiles none of it) is dequantized after the load
+(:func:`_load_quant_tile`), its fp16 scales at ``page · s0 + slot · s1 + head · s2 + (d //
+GROUP) · s3`` (per channel ``s1 = 0``, per kv head ``s0 = s1 = 0``). How, why and the tests:
+docs/kvcache.md, "How CUDA reads the pages".
 """
 
 from __future__ import annotations

@@ -57,7 +57,9 @@ def _prune(configs: list[triton.Config], named_args: dict, *, kind: str,
         return kept
     key = tuned_key(kind, args, arch)
     LAST_KEYS[kind] = key
-    return _tabled(kept, key) or kept
+    # the table's config when pruning keeps it (the rules may have changed since it was measured)
+    row = tuned_table().get(key)
+    return [c for c in kept if row is not None and config_fields(c) == row["config"]][:1] or kept
 
 
 # -- the measured table: the best config per launch key, from `attn gpu-check`'s tune stage --
@@ -106,15 +108,6 @@ def config_fields(c: triton.Config) -> dict:
     """A config as the table stores it."""
     return {"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_N": c.kwargs["BLOCK_N"],
             "num_warps": c.num_warps, "num_stages": c.num_stages}
-
-
-def _tabled(kept: list[triton.Config], key: str) -> list[triton.Config] | None:
-    """[the table's config for ``key``] when pruning kept it (the rules may have changed
-    since it was measured), else None."""
-    row = tuned_table().get(key)
-    if row is None:
-        return None
-    return next(([c] for c in kept if config_fields(c) == row["config"]), None)
 
 
 def autotune_off() -> bool:
@@ -173,28 +166,12 @@ _HEAVY_DKDV_MAX_TILE = 32 * 128 * 64
 _TRITON_36 = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
 
 
-def _wide_dkdv_tile(c: triton.Config) -> bool:
-    """dK/dV's 64 x 128, 8-warp tiles with 2 or 3 stages: under 1 KiB of spills only as
-    triton 3.6 (the GPU image's) builds them for sm_90 at D = 128 (wgmma n64), so only
-    dense plain or banded launches there keep them (:func:`prune_for`)."""
-    return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) == (64, 128, 8) \
-        and c.num_stages <= 3
-
-
-def _heavy_scores(args: dict) -> bool:
-    """A launch whose scores carry dropout, a softcap or an attn_mask."""
-    score = args.get("SCORE") or ()
-    # (SCORE[0]: the softcap flag, kernels._SOFTCAP)
-    return bool(args.get("HAS_DROPOUT") or args.get("MASK_KIND") or (score and score[0]))
-
-
 def _spills_heavily(kind: str, c: triton.Config, d: int) -> bool:
     """Configs that ptxas spills more than ~1 KiB of registers per thread for, on sm_90 and
     sm_80 alike (255 registers each): 4 warps holding a 128 x D (>= 128) accumulator in the
     query-resident kernels or a 64 x 128 one in dK/dV, and dK/dV tiles with
-    BLOCK_M·BLOCK_N·D past 64·64·128 (at that size, deep pipelines). Measured with
-    ``attn bench compile`` (benchmarks/results/compile-sm90); the slow compile test builds
-    every config this keeps."""
+    BLOCK_M·BLOCK_N·D past 64·64·128 (at that size, deep pipelines); the slow compile test
+    builds every config this keeps."""
     bm, bn, w, s = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
     if kind in ("fwd", "dq", "jvp"):
         return w == 4 and bm * d >= 128 * 128
@@ -209,10 +186,6 @@ _FP32_MAX_TILE = {"fwd": 64 * 32 * 64, "dq": 64 * 16 * 128, "dkdv": 16 * 64 * 12
                   "jvp": 16 * 16 * 128}
 
 
-def _fp32_spills(kind: str, c: triton.Config, d: int) -> bool:
-    return c.num_warps < 8 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * d > _FP32_MAX_TILE[kind]
-
-
 def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int | None
               ) -> list[triton.Config]:
     """The autotune configs worth timing for a ``kind`` ("fwd", "dkdv", "dq", "jvp") launch with
@@ -223,9 +196,13 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
     the smallest 8-warp tiles."""
     n, d = args["TUNE_N"], max(args["BLOCK_D"], args["BLOCK_DV"])
     smem = None if arch is None else _SMEM_BYTES.get(arch, 99 * 1024)
-    heavy = _heavy_scores(args)
+    # scores carrying dropout, a softcap (SCORE[0], kernels._SOFTCAP) or an attn_mask
+    score = args.get("SCORE") or ()
+    heavy = bool(args.get("HAS_DROPOUT") or args.get("MASK_KIND") or (score and score[0]))
     fp32 = getattr(args.get("Q"), "dtype", None) == torch.float32
-    # dK/dV's 64 x 128 tiles at D = 128 (wgmma n64 where the kept 32 x 128 runs n32)
+    # dK/dV's 64 x 128, 8-warp tiles with 2 or 3 stages (wgmma n64 where the kept 32 x 128
+    # runs n32): under 1 KiB of spills only as triton 3.6 (the GPU image's) builds them for
+    # sm_90 at D = 128, so only dense plain or banded launches there keep them
     wide_dkdv = (kind == "dkdv" and _TRITON_36 and arch == 90 and d == 128 and not heavy
                  and not args.get("VARLEN"))
     kept = []
@@ -237,7 +214,8 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
             continue  # 32 x 32 serves float32 only (its 64 x 32 forward spills)
         if smem is not None and smem_estimate(kind, c, args) > smem:
             continue
-        if _spills_heavily(kind, c, d) and not (wide_dkdv and _wide_dkdv_tile(c)):
+        wide_tile = wide_dkdv and (bm, bn, c.num_warps) == (64, 128, 8) and c.num_stages <= 3
+        if _spills_heavily(kind, c, d) and not wide_tile:
             continue
         if kind == "dkdv" and heavy and (bm * bn * d > _HEAVY_DKDV_MAX_TILE
                                          or c.num_stages > 3):
@@ -255,7 +233,8 @@ def prune_for(configs: list[triton.Config], args: dict, *, kind: str, arch: int 
             continue
         kept.append(c)
     if fp32:
-        small = [c for c in kept if not _fp32_spills(kind, c, d)]
+        small = [c for c in kept if c.num_warps >= 8 and c.kwargs["BLOCK_M"]
+                 * c.kwargs["BLOCK_N"] * d <= _FP32_MAX_TILE[kind]]
         if not small:
             wide = [c for c in kept if c.num_warps >= 8] or kept
             least = min((c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in wide), default=0)
