@@ -96,15 +96,13 @@ def detect_style(fn: Callable) -> tuple[str, str]:
         return "attn", ("attn, by default: its signature cannot be read (give --style if it "
                         "is torch-, flash- or hf-style)")
     names = list(params)
-    for style, marks in (("hf", ("attention_mask", "scaling")),
-                         ("flash", ("softmax_scale", "window_size", "return_attn_probs")),
-                         ("torch", ("is_causal", "enable_gqa")),
-                         ("attn", ("causal", "return_lse", "window", "sinks", "softcap"))):
+    styles = (("flash", ("softmax_scale", "window_size", "return_attn_probs")),
+              ("torch", ("is_causal", "enable_gqa")),
+              ("attn", ("causal", "return_lse", "window", "sinks", "softcap")))
+    if names[:1] == ["module"] and "attention_mask" in params:  # HF's interface signature
+        styles = (("hf", ("module", "attention_mask", "scaling")),)
+    for style, marks in styles:
         found = [m for m in marks if m in params]
-        if style == "hf" and names and names[0] == "module" and "attention_mask" in params:
-            found = ["module", *found]
-        elif style == "hf":
-            continue
         if found:
             return style, (f"{style}, from its signature (parameters "
                            f"{', '.join(repr(f) for f in found)})")
