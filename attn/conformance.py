@@ -84,8 +84,7 @@ class CheckResult:
                  f"{self.dtype} on {self.device}", "",
                  f"{'case':<{width}}result"]
         lines += [f"{r.case:<{width}}{r.text()}" for r in shown]
-        for reason, (cases, keywords) in _unsupported_groups(self.rows).items():
-            head, why = reason
+        for (head, why), (cases, keywords) in _unsupported_groups(self.rows).items():
             what = f"{head} {', '.join(keywords)}{why}" if keywords else head
             lines.append(f"{'not supported':<{width}}{len(cases)} case"
                          f"{'s' if len(cases) > 1 else ''} ({', '.join(cases)}): {what}")

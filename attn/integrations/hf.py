@@ -108,10 +108,8 @@ class _RecentMasks:
         self._entries: list[tuple[tuple, weakref.ref, _Plan]] = []
 
     def get(self, mask: Tensor, key: tuple) -> _Plan | None:
-        for k, ref, plan in self._entries:
-            if k == (id(mask), mask._version, *key) and ref() is mask:
-                return plan
-        return None
+        want = (id(mask), mask._version, *key)
+        return next((plan for k, ref, plan in self._entries if k == want and ref() is mask), None)
 
     def put(self, mask: Tensor, key: tuple, plan: _Plan) -> None:
         self._entries = [e for e in self._entries if e[1]() is not None][-(self.size - 1):]
