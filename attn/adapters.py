@@ -96,15 +96,13 @@ def detect_style(fn: Callable) -> tuple[str, str]:
         return "attn", ("attn, by default: its signature cannot be read (give --style if it "
                         "is torch-, flash- or hf-style)")
     names = list(params)
-    for style, marks in (("hf", ("attention_mask", "scaling")),
-                         ("flash", ("softmax_scale", "window_size", "return_attn_probs")),
-                         ("torch", ("is_causal", "enable_gqa")),
-                         ("attn", ("causal", "return_lse", "window", "sinks", "softcap"))):
+    styles = (("flash", ("softmax_scale", "window_size", "return_attn_probs")),
+              ("torch", ("is_causal", "enable_gqa")),
+              ("attn", ("causal", "return_lse", "window", "sinks", "softcap")))
+    if names[:1] == ["module"] and "attention_mask" in params:  # HF's interface signature
+        styles = (("hf", ("module", "attention_mask", "scaling")),)
+    for style, marks in styles:
         found = [m for m in marks if m in params]
-        if style == "hf" and names and names[0] == "module" and "attention_mask" in params:
-            found = ["module", *found]
-        elif style == "hf":
-            continue
         if found:
             return style, (f"{style}, from its signature (parameters "
                            f"{', '.join(repr(f) for f in found)})")
@@ -189,24 +187,21 @@ class Adapted:
         return self.fn(self._flip(q), self._flip(k), self._flip(v), **args)
 
     def _out_lse(self, res, q: Tensor, asked: str, shape: str) -> tuple[Tensor, Tensor]:
-        """``(out, lse)`` from what ``fn`` returned when ``asked`` for its lse."""
+        """``(out, lse)`` from what ``fn`` returned when ``asked`` for its lse, lse (B, H, Nq)
+        in attn's convention; (B, Nq, H) is accepted in bnhd layout."""
         if not (isinstance(res, (tuple, list)) and len(res) >= 2):
             raise self._refuse("return_lse=True", f"called with {asked}, it returned "
                                f"{type(res).__name__}, not {shape}")
-        return self._flip(res[0]), self._lse(res[1], q)
+        out, lse, (B, H, Nq) = self._flip(res[0]), res[1], q.shape[:3]
+        if self.layout == "bnhd" and tuple(lse.shape) == (B, Nq, H) and (Nq != H):
+            lse = lse.transpose(1, 2)
+        return out, lse
 
     def _call_attn(self, q, k, v, **kw):
         res = self._call(q, k, v, {n: val for n, val in kw.items() if not _is_default(n, val)})
         if not kw["return_lse"]:
             return self._flip(_first(res))
         return self._out_lse(res, q, "it", "(out, lse)")
-
-    def _lse(self, lse: Tensor, q: Tensor) -> Tensor:
-        """lse as (B, H, Nq) in attn's convention; (B, Nq, H) is accepted in bnhd layout."""
-        B, H, Nq = q.shape[:3]
-        if self.layout == "bnhd" and tuple(lse.shape) == (B, Nq, H) and (Nq != H):
-            lse = lse.transpose(1, 2)
-        return lse
 
     def _call_torch(self, q, k, v, **kw):
         self._only(kw, ("causal", "attn_mask", "scale", "temperature", "dropout_p"), {

@@ -12,6 +12,7 @@ import re
 import traceback
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from itertools import groupby
 from typing import Callable
 
 import torch
@@ -83,8 +84,7 @@ class CheckResult:
                  f"{self.dtype} on {self.device}", "",
                  f"{'case':<{width}}result"]
         lines += [f"{r.case:<{width}}{r.text()}" for r in shown]
-        for reason, (cases, keywords) in _unsupported_groups(self.rows).items():
-            head, why = reason
+        for (head, why), (cases, keywords) in _unsupported_groups(self.rows).items():
             what = f"{head} {', '.join(keywords)}{why}" if keywords else head
             lines.append(f"{'not supported':<{width}}{len(cases)} case"
                          f"{'s' if len(cases) > 1 else ''} ({', '.join(cases)}): {what}")
@@ -241,13 +241,9 @@ def _fits(got: Tensor, want: Tensor, tol: float, err_ref: float) -> bool:
 def _ranges(idx: list[int], n: int) -> str:
     if len(idx) == n:
         return f"all {n}"
-    spans, start = [], None
-    for i, x in enumerate(idx):
-        if start is None:
-            start = x
-        if i + 1 == len(idx) or idx[i + 1] != x + 1:
-            spans.append(str(start) if start == x else f"{start}-{x}")
-            start = None
+    # idx ascends: a run of consecutive indices keeps x - i constant
+    runs = [[x for _, x in run] for _, run in groupby(enumerate(idx), lambda p: p[1] - p[0])]
+    spans = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
     return f"{', '.join(spans[:8])}{' ...' if len(spans) > 8 else ''} of {n}"
 
 
@@ -256,8 +252,7 @@ def where(bad: Tensor) -> str:
     tensor hold errors."""
     parts = []
     for dim, label in ((0, "batch"), (1, "heads"), (2, "query rows"), (3, "output columns")):
-        others = [d for d in range(4) if d != dim]
-        hit = bad.any(dim=others[2]).any(dim=others[1]).any(dim=others[0])
+        hit = bad.any(dim=tuple(d for d in range(4) if d != dim))
         parts.append(f"{label} {_ranges(hit.nonzero().flatten().tolist(), bad.shape[dim])}")
     return "; ".join(parts)
 

@@ -81,8 +81,7 @@ def install_flash_attn(force: bool = False) -> bool:
     ``_NAMES``). True when the shim is in place (also when it already was); False, doing
     nothing, when a real flash-attn is importable, unless ``force=True`` (replaced for this
     process; :func:`uninstall_flash_attn` puts it back)."""
-    present = sys.modules.get("flash_attn")
-    if present is not None and getattr(present, _SHIM, False):
+    if getattr(sys.modules.get("flash_attn"), _SHIM, False):
         return True
     if not force and _real_flash_attn_importable():
         return False
@@ -101,8 +100,7 @@ def install_flash_attn(force: bool = False) -> bool:
 def uninstall_flash_attn() -> bool:
     """Remove the shim from ``sys.modules`` and restore what it replaced; False if it was
     not installed. Code that imported names from it keeps them."""
-    present = sys.modules.get("flash_attn")
-    if present is None or not getattr(present, _SHIM, False):
+    if not getattr(sys.modules.get("flash_attn"), _SHIM, False):
         return False
     for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
         del sys.modules[name]

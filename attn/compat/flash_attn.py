@@ -120,14 +120,10 @@ def _int_like(x: object) -> int | None:
 def _window(window_size: object) -> tuple[int, int]:
     """A pair of integer-likes: a tuple or list of two, or a two-element integer tensor or
     array (flash-attn's own tests pass ``torch.randint(0, seqlen_k, (2,))``)."""
-    items = None
-    if isinstance(window_size, (Tensor, np.ndarray)):
-        if window_size.ndim <= 1 and window_size.shape[-1:] == (2,):
-            items = list(window_size)
-    elif isinstance(window_size, (tuple, list)) and len(window_size) == 2:
-        items = list(window_size)
-    pair = None if items is None else [_int_like(w) for w in items]
-    if pair is None or None in pair:
+    two = (tuple(window_size.shape) == (2,) if isinstance(window_size, (Tensor, np.ndarray))
+           else isinstance(window_size, (tuple, list)) and len(window_size) == 2)
+    pair = [_int_like(w) for w in window_size] if two else [None]
+    if None in pair:
         raise FlashAttnError(f"window_size must be a pair of ints (left, right), -1 for "
                              f"unbounded, got {window_size!r}")
     return pair[0], pair[1]
@@ -200,9 +196,14 @@ def _fa_lse(lse: Tensor, alibi_slopes: Tensor | None, pure_causal: bool,
 
 # -- (B, N, H, D) --------------------------------------------------------------------------
 
-def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal, window_size,
-           softcap, alibi_slopes) -> tuple[Tensor, Tensor]:
-    """out (B, Nq, H, Dv) and flash-attn's lse (B, H, Nq) of (B, N, H, D) inputs."""
+def _dense(q: Tensor, k: Tensor, v: Tensor, dropout_p, softmax_scale, causal, window_size,
+           softcap, alibi_slopes, return_attn_probs, names: tuple[str, str, str] = ("q", "k", "v"),
+           given: dict[str, Tensor] | None = None):
+    """The body of the three (B, N, H, D) functions, their arguments in their order: out
+    (B, Nq, H, Dv), with ``return_attn_probs`` ``(out, lse (B, H, Nq), S)``, S empty
+    (docs/flash-attn.md); ``names`` / ``given``: the caller's arguments, as in
+    :func:`_check_qkv`."""
+    _check_qkv(q, k, v, names, given, batch=True)
     B, Nq, H, _ = q.shape
     Nk = k.shape[1]
     _check_alibi(alibi_slopes, B, H)
@@ -214,17 +215,13 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, *, dropout_p, softmax_scale, causal,
                              return_lse=True, **_variants(softmax_scale, softcap, alibi_slopes))
     row_offset = torch.arange(Nq, device=q.device) + (Nk - Nq)  # each row's i + Nk − Nq
     lse = _fa_lse(lse, _slopes(alibi_slopes, H), pure_causal, row_offset)
-    return out.transpose(1, 2).contiguous(), lse  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
+    out = out.transpose(1, 2).contiguous()  # (B, H, Nq, Dv) -> (B, Nq, H, Dv)
+    return (out, lse, q.new_empty(0)) if return_attn_probs else out  # S empty
 
 
 def _slopes(alibi_slopes: Tensor | None, H: int) -> Tensor | None:
     """(H,) or (B, H) slopes shaped (1 or B, H, 1) to broadcast against lse (B, H, Nq)."""
     return None if alibi_slopes is None else alibi_slopes.reshape(-1, H, 1)
-
-
-def _returns(out: Tensor, lse: Tensor, q: Tensor, return_attn_probs: bool):
-    """out, or with ``return_attn_probs`` ``(out, lse, S)``, S empty (docs/flash-attn.md)."""
-    return (out, lse, q.new_empty(0)) if return_attn_probs else out
 
 
 def flash_attn_qkvpacked_func(
@@ -244,10 +241,8 @@ def flash_attn_qkvpacked_func(
     :func:`flash_attn_func` for the keywords.
     """
     q, k, v = _unbind_packed("qkv", qkv, "(batch_size, seqlen, 3, nheads, headdim)")
-    _check_qkv(q, k, v, ("qkv",) * 3, {"qkv": qkv}, batch=True)
-    out, lse = _dense(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    return _returns(out, lse, q, return_attn_probs)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  return_attn_probs, ("qkv",) * 3, {"qkv": qkv})
 
 
 def flash_attn_kvpacked_func(
@@ -267,10 +262,8 @@ def flash_attn_kvpacked_func(
     """
     _tensor("q", q, 4, "(batch_size, seqlen, nheads, headdim)")
     k, v = _unbind_packed("kv", kv, "(batch_size, seqlen, 2, nheads_k, headdim)")
-    _check_qkv(q, k, v, ("q", "kv", "kv"), {"q": q, "kv": kv}, batch=True)
-    out, lse = _dense(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    return _returns(out, lse, q, return_attn_probs)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  return_attn_probs, ("q", "kv", "kv"), {"q": q, "kv": kv})
 
 
 def flash_attn_func(
@@ -305,10 +298,8 @@ def flash_attn_func(
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor(name, t, 4, "(batch_size, seqlen, nheads, headdim)")
-    _check_qkv(q, k, v, batch=True)
-    out, lse = _dense(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    return _returns(out, lse, q, return_attn_probs)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  return_attn_probs)
 
 
 # -- packed sequences ------------------------------------------------------------------------
@@ -334,12 +325,13 @@ def _check_block_table(block_table: object, B: int, k_cache: Tensor,
             "block_table")
 
 
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p,
-            softmax_scale, causal, window_size, softcap, alibi_slopes, block_table=None,
-            names: tuple[str, str, str] = ("q", "k", "v"),
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+            block_table=None, names: tuple[str, str, str] = ("q", "k", "v"),
             given: dict[str, Tensor] | None = None,
             max_names: tuple[str, str] = ("max_seqlen_q", "max_seqlen_k")):
-    """out (total_q, H, Dv) and flash-attn's lse (H, total_q) of packed inputs; ``names`` /
+    """The body of the three packed functions, their arguments in their order: out
+    (total_q, H, Dv), with ``return_attn_probs`` ``(out, lse (H, total_q), S)``; ``names`` /
     ``given`` / ``max_names``: the caller's arguments, as in :func:`_check_qkv`."""
     for name, n in zip(max_names, (max_seqlen_q, max_seqlen_k)):
         if n is not None and _int_like(n) is None:
@@ -394,7 +386,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, 
     if used_q < total_q:  # a padded buffer: its tail sees no key
         out = torch.cat([out, out.new_zeros(total_q - used_q, *out.shape[1:])])
         lse = torch.cat([lse, lse.new_full((H, total_q - used_q), float("inf"))], dim=1)
-    return out, lse
+    return (out, lse, q.new_empty(0)) if return_attn_probs else out  # S empty
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -413,12 +405,9 @@ def flash_attn_varlen_qkvpacked_func(
     """Packed sequences, qkv ``(total, 3, H, D)`` → out ``(total, H, D)``; gradients flow to
     qkv. See :func:`flash_attn_varlen_func`."""
     q, k, v = _unbind_packed("qkv", qkv, "(total, 3, nheads, headdim)")
-    out, lse = _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                       dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                       names=("qkv",) * 3, given={"qkv": qkv},
-                       max_names=("max_seqlen", "max_seqlen"))
-    return _returns(out, lse, q, return_attn_probs)
+    return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                   names=("qkv",) * 3, given={"qkv": qkv}, max_names=("max_seqlen",) * 2)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -440,11 +429,9 @@ def flash_attn_varlen_kvpacked_func(
     """Packed sequences, q ``(total_q, H, D)``, kv ``(total_k, 2, Hkv, D)`` → out
     ``(total_q, H, D)``; gradients flow to q and kv. See :func:`flash_attn_varlen_func`."""
     k, v = _unbind_packed("kv", kv, "(total_k, 2, nheads_k, headdim)")
-    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                       names=("q", "kv", "kv"), given={"q": q, "kv": kv})
-    return _returns(out, lse, q, return_attn_probs)
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                   names=("q", "kv", "kv"), given={"q": q, "kv": kv})
 
 
 def flash_attn_varlen_func(
@@ -477,11 +464,9 @@ def flash_attn_varlen_func(
     ``(H,)`` or ``(B, H)``. With ``return_attn_probs``: ``(out, softmax_lse (H, total_q), S)``,
     S empty. ``max_seqlen_k`` is the ``seqlen_k`` of the window rule (module docstring).
     """
-    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                       block_table=block_table)
-    return _returns(out, lse, q, return_attn_probs)
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                   block_table)
 
 
 # -- the KV cache ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import functools
 import inspect
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -35,7 +35,8 @@ import attn
 from attn.api import BACKENDS
 from attn.kvcache import PagedKVCache
 from attn.kvquant import KVQuant
-from attn.masks import dense_keep, hf_sliding_window, make_band, split_band_padding
+from attn.masks import (dense_keep, hf_sliding_window, make_band, module_window,
+                        split_band_padding)
 from attn.varlen import check_cu_form, check_cu_values
 
 _log = logging.getLogger(__name__)
@@ -107,10 +108,8 @@ class _RecentMasks:
         self._entries: list[tuple[tuple, weakref.ref, _Plan]] = []
 
     def get(self, mask: Tensor, key: tuple) -> _Plan | None:
-        for k, ref, plan in self._entries:
-            if k == (id(mask), mask._version, *key) and ref() is mask:
-                return plan
-        return None
+        want = (id(mask), mask._version, *key)
+        return next((plan for k, ref, plan in self._entries if k == want and ref() is mask), None)
 
     def put(self, mask: Tensor, key: tuple, plan: _Plan) -> None:
         self._entries = [e for e in self._entries if e[1]() is not None][-(self.size - 1):]
@@ -192,9 +191,8 @@ def _packed_plan(plan: _Plan, n_q: int, n_k: int, batch: int, cu_seq_lens_q, cu_
                       for name, cu, n in zip(("cu_seq_lens_q", "cu_seq_lens_k"), given, (n_q, n_k)))
     else:
         cu_q = cu_k = _packed_cu_seqlens(position_ids, n_q)
-    packed = plan  # one sequence: nothing to keep apart
-    if cu_q is not None:
-        packed = _Plan(plan.causal, plan.window, plan.attn_mask, (cu_q.to(device), cu_k.to(device)))
+    packed = plan if cu_q is None else replace(  # None: one sequence, nothing to keep apart
+        plan, cu_seqlens=(cu_q.to(device), cu_k.to(device)))
     if cacheable:
         _recent.put(anchor, key, packed)
     return packed
@@ -572,16 +570,6 @@ def _warn_unread(module: torch.nn.Module, kwargs: dict) -> None:
                    f"{type(module).__name__}; check that this model does not need it")
 
 
-def _window(sliding_window: int | None, causal: bool) -> tuple[int, int] | None:
-    """HF's sliding_window as attn's window: (W - 1, 0), symmetric when not causal."""
-    if sliding_window is None:
-        return None
-    window = hf_sliding_window(sliding_window)  # (W - 1, 0)
-    if not causal:  # encoders (ModernBERT): HF's bidirectional windows are symmetric
-        window = (window[0], window[0])
-    return window
-
-
 def _with_bias(mask: Tensor | None, position_bias: Tensor | None, dtype: torch.dtype
                ) -> Tensor | None:
     """The plan's mask with a position_bias added (a bool mask's hidden keys -inf), a float
@@ -615,7 +603,10 @@ def _attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     B, H, Nq, _ = query.shape
     Nk = key.shape[2]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    window = _window(sliding_window, causal)
+    # HF's sliding_window W as (W - 1, 0); not causal (encoders such as ModernBERT), HF's
+    # bidirectional windows are symmetric: (W - 1, W - 1)
+    window = None if sliding_window is None else module_window(
+        hf_sliding_window(sliding_window)[0], causal=causal)
     dropout_p = float(dropout) if module.training else 0.0
     if isinstance(key, _CachedKV):
         return _quantized_cache_attention(
