@@ -49,19 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in a checkout), keeping for each cell the run where fused did worse")
 
 
-def _inputs(shape, dtype: torch.dtype):
-    B, H, Hkv, Nq, Nk, D, causal, masked, backward = shape
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, h, n, D, generator=g).to(dtype).requires_grad_(backward)
-               for h, n in ((H, Nq), (Hkv, Nk), (Hkv, Nk)))
-    mask = None
-    if masked:  # an arbitrary bool mask (key padding alone is a cut of the keys: dense)
-        mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.2
-    return q, k, v, mask, causal, backward
-
-
 def measure(cls: str, dtype: str, rounds: int) -> dict:
-    q, k, v, mask, causal, backward = _inputs(SHAPES[cls], getattr(torch, dtype))
+    B, H, Hkv, Nq, Nk, D, causal, masked, backward = SHAPES[cls]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, h, n, D, generator=g).to(getattr(torch, dtype))
+               .requires_grad_(backward) for h, n in ((H, Nq), (Hkv, Nk), (Hkv, Nk)))
+    # an arbitrary bool mask (key padding alone is a cut of the keys: dense)
+    mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.2 if masked else None
     kw = {"attn_mask": mask, **sdpa_kwargs(q, k, causal)}  # a causal band replaces the mask
     sdpa = step(lambda: torch_sdpa(q, k, v, **kw), backward)
     ours = {name: step(lambda name=name: attn.attention(q, k, v, causal=causal,
@@ -89,9 +83,8 @@ def _merge_into(table_path: Path, kind: str, cpu: str, rows: list[dict], margin:
     entry["cpu"] = cpu
     for r in rows:
         cell = entry["entries"].setdefault(r["dtype"], {}).get(r["class"])
-        ratio = r["fused_over_tiled"]
-        if cell is not None:  # keep the run where fused did worse
-            ratio = max(ratio, cell["ratio"])
+        ratio = r["fused_over_tiled"]  # or the earlier run's, where fused did worse there
+        ratio = ratio if cell is None else max(ratio, cell["ratio"])
         entry["entries"][r["dtype"]][r["class"]] = {
             "backend": "fused" if ratio <= margin else "tiled", "ratio": round(ratio, 3),
             **({"busy": True} if busy or (cell or {}).get("busy") else {})}

@@ -1,8 +1,7 @@
 """Ahead-of-time compiles of the Triton kernels for named GPU archs, on a machine without a GPU
 (docs/gpu.md, "Built for GPUs, checked without one": the method and what a :class:`Build`
-reports). The launches are the launchers' own, recorded from ``triton_attention`` on CPU
-tensors (no list of parameter names to keep in sync with the kernels), specialized by
-triton's binder and built by ``triton.compile`` as the JIT would build them at run time.
+reports). The launches are recorded from the launchers on CPU tensors, so there is no list of
+parameter names to keep in sync with the kernels.
 
 Must run in a process where the triton backend is *not* in interpreter mode
 (``TRITON_INTERPRET`` unset before ``attn.flash_triton`` is imported).
@@ -242,10 +241,8 @@ def _specialize(launch: Launch, cfg, target):
     from triton.runtime.jit import create_function_from_signature
 
     fn = launch.jit_fn
-    kwargs = dict(launch.kwargs)
-    kwargs.update(cfg.kwargs)
-    kwargs["num_warps"] = cfg.num_warps
-    kwargs["num_stages"] = cfg.num_stages
+    kwargs = {**launch.kwargs, **cfg.kwargs, "num_warps": cfg.num_warps,
+              "num_stages": cfg.num_stages}
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
@@ -363,10 +360,8 @@ def compile_launch(launch: Launch, cfg, *, arch: int, variant: str = "?",
 def largest(configs: list) -> Any:
     """The config with the largest tiles, then the most stages and warps: the one most
     likely to outgrow shared memory or registers."""
-    def size(c):
-        return (c.kwargs.get("BLOCK_M", 0) * c.kwargs.get("BLOCK_N", 0), c.num_stages,
-                c.num_warps)
-    return max(configs, key=size)
+    return max(configs, key=lambda c: (c.kwargs.get("BLOCK_M", 0) * c.kwargs.get("BLOCK_N", 0),
+                                       c.num_stages, c.num_warps))
 
 
 def sweep(*, archs=ARCHS, head_dims=(64, 128, 256), variants=VARIANTS,

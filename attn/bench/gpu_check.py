@@ -1,15 +1,8 @@
 """``attn gpu-check``: one command that checks every GPU claim of attn in one run of at most
-8 minutes (a GPU is lent for 15 minutes in all, its start included), and writes a flat folder
-of at most eight files.
-
-    attn gpu-check --out gpu                                  # on the GPU machine: one run
-    attn gpu-check --out gpu-tests --stages env correctness   # the full CUDA pytest, apart
-    attn gpu-check --merge gpu gpu-tests --out joined         # anywhere, afterwards
-    attn gpu-check --dry-run --out /tmp/gpu-dry               # on CPU: every stage, tiny
-
-Each stage runs in its own process (:mod:`attn.bench.gpu_stages`) under a time box, its
-share by :data:`WEIGHTS` of what is left of ``--budget-min``; docs/gpu.md lists the stages,
-their boxes, statuses and files (:mod:`attn.bench.gpu_record`).
+8 minutes and writes a flat folder of at most eight files; docs/gpu.md, "On a GPU machine":
+its commands (a run, ``--stages``, ``--merge``, ``--dry-run``), stages, boxes, statuses and
+files. Each stage runs in its own process (:mod:`attn.bench.gpu_stages`) under a time box, its
+share by :data:`WEIGHTS` of what is left of ``--budget-min``.
 """
 
 from __future__ import annotations

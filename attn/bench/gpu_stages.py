@@ -1,14 +1,12 @@
-"""The stages of ``attn gpu-check`` (docs/gpu.md), each run in a process of its own.
-
+"""The stages of ``attn gpu-check``, each run in a process of its own (docs/gpu.md: the stages,
+why a process each, their boxes, what each drops to fit and the dry run).
 ``python -m attn.bench.gpu_stages MODULE:FUNCTION CONTEXT_JSON`` runs one stage function with
-its :class:`~attn.bench.gpu_record.StageContext`. A process per stage gives every stage a hard
-time box (killed at its deadline, its rows kept), keeps an out-of-memory or a crashed driver
-from taking the other stages down, and lets each stage set the environment triton reads at
-import (docs/gpu.md: the stages, their boxes, what each drops to fit and the dry run).
+its :class:`~attn.bench.gpu_record.StageContext`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -17,6 +15,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 from unittest import mock
@@ -139,39 +138,35 @@ def _pytest_command(ctx: StageContext) -> list[str]:
     return cmd
 
 
-def _start_pytest(ctx: StageContext):
+@contextlib.contextmanager
+def _pytest_beside(ctx: StageContext):
     """pytest in its own process (its own session, so a kill reaches its xdist workers), its
-    output to pytest.txt; None when there is no tests folder."""
+    output to pytest.txt, while the body runs; then waited for until the box (less a few
+    seconds to write), and cut there. Nothing to run when there is no tests folder."""
     if not Path(ctx.tests).is_dir():
         ctx.dropped("pytest -m cuda", f"no tests folder at {ctx.tests} (run from a checkout "
                                       "or give --tests)")
-        return None
+        yield
+        return
     cmd = _pytest_command(ctx)
     env = {**os.environ, "ATTN_GPU_CHECK_LOG": str(Path(ctx.out) / "log.txt"),
            "ATTN_GPU_CHECK_ROWS": ctx.scratch}
     ctx.log(f"{' '.join(cmd[1:])}")
-    f = open(Path(ctx.out) / "pytest.txt", "w")
-    f.write(f"$ {' '.join(cmd)}\n")
-    f.flush()
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                            cwd=Path(ctx.tests).parent, start_new_session=True)
-    return proc, f
-
-
-def _finish_pytest(ctx: StageContext, started) -> None:
-    """Wait for pytest until the box (less a few seconds to write), then cut it."""
-    if started is None:
-        return
-    proc, f = started
-    try:
-        rc = proc.wait(timeout=max(ctx.left() - 5, 1))
-        ctx.log(f"pytest exit code {rc}")
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # its xdist workers too
-        proc.wait()
-        ctx.dropped("the rest of pytest -m cuda", f"cut at the stage's {ctx.budget_s:.0f} s box")
-        f.write(f"\n[attn gpu-check: pytest cut at the stage's {ctx.budget_s:.0f} s box]\n")
-    f.close()
+    with open(Path(ctx.out) / "pytest.txt", "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                cwd=Path(ctx.tests).parent, start_new_session=True)
+        yield
+        try:
+            rc = proc.wait(timeout=max(ctx.left() - 5, 1))
+            ctx.log(f"pytest exit code {rc}")
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its xdist workers too
+            proc.wait()
+            ctx.dropped("the rest of pytest -m cuda",
+                        f"cut at the stage's {ctx.budget_s:.0f} s box")
+            f.write(f"\n[attn gpu-check: pytest cut at the stage's {ctx.budget_s:.0f} s box]\n")
 
 
 def _triton_inputs(ctx: StageContext, B: int, H: int, N: int, D: int, Hkv: int | None = None):
@@ -296,11 +291,10 @@ def _compile_check(ctx: StageContext) -> None:
 def correctness(ctx: StageContext) -> None:
     """pytest -m cuda in its own process and, beside it on the cores its workers leave free,
     determinism, the NaN scan and the torch.compile check, until the box ends (docs/gpu.md)."""
-    started = _start_pytest(ctx)
-    _determinism(ctx)
-    _compile_check(ctx)
-    _nan_scan(ctx)
-    _finish_pytest(ctx, started)
+    with _pytest_beside(ctx):
+        _determinism(ctx)
+        _compile_check(ctx)
+        _nan_scan(ctx)
 
 
 # -- 3. speed and memory -----------------------------------------------------------------------
@@ -480,14 +474,6 @@ def _varlen(ctx: StageContext) -> None:
         ctx.log(f"varlen {name}: {t:.3g} ms" + (f", SDPA / this {ratio:.2f}" if ratio else ""))
 
 
-def _decode_call(path: str, q, k, v):
-    """The step of one path (plain and split-KV triton differ in ATTN_TRITON_SPLIT_KV only,
-    which :func:`_decode` sets around each path's timing)."""
-    if path == "sdpa":
-        return lambda: torch_sdpa(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
-    return lambda: attn.attention(q, k, v, backend="tiled" if path == "tiled" else "triton")
-
-
 def _decode(ctx: StageContext) -> None:
     """One step of Nq new queries against a cache of Nk keys (GQA 32:8, D=128, bf16)."""
     H, Hkv, D = (4, 2, 16) if ctx.dry_run else (32, 8, 128)
@@ -525,12 +511,15 @@ def _decode(ctx: StageContext) -> None:
                 ctx.row(**base, path=path, status="skipped", note=why)
                 continue
             ctx.running(f"decode {path} Nq={nq} B={B} Nk={nk}")
-            with mock.patch.dict(os.environ):  # split-KV off for plain triton, else auto
+            backend = "tiled" if path == "tiled" else "triton"
+            fn = (partial(torch_sdpa, q, k, v, enable_gqa=H != Hkv) if path == "sdpa" else
+                  partial(attn.attention, q, k, v, backend=backend))
+            # the two triton paths differ in this only: split-KV off for plain triton, else auto
+            with mock.patch.dict(os.environ):
                 os.environ.pop("ATTN_TRITON_SPLIT_KV", None)
                 if path == "plain triton":
                     os.environ["ATTN_TRITON_SPLIT_KV"] = "0"
-                t = _try_ms(ctx, _decode_call(path, q, k, v), 3 if ctx.dry_run else 20,
-                            **base, path=path)
+                t = _try_ms(ctx, fn, 3 if ctx.dry_run else 20, **base, path=path)
             if t is not None:
                 ms[path] = t
         for path, t in ms.items():

@@ -250,8 +250,7 @@ def plots(doc: dict, out: Path, kinds: set[str] = frozenset({"speed", "decode"})
             made.append(sweep_plots.plot_speed(rs, out / "speed.png", doc["header"]))
         if any(r.get("peak_bytes") for r in rs):
             made.append(sweep_plots.plot_memory(rs, out / "memory.png", {"device_name": title}))
-    decode = (_plot_decode(_rows(doc, "decode"), out / "decode.png", f"Decode — {title}")
-              if "decode" in kinds else None)
-    if decode is not None:
-        made.append(decode)
+    decode = _rows(doc, "decode") if "decode" in kinds else []
+    if (png := _plot_decode(decode, out / "decode.png", f"Decode — {title}")) is not None:
+        made.append(png)
     return made
