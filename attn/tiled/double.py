@@ -1,15 +1,8 @@
 """Double backward of tiled attention: the backward as an autograd.Function of its own
 (:class:`_TiledBackward`) whose backward and forward-mode rule recompute tile by tile, O(N)
-memory, for every variant the score pipeline of :class:`attn.tiled.jvp.TileScores` covers:
-the gradient of ``L = g·ȯ(t) + g_lse·lsė(t)`` (docs/transforms.md, "Why that gradient"). With
-a_j = ṡ_j along t, dp_j = z_j g·v_j, e_j = g·t_v_j, c_j = a_j dp_j + z_j e_j, row sums
-ā = Σ p a, C = Σ p c, Δ_pd = Σ p dp, Δ = Δ_pd − g_lse:
-
-    ∂L/∂s_j = p_j [(c_j − C) − Δ (a_j − ā) − ā (dp_j − Δ_pd)],   ∂L/∂a_j = p_j (dp_j − Δ),
-    ∂L/∂v_j = z_j p_j (a_j − ā) g,
-
-each query block in two passes: the row sums, then the gradients.
-"""
+memory, for every variant the score pipeline of :class:`attn.tiled.jvp.TileScores` covers
+(the gradient it takes and the names below: docs/transforms.md, "Double backward, tile by
+tile")."""
 
 from __future__ import annotations
 
@@ -268,22 +261,9 @@ def _sink_terms(p_sink: Tensor, t_s, abar: Tensor, c_sum: Tensor, delta: Tensor,
 class _PlainHvp:
     """:class:`_Hvp`'s two passes for plain CPU tensors that nothing differentiates (the
     pooled path) when the score map is linear in q and k with no learnable term of its own
-    (no score_mod, softcap, float mask, ALiBi or score term; masks that only cut keys, sinks
-    and dropout stay) and ``first`` is None: the same sums, with GEMMs into per-thread tile
-    buffers and the elementwise steps in place. Where it differs from :meth:`_Hvp.block`:
-
-    - Σ (p z) v over a row's keys is the forward's output: Δ_pd = g·out, no GEMM;
-    - the score tangent a = c (t_q kᵀ + q t_kᵀ) is one GEMM of depth 2D over [c q | c t_q]
-      (per block) and [t_k | k] (once per call);
-    - pass 1 keeps p a rather than a (pass 2 reads a only through it), and where a block's
-      tiles do not all fit ``_KEEP_BYTES`` keeps p a of every tile before p of any: a tile
-      without p recomputes one GEMM (q kᵀ), a tile with neither three;
-    - s̄ = p (e + r1) + (dP − Δ)(p a − ā p) with r1 = r0 − ā Δ, the last factor being dV's
-      w before dropout, and −lse, −Δ and r1 join their GEMMs as one more column of depth:
-      pass 2 makes four passes over a tile besides its GEMMs, pass 1 three;
-    - the tiles are written into buffers of the calling thread's, each allocated once per
-      call at its largest size (the kept tiles' arena at most ``_KEEP_BYTES``): a fresh
-      MiB-sized result per op costs page faults and a pass more over memory."""
+    and ``first`` is None: the same sums, with GEMMs into per-thread tile buffers and the
+    elementwise steps in place (docs/transforms.md, "Double backward, tile by tile": where
+    it differs from :meth:`_Hvp.block`)."""
 
     def __init__(self, hvp: _Hvp, out: Tensor, blocks) -> None:
         self.h = hvp
@@ -294,9 +274,8 @@ class _PlainHvp:
         self.tv3 = None if hvp.tv is None else hvp.tv.flatten(0, 1)
         self.out = out.to(acc)
         # the keys' operands side by side, each GEMM over a run of their columns against a
-        # block's rows built to match (module docstring; a row constant joins a GEMM as one
-        # more column of depth, measured as fast as depth D, where subtracting it after
-        # would be one more pass over the tile):
+        # block's rows built to match (a row constant joins a GEMM as one more column of
+        # depth: docs/transforms.md, "Double backward, tile by tile"):
         #   [t_k | k | 1]: s − lse = [c q | −lse]·[k | 1]ᵀ, a = [c q | c t_q]·[t_k | k]ᵀ
         #   [v | 1 | t_v]: dP − Δ = [g | −Δ]·[v | 1]ᵀ, e + r1 = [r1 | g]·[1 | t_v]ᵀ
         ones = torch.ones_like(self.k3[..., :1])
