@@ -38,15 +38,10 @@ class _Tiles:
         self.parts[(n0, n1)] = x if (n0, n1) not in self.parts else self.parts[(n0, n1)] + x
 
     def join(self, length: int, like: Tensor) -> Tensor:
-        d = self.dim % like.dim()
-        total = None
-        for (n0, n1), x in self.parts.items():
-            if self.broadcast:  # the tensor broadcasts along this dim: a sum, not a slice
-                part = x
-            else:
-                pad = [0, 0] * (like.dim() - 1 - d) + [n0, length - n1]
-                part = F.pad(x, pad)
-            total = part if total is None else total + part
+        pad = [0, 0] * (like.dim() - 1 - self.dim % like.dim())
+        # where the tensor broadcasts along this dim, a sum, not a slice
+        total = _sum(x if self.broadcast else F.pad(x, pad + [n0, length - n1])
+                     for (n0, n1), x in self.parts.items())
         return torch.zeros_like(like) if total is None else total
 
 
@@ -96,7 +91,7 @@ class _Hvp:
         self.sinks = None if ops.sinks is None else ops.sinks.to(acc).view(1, self.H, 1, 1)
         self.t_sink = (None if t.get("sinks") is None
                        else t["sinks"].to(acc).view(1, self.H, 1, 1))
-        self.names = self.ts._names()
+        self.names = self.ts.names
         self.mask4 = (None if ops.attn_mask is None or not self.ts.float_mask
                       else as_4d(ops.attn_mask))
         self.dmask_bcast = self.mask4 is not None and self.mask4.shape[3] == 1
@@ -511,12 +506,7 @@ def _terms(x, G: int) -> Tensor:
     each ``alpha · Σ_group aᵀ b`` (:func:`attn.tiled.jvp.tp_kv`)."""
     if isinstance(x, Tensor):
         return x
-    total = None
-    for a, b, alpha in x:
-        y = tp_kv(a, b, G)
-        y = y if alpha == 1.0 else y * alpha
-        total = y if total is None else total + y
-    return total
+    return _sum(tp_kv(a, b, G) * alpha if alpha != 1.0 else tp_kv(a, b, G) for a, b, alpha in x)
 
 
 def _terms_into(into: Tensor, x, G: int) -> None:

@@ -81,6 +81,9 @@ class TileScores:
         self.float_mask = mask is not None and mask.dtype != torch.bool
         self.has_cap = ops.softcap is not None
         self.has_alibi = ops.alibi is not None
+        # the operands this call's scores read, in SCORE_INPUTS order: what :meth:`fn` takes
+        kept = (True, True, self.has_cap, self.float_mask, self.has_alibi)
+        self.names = tuple(n for n, keep in zip(SCORE_INPUTS, kept) if keep)
         # the call's own operands by SCORE_INPUTS name, for :meth:`operands` to slice
         self.primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask,
                        "alibi": ops.alibi}
@@ -100,7 +103,7 @@ class TileScores:
         """The tile's slices of ``t`` (full tensors by :data:`SCORE_INPUTS` name) in
         :meth:`fn`'s order; a missing entry (a tangent that is 0) is None."""
         out = []
-        for name in self._names():
+        for name in self.names:
             x = t.get(name)
             if x is None:
                 out.append(None)
@@ -115,11 +118,6 @@ class TileScores:
                 x = span(x, 3, n0, n1) if x.shape[3] != 1 else x
             out.append(x.to(self.acc))
         return tuple(out)
-
-    def _names(self) -> tuple[str, ...]:
-        keep = {"q": True, "k": True, "softcap": self.has_cap, "mask": self.float_mask,
-                "alibi": self.has_alibi}
-        return tuple(n for n in SCORE_INPUTS if keep[n])
 
     def allowed(self, m0: int, m1: int, n0: int, n1: int, full: bool) -> Tensor | None:
         """Bool keep-mask of the tile (broadcastable to (B, H, BM, BN)), None: all kept."""
@@ -161,7 +159,7 @@ class TileScores:
             dist = dist.to(acc)
         idx = (None if spec.score_mod is None
                else mod_index(spec, self.B, H, m0, m1, n0, n1, self.device))
-        names = self._names()
+        names = self.names
         t = dict(zip(names, tangents))
 
         def mod(s: Tensor) -> Tensor:
