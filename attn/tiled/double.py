@@ -21,8 +21,8 @@ from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
-from attn.tiled.jvp import (TileScores, grouped, one_thread, plain, probs, pv, qk_t, rows,
-                            safe_lse, span, tp_kv, unsupported)
+from attn.tiled.jvp import (TileScores, grouped, one_thread, plain, pv, qk_t, rows, safe_lse,
+                            span, tp_kv, unsupported)
 
 _GRAD_NAMES = ("q", "k", "v", "mask", "sinks", "softcap")
 
@@ -157,7 +157,7 @@ class _Hvp:
         for n0, n1, full in key_tiles:
             xs, txs, fn, vt, tvt, z = self.tile(m0, m1, n0, n1, full)
             s, a = fn(*xs)
-            p = probs(s, lse_col)
+            p = torch.exp(s - lse_col)
             if self.linear and kept_bytes + 2 * p.nbytes <= _KEEP_BYTES:
                 kept[n0] = (p, a)
                 kept_bytes += 2 * p.nbytes
@@ -201,10 +201,10 @@ class _Hvp:
                 p, a = kept.pop(n0)
             elif linear:
                 s, a = fn(*xs)
-                p = probs(s, lse_col)
+                p = torch.exp(s - lse_col)
             else:
                 (s, a), vjp_fn = torch.func.vjp(fn, *xs)
-                p = probs(s, lse_col)
+                p = torch.exp(s - lse_col)
             # p z, dp = z·(g vᵀ) and e = z·(g t_vᵀ) (None without t_v)
             dp, e = qk_t(g_blk, vt, G), None if tvt is None else qk_t(g_blk, tvt, G)
             pz = p
@@ -689,9 +689,8 @@ class _TiledBackward(torch.autograd.Function):
                        config=static.config)
         dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
-        dcap = None
-        if g.dsoftcap is not None:
-            dcap = reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype)
+        dcap = (None if g.dsoftcap is None
+                else reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype))
         dcaptured = tuple(None if d is None else d.to(c.dtype)
                           for d, c in zip(g.dcaptured, captured))
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), dmask, dsinks, dcap,

@@ -139,9 +139,7 @@ class TileScores:
         """Kept elements scaled by 1/(1-p), dropped ones 0, ``(B, H, BM, BN)``; None: none."""
         if self.spec.dropout_p == 0.0:
             return None
-        dev = self.device
-        offs_m, offs_n = torch.arange(m0, m1, device=dev), torch.arange(n0, n1, device=dev)
-        return dropout_keep_scale(self.spec, self.bh, self.H, self.h_col, offs_m, offs_n,
+        return dropout_keep_scale(self.spec, self.bh, self.H, self.h_col, m0, m1, n0, n1,
                                   self.acc)
 
     def fn(self, m0: int, m1: int, n0: int, n1: int, full: bool, tangents: tuple[Tensor, ...]
@@ -226,13 +224,9 @@ def rows(x: Tensor, m0: int, m1: int) -> Tensor:
     return span(x, 2, m0, m1).unsqueeze(-1)
 
 
-def probs(s: Tensor, lse_col: Tensor) -> Tensor:
-    """``exp(s − lse)``, 0 on rows that see nothing (lse −inf, made +inf by the caller)."""
-    return torch.exp(s - lse_col)
-
-
 def safe_lse(lse: Tensor, acc: torch.dtype) -> Tensor:
-    """The lse in ``acc`` with −inf (rows that see nothing) as +inf, so their p is 0."""
+    """The lse in ``acc`` with −inf (rows that see nothing) as +inf, so their p =
+    ``exp(s − lse)`` is 0."""
     lse = lse.to(acc)
     return torch.where(lse == float("-inf"), float("inf"), lse)
 
@@ -455,7 +449,7 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
             xs = ts.operands(ts.primal, m0, m1, n0, n1)
             txs = ts.operands(tangents, m0, m1, n0, n1)
             s, sd = ts.fn(m0, m1, n0, n1, full, txs)(*xs)
-            p = probs(s, lse_col)
+            p = torch.exp(s - lse_col)
             psd = p * sd
             b_acc = b_acc + psd.sum(-1, keepdim=True)
             z = ts.dropout(m0, m1, n0, n1)

@@ -83,10 +83,13 @@ def alibi_distance(spec: LaunchSpec, m0: int, m1: int, n0: int, n1: int,
     return seq, (pos_n[None, :] - pos_m[:, None]).abs()
 
 
-def dropout_keep_scale(spec: LaunchSpec, bh: Tensor, heads: int, h: Tensor, offs_m: Tensor,
-                       offs_n: Tensor, acc: torch.dtype) -> Tensor:
-    """Kept elements scaled by 1/(1-p), dropped ones 0, at ``bh``'s (b·heads + h) shape +
-    (BM, BN); packed (``spec.dropout_rows``), each row's own b·heads + ``h`` instead."""
+def dropout_keep_scale(spec: LaunchSpec, bh: Tensor, heads: int, h: Tensor, m0: int, m1: int,
+                       n0: int, n1: int, acc: torch.dtype) -> Tensor:
+    """Tile [m0, m1) x [n0, n1)'s kept elements (at global positions) scaled by 1/(1-p),
+    dropped ones 0, at ``bh``'s (b·heads + h) shape + (BM, BN); packed
+    (``spec.dropout_rows``), each row's own b·heads + ``h`` instead."""
+    offs_m = torch.arange(m0, m1, device=bh.device) + spec.q_start
+    offs_n = torch.arange(n0, n1, device=bh.device) + spec.k_start
     if spec.dropout_rows is None:
         keep = dropout_keep(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
     else:  # packed: one batch row holding many sequences (B == 1)
@@ -295,9 +298,7 @@ class _Tile:
 
     def dropout_scale(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
         """Kept elements scaled by 1/(1-p), dropped ones 0: ``(B·Hkv, G·BM, BN)``."""
-        offs_m = torch.arange(m0, m1, device=self.device) + self.spec.q_start
-        offs_n = torch.arange(n0, n1, device=self.device) + self.spec.k_start
-        z = dropout_keep_scale(self.spec, self.bh, self.heads, self.h_glob, offs_m, offs_n,
+        z = dropout_keep_scale(self.spec, self.bh, self.heads, self.h_glob, m0, m1, n0, n1,
                                self.acc_dtype)  # (B, Hkv, G, BM, BN)
         return z.view(self.B * self.Hkv, self.G * (m1 - m0), n1 - n0)
 
