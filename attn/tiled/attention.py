@@ -412,22 +412,18 @@ def _bwd_rows(do: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, 
             inv_l_blk = tile.rows(inv_l, m0, m1)
             do_blk, delta_blk = do_blk * inv_l_blk, delta_blk * inv_l_blk
         do_dv = do_blk.to(torch.bfloat16) if low_bwd else do_blk  # dV's dO (/l)
-        if low_bwd:  # dP in bf16 from dO as it is, 1/l joining as it is converted
-            do_low = do[:, :, m0:m1].contiguous().view(B * Hkv, G * BM, Dv)
+        # dP's dO: low_bwd, in bf16 as it is, 1/l joining as the bf16 dP is converted
+        dp_do, dp_rows = ((do[:, :, m0:m1].contiguous().view(B * Hkv, G * BM, Dv), inv_l_blk)
+                          if low_bwd else (do_blk, None))
 
-            def dp_of(n0, n1, do_low=do_low, rows=inv_l_blk):
-                return gemm.dp(do_low, n0, n1, rows)
-        else:
-            def dp_of(n0, n1, do_blk=do_blk):
-                return gemm.dp(do_blk, n0, n1)
-        if inv_l is not None:
-            if saturated is not None and bool(saturated[m0:m1].any()):
-                tiles_delta = _softmax_delta(tile, q_blk, dp_of, lse_blk, m0, m1, key_tiles)
-                tiles_delta.mul_(inv_l_blk)
-                if dlse is not None:
-                    tiles_delta.sub_(tile.rows(dlse.to(acc_dtype), m0, m1) * inv_l_blk)
-                delta_blk = torch.where(tile.rows(saturated_rows, m0, m1), tiles_delta,
-                                        delta_blk)
+        def dp_of(n0, n1, dp_do=dp_do, dp_rows=dp_rows):
+            return gemm.dp(dp_do, n0, n1, dp_rows)
+        if saturated is not None and bool(saturated[m0:m1].any()):  # (lse2 given: inv_l too)
+            tiles_delta = _softmax_delta(tile, q_blk, dp_of, lse_blk, m0, m1, key_tiles)
+            tiles_delta.mul_(inv_l_blk)
+            if dlse is not None:
+                tiles_delta.sub_(tile.rows(dlse.to(acc_dtype), m0, m1) * inv_l_blk)
+            delta_blk = torch.where(tile.rows(saturated_rows, m0, m1), tiles_delta, delta_blk)
         dq_blk = torch.zeros(B * Hkv, G * BM, D, dtype=acc_dtype, device=q.device)
         for n0, n1, full in key_tiles:
             BN = n1 - n0

@@ -1,15 +1,8 @@
 """Double backward of tiled attention: the backward as an autograd.Function of its own
 (:class:`_TiledBackward`) whose backward and forward-mode rule recompute tile by tile, O(N)
-memory, for every variant the score pipeline of :class:`attn.tiled.jvp.TileScores` covers:
-the gradient of ``L = g·ȯ(t) + g_lse·lsė(t)`` (docs/transforms.md, "Why that gradient"). With
-a_j = ṡ_j along t, dp_j = z_j g·v_j, e_j = g·t_v_j, c_j = a_j dp_j + z_j e_j, row sums
-ā = Σ p a, C = Σ p c, Δ_pd = Σ p dp, Δ = Δ_pd − g_lse:
-
-    ∂L/∂s_j = p_j [(c_j − C) − Δ (a_j − ā) − ā (dp_j − Δ_pd)],   ∂L/∂a_j = p_j (dp_j − Δ),
-    ∂L/∂v_j = z_j p_j (a_j − ā) g,
-
-each query block in two passes: the row sums, then the gradients.
-"""
+memory, for every variant the score pipeline of :class:`attn.tiled.jvp.TileScores` covers
+(the gradient it takes and the names below: docs/transforms.md, "Double backward, tile by
+tile")."""
 
 from __future__ import annotations
 
@@ -28,8 +21,8 @@ from attn.masks import as_4d
 from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
-from attn.tiled.jvp import (TileScores, grouped, one_thread, plain, probs, pv, qk_t, rows,
-                            safe_lse, span, tp_kv, unsupported)
+from attn.tiled.jvp import (TileScores, grouped, one_thread, plain, pv, qk_t, rows, safe_lse,
+                            span, tp_kv, unsupported)
 
 _GRAD_NAMES = ("q", "k", "v", "mask", "sinks", "softcap")
 
@@ -45,15 +38,10 @@ class _Tiles:
         self.parts[(n0, n1)] = x if (n0, n1) not in self.parts else self.parts[(n0, n1)] + x
 
     def join(self, length: int, like: Tensor) -> Tensor:
-        d = self.dim % like.dim()
-        total = None
-        for (n0, n1), x in self.parts.items():
-            if self.broadcast:  # the tensor broadcasts along this dim: a sum, not a slice
-                part = x
-            else:
-                pad = [0, 0] * (like.dim() - 1 - d) + [n0, length - n1]
-                part = F.pad(x, pad)
-            total = part if total is None else total + part
+        pad = [0, 0] * (like.dim() - 1 - self.dim % like.dim())
+        # where the tensor broadcasts along this dim, a sum, not a slice
+        total = _sum(x if self.broadcast else F.pad(x, pad + [n0, length - n1])
+                     for (n0, n1), x in self.parts.items())
         return torch.zeros_like(like) if total is None else total
 
 
@@ -103,7 +91,7 @@ class _Hvp:
         self.sinks = None if ops.sinks is None else ops.sinks.to(acc).view(1, self.H, 1, 1)
         self.t_sink = (None if t.get("sinks") is None
                        else t["sinks"].to(acc).view(1, self.H, 1, 1))
-        self.names = self.ts._names()
+        self.names = self.ts.names
         self.mask4 = (None if ops.attn_mask is None or not self.ts.float_mask
                       else as_4d(ops.attn_mask))
         self.dmask_bcast = self.mask4 is not None and self.mask4.shape[3] == 1
@@ -169,7 +157,7 @@ class _Hvp:
         for n0, n1, full in key_tiles:
             xs, txs, fn, vt, tvt, z = self.tile(m0, m1, n0, n1, full)
             s, a = fn(*xs)
-            p = probs(s, lse_col)
+            p = torch.exp(s - lse_col)
             if self.linear and kept_bytes + 2 * p.nbytes <= _KEEP_BYTES:
                 kept[n0] = (p, a)
                 kept_bytes += 2 * p.nbytes
@@ -213,10 +201,10 @@ class _Hvp:
                 p, a = kept.pop(n0)
             elif linear:
                 s, a = fn(*xs)
-                p = probs(s, lse_col)
+                p = torch.exp(s - lse_col)
             else:
                 (s, a), vjp_fn = torch.func.vjp(fn, *xs)
-                p = probs(s, lse_col)
+                p = torch.exp(s - lse_col)
             # p z, dp = z·(g vᵀ) and e = z·(g t_vᵀ) (None without t_v)
             dp, e = qk_t(g_blk, vt, G), None if tvt is None else qk_t(g_blk, tvt, G)
             pz = p
@@ -268,22 +256,9 @@ def _sink_terms(p_sink: Tensor, t_s, abar: Tensor, c_sum: Tensor, delta: Tensor,
 class _PlainHvp:
     """:class:`_Hvp`'s two passes for plain CPU tensors that nothing differentiates (the
     pooled path) when the score map is linear in q and k with no learnable term of its own
-    (no score_mod, softcap, float mask, ALiBi or score term; masks that only cut keys, sinks
-    and dropout stay) and ``first`` is None: the same sums, with GEMMs into per-thread tile
-    buffers and the elementwise steps in place. Where it differs from :meth:`_Hvp.block`:
-
-    - Σ (p z) v over a row's keys is the forward's output: Δ_pd = g·out, no GEMM;
-    - the score tangent a = c (t_q kᵀ + q t_kᵀ) is one GEMM of depth 2D over [c q | c t_q]
-      (per block) and [t_k | k] (once per call);
-    - pass 1 keeps p a rather than a (pass 2 reads a only through it), and where a block's
-      tiles do not all fit ``_KEEP_BYTES`` keeps p a of every tile before p of any: a tile
-      without p recomputes one GEMM (q kᵀ), a tile with neither three;
-    - s̄ = p (e + r1) + (dP − Δ)(p a − ā p) with r1 = r0 − ā Δ, the last factor being dV's
-      w before dropout, and −lse, −Δ and r1 join their GEMMs as one more column of depth:
-      pass 2 makes four passes over a tile besides its GEMMs, pass 1 three;
-    - the tiles are written into buffers of the calling thread's, each allocated once per
-      call at its largest size (the kept tiles' arena at most ``_KEEP_BYTES``): a fresh
-      MiB-sized result per op costs page faults and a pass more over memory."""
+    and ``first`` is None: the same sums, with GEMMs into per-thread tile buffers and the
+    elementwise steps in place (docs/transforms.md, "Double backward, tile by tile": where
+    it differs from :meth:`_Hvp.block`)."""
 
     def __init__(self, hvp: _Hvp, out: Tensor, blocks) -> None:
         self.h = hvp
@@ -294,9 +269,8 @@ class _PlainHvp:
         self.tv3 = None if hvp.tv is None else hvp.tv.flatten(0, 1)
         self.out = out.to(acc)
         # the keys' operands side by side, each GEMM over a run of their columns against a
-        # block's rows built to match (module docstring; a row constant joins a GEMM as one
-        # more column of depth, measured as fast as depth D, where subtracting it after
-        # would be one more pass over the tile):
+        # block's rows built to match (a row constant joins a GEMM as one more column of
+        # depth: docs/transforms.md, "Double backward, tile by tile"):
         #   [t_k | k | 1]: s − lse = [c q | −lse]·[k | 1]ᵀ, a = [c q | c t_q]·[t_k | k]ᵀ
         #   [v | 1 | t_v]: dP − Δ = [g | −Δ]·[v | 1]ᵀ, e + r1 = [r1 | g]·[1 | t_v]ᵀ
         ones = torch.ones_like(self.k3[..., :1])
@@ -532,12 +506,7 @@ def _terms(x, G: int) -> Tensor:
     each ``alpha · Σ_group aᵀ b`` (:func:`attn.tiled.jvp.tp_kv`)."""
     if isinstance(x, Tensor):
         return x
-    total = None
-    for a, b, alpha in x:
-        y = tp_kv(a, b, G)
-        y = y if alpha == 1.0 else y * alpha
-        total = y if total is None else total + y
-    return total
+    return _sum(tp_kv(a, b, G) * alpha if alpha != 1.0 else tp_kv(a, b, G) for a, b, alpha in x)
 
 
 def _terms_into(into: Tensor, x, G: int) -> None:
@@ -720,9 +689,8 @@ class _TiledBackward(torch.autograd.Function):
                        config=static.config)
         dmask = None if g.dmask is None else g.dmask.reshape(attn_mask.shape).to(attn_mask.dtype)
         dsinks = None if g.dsinks is None else g.dsinks.to(sinks.dtype)
-        dcap = None
-        if g.dsoftcap is not None:
-            dcap = reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype)
+        dcap = (None if g.dsoftcap is None
+                else reduce_to(g.dsoftcap, softcap.shape).to(softcap.dtype))
         dcaptured = tuple(None if d is None else d.to(c.dtype)
                           for d, c in zip(g.dcaptured, captured))
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype), dmask, dsinks, dcap,

@@ -21,7 +21,7 @@ from attn.spec import LaunchSpec, Operands
 from attn.spec import acc_dtype as _acc_dtype
 from attn.tiled import cpu
 from attn.tiled.plan import _blocks
-from attn.tiled.tile import dropout_keep_scale, tile_index
+from attn.tiled.tile import alibi_distance, dropout_keep_scale, mod_index, tile_index
 
 # tile sizes of the transform kernels (a spec's own block sizes win), and the one pass's
 # score tile over every batch row and head (forward_with_tangent) at most ONE_PASS_TILE_BYTES
@@ -81,6 +81,9 @@ class TileScores:
         self.float_mask = mask is not None and mask.dtype != torch.bool
         self.has_cap = ops.softcap is not None
         self.has_alibi = ops.alibi is not None
+        # the operands this call's scores read, in SCORE_INPUTS order: what :meth:`fn` takes
+        kept = (True, True, self.has_cap, self.float_mask, self.has_alibi)
+        self.names = tuple(n for n, keep in zip(SCORE_INPUTS, kept) if keep)
         # the call's own operands by SCORE_INPUTS name, for :meth:`operands` to slice
         self.primal = {"q": q, "k": k, "softcap": ops.softcap, "mask": ops.attn_mask,
                        "alibi": ops.alibi}
@@ -100,7 +103,7 @@ class TileScores:
         """The tile's slices of ``t`` (full tensors by :data:`SCORE_INPUTS` name) in
         :meth:`fn`'s order; a missing entry (a tangent that is 0) is None."""
         out = []
-        for name in self._names():
+        for name in self.names:
             x = t.get(name)
             if x is None:
                 out.append(None)
@@ -116,18 +119,6 @@ class TileScores:
             out.append(x.to(self.acc))
         return tuple(out)
 
-    def _names(self) -> tuple[str, ...]:
-        keep = {"q": True, "k": True, "softcap": self.has_cap, "mask": self.float_mask,
-                "alibi": self.has_alibi}
-        return tuple(n for n in SCORE_INPUTS if keep[n])
-
-    def _idx(self, m0, m1, n0, n1):
-        dev = self.device
-        return (torch.arange(self.B, device=dev).view(-1, 1, 1, 1),
-                torch.arange(self.H, device=dev).view(1, -1, 1, 1),
-                torch.arange(m0, m1, device=dev).view(1, 1, -1, 1),
-                torch.arange(n0, n1, device=dev).view(1, 1, 1, -1))
-
     def allowed(self, m0: int, m1: int, n0: int, n1: int, full: bool) -> Tensor | None:
         """Bool keep-mask of the tile (broadcastable to (B, H, BM, BN)), None: all kept."""
         keep = None
@@ -136,7 +127,8 @@ class TileScores:
             keep = self.band.mask(torch.arange(m0, m1, device=dev),
                                   torch.arange(n0, n1, device=dev))
             if self.spec.mask_mod is not None:
-                kmod = self.spec.mask_mod(*self._idx(m0, m1, n0, n1))
+                idx = mod_index(self.spec, self.B, self.H, m0, m1, n0, n1, dev)
+                kmod = self.spec.mask_mod(*idx)
                 keep = kmod if keep is None else keep & kmod
         if self.bool_mask is not None:
             tile = self.bool_mask[tile_index(self.bool_mask, m0, m1, n0, n1)]
@@ -147,9 +139,7 @@ class TileScores:
         """Kept elements scaled by 1/(1-p), dropped ones 0, ``(B, H, BM, BN)``; None: none."""
         if self.spec.dropout_p == 0.0:
             return None
-        dev = self.device
-        offs_m, offs_n = torch.arange(m0, m1, device=dev), torch.arange(n0, n1, device=dev)
-        return dropout_keep_scale(self.spec, self.bh, self.H, self.h_col, offs_m, offs_n,
+        return dropout_keep_scale(self.spec, self.bh, self.H, self.h_col, m0, m1, n0, n1,
                                   self.acc)
 
     def fn(self, m0: int, m1: int, n0: int, n1: int, full: bool, tangents: tuple[Tensor, ...]
@@ -163,16 +153,11 @@ class TileScores:
         keep = self.allowed(m0, m1, n0, n1, full)
         dist = seq = None
         if self.has_alibi:
-            offs_m = torch.arange(m0, m1, device=self.device)
-            offs_n = torch.arange(n0, n1, device=self.device)
-            if spec.alibi_rows is None:
-                dist = (offs_n[None, :] - (offs_m[:, None] + self.band.offset)).abs()
-            else:
-                seq, pos_m, pos_n = spec.alibi_rows(offs_m, offs_n)
-                dist = (pos_n[None, :] - pos_m[:, None]).abs()
+            seq, dist = alibi_distance(spec, m0, m1, n0, n1, self.device)
             dist = dist.to(acc)
-        idx = self._idx(m0, m1, n0, n1) if spec.score_mod is not None else None
-        names = self._names()
+        idx = (None if spec.score_mod is None
+               else mod_index(spec, self.B, H, m0, m1, n0, n1, self.device))
+        names = self.names
         t = dict(zip(names, tangents))
 
         def mod(s: Tensor) -> Tensor:
@@ -239,13 +224,9 @@ def rows(x: Tensor, m0: int, m1: int) -> Tensor:
     return span(x, 2, m0, m1).unsqueeze(-1)
 
 
-def probs(s: Tensor, lse_col: Tensor) -> Tensor:
-    """``exp(s − lse)``, 0 on rows that see nothing (lse −inf, made +inf by the caller)."""
-    return torch.exp(s - lse_col)
-
-
 def safe_lse(lse: Tensor, acc: torch.dtype) -> Tensor:
-    """The lse in ``acc`` with −inf (rows that see nothing) as +inf, so their p is 0."""
+    """The lse in ``acc`` with −inf (rows that see nothing) as +inf, so their p =
+    ``exp(s − lse)`` is 0."""
     lse = lse.to(acc)
     return torch.where(lse == float("-inf"), float("inf"), lse)
 
@@ -259,9 +240,9 @@ def grouped(x: Tensor, G: int) -> Tensor:
     return x.reshape(B, H // G, G * M, X)
 
 
-def _gemm(a: Tensor, b: Tensor, G: int, add: Tensor | None, alpha: float = 1.0) -> Tensor:
-    """``add + alpha · grouped(a) b`` per KV head, as 3-D (b)mm: a ``(B, H, M, K)``, b ``(B,
-    Hkv, K, N)`` → (B, H, M, N); ``add`` None or (B, H, M, N)."""
+def pv(a: Tensor, b: Tensor, G: int, add: Tensor | None = None, alpha: float = 1.0) -> Tensor:
+    """``add + alpha · a b`` per KV head, as 3-D (b)mm over each group's query heads: a
+    ``(B, H, M, K)`` (probabilities: K the keys), b ``(B, Hkv, K, X)`` → (B, H, M, X)."""
     B, H, M, _ = a.shape
     a3 = a.reshape(B * (H // G), G * M, a.shape[-1])
     b3 = b.reshape(B * b.shape[1], b.shape[2], b.shape[3])
@@ -286,13 +267,7 @@ def _writable(c: Tensor, *xs: Tensor) -> bool:
 def qk_t(a: Tensor, b: Tensor, G: int, add: Tensor | None = None) -> Tensor:
     """``add + a bᵀ`` per head: a ``(B, H, M, D)`` query-head rows, b ``(B, Hkv, N, D)`` →
     (B, H, M, N), each query head against its KV head (no copy of b per query head)."""
-    return _gemm(a, b.transpose(-2, -1), G, add)
-
-
-def pv(p: Tensor, b: Tensor, G: int, add: Tensor | None = None, alpha: float = 1.0) -> Tensor:
-    """``add + alpha · p b`` per head: p ``(B, H, M, N)``, b ``(B, Hkv, N, X)`` → (B, H, M,
-    X)."""
-    return _gemm(p, b, G, add, alpha)
+    return pv(a, b.transpose(-2, -1), G, add)
 
 
 def tp_kv(a: Tensor, g: Tensor, G: int) -> Tensor:
@@ -474,7 +449,7 @@ def _tiled_jvp(q, k, v, out, lse, spec, ops, tangents, threads):
             xs = ts.operands(ts.primal, m0, m1, n0, n1)
             txs = ts.operands(tangents, m0, m1, n0, n1)
             s, sd = ts.fn(m0, m1, n0, n1, full, txs)(*xs)
-            p = probs(s, lse_col)
+            p = torch.exp(s - lse_col)
             psd = p * sd
             b_acc = b_acc + psd.sum(-1, keepdim=True)
             z = ts.dropout(m0, m1, n0, n1)

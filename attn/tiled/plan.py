@@ -244,10 +244,8 @@ def _cost(block) -> int:
 def forward_items(plan: _Plan) -> list[tuple[int, int]]:
     """The forward's work items, (chunk, query block) index pairs: every pair once, the
     most expensive blocks first (a causal call's last rows), so the cheap ones fill in
-    around them at the end."""
-    costs = [_cost(b) for b in plan.blocks]
-    order = sorted(range(len(costs)), key=lambda i: -costs[i])
-    return [(c, i) for i in order for c in range(len(plan.chunks))]
+    around them at the end: :func:`backward_items` with a run per block."""
+    return backward_items(plan, [(i, i + 1) for i in range(len(plan.blocks))])
 
 
 def backward_runs(plan: _Plan, config: TileConfig = DEFAULT) -> list[tuple[int, int]]:

@@ -60,10 +60,36 @@ def tile_index(x: Tensor, m0: int, m1: int, n0: int, n1: int) -> tuple[slice, ..
             slice(n0, n1) if x.shape[3] != 1 else slice(None))
 
 
-def dropout_keep_scale(spec: LaunchSpec, bh: Tensor, heads: int, h: Tensor, offs_m: Tensor,
-                       offs_n: Tensor, acc: torch.dtype) -> Tensor:
-    """Kept elements scaled by 1/(1-p), dropped ones 0, at ``bh``'s (b·heads + h) shape +
-    (BM, BN); packed (``spec.dropout_rows``), each row's own b·heads + ``h`` instead."""
+def mod_index(spec: LaunchSpec, B: int, H: int, m0: int, m1: int, n0: int, n1: int,
+              device: torch.device, b0: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A tile's ``(b, h, q_idx, kv_idx)`` for a score_mod / mask_mod, broadcasting to (B, H,
+    BM, BN), in global rows, heads and positions (``b0``: the first batch row's)."""
+    return (torch.arange(b0, b0 + B, device=device).view(B, 1, 1, 1),
+            (torch.arange(H, device=device) + spec.head_start).view(1, H, 1, 1),
+            (torch.arange(m0, m1, device=device) + spec.q_start).view(1, 1, -1, 1),
+            (torch.arange(n0, n1, device=device) + spec.k_start).view(1, 1, 1, -1))
+
+
+def alibi_distance(spec: LaunchSpec, m0: int, m1: int, n0: int, n1: int,
+                   device: torch.device) -> tuple[Tensor | None, Tensor]:
+    """ALiBi's integer ``|distance|`` (BM, BN) over a tile: from the band's diagonal, or,
+    packed (``spec.alibi_rows``), inside each row's own sequence, with the rows' sequence
+    indices (else None)."""
+    offs_m = torch.arange(m0, m1, device=device)
+    offs_n = torch.arange(n0, n1, device=device)
+    if spec.alibi_rows is None:
+        return None, (offs_n[None, :] - (offs_m[:, None] + spec.local_band().offset)).abs()
+    seq, pos_m, pos_n = spec.alibi_rows(offs_m + spec.q_start, offs_n + spec.k_start)
+    return seq, (pos_n[None, :] - pos_m[:, None]).abs()
+
+
+def dropout_keep_scale(spec: LaunchSpec, bh: Tensor, heads: int, h: Tensor, m0: int, m1: int,
+                       n0: int, n1: int, acc: torch.dtype) -> Tensor:
+    """Tile [m0, m1) x [n0, n1)'s kept elements (at global positions) scaled by 1/(1-p),
+    dropped ones 0, at ``bh``'s (b·heads + h) shape + (BM, BN); packed
+    (``spec.dropout_rows``), each row's own b·heads + ``h`` instead."""
+    offs_m = torch.arange(m0, m1, device=bh.device) + spec.q_start
+    offs_n = torch.arange(n0, n1, device=bh.device) + spec.k_start
     if spec.dropout_rows is None:
         keep = dropout_keep(spec.dropout_seed, bh, offs_m, offs_n, spec.dropout_p)
     else:  # packed: one batch row holding many sequences (B == 1)
@@ -132,20 +158,14 @@ class _Tile:
             self.bh = (b[:, None] * heads + h).view(B, Hkv, self.G)
             self.heads, self.h_glob = heads, h.view(1, Hkv, self.G, 1)
         self._band_masks: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
-        # -- score_mod / mask_mod: index tensors broadcast to (B, H, BM, BN), global positions
-        self.score_mod, self.mask_mod = spec.score_mod, spec.mask_mod
-        if self.score_mod is not None or self.mask_mod is not None:
-            self.b_idx = torch.arange(b0, b0 + B, device=q.device).view(B, 1, 1, 1)
-            self.h_idx = (torch.arange(H, device=q.device) + spec.head_start).view(1, H, 1, 1)
+        self.score_mod, self.mask_mod, self.b0 = spec.score_mod, spec.mask_mod, b0
 
     def _units(self, x: Tensor) -> Tensor:
         """A term added to the scores, in the units they have when it is added."""
         return x * LOG2E if self.fold_log2 else x
 
     def _idx(self, m0: int, m1: int, n0: int, n1: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        q_idx = (torch.arange(m0, m1, device=self.device) + self.spec.q_start).view(1, 1, -1, 1)
-        kv_idx = (torch.arange(n0, n1, device=self.device) + self.spec.k_start).view(1, 1, 1, -1)
-        return self.b_idx, self.h_idx, q_idx, kv_idx
+        return mod_index(self.spec, self.B, self.H, m0, m1, n0, n1, self.device, self.b0)
 
     def _score_mod(self, s: Tensor, m0: int, m1: int, n0: int, n1: int) -> Tensor:
         """``score_mod`` on a tile viewed as (B, H, BM, BN); back in the tile layout."""
@@ -209,17 +229,12 @@ class _Tile:
         if self.alibi5 is not None:
             key = (n0 - m0, m1 - m0, n1 - n0)
             if key not in self._alibi_dist:
-                offs_m = torch.arange(m0, m1, device=self.device)
-                offs_n = torch.arange(n0, n1, device=self.device)
-                rel = offs_n[None, :] - (offs_m[:, None] + self.band.offset)
-                self._alibi_dist[key] = rel.abs().to(self.acc_dtype)  # (BM, BN)
+                dist = alibi_distance(self.spec, m0, m1, n0, n1, self.device)[1]
+                self._alibi_dist[key] = dist.to(self.acc_dtype)  # (BM, BN)
             s5.addcmul_(self.alibi5, self._alibi_dist[key])
             return
-        offs_m = torch.arange(m0, m1, device=self.device) + self.spec.q_start
-        offs_n = torch.arange(n0, n1, device=self.device) + self.spec.k_start
-        seq, pos_m, pos_n = self.spec.alibi_rows(offs_m, offs_n)
-        dist = (pos_n[None, :] - pos_m[:, None]).abs().to(self.acc_dtype)  # (BM, BN)
-        s5.addcmul_(self.alibi_seq[:, :, seq].unsqueeze(-1), dist)  # (Hkv, G, BM, 1)
+        seq, dist = alibi_distance(self.spec, m0, m1, n0, n1, self.device)
+        s5.addcmul_(self.alibi_seq[:, :, seq].unsqueeze(-1), dist.to(self.acc_dtype))
 
     def scores(self, q_blk: Tensor, m0: int, m1: int, n0: int, n1: int, full: bool,
                track: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -283,9 +298,7 @@ class _Tile:
 
     def dropout_scale(self, m0: int, m1: int, n0: int, n1: int) -> Tensor:
         """Kept elements scaled by 1/(1-p), dropped ones 0: ``(B·Hkv, G·BM, BN)``."""
-        offs_m = torch.arange(m0, m1, device=self.device) + self.spec.q_start
-        offs_n = torch.arange(n0, n1, device=self.device) + self.spec.k_start
-        z = dropout_keep_scale(self.spec, self.bh, self.heads, self.h_glob, offs_m, offs_n,
+        z = dropout_keep_scale(self.spec, self.bh, self.heads, self.h_glob, m0, m1, n0, n1,
                                self.acc_dtype)  # (B, Hkv, G, BM, BN)
         return z.view(self.B * self.Hkv, self.G * (m1 - m0), n1 - n0)
 
