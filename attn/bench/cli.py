@@ -6,6 +6,7 @@ docs/conformance.md and docs/gpu.md show each in use.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -38,9 +39,8 @@ _REPORT_N = {("cpu", False): (512, 1024, 2048, 4096, 8192, 16384),
 
 
 def _top_level() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The ``attn`` parser with its commands and --version, and each command's parser. Alone
-    (without the commands' arguments) it is built without importing torch: enough to answer
-    ``attn``, ``attn --help`` and ``attn --version``."""
+    """The ``attn`` parser with its commands and --version, and each command's parser; alone
+    (without their arguments) it answers ``attn``, ``attn --help`` and ``attn --version``."""
     from attn import __version__
 
     parser = argparse.ArgumentParser(prog="attn", description=DESCRIPTION)
@@ -294,27 +294,22 @@ def _config(args: argparse.Namespace) -> SweepConfig:
         max_bytes=None if args.max_mem_gb is None else int(args.max_mem_gb * 2**30))
 
 
-def _progress(total: int, enabled: bool):
-    """A tqdm bar when tqdm is installed and wanted and stderr is a terminal, else None (one
-    line per point: redirected to a file, a bar's redraws would interleave with them)."""
-    if not enabled or not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="pt", file=sys.stderr, dynamic_ncols=True)
-
-
 def _sweep(cfg: SweepConfig, show_progress: bool, partial: Path, header: dict) -> list[Row]:
     """Run the sweep, printing each point as it finishes (above the progress bar, which
     names the point now running); after each point, rewrite ``partial`` (JSON) so an
-    interrupted hour-long sweep still leaves what it measured."""
+    interrupted hour-long sweep still leaves what it measured. The bar is tqdm's, when it is
+    installed and wanted and stderr is a terminal (redirected to a file, a bar's redraws
+    would interleave with the lines)."""
     from attn.bench import report
     from attn.bench.sweep import plan, run_sweep
 
     rows = plan(cfg)
-    bar = _progress(len(rows), show_progress)
+    bar = None
+    if show_progress and sys.stderr.isatty():
+        with contextlib.suppress(ImportError):
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(rows), unit="pt", file=sys.stderr, dynamic_ncols=True)
     if bar is not None and rows:
         bar.set_description(rows[0].label())
     done = []

@@ -1,14 +1,13 @@
-"""torch's own attention kernels as extra backends of a sweep, timed beside attn's:
-F.scaled_dot_product_attention with one kernel forced (:data:`SDPA_KERNELS`; plain ``sdpa``
-is attn's backend of that name, torch's own choice and the baseline of ``ratio_to_sdpa``)
-and FlexAttention compiled (``flex``; :func:`flex_variant` builds flex for an attn.attention
-variant, to time flex on the same variant). They call :data:`attn.sdpa.torch_sdpa`
-(:mod:`attn.sdpa` says why).
+"""torch's own attention kernels as competitor rows of a sweep (docs/benchmarks.md, 'The
+report'): SDPA with one kernel forced (:data:`SDPA_KERNELS`; plain ``sdpa`` is attn's backend,
+torch's own choice) and compiled FlexAttention (``flex``, :func:`flex_variant`), both through
+:data:`attn.sdpa.torch_sdpa` (:mod:`attn.sdpa` says why).
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Callable
 
@@ -75,10 +74,7 @@ def flex_variant(kw: dict, N: int, device: str, *, compile: bool = True
     keeps += [lambda i, j: j - i <= right] if right >= 0 else []
 
     def mask_mod(b, h, q_idx, kv_idx):
-        keep = keeps[0](q_idx, kv_idx)
-        for more in keeps[1:]:
-            keep = keep & more(q_idx, kv_idx)
-        return keep
+        return functools.reduce(operator.and_, (keep(q_idx, kv_idx) for keep in keeps))
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if cap is not None:

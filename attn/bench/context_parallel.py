@@ -194,20 +194,6 @@ def _run_world(P: int, cfg: dict) -> tuple[list[dict], list[dict]]:
     return rows, errors
 
 
-def _header(cfg: dict, argv: list[str], load_start: float) -> dict:
-    return {
-        **report.run_header("cpu", argv),
-        "backend": "gloo on 127.0.0.1, one process per rank, torch threads per rank: 1",
-        "loadavg_1min_start": load_start, "loadavg_1min_end": os.getloadavg()[0],
-        "memory_method": ("per rank: torch.profiler CPU allocator events, peak live bytes "
-                          f"above the inputs (error <= {CPU_ERROR_BYTES} bytes on a known "
-                          "allocation); the max over ranks"),
-        "time_method": "wall time of one call, median of --repeat runs after a warm-up, the "
-                       "slowest rank; ms_per_step = ms / P for the ring",
-        "config": dict(cfg),
-    }
-
-
 def markdown(header: dict, rows: list[dict], errors: list[dict]) -> str:
     lines = ["# Context parallelism on CPU (gloo)", "",
              f"{header['date']}, {header['device_name']} ({header['cpu_count']} cores), torch "
@@ -281,7 +267,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         r, e = _run_world(P, cfg)
         rows += r
         errors += e
-    header = _header(cfg, argv, load_start)
+    header = {
+        **report.run_header("cpu", argv),
+        "backend": "gloo on 127.0.0.1, one process per rank, torch threads per rank: 1",
+        "loadavg_1min_start": load_start, "loadavg_1min_end": os.getloadavg()[0],
+        "memory_method": ("per rank: torch.profiler CPU allocator events, peak live bytes "
+                          f"above the inputs (error <= {CPU_ERROR_BYTES} bytes on a known "
+                          "allocation); the max over ranks"),
+        "time_method": "wall time of one call, median of --repeat runs after a warm-up, the "
+                       "slowest rank; ms_per_step = ms / P for the ring",
+        "config": dict(cfg),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     png = plot(rows, args.out / "context_parallel.png")
     report.write_results(args.out, header, rows, markdown(header, rows, errors), also=(png,),

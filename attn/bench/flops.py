@@ -1,11 +1,5 @@
-"""FLOP counts of attention and the matmul rate of this device, measured in the same run.
-
-Attention forward is two matmuls, ``S = Q Kᵀ`` and ``O = P V``, each ``2·Nq·Nk·D``
-multiply-adds-as-two-FLOPs per (batch, head): ``4·B·H·Nq·Nk·D`` (with ``Dv = D``). Causal
-attention does about half of that. The backward recomputes ``S`` and forms ``dV``, ``dP``,
-``dQ``, ``dK``: five matmuls against the forward's two, 2.5× the forward. Softmax, masking
-and exp are not counted (the usual convention, FlashAttention's included), so TFLOP/s here is
-a matmul-equivalent rate comparable with the plain matmul rate below.
+"""FLOP counts of attention and the matmul rate of this device, measured in the same run; the
+count is docs/benchmarks.md's ('Reading the table', TFLOP/s): a matmul-equivalent rate.
 """
 
 from __future__ import annotations

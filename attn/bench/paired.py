@@ -1,9 +1,6 @@
-"""``attn bench speed --paired``: tiled against torch SDPA on CPU, as paired ratios.
-
-The contenders (:func:`contenders`) take turns round after round, each sample ``reps`` calls
-in a row (~50 ms, the same for every contender), and the ratio is the median over rounds of
-``sdpa time / contender time`` within the round (> 1: faster than SDPA): a slow minute of a
-shared machine lands on all of them alike (docs/benchmarks.md).
+"""``attn bench speed --paired``: :func:`contenders` against torch SDPA on CPU, taking turns
+round after round, as the median of the in-round ratios (docs/benchmarks.md, 'Measured: CPU,
+fp32, B=1, H=8, D=64').
 
     attn bench speed --paired --out benchmarks/results/cpu_ratio
 """
@@ -228,7 +225,7 @@ def matmul_rates(dtypes: list[str], n: int = 2048) -> dict[str, float]:
     return rates
 
 
-def _check(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.device not in (None, "cpu"):
         raise SystemExit("attn: --paired compares tiled's CPU paths with torch SDPA; it runs "
                          "on CPU only (drop --device)")
@@ -236,10 +233,6 @@ def _check(args: argparse.Namespace) -> None:
         if getattr(args, flag) is not None:
             raise SystemExit(f"attn: --paired runs a fixed set of contenders at a fixed B and "
                              f"H; --{flag} does not apply")
-
-
-def run(args: argparse.Namespace, argv: list[str]) -> int:
-    _check(args)
     square = args.shape == "square"
     B = 1 if args.batch is None else args.batch
     H = (8 if square else 32) if args.heads is None else args.heads

@@ -1,8 +1,5 @@
-"""PNG plots of a sweep: peak memory vs N (log–log), time and TFLOP/s vs N.
-
-On log–log axes a power law is a straight line whose slope is its exponent, so the
-reference's N² memory and the tiled backends' N memory are told apart at a glance; the grey
-dashed guides have slopes 1 and 2.
+"""PNG plots of a sweep: peak memory vs N (log–log, grey guides of slopes 1 and 2), time and
+TFLOP/s vs N; docs/benchmarks.md ('Reading the memory plot') reads them.
 """
 
 from __future__ import annotations

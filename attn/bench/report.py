@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 import json
 import os
 import platform
@@ -92,6 +93,9 @@ def make_header(cfg: SweepConfig, argv: list[str],
                 matmul_tflops: dict[str, float] | None = None) -> dict:
     """Everything needed to trust or reproduce the numbers: versions, device, date, command."""
     is_cuda = torch.device(cfg.device).type == "cuda"
+    # the sweep's settings as JSON; a user's function as its description
+    config = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    config["functions"] = {name: describe_function(fn) for name, fn in cfg.functions.items()}
     return {
         "schema": SCHEMA_VERSION,
         **run_header(cfg.device, argv),
@@ -103,19 +107,8 @@ def make_header(cfg: SweepConfig, argv: list[str],
                           f"inputs (error <= {CPU_ERROR_BYTES} bytes on a known allocation)"),
         "flops": "4*B*H*Nq*Nk*D forward, /2 causal, x3.5 forward+backward",
         "matmul_tflops": matmul_tflops or {},
-        "config": _config_dict(cfg),
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
     }
-
-
-def _config_dict(cfg: SweepConfig) -> dict:
-    """The sweep's settings as JSON; a user's function as its description."""
-    config = {}
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name == "functions":
-            value = {name: describe_function(fn) for name, fn in value.items()}
-        config[f.name] = list(value) if isinstance(value, tuple) else value
-    return config
 
 
 # -- correctness against the reference ---------------------------------------------------------
@@ -224,11 +217,9 @@ def per_path_lines(rows: list[dict], cells) -> list[str]:
 
 
 def markdown_tables(rows: list[dict]) -> str:
-    """One table per (dtype, D, causal, mode): ms, TFLOP/s, share of the matmul rate, peak
-    memory above the inputs, and sdpa's time over ours (> 1: faster than torch SDPA). B and H
-    go in the title when one value holds for the table, else in a column (a sweep at fixed
-    work per point). Points that did not run are listed under the table, one line per
-    backend and reason."""
+    """One table per (dtype, D, causal, mode) of docs/benchmarks.md's columns ('Reading the
+    table'); B and H in its title when one value holds for it, else in a column (fixed work per
+    point); the points that did not run under it, one line per backend and reason."""
     out = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -301,9 +292,8 @@ NOISY_JUMP = 2.0  # time growing this many times faster than the FLOPs from one 
 
 
 def noisy_points(rows: list[dict]) -> list[str]:
-    """Measurements not to trust as they are: a median far above the point's fastest run, a
-    time that grows much faster than the FLOPs from one N to the next (a busy moment), and a
-    share of the matmul rate above 100 % (the ceiling was read in a busy moment)."""
+    """Measurements not to trust as they are, one line each (docs/benchmarks.md, 'The
+    report', 5.): the busy moments a median, a time's growth or the matmul ceiling shows."""
     found = []
     series: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -370,42 +360,39 @@ def _meaning(backend: str, speed: float, memory: float | None) -> str:
 
 
 def conclusion(header: dict, rows: list[dict], checks: list[dict]) -> list[str]:
-    """The report's answer, as markdown list items: for each backend and mode, its speed and
-    peak memory against SDPA at the largest N both ran, whether its checks passed, and what
-    that means on this machine; then what makes the numbers less trustworthy."""
+    """The report's answer as markdown list items (docs/benchmarks.md, 'The report', 5.)."""
+    def point(r: dict) -> tuple:  # rows of one point compare with each other
+        return r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"], r["mode"]
+
     ok = [r for r in rows if r["status"] == "ok"]
-    sdpa = {(r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"], r["mode"]): r
-            for r in ok if r["backend"] == "sdpa"}
+    sdpa = {point(r): r for r in ok if r["backend"] == "sdpa"}
     lines = []
-    backends = list(dict.fromkeys(r["backend"] for r in ok if r["backend"] != "sdpa"))
-    modes = list(dict.fromkeys(r["mode"] for r in ok))
-    for backend in backends:
-        for mode in modes:
-            pairs = [(r, sdpa.get((r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"],
-                                   mode)))
-                     for r in ok if r["backend"] == backend and r["mode"] == mode]
-            pairs = [(r, s) for r, s in pairs if s is not None and r.get("ms") and s.get("ms")
-                     or s is not None and r.get("peak_bytes") and s.get("peak_bytes")]
-            if not pairs:
-                continue
-            r, s = max(pairs, key=lambda p: (p[0]["N"], not p[0]["causal"]))
-            what = []
-            speed = s["ms"] / r["ms"] if r.get("ms") and s.get("ms") else None
-            memory = (r["peak_bytes"] / s["peak_bytes"] if r.get("peak_bytes")
-                      and s.get("peak_bytes") else None)
-            if speed is not None:
-                what.append(f"{speed:.2f}× SDPA's speed ({_ms(r['ms'])} vs {_ms(s['ms'])} ms)")
-            if memory is not None:
-                what.append(f"{memory:.2f}× SDPA's peak memory ({_mib(r['peak_bytes'])} vs "
-                            f"{_mib(s['peak_bytes'])} MiB)")
-            line = (f"- **{backend}** {mode}, N={r['N']}{' causal' if r['causal'] else ''} "
-                    f"{r['dtype']} D={r['D']}: {', '.join(what)}; {_checked(backend, checks)}")
-            if backend != "reference" and speed is not None:
-                meaning = _meaning(backend, speed, memory)
-                line += f". {meaning[0].upper()}{meaning[1:]}."
-            elif backend == "reference":
-                line += " (exact, not meant to be fast)."
-            lines.append(line)
+    backends = dict.fromkeys(r["backend"] for r in ok if r["backend"] != "sdpa")
+    for backend, mode in itertools.product(backends, dict.fromkeys(r["mode"] for r in ok)):
+        pairs = [(r, sdpa[point(r)]) for r in ok
+                 if r["backend"] == backend and r["mode"] == mode and point(r) in sdpa]
+        pairs = [(r, s) for r, s in pairs if r.get("ms") and s.get("ms")
+                 or r.get("peak_bytes") and s.get("peak_bytes")]
+        if not pairs:
+            continue
+        r, s = max(pairs, key=lambda p: (p[0]["N"], not p[0]["causal"]))
+        what = []
+        speed = s["ms"] / r["ms"] if r.get("ms") and s.get("ms") else None
+        memory = (r["peak_bytes"] / s["peak_bytes"] if r.get("peak_bytes")
+                  and s.get("peak_bytes") else None)
+        if speed is not None:
+            what.append(f"{speed:.2f}× SDPA's speed ({_ms(r['ms'])} vs {_ms(s['ms'])} ms)")
+        if memory is not None:
+            what.append(f"{memory:.2f}× SDPA's peak memory ({_mib(r['peak_bytes'])} vs "
+                        f"{_mib(s['peak_bytes'])} MiB)")
+        line = (f"- **{backend}** {mode}, N={r['N']}{' causal' if r['causal'] else ''} "
+                f"{r['dtype']} D={r['D']}: {', '.join(what)}; {_checked(backend, checks)}")
+        if backend != "reference" and speed is not None:
+            meaning = _meaning(backend, speed, memory)
+            line += f". {meaning[0].upper()}{meaning[1:]}."
+        elif backend == "reference":
+            line += " (exact, not meant to be fast)."
+        lines.append(line)
     if not lines:
         lines.append("- no backend ran beside sdpa at a common point: nothing to compare")
     warning = load_warning(header)

@@ -1,11 +1,8 @@
-"""The sweep runner: backends × N × D × causal × dtype × {fwd, fwd+bwd} on one device.
-
-Each point allocates its inputs, measures peak memory above them with one call, then times
-the call (:mod:`attn.timing`); every backend of one shape runs back to back, so
-``ratio_to_sdpa = sdpa_ms / ms`` compares like with like. The backends are attn's, torch's
-own kernels by name (:mod:`attn.bench.competitors`) and users' functions
-(``SweepConfig(backends=(..., fn))``, ``fn(q, k, v, causal=True)`` in attn's convention, as
-``attn.adapters.adapt`` makes it; docs/benchmarks.md, ``--fn``).
+"""The sweep runner: backends × N × D × causal × dtype × {fwd, fwd+bwd} on one device
+(docs/benchmarks.md, 'The report'). Each point's inputs exist before its memory call and its
+timed calls (:mod:`attn.timing`); the backends of one shape run back to back, so
+``ratio_to_sdpa = sdpa_ms / ms`` compares like with like. Users' functions (docs/benchmarks.md,
+``--fn``) are called as ``fn(q, k, v, causal=True)``, attn's convention (attn.adapters.adapt).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ docs/benchmarks.md ("Memory of a training step") has the method and the numbers.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -93,11 +94,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     header["model"] = {"n_layer": args.n_layer, "dim": args.dim, "heads": args.heads,
                        "batch": args.batch, "repeats": args.repeats}
     rows = []
-    for n in args.lengths:
-        for backend in args.backends:
-            rows.append(measure(n, backend, args))
-            r = rows[-1]
-            print(f"N={n} {backend}: peak {r['peak_bytes'] / 2**20:,.1f} MiB, "
-                  f"{r['step_ms']:,.0f} ms", file=sys.stderr, flush=True)
+    for n, backend in itertools.product(args.lengths, args.backends):
+        r = measure(n, backend, args)
+        rows.append(r)
+        print(f"N={n} {backend}: peak {r['peak_bytes'] / 2**20:,.1f} MiB, "
+              f"{r['step_ms']:,.0f} ms", file=sys.stderr, flush=True)
     report.write_results(args.out, header, rows, markdown(header, rows))
     return 0
