@@ -90,8 +90,7 @@ def decode(q: Tensor, cache: PagedKVCache, *, seq_ids: Tensor | list[int] | None
     rows = _seq_rows(seq_ids, cache, q)
     B, H, Nq, D = q.shape
     k_pages = cache.k_pages
-    Hkv = cache.heads_kv
-    if D != cache.head_dim or H % Hkv or q.device != k_pages.device:
+    if D != cache.head_dim or H % cache.heads_kv or q.device != k_pages.device:
         pages = (*k_pages.shape[:3], cache.head_dim)
         raise ValueError(f"q (B, H, Nq, D) = {tuple(q.shape)} on {q.device} does not fit the "
                          f"cache's pages (num_blocks, page, Hkv, D) = {pages} "
@@ -125,38 +124,33 @@ def _read(q: Tensor, cache: PagedKVCache, rows: Tensor | None, causal, window, s
             raise NotImplementedError("decode from a quantized cache under torch.func.vmap: "
                                       "call it once per sample")
         read = "copy"  # the cache's keys as one batch, through attention's vmap rule
-    if quantized_q:
-        _check_quantized_q(cache, read)
+    if quantized_q and (cache.quant is None or not cache.quant.int8_per_token):
+        raise ValueError(f"quantized_q scores int8 keys with one scale per token (KVQuant("
+                         f"'int8')), but the cache holds {cache.quant or cache.storage_dtype}")
+    if quantized_q and read != "tiled":
+        raise ValueError(f"quantized_q runs on the tiled read (on {_PAGED_DEVICES}); this call "
+                         f"reads the cache by {read!r}")
     if read != "copy":
         return _paged(q, cache, rows, read, causal, window, scale, softcap, alibi_slopes, sinks,
                       return_lse, quantized_q)
     if rows is not None:
         cache = cache.select(rows)
     lengths = cache.lengths - cache.starts
-    kw = dict(causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
-              alibi_slopes=alibi_slopes)
+    kw = dict(scale=scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     if B == 0 or int(lengths.max()) == 0:  # no sequence has a key
         none = q.new_empty(B, cache.heads_kv, 0, cache.head_dim_v)
         return _no_keys(q, none, none, sinks=sinks, linked=())
-    if cache.equal_lengths:  # one view when batch_is_view, else copied head-major
-        return _batched(q, cache, kw)
-    return _packed(q, cache, lengths, kw)
-
-
-def _check_quantized_q(cache: PagedKVCache, read: str) -> None:
-    quant = cache.quant
-    if quant is None or not quant.int8_per_token:
-        raise ValueError(f"quantized_q scores int8 keys with one scale per token (KVQuant("
-                         f"'int8')), but the cache holds {quant or cache.storage_dtype}")
-    if read != "tiled":
-        raise ValueError(f"quantized_q runs on the tiled read (on {_PAGED_DEVICES}); this call "
-                         f"reads the cache by {read!r}")
+    if cache.equal_lengths:  # one dense call: a view when batch_is_view, else copied head-major
+        k, v = (t.to(q.dtype) for t in cache.batch_kv())
+        band = make_band(Nq, k.shape[2], causal=bool(causal), window=window_pair(window))
+        return attend(q, k, v, band=band, backend="auto", return_lse=True, **kw)
+    return _packed(q, cache, lengths, dict(kw, causal=causal, window=window))
 
 
 def _paged(q, cache: PagedKVCache, rows, read: str, causal, window, scale, softcap,
            alibi_slopes, sinks, return_lse, quantized_q: bool = False):
-    """The pages read through the block table (``read``: :func:`read_plan`'s "tiled" or
-    "triton"): the variants checked and resolved as every entry's are, against one key per
+    """The pages read through the block table (``read``: :func:`read_plan`'s "fused", "tiled"
+    or "triton"): the variants checked and resolved as every entry's are, against one key per
     row, the band counted from each sequence's end, the rows of ``seq_ids`` picked from the
     table (a copy of table rows, not of pages; on triton's device for triton)."""
     B, H, Nq, D = q.shape
@@ -248,14 +242,6 @@ def _fused_reason(q: Tensor, cache: PagedKVCache, causal, window, softcap, alibi
         alibi=alibi_slopes is not None,
         transform=transforms.active(q, softcap, sinks, alibi_slopes)))
     return None if choice.name == "fused" else choice.reason
-
-
-def _batched(q, cache: PagedKVCache, kw) -> tuple[Tensor, Tensor]:
-    """Sequences of equal lengths as one dense call (q is checked: no second check of it)."""
-    k, v = (t.to(q.dtype) for t in cache.batch_kv())
-    band = make_band(q.shape[2], k.shape[2], causal=bool(kw.pop("causal")),
-                     window=window_pair(kw.pop("window")))
-    return attend(q, k, v, band=band, backend="auto", return_lse=True, **kw)
 
 
 def _packed(q, cache: PagedKVCache, lengths: Tensor, kw) -> tuple[Tensor, Tensor]:

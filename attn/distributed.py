@@ -17,6 +17,7 @@ Ulysses steps, the tests and the measurements: docs/context-parallel.md.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -101,10 +102,8 @@ def _place(out: Tensor, parts: list[Tensor], ranges: list[list[tuple[int, int]]]
     """``out`` with each rank's shard ``parts[r]`` written at its global ``ranges[r]`` along
     ``dim``: the inverse of :func:`_take` for every rank at once."""
     for part, rs in zip(parts, ranges):
-        off = 0
-        for a, b in rs:
-            out.narrow(dim, a, b - a).copy_(part.narrow(dim, off, b - a))
-            off += b - a
+        for l0, l1, a in _pieces(rs):
+            out.narrow(dim, a, l1 - l0).copy_(part.narrow(dim, l0, l1 - l0))
     return out
 
 
@@ -120,16 +119,13 @@ def _all_gather_seq(x_l: Tensor, layout: str, group, dim: int) -> Tensor:
     if lens != want:
         raise ValueError(f"gather_sequence: shard lengths {lens} along dim {dim} are not the "
                          f"{layout!r} split of N = {n} over {P} ranks ({want})")
-    width = max(lens)
-    pad = list(x_l.shape)
-    pad[dim] = width - x_l.shape[dim]
+    before, after = x_l.shape[:dim], x_l.shape[dim + 1:]
     # gloo's all_gather needs equal shapes: pad the short shards (by at most 2 positions)
-    x_p = torch.cat([x_l, x_l.new_zeros(pad)], dim=dim).contiguous()
+    pad = x_l.new_zeros(*before, max(lens) - x_l.shape[dim], *after)
+    x_p = torch.cat([x_l, pad], dim=dim).contiguous()
     parts = [torch.empty_like(x_p) for _ in range(P)]
     dist.all_gather(parts, x_p, group=group)
-    shape = list(x_l.shape)
-    shape[dim] = n
-    return _place(x_l.new_empty(shape), parts, shard_ranges(n, P, layout), dim)
+    return _place(x_l.new_empty(*before, n, *after), parts, shard_ranges(n, P, layout), dim)
 
 
 def _shard_or_gather(x: Tensor, to_full: bool, layout: str, group, dim: int) -> Tensor:
@@ -140,21 +136,18 @@ def _shard_or_gather(x: Tensor, to_full: bool, layout: str, group, dim: int) -> 
     return _take(x, shard_ranges(x.shape[dim], P, layout)[rank], dim)
 
 
-class _Reshard(torch.autograd.Function):
-    """Shard (``to_full=False``) or gather along ``dim``; the backward is the other one. A
-    shard's gradient is every rank's part gathered (the gradient of a replicated input under
-    a replicated loss, see the module docstring); a gather's is this rank's part (each rank
-    computes the same loss from the gathered tensor, so no sum is needed)."""
+class _Inverse(torch.autograd.Function):
+    """``move(x, True)``, whose backward is ``move(g, False)``: a collective whose gradient
+    is its inverse (shard and gather, the all-to-alls of sequence and head shards)."""
 
     @staticmethod
-    def forward(ctx, x, to_full, layout, group, dim):
-        ctx.to_full, ctx.layout, ctx.group, ctx.dim = to_full, layout, group, dim
-        return _shard_or_gather(x, to_full, layout, group, dim)
+    def forward(ctx, x, move):
+        ctx.move = move
+        return move(x, True)
 
     @staticmethod
     def backward(ctx, g):
-        g = _shard_or_gather(g, not ctx.to_full, ctx.layout, ctx.group, ctx.dim)
-        return g, None, None, None, None
+        return ctx.move(g, False), None
 
 
 def shard_sequence(x: Tensor, layout: str = "zigzag", group=None, *, dim: int = 2) -> Tensor:
@@ -170,7 +163,8 @@ def shard_sequence(x: Tensor, layout: str = "zigzag", group=None, *, dim: int = 
     if x.dim() <= dim or x.shape[dim] < P:
         raise ValueError(f"shard_sequence: x of shape {tuple(x.shape)} needs a dim {dim} of "
                          f"length >= {P} (the world size) so that no rank is empty")
-    return _Reshard.apply(x, False, layout, group, dim)
+    # the gradient of a replicated input under a replicated loss: every rank's part gathered
+    return _Inverse.apply(x, lambda t, fwd: _shard_or_gather(t, not fwd, layout, group, dim))
 
 
 def gather_sequence(x_l: Tensor, layout: str = "zigzag", group=None, *, dim: int = 2) -> Tensor:
@@ -182,7 +176,8 @@ def gather_sequence(x_l: Tensor, layout: str = "zigzag", group=None, *, dim: int
     _check_tensor("x_l", x_l)
     if x_l.dim() <= dim:
         raise ValueError(f"gather_sequence: x_l of shape {tuple(x_l.shape)} has no dim {dim}")
-    return _Reshard.apply(x_l, True, layout, group, dim)
+    # each rank computes the same loss from the gathered tensor: its part, no sum needed
+    return _Inverse.apply(x_l, lambda t, fwd: _shard_or_gather(t, fwd, layout, group, dim))
 
 
 # -- validation: locally, then one all-gather so that every rank raises together ---------------
@@ -197,7 +192,6 @@ class _Call:
     layout: str
     q_ranges: list[list[tuple[int, int]]]  # per rank, global query ranges
     k_ranges: list[list[tuple[int, int]]]
-    k_lens: list[int]  # keys per rank
     spec: LaunchSpec
     backend: str
     extra: dict = field(default_factory=dict)
@@ -300,7 +294,7 @@ def _prepare(strategy: str, q, k, v, *, group, **kw) -> tuple["_Call", Operands]
     and the shared dropout seed on the call :func:`attn.call.resolve` made; ``kw``: the
     public function's keywords but ``group`` and ``return_lse``."""
     rank, P = _world(group)
-    causal, layout, window, backend = kw["causal"], kw["layout"], kw["window"], kw["backend"]
+    layout = kw["layout"]
     try:
         local, (call, spec, ops) = _check_local(strategy, q, k, v, **kw)
         if strategy == "ulysses_attention":
@@ -308,15 +302,15 @@ def _prepare(strategy: str, q, k, v, *, group, **kw) -> tuple["_Call", Operands]
     except (ValueError, TypeError, NotImplementedError) as exc:
         local = exc
     records = _agree(strategy, group, local)
-    n_q = sum(r["q"][2] for r in records)
-    n_k = sum(r["k"][2] for r in records)
-    band = make_band(n_q, n_k, causal=causal, window=window_pair(window))
+    q_lens, k_lens = ([r[name][2] for r in records] for name in ("q", "k"))  # per rank
+    n_q, n_k = sum(q_lens), sum(k_lens)
+    band = make_band(n_q, n_k, causal=kw["causal"], window=window_pair(kw["window"]))
     spec = replace(spec, band=band, dropout_seed=_draw_seed(float(kw["dropout_p"]), group))
     # the shape one launch sees, the same on every rank: the ring's largest (local queries,
     # one rank's keys) pair, Ulysses' whole sequence
-    shape = (dict(n_q=max(r["q"][2] for r in records), n_k=max(r["k"][2] for r in records))
-             if strategy == "ring_attention" else dict(n_q=n_q, n_k=n_k))
-    choice = select_backend(replace(call, band=band, **shape), backend)
+    shape = (dict(n_q=max(q_lens), n_k=max(k_lens)) if strategy == "ring_attention"
+             else dict(n_q=n_q, n_k=n_k))
+    choice = select_backend(replace(call, band=band, **shape), kw["backend"])
     name, reason = choice.name, choice.reason
     if name == "fused":
         why = _fused_refuses(spec, ops, band, records)
@@ -324,8 +318,7 @@ def _prepare(strategy: str, q, k, v, *, group, **kw) -> tuple["_Call", Operands]
             name, reason = "tiled", f"{reason}; tiled instead: {why}"
     c = _Call(rank=rank, P=P, group=group, layout=layout,
               q_ranges=shard_ranges(n_q, P, layout), k_ranges=shard_ranges(n_k, P, layout),
-              k_lens=[r["k"][2] for r in records], spec=spec, backend=name,
-              extra={"reason": reason})
+              spec=spec, backend=name, extra={"reason": reason})
     return c, ops
 
 
@@ -342,11 +335,9 @@ def _fused_refuses(spec: LaunchSpec, ops: Operands, band: Band, records: list[di
     return why
 
 
-def _rows(c: _Call, t: Tensor | None, rows: slice) -> Tensor | None:
+def _rows(c: _Call, t: Tensor, rows: slice) -> Tensor:
     """Query rows of a per-query tensor for a launch: a view for tiled; a contiguous copy
     for triton, whose backward indexes lse and Δ as if (B, H, Nq) were contiguous."""
-    if t is None:
-        return None
     t = t[:, :, rows]
     return t.contiguous() if c.backend == "triton" else t
 
@@ -357,19 +348,14 @@ def _launchers(backend: str):
     call chose (``tiled``, ``fused`` or ``triton``). Looked up at each call, so a test that
     wraps a backend's ``_fwd`` / ``_bwd`` sees the ring's launches."""
     if backend == "fused":
-        return fused._fwd, _fused_bwd
+        # a fused step never has a softcap (refused in _fused_refuses), so need_dcap asks for
+        # nothing; no precise recompute (docs/context-parallel.md, "Ring")
+        return fused._fwd, lambda *a, need_dcap=False: fused._bwd(*a)
     if backend == "triton":
         from attn import flash_triton as mod
     else:
         from attn import tiled as mod
     return mod._fwd, mod._bwd
-
-
-def _fused_bwd(do, dlse, q, k, v, out, lse, spec, ops, *, need_dcap: bool = False):
-    """fused's backward with tiled's keyword: a fused step never has a softcap (refused in
-    :func:`_fused_refuses`), so ``need_dcap`` asks for nothing here; no ``precise``
-    recompute (docs/context-parallel.md, "Ring")."""
-    return fused._bwd(do, dlse, q, k, v, out, lse, spec, ops)
 
 
 # -- ring attention ----------------------------------------------------------------------------
@@ -423,12 +409,8 @@ def _timed(stats: RingStats):
 
 def _pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Non-empty ``(local_start, local_end, global_start)`` pieces of one rank's ranges."""
-    out, off = [], 0
-    for a, b in ranges:
-        if b > a:
-            out.append((off, off + b - a, a))
-        off += b - a
-    return out
+    ends = itertools.accumulate(b - a for a, b in ranges)
+    return [(end - (b - a), end, a) for end, (a, b) in zip(ends, ranges) if b > a]
 
 
 def _step_pairs(c: _Call, src: int, stats: RingStats):
@@ -458,20 +440,14 @@ def _unpack(c: _Call, flat: Tensor, src: int, widths: tuple[int, ...], like: Ten
             ) -> list[list[Tensor]]:
     """The inverse of :func:`_pack`: for each packed tensor, its pieces (B, Hkv, n, width)."""
     B, Hkv = like.shape[:2]
-    out, off = [], 0
-    for w in widths:
-        views = []
-        for a, b, _ in _pieces(c.k_ranges[src]):
-            n = B * Hkv * (b - a) * w
-            views.append(flat[off:off + n].view(B, Hkv, b - a, w))
-            off += n
-        out.append(views)
-    return out
+    pieces = _pieces(c.k_ranges[src])
+    parts = iter(flat.split([B * Hkv * (b - a) * w for w in widths for a, b, _ in pieces]))
+    return [[next(parts).view(B, Hkv, b - a, w) for a, b, _ in pieces] for w in widths]
 
 
 def _kv_numel(c: _Call, k: Tensor, v: Tensor, src: int) -> int:
     B, Hkv = k.shape[:2]
-    return B * Hkv * c.k_lens[src] * (k.shape[-1] + v.shape[-1])
+    return B * Hkv * _lengths(c.k_ranges)[src] * (k.shape[-1] + v.shape[-1])
 
 
 class _Transfer:
@@ -521,43 +497,34 @@ def _ring_fwd(c: _Call, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
     B, H, n_l, _ = q.shape
     acc = acc_dtype(q.dtype)
     q_pieces = _pieces(c.q_ranges[c.rank])
-    # running state per query piece; the sinks are one more partial, with zero values
-    state = []
-    for ql0, ql1, _ in q_pieces:
-        lse0 = torch.full((B, H, ql1 - ql0), float("-inf"), dtype=acc, device=q.device)
-        if sinks is not None:
-            lse0 = sinks.detach().to(acc).view(1, H, 1).expand_as(lse0).clone()
-        state.append((torch.zeros(B, H, ql1 - ql0, v.shape[-1], dtype=acc, device=q.device),
-                      lse0))
+    # the running state, merged piece by piece; the sinks are one more partial, zero values
+    out = torch.zeros(B, H, n_l, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((B, H, n_l), float("-inf"), dtype=acc, device=q.device)
+    if sinks is not None:
+        lse = sinks.detach().to(acc).view(1, H, 1).expand_as(lse).clone()
     for src, k_s, v_s in _ring_steps(c, k, v, stats):
         partials: list[list[tuple[Tensor, Tensor]]] = [[] for _ in q_pieces]
         for qi, rows, ki, spec in _step_pairs(c, src, stats):
             partials[qi].append(fwd(_rows(c, q, rows), k_s[ki], v_s[ki], spec, ops))
-        for qi, parts in enumerate(partials):
+        for (ql0, ql1, _), parts in zip(q_pieces, partials):
             if parts:  # the running state first: the merge keeps its (accumulation) dtype
-                state[qi] = _merge_trusted([state[qi][0]] + [p[0] for p in parts],
-                                           [state[qi][1]] + [p[1] for p in parts])
-    out = torch.empty(B, H, n_l, v.shape[-1], dtype=v.dtype, device=q.device)
-    lse = torch.full((B, H, n_l), float("-inf"), dtype=acc, device=q.device)
-    for (ql0, ql1, _), (o, l) in zip(q_pieces, state):
-        out[:, :, ql0:ql1] = o
-        lse[:, :, ql0:ql1] = l
-    return out, lse
+                r = slice(ql0, ql1)
+                out[:, :, r], lse[:, :, r] = _merge_trusted(
+                    [out[:, :, r]] + [p[0] for p in parts], [lse[:, :, r]] + [p[1] for p in parts])
+    return out.to(v.dtype), lse
 
 
 def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bool):
     # the forward's caller reads these (autograd may run this on another thread); zeroed, so
     # a second backward of the same graph counts afresh
     stats = c.extra["backward_stats"]
-    vars(stats).update(vars(RingStats()))
-    stats.backend, stats.reason = c.backend, c.extra["reason"]
+    vars(stats).update(vars(RingStats(backend=c.backend, reason=c.extra["reason"])))
     _, bwd = _launchers(c.backend)
     ops = Operands(softcap=cap_t)
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dcap = None
-    if cap_t is not None and need_dcap:
-        dcap = torch.zeros(q.shape[1], dtype=acc, device=q.device)
+    dcap = (torch.zeros(q.shape[1], dtype=acc, device=q.device)
+            if cap_t is not None and need_dcap else None)
     widths = (k.shape[-1], v.shape[-1])
     dkv_hop = None
     for src, k_s, v_s in _ring_steps(c, k, v, stats):
@@ -581,8 +548,7 @@ def _ring_bwd(c: _Call, do, dlse, q, k, v, out, lse, sinks, cap_t, need_dcap: bo
             stats.dkv_exchanges += 1
     if dkv_hop is not None:
         dkv = dkv_hop.wait()
-    dk_p, dv_p = _unpack(c, dkv, c.rank, widths, k)
-    dk, dv = torch.cat(dk_p, dim=2), torch.cat(dv_p, dim=2)
+    dk, dv = (torch.cat(parts, dim=2) for parts in _unpack(c, dkv, c.rank, widths, k))
     return dq, dk, dv, call_sink_grad(sinks, do, dlse, out, lse, acc), dcap
 
 
@@ -597,10 +563,9 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sinks, cap_t = ctx.saved_tensors
-        do = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv, dsinks, dcap = _ring_bwd(ctx.c, do, dlse, q, k, v, out, lse, sinks, cap_t,
-                                             bool(ctx.needs_input_grad[4]))
+        q, k, v, out, lse, sinks, cap_t = ctx.saved_tensors  # dout, dlse: zeros where unused
+        dq, dk, dv, dsinks, dcap = _ring_bwd(ctx.c, dout.contiguous(), dlse, q, k, v, out, lse,
+                                             sinks, cap_t, bool(ctx.needs_input_grad[4]))
         if dcap is not None:
             dcap = reduce_to(dcap, cap_t.shape).to(cap_t.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
@@ -693,18 +658,11 @@ def _head_to_seq(c: _Call, x: Tensor, ranges: list[list[tuple[int, int]]]) -> Te
     return recv.view(c.P, B, hp, n_l, D).transpose(0, 1).reshape(B, c.P * hp, n_l, D)
 
 
-class _AllToAll(torch.autograd.Function):
+def _all_to_all(x: Tensor, c: _Call, ranges: list[list[tuple[int, int]]], to_heads: bool
+                ) -> Tensor:
     """Sequence shards → head shards (``to_heads``) or back; the backward is the other way."""
-
-    @staticmethod
-    def forward(ctx, x, c, ranges, to_heads: bool):
-        ctx.c, ctx.ranges, ctx.to_heads = c, ranges, to_heads
-        return (_seq_to_head if to_heads else _head_to_seq)(c, x.contiguous(), ranges)
-
-    @staticmethod
-    def backward(ctx, g):
-        back = _head_to_seq if ctx.to_heads else _seq_to_head
-        return back(ctx.c, g.contiguous(), ctx.ranges), None, None, None
+    return _Inverse.apply(x, lambda t, fwd: (_seq_to_head if fwd == to_heads else _head_to_seq)(
+        c, t.contiguous(), ranges))
 
 
 def ulysses_attention(
@@ -742,19 +700,19 @@ def ulysses_attention(
     rep = _ulysses_heads(H, k.shape[1], P)
     if rep > 1:  # (B, Hkv, N_r, D) → (B, P, N_r, D): KV head i on the ranks that read it
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    q_h = _AllToAll.apply(q, c, c.q_ranges, True)  # (B, H/P, Nq, D)
-    k_h = _AllToAll.apply(k, c, c.k_ranges, True)  # (B, Hkv/P or 1, Nk, D)
-    v_h = _AllToAll.apply(v, c, c.k_ranges, True)
+    q_h = _all_to_all(q, c, c.q_ranges, True)  # (B, H/P, Nq, D)
+    k_h = _all_to_all(k, c, c.k_ranges, True)  # (B, Hkv/P or 1, Nk, D)
+    v_h = _all_to_all(v, c, c.k_ranges, True)
     spec = c.spec.shard(head_start=h0, heads_total=H)  # the dropout hash reads global heads
     heads = slice(h0, h0 + hp)  # this rank's query heads: their temperature, softcap, sinks
     ops_h = Operands(softcap=None if ops.softcap is None else ops.softcap.expand(H)[heads],
                      sinks=None if sinks is None else sinks[heads],
                      q_scale=None if ops.q_scale is None else ops.q_scale[:, heads])
     out_h, lse_h = run(c.backend, q_h, k_h, v_h, spec, ops_h)
-    out = _AllToAll.apply(out_h, c, c.q_ranges, False)  # (B, H, Nq_r, Dv)
+    out = _all_to_all(out_h, c, c.q_ranges, False)  # (B, H, Nq_r, Dv)
     if not return_lse:
         return out
-    lse = _AllToAll.apply(lse_h.unsqueeze(-1), c, c.q_ranges, False).squeeze(-1)  # (B, H, Nq_r)
+    lse = _all_to_all(lse_h.unsqueeze(-1), c, c.q_ranges, False).squeeze(-1)  # (B, H, Nq_r)
     return out, lse
 
 

@@ -1,13 +1,9 @@
 """Quantized KV-cache formats: what a code means, how values become codes and back, and what a
-token costs in bytes.
+token costs in bytes. Nothing here knows about pages or sequences.
 
-Every format is symmetric (no zero point) and stores plain integer tensors beside fp16
-scales, so a kernel can read them with integer loads and arithmetic alone: ``int8``,
-``int4`` (two per byte) and ``fp8_e4m3`` (bytes, decoded by :func:`e4m3_to_float`), keys
-optionally per channel (KIVI, Liu et al. 2024: :func:`quantize_channels`). Scales are
-rounded to fp16 before the codes are made, so ``code · s`` is the exact dequantized value
-(an 8-bit code times an 11-bit mantissa is exact in float32). The table of codes, scales
-and bytes per token: docs/kvcache.md. Nothing here knows about pages or sequences.
+``int8``, ``int4`` (two per byte) and ``fp8_e4m3`` (bytes, :func:`e4m3_to_float`), keys
+optionally per channel (KIVI, Liu et al. 2024: :func:`quantize_channels`). The formats, why
+``code · s`` is exact, and the bytes per token: docs/kvcache.md, "Quantized caches".
 """
 
 from __future__ import annotations
