@@ -53,13 +53,6 @@ def _call(strategy: str):
     return cp.ring_attention if strategy == "ring" else cp.ulysses_attention
 
 
-def _comm_s(strategy: str, bwd: bool) -> float:
-    if strategy == "ulysses":
-        return cp.last_ulysses_stats.comm_wait_s  # forward and backward all-to-alls
-    return cp.last_ring_stats.comm_wait_s + (cp.last_ring_backward_stats.comm_wait_s
-                                             if bwd else 0.0)
-
-
 def _point(cfg: dict, strategy: str, N: int, mode: str, rank: int, P: int) -> dict:
     B, H, D, layout = cfg["batch"], cfg["heads"], cfg["d"], cfg["layout"]
     row = dict(strategy=strategy, P=P, N=N, mode=mode, B=B, H=H, D=D, layout=layout,
@@ -87,7 +80,10 @@ def _point(cfg: dict, strategy: str, N: int, mode: str, rank: int, P: int) -> di
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-        comm.append(_comm_s(strategy, bwd))
+        # the call's wait on communication (ulysses': its forward and backward all-to-alls)
+        comm.append(cp.last_ulysses_stats.comm_wait_s if strategy == "ulysses"
+                    else cp.last_ring_stats.comm_wait_s
+                    + (cp.last_ring_backward_stats.comm_wait_s if bwd else 0.0))
     t = sorted(times)[len(times) // 2]
     c = sorted(comm)[len(comm) // 2]
     # the slowest rank sets the pace; memory: every rank's, and the max
@@ -244,9 +240,8 @@ def plot(rows: list[dict], path: Path) -> Path:
                 label = f"{strategy} P={P}"
                 axes[0][j].plot(ns, [p[1] / 2**20 for p in pts], ls, marker="o", label=label)
                 axes[1][j].plot(ns, [p[2] for p in pts], ls, marker="o", label=label)
-        for i, (ylabel, title) in enumerate((("peak MiB per rank (above inputs)", "memory"),
-                                             ("ms per call (slowest rank)", "time"))):
-            ax = axes[i][j]
+        for ax, ylabel, title in zip(axes[:, j], ("peak MiB per rank (above inputs)",
+                                                  "ms per call (slowest rank)"), ("memory", "time")):
             ax.set_xscale("log", base=2)
             ax.set(yscale="log", xlabel="sequence length N", ylabel=ylabel,
                    title=f"{title}, {mode}")

@@ -2,8 +2,6 @@
 through :func:`attn.decode` from each cache format (:data:`FORMATS`), contiguous and paged
 (:func:`_fill`), against torch SDPA on dense fp32 and bf16 caches, on CPU; docs/benchmarks.md
 ("Decoding from quantized and paged caches") has the method and the numbers.
-
-    attn bench decode --caches --out benchmarks/results/decode_caches_cpu
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ count is docs/benchmarks.md's ('Reading the table', TFLOP/s): a matmul-equivalen
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from attn.timing import benchmark
@@ -28,13 +30,13 @@ def attention_flops(B: int, H: int, Nq: int, Nk: int, D: int, *, Dv: int | None 
 
 
 def matmul_tflops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  n: int | None = None, repeats: int = 5) -> float:
-    """TFLOP/s of an ``n × n`` by ``n × n`` matmul (``2·n³`` FLOPs) on this device and dtype:
-    the ceiling attention's matmul-equivalent rate is compared against."""
+                  n: int | None = None, repeats: int = 5, mm: Callable = torch.matmul) -> float:
+    """TFLOP/s of an ``n × n`` by ``n × n`` matmul ``mm`` (``2·n³`` FLOPs) on this device and
+    dtype: the ceiling attention's matmul-equivalent rate is compared against."""
     device = torch.device(device)
     if n is None:
         n = 4096 if device.type == "cuda" else 1024
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=g).to(device=device, dtype=dtype) for _ in range(2))
-    t = benchmark(lambda: a @ b, device=device, warmup=2, repeats=repeats)
+    t = benchmark(lambda: mm(a, b), device=device, warmup=2, repeats=repeats)
     return 2.0 * n**3 / (t.median_ms * 1e-3) / 1e12

@@ -1,7 +1,5 @@
 """``attn bench hf``: a Hugging Face causal LM on CPU with attn_implementation eager, sdpa, attn.
 
-    attn bench hf --out benchmarks/results/hf_cpu --context 2048 8192 32768
-
 A Llama built from a config (:class:`Shape`), per context N one prompt prefilled and decoded
 greedily by each implementation, each prefill's last logits compared with eager's;
 docs/benchmarks.md ("A Llama in transformers on CPU") has the method and the numbers.

@@ -4,8 +4,6 @@ Random-weight decoders of the families ``tests/test_hf.py`` runs (and a larger L
 ``--large``) decode random prompts greedily with each cache type (:func:`cache_types`),
 compared with HF's float32 ``DynamicCache`` (results.md defines the columns, docs/hf.md
 summarises them); ``--step-tokens N`` adds one decode step's time after an N-token prompt.
-
-    attn bench hf-quant --large --step-tokens 4096 --out benchmarks/results/hf_quant_agreement_cpu
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
 A checkpoint of :mod:`attn.models` (default: the committed text GPT) evaluated teacher-forced
 on the validation split with every layer's K/V round-tripped through a
 :class:`attn.kvcache.PagedKVCache` of each format (:data:`CACHES`): the mean cross-entropy
-per predicted token, against a float32 row without a cache (docs/benchmarks.md).
-
-    attn bench kv-accuracy --out benchmarks/results/kv_accuracy_cpu
+per predicted token, against a float32 row without a cache (docs/benchmarks.md, "Decoding from
+quantized and paged caches").
 """
 
 from __future__ import annotations

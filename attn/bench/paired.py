@@ -1,8 +1,6 @@
 """``attn bench speed --paired``: :func:`contenders` against torch SDPA on CPU, taking turns
 round after round, as the median of the in-round ratios (docs/benchmarks.md, 'Measured: CPU,
 fp32, B=1, H=8, D=64').
-
-    attn bench speed --paired --out benchmarks/results/cpu_ratio
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from attn.bench.flops import MODES, attention_flops, matmul_tflops
 from attn.bench.sweep import CAUSAL, DTYPES
 from attn.sdpa import torch_sdpa
 from attn.tiled import cpu, steps_path_reason
-from attn.timing import benchmark, median_ratio, paired
+from attn.timing import median_ratio, paired
 
 # the environment each tiled variant runs under (set before each of its calls)
 TILED_VARIANTS = {
@@ -218,10 +216,7 @@ def matmul_rates(dtypes: list[str], n: int = 2048) -> dict[str, float]:
     for name in dtypes:
         rates[name] = matmul_tflops("cpu", DTYPES[name], n)
         if name == "float32" and cpu._LINEAR is not None:
-            g = torch.Generator().manual_seed(0)
-            a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-            t = benchmark(lambda: cpu.mm_nt(a, b), device="cpu", warmup=2, repeats=5)
-            rates[name] = max(rates[name], 2.0 * n**3 / (t.median_ms * 1e-3) / 1e12)
+            rates[name] = max(rates[name], matmul_tflops("cpu", DTYPES[name], n, mm=cpu.mm_nt))
     return rates
 
 

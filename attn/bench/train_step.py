@@ -3,9 +3,6 @@
 Forward, backward and AdamW on the toy GPT of :mod:`attn.models`, the same seed and batch for
 every backend (the warm-up step's loss is in the rows: they agree to rounding);
 docs/benchmarks.md ("Memory of a training step") has the method and the numbers.
-
-    attn bench train-step --lengths 2048 4096 --backends reference tiled sdpa \\
-        --out benchmarks/results/train_step_cpu
 """
 
 from __future__ import annotations
