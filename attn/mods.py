@@ -30,12 +30,12 @@ def reachable_tensors(fn: Callable) -> tuple[Tensor, ...]:
     defaults, a ``functools.partial``'s arguments, a module's parameters and buffers, nested
     callables found there."""
     found: dict[int, Tensor] = {}
-    seen: set[int] = set()
+    seen: dict[int, object] = {}  # holds what it saw, so a freed temporary's id is not reused
 
     def visit(obj: object, depth: int) -> None:
         if id(obj) in seen or depth > 4:
             return
-        seen.add(id(obj))
+        seen[id(obj)] = obj
         if isinstance(obj, Tensor):
             found.setdefault(id(obj), obj)
         elif isinstance(obj, torch.nn.Module):

@@ -445,3 +445,37 @@ def test_kernel_options_set_the_tiles_without_a_block_mask(monkeypatch):
                                                    backend="reference"))
     with pytest.raises(ValueError, match="block_m must be a positive int"):
         attn.flex_attention(q, k, v, kernel_options={"BLOCK_M": 0})
+
+
+_BIAS_A = torch.tensor([0.25, -0.5, 1.0, 0.75], dtype=torch.float64, requires_grad=True)
+_BIAS_B = torch.tensor([-1.0, 0.5, 0.125, 2.0], dtype=torch.float64, requires_grad=True)
+
+
+def _bias_a():
+    return _BIAS_A
+
+
+def _bias_b():
+    return _BIAS_B
+
+
+def _score_mod_through_two_global_helpers(score, b, h, q_idx, kv_idx):
+    return score + _bias_a()[kv_idx] + _bias_b()[kv_idx]
+
+
+def test_a_score_mod_reading_tensors_through_two_global_helpers_gets_both_gradients():
+    """Each helper's globals are walked as a temporary list; the walker must not take a freed
+    list's id, reused by the next helper's list, for one it has seen (it found _BIAS_A only, and
+    tiled gave _BIAS_B no gradient)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    grads = {}
+    for backend in ("reference", "tiled"):
+        _BIAS_A.grad = _BIAS_B.grad = None
+        out = attn.attention(q, k, v, score_mod=_score_mod_through_two_global_helpers,
+                             backend=backend)
+        out.square().sum().backward()
+        assert _BIAS_A.grad is not None and _BIAS_B.grad is not None, backend
+        grads[backend] = (_BIAS_A.grad.clone(), _BIAS_B.grad.clone())
+    for want, got in zip(grads["reference"], grads["tiled"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
