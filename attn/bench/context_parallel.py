@@ -240,8 +240,8 @@ def plot(rows: list[dict], path: Path) -> Path:
                 label = f"{strategy} P={P}"
                 axes[0][j].plot(ns, [p[1] / 2**20 for p in pts], ls, marker="o", label=label)
                 axes[1][j].plot(ns, [p[2] for p in pts], ls, marker="o", label=label)
-        for ax, ylabel, title in zip(axes[:, j], ("peak MiB per rank (above inputs)",
-                                                  "ms per call (slowest rank)"), ("memory", "time")):
+        ylabels = ("peak MiB per rank (above inputs)", "ms per call (slowest rank)")
+        for ax, ylabel, title in zip(axes[:, j], ylabels, ("memory", "time")):
             ax.set_xscale("log", base=2)
             ax.set(yscale="log", xlabel="sequence length N", ylabel=ylabel,
                    title=f"{title}, {mode}")
