@@ -195,7 +195,9 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     costs page faults on every call (docs/benchmarks.md, "Measurements behind the code's
     choices"). One flat buffer per name, grown as asked,
     made outside inference mode so it can be written in and out of it."""
-    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:  # this thread's first buffer
+        bufs = _SCRATCH.bufs = {}
     n = math.prod(shape)
     flat = bufs.get(name)
     if flat is None or flat.numel() < n or flat.dtype != dtype or flat.device != device:
